@@ -1,0 +1,428 @@
+"""Configuration: a TOML file plus ``MAINTD_...`` environment overrides (``__`` for nesting).
+
+Everything is validated once, here, at the edge. Errors name the key (``cleaner.batch_size``) and
+the CLI turns them into exit code 2.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import tomllib
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from .durations import format_duration, parse_duration
+from .schedules import load_timezone, parse_schedule
+
+IDENT_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+PERIODIC_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+QUEUE_RE = re.compile(r"^[^\x00-\x1f]{1,128}$")
+
+
+class ConfigError(Exception):
+    """Bad configuration. ``str(err)`` is one line per problem, each naming its key."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+def validate_identifier(value: str, what: str = "identifier") -> str:
+    """Lower-case SQL identifiers only; they are still always quoted where used."""
+    if not isinstance(value, str) or not IDENT_RE.match(value):
+        raise ValueError(
+            f"invalid {what} {value!r}: use 1-63 lower-case letters, digits and underscores, "
+            "not starting with a digit"
+        )
+    if value.startswith("pg_"):
+        raise ValueError(f"invalid {what} {value!r}: the pg_ prefix is reserved by PostgreSQL")
+    return value
+
+
+def _duration(v: object) -> timedelta:
+    return parse_duration(v)
+
+
+def _positive_duration(v: object) -> timedelta:
+    td = parse_duration(v)
+    if td <= timedelta(0):
+        raise ValueError("must be greater than zero")
+    return td
+
+
+def _retention(v: object) -> timedelta | None:
+    """A retention: a duration, or -1 (keep forever)."""
+    if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == -1):
+        return None
+    if isinstance(v, str) and v.strip() == "-1":
+        return None
+    return parse_duration(v)
+
+
+_ser = PlainSerializer(format_duration, return_type=str, when_used="json")
+Duration = Annotated[timedelta, BeforeValidator(_duration), _ser]
+PositiveDuration = Annotated[timedelta, BeforeValidator(_positive_duration), _ser]
+Retention = Annotated[timedelta | None, BeforeValidator(_retention), _ser]
+OptionalDuration = Annotated[
+    timedelta | None, BeforeValidator(lambda v: None if v is None else _positive_duration(v)),
+    PlainSerializer(lambda v: None if v is None else format_duration(v), when_used="json"),
+]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LeaderConfig(Section):
+    lease: PositiveDuration = timedelta(seconds=10)
+    renew_interval: PositiveDuration = timedelta(seconds=2)
+    retry_interval: PositiveDuration = timedelta(seconds=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "LeaderConfig":
+        if self.renew_interval * 2 > self.lease:
+            raise ValueError("renew_interval: must be at most half of leader.lease")
+        if self.lease < timedelta(seconds=1):
+            raise ValueError("lease: must be at least 1s")
+        return self
+
+
+class HttpConfig(Section):
+    enabled: bool = True
+    listen: str = "127.0.0.1:9464"
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: str) -> str:
+        host, sep, port = v.rpartition(":")
+        if not sep or not port.isdigit() or not (0 <= int(port) <= 65535) or not host:
+            raise ValueError("expected HOST:PORT, e.g. 127.0.0.1:9464")
+        return v
+
+    @property
+    def host(self) -> str:
+        return self.listen.rpartition(":")[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rpartition(":")[2])
+
+
+class LogConfig(Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["text", "json"] = "text"
+
+    @field_validator("level", "format", mode="before")
+    @classmethod
+    def _lower(cls, v: Any) -> Any:
+        return v.lower() if isinstance(v, str) else v
+
+
+class ServiceConfig(Section):
+    enabled: bool = True
+    interval: PositiveDuration = timedelta(seconds=30)
+
+
+class QueueRetention(Section):
+    completed_retention: Retention = None
+    cancelled_retention: Retention = None
+    discarded_retention: Retention = None
+    # Fields not given fall back to the global value; keep track of which were given.
+
+
+class CleanerConfig(ServiceConfig):
+    batch_size: int = Field(default=10_000, ge=1, le=1_000_000)
+    completed_retention: Retention = timedelta(hours=24)
+    cancelled_retention: Retention = timedelta(hours=24)
+    discarded_retention: Retention = timedelta(days=7)
+    queues: dict[str, QueueRetention] = Field(default_factory=dict)
+
+    @field_validator("queues")
+    @classmethod
+    def _queues(cls, v: dict[str, QueueRetention]) -> dict[str, QueueRetention]:
+        for name in v:
+            if not QUEUE_RE.match(name):
+                raise ValueError(f"invalid queue name {name!r}")
+        return v
+
+    def retention(self, state: str, queue: str | None = None) -> timedelta | None:
+        """Effective retention for a final state (and queue); ``None`` keeps forever."""
+        key = f"{state}_retention"
+        if queue is not None and queue in self.queues:
+            override = self.queues[queue]
+            if key in override.model_fields_set:
+                return getattr(override, key)
+        return getattr(self, key)
+
+
+class RescuerConfig(ServiceConfig):
+    batch_size: int = Field(default=1_000, ge=1, le=100_000)
+    rescue_stuck_jobs_after: PositiveDuration = timedelta(hours=1)
+    heartbeat_timeout: OptionalDuration = None
+    job_timeout: OptionalDuration = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "RescuerConfig":
+        if self.job_timeout is not None and self.rescue_stuck_jobs_after <= self.job_timeout:
+            raise ValueError(
+                "rescue_stuck_jobs_after: must be greater than rescuer.job_timeout "
+                f"({format_duration(self.rescue_stuck_jobs_after)} <= {format_duration(self.job_timeout)}),"
+                " or jobs still running within their timeout would be rescued"
+            )
+        return self
+
+
+class SchedulerConfig(ServiceConfig):
+    interval: PositiveDuration = timedelta(seconds=5)
+    batch_size: int = Field(default=10_000, ge=1, le=1_000_000)
+
+
+class ReindexerConfig(Section):
+    enabled: bool = False
+    schedule: str = "0 0 * * *"
+    timezone: str = "UTC"
+    indexes: list[str] = Field(default_factory=list)
+    timeout: PositiveDuration = timedelta(minutes=1)
+    lock_timeout: PositiveDuration = timedelta(seconds=5)
+    bloat_threshold: float | None = Field(default=None, ge=0, le=100)
+
+    @field_validator("indexes")
+    @classmethod
+    def _indexes(cls, v: list[str]) -> list[str]:
+        return [validate_identifier(name, "index name") for name in v]
+
+    @field_validator("timezone")
+    @classmethod
+    def _tz(cls, v: str) -> str:
+        load_timezone(v)
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> "ReindexerConfig":
+        try:
+            parse_schedule(self.schedule, self.timezone)
+        except ValueError as exc:
+            raise ValueError(f"schedule: {exc}") from None
+        return self
+
+
+class PeriodicJob(Section):
+    id: str
+    schedule: str
+    kind: str = Field(min_length=1, max_length=128)
+    queue: str = Field(default="default", min_length=1, max_length=128)
+    args: dict[str, Any] = Field(default_factory=dict)
+    priority: int = Field(default=0, ge=-32768, le=32767)
+    max_attempts: int = Field(default=25, ge=1, le=32767)
+    unique_key: str | bool | None = None
+    run_on_start: bool = False
+    backfill: OptionalDuration = None
+    enabled: bool = True
+    timezone: str = "UTC"
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, v: str) -> str:
+        if not PERIODIC_ID_RE.match(v):
+            raise ValueError(
+                f"invalid periodic id {v!r}: 1-128 letters, digits, '_', '.', ':' or '-'"
+            )
+        return v
+
+    @field_validator("timezone")
+    @classmethod
+    def _tz(cls, v: str) -> str:
+        load_timezone(v)
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> "PeriodicJob":
+        try:
+            parse_schedule(self.schedule, self.timezone)
+        except ValueError as exc:
+            raise ValueError(f"schedule: {exc}") from None
+        return self
+
+    @property
+    def effective_unique_key(self) -> str | None:
+        if self.unique_key is True:
+            return f"periodic:{self.id}"
+        if self.unique_key in (False, None, ""):
+            return None
+        return str(self.unique_key)
+
+
+# BaseModel has a deprecated ``schema()`` classmethod; the SPEC key is called ``schema`` anyway.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message='Field name "schema"')
+
+    class Settings(BaseSettings):
+        """The effective configuration of one maintd process."""
+
+        model_config = SettingsConfigDict(
+            env_prefix="MAINTD_",
+            env_nested_delimiter="__",
+            extra="forbid",
+            validate_assignment=True,
+            case_sensitive=False,
+        )
+
+        database_url: SecretStr = SecretStr("postgresql://localhost/postgres")
+        schema: str = "maintd"
+        instance_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
+                                 max_length=48)
+        statement_timeout: PositiveDuration = timedelta(seconds=30)
+        leader: LeaderConfig = Field(default_factory=LeaderConfig)
+        http: HttpConfig = Field(default_factory=HttpConfig)
+        log: LogConfig = Field(default_factory=LogConfig)
+        cleaner: CleanerConfig = Field(default_factory=CleanerConfig)
+        rescuer: RescuerConfig = Field(default_factory=lambda: RescuerConfig(interval=timedelta(seconds=30)))
+        scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+        reindexer: ReindexerConfig = Field(default_factory=ReindexerConfig)
+        periodic: list[PeriodicJob] = Field(default_factory=list)
+
+        @field_validator("schema")
+        @classmethod
+        def _schema(cls, v: str) -> str:
+            return validate_identifier(v, "schema name")
+
+        @field_validator("instance_id")
+        @classmethod
+        def _instance(cls, v: str) -> str:
+            if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$", v):
+                raise ValueError("instance_id may hold letters, digits, '_', '.', ':' and '-' only")
+            return v
+
+        @field_validator("database_url")
+        @classmethod
+        def _dsn(cls, v: SecretStr) -> SecretStr:
+            raw = v.get_secret_value()
+            if not raw.strip():
+                raise ValueError("database_url is empty")
+            if "://" in raw and not re.match(r"^postgres(ql)?(\+psycopg)?://", raw):
+                raise ValueError("database_url must be a postgresql:// URL or a libpq key=value string")
+            return v
+
+        @model_validator(mode="after")
+        def _periodic_ids(self) -> "Settings":
+            seen: set[str] = set()
+            for job in self.periodic:
+                if job.id in seen:
+                    raise ValueError(f"periodic id {job.id!r} is defined twice")
+                seen.add(job.id)
+            return self
+
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            # Environment beats the file (passed in as init values); no .env or secrets dir magic.
+            return env_settings, init_settings
+
+        def redacted(self) -> dict[str, Any]:
+            """The effective configuration as plain data, with the DSN password masked."""
+            data = self.model_dump(mode="json")
+            data["database_url"] = redact_dsn(self.database_url.get_secret_value())
+            return data
+
+
+def redact_dsn(dsn: str) -> str:
+    """Mask the password of a URL or key=value DSN."""
+    if "://" in dsn:
+        return re.sub(r"(://[^:/@?#]*:)([^@/?#]*)@", r"\1***@", dsn)
+    return re.sub(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", r"\1***", dsn, flags=re.I)
+
+
+def _format_errors(exc: ValidationError, data: dict[str, Any]) -> list[str]:
+    problems = []
+    for err in exc.errors():
+        loc = list(err.get("loc", ()))
+        parts: list[str] = []
+        for i, item in enumerate(loc):
+            if isinstance(item, int):
+                label = f"[{item}]"
+                if loc[:i] == ["periodic"]:
+                    try:
+                        label += f" (id={data['periodic'][item]['id']!r})"
+                    except (KeyError, IndexError, TypeError):
+                        pass
+                parts.append(label)
+            else:
+                parts.append(("." if parts else "") + str(item))
+        key = "".join(parts) or "config"
+        msg = err.get("msg", "invalid")
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        if err.get("type") == "extra_forbidden":
+            msg = "unknown key"
+        sub = re.match(r"^([a-z_]+): ", msg)
+        if sub and key != "config":  # a model check naming the precise key
+            key, msg = f"{key}.{sub.group(1)}", msg[sub.end():]
+        problems.append(f"{key}: {msg}")
+    return problems
+
+
+def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) -> Settings:
+    """Load the TOML file (or ``MAINTD_CONFIG``), apply environment overrides, validate.
+
+    Raises :class:`ConfigError` naming every bad key.
+    """
+    environ = os.environ
+    if path is None:
+        path = environ.get("MAINTD_CONFIG") or None
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            with p.open("rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError([f"config: file {str(p)!r} not found"]) from None
+        except IsADirectoryError:
+            raise ConfigError([f"config: {str(p)!r} is a directory"]) from None
+        except PermissionError:
+            raise ConfigError([f"config: no permission to read {str(p)!r}"]) from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError([f"config: {p}: invalid TOML: {exc}"]) from None
+    data.update(overrides)
+    unknown_env = sorted(
+        k for k in environ
+        if k.upper().startswith("MAINTD_") and k.upper() not in _KNOWN_ENV
+        and k.upper().split("__")[0][len("MAINTD_"):].lower() not in _TOP_KEYS
+    )
+    problems = [f"{k}: unknown environment setting" for k in unknown_env]
+    try:
+        settings = Settings(**data)
+    except ValidationError as exc:
+        problems += _format_errors(exc, data)
+    if problems:
+        raise ConfigError(problems)
+    return settings
+
+
+_TOP_KEYS = {"database_url", "schema", "instance_id", "statement_timeout", "leader", "http", "log",
+             "cleaner", "rescuer", "scheduler", "reindexer", "periodic"}
+# Variables of the maintd environment that are not settings.
+_KNOWN_ENV = {"MAINTD_CONFIG", "MAINTD_TEST_DATABASE_URL", "MAINTD_TEST_KEEP", "MAINTD_BENCH_ROWS"}

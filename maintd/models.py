@@ -1,0 +1,161 @@
+"""The shared jobs model (SPEC section 1) and maintd's own bookkeeping tables.
+
+Tables are declared without a schema; connections translate ``None`` to the configured schema
+(``schema_translate_map``), so one model serves any schema. The Alembic revisions under
+``migrations/`` create exactly this (a test compares them).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Enum,
+    Identity,
+    Index,
+    Integer,
+    MetaData,
+    SmallInteger,
+    Text,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+JOB_STATES = ("available", "scheduled", "running", "retryable", "completed", "cancelled", "discarded")
+FINAL_STATES = ("completed", "cancelled", "discarded")
+NON_FINAL_STATES = ("available", "scheduled", "running", "retryable")
+
+metadata = MetaData(
+    naming_convention={
+        "pk": "%(table_name)s_pkey",
+        "ck": "%(table_name)s_%(constraint_name)s_check",
+    }
+)
+
+job_state = Enum(*JOB_STATES, name="job_state", metadata=metadata, create_type=True)
+_FINAL_SQL = "('completed', 'cancelled', 'discarded')"
+
+
+class Base(DeclarativeBase):
+    metadata = metadata
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(always=False), primary_key=True)
+    kind: Mapped[str] = mapped_column(Text, nullable=False)
+    queue: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("'default'"))
+    args: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, server_default=text("'{}'::jsonb"))
+    state: Mapped[str] = mapped_column(job_state, nullable=False, server_default=text("'available'"))
+    priority: Mapped[int] = mapped_column(SmallInteger, nullable=False, server_default=text("0"))
+    attempt: Mapped[int] = mapped_column(SmallInteger, nullable=False, server_default=text("0"))
+    max_attempts: Mapped[int] = mapped_column(SmallInteger, nullable=False, server_default=text("25"))
+    scheduled_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False,
+                                                   server_default=text("now()"))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False,
+                                                 server_default=text("now()"))
+    attempted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    attempted_by: Mapped[str | None] = mapped_column(Text)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finalized_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    errors: Mapped[list[Any]] = mapped_column(JSONB, nullable=False, server_default=text("'[]'::jsonb"))
+    unique_key: Mapped[str | None] = mapped_column(Text)
+    metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSONB, nullable=False,
+                                                      server_default=text("'{}'::jsonb"))
+
+    __table_args__ = (
+        CheckConstraint("char_length(kind) BETWEEN 1 AND 128", name="kind_length"),
+        CheckConstraint("char_length(queue) BETWEEN 1 AND 128", name="queue_length"),
+        CheckConstraint("max_attempts > 0", name="max_attempts_positive"),
+        CheckConstraint("attempt >= 0", name="attempt_not_negative"),
+        CheckConstraint(f"(finalized_at IS NOT NULL) = (state IN {_FINAL_SQL})",
+                        name="finalized_at_iff_final"),
+        CheckConstraint("jsonb_typeof(errors) = 'array'", name="errors_is_array"),
+        # Worker fetch: next available job of a queue by priority, then age.
+        Index("jobs_fetch_idx", "queue", "priority", "scheduled_at", "id",
+              postgresql_where=text("state = 'available'")),
+        # Scheduler: due scheduled/retryable jobs.
+        Index("jobs_scheduled_idx", "scheduled_at", "id",
+              postgresql_where=text("state IN ('scheduled', 'retryable')")),
+        # Cleaner: final jobs by state and age.
+        Index("jobs_finalized_idx", "state", "finalized_at", "id",
+              postgresql_where=text("finalized_at IS NOT NULL")),
+        # Rescuer: running jobs by last sign of life.
+        Index("jobs_running_idx", text("coalesce(heartbeat_at, attempted_at)"), "id",
+              postgresql_where=text("state = 'running'")),
+        # At most one non-final job per unique key.
+        Index("jobs_unique_key_idx", "unique_key", unique=True,
+              postgresql_where=text(f"unique_key IS NOT NULL AND state NOT IN {_FINAL_SQL}")),
+    )
+
+
+class Leader(Base):
+    """The fencing record: one row, its ``epoch`` bumped by every new leader."""
+
+    __tablename__ = "leader"
+
+    name: Mapped[str] = mapped_column(Text, primary_key=True, server_default=text("'leader'"))
+    epoch: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    instance_id: Mapped[str | None] = mapped_column(Text)
+    host: Mapped[str | None] = mapped_column(Text)
+    pid: Mapped[int | None] = mapped_column(Integer)
+    backend_pid: Mapped[int | None] = mapped_column(Integer)
+    elected_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    renewed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    released_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (CheckConstraint("name = 'leader'", name="single_row"),)
+
+
+class Daemon(Base):
+    """Every running maintd process registers here (for ``maintd status``)."""
+
+    __tablename__ = "daemons"
+
+    instance_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    host: Mapped[str] = mapped_column(Text, nullable=False)
+    pid: Mapped[int] = mapped_column(Integer, nullable=False)
+    version: Mapped[str] = mapped_column(Text, nullable=False)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False,
+                                                 server_default=text("now()"))
+    last_seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False,
+                                                   server_default=text("now()"))
+
+
+class ServiceRun(Base):
+    """Last pass of each service, written by the leader in the pass's own transaction."""
+
+    __tablename__ = "service_runs"
+
+    service: Mapped[str] = mapped_column(Text, primary_key=True)
+    instance_id: Mapped[str] = mapped_column(Text, nullable=False)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    finished_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    outcome: Mapped[str] = mapped_column(Text, nullable=False)
+    result: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, server_default=text("'{}'::jsonb"))
+    error: Mapped[str | None] = mapped_column(Text)
+    last_success_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class PeriodicSlot(Base):
+    """One row per (periodic id, slot) ever enqueued: the exactly-once guard.
+
+    It outlives the job (the cleaner may delete the job; the slot stays taken).
+    """
+
+    __tablename__ = "periodic_slots"
+
+    periodic_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    slot: Mapped[datetime] = mapped_column(DateTime(timezone=True), primary_key=True)
+    job_id: Mapped[int | None] = mapped_column(BigInteger)
+    backfilled: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
+    enqueued_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False,
+                                                  server_default=text("now()"))
+    instance_id: Mapped[str | None] = mapped_column(Text)

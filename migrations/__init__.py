@@ -1,0 +1,1 @@
+"""Alembic revisions for maintd (installed as the ``maintd.migrations`` package)."""

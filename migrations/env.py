@@ -1,0 +1,34 @@
+"""Alembic environment for maintd.
+
+Driven by :mod:`maintd.migrate`, which passes the target schema and either a live connection
+(online) or an output buffer (``maintd migrate --sql``) through ``config.attributes``.
+"""
+
+from alembic import context
+
+from maintd.db import quote_ident
+
+config = context.config
+schema = config.attributes["schema"]
+
+if context.is_offline_mode():
+    context.configure(
+        url="postgresql+psycopg://",
+        dialect_name="postgresql",
+        literal_binds=True,
+        version_table_schema=schema,
+        output_buffer=config.attributes.get("output_buffer"),
+        transactional_ddl=True,
+    )
+    with context.begin_transaction():
+        context.execute(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}")
+        context.run_migrations()
+else:
+    connection = config.attributes["connection"]
+    context.configure(
+        connection=connection,
+        version_table_schema=schema,
+        transactional_ddl=True,
+    )
+    with context.begin_transaction():
+        context.run_migrations()
