@@ -325,7 +325,7 @@ with warnings.catch_warnings():
             seen: set[str] = set()
             for job in self.periodic:
                 if job.id in seen:
-                    raise ValueError(f"periodic id {job.id!r} is defined twice")
+                    raise ValueError(f"periodic: id {job.id!r} is defined twice")
                 seen.add(job.id)
             return self
 
@@ -378,8 +378,9 @@ def _format_errors(exc: ValidationError, data: dict[str, Any]) -> list[str]:
         if err.get("type") == "extra_forbidden":
             msg = "unknown key"
         sub = re.match(r"^([a-z_]+): ", msg)
-        if sub and key != "config":  # a model check naming the precise key
-            key, msg = f"{key}.{sub.group(1)}", msg[sub.end():]
+        if sub:  # a model check naming the precise key
+            key = sub.group(1) if key == "config" else f"{key}.{sub.group(1)}"
+            msg = msg[sub.end():]
         problems.append(f"{key}: {msg}")
     return problems
 

@@ -1,0 +1,240 @@
+"""Configuration: durations, TOML + env, validation errors naming the key, exit code 2."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from maintd.cli import main
+from maintd.config import ConfigError, Settings, load_settings, redact_dsn
+from maintd.durations import format_duration, parse_duration
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for key in list(__import__("os").environ):
+        if key.startswith("MAINTD_") and key != "MAINTD_TEST_DATABASE_URL":
+            monkeypatch.delenv(key)
+
+
+def write(tmp_path: Path, body: str) -> Path:
+    p = tmp_path / "maintd.toml"
+    p.write_text(body)
+    return p
+
+
+@pytest.mark.parametrize("text,seconds", [
+    ("30s", 30), ("5m", 300), ("1h", 3600), ("7d", 7 * 86400), ("2w", 14 * 86400),
+    ("4w3d2h1m", 4 * 604800 + 3 * 86400 + 7200 + 60), ("500ms", 0.5), ("1.5h", 5400),
+    ("90", 90), (45, 45), (2.5, 2.5), ("0", 0), (" 10s ", 10), ("1H30M", 5400),
+])
+def test_parse_duration(text, seconds):
+    assert parse_duration(text).total_seconds() == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("bad", ["", "s", "10x", "-5s", -1, "1h1h", "h1", "10 s", "1e400", True,
+                                 None, [], "10s5", "nan", "inf", "1000000w"])
+def test_parse_duration_rejects(bad):
+    with pytest.raises(ValueError):
+        parse_duration(bad)
+
+
+@given(st.integers(min_value=0, max_value=10 * 365 * 86400))
+def test_duration_round_trip(seconds):
+    td = timedelta(seconds=seconds)
+    assert parse_duration(format_duration(td)) == td
+
+
+def test_defaults_match_spec():
+    s = Settings()
+    assert s.schema == "maintd"
+    assert (s.leader.lease, s.leader.renew_interval, s.leader.retry_interval) == (
+        timedelta(seconds=10), timedelta(seconds=2), timedelta(seconds=1))
+    assert s.http.listen == "127.0.0.1:9464"
+    assert s.cleaner.enabled and s.cleaner.interval == timedelta(seconds=30)
+    assert s.cleaner.retention("completed") == timedelta(hours=24)
+    assert s.cleaner.retention("cancelled") == timedelta(hours=24)
+    assert s.cleaner.retention("discarded") == timedelta(days=7)
+    assert s.rescuer.enabled and s.rescuer.rescue_stuck_jobs_after == timedelta(hours=1)
+    assert s.scheduler.interval == timedelta(seconds=5)
+    assert not s.reindexer.enabled and s.reindexer.schedule == "0 0 * * *"
+    assert s.reindexer.timeout == timedelta(minutes=1)
+    assert s.periodic == []
+
+
+def test_example_config_is_valid_and_documents_every_key():
+    settings = load_settings(ROOT / "config.example.toml")
+    assert settings.schema == "maintd"
+    text = (ROOT / "config.example.toml").read_text()
+    # Every key of every section appears in the example (set or commented out).
+    sections = {"": Settings, "leader": None, "http": None, "log": None, "cleaner": None,
+                "rescuer": None, "scheduler": None, "reindexer": None, "periodic": None}
+    from maintd.config import PeriodicJob
+    for name in sections:
+        model = Settings if name == "" else (
+            PeriodicJob if name == "periodic" else type(getattr(Settings(), name)))
+        for field in model.model_fields:
+            if field in sections:
+                continue
+            if (name, field) == ("cleaner", "queues"):
+                assert "[cleaner.queues." in text
+                continue
+            assert re.search(rf"^#?\s*{field}\s*=", text, re.M), f"{name}.{field} is not documented"
+
+
+def test_toml_and_env_override(tmp_path, monkeypatch):
+    p = write(tmp_path, """
+schema = "jobs_a"
+[cleaner]
+batch_size = 100
+completed_retention = "2h"
+[cleaner.queues.billing]
+completed_retention = "30d"
+discarded_retention = -1
+[[periodic]]
+id = "tick"
+schedule = "@every 30s"
+kind = "tick"
+""")
+    monkeypatch.setenv("MAINTD_CLEANER__BATCH_SIZE", "250")
+    monkeypatch.setenv("MAINTD_LEADER__LEASE", "20s")
+    s = load_settings(p)
+    assert s.schema == "jobs_a"
+    assert s.cleaner.batch_size == 250  # env wins over the file
+    assert s.leader.lease == timedelta(seconds=20)
+    assert s.cleaner.retention("completed", "billing") == timedelta(days=30)
+    assert s.cleaner.retention("discarded", "billing") is None
+    # Not overridden for billing: falls back to the global value.
+    assert s.cleaner.retention("cancelled", "billing") == timedelta(hours=24)
+    assert s.cleaner.retention("completed", "other") == timedelta(hours=2)
+    assert s.periodic[0].id == "tick"
+
+
+def test_config_path_from_env(tmp_path, monkeypatch):
+    p = write(tmp_path, 'schema = "from_env"\n')
+    monkeypatch.setenv("MAINTD_CONFIG", str(p))
+    assert load_settings().schema == "from_env"
+
+
+@pytest.mark.parametrize("body,key", [
+    ("bogus = 1", "bogus: unknown key"),
+    ("[cleaner]\nbatchsize = 5", "cleaner.batchsize: unknown key"),
+    ("[cleaner]\ninterval = 'soon'", "cleaner.interval"),
+    ("[cleaner]\ncompleted_retention = '-5s'", "cleaner.completed_retention"),
+    ("[rescuer]\nrescue_stuck_jobs_after = '10m'\njob_timeout = '10m'",
+     "rescuer.rescue_stuck_jobs_after: must be greater than rescuer.job_timeout"),
+    ("[rescuer]\nrescue_stuck_jobs_after = '0s'", "rescuer.rescue_stuck_jobs_after"),
+    ("schema = 'Bad-Name'", "schema: invalid schema name"),
+    ("schema = 'x\"; DROP TABLE jobs; --'", "schema: invalid schema name"),
+    ("schema = 'pg_catalog'", "schema: invalid schema name"),
+    ("[reindexer]\nindexes = ['jobs_pkey; DROP TABLE x']", "reindexer.indexes"),
+    ("[reindexer]\nschedule = '61 * * * *'", "reindexer.schedule"),
+    ("[[periodic]]\nid = 'p1'\nschedule = '* * * *'\nkind = 'k'",
+     "periodic[0] (id='p1').schedule"),
+    ("[[periodic]]\nid = 'p1'\nschedule = '@every nope'\nkind = 'k'", "periodic[0] (id='p1').schedule"),
+    ("[[periodic]]\nid = 'p1'\nschedule = '0 0 * * 8'\nkind = 'k'", "periodic[0] (id='p1').schedule"),
+    ("[[periodic]]\nid = 'bad id!'\nschedule = '@hourly'\nkind = 'k'", "periodic[0]"),
+    ("[[periodic]]\nid = 'a'\nschedule = '@hourly'\nkind = 'k'\n[[periodic]]\nid = 'a'\n"
+     "schedule = '@daily'\nkind = 'k'", "periodic: id 'a' is defined twice"),
+    ("[[periodic]]\nid = 'a'\nschedule = '@hourly'\nkind = 'k'\ntimezone = 'Mars/Base'",
+     "periodic[0] (id='a').timezone"),
+    ("[cleaner]\nbatch_size = 99999999999999999999", "cleaner.batch_size"),
+    ("[cleaner]\nbatch_size = -3", "cleaner.batch_size"),
+    ("[leader]\nlease = '2s'\nrenew_interval = '2s'", "leader.renew_interval"),
+    ("[http]\nlisten = 'nope'", "http.listen"),
+    ("[log]\nformat = 'xml'", "log.format"),
+    ("database_url = 'mysql://x@y/z'", "database_url"),
+    ("schema = ", "invalid TOML"),
+])
+def test_bad_config_names_the_key(tmp_path, body, key):
+    p = write(tmp_path, body)
+    with pytest.raises(ConfigError) as err:
+        load_settings(p)
+    assert key in str(err.value)
+
+
+def test_unknown_env_setting_is_an_error(monkeypatch):
+    monkeypatch.setenv("MAINTD_CLEANR__ENABLED", "false")
+    with pytest.raises(ConfigError, match="MAINTD_CLEANR__ENABLED: unknown environment setting"):
+        load_settings()
+
+
+def test_bad_env_value_names_the_key(monkeypatch):
+    monkeypatch.setenv("MAINTD_SCHEDULER__INTERVAL", "fast")
+    with pytest.raises(ConfigError, match=r"scheduler\.interval"):
+        load_settings()
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_settings(tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize("dsn,shown", [
+    ("postgresql://maintd:s3cr3t@db:5432/app", "postgresql://maintd:***@db:5432/app"),
+    ("postgresql://maintd@db/app", "postgresql://maintd@db/app"),
+    ("host=db user=maintd password=s3cr3t dbname=app", "host=db user=maintd password=*** dbname=app"),
+    ("host=db password='a b c' dbname=app", "host=db password=*** dbname=app"),
+])
+def test_redact_dsn(dsn, shown):
+    assert redact_dsn(dsn) == shown
+
+
+def test_check_config_prints_redacted(tmp_path, capsys):
+    p = write(tmp_path, 'database_url = "postgresql://maintd:hunter2@db/app"\n')
+    assert main(["--config", str(p), "check-config"]) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out)
+    assert "hunter2" not in out
+    assert data["database_url"] == "postgresql://maintd:***@db/app"
+    assert data["cleaner"]["completed_retention"] == "1d"
+    assert data["cleaner"]["discarded_retention"] == "1w"
+
+
+def test_repr_hides_password():
+    s = Settings(database_url="postgresql://maintd:hunter2@db/app")
+    assert "hunter2" not in repr(s) and "hunter2" not in str(s)
+
+
+def test_cli_bad_config_exits_2_naming_the_key(tmp_path):
+    p = write(tmp_path, "[cleaner]\nbatch_size = 0\n")
+    res = subprocess.run([sys.executable, "-m", "maintd", "--config", str(p), "check-config"],
+                         capture_output=True, text=True)
+    assert res.returncode == 2
+    assert "cleaner.batch_size" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_cli_usage_errors_exit_2():
+    res = subprocess.run([sys.executable, "-m", "maintd", "run-once", "vacuum"],
+                         capture_output=True, text=True)
+    assert res.returncode == 2
+    res = subprocess.run([sys.executable, "-m", "maintd", "--nope"], capture_output=True, text=True)
+    assert res.returncode == 2
+
+
+def test_cli_version_and_help():
+    from maintd import __version__
+
+    res = subprocess.run([sys.executable, "-m", "maintd", "--version"], capture_output=True, text=True)
+    assert res.returncode == 0 and __version__ in res.stdout
+    res = subprocess.run([sys.executable, "-m", "maintd", "--help"], capture_output=True, text=True)
+    assert res.returncode == 0
+    for cmd in ("run", "migrate", "check-config", "run-once", "status", "demo"):
+        assert cmd in res.stdout
+
+
+def test_pyproject_declares_console_script():
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert data["project"]["scripts"]["maintd"] == "maintd.cli:main"

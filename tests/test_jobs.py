@@ -1,0 +1,218 @@
+"""Worker helpers: enqueue, claim, heartbeat, complete, fail, cancel, and their guards."""
+
+from __future__ import annotations
+
+import math
+import threading
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from sqlalchemy import text
+
+from maintd.db import sql
+from maintd.jobs import ClaimedJob, JobQueue, backoff
+
+
+def _row(engine, schema, job_id):
+    with engine.connect() as conn:
+        return conn.execute(sql("SELECT * FROM {schema}.jobs WHERE id = :id", schema),
+                            {"id": job_id}).mappings().one()
+
+
+def _enqueue(engine, jq: JobQueue, **kw) -> int:
+    with engine.begin() as conn:
+        return jq.enqueue(conn, kw.pop("kind", "email"), kw.pop("args", {"to": "a@b.c"}), **kw)
+
+
+def _claim(engine, queue: JobQueue, worker="w1", q="default", limit=1) -> list[ClaimedJob]:
+    with engine.begin() as conn:
+        return queue.claim(conn, q, worker, limit)
+
+
+def test_backoff_is_exp_of_capped_attempt():
+    assert backoff(1).total_seconds() == pytest.approx(math.e)
+    assert backoff(10).total_seconds() == pytest.approx(math.exp(10))
+    assert backoff(25) == backoff(10)  # capped at ~6 h
+    assert backoff(0).total_seconds() == pytest.approx(1.0)
+
+
+def test_enqueue_defaults_and_scheduled(engine, schema, queue):
+    jid = _enqueue(engine, queue)
+    row = _row(engine, schema, jid)
+    assert (row["state"], row["queue"], row["priority"], row["attempt"], row["max_attempts"]) == (
+        "available", "default", 0, 0, 25)
+    assert row["args"] == {"to": "a@b.c"} and row["errors"] == [] and row["finalized_at"] is None
+
+    future = datetime.now(timezone.utc) + timedelta(hours=1)
+    jid2 = _enqueue(engine, queue, scheduled_at=future, queue="mail", priority=3, max_attempts=2,
+                    metadata={"src": "t"})
+    row2 = _row(engine, schema, jid2)
+    assert row2["state"] == "scheduled" and row2["scheduled_at"] == future
+    assert (row2["queue"], row2["priority"], row2["max_attempts"], row2["metadata"]) == (
+        "mail", 3, 2, {"src": "t"})
+
+
+def test_unique_key_allows_one_live_job(engine, schema, queue):
+    first = _enqueue(engine, queue, unique_key="report:42")
+    assert first is not None
+    assert _enqueue(engine, queue, unique_key="report:42") is None
+    [job] = _claim(engine, queue)
+    with engine.begin() as conn:
+        assert queue.complete(conn, job)
+    # A finished job frees the key.
+    assert _enqueue(engine, queue, unique_key="report:42") not in (None, first)
+
+
+def test_check_constraints_reject_bad_rows(engine, schema, queue):
+    with pytest.raises(Exception, match="jobs_kind_length_check"):
+        _enqueue(engine, queue, kind="")
+    with pytest.raises(Exception, match="jobs_max_attempts_positive_check"):
+        _enqueue(engine, queue, max_attempts=0)
+    with engine.begin() as conn, pytest.raises(Exception, match="jobs_finalized_at_iff_final_check"):
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state) VALUES ('k', 'completed')", schema))
+
+
+def test_claim_order_and_skip_locked(engine, schema, queue):
+    low = _enqueue(engine, queue, priority=5)
+    high = _enqueue(engine, queue, priority=1)
+    later = _enqueue(engine, queue, priority=1)
+    _enqueue(engine, queue, queue="other")
+    _enqueue(engine, queue, scheduled_at=datetime.now(timezone.utc) + timedelta(hours=1))
+    # A claimer holding a row lock does not block another claimer.
+    with engine.connect() as c1:
+        got1 = queue.claim(c1, "default", "w1", 1)
+        assert [j.id for j in got1] == [high]
+        got2 = _claim(engine, queue, "w2", limit=5)
+        assert [j.id for j in got2] == [later, low]
+        c1.commit()
+    job = got1[0]
+    assert (job.attempt, job.attempted_by, job.kind) == (1, "w1", "email")
+    row = _row(engine, schema, high)
+    assert row["state"] == "running" and row["attempted_at"] is not None
+    assert _claim(engine, queue, "w3") == []  # future and other-queue jobs are not claimed
+
+
+def test_concurrent_claims_never_share_a_job(engine, schema, queue):
+    with engine.begin() as conn:
+        for i in range(200):
+            queue.enqueue(conn, "k", {"i": i})
+    claimed: list[int] = []
+    lock = threading.Lock()
+
+    def worker(n):
+        while True:
+            jobs = _claim(engine, queue, f"w{n}", limit=3)
+            if not jobs:
+                return
+            with lock:
+                claimed.extend(j.id for j in jobs)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(claimed) == 200 and len(set(claimed)) == 200
+
+
+def test_complete_and_heartbeat_guards(engine, schema, queue):
+    jid = _enqueue(engine, queue)
+    [job] = _claim(engine, queue, "w1")
+    with engine.begin() as conn:
+        assert queue.heartbeat(conn, job)
+    assert _row(engine, schema, jid)["heartbeat_at"] is not None
+    impostor = ClaimedJob(**{**job.__dict__, "attempted_by": "w2"})
+    with engine.begin() as conn:
+        assert not queue.complete(conn, impostor)
+        assert not queue.heartbeat(conn, impostor)
+    with engine.begin() as conn:
+        assert queue.complete(conn, job)
+    row = _row(engine, schema, jid)
+    assert row["state"] == "completed" and row["finalized_at"] is not None
+    with engine.begin() as conn:  # completing twice does nothing
+        assert not queue.complete(conn, job)
+        assert not queue.heartbeat(conn, job)
+
+
+def test_complete_after_rescue_does_nothing(engine, schema, queue):
+    """The rescuer moved the job on (retryable); the slow worker's late completion must not land."""
+    jid = _enqueue(engine, queue)
+    [job] = _claim(engine, queue, "w1")
+    with engine.begin() as conn:  # what a rescue does to the row
+        conn.execute(sql("UPDATE {schema}.jobs SET state = 'retryable', scheduled_at = now() "
+                         "WHERE id = :id", schema), {"id": jid})
+    with engine.begin() as conn:
+        assert not queue.complete(conn, job)
+        assert queue.fail(conn, job, "late failure") is None
+    assert _row(engine, schema, jid)["state"] == "retryable"
+
+
+def test_late_completion_of_an_earlier_attempt_does_nothing(engine, schema, queue):
+    """Same worker id, re-claimed after a rescue: attempt 1's completion must not finish attempt 2."""
+    jid = _enqueue(engine, queue)
+    [first] = _claim(engine, queue, "w1")
+    with engine.begin() as conn:
+        conn.execute(sql("UPDATE {schema}.jobs SET state = 'available' WHERE id = :id", schema),
+                     {"id": jid})
+    [second] = _claim(engine, queue, "w1")
+    assert second.attempt == 2
+    with engine.begin() as conn:
+        assert not queue.complete(conn, first)
+        assert queue.complete(conn, second)
+
+
+def test_fail_retries_with_backoff_then_discards(engine, schema, queue):
+    jid = _enqueue(engine, queue, max_attempts=2)
+    [job] = _claim(engine, queue)
+    before = datetime.now(timezone.utc)
+    with engine.begin() as conn:
+        assert queue.fail(conn, job, "boom 1") == "retryable"
+    row = _row(engine, schema, jid)
+    delay = (row["scheduled_at"] - before).total_seconds()
+    assert backoff(1).total_seconds() - 1 < delay < backoff(1).total_seconds() + 5
+    assert row["finalized_at"] is None
+    assert [(e["attempt"], e["error"]) for e in row["errors"]] == [(1, "boom 1")]
+
+    with engine.begin() as conn:
+        conn.execute(sql("UPDATE {schema}.jobs SET state = 'available', scheduled_at = now() "
+                         "WHERE id = :id", schema), {"id": jid})
+    [job2] = _claim(engine, queue)
+    with engine.begin() as conn:
+        assert queue.fail(conn, job2, "boom 2") == "discarded"
+    row = _row(engine, schema, jid)
+    assert row["state"] == "discarded" and row["finalized_at"] is not None
+    assert [(e["attempt"], e["error"]) for e in row["errors"]] == [(1, "boom 1"), (2, "boom 2")]
+
+
+def test_fail_with_discard_flag(engine, schema, queue):
+    jid = _enqueue(engine, queue)
+    [job] = _claim(engine, queue)
+    with engine.begin() as conn:
+        assert queue.fail(conn, job, "bad input", discard=True) == "discarded"
+    assert _row(engine, schema, jid)["state"] == "discarded"
+
+
+def test_cancel_live_jobs_only(engine, schema, queue):
+    waiting = _enqueue(engine, queue)
+    running = _enqueue(engine, queue, queue="q2")
+    [job] = _claim(engine, queue, q="q2")
+    with engine.begin() as conn:
+        assert queue.cancel(conn, waiting)
+        assert queue.cancel(conn, running)
+        assert not queue.cancel(conn, waiting)  # already final
+    assert _row(engine, schema, waiting)["state"] == "cancelled"
+    with engine.begin() as conn:  # the worker of a cancelled job cannot complete it
+        assert not queue.complete(conn, job)
+    assert _row(engine, schema, running)["state"] == "cancelled"
+
+
+def test_claim_uses_the_fetch_index(engine, schema, queue):
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, finalized_at) "
+                         "SELECT 'k', 'completed', now() FROM generate_series(1, 20000)", schema))
+        conn.execute(sql("ANALYZE {schema}.jobs", schema))
+        plan = "\n".join(r[0] for r in conn.execute(text(
+            "EXPLAIN " + sql("SELECT id FROM {schema}.jobs WHERE state = 'available' AND queue = 'x' "
+                             "AND scheduled_at <= now() ORDER BY priority, scheduled_at, id LIMIT 5 "
+                             "FOR UPDATE SKIP LOCKED", schema).text)))
+    assert "jobs_fetch_idx" in plan and "Seq Scan" not in plan
