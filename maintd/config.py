@@ -192,6 +192,9 @@ class RescuerConfig(ServiceConfig):
 class SchedulerConfig(ServiceConfig):
     interval: PositiveDuration = timedelta(seconds=5)
     batch_size: int = Field(default=10_000, ge=1, le=1_000_000)
+    # Between ticks, wake up when the next job falls due (if that is before the next tick), so
+    # promotion lag is milliseconds instead of up to `interval`.
+    precise_timing: bool = True
 
 
 class ReindexerConfig(Section):

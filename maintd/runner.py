@@ -154,9 +154,10 @@ class Runner:
             except Exception as exc:  # one broken service must not keep the others from running
                 log.error("cannot schedule service", extra=kv(service=name, error=str(exc)))
                 continue
+            # Interval services run at once on election; cron ones (reindexer) at their time.
+            first = {"next_run_time": now} if isinstance(trigger, IntervalTrigger) else {}
             self.scheduler.add_job(self._run, trigger=trigger, args=[name], id=name, name=name,
-                                   next_run_time=now if isinstance(trigger, IntervalTrigger) else None,
-                                   replace_existing=True)
+                                   replace_existing=True, **first)
             if not isinstance(trigger, IntervalTrigger):
                 job = self.scheduler.get_job(name)
                 log.info("scheduled", extra=kv(service=name, next_run=job.next_run_time if job else None))
