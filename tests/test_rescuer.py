@@ -1,0 +1,217 @@
+"""Rescuer: the stuck rule, retry/discard, races with completing workers, keyset pagination."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+from maintd.db import sql
+from maintd.jobs import ClaimedJob, JobQueue, backoff
+from maintd.services.base import PassContext
+from maintd.services.rescuer import Rescuer
+
+from .conftest import T0
+
+
+def running(engine, schema, *, seen_ago, heartbeat_ago=None, attempt=1, max_attempts=25, n=1,
+            worker="w1"):
+    with engine.begin() as conn:
+        return [r[0] for r in conn.execute(sql(
+            "INSERT INTO {schema}.jobs (kind, state, attempt, max_attempts, attempted_at, attempted_by, "
+            "heartbeat_at) SELECT 'k', 'running', :attempt, :max, CAST(:t0 AS timestamptz) - CAST(:seen AS interval), "
+            ":worker, CASE WHEN :hb THEN CAST(:t0 AS timestamptz) - CAST(:hb_ago AS interval) END "
+            "FROM generate_series(1, :n) RETURNING id", schema),
+            {"attempt": attempt, "max": max_attempts, "t0": T0, "seen": seen_ago, "worker": worker,
+             "hb": heartbeat_ago is not None, "hb_ago": heartbeat_ago or timedelta(0), "n": n})]
+
+
+def rows(engine, schema):
+    with engine.connect() as conn:
+        return {r.id: r for r in conn.execute(sql("SELECT * FROM {schema}.jobs", schema))}
+
+
+def run(settings, engine, clock, **kw):
+    return Rescuer(settings).run_once(PassContext(engine=engine, settings=settings, clock=clock, **kw))
+
+
+def test_stuck_edges_and_retry_with_backoff(settings, engine, schema, clock, caplog):
+    hour = timedelta(hours=1)
+    stuck = running(engine, schema, seen_ago=hour + timedelta(seconds=1), attempt=3)
+    fresh = running(engine, schema, seen_ago=hour - timedelta(seconds=1))
+    with caplog.at_level(logging.INFO, logger="maintd.rescuer"):
+        result = run(settings, engine, clock)
+    assert (result.retried, result.discarded) == (1, 0)
+    r = rows(engine, schema)
+    job = r[stuck[0]]
+    assert job.state == "retryable" and job.finalized_at is None
+    assert job.scheduled_at == T0 + backoff(3)
+    assert len(job.errors) == 1 and job.errors[0]["attempt"] == 3
+    assert "stuck" in job.errors[0]["error"]
+    assert r[fresh[0]].state == "running"
+    assert any(rec.getMessage() == "released stale running jobs" and rec.fields["count"] == 1
+               for rec in caplog.records)
+
+
+def test_heartbeat_keeps_long_jobs_alive(settings, engine, schema, clock):
+    # Started 5 h ago but heartbeated 10 min ago: alive under the default rule.
+    alive = running(engine, schema, seen_ago=timedelta(hours=5), heartbeat_ago=timedelta(minutes=10))
+    dead = running(engine, schema, seen_ago=timedelta(hours=5), heartbeat_ago=timedelta(hours=1, seconds=1))
+    run(settings, engine, clock)
+    r = rows(engine, schema)
+    assert r[alive[0]].state == "running"
+    assert r[dead[0]].state == "retryable"
+
+
+def test_heartbeat_timeout_rule(settings, engine, schema, clock):
+    settings.rescuer.heartbeat_timeout = timedelta(minutes=2)
+    silent = running(engine, schema, seen_ago=timedelta(minutes=30), heartbeat_ago=timedelta(minutes=2, seconds=1))
+    beating = running(engine, schema, seen_ago=timedelta(minutes=30), heartbeat_ago=timedelta(minutes=1))
+    never_beat = running(engine, schema, seen_ago=timedelta(minutes=30))  # only the 1 h rule applies
+    run(settings, engine, clock)
+    r = rows(engine, schema)
+    assert r[silent[0]].state == "retryable"
+    assert r[beating[0]].state == "running"
+    assert r[never_beat[0]].state == "running"
+
+
+def test_max_attempts_discards(settings, engine, schema, clock):
+    last = running(engine, schema, seen_ago=timedelta(hours=2), attempt=5, max_attempts=5)
+    result = run(settings, engine, clock)
+    assert (result.retried, result.discarded) == (0, 1)
+    job = rows(engine, schema)[last[0]]
+    assert job.state == "discarded" and job.finalized_at == T0
+    assert job.errors[-1]["attempt"] == 5
+
+
+def test_other_states_untouched(settings, engine, schema, clock):
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempted_at, finalized_at) VALUES "
+                         "('k', 'available', now() - interval '9 hours', NULL), "
+                         "('k', 'completed', now() - interval '9 hours', now() - interval '8 hours')", schema))
+    before = {i: r.state for i, r in rows(engine, schema).items()}
+    result = run(settings, engine, clock)
+    assert result.retried + result.discarded == 0
+    assert {i: r.state for i, r in rows(engine, schema).items()} == before
+
+
+def test_dry_run(settings, engine, schema, clock):
+    running(engine, schema, seen_ago=timedelta(hours=2), n=3)
+    running(engine, schema, seen_ago=timedelta(hours=2), attempt=25, n=2)
+    result = run(settings, engine, clock, dry_run=True)
+    assert (result.retried, result.discarded) == (3, 2)
+    assert {r.state for r in rows(engine, schema).values()} == {"running"}
+
+
+def test_locked_rows_do_not_hide_later_stuck_jobs(settings, engine, schema, clock):
+    """A batch's worth of candidates locked by workers must not stop the pass from reaching the rest."""
+    settings.rescuer.batch_size = 5
+    locked = running(engine, schema, seen_ago=timedelta(hours=5), n=5)
+    later = running(engine, schema, seen_ago=timedelta(hours=2), n=7)
+    holder = engine.connect()
+    holder.execute(sql("SELECT id FROM {schema}.jobs WHERE id = ANY(:ids) FOR UPDATE", schema), {"ids": locked})
+    try:
+        result = run(settings, engine, clock)
+    finally:
+        holder.rollback()
+        holder.close()
+    assert result.retried == 7
+    r = rows(engine, schema)
+    assert all(r[i].state == "retryable" for i in later)
+    assert all(r[i].state == "running" for i in locked)
+
+
+def test_batches_cover_everything(settings, engine, schema, clock):
+    settings.rescuer.batch_size = 10
+    running(engine, schema, seen_ago=timedelta(hours=2), n=35)
+    result = run(settings, engine, clock)
+    assert result.retried == 35 and result.batches == 4
+
+
+def test_rescue_never_overwrites_a_concurrent_completion(settings, engine, schema, clock):
+    """Many workers complete their (stuck-looking) jobs while rescuers run: zero overwritten."""
+    settings.rescuer.batch_size = 3
+    n = 400
+    ids = running(engine, schema, seen_ago=timedelta(hours=2), n=n)
+    queue = JobQueue(schema)
+    completed: list[int] = []
+    lock = threading.Lock()
+    start = threading.Barrier(6)
+
+    def worker(chunk):
+        start.wait()
+        for jid in chunk:
+            job = ClaimedJob(id=jid, kind="k", queue="default", args={}, attempt=1, max_attempts=25,
+                             attempted_by="w1")
+            with engine.begin() as conn:
+                if queue.complete(conn, job):
+                    with lock:
+                        completed.append(jid)
+
+    def rescuer():
+        start.wait()
+        time.sleep(0.02)  # let the workers get going: both sides must win some races
+        for _ in range(3):
+            run(settings, engine, clock)
+
+    threads = [threading.Thread(target=worker, args=(ids[i::4],)) for i in range(4)]
+    threads += [threading.Thread(target=rescuer) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    r = rows(engine, schema)
+    assert completed, "no worker won a race: the test exercised nothing"
+    assert len(completed) < n, "the rescuer won no race: the test exercised nothing"
+    for jid in completed:
+        assert r[jid].state == "completed", f"completion of {jid} was overwritten"
+        assert r[jid].errors == []
+    for jid in set(ids) - set(completed):
+        assert r[jid].state == "retryable"
+        assert len(r[jid].errors) == 1  # rescued exactly once
+    assert {r[j].state for j in ids} <= {"completed", "retryable"}
+
+
+def test_two_rescuers_rescue_each_job_once(settings, engine, schema, clock):
+    settings.rescuer.batch_size = 25
+    ids = running(engine, schema, seen_ago=timedelta(hours=2), n=300)
+    results = []
+    barrier = threading.Barrier(2)
+
+    def go():
+        barrier.wait()
+        results.append(run(settings, engine, clock))
+
+    threads = [threading.Thread(target=go) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(r.retried for r in results) == 300
+    assert all(len(rows(engine, schema)[i].errors) == 1 for i in ids)
+
+
+def test_rescuer_scan_uses_the_running_index(settings, engine, schema, clock):
+    from sqlalchemy import text
+
+    from maintd.services.rescuer import SELECT_CANDIDATES
+
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, finalized_at) "
+                         "SELECT 'k', 'completed', now() FROM generate_series(1, 30000)", schema))
+        conn.execute(sql("ANALYZE {schema}.jobs", schema))
+        params = {**Rescuer(settings).horizons(T0), "after_seen": T0 - timedelta(days=999),
+                  "after_id": 0, "limit": 100}
+        plan = "\n".join(r[0] for r in conn.execute(text("EXPLAIN " + sql(SELECT_CANDIDATES, schema).text), params))
+    assert "jobs_running_idx" in plan and "Seq Scan" not in plan, plan
+
+
+@pytest.mark.parametrize("after,timeout", [("30m", "30m"), ("30m", "1h")])
+def test_rescue_after_must_exceed_job_timeout(pg_dsn, after, timeout):
+    from maintd.config import ConfigError, load_settings
+
+    with pytest.raises(ConfigError, match="rescuer.rescue_stuck_jobs_after"):
+        load_settings(None, rescuer={"rescue_stuck_jobs_after": after, "job_timeout": timeout})
