@@ -73,8 +73,27 @@ class Daemon:
             raise SchemaNotReady(f"schema {schema!r} is at revision {current}, this maintd needs "
                                  f"{head}: run `maintd migrate`")
 
+    def wait_for_database(self) -> None:
+        """At start: retry while the server is unreachable (it may be starting too), but fail at
+        once on what waiting cannot fix (bad password, missing database or schema)."""
+        from sqlalchemy.exc import OperationalError
+
+        delay = 0.2
+        while True:
+            try:
+                self.check_schema()
+                return
+            except OperationalError as exc:
+                if getattr(exc.orig, "sqlstate", None) or self._stopping.is_set():
+                    raise  # authentication, missing database, ...: a human must act
+                log.warning("database unreachable, retrying in %.1fs", delay,
+                            extra=kv(error=describe_db_error(exc)))
+                if self._stopping.wait(delay):
+                    raise
+                delay = min(5.0, delay * 2)
+
     def start(self) -> None:
-        self.check_schema()
+        self.wait_for_database()
         self._db_ok = True
         if self.settings.http.enabled:
             self.http = HttpServer(self.settings.http.host, self.settings.http.port, {

@@ -1,0 +1,167 @@
+"""Real maintd daemons as subprocesses, for leadership, failover and fault tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import psycopg
+
+FAST_LEADER = {"lease": "3s", "renew_interval": "1s", "retry_interval": "0.2s"}
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(v)
+
+
+def to_toml(config: dict[str, Any]) -> str:
+    """A small TOML writer: scalars first, then tables, then arrays of tables."""
+    lines = [f"{k} = {_toml_value(v)}" for k, v in config.items()
+             if not isinstance(v, dict) and not (isinstance(v, list) and v and isinstance(v[0], dict))]
+    for k, v in config.items():
+        if isinstance(v, dict):
+            lines.append(f"[{k}]")
+            lines += [f"{kk} = {_toml_value(vv)}" for kk, vv in v.items()]
+    for k, v in config.items():
+        if isinstance(v, list) and v and isinstance(v[0], dict):
+            for item in v:
+                lines.append(f"[[{k}]]")
+                lines += [f"{kk} = {_toml_value(vv)}" for kk, vv in item.items()]
+    return "\n".join(lines) + "\n"
+
+
+def merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+class DaemonProc:
+    """One ``maintd run`` process with its own config file and log."""
+
+    def __init__(self, dsn: str, schema: str, instance_id: str, extra_config: dict | None = None,
+                 workdir: str | None = None):
+        self.dsn, self.schema, self.instance_id = dsn, schema, instance_id
+        self.dir = Path(workdir or tempfile.mkdtemp(prefix="maintd-d-"))
+        config = merge({
+            "database_url": dsn, "schema": schema, "instance_id": instance_id,
+            "http": {"listen": "127.0.0.1:0"}, "leader": dict(FAST_LEADER), "log": {"level": "info"},
+        }, extra_config or {})
+        self.config_path = self.dir / f"{instance_id}.toml"
+        self.write_config(config)
+        self.log_path = self.dir / f"{instance_id}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def write_config(self, config: dict) -> None:
+        self.config = config
+        self.config_path.write_text(to_toml(config))
+
+    def start(self) -> "DaemonProc":
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MAINTD_")}
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "maintd", "--config", str(self.config_path), "run"],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self, timeout: float = 15) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGCONT)
+                self.proc.send_signal(signal.SIGTERM)
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                return self.proc.wait()
+        return self.proc.returncode
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def wait_log(self, pattern: str, timeout: float = 10, after: int = 0) -> re.Match[str]:
+        """Wait until the log (from character offset ``after``) matches ``pattern``."""
+        deadline = time.monotonic() + timeout
+        rx = re.compile(pattern)
+        while True:
+            m = rx.search(self.log(), after)
+            if m:
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.instance_id}: no {pattern!r} in {timeout}s; log:\n{self.log()[-3000:]}")
+            time.sleep(0.05)
+
+
+def leader_row(dsn: str, schema: str) -> tuple[int, str | None]:
+    """(epoch, instance_id) of the current term, if its lock session is alive."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            f'SELECT epoch, instance_id, released_at IS NULL AND EXISTS '
+            f'(SELECT 1 FROM pg_stat_activity a WHERE a.pid = l.backend_pid) FROM "{schema}".leader l').fetchone()
+    return row[0], (row[1] if row[2] else None)
+
+
+def lock_holders(dsn: str, schema: str) -> list[str]:
+    """application_name of every session holding the schema's leader lock."""
+    from maintd.db import advisory_key
+
+    c, o = advisory_key(schema)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return [r[0] for r in conn.execute(
+            "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+            "WHERE l.locktype = 'advisory' AND l.classid::bigint = %s AND l.objid::bigint = %s "
+            "AND l.objsubid = 2 AND l.granted", (c & 0xFFFFFFFF, o & 0xFFFFFFFF))]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.02, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def wait_new_leader(dsn: str, schema: str, old_epoch: int, timeout: float) -> tuple[int, str]:
+    def check():
+        epoch, inst = leader_row(dsn, schema)
+        return (epoch, inst) if epoch > old_epoch and inst else None
+
+    return wait_for(check, timeout, what="a new leader")

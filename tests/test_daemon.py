@@ -1,0 +1,236 @@
+"""Leadership with real processes: one leader, SIGKILL/SIGSTOP failover with fencing, killed lock
+session, Postgres restart, graceful hand-over, SIGHUP reloads, CLI exit codes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+
+import psycopg
+import pytest
+
+from .procs import DaemonProc, lock_holders, leader_row, wait_for, wait_new_leader
+
+pytestmark = pytest.mark.slow
+
+QUIET = {"cleaner": {"interval": "1s"}, "rescuer": {"interval": "1s"}, "scheduler": {"interval": "1s"}}
+
+
+def service_runs(dsn, schema):
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return {r[0]: (r[1], r[2]) for r in conn.execute(
+            f'SELECT service, instance_id, finished_at FROM "{schema}".service_runs')}
+
+
+def ran_pass_since(dsn, schema, instance, since):
+    return any(inst == instance and fin > since for inst, fin in service_runs(dsn, schema).values())
+
+
+@pytest.fixture
+def daemons(pg_dsn, schema, tmp_path):
+    started: list[DaemonProc] = []
+
+    def start(n, extra=None, prefix="d"):
+        new = [DaemonProc(pg_dsn, schema, f"{prefix}{len(started) + i}", extra or QUIET,
+                          workdir=str(tmp_path)).start() for i in range(n)]
+        started.extend(new)
+        return new
+
+    yield start
+    for d in started:
+        d.stop()
+
+
+def current_leader(pg_dsn, schema, procs):
+    _, inst = wait_for(lambda: (lambda r: r if r[1] else None)(leader_row(pg_dsn, schema)), 15,
+                       what="a leader")
+    return next(p for p in procs if p.instance_id == inst)
+
+
+def test_three_daemons_one_leader_then_sigkill_failover(pg_dsn, schema, daemons):
+    procs = daemons(3)
+    leader = current_leader(pg_dsn, schema, procs)
+    # Exactly one lock holder, observed repeatedly.
+    for _ in range(20):
+        assert len(lock_holders(pg_dsn, schema)) == 1
+        time.sleep(0.05)
+    assert lock_holders(pg_dsn, schema) == [f"maintd:{leader.instance_id}"]
+    epoch, _ = leader_row(pg_dsn, schema)
+    wait_for(lambda: ran_pass_since(pg_dsn, schema, leader.instance_id, datetime(2000, 1, 1, tzinfo=timezone.utc)),
+             10, what="a first pass")
+
+    killed_at = datetime.now(timezone.utc)
+    t0 = time.monotonic()
+    leader.kill()
+    new_epoch, new_inst = wait_new_leader(pg_dsn, schema, epoch, timeout=5)
+    wait_for(lambda: ran_pass_since(pg_dsn, schema, new_inst, killed_at), 5, what="a pass by the new leader")
+    failover = time.monotonic() - t0
+    assert new_inst != leader.instance_id
+    assert failover < 2.0, f"failover took {failover:.2f}s"
+    assert len(lock_holders(pg_dsn, schema)) == 1
+
+
+def test_sigstop_leader_is_replaced_within_lease_and_fenced_after_sigcont(pg_dsn, schema, daemons):
+    procs = daemons(2)
+    leader = current_leader(pg_dsn, schema, procs)
+    follower = next(p for p in procs if p is not leader)
+    epoch, _ = leader_row(pg_dsn, schema)
+    t0 = time.monotonic()
+    leader.signal(signal.SIGSTOP)
+    try:
+        new_epoch, new_inst = wait_new_leader(pg_dsn, schema, epoch, timeout=3 + 3)  # lease 3 s + margin
+        took = time.monotonic() - t0
+        assert new_inst == follower.instance_id
+        elected_at = datetime.now(timezone.utc)
+        offset = len(leader.log())
+    finally:
+        leader.signal(signal.SIGCONT)
+    assert took <= 3 + 2.5, f"takeover took {took:.2f}s with a 3 s lease"
+    # The resumed ex-leader notices, says so, and writes nothing.
+    leader.wait_log(r"lost leadership|pass refused", timeout=5, after=offset)
+    time.sleep(2.5)
+    runs = service_runs(pg_dsn, schema)
+    for service, (inst, finished) in runs.items():
+        if finished > elected_at:
+            assert inst == follower.instance_id, f"{service} written by the stale leader"
+    assert leader_row(pg_dsn, schema) == (new_epoch, follower.instance_id)
+    assert lock_holders(pg_dsn, schema) == [f"maintd:{follower.instance_id}"]
+    assert leader.proc.poll() is None  # it stays up as a follower
+
+
+def test_terminated_lock_session_demotes_at_once(pg_dsn, schema, daemons):
+    procs = daemons(2)
+    leader = current_leader(pg_dsn, schema, procs)
+    epoch, _ = leader_row(pg_dsn, schema)
+    offset = len(leader.log())
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        n = conn.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                         "WHERE application_name = %s", (f"maintd:{leader.instance_id}",)).fetchone()[0]
+    assert n == 1
+    t0 = time.monotonic()
+    leader.wait_log(r"lost leadership", timeout=3, after=offset)
+    assert time.monotonic() - t0 < 2.5  # at the next renewal (renew_interval 1 s)
+    wait_new_leader(pg_dsn, schema, epoch, timeout=5)
+
+
+def test_graceful_stop_hands_over_at_once(pg_dsn, schema, daemons):
+    procs = daemons(2, {**QUIET, "leader": {"retry_interval": "5s", "lease": "20s", "renew_interval": "2s"}})
+    leader = current_leader(pg_dsn, schema, procs)
+    epoch, _ = leader_row(pg_dsn, schema)
+    t0 = time.monotonic()
+    assert leader.stop() == 0
+    wait_new_leader(pg_dsn, schema, epoch, timeout=4)
+    # Far below the 5 s retry interval: the follower woke on the hand-over NOTIFY.
+    assert time.monotonic() - t0 < 2.0
+    assert "released leadership" in leader.log()
+
+
+def test_sighup_toggles_a_service_and_rejects_a_bad_file(pg_dsn, schema, daemons):
+    [d] = daemons(1)
+    d.wait_log(r"became leader")
+    d.wait_log(r"cleaner (deleted|would)|maintd started")
+    config = dict(d.config)
+    config["cleaner"] = {**config.get("cleaner", {}), "enabled": False}
+    d.write_config(config)
+    offset = len(d.log())
+    d.signal(signal.SIGHUP)
+    m = d.wait_log(r"config reloaded services=(\S+)", after=offset)
+    assert "cleaner" not in m.group(1).split(",") and "rescuer" in m.group(1)
+
+    config["cleaner"]["enabled"] = True
+    d.write_config(config)
+    offset = len(d.log())
+    d.signal(signal.SIGHUP)
+    m = d.wait_log(r"config reloaded services=(\S+)", after=offset)
+    assert "cleaner" in m.group(1).split(",")
+    since = datetime.now(timezone.utc)
+    wait_for(lambda: service_runs(pg_dsn, schema).get("cleaner", (None, since))[1] > since, 5,
+             what="a cleaner pass after re-enabling")
+
+    d.config_path.write_text("[cleaner]\nbatch_size = 0\n")
+    offset = len(d.log())
+    d.signal(signal.SIGHUP)
+    m = d.wait_log(r"config reload rejected.*", after=offset)
+    assert "cleaner.batch_size" in m.group(0)
+    since = datetime.now(timezone.utc)
+    wait_for(lambda: service_runs(pg_dsn, schema).get("cleaner", (None, since))[1] > since, 5,
+             what="passes continuing with the old config")
+    assert d.proc.poll() is None
+
+
+def test_postgres_restart_leadership_recovers(private_pg, tmp_path):
+    from maintd import migrate
+    from maintd.db import make_engine
+
+    engine = make_engine(private_pg.dsn, application_name="t", pooled=False)
+    with engine.connect() as conn:
+        migrate.upgrade(conn, "maintd")
+    engine.dispose()
+    procs = [DaemonProc(private_pg.dsn, "maintd", f"r{i}", QUIET, workdir=str(tmp_path)).start() for i in range(2)]
+    try:
+        current_leader(private_pg.dsn, "maintd", procs)
+        epoch, _ = leader_row(private_pg.dsn, "maintd")
+        private_pg.stop()  # fast shutdown, then 2 s of outage
+        time.sleep(2)
+        private_pg.start()
+        restarted = datetime.now(timezone.utc)
+        new_epoch, inst = wait_new_leader(private_pg.dsn, "maintd", epoch, timeout=15)
+        wait_for(lambda: ran_pass_since(private_pg.dsn, "maintd", inst, restarted), 10,
+                 what="passes after the restart")
+        for p in procs:
+            assert p.proc.poll() is None, p.log()
+            assert "database unreachable, retrying" in p.log()
+        assert len(lock_holders(private_pg.dsn, "maintd")) == 1
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "maintd", *args], capture_output=True, text=True,
+                          env=env, timeout=60)
+
+
+def test_run_without_schema_exits_1_with_one_line(pg_dsn, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'database_url = "{pg_dsn}"\nschema = "never_migrated"\n[http]\nlisten = "127.0.0.1:0"\n')
+    res = _cli("--config", str(cfg), "run")
+    assert res.returncode == 1
+    assert "run `maintd migrate`" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_run_once_cli(pg_dsn, schema, daemons, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'database_url = "{pg_dsn}"\nschema = "{schema}"\n')
+    res = _cli("--config", str(cfg), "run-once", "cleaner")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["service"] == "cleaner" and out["outcome"] == "success" and not out["dry_run"]
+    procs = daemons(1)
+    current_leader(pg_dsn, schema, procs)
+    res = _cli("--config", str(cfg), "run-once", "rescuer")
+    assert res.returncode == 1
+    assert f"instance={procs[0].instance_id}" in res.stderr
+    res = _cli("--config", str(cfg), "run-once", "rescuer", "--dry-run")
+    assert res.returncode == 0 and json.loads(res.stdout)["dry_run"] is True
+
+
+def test_status_cli(pg_dsn, schema, daemons, tmp_path):
+    procs = daemons(2)
+    leader = current_leader(pg_dsn, schema, procs)
+    wait_for(lambda: ran_pass_since(pg_dsn, schema, leader.instance_id, datetime(2000, 1, 1, tzinfo=timezone.utc)),
+             10, what="a pass")
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'database_url = "{pg_dsn}"\nschema = "{schema}"\n')
+    res = _cli("--config", str(cfg), "status")
+    assert res.returncode == 0
+    assert f"leader: {leader.instance_id}" in res.stdout
+    res = _cli("--config", str(cfg), "status", "--json")
+    data = json.loads(res.stdout)
+    assert data["leader"]["instance_id"] == leader.instance_id
+    assert {d["instance_id"] for d in data["daemons"]} >= {p.instance_id for p in procs}
+    assert {s["service"] for s in data["services"]} >= {"cleaner", "rescuer", "scheduler"}
