@@ -73,6 +73,8 @@ def schema(pg_dsn: str) -> Iterator[str]:
         yield name
     finally:
         with engine.connect() as conn:
+            # A test that leaks an open transaction fails here instead of hanging the suite.
+            conn.execute(text("SET lock_timeout = '20s'"))
             conn.execute(text(f"DROP SCHEMA IF EXISTS {quote_ident(name)} CASCADE"))
             conn.commit()
         engine.dispose()
