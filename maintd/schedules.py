@@ -93,10 +93,16 @@ class CronSchedule(Schedule):
     trigger: object = field(compare=False, repr=False)
 
     def next_after(self, t: datetime) -> datetime:
-        nxt = self.trigger.get_next_fire_time(None, (t + _TINY).astimezone(self.tz))
-        if nxt is None:  # pragma: no cover - cron schedules never end
-            raise ValueError(f"schedule {self.text!r} has no next fire time")
-        return nxt.astimezone(UTC)
+        while True:
+            nxt = self.trigger.get_next_fire_time(None, (t + _TINY).astimezone(self.tz))
+            if nxt is None:  # pragma: no cover - cron schedules never end
+                raise ValueError(f"schedule {self.text!r} has no next fire time")
+            nxt = nxt.astimezone(UTC)
+            # A wall-clock time repeated when the clocks go back fires once, like cron: skip the
+            # second occurrence (fold=1).
+            if nxt.astimezone(self.tz).fold == 0:
+                return nxt
+            t = nxt
 
 
 def parse_schedule(text: str, tz: str = "UTC") -> Schedule:
@@ -120,7 +126,7 @@ def parse_schedule(text: str, tz: str = "UTC") -> Schedule:
     minute, hour, dom, month, dow = fields_
     dow_names = _translate_dow(dow)
     try:
-        if not dom.startswith("*") and not dow.startswith("*"):
+        if dom != "*" and dow != "*":
             # Classic cron: when both day fields are restricted, either one matching fires.
             trigger: object = OrTrigger([
                 CronTrigger(minute=minute, hour=hour, day=dom, month=month, timezone=zone),

@@ -1,0 +1,212 @@
+"""Periodic enqueuer: exactly once per slot, backfill edges, baselines, run_on_start, unique_key."""
+
+from __future__ import annotations
+
+import threading
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from maintd.clock import FrozenClock
+from maintd.config import Settings
+from maintd.db import sql
+from maintd.metrics import Metrics
+from maintd.schedules import parse_schedule
+from maintd.services.base import PassContext
+from maintd.services.periodic import PeriodicEnqueuer
+
+UTC = timezone.utc
+START = datetime(2026, 3, 1, 12, 0, 0, 500000, tzinfo=UTC)
+
+
+def make_settings(pg_dsn, schema, **entry):
+    base = {"id": "tick", "schedule": "@every 10s", "kind": "tick.kind", "queue": "periodic",
+            "args": {"a": 1}}
+    return Settings(database_url=pg_dsn, schema=schema, periodic=[{**base, **entry}])
+
+
+def run(settings, engine, clock, service=None, **kw):
+    service = service or PeriodicEnqueuer(settings)
+    return service.run_once(PassContext(engine=engine, settings=settings, clock=clock, **kw))
+
+
+def jobs(engine, schema):
+    with engine.connect() as conn:
+        return list(conn.execute(sql(
+            "SELECT id, kind, queue, args, scheduled_at, state, metadata, unique_key FROM {schema}.jobs "
+            "ORDER BY scheduled_at, id", schema)))
+
+
+def slots(engine, schema):
+    with engine.connect() as conn:
+        return [r.slot for r in conn.execute(sql(
+            "SELECT slot FROM {schema}.periodic_slots ORDER BY slot", schema))]
+
+
+def test_new_id_is_baselined_not_backfilled_then_enqueues_each_slot(pg_dsn, schema, engine):
+    settings = make_settings(pg_dsn, schema, backfill="1h")
+    clock = FrozenClock(START)
+    result = run(settings, engine, clock)
+    assert result.enqueued == [] and result.baselined == ["tick"]
+    assert jobs(engine, schema) == []
+    clock.advance(10)  # 12:00:10.5 -> slot 12:00:10
+    result = run(settings, engine, clock)
+    [job] = jobs(engine, schema)
+    assert job.scheduled_at == datetime(2026, 3, 1, 12, 0, 10, tzinfo=UTC)
+    assert (job.kind, job.queue, job.args) == ("tick.kind", "periodic", {"a": 1})
+    assert job.metadata == {"periodic_id": "tick", "slot": "2026-03-01T12:00:10+00:00", "backfilled": False}
+    assert job.state == "available"
+    assert [e["periodic_id"] for e in result.enqueued] == ["tick"]
+    # Same slot again: nothing.
+    assert run(settings, engine, clock).enqueued == []
+    assert len(jobs(engine, schema)) == 1
+
+
+def test_two_instances_at_once_enqueue_each_slot_once(pg_dsn, schema, engine):
+    settings = make_settings(pg_dsn, schema, backfill="10m")
+    clock = FrozenClock(START)
+    run(settings, engine, clock)
+    clock.advance(300)  # 30 slots due
+    results = []
+    barrier = threading.Barrier(3)
+
+    def go():
+        barrier.wait()
+        results.append(run(settings, engine, clock))
+
+    threads = [threading.Thread(target=go) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    got = [j.scheduled_at for j in jobs(engine, schema)]
+    assert len(got) == 30 and len(set(got)) == 30
+    assert sum(len(r.enqueued) for r in results) == 30
+
+
+def test_skewed_replica_does_not_double_a_slot(pg_dsn, schema, engine):
+    settings = make_settings(pg_dsn, schema, backfill="5m")
+    a, b = FrozenClock(START), FrozenClock(START - timedelta(seconds=3))
+    run(settings, engine, a)
+    for step in range(20):
+        a.advance(2.7)
+        b.advance(2.7)
+        run(settings, engine, a if step % 2 else b)
+        run(settings, engine, b if step % 2 else a)
+    got = [j.scheduled_at for j in jobs(engine, schema)]
+    assert len(got) == len(set(got))
+    expected = list(parse_schedule("@every 10s").slots_between(START, a.now()))
+    assert got == expected  # every slot up to the fastest clock, once
+
+
+def test_deleted_jobs_do_not_make_a_slot_fire_again(pg_dsn, schema, engine):
+    settings = make_settings(pg_dsn, schema, backfill="1h")
+    clock = FrozenClock(START)
+    run(settings, engine, clock)
+    clock.advance(30)
+    run(settings, engine, clock)
+    assert len(jobs(engine, schema)) == 3
+    with engine.begin() as conn:  # what the cleaner does
+        conn.execute(sql("DELETE FROM {schema}.jobs", schema))
+    result = run(settings, engine, clock)
+    assert result.enqueued == [] and jobs(engine, schema) == []
+
+
+def test_backfill_window_edges_oldest_first(pg_dsn, schema, engine):
+    settings = make_settings(pg_dsn, schema, backfill="60s")
+    clock = FrozenClock(datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC))
+    run(settings, engine, clock)  # baseline at 12:00:00
+    clock.set(datetime(2026, 3, 1, 12, 5, 0, tzinfo=UTC))  # downtime: 30 slots missed
+    metrics = Metrics()
+    service = PeriodicEnqueuer(settings)
+    result = run(settings, engine, clock, service=service)
+    service.observe(metrics, result)
+    got = [j.scheduled_at for j in jobs(engine, schema)]
+    # Window [12:04:00, 12:05:00]: the slot exactly at the edge is in, 12:03:50 is out.
+    assert got[0] == datetime(2026, 3, 1, 12, 4, 0, tzinfo=UTC)
+    assert got[-1] == datetime(2026, 3, 1, 12, 5, 0, tzinfo=UTC)
+    assert len(got) == 7 and got == sorted(got)
+    metas = [j.metadata for j in jobs(engine, schema)]
+    assert all(m["backfilled"] for m in metas[:-1]) and not metas[-1]["backfilled"]
+    assert result.skipped == {"tick": {"outside_backfill": 23}}
+    assert metrics.periodic_skipped.labels("tick", "outside_backfill")._value.get() == 23
+    assert metrics.periodic_enqueued.labels("tick")._value.get() == 7
+
+
+def test_without_backfill_only_the_latest_missed_slot_runs(pg_dsn, schema, engine):
+    settings = make_settings(pg_dsn, schema)
+    clock = FrozenClock(datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC))
+    run(settings, engine, clock)
+    clock.set(datetime(2026, 3, 1, 12, 1, 5, tzinfo=UTC))
+    result = run(settings, engine, clock)
+    assert [j.scheduled_at for j in jobs(engine, schema)] == [datetime(2026, 3, 1, 12, 1, 0, tzinfo=UTC)]
+    assert result.skipped == {"tick": {"outside_backfill": 5}}
+
+
+def test_run_on_start_enqueues_the_current_slot_once(pg_dsn, schema, engine):
+    settings = make_settings(pg_dsn, schema, schedule="0 3 * * *", run_on_start=True)
+    clock = FrozenClock(START)
+    run(settings, engine, clock)
+    run(PeriodicEnqueuer(settings).settings, engine, clock)  # a restart: a new service instance
+    [job] = jobs(engine, schema)
+    assert job.scheduled_at == datetime(2026, 3, 1, 3, 0, tzinfo=UTC)
+
+
+def test_disabled_entry_enqueues_nothing_and_counts(pg_dsn, schema, engine):
+    settings = make_settings(pg_dsn, schema, enabled=False)
+    clock = FrozenClock(START)
+    service = PeriodicEnqueuer(settings)
+    run(settings, engine, clock, service=service)
+    clock.advance(10)
+    result = run(settings, engine, clock, service=service)
+    assert jobs(engine, schema) == [] and slots(engine, schema) == []
+    assert result.skipped == {"tick": {"disabled": 1}}
+
+
+def test_unique_key_skips_while_the_previous_job_lives(pg_dsn, schema, engine):
+    settings = make_settings(pg_dsn, schema, unique_key=True, backfill="1h")
+    clock = FrozenClock(START)
+    run(settings, engine, clock)
+    clock.advance(10)
+    run(settings, engine, clock)
+    clock.advance(10)
+    result = run(settings, engine, clock)
+    [job] = jobs(engine, schema)
+    assert job.unique_key == "periodic:tick"
+    assert result.skipped == {"tick": {"duplicate": 1}}
+    # The skipped slot stays taken: it does not fire later when the key frees up.
+    with engine.begin() as conn:
+        conn.execute(sql("UPDATE {schema}.jobs SET state = 'completed', finalized_at = now()", schema))
+    assert run(settings, engine, clock).enqueued == []
+
+
+def test_reload_adds_and_changes_entries(pg_dsn, schema, engine):
+    clock = FrozenClock(START)
+    first = make_settings(pg_dsn, schema, backfill="1h")
+    run(first, engine, clock)
+    second = Settings(database_url=pg_dsn, schema=schema, periodic=[
+        {"id": "tick", "schedule": "@every 20s", "kind": "tick.kind", "backfill": "1h"},
+        {"id": "new", "schedule": "@every 10s", "kind": "new.kind", "backfill": "1h"},
+    ])
+    clock.advance(40)
+    run(second, engine, clock)
+    got = [(j.metadata["periodic_id"], j.scheduled_at.second) for j in jobs(engine, schema)]
+    assert got == [("tick", 20), ("tick", 40)]  # new id: baseline only
+
+
+def test_dry_run_takes_no_slot(pg_dsn, schema, engine):
+    settings = make_settings(pg_dsn, schema, backfill="1h")
+    clock = FrozenClock(START)
+    run(settings, engine, clock)
+    clock.advance(20)
+    result = run(settings, engine, clock, dry_run=True)
+    assert len(result.enqueued) == 2
+    assert jobs(engine, schema) == [] and len(slots(engine, schema)) == 1
+
+
+def test_bad_entries_are_config_errors_naming_the_entry():
+    from maintd.config import ConfigError, load_settings
+
+    with pytest.raises(ConfigError, match=r"periodic\[1\] \(id='b'\)\.schedule"):
+        load_settings(None, periodic=[{"id": "a", "schedule": "@hourly", "kind": "k"},
+                                      {"id": "b", "schedule": "61 * * * *", "kind": "k"}])
