@@ -1,0 +1,172 @@
+"""Reindexer: off by default, midnight schedule, leftover artifacts, cancelled builds, privileges."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from datetime import datetime, timedelta, timezone
+
+import psycopg
+import pytest
+from sqlalchemy import text
+
+from maintd.clock import SystemClock
+from maintd.config import Settings
+from maintd.db import make_engine
+from maintd.services.base import PassContext
+from maintd.services.reindexer import Reindexer
+
+UTC = timezone.utc
+
+
+def indexes(pg_dsn, schema):
+    with psycopg.connect(pg_dsn) as conn:
+        return {r[0]: r[1] for r in conn.execute(
+            "SELECT c.relname, i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+            "JOIN pg_class t ON t.oid = i.indrelid JOIN pg_namespace n ON n.oid = t.relnamespace "
+            "WHERE n.nspname = %s AND t.relname = 'jobs'", (schema,))}
+
+
+def make_invalid(pg_dsn, schema, name):
+    """A real leftover: a concurrent unique build that fails on duplicates stays behind, invalid."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        with pytest.raises(psycopg.errors.UniqueViolation):
+            conn.execute(f'CREATE UNIQUE INDEX CONCURRENTLY "{name}" ON "{schema}".jobs (kind)')
+
+
+def seed(pg_dsn, schema, n=2000):
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"INSERT INTO \"{schema}\".jobs (kind) SELECT 'k' FROM generate_series(1, {n})")
+
+
+def run(settings, engine, **kw):
+    return Reindexer(settings).run_once(PassContext(engine=engine, settings=settings, clock=SystemClock(), **kw))
+
+
+def test_disabled_by_default_and_fires_at_midnight_utc(settings):
+    assert Settings().reindexer.enabled is False
+    assert not Reindexer(Settings()).enabled()
+    trigger = Reindexer(settings).trigger()
+    now = datetime(2026, 3, 1, 15, 30, tzinfo=UTC)
+    assert trigger.get_next_fire_time(None, now) == datetime(2026, 3, 2, 0, 0, tzinfo=UTC)
+
+
+def test_drops_invalid_artifacts_but_not_a_valid_lookalike(pg_dsn, schema, settings, engine):
+    seed(pg_dsn, schema)
+    make_invalid(pg_dsn, schema, "jobs_fetch_idx_ccnew")
+    make_invalid(pg_dsn, schema, "jobs_fetch_idx_ccnew1")
+    make_invalid(pg_dsn, schema, "jobs_fetch_idx_ccold")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE INDEX "jobs_fetch_idx_ccnew2" ON "{schema}".jobs (kind)')  # valid
+    before = indexes(pg_dsn, schema)
+    assert before["jobs_fetch_idx_ccnew"] is False and before["jobs_fetch_idx_ccnew2"] is True
+
+    settings.reindexer.indexes = ["jobs_fetch_idx"]
+    dry = run(settings, engine, dry_run=True)
+    assert sorted(dry.indexes[0].artifacts_dropped) == [
+        "jobs_fetch_idx_ccnew", "jobs_fetch_idx_ccnew1", "jobs_fetch_idx_ccold"]
+    assert indexes(pg_dsn, schema) == before  # dry run changes nothing
+
+    result = run(settings, engine)
+    [report] = result.indexes
+    assert report.outcome == "reindexed"
+    assert sorted(report.artifacts_dropped) == ["jobs_fetch_idx_ccnew", "jobs_fetch_idx_ccnew1",
+                                                "jobs_fetch_idx_ccold"]
+    after = indexes(pg_dsn, schema)
+    assert "jobs_fetch_idx_ccnew" not in after and "jobs_fetch_idx_ccold" not in after
+    assert after["jobs_fetch_idx_ccnew2"] is True  # the valid one stays
+    assert after["jobs_fetch_idx"] is True
+
+
+def test_default_reindexes_every_jobs_index(pg_dsn, schema, settings, engine):
+    seed(pg_dsn, schema, 500)
+    result = run(settings, engine)
+    assert {r.index: r.outcome for r in result.indexes} == {
+        "jobs_pkey": "reindexed", "jobs_fetch_idx": "reindexed", "jobs_scheduled_idx": "reindexed",
+        "jobs_finalized_idx": "reindexed", "jobs_running_idx": "reindexed",
+        "jobs_unique_key_idx": "reindexed"}
+    assert all(v for v in indexes(pg_dsn, schema).values())
+
+
+def test_timeout_during_the_build_leaves_no_artifact(pg_dsn, schema, settings, engine):
+    seed(pg_dsn, schema)
+    settings.reindexer.indexes = ["jobs_finalized_idx"]
+    settings.reindexer.timeout = timedelta(seconds=1)
+    settings.reindexer.lock_timeout = timedelta(seconds=20)
+    # An open transaction that has read the table makes REINDEX CONCURRENTLY wait after it has
+    # created jobs_finalized_idx_ccnew: the 1 s timeout cancels it there.
+    blocker = psycopg.connect(pg_dsn)
+    blocker.execute(f'SELECT count(*) FROM "{schema}".jobs')
+    release = threading.Timer(2.0, blocker.rollback)
+    release.start()
+    try:
+        result = run(settings, engine)
+    finally:
+        release.join()
+        blocker.close()
+    [report] = result.indexes
+    assert report.outcome == "timeout"
+    # Depending on the phase it was cancelled in, the leftover is the new or the old copy.
+    assert len(report.artifacts_dropped) == 1
+    assert report.artifacts_dropped[0] in ("jobs_finalized_idx_ccnew", "jobs_finalized_idx_ccold")
+    after = indexes(pg_dsn, schema)
+    assert not [n for n in after if "_cc" in n], after
+    assert after["jobs_finalized_idx"] is True
+
+
+def test_missing_configured_index_is_a_warning(pg_dsn, schema, settings, engine, caplog):
+    settings.reindexer.indexes = ["jobs_nope_idx", "jobs_pkey"]
+    result = run(settings, engine)
+    assert [(r.index, r.outcome) for r in result.indexes] == [("jobs_nope_idx", "missing"),
+                                                              ("jobs_pkey", "reindexed")]
+    assert any("does not exist" in r.getMessage() for r in caplog.records)
+
+
+def test_bloat_threshold_skips_healthy_indexes(pg_dsn, schema, settings, engine):
+    seed(pg_dsn, schema, 5000)
+    settings.reindexer.indexes = ["jobs_pkey"]
+    settings.reindexer.bloat_threshold = 99
+    [report] = run(settings, engine).indexes
+    assert report.outcome == "skipped" and report.bloat_percent is not None and report.bloat_percent < 99
+
+
+def test_role_without_ownership_gets_a_clear_error(pg_dsn, schema, settings):
+    role = f"maintd_noown_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {role} LOGIN")
+        conn.execute(f'GRANT USAGE ON SCHEMA "{schema}" TO {role}')
+        conn.execute(f'GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA "{schema}" TO {role}')
+    dsn = pg_dsn.replace("postgres@", f"{role}@", 1)
+    engine = make_engine(dsn, application_name="t")
+    try:
+        settings.reindexer.indexes = ["jobs_pkey"]
+        [report] = run(settings, engine).indexes
+        assert report.outcome == "error"
+        assert ("must be owner" in report.error or "permission denied" in report.error)
+        assert "needs ownership" in report.error and "jobs_pkey" in report.error
+    finally:
+        engine.dispose()
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f'REVOKE ALL ON ALL TABLES IN SCHEMA "{schema}" FROM {role}')
+            conn.execute(f'REVOKE ALL ON SCHEMA "{schema}" FROM {role}')
+            conn.execute(f"DROP ROLE {role}")
+
+
+def test_runner_does_not_schedule_it_when_disabled(settings, engine):
+    from maintd.metrics import Metrics
+    from maintd.runner import Runner
+    from maintd.services.base import NoFence
+
+    runner = Runner(settings, engine, Metrics())
+    runner.start()
+    try:
+        runner.activate(NoFence())
+        assert "reindexer" not in {j.id for j in runner.scheduler.get_jobs()}
+        settings.reindexer.enabled = True
+        runner.reload(settings)
+        job = runner.scheduler.get_job("reindexer")
+        assert job is not None and job.next_run_time.hour == 0 and job.next_run_time.minute == 0
+    finally:
+        runner.shutdown()
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT 1")).scalar() == 1
