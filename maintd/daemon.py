@@ -30,6 +30,20 @@ class SchemaNotReady(RuntimeError):
     pass
 
 
+
+
+def _transient(exc: Exception) -> bool:
+    """Worth waiting for (server down or restarting) vs. needs a human (bad role, password,
+    database name): the server's FATAL rejections are final unless they say it is starting."""
+    orig = getattr(exc, "orig", exc)
+    if getattr(orig, "sqlstate", None):
+        return str(orig.sqlstate).startswith(("08", "57P"))
+    msg = str(orig).lower()
+    if "fatal:" in msg:
+        return any(t in msg for t in ("starting up", "shutting down", "in recovery", "too many"))
+    return True
+
+
 class Daemon:
     def __init__(self, settings: Settings, *, clock: Clock | None = None,
                  config_path: str | None = None, metrics: Metrics | None = None):
@@ -84,7 +98,7 @@ class Daemon:
                 self.check_schema()
                 return
             except OperationalError as exc:
-                if getattr(exc.orig, "sqlstate", None) or self._stopping.is_set():
+                if not _transient(exc) or self._stopping.is_set():
                     raise  # authentication, missing database, ...: a human must act
                 log.warning("database unreachable, retrying in %.1fs", delay,
                             extra=kv(error=describe_db_error(exc)))

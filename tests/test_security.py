@@ -1,0 +1,181 @@
+"""Security and bad input: secrets never shown, hostile config rejected, least privilege works,
+clear one-line errors with the SPEC's exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+import uuid
+from datetime import datetime, timezone
+
+import psycopg
+import pytest
+
+from .procs import DaemonProc, wait_for
+
+SECRET = "S3cr3t-Pa55w0rd"
+
+# The documented least-privilege grants (README: "Database role and grants").
+GRANTS = """
+GRANT USAGE ON SCHEMA {schema} TO {role};
+GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {schema} TO {role};
+"""
+
+
+def with_password(dsn: str, user: str = "postgres") -> str:
+    return dsn.replace("postgres@", f"{user}:{SECRET}@", 1)
+
+
+def cli(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "maintd", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture
+def role(pg_dsn, schema):
+    name = f"maintd_app_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {name} LOGIN PASSWORD '{SECRET}'")
+    yield name
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{name}'")
+        conn.execute(f'REVOKE ALL ON ALL TABLES IN SCHEMA "{schema}" FROM {name}')
+        conn.execute(f'REVOKE ALL ON SCHEMA "{schema}" FROM {name}')
+        conn.execute(f"DROP ROLE {name}")
+
+
+@pytest.mark.parametrize("body", [
+    'schema = "maintd; DROP TABLE jobs; --"',
+    'schema = "\\"x\\""',
+    'schema = "Robert\'); DROP TABLE students;--"',
+    'schema = "' + "a" * 64 + '"',
+    '[reindexer]\nindexes = ["jobs_pkey\\"; DROP TABLE maintd.jobs; --"]',
+    '[reindexer]\nindexes = ["../../etc/passwd"]',
+    '[cleaner]\nbatch_size = 1e30',
+    '[cleaner]\nbatch_size = 9223372036854775808',
+    '[cleaner]\ncompleted_retention = "-1s"',
+    '[cleaner]\ninterval = "-5m"',
+    '[rescuer]\nrescue_stuck_jobs_after = "99999999w"',
+    '[[periodic]]\nid = "x\'; DROP TABLE jobs; --"\nschedule = "@hourly"\nkind = "k"',
+    '[[periodic]]\nid = "ok"\nschedule = "$(rm -rf /)"\nkind = "k"',
+    'instance_id = "a b; rm"',
+])
+def test_hostile_config_is_rejected_with_exit_2(tmp_path, body):
+    p = tmp_path / "c.toml"
+    p.write_text(body + "\n")
+    res = cli("--config", str(p), "check-config")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "config error" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_password_never_shown(pg_dsn, schema, tmp_path):
+    dsn = with_password(pg_dsn)  # trust auth accepts it; it must still never be printed
+    d = DaemonProc(dsn, schema, "sec1", {"log": {"level": "debug"}}, workdir=str(tmp_path)).start()
+    try:
+        d.wait_log(r"became leader")
+        port = int(d.wait_log(r"http listening address=127\.0\.0\.1:(\d+)").group(1))
+        def status_has_runs():
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as r:
+                return json.loads(r.read())["services"]
+
+        wait_for(status_has_runs, 10, what="a pass")
+        for path in ("/status", "/metrics", "/healthz"):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+                assert SECRET not in r.read().decode()
+    finally:
+        d.stop()
+    assert SECRET not in d.log()
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'database_url = "{dsn}"\nschema = "{schema}"\n')
+    for args in (("check-config",), ("status",), ("status", "--json"), ("run-once", "cleaner", "--dry-run")):
+        res = cli("--config", str(cfg), *args)
+        assert res.returncode == 0, res.stderr
+        assert SECRET not in res.stdout + res.stderr
+    # Errors too: an unreachable server.
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f'database_url = "postgresql://maintd:{SECRET}@127.0.0.1:1/app"\n')
+    for args in (("status",), ("migrate",), ("run-once", "cleaner")):
+        res = cli("--config", str(bad), *args)
+        assert res.returncode == 1
+        assert SECRET not in res.stdout + res.stderr
+        assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_unknown_role_is_one_line_exit_1(pg_dsn, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'database_url = "{with_password(pg_dsn, "nobody_here")}"\n'
+                   '[http]\nlisten = "127.0.0.1:0"\n')
+    for args in (("run",), ("status",), ("migrate",)):
+        res = cli("--config", str(cfg), *args)
+        assert res.returncode == 1, (args, res.stderr)
+        assert 'role "nobody_here" does not exist' in res.stderr
+        assert "Traceback" not in res.stderr and SECRET not in res.stderr
+
+
+def test_role_without_privileges_is_one_line_exit_1(pg_dsn, schema, role, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'database_url = "{with_password(pg_dsn, role)}"\nschema = "{schema}"\n'
+                   '[http]\nlisten = "127.0.0.1:0"\n')
+    res = cli("--config", str(cfg), "run")
+    assert res.returncode == 1
+    assert "permission denied" in res.stderr and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_least_privilege_role_runs_every_service(pg_dsn, schema, role, tmp_path):
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for stmt in GRANTS.format(schema=f'"{schema}"', role=role).strip().splitlines():
+            conn.execute(stmt)
+        conn.execute(f"""INSERT INTO "{schema}".jobs (kind, state, finalized_at, attempted_at, attempt, scheduled_at)
+            VALUES ('old', 'completed', now() - interval '2 days', now() - interval '2 days', 1, now()),
+                   ('stuck', 'running', NULL, now() - interval '2 hours', 1, now()),
+                   ('due', 'scheduled', NULL, NULL, 0, now() - interval '1 second')""")
+    extra = {"cleaner": {"interval": "1s"}, "rescuer": {"interval": "1s"}, "scheduler": {"interval": "1s"},
+             "reindexer": {"enabled": False},
+             "periodic": [{"id": "lp", "schedule": "@every 1s", "kind": "lp", "run_on_start": True}]}
+    d = DaemonProc(with_password(pg_dsn, role), schema, "lp1", extra, workdir=str(tmp_path)).start()
+    since = datetime.now(timezone.utc)
+    try:
+        def all_succeeded():
+            with psycopg.connect(pg_dsn) as conn:
+                rows = dict(conn.execute(f'SELECT service, outcome FROM "{schema}".service_runs '
+                                         "WHERE finished_at > %s", (since,)).fetchall())
+            return rows if {"cleaner", "rescuer", "scheduler", "periodic"} <= set(rows) and \
+                set(rows.values()) == {"success"} else None
+
+        wait_for(all_succeeded, 15, what="every service to succeed as the least-privilege role")
+        with psycopg.connect(pg_dsn) as conn:
+            states = dict(conn.execute(f'SELECT kind, state::text FROM "{schema}".jobs '
+                                       "WHERE kind IN ('old', 'stuck', 'due')").fetchall())
+            periodic = conn.execute(f'SELECT count(*) FROM "{schema}".jobs WHERE kind = %s', ("lp",)).fetchone()[0]
+        assert "old" not in states and states["stuck"] in ("retryable", "available")
+        assert states["due"] == "available" and periodic >= 1
+        # The reindexer, run once as this role, reports a clear error instead of crashing.
+        cfg = tmp_path / "lp.toml"
+        cfg.write_text(f'database_url = "{with_password(pg_dsn, role)}"\nschema = "{schema}"\n'
+                       '[reindexer]\nindexes = ["jobs_pkey"]\n')
+    finally:
+        d.stop()
+    res = cli("--config", str(cfg), "run-once", "reindexer")
+    out = json.loads(res.stdout)
+    [report] = out["result"]["indexes"]
+    assert report["outcome"] == "error" and "needs ownership" in report["error"]
+    assert SECRET not in d.log() + res.stdout + res.stderr
+
+
+def test_http_binds_loopback_by_default():
+    from maintd.config import Settings
+
+    assert Settings().http.listen.startswith("127.0.0.1:")
+
+
+def test_identifiers_are_quoted_in_sql():
+    from maintd.db import quote_ident, render_sql
+
+    assert render_sql("SELECT 1 FROM {schema}.jobs", "maintd") == 'SELECT 1 FROM "maintd".jobs'
+    for bad in ('a"b', "x; drop", "UPPER", "", "1abc"):
+        with pytest.raises(ValueError):
+            quote_ident(bad)
