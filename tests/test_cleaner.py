@@ -10,21 +10,23 @@ from sqlalchemy import text
 
 from maintd.db import sql
 from maintd.services.base import PassContext
-from maintd.services.cleaner import DELETE_BATCH, Cleaner
+from maintd.services.cleaner import DELETE_RANGE, DELETE_TIED, PROBE, Cleaner
 
 from .conftest import T0
 
 
-def insert(engine, schema, *, state, finalized_ago=None, queue="default", n=1):
-    """Insert n jobs in ``state`` finalized ``finalized_ago`` before T0; returns their ids."""
+def insert(engine, schema, *, state, finalized_ago=None, queue="default", n=1, spread=False):
+    """Insert n jobs in ``state`` finalized ``finalized_ago`` before T0 (``spread``: each 1 ms
+    older than the previous); returns their ids."""
     final = state in ("completed", "cancelled", "discarded")
     with engine.begin() as conn:
         return [r[0] for r in conn.execute(sql(
             "INSERT INTO {schema}.jobs (kind, queue, state, finalized_at, attempted_at) "
             "SELECT 'k', :queue, CAST(:state AS {schema}.job_state), "
-            "CASE WHEN :final THEN CAST(:t0 AS timestamptz) - CAST(:ago AS interval) END, "
-            "CAST(:t0 AS timestamptz) - interval '3 days' FROM generate_series(1, :n) RETURNING id", schema),
-            {"queue": queue, "state": state, "final": final, "t0": T0,
+            "CASE WHEN :final THEN CAST(:t0 AS timestamptz) - CAST(:ago AS interval) "
+            "- CASE WHEN :spread THEN g * interval '1 millisecond' ELSE interval '0' END END, "
+            "CAST(:t0 AS timestamptz) - interval '3 days' FROM generate_series(1, :n) g RETURNING id", schema),
+            {"queue": queue, "state": state, "final": final, "t0": T0, "spread": spread,
              "ago": finalized_ago or timedelta(0), "n": n})]
 
 
@@ -100,8 +102,8 @@ def test_per_queue_overrides(pg_dsn, schema, engine, clock):
 
 def test_batches_of_batch_size(settings, engine, schema, clock):
     settings.cleaner.batch_size = 100
-    insert(engine, schema, state="completed", finalized_ago=timedelta(days=2), n=101)
-    keep = insert(engine, schema, state="completed", finalized_ago=timedelta(hours=1), n=5)
+    insert(engine, schema, state="completed", finalized_ago=timedelta(days=2), n=101, spread=True)
+    keep = insert(engine, schema, state="completed", finalized_ago=timedelta(hours=1), n=5, spread=True)
     result = run(settings, engine, clock)
     assert result.deleted["completed"] == 101
     # 100 + 1 for completed, then one (empty) batch each for cancelled and discarded.
@@ -148,7 +150,7 @@ def test_adaptive_batch_shrinks_after_timeout_and_grows_back(settings, engine, s
     try:
         settings.statement_timeout = timedelta(milliseconds=200)
         ctx = PassContext(engine=engine, settings=settings, clock=clock)
-        # SKIP LOCKED: the locked row is skipped, not waited for, so no timeout here...
+        # A locked row is skipped (after a short lock wait), not waited for: no timeout here...
         result = cleaner.run_once(ctx)
         assert result.deleted["completed"] == 9 and result.timeouts == 0
     finally:
@@ -191,10 +193,23 @@ def test_delete_batch_is_index_backed(settings, engine, schema, clock, pg_versio
             "CASE WHEN g % 10 = 0 THEN NULL ELSE now() - (g || ' seconds')::interval END, now() "
             "FROM generate_series(1, 50000) g", schema))
         conn.execute(sql("ANALYZE {schema}.jobs", schema))
-        stmt = sql(DELETE_BATCH, schema)
-        compiled = stmt.text
-        params = {"state": "completed", "horizon": T0, "after_ts": T0 - timedelta(days=9999),
-                  "after_id": 0, "queue": None, "excluded": ["q1"], "limit": 1000}
-        plan = "\n".join(r[0] for r in conn.execute(text("EXPLAIN " + compiled), params))
+        params = {"state": "completed", "horizon": T0, "lo": T0 - timedelta(days=9999),
+                  "hi": T0 - timedelta(days=1), "queue": None, "excluded": ["q1"], "limit": 1000}
+        plans = []
+        for stmt in (PROBE, DELETE_RANGE, DELETE_TIED):
+            plans.append("\n".join(r[0] for r in conn.execute(text("EXPLAIN " + sql(stmt, schema).text), params)))
+        plan = "\n".join(plans)
+    assert all("jobs_finalized_idx" in p for p in plans), plan
     assert "jobs_finalized_idx" in plan, plan
     assert "Seq Scan" not in plan, plan
+
+
+def test_ties_larger_than_a_batch(settings, engine, schema, clock):
+    """250 rows finalized at the same instant, batch_size 100: all deleted, nothing else."""
+    settings.cleaner.batch_size = 100
+    insert(engine, schema, state="completed", finalized_ago=timedelta(days=2), n=250)
+    keep = insert(engine, schema, state="completed", finalized_ago=timedelta(hours=1), n=3)
+    insert(engine, schema, state="completed", finalized_ago=timedelta(days=3), n=5)
+    result = run(settings, engine, clock)
+    assert result.deleted["completed"] == 255
+    assert remaining(engine, schema) == set(keep)

@@ -1,9 +1,9 @@
 """Cleaner: deletes final jobs whose ``finalized_at`` is older than their state's retention.
 
-Each batch is one short fenced transaction deleting at most ``batch_size`` rows chosen through
-``jobs_finalized_idx (state, finalized_at, id)``. Within a pass the scan moves forward by keyset
-(``(finalized_at, id) > last``), so rows kept by a longer per-queue retention are read at most once
-per pass, never once per batch. A batch that hits the statement timeout halves the batch size;
+Each batch is one short fenced transaction deleting at most ``batch_size`` rows: a range of
+``finalized_at`` found through ``jobs_finalized_idx (state, finalized_at, id)``. Within a pass the
+ranges move forward, so rows kept by a longer per-queue retention are read at most once per pass,
+never once per batch. A batch that hits the statement timeout halves the batch size;
 successes grow it back.
 """
 
@@ -21,32 +21,66 @@ from .base import PassContext, PassResult, Service
 
 log = logging.getLogger("maintd.cleaner")
 
-EPOCH_START = datetime(1970, 1, 1, tzinfo=timezone.utc)
+FAR_PAST = datetime(1900, 1, 1, tzinfo=timezone.utc)
 MIN_BATCH = 100
 
-# :queue_filter is either no-op (all queues but the excluded ones) or one queue.
-DELETE_BATCH = """
+# A batch is a range of finalized_at holding at most :limit rows of the state. The probe walks
+# :limit entries of jobs_finalized_idx (an index-only scan) to find where the range ends; the
+# DELETE then removes that range through the same index: no sort, no id array, no primary-key
+# probes, and an exact bound on the batch.
+PROBE = """
+SELECT finalized_at FROM {schema}.jobs
+ WHERE state = CAST(:state AS {schema}.job_state)
+   AND finalized_at IS NOT NULL AND finalized_at >= :lo AND finalized_at < :horizon
+ ORDER BY finalized_at
+OFFSET :limit LIMIT 1
+"""
+
+FILTER = """
+   AND (CAST(:queue AS text) IS NULL OR queue = :queue)
+   AND queue <> ALL(CAST(:excluded AS text[]))
+"""
+
+DELETE_RANGE = """
+WITH deleted AS (
+  DELETE FROM {schema}.jobs
+   WHERE state = CAST(:state AS {schema}.job_state)
+     AND finalized_at IS NOT NULL AND finalized_at >= :lo AND finalized_at < :hi""" + FILTER + """
+  RETURNING 1
+)
+SELECT count(*) FROM deleted
+"""
+
+# The same range when some of its rows are locked by another session (final rows normally are
+# not): delete the others, skip those.
+DELETE_RANGE_SKIP_LOCKED = """
 WITH deleted AS (
   DELETE FROM {schema}.jobs
    WHERE id = ANY(ARRAY(
            SELECT id FROM {schema}.jobs
             WHERE state = CAST(:state AS {schema}.job_state)
-              AND finalized_at IS NOT NULL
-              AND finalized_at < :horizon
-              AND (finalized_at, id) > (:after_ts, :after_id)
-              AND (CAST(:queue AS text) IS NULL OR queue = :queue)
-              AND queue <> ALL(CAST(:excluded AS text[]))
-            ORDER BY finalized_at, id
-            LIMIT :limit
+              AND finalized_at IS NOT NULL AND finalized_at >= :lo AND finalized_at < :hi""" + FILTER + """
               FOR UPDATE SKIP LOCKED))
-     AND state = CAST(:state AS {schema}.job_state)
-     AND finalized_at < :horizon
-  RETURNING finalized_at, id
+     AND state = CAST(:state AS {schema}.job_state) AND finalized_at >= :lo AND finalized_at < :hi
+  RETURNING 1
 )
-SELECT count(*) AS n, max(finalized_at) AS last_ts,
-       (SELECT max(id) FROM deleted d2
-         WHERE d2.finalized_at = (SELECT max(finalized_at) FROM deleted)) AS last_id
-  FROM deleted
+SELECT count(*) FROM deleted
+"""
+LOCK_WAIT_MS = 500
+
+# More than :limit rows finalized at the very same instant: delete them by id batches.
+DELETE_TIED = """
+WITH deleted AS (
+  DELETE FROM {schema}.jobs
+   WHERE id = ANY(ARRAY(
+           SELECT id FROM {schema}.jobs
+            WHERE state = CAST(:state AS {schema}.job_state) AND finalized_at = :lo""" + FILTER + """
+            ORDER BY id LIMIT :limit
+              FOR UPDATE SKIP LOCKED))
+     AND state = CAST(:state AS {schema}.job_state) AND finalized_at = :lo
+  RETURNING 1
+)
+SELECT count(*) FROM deleted
 """
 
 COUNT_EXPIRED = """
@@ -129,16 +163,24 @@ class Cleaner(Service):
         return result
 
     def _clean(self, ctx: PassContext, params: dict, result: CleanerResult) -> None:
-        after_ts, after_id = EPOCH_START - timedelta(days=36500), 0
+        lo = FAR_PAST
         while True:
             ctx.check_stop()
             limit = self._batch
             try:
                 with ctx.transaction() as conn:
-                    row = conn.execute(ctx.sql(DELETE_BATCH), {
-                        **params, "after_ts": after_ts, "after_id": after_id, "limit": limit}).one()
+                    hi = conn.execute(ctx.sql(PROBE), {"state": params["state"], "lo": lo,
+                                                       "horizon": params["horizon"], "limit": limit}).scalar()
+                    last = hi is None
+                    if last:
+                        hi = params["horizon"]
+                    if hi == lo:  # a tie bigger than a batch
+                        n = conn.execute(ctx.sql(DELETE_TIED), {**params, "lo": lo, "limit": limit}).scalar_one()
+                    else:
+                        n = self._delete_range(ctx, conn, {**params, "lo": lo, "hi": hi})
             except OperationalError as exc:
-                if "statement timeout" not in str(exc.orig) and "canceling statement" not in str(exc.orig):
+                msg = str(exc.orig)
+                if not any(t in msg for t in ("statement timeout", "canceling statement", "lock timeout")):
                     raise
                 if ctx.should_stop():
                     raise
@@ -150,11 +192,26 @@ class Cleaner(Service):
                     raise
                 continue
             result.batches += 1
-            result.deleted[params["state"]] += row.n
+            result.deleted[params["state"]] += n
             self._grow()
-            if row.n < limit:
+            if last:
                 return
-            after_ts, after_id = row.last_ts, row.last_id
+            if hi == lo and n < limit:
+                # The tie is done: move just past it.
+                lo = hi + timedelta(microseconds=1)
+            else:
+                lo = hi
+
+    def _delete_range(self, ctx: PassContext, conn, params: dict) -> int:
+        """The fast range DELETE; if a row of the range is locked, skip it instead of waiting."""
+        try:
+            with conn.begin_nested():
+                conn.exec_driver_sql(f"SET LOCAL lock_timeout = {LOCK_WAIT_MS}")
+                return conn.execute(ctx.sql(DELETE_RANGE), params).scalar_one()
+        except OperationalError as exc:
+            if "lock timeout" not in str(exc.orig):
+                raise
+        return conn.execute(ctx.sql(DELETE_RANGE_SKIP_LOCKED), params).scalar_one()
 
     def _shrink(self) -> None:
         self._batch = max(MIN_BATCH, self._batch // 2)
