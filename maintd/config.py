@@ -197,10 +197,30 @@ class SchedulerConfig(ServiceConfig):
     precise_timing: bool = True
 
 
-class ReindexerConfig(Section):
+class Scheduled(Section):
+    """A section with a cron/interval ``schedule`` evaluated in ``timezone``."""
+
+    schedule: str
+    timezone: str = "UTC"
+
+    @field_validator("timezone")
+    @classmethod
+    def _tz(cls, v: str) -> str:
+        load_timezone(v)
+        return v
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> "Scheduled":
+        try:
+            parse_schedule(self.schedule, self.timezone)
+        except ValueError as exc:
+            raise ValueError(f"schedule: {exc}") from None
+        return self
+
+
+class ReindexerConfig(Scheduled):
     enabled: bool = False
     schedule: str = "0 0 * * *"
-    timezone: str = "UTC"
     indexes: list[str] = Field(default_factory=list)
     timeout: PositiveDuration = timedelta(minutes=1)
     lock_timeout: PositiveDuration = timedelta(seconds=5)
@@ -211,24 +231,9 @@ class ReindexerConfig(Section):
     def _indexes(cls, v: list[str]) -> list[str]:
         return [validate_identifier(name, "index name") for name in v]
 
-    @field_validator("timezone")
-    @classmethod
-    def _tz(cls, v: str) -> str:
-        load_timezone(v)
-        return v
 
-    @model_validator(mode="after")
-    def _check(self) -> "ReindexerConfig":
-        try:
-            parse_schedule(self.schedule, self.timezone)
-        except ValueError as exc:
-            raise ValueError(f"schedule: {exc}") from None
-        return self
-
-
-class PeriodicJob(Section):
+class PeriodicJob(Scheduled):
     id: str
-    schedule: str
     kind: str = Field(min_length=1, max_length=128)
     queue: str = Field(default="default", min_length=1, max_length=128)
     args: dict[str, Any] = Field(default_factory=dict)
@@ -238,7 +243,6 @@ class PeriodicJob(Section):
     run_on_start: bool = False
     backfill: OptionalDuration = None
     enabled: bool = True
-    timezone: str = "UTC"
 
     @field_validator("id")
     @classmethod
@@ -248,20 +252,6 @@ class PeriodicJob(Section):
                 f"invalid periodic id {v!r}: 1-128 letters, digits, '_', '.', ':' or '-'"
             )
         return v
-
-    @field_validator("timezone")
-    @classmethod
-    def _tz(cls, v: str) -> str:
-        load_timezone(v)
-        return v
-
-    @model_validator(mode="after")
-    def _check(self) -> "PeriodicJob":
-        try:
-            parse_schedule(self.schedule, self.timezone)
-        except ValueError as exc:
-            raise ValueError(f"schedule: {exc}") from None
-        return self
 
     @property
     def effective_unique_key(self) -> str | None:
@@ -296,7 +286,7 @@ with warnings.catch_warnings():
         http: HttpConfig = Field(default_factory=HttpConfig)
         log: LogConfig = Field(default_factory=LogConfig)
         cleaner: CleanerConfig = Field(default_factory=CleanerConfig)
-        rescuer: RescuerConfig = Field(default_factory=lambda: RescuerConfig(interval=timedelta(seconds=30)))
+        rescuer: RescuerConfig = Field(default_factory=RescuerConfig)
         scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
         reindexer: ReindexerConfig = Field(default_factory=ReindexerConfig)
         periodic: list[PeriodicJob] = Field(default_factory=list)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the HTTP server)
 
+__all__ = ["CONTENT_TYPE_LATEST", "Metrics", "RUN_BUCKETS"]
+
 RUN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 

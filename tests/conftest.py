@@ -8,6 +8,7 @@ started (about a second) and stopped at the end, with no process left behind.
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from datetime import datetime, timezone
 from typing import Iterator
@@ -56,6 +57,23 @@ def private_pg() -> Iterator["object"]:
         yield pg
     finally:
         pg.cleanup()
+
+
+def run_concurrently(fn, n: int = 2) -> list:
+    """Start ``fn()`` in ``n`` threads at the same instant; return their results."""
+    results: list = []
+    barrier = threading.Barrier(n)
+
+    def go() -> None:
+        barrier.wait()
+        results.append(fn())
+
+    threads = [threading.Thread(target=go) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
 
 
 def new_schema_name() -> str:

@@ -12,7 +12,7 @@ from maintd.db import sql
 from maintd.services.base import PassContext
 from maintd.services.cleaner import DELETE_RANGE, DELETE_TIED, PROBE, Cleaner
 
-from .conftest import T0
+from .conftest import T0, run_concurrently
 
 
 def insert(engine, schema, *, state, finalized_ago=None, queue="default", n=1, spread=False):
@@ -123,18 +123,7 @@ def test_dry_run_counts_and_changes_nothing(settings, engine, schema, clock):
 def test_two_cleaners_at_once_delete_each_row_once(settings, engine, schema, clock):
     settings.cleaner.batch_size = 50
     insert(engine, schema, state="completed", finalized_ago=timedelta(days=2), n=2000)
-    results = []
-    barrier = threading.Barrier(2)
-
-    def go():
-        barrier.wait()
-        results.append(run(settings, engine, clock))
-
-    threads = [threading.Thread(target=go) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = run_concurrently(lambda: run(settings, engine, clock))
     assert sum(r.deleted["completed"] for r in results) == 2000
     assert remaining(engine, schema) == set()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -12,6 +11,8 @@ from maintd.config import Settings
 from maintd.db import sql
 from maintd.metrics import Metrics
 from maintd.schedules import parse_schedule
+
+from .conftest import run_concurrently
 from maintd.services.base import PassContext
 from maintd.services.periodic import PeriodicEnqueuer
 
@@ -67,18 +68,7 @@ def test_two_instances_at_once_enqueue_each_slot_once(pg_dsn, schema, engine):
     clock = FrozenClock(START)
     run(settings, engine, clock)
     clock.advance(300)  # 30 slots due
-    results = []
-    barrier = threading.Barrier(3)
-
-    def go():
-        barrier.wait()
-        results.append(run(settings, engine, clock))
-
-    threads = [threading.Thread(target=go) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = run_concurrently(lambda: run(settings, engine, clock), 3)
     got = [j.scheduled_at for j in jobs(engine, schema)]
     assert len(got) == 30 and len(set(got)) == 30
     assert sum(len(r.enqueued) for r in results) == 30

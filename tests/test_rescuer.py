@@ -14,7 +14,7 @@ from maintd.jobs import ClaimedJob, JobQueue, backoff
 from maintd.services.base import PassContext
 from maintd.services.rescuer import Rescuer
 
-from .conftest import T0
+from .conftest import T0, run_concurrently
 
 
 def running(engine, schema, *, seen_ago, heartbeat_ago=None, attempt=1, max_attempts=25, n=1,
@@ -178,18 +178,7 @@ def test_rescue_never_overwrites_a_concurrent_completion(settings, engine, schem
 def test_two_rescuers_rescue_each_job_once(settings, engine, schema, clock):
     settings.rescuer.batch_size = 25
     ids = running(engine, schema, seen_ago=timedelta(hours=2), n=300)
-    results = []
-    barrier = threading.Barrier(2)
-
-    def go():
-        barrier.wait()
-        results.append(run(settings, engine, clock))
-
-    threads = [threading.Thread(target=go) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = run_concurrently(lambda: run(settings, engine, clock))
     assert sum(r.retried for r in results) == 300
     assert all(len(rows(engine, schema)[i].errors) == 1 for i in ids)
 

@@ -14,7 +14,7 @@ from maintd.db import notify_channel, sql
 from maintd.services.base import PassContext
 from maintd.services.scheduler import PROMOTE_BATCH, Scheduler
 
-from .conftest import T0
+from .conftest import T0, run_concurrently
 
 
 def add(engine, schema, *, state, due_in, queue="default", n=1):
@@ -105,18 +105,7 @@ def test_dry_run(settings, engine, schema, clock):
 def test_two_schedulers_promote_each_job_once(pg_dsn, settings, engine, schema, clock):
     settings.scheduler.batch_size = 7
     add(engine, schema, state="scheduled", due_in=timedelta(seconds=-1), queue="q", n=500)
-    results = []
-    barrier = threading.Barrier(2)
-
-    def go():
-        barrier.wait()
-        results.append(run(settings, engine, clock))
-
-    threads = [threading.Thread(target=go) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = run_concurrently(lambda: run(settings, engine, clock))
     assert sum(r.total for r in results) == 500
     assert set(states(engine, schema).values()) == {"available"}
 
