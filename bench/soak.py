@@ -29,7 +29,9 @@ from maintd.jobs import JobQueue  # noqa: E402
 from tests.procs import DaemonProc, leader_row, wait_for  # noqa: E402
 
 
-def worker(dsn: str, seconds: float, batch: int, out: "mp.Queue") -> None:
+def worker(dsn: str, seconds: float, batch: int, out: "mp.Queue", refill: bool = False) -> None:
+    """Claim and complete as fast as possible; with ``refill`` enqueue one new job per completed
+    one, so the flow never runs dry during a long soak."""
     engine = make_engine(dsn, application_name="soak-worker", pool_size=1)
     q = JobQueue("maintd")
     lat, done = [], 0
@@ -42,6 +44,8 @@ def worker(dsn: str, seconds: float, batch: int, out: "mp.Queue") -> None:
             lat.append(time.perf_counter() - t0)
             for job in jobs:
                 q.complete(conn, job)
+                if refill:
+                    q.enqueue(conn, "soak", {})
         done += len(jobs)
         if not jobs:
             time.sleep(0.01)
@@ -99,14 +103,17 @@ def main() -> int:
             # Soak: the workload keeps flowing while we sample maintd.
             samples = []
             out: mp.Queue = mp.Queue()
-            flow = mp.Process(target=worker, args=(pg.dsn, soak, batch, out))
-            flow.start()
+            flows = [mp.Process(target=worker, args=(pg.dsn, soak, batch, out, True))
+                     for _ in range(args.workers)]
+            for flow in flows:
+                flow.start()
             t_end = time.monotonic() + soak
             while time.monotonic() < t_end:
                 samples.append((time.monotonic(), *proc_stats(d.pid)))
                 time.sleep(min(5.0, soak / 10))
-            out.get()
-            flow.join()
+            soak_jobs = sum(out.get()[0] for _ in flows)
+            for flow in flows:
+                flow.join()
         finally:
             d.stop()
     loss = 1 - on_rate / off_rate if off_rate else 0.0
@@ -116,11 +123,11 @@ def main() -> int:
     print(f"jobs seeded per phase {jobs:,}, {args.workers} worker processes, claim batch {batch}")
     print(f"maintd off: {off_rate:8,.0f} jobs/s   claim p99 {off_p99:6.2f} ms")
     print(f"maintd on:  {on_rate:8,.0f} jobs/s   claim p99 {on_p99:6.2f} ms   throughput loss {100 * loss:.1f} %")
-    print(f"soak {soak:.0f}s: maintd CPU {cpu:.1f} %, RSS first {rss[0]:.1f} MiB, max {max(rss):.1f} MiB, "
+    print(f"soak {soak:.0f}s: {soak_jobs:,} jobs through the workers; maintd CPU {cpu:.1f} %, RSS first {rss[0]:.1f} MiB, max {max(rss):.1f} MiB, "
           f"last {rss[-1]:.1f} MiB (first-half mean {statistics.mean(rss[:half] or rss):.1f}, "
           f"second-half mean {statistics.mean(rss[half:]):.1f})")
     print(json.dumps({"off_rate": off_rate, "on_rate": on_rate, "loss": loss, "off_p99_ms": off_p99,
-                      "on_p99_ms": on_p99, "rss_mib": rss, "cpu_percent": cpu}))
+                      "on_p99_ms": on_p99, "soak_jobs": soak_jobs, "rss_mib": rss, "cpu_percent": cpu}))
     return 0
 
 
