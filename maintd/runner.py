@@ -38,6 +38,7 @@ ON CONFLICT (service) DO UPDATE
 """
 
 STATS_INTERVAL = 15.0
+FINAL_STATS_INTERVAL = 300.0  # per-queue counts of finished jobs read the heap: every 5 minutes
 
 
 def build_services(settings: Settings) -> dict[str, Service]:
@@ -106,6 +107,7 @@ class Runner:
         self._active: dict[str, PassContext] = {}
         self._lock = threading.Lock()
         self.last_runs: dict[str, dict] = {}
+        self._final_counted_at = float("-inf")
 
     def start(self) -> None:
         self.scheduler.start()
@@ -210,8 +212,12 @@ class Runner:
     def _refresh_stats(self) -> None:
         from .status import refresh_job_gauges
 
+        now = time.monotonic()
+        final = now - self._final_counted_at >= FINAL_STATS_INTERVAL
         try:
-            refresh_job_gauges(self.engine, self.settings, self.metrics)
+            refresh_job_gauges(self.engine, self.settings, self.metrics, final=final)
+            if final:
+                self._final_counted_at = now
         except Exception as exc:
             log.debug("could not refresh job gauges", extra=kv(error=describe_db_error(exc)))
 

@@ -46,8 +46,10 @@ def _iso(v: Any) -> Any:
     return v.isoformat() if isinstance(v, datetime) else v
 
 
-def job_counts(conn, schema: str) -> list[dict[str, Any]]:
-    rows = list(conn.execute(sql(LIVE_COUNTS, schema))) + list(conn.execute(sql(FINAL_COUNTS, schema)))
+def job_counts(conn, schema: str, *, final: bool = True) -> list[dict[str, Any]]:
+    rows = list(conn.execute(sql(LIVE_COUNTS, schema)))
+    if final:
+        rows += list(conn.execute(sql(FINAL_COUNTS, schema)))
     return sorted(({"queue": r.queue, "state": r.state, "count": r.n} for r in rows),
                   key=lambda r: (r["queue"], JOB_STATES.index(r["state"])))
 
@@ -77,12 +79,17 @@ def collect_status(engine: Engine, settings: Settings) -> dict[str, Any]:
     }
 
 
-def refresh_job_gauges(engine: Engine, settings: Settings, metrics: Metrics) -> None:
+def refresh_job_gauges(engine: Engine, settings: Settings, metrics: Metrics, *, final: bool = True) -> None:
+    """Refresh ``maintd_jobs`` and the backlog age. Live states are cheap (partial indexes); the
+    per-queue counts of final states read the heap, so callers refresh them less often."""
     with engine.connect() as conn:
         conn.exec_driver_sql("SET LOCAL statement_timeout = 10000")
-        counts = job_counts(conn, settings.schema)
+        counts = job_counts(conn, settings.schema, final=final)
         oldest = {r.queue: r.age for r in conn.execute(sql(OLDEST_AVAILABLE, settings.schema))}
-    metrics.jobs.clear()
+    live = [s for s in JOB_STATES if s not in FINAL_STATES]
+    for labels in [m.labels for m in metrics.jobs.collect()[0].samples]:
+        if labels["state"] in live or final:
+            metrics.jobs.remove(labels["queue"], labels["state"])
     for row in counts:
         metrics.jobs.labels(row["queue"], row["state"]).set(row["count"])
     metrics.oldest_available_age.clear()

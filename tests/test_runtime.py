@@ -223,3 +223,27 @@ def test_maintenance_sessions_are_bounded(settings):
     finally:
         engine.dispose()
     assert st == "30s" and idle == "10s" and app == f"maintd:{settings.instance_id}:work"
+
+
+def test_job_gauges_refresh_live_often_and_final_counts_when_asked(settings, engine, schema, queue):
+    from maintd.status import refresh_job_gauges
+
+    metrics = Metrics()
+    with engine.begin() as conn:
+        for _ in range(3):
+            queue.enqueue(conn, "k", queue="mail")
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state, finalized_at) "
+                         "VALUES ('k', 'mail', 'completed', now())", schema))
+    refresh_job_gauges(engine, settings, metrics, final=True)
+    get = metrics.registry.get_sample_value
+    assert get("maintd_jobs", {"queue": "mail", "state": "available"}) == 3
+    assert get("maintd_jobs", {"queue": "mail", "state": "completed"}) == 1
+    assert get("maintd_oldest_available_job_age_seconds", {"queue": "mail"}) >= 0
+    with engine.begin() as conn:
+        [job] = queue.claim(conn, "mail", "w")
+        queue.complete(conn, job)
+    refresh_job_gauges(engine, settings, metrics, final=False)
+    assert get("maintd_jobs", {"queue": "mail", "state": "available"}) == 2
+    assert get("maintd_jobs", {"queue": "mail", "state": "completed"}) == 1  # not recounted yet
+    refresh_job_gauges(engine, settings, metrics, final=True)
+    assert get("maintd_jobs", {"queue": "mail", "state": "completed"}) == 2
