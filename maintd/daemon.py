@@ -30,8 +30,6 @@ class SchemaNotReady(RuntimeError):
     pass
 
 
-
-
 def _transient(exc: Exception) -> bool:
     """Worth waiting for (server down or restarting) vs. needs a human (bad role, password,
     database name): the server's FATAL rejections are final unless they say it is starting."""
@@ -55,12 +53,12 @@ class Daemon:
         self.elector = LeaderElector(settings, on_elected=self._elected, on_demoted=self._demoted,
                                      on_health=self._health)
         self.runner = Runner(settings, self.engine, self.metrics, clock=self.clock,
-                             on_fenced=self.elector.request_demotion)
+                             on_fenced=self._fenced)
         self.http: HttpServer | None = None
         self.notifier = SystemdNotifier()
         self._stopping = threading.Event()
         self._reload_requested = threading.Event()
-        self._last_tick = time.monotonic()
+        self._last_tick: float | None = None  # set by tick(); None while nobody ticks
         self._started = False
         self._db_ok = False
 
@@ -152,13 +150,20 @@ class Daemon:
                                              periodic=len(settings.periodic)))
 
     def reload_from_file(self) -> bool:
+        """SIGHUP: apply the config file; an invalid one changes nothing."""
         try:
             settings = load_settings(self.config_path)
         except ConfigError as exc:
             log.error("config reload rejected, keeping the old config",
                       extra=kv(problems="; ".join(exc.problems)))
             return False
-        self.reload(settings)
+        old = self.settings
+        try:
+            self.reload(settings)
+        except Exception as exc:  # never let a reload take the daemon down
+            log.error("config reload failed, keeping the old config", extra=kv(error=str(exc)))
+            self.reload(old)
+            return False
         return True
 
     # -- callbacks ------------------------------------------------------------------------
@@ -174,16 +179,35 @@ class Daemon:
         self.runner.deactivate(reason)
         self.notifier.status(f"follower ({reason})")
 
+    def _fenced(self, reason: str, fence: Any) -> None:
+        """The database refused a pass of the current term: give that term up."""
+        self.elector.request_demotion(reason, getattr(fence, "epoch", None))
+
     def _health(self, ok: bool) -> None:
         self._db_ok = ok
         self.metrics.up.set(1 if ok else 0)
 
     # -- HTTP -----------------------------------------------------------------------------
+    def health_problem(self) -> str | None:
+        """None while healthy, else why not (for /healthz)."""
+        now = time.monotonic()
+        cfg = self.settings.leader
+        stall = (cfg.lease + max(cfg.retry_interval, cfg.renew_interval)).total_seconds()
+        if not self._db_ok:
+            return "database unreachable"
+        if not self.elector.alive:
+            return "leader election thread not running"
+        if now - self.elector.last_progress > stall:
+            return "leader election loop stalled (database connection hanging?)"
+        if self._last_tick is not None and now - self._last_tick > 10:
+            return "main loop stalled"
+        return None
+
     def _healthz(self) -> tuple[int, str, bytes]:
-        loop_ok = time.monotonic() - self._last_tick < 10
-        if loop_ok and self._db_ok:
+        problem = self.health_problem()
+        if problem is None:
             return text_body(200, "ok\n")
-        return text_body(503, "unhealthy: " + ("database unreachable" if not self._db_ok else "loop stalled") + "\n")
+        return text_body(503, f"unhealthy: {problem}\n")
 
     def _readyz(self) -> tuple[int, str, bytes]:
         if self._started and self.elector.healthy:
@@ -206,10 +230,11 @@ class Daemon:
     def tick(self) -> None:
         """Called a few times a second by :meth:`run_forever` (and tests)."""
         self._last_tick = time.monotonic()
-        if self.elector.is_leader and not self.elector.lease_valid():
+        token = self.elector.token
+        if token is not None and not self.elector.lease_valid():
             # The elector thread may be stuck in a network call: stop the passes right now.
             self.runner.deactivate("lease expired")
-            self.elector.request_demotion("lease expired")
+            self.elector.request_demotion("lease expired", token.epoch)
         if self._reload_requested.is_set():
             self._reload_requested.clear()
             self.reload_from_file()
@@ -230,7 +255,10 @@ class Daemon:
         last_ping = 0.0
         try:
             while not self._stopping.wait(0.2):
-                self.tick()
+                try:
+                    self.tick()
+                except Exception as exc:  # the main loop must survive anything a tick meets
+                    log.error("main loop error", extra=kv(error=describe_db_error(exc)))
                 interval = self.notifier.watchdog_interval
                 if interval and time.monotonic() - last_ping >= interval:
                     self.notifier.watchdog()

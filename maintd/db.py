@@ -55,10 +55,11 @@ def ms(td: timedelta) -> int:
 
 
 def connect(dsn: str, *, application_name: str, autocommit: bool = True,
-            settings: dict[str, Any] | None = None) -> psycopg.Connection:
-    """A raw psycopg connection with TCP keepalives and the given session settings."""
+            settings: dict[str, Any] | None = None, **params: Any) -> psycopg.Connection:
+    """A raw psycopg connection with TCP keepalives and the given session settings; ``params``
+    are extra libpq parameters (e.g. ``tcp_user_timeout``)."""
     conn = psycopg.connect(libpq_dsn(dsn), autocommit=True, application_name=application_name[:63],
-                           **KEEPALIVES)
+                           **{**KEEPALIVES, **params})
     try:
         for key, value in (settings or {}).items():
             conn.execute("SELECT set_config(%s, %s, false)", (key, str(value)))

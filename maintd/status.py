@@ -8,15 +8,20 @@ from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import Engine
+from sqlalchemy.exc import OperationalError
 
 from .config import Settings
-from .db import sql
+from .db import advisory_key, describe_db_error, sql
 from .metrics import Metrics
 from .models import FINAL_STATES, JOB_STATES
 
+# The recorded term counts only while its session still holds the advisory lock.
 LEADER = """
 SELECT l.epoch, l.instance_id, l.host, l.pid, l.elected_at, l.renewed_at, l.released_at,
-       EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = l.backend_pid) AS session_alive
+       EXISTS (SELECT 1 FROM pg_locks k
+                WHERE k.locktype = 'advisory' AND k.classid::bigint = :classid
+                  AND k.objid::bigint = :objid AND k.objsubid = 2 AND k.pid = l.backend_pid
+                  AND k.granted) AS holds_lock
   FROM {schema}.leader l WHERE l.name = 'leader'
 """
 DAEMONS = """
@@ -56,15 +61,23 @@ def job_counts(conn, schema: str, *, final: bool = True) -> list[dict[str, Any]]
 
 def collect_status(engine: Engine, settings: Settings) -> dict[str, Any]:
     schema = settings.schema
+    classid, objid = advisory_key(schema)
+    jobs_note = None
     with engine.connect() as conn:
         conn.exec_driver_sql("SET LOCAL statement_timeout = 5000")
-        leader = conn.execute(sql(LEADER, schema)).mappings().first()
+        leader = conn.execute(sql(LEADER, schema), {"classid": classid & 0xFFFFFFFF,
+                                                    "objid": objid & 0xFFFFFFFF}).mappings().first()
         daemons = [dict(r) for r in conn.execute(sql(DAEMONS, schema)).mappings()]
         runs = [dict(r) for r in conn.execute(sql(RUNS, schema)).mappings()]
-        jobs = job_counts(conn, schema)
         oldest = {r.queue: r.age for r in conn.execute(sql(OLDEST_AVAILABLE, schema))}
+        try:
+            with conn.begin_nested():  # counting finished jobs reads the heap: may time out
+                jobs = job_counts(conn, schema)
+        except OperationalError as exc:
+            jobs = job_counts(conn, schema, final=False)
+            jobs_note = f"finished jobs not counted: {describe_db_error(exc)}"
     lead: dict[str, Any] | None = None
-    if leader and leader["instance_id"] and leader["released_at"] is None and leader["session_alive"]:
+    if leader and leader["instance_id"] and leader["released_at"] is None and leader["holds_lock"]:
         lead = {"instance_id": leader["instance_id"], "host": leader["host"], "pid": leader["pid"],
                 "since": _iso(leader["elected_at"]), "epoch": leader["epoch"],
                 "renewed_at": _iso(leader["renewed_at"])}
@@ -75,17 +88,30 @@ def collect_status(engine: Engine, settings: Settings) -> dict[str, Any]:
         "daemons": [{k: _iso(v) for k, v in d.items()} for d in daemons],
         "services": [{k: _iso(v) for k, v in r.items()} for r in runs],
         "jobs": jobs,
+        **({"jobs_note": jobs_note} if jobs_note else {}),
         "oldest_available_age_seconds": oldest,
     }
+
+
+def job_gauge_values(engine: Engine, settings: Settings, *, final: bool = True
+                     ) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """(job counts, oldest available age per queue), bounded by a 10 s statement timeout."""
+    with engine.connect() as conn:
+        conn.exec_driver_sql("SET LOCAL statement_timeout = 10000")
+        counts = job_counts(conn, settings.schema, final=final)
+        oldest = {r.queue: r.age for r in conn.execute(sql(OLDEST_AVAILABLE, settings.schema))}
+    return counts, oldest
 
 
 def refresh_job_gauges(engine: Engine, settings: Settings, metrics: Metrics, *, final: bool = True) -> None:
     """Refresh ``maintd_jobs`` and the backlog age. Live states are cheap (partial indexes); the
     per-queue counts of final states read the heap, so callers refresh them less often."""
-    with engine.connect() as conn:
-        conn.exec_driver_sql("SET LOCAL statement_timeout = 10000")
-        counts = job_counts(conn, settings.schema, final=final)
-        oldest = {r.queue: r.age for r in conn.execute(sql(OLDEST_AVAILABLE, settings.schema))}
+    counts, oldest = job_gauge_values(engine, settings, final=final)
+    apply_job_gauges(metrics, counts, oldest, final=final)
+
+
+def apply_job_gauges(metrics: Metrics, counts: list[dict[str, Any]], oldest: dict[str, float], *,
+                     final: bool) -> None:
     live = [s for s in JOB_STATES if s not in FINAL_STATES]
     for labels in [m.labels for m in metrics.jobs.collect()[0].samples]:
         if labels["state"] in live or final:
@@ -124,6 +150,8 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append("  (none)")
     for j in st["jobs"]:
         lines.append(f"  {j['queue']:<20} {j['state']:<10} {j['count']}")
+    if st.get("jobs_note"):
+        lines.append(f"  ({st['jobs_note']})")
     return "\n".join(lines)
 
 
@@ -142,4 +170,5 @@ def cli_status(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["collect_status", "refresh_job_gauges", "format_status", "cli_status", "FINAL_STATES"]
+__all__ = ["collect_status", "refresh_job_gauges", "job_gauge_values", "apply_job_gauges",
+           "format_status", "cli_status", "FINAL_STATES"]

@@ -1,4 +1,11 @@
-"""Real maintd daemons as subprocesses, for leadership, failover and fault tests."""
+r"""Real maintd daemons as subprocesses, for leadership, failover and fault tests.
+
+    d = DaemonProc(dsn, schema, "d1", {"cleaner": {"interval": "1s"}}).start()
+    d.wait_log(r"became leader epoch=(\d+)")
+    d.is_leader_from_db()          # the database's view: its lock session holds the lock
+    d.http_get("/healthz")         # (status, body) from its HTTP server (port 0 -> from the log)
+    d.kill()                       # SIGKILL (or d.kill(signal.SIGSTOP) ...); d.stop() = SIGTERM, wait
+"""
 
 from __future__ import annotations
 
@@ -9,11 +16,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
 import psycopg
 
+SIGKILL = signal.SIGKILL  # (DaemonProc.signal shadows the module in the class body)
 FAST_LEADER = {"lease": "3s", "renew_interval": "1s", "retry_interval": "0.2s"}
 
 
@@ -91,9 +101,27 @@ class DaemonProc:
         assert self.proc is not None
         os.kill(self.proc.pid, sig)
 
-    def kill(self) -> None:
-        self.signal(signal.SIGKILL)
-        self.proc.wait(10)
+    def kill(self, sig: int = SIGKILL) -> None:
+        """Send ``sig``; for SIGKILL also reap the process."""
+        self.signal(sig)
+        if sig == SIGKILL:
+            self.proc.wait(10)
+
+    def is_leader_from_db(self) -> bool:
+        """Whether the database sees this instance's lock session holding the leader lock."""
+        return f"maintd:{self.instance_id}" in lock_holders(self.dsn, self.schema)
+
+    @property
+    def http_port(self) -> int:
+        """The bound HTTP port (the config's port 0 picks a free one; the log names it)."""
+        return int(self.wait_log(r"http listening address=[^\s]+:(\d+)").group(1))
+
+    def http_get(self, path: str, timeout: float = 5) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}{path}", timeout=timeout) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
 
     def stop(self, timeout: float = 15) -> int:
         if self.proc is None:

@@ -84,7 +84,7 @@ def test_fence_refuses_a_stale_epoch_and_writes_nothing(settings, engine, schema
         with pytest.raises(NotLeader), engine.connect() as conn:
             wrong_pid.check(conn)
     finally:
-        elector._release()
+        elector.stop()
     # After release, the old term's fence refuses too.
     with pytest.raises(NotLeader):
         with engine.connect() as conn:
@@ -99,10 +99,10 @@ def test_second_acquire_fails_while_held(settings):
     try:
         assert acquire_once(settings, wait=0.3) is None
     finally:
-        held[0]._release()
+        held[0].stop()
     again = acquire_once(settings)
     assert again is not None
-    again[0]._release()
+    again[0].stop()
 
 
 def test_failing_pass_is_counted_and_never_overlaps(settings, engine):
