@@ -1,7 +1,8 @@
-"""Failover time after SIGKILL and SIGSTOP of the leader (median of N), and the idle CPU/RSS of a
-leader and a follower. Not a test: a person runs it and reads the numbers.
+"""Failover time after SIGKILL and SIGSTOP of the leader (median of N): until a follower holds
+the lock with a new term ("leads") and until its first pass is recorded ("pass"); and the idle
+CPU/RSS of a leader and a follower. Not a test: a person runs it and reads the numbers.
 
-    python bench/failover.py [--runs 5] [--lease 10s]
+    python bench/failover.py [--runs 5] [--idle-seconds 30]
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import statistics
 import sys
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
+
+import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -35,10 +39,16 @@ def proc_stats(pid: int) -> tuple[float, int]:
     return cpu, rss
 
 
-def measure(dsn: str, mode: str, lease: str, runs: int, workdir: str) -> list[float]:
+def first_pass_by(dsn: str, instance: str, since: datetime) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute("SELECT EXISTS (SELECT 1 FROM maintd.service_runs WHERE instance_id = %s "
+                            "AND finished_at > %s)", (instance, since)).fetchone()[0]
+
+
+def measure(dsn: str, mode: str, lease: str, runs: int, workdir: str) -> tuple[list[float], list[float]]:
     extra = {"leader": {"lease": lease, "renew_interval": "1s" if lease != "10s" else "2s",
                         "retry_interval": "1s"}}
-    times = []
+    times, passes = [], []
     for run in range(runs):
         procs = {f"{mode}{run}{i}": DaemonProc(dsn, "maintd", f"{mode}{run}{i}", extra, workdir=workdir).start()
                  for i in range(2)}
@@ -46,14 +56,16 @@ def measure(dsn: str, mode: str, lease: str, runs: int, workdir: str) -> list[fl
             wait_for(lambda: leader_row(dsn, "maintd")[1] in procs, 20, what="a leader")
             time.sleep(1.0)
             epoch, inst = leader_row(dsn, "maintd")
-            t0 = time.monotonic()
+            t0, killed_at = time.monotonic(), datetime.now(timezone.utc)
             procs[inst].signal(signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
-            wait_new_leader(dsn, "maintd", epoch, 60)
+            _, new = wait_new_leader(dsn, "maintd", epoch, 60)
             times.append(time.monotonic() - t0)
+            wait_for(lambda: first_pass_by(dsn, new, killed_at), 30, interval=0.01, what="a pass")
+            passes.append(time.monotonic() - t0)
         finally:
             for p in procs.values():
                 p.stop()
-    return times
+    return times, passes
 
 
 def main() -> int:
@@ -67,11 +79,13 @@ def main() -> int:
         with engine.connect() as conn:
             migrate.upgrade(conn, "maintd")
         engine.dispose()
-        print(f"{'scenario':<34} {'median s':>9} {'min':>6} {'max':>6}")
-        for mode, lease in (("kill", "10s"), ("stop", "10s"), ("stop", "3s")):
-            t = measure(pg.dsn, mode, lease, args.runs, workdir)
+        print(f"{'scenario (retry_interval 1s)':<34} {'leads: median':>13} {'min':>6} {'max':>6}"
+              f" {'pass: median':>13} {'max':>6}   (seconds, {args.runs} runs)")
+        for mode, lease in (("kill", "10s"), ("kill", "3s"), ("stop", "10s"), ("stop", "3s")):
+            t, f = measure(pg.dsn, mode, lease, args.runs, workdir)
             label = f"SIGKILL leader (lease {lease})" if mode == "kill" else f"SIGSTOP leader (lease {lease})"
-            print(f"{label:<34} {statistics.median(t):>9.2f} {min(t):>6.2f} {max(t):>6.2f}", flush=True)
+            print(f"{label:<34} {statistics.median(t):>13.2f} {min(t):>6.2f} {max(t):>6.2f}"
+                  f" {statistics.median(f):>13.2f} {max(f):>6.2f}", flush=True)
 
         procs = [DaemonProc(pg.dsn, "maintd", f"idle{i}", {}, workdir=workdir).start() for i in range(2)]
         try:

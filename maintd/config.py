@@ -97,8 +97,8 @@ class LeaderConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> "LeaderConfig":
-        if self.renew_interval * 2 > self.lease:
-            raise ValueError("renew_interval: must be at most half of leader.lease")
+        if self.renew_interval * 3 > self.lease:  # a late renewal must not end the lease
+            raise ValueError("renew_interval: must be at most a third of leader.lease")
         if self.lease < timedelta(seconds=1):
             raise ValueError("lease: must be at least 1s")
         return self

@@ -5,7 +5,8 @@
   ``idle_session_timeout = lease`` (PostgreSQL 14+): if this process freezes or is cut off, the
   server ends the session (and frees the lock) within the lease.
 * The leader proves the lock every ``renew_interval``; if it cannot for ``lease - renew_interval``
-  (or on any error) it demotes itself and closes the session.
+  (or on any error) it demotes itself and closes the session. (The lease runs from when a proof
+  was sent: the server's idle timer cannot have started earlier.)
 * Winning the lock bumps ``leader.epoch`` after locking the leader row ``FOR UPDATE``. Every
   maintenance transaction runs :meth:`LeaderFence.check` first: it locks the leader row
   ``FOR KEY SHARE`` and proceeds only while the epoch is ours and our lock session still holds the
@@ -169,7 +170,8 @@ class LeaderElector:
         self.last_progress = time.monotonic()
         self._marker = ""
         self._ever_connected = False
-        self._last_renewed = 0.0
+        self._last_renewed = 0.0  # monotonic send time of the last successful proof
+        self._next_renewal = 0.0
         self._last_register = float("-inf")
         self._stop = threading.Event()
         self._demote_requested: tuple[str, int | None] | None = None
@@ -329,11 +331,12 @@ class LeaderElector:
                 self.conn.execute(f"SET idle_session_timeout = {ms(self.settings.leader.lease)}")
             if not self._holds_lock():
                 raise LeaderSessionError(f"the advisory lock is not visible in this backend {POOLER_HINT}")
-            epoch = self._bump_epoch()
+            epoch, sent = self._bump_epoch()
         except BaseException:
             self._close()  # never keep the lock without a term
             raise
-        self._last_renewed = time.monotonic()
+        self._last_renewed = sent
+        self._next_renewal = sent + self.settings.leader.renew_interval.total_seconds()
         self._demote_requested = None
         self.token = LeaderToken(epoch, self.conn.info.backend_pid, self.settings.instance_id,
                                  self.classid, self.objid)
@@ -345,17 +348,19 @@ class LeaderElector:
             self._lose("services failed to start")
             self._close()
 
-    def _bump_epoch(self) -> int:
-        """Waits (bounded) for an old leader's in-flight fenced transactions, then takes the term."""
+    def _bump_epoch(self) -> tuple[int, float]:
+        """Waits (bounded) for an old leader's in-flight fenced transactions, then takes the term.
+        Returns the epoch and when the successful attempt began."""
         assert self.conn is not None
         s = self.settings
         deadline = time.monotonic() + s.leader.lease.total_seconds() * 3
         params = {"instance": s.instance_id, "host": self.host, "pid": os.getpid()}
         while True:
+            sent = time.monotonic()
             try:
                 with self.conn.transaction():
                     self.conn.execute(render_sql(LOCK_LEADER_ROW, s.schema))
-                    return self.conn.execute(render_sql(BUMP_EPOCH, s.schema), params).fetchone()[0]
+                    return self.conn.execute(render_sql(BUMP_EPOCH, s.schema), params).fetchone()[0], sent
             except psycopg.errors.LockNotAvailable:
                 self.last_progress = time.monotonic()
                 if time.monotonic() > deadline or self._stop.is_set():
@@ -373,9 +378,12 @@ class LeaderElector:
             self._lose("lease expired before it could be renewed")
             self._close()
             return
-        self._stop.wait(self.settings.leader.renew_interval.total_seconds())
+        # The next proof goes out renew_interval after the previous one, however long that took.
+        self._stop.wait(max(0.0, self._next_renewal - time.monotonic()))
         if self._stop.is_set() or self.token is None or self._demote_requested:
             return
+        sent = time.monotonic()
+        self._next_renewal = sent + self.settings.leader.renew_interval.total_seconds()
         if not self._holds_lock():
             self._lose("advisory lock no longer held")
             self._close()
@@ -386,7 +394,7 @@ class LeaderElector:
             self._lose("another instance took a newer term")
             self._close()
             return
-        self._last_renewed = time.monotonic()
+        self._last_renewed = sent
         self._register()
 
     def _lose(self, reason: str) -> None:
