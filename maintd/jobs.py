@@ -19,9 +19,12 @@ from sqlalchemy import Connection
 from .db import sql
 
 
+BACKOFF_CAP = 10  # the backoff grows with the attempt up to this one, then stays (about 6 h)
+
+
 def backoff(attempt: int) -> timedelta:
     """The one retry backoff (workers' failures and rescued jobs): e^min(attempt, 10) seconds."""
-    return timedelta(seconds=math.exp(min(max(attempt, 0), 10)))
+    return timedelta(seconds=math.exp(min(max(attempt, 0), BACKOFF_CAP)))
 
 
 ENQUEUE = """

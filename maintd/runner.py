@@ -49,9 +49,10 @@ def build_services(settings: Settings) -> dict[str, Service]:
     return {name: cls(settings) for name, cls in SERVICES.items()}
 
 
-def maintenance_engine(settings: Settings, *, pool_size: int = 4) -> Engine:
+def maintenance_engine(settings: Settings, *, pool_size: int = len(SERVICES) + 1) -> Engine:
     """Pooled connections for maintenance transactions, bounded by the statement timeout; a
-    frozen process's open transaction is ended by the server within the lease."""
+    frozen process's open transaction is ended by the server within the lease. Each running pass
+    holds one (:meth:`PassContext.session`), the job gauges another; connections open on demand."""
     return make_engine(
         settings.database_url.get_secret_value(),
         application_name=f"maintd:{settings.instance_id}:work",
@@ -69,7 +70,8 @@ def execute_pass(service: Service, ctx: PassContext, metrics: Metrics | None = N
     result: PassResult | None = None
     error: str | None = None
     try:
-        result = service.run_once(ctx)
+        with ctx.session():
+            result = service.run_once(ctx)
         outcome = "success"
     except NotLeader as exc:
         outcome, error = "fenced", str(exc)

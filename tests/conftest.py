@@ -121,3 +121,28 @@ def clock() -> FrozenClock:
 @pytest.fixture
 def queue(schema: str) -> JobQueue:
     return JobQueue(schema)
+
+
+@pytest.fixture
+def maintd_log() -> Iterator[list[str]]:
+    """Messages logged under ``maintd`` during the test, as ``logger: message key=value`` lines
+    (caplog misses them: ``setup_logging`` turns propagation off)."""
+    import logging
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            fields = getattr(record, "fields", None) or {}
+            extra = "".join(f" {k}={v}" for k, v in fields.items())
+            lines.append(f"{record.name}: {record.getMessage()}{extra}")
+
+    logger = logging.getLogger("maintd")
+    handler, level = Collect(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

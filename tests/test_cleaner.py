@@ -1,38 +1,61 @@
-"""Cleaner: exact rows kept and deleted at every retention edge, batches, overrides, dry run."""
+"""Cleaner: exact rows kept and deleted at every retention edge, batches, overrides, locks, timeouts,
+passes that do not re-read kept rows, dry run, plans."""
 
 from __future__ import annotations
 
-import threading
+import logging
+from contextlib import contextmanager
 from datetime import timedelta
 
+import psycopg
 import pytest
-from sqlalchemy import text
+from sqlalchemy import event
 
+from maintd.config import Settings
 from maintd.db import sql
+from maintd.metrics import Metrics
 from maintd.services.base import PassContext
-from maintd.services.cleaner import DELETE_RANGE, DELETE_TIED, PROBE, Cleaner
+from maintd.services.cleaner import (
+    BATCH_TARGET, COUNT_EXPIRED, DELETE_RANGE, DELETE_RANGE_SKIP_LOCKED, DELETE_TIED, FILL,
+    FULL_SCAN_EVERY, GROW_AFTER, GROWTH, LOOKBACK, MIN_BATCH, PROBE, Cleaner, next_width,
+)
 
 from .conftest import T0, run_concurrently
+from .plans import explain
+
+DAY, HOUR, SECOND, MS = timedelta(days=1), timedelta(hours=1), timedelta(seconds=1), timedelta(milliseconds=1)
 
 
-def insert(engine, schema, *, state, finalized_ago=None, queue="default", n=1, spread=False):
-    """Insert n jobs in ``state`` finalized ``finalized_ago`` before T0 (``spread``: each 1 ms
+def insert(engine, schema, *, state, finalized_ago=None, queue="default", n=1, spread=False, now=T0):
+    """Insert n jobs in ``state`` finalized ``finalized_ago`` before ``now`` (``spread``: each 1 ms
     older than the previous); returns their ids."""
     final = state in ("completed", "cancelled", "discarded")
     with engine.begin() as conn:
         return [r[0] for r in conn.execute(sql(
             "INSERT INTO {schema}.jobs (kind, queue, state, finalized_at, attempted_at) "
             "SELECT 'k', :queue, CAST(:state AS {schema}.job_state), "
-            "CASE WHEN :final THEN CAST(:t0 AS timestamptz) - CAST(:ago AS interval) "
+            "CASE WHEN :final THEN CAST(:now AS timestamptz) - CAST(:ago AS interval) "
             "- CASE WHEN :spread THEN g * interval '1 millisecond' ELSE interval '0' END END, "
-            "CAST(:t0 AS timestamptz) - interval '3 days' FROM generate_series(1, :n) g RETURNING id", schema),
-            {"queue": queue, "state": state, "final": final, "t0": T0, "spread": spread,
+            "CAST(:now AS timestamptz) - interval '3 days' FROM generate_series(1, :n) g RETURNING id", schema),
+            {"queue": queue, "state": state, "final": final, "now": now, "spread": spread,
              "ago": finalized_ago or timedelta(0), "n": n})]
 
 
 def remaining(engine, schema) -> set[int]:
     with engine.connect() as conn:
         return {r[0] for r in conn.execute(sql("SELECT id FROM {schema}.jobs", schema))}
+
+
+class CountingContext(PassContext):
+    """Counts the transactions of a pass (one per batch)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.transactions = 0
+
+    def transaction(self, **kw):
+        self.transactions += 1
+        return super().transaction(**kw)
 
 
 def run(settings, engine, clock, dry_run=False, cleaner=None):
@@ -44,13 +67,13 @@ def run(settings, engine, clock, dry_run=False, cleaner=None):
     ("completed", timedelta(hours=24)), ("cancelled", timedelta(hours=24)), ("discarded", timedelta(days=7)),
 ])
 def test_retention_edges_per_state(settings, engine, schema, clock, state, retention):
-    old = insert(engine, schema, state=state, finalized_ago=retention + timedelta(seconds=1))
-    young = insert(engine, schema, state=state, finalized_ago=retention - timedelta(seconds=1))
+    old = insert(engine, schema, state=state, finalized_ago=retention + SECOND)
+    young = insert(engine, schema, state=state, finalized_ago=retention - SECOND)
     exact = insert(engine, schema, state=state, finalized_ago=retention)  # not older: kept
     result = run(settings, engine, clock)
-    assert result.deleted[state] == 1
+    assert result.deleted == {s: (1 if s == state else 0) for s in ("completed", "cancelled", "discarded")}
     assert remaining(engine, schema) == set(young + exact)
-    assert not set(old) & remaining(engine, schema)
+    assert old[0] not in remaining(engine, schema)
 
 
 def test_non_final_jobs_are_never_touched(settings, engine, schema, clock):
@@ -61,144 +84,340 @@ def test_non_final_jobs_are_never_touched(settings, engine, schema, clock):
         conn.execute(sql("UPDATE {schema}.jobs SET created_at = now() - interval '1 year', "
                          "scheduled_at = now() - interval '1 year'", schema))
     result = run(settings, engine, clock)
-    assert result.total == 0
+    assert result.total == 0 and not result.did_something()
     assert remaining(engine, schema) == set(live)
 
 
-def test_minus_one_keeps_forever(settings, engine, schema, clock):
-    settings.cleaner.discarded_retention = None
+def test_minus_one_keeps_forever(pg_dsn, schema, engine, clock):
+    settings = Settings(database_url=pg_dsn, schema=schema,
+                        cleaner={"discarded_retention": -1, "cancelled_retention": "-1"})
     kept = insert(engine, schema, state="discarded", finalized_ago=timedelta(days=3650))
+    kept += insert(engine, schema, state="cancelled", finalized_ago=timedelta(days=3650))
     gone = insert(engine, schema, state="completed", finalized_ago=timedelta(days=2))
-    run(settings, engine, clock)
+    result = run(settings, engine, clock)
+    assert result.deleted == {"completed": 1, "cancelled": 0, "discarded": 0}
     assert remaining(engine, schema) == set(kept)
-    assert gone
+    assert gone[0] not in kept
 
 
 def test_per_queue_overrides(pg_dsn, schema, engine, clock):
-    from maintd.config import Settings
-
     settings = Settings(database_url=pg_dsn, schema=schema, cleaner={
         "completed_retention": "1h",
         "queues": {"billing": {"completed_retention": "30d"},
                    "noisy": {"completed_retention": "1m", "discarded_retention": -1}},
     })
-    billing_old = insert(engine, schema, state="completed", queue="billing",
-                         finalized_ago=timedelta(days=30, seconds=1))
-    billing_young = insert(engine, schema, state="completed", queue="billing",
-                           finalized_ago=timedelta(days=29, hours=23, minutes=59, seconds=59))
-    noisy_old = insert(engine, schema, state="completed", queue="noisy", finalized_ago=timedelta(seconds=61))
-    noisy_young = insert(engine, schema, state="completed", queue="noisy", finalized_ago=timedelta(seconds=59))
-    noisy_discarded = insert(engine, schema, state="discarded", queue="noisy", finalized_ago=timedelta(days=999))
-    other_old = insert(engine, schema, state="completed", queue="other", finalized_ago=timedelta(minutes=61))
-    other_young = insert(engine, schema, state="completed", queue="other", finalized_ago=timedelta(minutes=59))
-    # Billing does not override 'discarded': the global 7 d applies.
-    billing_discarded_old = insert(engine, schema, state="discarded", queue="billing",
-                                   finalized_ago=timedelta(days=7, seconds=1))
+    thirty_days, minute = timedelta(days=30), timedelta(minutes=1)
+    gone = (insert(engine, schema, state="completed", queue="billing", finalized_ago=thirty_days + SECOND)
+            + insert(engine, schema, state="completed", queue="noisy", finalized_ago=minute + SECOND)
+            + insert(engine, schema, state="completed", queue="other", finalized_ago=HOUR + SECOND)
+            # billing does not override 'discarded': the global 7 d applies to it
+            + insert(engine, schema, state="discarded", queue="billing", finalized_ago=7 * DAY + SECOND))
+    kept = (insert(engine, schema, state="completed", queue="billing", finalized_ago=thirty_days - SECOND)
+            + insert(engine, schema, state="completed", queue="noisy", finalized_ago=minute - SECOND)
+            + insert(engine, schema, state="discarded", queue="noisy", finalized_ago=timedelta(days=999))
+            + insert(engine, schema, state="completed", queue="other", finalized_ago=HOUR - SECOND)
+            + insert(engine, schema, state="discarded", queue="billing", finalized_ago=7 * DAY - SECOND))
     result = run(settings, engine, clock)
-    assert remaining(engine, schema) == set(billing_young + noisy_young + noisy_discarded + other_young)
+    assert remaining(engine, schema) == set(kept)
     assert result.deleted == {"completed": 3, "cancelled": 0, "discarded": 1}
-    assert billing_old and noisy_old and other_old and billing_discarded_old
+    assert not set(gone) & set(kept)
 
 
-def test_batches_of_batch_size(settings, engine, schema, clock):
+def test_batch_size_plus_one_is_two_batches(settings, engine, schema, clock):
     settings.cleaner.batch_size = 100
-    insert(engine, schema, state="completed", finalized_ago=timedelta(days=2), n=101, spread=True)
-    keep = insert(engine, schema, state="completed", finalized_ago=timedelta(hours=1), n=5, spread=True)
+    insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=101, spread=True)
+    keep = insert(engine, schema, state="completed", finalized_ago=HOUR, n=5, spread=True)
     result = run(settings, engine, clock)
     assert result.deleted["completed"] == 101
-    # 100 + 1 for completed, then one (empty) batch each for cancelled and discarded.
-    assert result.batches == 4
+    assert result.batches == 2  # 100 + 1 (transactions that deleted nothing are not counted)
     assert remaining(engine, schema) == set(keep)
-
-
-def test_dry_run_counts_and_changes_nothing(settings, engine, schema, clock):
-    insert(engine, schema, state="completed", finalized_ago=timedelta(days=2), n=7)
-    insert(engine, schema, state="discarded", finalized_ago=timedelta(days=8), n=2)
-    before = remaining(engine, schema)
-    result = run(settings, engine, clock, dry_run=True)
-    assert result.dry_run and result.deleted == {"completed": 7, "cancelled": 0, "discarded": 2}
-    assert remaining(engine, schema) == before
-
-
-def test_two_cleaners_at_once_delete_each_row_once(settings, engine, schema, clock):
-    settings.cleaner.batch_size = 50
-    insert(engine, schema, state="completed", finalized_ago=timedelta(days=2), n=2000)
-    results = run_concurrently(lambda: run(settings, engine, clock))
-    assert sum(r.deleted["completed"] for r in results) == 2000
-    assert remaining(engine, schema) == set()
-
-
-def test_adaptive_batch_shrinks_after_timeout_and_grows_back(settings, engine, schema, clock):
-    settings.cleaner.batch_size = 1000
-    cleaner = Cleaner(settings)
-    insert(engine, schema, state="completed", finalized_ago=timedelta(days=2), n=10)
-    # A DELETE batch blocked by a worker's lock on the row hits the tiny statement timeout.
-    ids = sorted(remaining(engine, schema))
-    blocker = engine.connect()
-    blocker.execute(sql("SELECT 1 FROM {schema}.jobs WHERE id = :id FOR UPDATE", schema), {"id": ids[0]})
-    try:
-        settings.statement_timeout = timedelta(milliseconds=200)
-        ctx = PassContext(engine=engine, settings=settings, clock=clock)
-        # A locked row is skipped (after a short lock wait), not waited for: no timeout here...
-        result = cleaner.run_once(ctx)
-        assert result.deleted["completed"] == 9 and result.timeouts == 0
-    finally:
-        blocker.rollback()
-        blocker.close()
-    # ...so force one with a lock on the whole table.
-    insert(engine, schema, state="completed", finalized_ago=timedelta(days=2), n=10)
-    locker = engine.connect()
-    locker.execute(sql("LOCK TABLE {schema}.jobs IN EXCLUSIVE MODE", schema))
-    timer = threading.Timer(1.0, lambda: (locker.rollback(), locker.close()))
-    timer.start()
-    try:
-        with engine.connect() as conn:
-            conn.exec_driver_sql("SELECT 1")
-        orig = ctx.transaction
-
-        def short_timeout_transaction(**kw):
-            kw.setdefault("statement_timeout_ms", 300)
-            return orig(**kw)
-
-        ctx.transaction = short_timeout_transaction  # type: ignore[method-assign]
-        result = cleaner.run_once(ctx)
-    finally:
-        timer.join()
-    assert result.timeouts >= 1
-    assert cleaner._batch < 1000
-    assert result.deleted["completed"] == 11  # the previously locked row too
-    # Successes grow the batch back to batch_size.
-    for _ in range(12):
-        cleaner.run_once(PassContext(engine=engine, settings=settings, clock=clock))
-    assert cleaner._batch == 1000
-
-
-def test_delete_batch_is_index_backed(settings, engine, schema, clock, pg_version):
-    """No batch may scan the whole table: the plan must use jobs_finalized_idx, not a Seq Scan."""
-    with engine.begin() as conn:
-        conn.execute(sql(
-            "INSERT INTO {schema}.jobs (kind, queue, state, finalized_at, attempted_at) "
-            "SELECT 'k', 'q' || (g % 5), CASE WHEN g % 10 = 0 THEN 'available' ELSE 'completed' END::{schema}.job_state, "
-            "CASE WHEN g % 10 = 0 THEN NULL ELSE now() - (g || ' seconds')::interval END, now() "
-            "FROM generate_series(1, 50000) g", schema))
-        conn.execute(sql("ANALYZE {schema}.jobs", schema))
-        params = {"state": "completed", "horizon": T0, "lo": T0 - timedelta(days=9999),
-                  "hi": T0 - timedelta(days=1), "queue": None, "excluded": ["q1"], "limit": 1000}
-        plans = []
-        for stmt in (PROBE, DELETE_RANGE, DELETE_TIED):
-            plans.append("\n".join(r[0] for r in conn.execute(text("EXPLAIN " + sql(stmt, schema).text), params)))
-        plan = "\n".join(plans)
-    assert all("jobs_finalized_idx" in p for p in plans), plan
-    assert "jobs_finalized_idx" in plan, plan
-    assert "Seq Scan" not in plan, plan
 
 
 def test_ties_larger_than_a_batch(settings, engine, schema, clock):
     """250 rows finalized at the same instant, batch_size 100: all deleted, nothing else."""
     settings.cleaner.batch_size = 100
-    insert(engine, schema, state="completed", finalized_ago=timedelta(days=2), n=250)
-    keep = insert(engine, schema, state="completed", finalized_ago=timedelta(hours=1), n=3)
-    insert(engine, schema, state="completed", finalized_ago=timedelta(days=3), n=5)
+    insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=250)
+    keep = insert(engine, schema, state="completed", finalized_ago=HOUR, n=3)
+    insert(engine, schema, state="completed", finalized_ago=3 * DAY, n=5)
     result = run(settings, engine, clock)
     assert result.deleted["completed"] == 255
     assert remaining(engine, schema) == set(keep)
+
+
+class BatchRecorder(PassContext):
+    """Records, per committed transaction, the rows its DELETE statements removed, and counts the
+    probes (index walks to find where a batch ends)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.committed: list[int] = []
+        self.probes = 0
+        self._rows = 0
+
+    @contextmanager
+    def transaction(self, **kw):
+        self._rows = 0
+        with super().transaction(**kw) as conn:
+            yield conn
+        self.committed.append(self._rows)
+
+    def observe(self, statement: str, rowcount: int) -> None:
+        if statement.lstrip().startswith("DELETE"):
+            self._rows += rowcount
+        elif "OFFSET" in statement:
+            self.probes += 1
+
+
+@pytest.fixture
+def recorder(settings, engine, clock):
+    ctx = BatchRecorder(engine=engine, settings=settings, clock=clock)
+
+    def after(conn, cursor, statement, parameters, context, executemany):
+        ctx.observe(statement, cursor.rowcount)
+
+    event.listen(engine, "after_cursor_execute", after)
+    try:
+        yield ctx
+    finally:
+        event.remove(engine, "after_cursor_execute", after)
+
+
+def test_predicted_ranges_spare_the_probe(settings, engine, schema, recorder):
+    """3,000 evenly spaced rows, batch_size 100: after two probed batches the ranges are predicted
+    from the previous batch's width; each batch holds about FILL * batch_size rows, never more
+    than batch_size."""
+    settings.cleaner.batch_size = 100
+    settings.cleaner.cancelled_retention = settings.cleaner.discarded_retention = None
+    insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=3000, spread=True)
+    keep = insert(engine, schema, state="completed", finalized_ago=HOUR, n=5, spread=True)
+    with recorder.session():
+        result = Cleaner(settings).run_once(recorder)
+    assert result.deleted["completed"] == 3000 and result.overflows == 0
+    assert remaining(engine, schema) == set(keep)
+    assert max(recorder.committed) <= 100
+    assert 30 <= result.batches <= 3000 / (FILL * 100) + 3
+    assert recorder.probes <= 4  # two to start, one past the last full range (a gap), one spare
+
+
+def test_a_burst_at_one_instant_is_rolled_back_and_probed(settings, engine, schema, recorder):
+    """A mass cancel finalizes 1,000 jobs at one instant just after evenly spaced ones: the
+    predicted range that reaches the burst would delete more than batch_size rows, so it is rolled
+    back and redone with a probe (then id batches for the tie). No committed batch exceeds
+    batch_size, and every expired row goes."""
+    settings.cleaner.batch_size = 100
+    before = insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=400, spread=True)
+    burst = insert(engine, schema, state="completed", finalized_ago=2 * DAY - 50 * MS, n=1000)
+    after = insert(engine, schema, state="completed", finalized_ago=2 * DAY - SECOND, n=400, spread=True)
+    keep = insert(engine, schema, state="completed", finalized_ago=HOUR, n=5, spread=True)
+    with recorder.session():
+        result = Cleaner(settings).run_once(recorder)
+    assert result.overflows >= 1
+    assert result.deleted["completed"] == len(before + burst + after) == sum(recorder.committed)
+    assert max(recorder.committed) <= 100
+    assert result.batches == len([n for n in recorder.committed if n])
+    assert remaining(engine, schema) == set(keep)
+
+
+def test_next_width_aims_at_fill_grows_slowly_and_slows_down_for_slow_batches():
+    ten = 10 * SECOND
+    assert next_width(ten, 100, 100, 0.001) == ten * FILL  # a full batch: a little narrower
+    assert next_width(ten, 10, 100, 0.001) == ten * GROWTH  # sparse rows: at most GROWTH wider
+    assert next_width(ten, 0, 100, 0.001) == ten * GROWTH
+    assert next_width(ten, 45, 100, 0.001) == ten * (FILL * 100 / 45)
+    # A batch that took twice BATCH_TARGET: half as wide, however few rows it held (rows of
+    # excluded queues cost time without counting).
+    assert next_width(ten, 10, 100, 2 * BATCH_TARGET) == ten / 2
+    assert next_width(timedelta(microseconds=1), 100, 100, 10.0) == timedelta(microseconds=1)
+
+
+def test_dry_run_counts_and_changes_nothing(pg_dsn, schema, engine, clock):
+    settings = Settings(database_url=pg_dsn, schema=schema, cleaner={
+        "batch_size": 2, "queues": {"billing": {"completed_retention": "30d"}}})
+    insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=7)
+    insert(engine, schema, state="completed", queue="billing", finalized_ago=2 * DAY, n=4)  # kept
+    insert(engine, schema, state="completed", queue="billing", finalized_ago=31 * DAY, n=1)
+    insert(engine, schema, state="discarded", finalized_ago=8 * DAY, n=2)
+    before = remaining(engine, schema)
+    ctx = CountingContext(engine=engine, settings=settings, clock=clock, dry_run=True)
+    result = Cleaner(settings).run_once(ctx)
+    assert result.dry_run and result.deleted == {"completed": 8, "cancelled": 0, "discarded": 2}
+    assert result.summary().startswith("would delete completed=8")
+    assert ctx.transactions == 4  # one count per target, not a loop over batches
+    assert remaining(engine, schema) == before
+    # The real pass deletes exactly what the dry run announced.
+    assert run(settings, engine, clock).deleted == result.deleted
+
+
+def test_two_cleaners_at_once_delete_each_row_once(settings, engine, schema, clock):
+    settings.cleaner.batch_size = 50
+    insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=2000, spread=True)
+    keep = insert(engine, schema, state="completed", finalized_ago=HOUR, n=10, spread=True)
+    results = run_concurrently(lambda: run(settings, engine, clock))
+    assert sum(r.deleted["completed"] for r in results) == 2000
+    assert remaining(engine, schema) == set(keep)
+
+
+def test_a_locked_final_row_is_skipped_then_deleted_by_the_next_pass(settings, engine, schema, clock):
+    cleaner = Cleaner(settings)
+    ids = insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=10, spread=True)
+    holder = engine.connect()
+    holder.execute(sql("SELECT 1 FROM {schema}.jobs WHERE id = :id FOR UPDATE", schema), {"id": ids[4]})
+    try:
+        result = run(settings, engine, clock, cleaner=cleaner)
+    finally:
+        holder.rollback()
+        holder.close()
+    assert result.deleted["completed"] == 9 and result.timeouts == 0
+    assert remaining(engine, schema) == {ids[4]}
+    clock.advance(30)
+    result = run(settings, engine, clock, cleaner=cleaner)
+    assert not result.full_scan and result.deleted["completed"] == 1
+    assert remaining(engine, schema) == set()
+
+
+@pytest.fixture
+def slow_deletes(engine, schema):
+    """While ``on``, every DELETE statement on the jobs table sleeps first (a stand-in for a batch
+    too big for the statement timeout). Returns a function to switch it."""
+    with engine.begin() as conn:
+        conn.execute(sql("CREATE TABLE {schema}.slow (on_ boolean NOT NULL); "
+                         "INSERT INTO {schema}.slow VALUES (true)", schema))
+        conn.execute(sql("""
+            CREATE FUNCTION {schema}.slow_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+              IF (SELECT on_ FROM {schema}.slow) THEN PERFORM pg_sleep(2); END IF;
+              RETURN NULL;
+            END $$""", schema))
+        conn.execute(sql("CREATE TRIGGER slow BEFORE DELETE ON {schema}.jobs "
+                         "FOR EACH STATEMENT EXECUTE FUNCTION {schema}.slow_delete()", schema))
+
+    def switch(on: bool) -> None:
+        with engine.begin() as conn:
+            conn.execute(sql("UPDATE {schema}.slow SET on_ = :on", schema), {"on": on})
+
+    return switch
+
+
+def test_adaptive_batch_shrinks_after_a_timeout_and_grows_back(pg_dsn, schema, engine, clock, slow_deletes,
+                                                               caplog):
+    settings = Settings(database_url=pg_dsn, schema=schema, statement_timeout="300ms", cleaner={
+        "batch_size": 1000, "cancelled_retention": -1, "discarded_retention": -1})
+
+    class Cleaner1(Cleaner):
+        def _shrink(self):
+            super()._shrink()
+            slow_deletes(False)  # the smaller batch goes through
+
+    cleaner = Cleaner1(settings)
+    insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=10)
+    with caplog.at_level(logging.WARNING, logger="maintd.cleaner"):
+        result = run(settings, engine, clock, cleaner=cleaner)
+    assert result.timeouts == 1 and result.deleted["completed"] == 10
+    assert result.batch_size == cleaner.batch_size == 500
+    [warning] = [r for r in caplog.records if "statement timeout" in r.getMessage()]
+    assert warning.fields["batch_size"] == 500
+    assert remaining(engine, schema) == set()
+    # One successful batch per pass; after GROW_AFTER successes in a row the size doubles back.
+    sizes = []
+    for _ in range(GROW_AFTER - 1):
+        clock.advance(30)
+        sizes.append(run(settings, engine, clock, cleaner=cleaner).batch_size)
+    assert sizes == [500] * (GROW_AFTER - 2) + [1000]
+
+
+def test_a_batch_that_times_out_even_at_the_minimum_size_fails_the_pass(pg_dsn, schema, engine, clock,
+                                                                        slow_deletes):
+    settings = Settings(database_url=pg_dsn, schema=schema, statement_timeout="100ms", cleaner={
+        "batch_size": MIN_BATCH * 4, "cancelled_retention": -1, "discarded_retention": -1})
+    cleaner = Cleaner(settings)
+    ids = insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=3)
+    with pytest.raises(Exception) as err:
+        run(settings, engine, clock, cleaner=cleaner)
+    assert isinstance(err.value.orig, psycopg.errors.QueryCanceled)
+    assert cleaner.batch_size == MIN_BATCH  # 400 -> 200 -> 100, then gave up
+    assert remaining(engine, schema) == set(ids)
+
+
+def test_later_passes_do_not_reread_rows_kept_by_a_longer_override(pg_dsn, schema, engine, clock):
+    """30 days of billing rows sit below the default horizon: the first pass walks them once (in
+    index ranges of batch_size), later passes start where the previous one ended, and a full scan
+    walks them again only every FULL_SCAN_EVERY."""
+    settings = Settings(database_url=pg_dsn, schema=schema, cleaner={
+        "batch_size": 100, "completed_retention": "1h", "cancelled_retention": -1, "discarded_retention": -1,
+        "queues": {"billing": {"completed_retention": "30d"}}})
+    cleaner = Cleaner(settings)
+    kept = insert(engine, schema, state="completed", queue="billing", finalized_ago=2 * DAY, n=1000, spread=True)
+    insert(engine, schema, state="completed", queue="other", finalized_ago=2 * DAY, n=5, spread=True)
+
+    def counted_pass():
+        ctx = CountingContext(engine=engine, settings=settings, clock=clock)
+        return cleaner.run_once(ctx), ctx.transactions
+
+    first, walked = counted_pass()
+    assert first.full_scan and first.deleted["completed"] == 5 and walked >= 10
+    clock.advance(30)
+    new = insert(engine, schema, state="completed", queue="other", finalized_ago=HOUR + SECOND, n=3,
+                 now=clock.now())
+    second, walked = counted_pass()
+    assert not second.full_scan and second.deleted["completed"] == 3
+    assert walked == 2  # one transaction per target (default, billing)
+    assert remaining(engine, schema) == set(kept) and not set(new) & set(kept)
+    clock.advance(FULL_SCAN_EVERY)
+    third, walked = counted_pass()
+    assert third.full_scan and walked >= 10
+
+
+def test_rows_committed_after_their_finalized_at(settings, engine, schema, clock):
+    """A job whose finalized_at is a little older than the previous pass's horizon when it commits
+    (finished in a transaction that ran for a while) is found by the next pass (LOOKBACK); one
+    far older (e.g. imported) waits for the next full scan: deletion delayed, never early."""
+    cleaner = Cleaner(settings)
+    run(settings, engine, clock, cleaner=cleaner)
+    horizon = clock.now() - settings.cleaner.completed_retention
+    slightly_late = insert(engine, schema, state="completed", finalized_ago=LOOKBACK - 10 * SECOND,
+                           now=horizon)
+    very_late = insert(engine, schema, state="completed", finalized_ago=2 * DAY, now=horizon)
+    clock.advance(30)
+    result = run(settings, engine, clock, cleaner=cleaner)
+    assert not result.full_scan and result.deleted["completed"] == 1
+    assert remaining(engine, schema) == set(very_late)
+    clock.advance(FULL_SCAN_EVERY)
+    result = run(settings, engine, clock, cleaner=cleaner)
+    assert result.full_scan and result.deleted["completed"] == 1
+    assert remaining(engine, schema) == set() and slightly_late
+
+
+def test_observe_counts_deleted_jobs_by_state(settings, engine, schema, clock):
+    insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=3)
+    insert(engine, schema, state="discarded", finalized_ago=8 * DAY, n=2)
+    metrics = Metrics()
+    Cleaner(settings).observe(metrics, run(settings, engine, clock))
+    value = metrics.registry.get_sample_value
+    assert value("maintd_jobs_deleted_total", {"state": "completed"}) == 3
+    assert value("maintd_jobs_deleted_total", {"state": "discarded"}) == 2
+    assert value("maintd_jobs_deleted_total", {"state": "cancelled"}) is None
+
+
+def test_every_statement_is_index_backed(settings, engine, schema):
+    """No batch may scan the whole table: every statement, with its values known or as a generic
+    prepared plan, reads jobs_finalized_idx and never a Seq Scan."""
+    with engine.begin() as conn:
+        conn.execute(sql(
+            "INSERT INTO {schema}.jobs (kind, queue, state, finalized_at, attempted_at) "
+            "SELECT 'k', 'q' || (g % 5), CASE WHEN g % 10 = 0 THEN 'available' ELSE 'completed' END::{schema}.job_state, "
+            "CASE WHEN g % 10 = 0 THEN NULL ELSE now() - (g || ' seconds')::interval END, now() "
+            "FROM generate_series(1, 100000) g", schema))
+        conn.execute(sql("ANALYZE {schema}.jobs", schema))
+    params = {"state": "completed", "horizon": T0, "lo": T0 - timedelta(days=9999), "hi": T0 - DAY,
+              "queue": None, "excluded": ["q1"], "limit": 1000}
+    plans = {}
+    with engine.connect() as conn:
+        for name, stmt in [("PROBE", PROBE), ("DELETE_RANGE", DELETE_RANGE),
+                           ("DELETE_RANGE_SKIP_LOCKED", DELETE_RANGE_SKIP_LOCKED),
+                           ("DELETE_TIED", DELETE_TIED), ("COUNT_EXPIRED", COUNT_EXPIRED)]:
+            for generic in (False, True):
+                for p in (params, {**params, "queue": "q2", "excluded": []}):
+                    plans[name, generic, p["queue"]] = explain(conn, stmt, schema, p, generic=generic)
+        conn.rollback()
+    for key, plan in plans.items():
+        assert "jobs_finalized_idx" in plan and "Seq Scan" not in plan, (key, plan)

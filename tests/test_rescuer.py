@@ -8,13 +8,16 @@ import time
 from datetime import timedelta
 
 import pytest
+from sqlalchemy import text
 
 from maintd.db import sql
-from maintd.jobs import ClaimedJob, JobQueue, backoff
+from maintd.jobs import BACKOFF_CAP, ClaimedJob, JobQueue, backoff
+from maintd.metrics import Metrics
 from maintd.services.base import PassContext
-from maintd.services.rescuer import Rescuer
+from maintd.services.rescuer import COUNT_STUCK, RESCUE_BATCH, Rescuer
 
 from .conftest import T0, run_concurrently
+from .plans import explain
 
 
 def running(engine, schema, *, seen_ago, heartbeat_ago=None, attempt=1, max_attempts=25, n=1,
@@ -34,6 +37,12 @@ def rows(engine, schema):
         return {r.id: r for r in conn.execute(sql("SELECT * FROM {schema}.jobs", schema))}
 
 
+def as_json(engine, t) -> str:
+    """A timestamp as PostgreSQL writes it into JSON (in the session's time zone)."""
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT to_jsonb(CAST(:t AS timestamptz)) #>> '{}'"), {"t": t}).scalar()
+
+
 def run(settings, engine, clock, **kw):
     return Rescuer(settings).run_once(PassContext(engine=engine, settings=settings, clock=clock, **kw))
 
@@ -42,6 +51,7 @@ def test_stuck_edges_and_retry_with_backoff(settings, engine, schema, clock, cap
     hour = timedelta(hours=1)
     stuck = running(engine, schema, seen_ago=hour + timedelta(seconds=1), attempt=3)
     fresh = running(engine, schema, seen_ago=hour - timedelta(seconds=1))
+    exact = running(engine, schema, seen_ago=hour)  # not older than the limit: alive
     with caplog.at_level(logging.INFO, logger="maintd.rescuer"):
         result = run(settings, engine, clock)
     assert (result.retried, result.discarded) == (1, 0)
@@ -49,11 +59,21 @@ def test_stuck_edges_and_retry_with_backoff(settings, engine, schema, clock, cap
     job = r[stuck[0]]
     assert job.state == "retryable" and job.finalized_at is None
     assert job.scheduled_at == T0 + backoff(3)
-    assert len(job.errors) == 1 and job.errors[0]["attempt"] == 3
-    assert "stuck" in job.errors[0]["error"]
-    assert r[fresh[0]].state == "running"
-    assert any(rec.getMessage() == "released stale running jobs" and rec.fields["count"] == 1
-               for rec in caplog.records)
+    seen = as_json(engine, T0 - hour - timedelta(seconds=1))
+    assert job.errors == [{"at": as_json(engine, T0), "attempt": 3,
+                           "error": f"stuck: no sign of life since {seen} (rescued by maintd test-1)"}]
+    assert job.attempt == 3 and job.attempted_by == "w1"  # the claim's own fields stay as they were
+    assert r[fresh[0]].state == "running" and r[exact[0]].state == "running"
+    assert [(rec.getMessage(), rec.fields["count"]) for rec in caplog.records] == [
+        ("released stale running jobs", 1)]
+    assert result.summary() == "rescued retried=1 discarded=0"
+
+
+def test_nothing_stuck_logs_nothing(settings, engine, schema, clock, caplog):
+    running(engine, schema, seen_ago=timedelta(minutes=5))
+    with caplog.at_level(logging.INFO, logger="maintd.rescuer"):
+        result = run(settings, engine, clock)
+    assert not result.did_something() and caplog.records == []
 
 
 def test_heartbeat_keeps_long_jobs_alive(settings, engine, schema, clock):
@@ -69,7 +89,7 @@ def test_heartbeat_keeps_long_jobs_alive(settings, engine, schema, clock):
 def test_heartbeat_timeout_rule(settings, engine, schema, clock):
     settings.rescuer.heartbeat_timeout = timedelta(minutes=2)
     silent = running(engine, schema, seen_ago=timedelta(minutes=30), heartbeat_ago=timedelta(minutes=2, seconds=1))
-    beating = running(engine, schema, seen_ago=timedelta(minutes=30), heartbeat_ago=timedelta(minutes=1))
+    beating = running(engine, schema, seen_ago=timedelta(minutes=30), heartbeat_ago=timedelta(minutes=1, seconds=59))
     never_beat = running(engine, schema, seen_ago=timedelta(minutes=30))  # only the 1 h rule applies
     run(settings, engine, clock)
     r = rows(engine, schema)
@@ -80,11 +100,13 @@ def test_heartbeat_timeout_rule(settings, engine, schema, clock):
 
 def test_max_attempts_discards(settings, engine, schema, clock):
     last = running(engine, schema, seen_ago=timedelta(hours=2), attempt=5, max_attempts=5)
+    before = rows(engine, schema)[last[0]]
     result = run(settings, engine, clock)
     assert (result.retried, result.discarded) == (0, 1)
     job = rows(engine, schema)[last[0]]
     assert job.state == "discarded" and job.finalized_at == T0
-    assert job.errors[-1]["attempt"] == 5
+    assert job.scheduled_at == before.scheduled_at  # no retry planned
+    assert len(job.errors) == 1 and job.errors[0]["attempt"] == 5 and job.errors[0]["at"] == as_json(engine, T0)
 
 
 def test_other_states_untouched(settings, engine, schema, clock):
@@ -183,19 +205,41 @@ def test_two_rescuers_rescue_each_job_once(settings, engine, schema, clock):
     assert all(len(rows(engine, schema)[i].errors) == 1 for i in ids)
 
 
-def test_rescuer_scan_uses_the_running_index(settings, engine, schema, clock):
-    from sqlalchemy import text
-
-    from maintd.services.rescuer import SELECT_CANDIDATES
-
+def test_statements_are_index_backed(settings, engine, schema, clock):
+    """With 20,000 stuck jobs and batches of 100, a batch reads its candidates from
+    jobs_running_idx and updates them through primary-key probes (never by walking every stuck
+    row, which would make a pass quadratic), with values known or as a generic prepared plan;
+    never a Seq Scan."""
     with engine.begin() as conn:
         conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, finalized_at) "
                          "SELECT 'k', 'completed', now() FROM generate_series(1, 30000)", schema))
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at) "
+                         "SELECT 'k', 'running', 1, CAST(:t0 AS timestamptz) - interval '2 hours' "
+                         "- g * interval '1 second' FROM generate_series(1, 20000) g", schema), {"t0": T0})
         conn.execute(sql("ANALYZE {schema}.jobs", schema))
-        params = {**Rescuer(settings).horizons(T0), "after_seen": T0 - timedelta(days=999),
-                  "after_id": 0, "limit": 100}
-        plan = "\n".join(r[0] for r in conn.execute(text("EXPLAIN " + sql(SELECT_CANDIDATES, schema).text), params))
-    assert "jobs_running_idx" in plan and "Seq Scan" not in plan, plan
+    params = {**Rescuer(settings).horizons(T0), "after_seen": T0 - timedelta(days=999), "after_id": 0,
+              "limit": 100, "now": T0, "instance": "i", "cap": BACKOFF_CAP,
+              "delays": [backoff(k).total_seconds() for k in range(BACKOFF_CAP + 1)]}
+    with engine.connect() as conn:
+        for generic in (False, True):
+            plan = explain(conn, RESCUE_BATCH, schema, params, generic=generic)
+            candidates, update = plan.split("CTE rescued")
+            assert "Index Scan using jobs_running_idx" in candidates, plan
+            assert "jobs_pkey" in update and "jobs_running_idx" not in update, plan
+            assert "Seq Scan" not in plan, plan
+            plan = explain(conn, COUNT_STUCK, schema, params, generic=generic)
+            assert "jobs_running_idx" in plan and "Seq Scan" not in plan, plan
+        conn.rollback()
+
+
+def test_observe_counts_rescues_by_outcome(settings, engine, schema, clock):
+    running(engine, schema, seen_ago=timedelta(hours=2), n=3)
+    running(engine, schema, seen_ago=timedelta(hours=2), attempt=25, n=2)
+    metrics = Metrics()
+    Rescuer(settings).observe(metrics, run(settings, engine, clock))
+    value = metrics.registry.get_sample_value
+    assert value("maintd_jobs_rescued_total", {"outcome": "retried"}) == 3
+    assert value("maintd_jobs_rescued_total", {"outcome": "discarded"}) == 2
 
 
 @pytest.mark.parametrize("after,timeout", [("30m", "30m"), ("30m", "1h")])

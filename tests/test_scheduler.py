@@ -7,14 +7,15 @@ import time
 from datetime import datetime, timedelta, timezone
 
 import psycopg
-from sqlalchemy import text
 
 from maintd.clock import SystemClock
 from maintd.db import notify_channel, sql
+from maintd.metrics import Metrics
 from maintd.services.base import PassContext
-from maintd.services.scheduler import PROMOTE_BATCH, Scheduler
+from maintd.services.scheduler import COUNT_DUE, MIN_WAKE, NEXT_DUE, PROMOTE_BATCH, Scheduler
 
 from .conftest import T0, run_concurrently
+from .plans import explain
 
 
 def add(engine, schema, *, state, due_in, queue="default", n=1):
@@ -110,14 +111,32 @@ def test_two_schedulers_promote_each_job_once(pg_dsn, settings, engine, schema, 
     assert set(states(engine, schema).values()) == {"available"}
 
 
-def test_promotion_is_index_backed(settings, engine, schema):
+def test_statements_are_index_backed(settings, engine, schema):
+    """Promotion, the idle probe and the dry-run count read jobs_scheduled_idx, with values known or
+    as a generic prepared plan; never a Seq Scan."""
     with engine.begin() as conn:
         conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, finalized_at) "
                          "SELECT 'k', 'completed', now() FROM generate_series(1, 30000)", schema))
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) "
+                         "SELECT 'k', 'scheduled', now() + g * interval '1 second' FROM generate_series(1, 3000) g",
+                         schema))
         conn.execute(sql("ANALYZE {schema}.jobs", schema))
-        plan = "\n".join(r[0] for r in conn.execute(
-            text("EXPLAIN " + sql(PROMOTE_BATCH, schema).text), {"now": T0, "limit": 100}))
-    assert "jobs_scheduled_idx" in plan and "Seq Scan" not in plan, plan
+    with engine.connect() as conn:
+        for stmt in (PROMOTE_BATCH, NEXT_DUE, COUNT_DUE):
+            for generic in (False, True):
+                plan = explain(conn, stmt, schema, {"now": T0, "limit": 100}, generic=generic)
+                assert "jobs_scheduled_idx" in plan and "Seq Scan" not in plan, plan
+        conn.rollback()
+
+
+def test_observe_counts_promotions_by_queue(settings, engine, schema, clock):
+    add(engine, schema, state="scheduled", due_in=timedelta(seconds=-1), queue="a", n=3)
+    add(engine, schema, state="retryable", due_in=timedelta(seconds=-1), queue="b", n=1)
+    metrics = Metrics()
+    Scheduler(settings).observe(metrics, run(settings, engine, clock))
+    value = metrics.registry.get_sample_value
+    assert value("maintd_jobs_promoted_total", {"queue": "a"}) == 3
+    assert value("maintd_jobs_promoted_total", {"queue": "b"}) == 1
 
 
 def test_precise_timing_promotes_between_ticks(settings, engine, schema):
@@ -146,3 +165,20 @@ def test_precise_timing_promotes_between_ticks(settings, engine, schema):
     assert result.total == 1 and result.wakeups >= 1
     lag = seen["at"] - (now + timedelta(milliseconds=400)).timestamp()
     assert lag < 0.25, f"promotion lag {lag:.3f}s"
+
+
+def test_precise_timing_wakes_at_most_every_min_wake(settings, engine, schema):
+    """A dense stream of due times (one every 3 ms) does not turn the pass into a busy loop."""
+    settings.scheduler.interval = timedelta(seconds=1)
+    start = datetime.now(timezone.utc)
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) "
+                         "SELECT 'k', 'scheduled', CAST(:t AS timestamptz) + g * interval '3 milliseconds' "
+                         "FROM generate_series(1, 300) g", schema), {"t": start})
+    result = Scheduler(settings).run_once(PassContext(engine=engine, settings=settings, clock=SystemClock()))
+    assert 5 <= result.wakeups <= 1 / MIN_WAKE + 2, result
+    with engine.connect() as conn:
+        pending = conn.execute(sql("SELECT min(scheduled_at) FROM {schema}.jobs WHERE state = 'scheduled'",
+                                   schema)).scalar()
+    # Everything due well before the pass ended was promoted (at most one MIN_WAKE late).
+    assert pending is None or pending > start + timedelta(seconds=0.5)

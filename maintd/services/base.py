@@ -66,6 +66,8 @@ class PassContext:
     # The connection of the transaction now running, so the runner can cancel its query when
     # leadership is lost or the daemon stops.
     current: Any = None
+    _conn: Any = field(default=None, repr=False)
+    _in_session: bool = field(default=False, repr=False)
 
     @property
     def schema(self) -> str:
@@ -89,27 +91,70 @@ class PassContext:
             raise PassStopped()
 
     @contextmanager
-    def transaction(self, *, statement_timeout_ms: int | None = None,
-                    fenced: bool = True) -> Iterator[Connection]:
-        """One short fenced transaction. Commits on success; in a dry run it always rolls back."""
+    def session(self) -> Iterator["PassContext"]:
+        """While open, the pass's transactions share one pooled connection instead of checking
+        one out (with a ping and a reset) per transaction. A transaction that fails gives the
+        connection back; the next one checks out a fresh one. The runner opens it around a pass."""
+        if self._in_session:
+            yield self
+            return
+        self._in_session = True
+        try:
+            yield self
+        finally:
+            self._in_session = False
+            self._release()
+
+    def _release(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    @contextmanager
+    def transaction(self, *, statement_timeout_ms: int | None = None, fenced: bool = True,
+                    settings: dict[str, str] | None = None) -> Iterator[Connection]:
+        """One short fenced transaction. Commits on success; in a dry run it always rolls back.
+        ``statement_timeout_ms`` and ``settings`` (e.g. ``lock_timeout``) hold for this
+        transaction only."""
         self.check_stop()
-        with self.engine.connect() as conn:
-            self.current = conn
-            try:
-                if statement_timeout_ms is not None:
-                    conn.exec_driver_sql(f"SET LOCAL statement_timeout = {int(statement_timeout_ms)}")
-                if fenced and not self.dry_run:
-                    self.fence.check(conn)
-                yield conn
-                if self.dry_run:
-                    conn.rollback()
-                else:
-                    conn.commit()
-            except BaseException:
+        conn = self._conn or self.engine.connect()
+        if self._in_session:
+            self._conn = conn
+        self.current = conn
+        try:
+            local = dict(settings or {})
+            if statement_timeout_ms is not None:
+                local["statement_timeout"] = str(int(statement_timeout_ms))
+            if local:
+                conn.execute(self.sql(_set_local(tuple(local))),
+                             {f"v{i}": v for i, v in enumerate(local.values())})
+            if fenced and not self.dry_run:
+                self.fence.check(conn)
+            yield conn
+            if self.dry_run:
                 conn.rollback()
-                raise
-            finally:
-                self.current = None
+            else:
+                conn.commit()
+        except BaseException:
+            try:
+                conn.rollback()
+            except Exception:  # e.g. the connection is gone: the original error is what matters
+                pass
+            if conn is self._conn:
+                self._release()
+            raise
+        finally:
+            self.current = None
+            if conn is not self._conn:
+                conn.close()
+
+
+def _set_local(names: tuple[str, ...]) -> str:
+    """``SELECT set_config('name', :v0, true), ...``: transaction-local settings in one round trip
+    (names are maintd's own constants, values travel as parameters)."""
+    if not all(n.replace("_", "").isalnum() for n in names):
+        raise ValueError(f"not a setting name: {names!r}")
+    return "SELECT " + ", ".join(f"set_config('{n}', :v{i}, true)" for i, n in enumerate(names))
 
 
 class PassResult:

@@ -4,18 +4,31 @@ Each batch is one fenced transaction that promotes up to ``batch_size`` due jobs
 ``jobs_scheduled_idx``, locked ``SKIP LOCKED``) and sends ``NOTIFY <channel>, '<queue>'`` once per
 affected queue; PostgreSQL delivers the notifications only if the transaction commits.
 
-With ``precise_timing`` (default) a pass does not just promote what is due at the tick: if the next
-job falls due before the next tick, it sleeps until then and promotes it, so promotion lag is a few
-milliseconds rather than up to ``interval``. An idle tick is one index probe.
+Promotion lag. Workers claim ``available`` jobs with ``scheduled_at <= now()``, so promoting a job
+before it is due would be harmless to workers using that SQL, but it would make ``available`` lie
+(status, ``maintd_jobs``, oldest-available age), and the NOTIFY would wake the workers before
+the job can be claimed, so they would find nothing and the job would wait for their next poll.
+Instead, with ``precise_timing`` (default), a pass that finds the next job due before the next
+tick sleeps until that moment and promotes it then (waking at most every ``MIN_WAKE`` under a
+dense stream of due times, re-reading the next due time at least every ``MAX_SLEEP`` so a job
+enqueued meanwhile is not missed, and ending ``TICK_MARGIN`` before the next tick): a job due
+before the next tick is promoted, and its queue notified, within about ``MIN_WAKE`` of
+``scheduled_at``. Without it, lag is up to ``interval``. An idle tick is one transaction with two
+probes of ``jobs_scheduled_idx``.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from ..db import notify_channel
 from .base import PassContext, PassResult, Service
+
+MIN_WAKE = 0.05  # seconds: at most ~20 wake-ups a second, whatever the due times
+MAX_SLEEP = 1.0  # seconds: re-read the next due time at least this often while waiting
+TICK_MARGIN = 0.25  # seconds (at most 10 % of interval): a pass ends this long before the next tick
 
 PROMOTE_BATCH = """
 WITH promoted AS (
@@ -49,8 +62,8 @@ SELECT queue, count(*) AS n FROM {schema}.jobs
 @dataclass
 class SchedulerResult(PassResult):
     promoted: dict[str, int] = field(default_factory=dict)
-    batches: int = 0
-    wakeups: int = 0
+    batches: int = 0  # transactions that promoted at least one job
+    wakeups: int = 0  # precise timing: times the pass slept and looked again
     dry_run: bool = False
 
     @property
@@ -76,39 +89,42 @@ class Scheduler(Service):
                 for row in conn.execute(ctx.sql(COUNT_DUE), {"now": ctx.now()}):
                     result.promoted[row.queue] = row.n
             return result
-        deadline = time.monotonic() + self.config.interval.total_seconds() * 0.9
+        interval = self.config.interval.total_seconds()
+        deadline = time.monotonic() + interval - min(TICK_MARGIN, interval * 0.1)
+        precise = self.config.precise_timing
         while True:
-            self._promote_due(ctx, result)
-            if not self.config.precise_timing:
-                return result
-            # Sleep until the next job falls due if that is before the next tick.
-            with ctx.transaction() as conn:
-                next_due = conn.execute(ctx.sql(NEXT_DUE)).scalar()
+            next_due = self._promote_due(ctx, result, want_next_due=precise)
             if next_due is None:
                 return result
+            # Sleep until the next job falls due, if that is before the next tick.
             wait = (next_due - ctx.now()).total_seconds()
-            if wait > deadline - time.monotonic():
+            if max(wait, MIN_WAKE) > deadline - time.monotonic():
                 return result
-            if wait > 0 and ctx.stop_event.wait(wait):
+            if ctx.stop_event.wait(min(max(wait, MIN_WAKE), MAX_SLEEP)):
                 return result
             result.wakeups += 1
-            if time.monotonic() >= deadline:
-                return result
 
-    def _promote_due(self, ctx: PassContext, result: SchedulerResult) -> None:
+    def _promote_due(self, ctx: PassContext, result: SchedulerResult, *, want_next_due: bool) -> datetime | None:
+        """Promote everything due now, one batch per transaction; return the next due time (read
+        in the last transaction) if asked for."""
         channel = notify_channel(ctx.schema)
         limit = self.config.batch_size
         while True:
             ctx.check_stop()
+            next_due = None
             with ctx.transaction() as conn:
                 rows = conn.execute(ctx.sql(PROMOTE_BATCH), {"now": ctx.now(), "limit": limit}).all()
                 if rows:
                     conn.execute(ctx.sql(NOTIFY), {"channel": channel, "queues": [r.queue for r in rows]})
-            result.batches += 1
+                promoted = sum(r.n for r in rows)
+                if want_next_due and promoted < limit:
+                    next_due = conn.execute(ctx.sql(NEXT_DUE)).scalar()
+            if rows:
+                result.batches += 1
             for r in rows:
                 result.promoted[r.queue] = result.promoted.get(r.queue, 0) + r.n
-            if sum(r.n for r in rows) < limit:
-                return
+            if promoted < limit:
+                return next_due
 
     def observe(self, metrics, result: SchedulerResult) -> None:
         for queue, n in result.promoted.items():
