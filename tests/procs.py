@@ -68,8 +68,9 @@ class DaemonProc:
     """One ``maintd run`` process with its own config file and log."""
 
     def __init__(self, dsn: str, schema: str, instance_id: str, extra_config: dict | None = None,
-                 workdir: str | None = None):
+                 workdir: str | None = None, env: dict[str, str] | None = None):
         self.dsn, self.schema, self.instance_id = dsn, schema, instance_id
+        self.extra_env = env or {}
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="maintd-d-"))
         config = merge({
             "database_url": dsn, "schema": schema, "instance_id": instance_id,
@@ -85,7 +86,8 @@ class DaemonProc:
         self.config_path.write_text(to_toml(config))
 
     def start(self) -> "DaemonProc":
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MAINTD_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("MAINTD_", "NOTIFY_SOCKET", "WATCHDOG_"))}
+        env.update(self.extra_env)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "maintd", "--config", str(self.config_path), "run"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -78,9 +79,13 @@ def test_sigstop_leader_is_replaced_within_lease_and_fenced_after_sigcont(pg_dsn
     procs = daemons(2)
     leader = current_leader(pg_dsn, schema, procs)
     follower = next(p for p in procs if p is not leader)
+    for _ in range(10):  # two daemons, exactly one leader
+        assert [p.is_leader_from_db() for p in (leader, follower)] == [True, False]
+        time.sleep(0.05)
     epoch, _ = leader_row(pg_dsn, schema)
+    leader.http_port  # (read from its log while it can still write one)
     t0 = time.monotonic()
-    leader.signal(signal.SIGSTOP)
+    leader.kill(signal.SIGSTOP)
     try:
         new_epoch, new_inst = wait_new_leader(pg_dsn, schema, epoch, timeout=3 + 3)  # lease 3 s + margin
         took = time.monotonic() - t0
@@ -91,7 +96,7 @@ def test_sigstop_leader_is_replaced_within_lease_and_fenced_after_sigcont(pg_dsn
         leader.signal(signal.SIGCONT)
     assert took <= 3 + 2.5, f"takeover took {took:.2f}s with a 3 s lease"
     # The resumed ex-leader notices, says so, and writes nothing.
-    leader.wait_log(r"lost leadership|pass refused", timeout=5, after=offset)
+    leader.wait_log(r"lost leadership reason=", timeout=5, after=offset)
     time.sleep(2.5)
     runs = service_runs(pg_dsn, schema)
     for service, (inst, finished) in runs.items():
@@ -100,6 +105,8 @@ def test_sigstop_leader_is_replaced_within_lease_and_fenced_after_sigcont(pg_dsn
     assert leader_row(pg_dsn, schema) == (new_epoch, follower.instance_id)
     assert lock_holders(pg_dsn, schema) == [f"maintd:{follower.instance_id}"]
     assert leader.proc.poll() is None  # it stays up as a follower
+    status, metrics = leader.http_get("/metrics")
+    assert status == 200 and "maintd_is_leader 0.0" in metrics
 
 
 def test_terminated_lock_session_demotes_at_once(pg_dsn, schema, daemons):
@@ -118,21 +125,64 @@ def test_terminated_lock_session_demotes_at_once(pg_dsn, schema, daemons):
 
 
 def test_graceful_stop_hands_over_at_once(pg_dsn, schema, daemons):
-    procs = daemons(2, {**QUIET, "leader": {"retry_interval": "5s", "lease": "20s", "renew_interval": "2s"}})
+    slow_retry = {**QUIET, "leader": {"retry_interval": "5s", "lease": "20s", "renew_interval": "2s"}}
+    procs = daemons(2, slow_retry)
     leader = current_leader(pg_dsn, schema, procs)
     epoch, _ = leader_row(pg_dsn, schema)
     t0 = time.monotonic()
     assert leader.stop() == 0
-    wait_new_leader(pg_dsn, schema, epoch, timeout=4)
+    _, new_leader = wait_new_leader(pg_dsn, schema, epoch, timeout=4)
     # Far below the 5 s retry interval: the follower woke on the hand-over NOTIFY.
     assert time.monotonic() - t0 < 2.0
     assert "released leadership" in leader.log()
+    assert new_leader != leader.instance_id
+    procs = daemons(1, slow_retry, prefix="late")  # a new follower, stopped while it waits
+    procs[0].wait_log(r"connected to database")
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    assert procs[0].stop() == 0
+    assert time.monotonic() - t0 < 2.0
 
 
-def test_sighup_toggles_a_service_and_rejects_a_bad_file(pg_dsn, schema, daemons):
-    [d] = daemons(1)
-    d.wait_log(r"became leader")
-    d.wait_log(r"cleaner (deleted|would)|maintd started")
+@pytest.fixture
+def notify_socket(tmp_path):
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(5)
+    yield path, sock
+    sock.close()
+
+
+def test_sighup_toggles_a_service_and_rejects_a_bad_file(pg_dsn, schema, tmp_path, notify_socket):
+    path, sock = notify_socket
+    d = DaemonProc(pg_dsn, schema, "hup", QUIET, workdir=str(tmp_path),
+                   env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "1000000"}).start()
+    try:
+        _sighup_checks(pg_dsn, schema, d, sock)
+    finally:
+        assert d.stop() == 0
+    assert b"STOPPING=1" in _drain(sock)
+
+
+def _drain(sock, seconds: float = 0.5) -> list[bytes]:
+    """Every message that arrives within ``seconds``."""
+    out = []
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            out.append(sock.recv(200))
+        except socket.timeout:
+            break
+    return out
+
+
+def _sighup_checks(pg_dsn, schema, d, sock):
+    # systemd Type=notify: READY=1 once the daemon is up (STATUS=... lines may come first).
+    wait_for(lambda: b"READY=1" in _drain(sock, 0.2), 10, what="READY=1")
+    d.wait_log(r"became leader epoch=\d+")
+    assert b"WATCHDOG=1" in _drain(sock, 1.0)  # every WATCHDOG_USEC / 2
     config = dict(d.config)
     config["cleaner"] = {**config.get("cleaner", {}), "enabled": False}
     d.write_config(config)
@@ -140,6 +190,12 @@ def test_sighup_toggles_a_service_and_rejects_a_bad_file(pg_dsn, schema, daemons
     d.signal(signal.SIGHUP)
     m = d.wait_log(r"config reloaded services=(\S+)", after=offset)
     assert "cleaner" not in m.group(1).split(",") and "rescuer" in m.group(1)
+    # Passes of the disabled service stop; the others go on (interval 1 s).
+    reloaded = datetime.now(timezone.utc)
+    wait_for(lambda: service_runs(pg_dsn, schema)["rescuer"][1] > reloaded, 5, what="a rescuer pass")
+    time.sleep(1.2)
+    runs = service_runs(pg_dsn, schema)
+    assert runs["rescuer"][1] > reloaded and runs["cleaner"][1] < reloaded
 
     config["cleaner"]["enabled"] = True
     d.write_config(config)
@@ -174,8 +230,15 @@ def test_postgres_restart_leadership_recovers(private_pg, tmp_path):
     try:
         current_leader(private_pg.dsn, "maintd", procs)
         epoch, _ = leader_row(private_pg.dsn, "maintd")
-        private_pg.stop()  # fast shutdown, then 2 s of outage
-        time.sleep(2)
+        # Both have connected once (the follower may still be connecting when the leader wins),
+        # so what follows is a reconnection for each.
+        wait_for(lambda: [p.http_get("/readyz")[0] for p in procs] == [200, 200], 10, what="both ready")
+        assert [p.http_get("/healthz")[0] for p in procs] == [200, 200]
+        private_pg.stop()  # fast shutdown, then about 2 s of outage
+        # /healthz reflects the outage (the election loop's connection is gone) ...
+        wait_for(lambda: [p.http_get("/healthz")[0] for p in procs] == [503, 503], 5, what="503s")
+        assert "database unreachable" in procs[0].http_get("/healthz")[1]
+        time.sleep(1)
         private_pg.start()
         restarted = datetime.now(timezone.utc)
         new_epoch, inst = wait_new_leader(private_pg.dsn, "maintd", epoch, timeout=15)
@@ -183,7 +246,10 @@ def test_postgres_restart_leadership_recovers(private_pg, tmp_path):
                  what="passes after the restart")
         for p in procs:
             assert p.proc.poll() is None, p.log()
-            assert "database unreachable, retrying" in p.log()
+            assert "database unreachable, retrying in" in p.log()
+            p.wait_log(r"reconnected to database", timeout=10)  # backoff is capped at 5 s
+        # ... and recovers with it.
+        wait_for(lambda: [p.http_get("/healthz")[0] for p in procs] == [200, 200], 5, what="200s")
         assert len(lock_holders(private_pg.dsn, "maintd")) == 1
     finally:
         for p in procs:
@@ -217,6 +283,7 @@ def test_run_once_cli(pg_dsn, schema, daemons, tmp_path):
     assert f"instance={procs[0].instance_id}" in res.stderr
     res = _cli("--config", str(cfg), "run-once", "rescuer", "--dry-run")
     assert res.returncode == 0 and json.loads(res.stdout)["dry_run"] is True
+    assert _cli("--config", str(cfg), "run-once", "vacuum").returncode == 2  # usage
 
 
 def test_status_cli(pg_dsn, schema, daemons, tmp_path):

@@ -1,0 +1,128 @@
+"""HTTP endpoints of an in-process daemon, ``maintd status`` facts, sd_notify, job gauges."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+
+from maintd.config import Settings
+from maintd.daemon import Daemon
+from maintd.db import sql
+from maintd.leader import acquire_once
+from maintd.metrics import Metrics
+from maintd.sdnotify import SystemdNotifier
+from maintd.status import collect_status, format_status, refresh_job_gauges
+
+from .procs import wait_for
+
+
+def _get(port, path):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_http_endpoints_and_metrics(settings, schema):
+    daemon = Daemon(settings)
+    daemon.start()
+    try:
+        port = daemon.http_port
+        wait_for(lambda: daemon.is_leader, 10, what="leadership")
+        wait_for(lambda: "cleaner" in daemon.runner.last_runs, 10, what="a cleaner pass")
+        assert _get(port, "/healthz") == (200, "ok\n")
+        assert _get(port, "/readyz")[0] == 200
+        status, body = _get(port, "/metrics")
+        assert status == 200
+        for name in ("maintd_is_leader 1.0", "maintd_leadership_changes_total 1.0",
+                     "maintd_database_up 1.0",
+                     'maintd_service_runs_total{outcome="success",service="cleaner"}',
+                     'maintd_service_run_seconds_bucket{le="0.005",service="cleaner"}',
+                     'maintd_service_last_success_timestamp_seconds{service="cleaner"}'):
+            assert name in body, name
+        status, body = _get(port, "/status")
+        data = json.loads(body)
+        assert status == 200 and data["leader"]["instance_id"] == settings.instance_id
+        assert data["this_instance"]["is_leader"] is True
+        assert _get(port, "/nope")[0] == 404
+        # Bound to loopback only.
+        assert daemon.http.server.server_address[0] == "127.0.0.1"
+
+        # An election loop that stops making progress (a hanging connection) is unhealthy.
+        daemon.elector.last_progress -= 60
+        status, body = _get(port, "/healthz")
+        assert status == 503 and "stalled" in body
+        daemon.elector.last_progress += 60
+        daemon._db_ok = False  # what the elector reports while the database is unreachable
+        assert _get(port, "/healthz") == (503, "unhealthy: database unreachable\n")
+        daemon._db_ok = True
+    finally:
+        daemon.stop()
+    assert not daemon.is_leader
+
+
+def test_default_http_listen_is_loopback():
+    assert Settings().http.host == "127.0.0.1"
+
+
+def test_status_names_the_lock_holder_only(settings, engine, schema, queue):
+    with engine.begin() as conn:
+        queue.enqueue(conn, "k", queue="mail")
+    assert collect_status(engine, settings)["leader"] is None
+    elector, fence = acquire_once(settings)
+    try:
+        st = collect_status(engine, settings)
+        lead = st["leader"]
+        assert lead["instance_id"] == settings.instance_id and lead["epoch"] == fence.epoch
+        assert lead["since"] and lead["renewed_at"]
+        assert {"queue": "mail", "state": "available", "count": 1} in st["jobs"]
+        text = format_status(st)
+        assert f"leader: {settings.instance_id} (host " in text and f"epoch {fence.epoch}" in text
+        assert "mail" in text and "(no pass recorded yet)" in text
+        # A recorded term whose (live) session does not hold the lock is nobody's.
+        with engine.begin() as conn:
+            conn.execute(sql("UPDATE {schema}.leader SET backend_pid = pg_backend_pid()", schema))
+        assert collect_status(engine, settings)["leader"] is None
+    finally:
+        elector.stop()
+    assert format_status(collect_status(engine, settings)).splitlines()[1] == "leader: none"
+
+
+def test_sd_notify_sends_ready_and_watchdog(tmp_path):
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(2)
+    try:
+        n = SystemdNotifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "4000000"})
+        assert n.enabled and n.watchdog_interval == 2.0
+        assert n.ready() and n.watchdog() and n.stopping()
+        assert [sock.recv(100) for _ in range(3)] == [b"READY=1", b"WATCHDOG=1", b"STOPPING=1"]
+    finally:
+        sock.close()
+    assert not SystemdNotifier({}).ready()
+
+
+def test_job_gauges_refresh_live_often_and_final_counts_when_asked(settings, engine, schema, queue):
+    metrics = Metrics()
+    with engine.begin() as conn:
+        for _ in range(3):
+            queue.enqueue(conn, "k", queue="mail")
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state, finalized_at) "
+                         "VALUES ('k', 'mail', 'completed', now())", schema))
+    refresh_job_gauges(engine, settings, metrics, final=True)
+    get = metrics.registry.get_sample_value
+    assert get("maintd_jobs", {"queue": "mail", "state": "available"}) == 3
+    assert get("maintd_jobs", {"queue": "mail", "state": "completed"}) == 1
+    assert get("maintd_oldest_available_job_age_seconds", {"queue": "mail"}) >= 0
+    with engine.begin() as conn:
+        [job] = queue.claim(conn, "mail", "w")
+        queue.complete(conn, job)
+    refresh_job_gauges(engine, settings, metrics, final=False)
+    assert get("maintd_jobs", {"queue": "mail", "state": "available"}) == 2
+    assert get("maintd_jobs", {"queue": "mail", "state": "completed"}) == 1  # not recounted yet
+    refresh_job_gauges(engine, settings, metrics, final=True)
+    assert get("maintd_jobs", {"queue": "mail", "state": "completed"}) == 2

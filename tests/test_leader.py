@@ -1,0 +1,215 @@
+"""Leader election in-process against a real PostgreSQL: fencing, the lease, take-over ordering,
+reconnects, pooler detection, run-once's lock."""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+import psycopg
+import pytest
+
+from maintd.config import Settings
+from maintd.daemon import Daemon
+from maintd.db import sql
+from maintd.leader import LeaderElector, LeaderFence, LeaderSessionError, LeaderToken, acquire_once
+from maintd.services.base import NotLeader, PassContext
+
+from .procs import lock_holders, wait_for
+
+FAST = {"lease": "3s", "renew_interval": "1s", "retry_interval": "0.2s"}
+
+
+def with_leader(settings: Settings, instance_id: str | None = None, **leader) -> Settings:
+    return settings.model_copy(update={
+        "instance_id": instance_id or settings.instance_id,
+        "leader": settings.leader.model_validate({**FAST, **leader}),
+    })
+
+
+def terminate(dsn: str, instance_id: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                            "WHERE application_name = %s", (f"maintd:{instance_id}",)).fetchone()[0]
+
+
+def kinds(engine, schema):
+    with engine.connect() as conn:
+        return [r[0] for r in conn.execute(sql("SELECT kind FROM {schema}.jobs ORDER BY id", schema))]
+
+
+class Recorder:
+    def __init__(self):
+        self.events: list[tuple[str, object]] = []
+
+    def elected(self, token):
+        self.events.append(("elected", token.epoch))
+
+    def demoted(self, reason):
+        self.events.append(("demoted", reason))
+
+    def elector(self, settings: Settings) -> LeaderElector:
+        return LeaderElector(settings, on_elected=self.elected, on_demoted=self.demoted)
+
+    @contextmanager
+    def leading(self, settings: Settings) -> Iterator[LeaderElector]:
+        """A started elector that has won the lock; stopped afterwards."""
+        elector = self.elector(settings)
+        elector.start()
+        try:
+            wait_for(lambda: elector.is_leader, 10, what="leadership")
+            yield elector
+        finally:
+            elector.stop()
+
+
+def test_fence_refuses_a_stale_epoch_and_writes_nothing(settings, engine, schema):
+    held = acquire_once(settings)
+    assert held is not None
+    elector, fence = held
+    try:
+        ctx = PassContext(engine=engine, settings=settings, clock=None, fence=fence)  # type: ignore[arg-type]
+        with ctx.transaction() as conn:  # the real term passes the fence
+            conn.execute(sql("INSERT INTO {schema}.jobs (kind) VALUES ('ok')", schema))
+        stale = LeaderFence(schema, LeaderToken(fence.token.epoch - 1, fence.token.lock_pid,
+                                                settings.instance_id, fence.token.classid, fence.token.objid))
+        ctx_stale = PassContext(engine=engine, settings=settings, clock=None, fence=stale)  # type: ignore[arg-type]
+        with pytest.raises(NotLeader):
+            with ctx_stale.transaction() as conn:
+                conn.execute(sql("INSERT INTO {schema}.jobs (kind) VALUES ('stale')", schema))
+        wrong_pid = LeaderFence(schema, LeaderToken(fence.token.epoch, 1, settings.instance_id,
+                                                    fence.token.classid, fence.token.objid))
+        with pytest.raises(NotLeader), engine.connect() as conn:
+            wrong_pid.check(conn)
+    finally:
+        elector.stop()
+    # After release, the old term's fence refuses too.
+    with pytest.raises(NotLeader):
+        with engine.connect() as conn:
+            fence.check(conn)
+    assert kinds(engine, schema) == ["ok"]
+
+
+def test_second_acquire_fails_while_held(settings):
+    held = acquire_once(settings)
+    try:
+        assert acquire_once(settings.model_copy(update={"instance_id": "test-2"}), wait=0.3) is None
+    finally:
+        held[0].stop()
+    again = acquire_once(settings)
+    assert again is not None
+    again[0].stop()
+
+
+def test_takeover_waits_for_an_in_flight_fenced_transaction(pg_dsn, settings, engine, schema):
+    """The ordering fencing relies on: a new term begins only after the old leader's open fenced
+    transaction ended, and from then on the old leader's transactions are refused."""
+    a, fence_a = acquire_once(settings)
+    b_settings = settings.model_copy(update={"instance_id": "test-2"})
+    b_held: list = []
+    taker = threading.Thread(target=lambda: b_held.append(acquire_once(b_settings, wait=15)))
+    ctx = PassContext(engine=engine, settings=settings, clock=None, fence=fence_a)  # type: ignore[arg-type]
+    try:
+        with ctx.transaction() as conn:  # A's fence passes
+            assert terminate(pg_dsn, settings.instance_id) == 1  # then A's lock session dies
+            taker.start()
+            wait_for(lambda: lock_holders(pg_dsn, schema) == ["maintd:test-2"], 10, what="B to get the lock")
+            time.sleep(0.5)
+            assert taker.is_alive(), "B's term began while A's fenced transaction was open"
+            conn.execute(sql("INSERT INTO {schema}.jobs (kind) VALUES ('by-a')", schema))
+        taker.join(15)
+        [(b, fence_b)] = b_held
+        try:
+            assert fence_b.epoch == fence_a.epoch + 1
+            with pytest.raises(NotLeader):
+                with ctx.transaction() as conn:
+                    conn.execute(sql("INSERT INTO {schema}.jobs (kind) VALUES ('late')", schema))
+        finally:
+            b.stop()
+    finally:
+        a.stop()
+    assert kinds(engine, schema) == ["by-a"]
+
+
+def test_slow_fenced_transaction_does_not_cost_the_leadership(settings, engine):
+    """A maintenance transaction open longer than renew_interval must not block the renewal
+    (it did with FOR SHARE: the leader demoted itself on its own lock_timeout)."""
+    s = with_leader(settings)
+    rec = Recorder()
+    with rec.leading(s) as elector:
+        ctx = PassContext(engine=engine, settings=s, clock=None, fence=elector.fence())  # type: ignore[arg-type]
+        with ctx.transaction() as conn:
+            conn.exec_driver_sql("SELECT 1")
+            time.sleep(2.5)  # > renew_interval (1 s) + lock_timeout, < lease (3 s)
+        assert elector.is_leader and rec.events == [("elected", 1)]
+
+
+def test_killed_lock_session_demotes_then_reconnects_and_leads_again(pg_dsn, settings, maintd_log):
+    s = with_leader(settings)
+    rec = Recorder()
+    with rec.leading(s) as elector:
+        epoch = elector.token.epoch
+        # A demotion request about an older term is ignored ...
+        elector.request_demotion("late news about an old term", epoch - 1)
+        time.sleep(1.5)
+        assert elector.is_leader and elector.token.epoch == epoch
+        t0 = time.monotonic()
+        assert terminate(pg_dsn, s.instance_id) == 1
+        wait_for(lambda: any(e[0] == "demoted" for e in rec.events), 5, what="demotion")
+        assert time.monotonic() - t0 < 2.0  # at the next renewal (1 s)
+        wait_for(lambda: elector.is_leader, 10, what="re-election")
+        assert elector.token.epoch == epoch + 1
+        # ... one about the current term is not.
+        elector.request_demotion("fenced", epoch + 1)
+        # Nobody else holds the lock, so the elector may win again right after: look for the
+        # demotion itself, not for it being the last event.
+        wait_for(lambda: ("demoted", "fenced") in rec.events, 5, what="requested demotion")
+    text = "\n".join(maintd_log)
+    assert "database unreachable, retrying in" in text and "reconnected to database" in text
+    assert f"became leader epoch={epoch + 1}" in text and "lost leadership reason=fenced" in text
+    demoted = [e[1] for e in rec.events if e[0] == "demoted"]
+    assert demoted[0].startswith("database error") and demoted[1] == "fenced"
+
+
+def test_lease_expiry_stops_passes_at_once_and_gives_up_the_term(settings):
+    """If renewals stall (e.g. a hanging network call), the main loop stops the passes by itself."""
+    daemon = Daemon(with_leader(settings))
+    daemon.start()
+    try:
+        wait_for(lambda: daemon.is_leader and daemon.runner.scheduler.get_jobs(), 10, what="leadership")
+        epoch = daemon.elector.token.epoch
+        daemon.elector._last_renewed -= 60  # the lease could have run out
+        daemon.tick()
+        assert daemon.runner._fence is None and daemon.runner.scheduler.get_jobs() == []
+        wait_for(lambda: daemon.is_leader and daemon.elector.token.epoch == epoch + 1, 10,
+                 what="a fresh term")
+    finally:
+        daemon.stop()
+
+
+def test_run_once_lock_is_renewed_and_not_registered(settings, engine, schema):
+    s = with_leader(settings, lease="1.5s", renew_interval="0.5s")
+    elector, fence = acquire_once(s)
+    try:
+        time.sleep(2.5)  # longer than the lease: a pass of run-once may take that long
+        ctx = PassContext(engine=engine, settings=s, clock=None, fence=fence)  # type: ignore[arg-type]
+        with ctx.transaction() as conn:
+            conn.exec_driver_sql("SELECT 1")
+        assert elector.is_leader
+    finally:
+        elector.stop()
+    with engine.connect() as conn:
+        assert conn.execute(sql("SELECT count(*) FROM {schema}.daemons", schema)).scalar() == 0
+
+
+def test_a_session_it_did_not_set_up_is_refused(settings, pg_dsn, schema):
+    """What transaction pooling looks like from the client: the statement reaches a backend
+    without our session state. The elector refuses to lead from it and keeps no lock."""
+    elector = Recorder().elector(settings)
+    elector._connect()
+    elector.conn.execute("SELECT set_config('maintd.session', 'someone-else', false)")
+    with pytest.raises(LeaderSessionError, match="PgBouncer"):
+        elector._try_acquire(wait=False)
+    assert elector.conn is None and lock_holders(pg_dsn, schema) == []

@@ -1,0 +1,317 @@
+"""The runner with small fake services: error handling, no overlap, stop within 1 s, the
+service_runs record and log line, reload rescheduling, fenced passes, job gauges on the leader."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import text
+
+from maintd.clock import SystemClock
+from maintd.db import sql
+from maintd.metrics import Metrics
+from maintd.runner import Runner, execute_pass, maintenance_engine
+from maintd.services.base import NoFence, NotLeader, PassContext, PassResult, Service
+
+from .procs import wait_for
+
+
+@dataclass
+class CountResult(PassResult):
+    n: int = 0
+
+    def did_something(self) -> bool:
+        return self.n > 0
+
+    def summary(self) -> str:
+        return f"touched n={self.n}"
+
+
+class Flaky(Service):
+    """Fails every other pass; records overlap."""
+
+    name = "cleaner"
+
+    def __init__(self, settings, state):
+        super().__init__(settings)
+        self.state = state
+
+    def run_once(self, ctx):
+        with self.state["lock"]:
+            self.state["running"] += 1
+            self.state["max_running"] = max(self.state["max_running"], self.state["running"])
+            self.state["calls"] += 1
+            n = self.state["calls"]
+        try:
+            time.sleep(0.05)
+            if n % 2 == 0:
+                raise RuntimeError("boom")
+            return CountResult(n)
+        finally:
+            with self.state["lock"]:
+                self.state["running"] -= 1
+
+
+class Slow(Service):
+    name = "rescuer"
+
+    def run_once(self, ctx):
+        with ctx.transaction() as conn:
+            conn.execute(text("SELECT pg_sleep(30)"))
+        return CountResult(1)
+
+
+def fake(name: str, result=lambda: CountResult(0)):
+    """A Service class named ``name`` (using that section of the settings) returning ``result()``."""
+    return type(f"Fake_{name}", (Service,), {"name": name, "run_once": lambda self, ctx: result()})
+
+
+def sample(metrics, name, labels):
+    return metrics.registry.get_sample_value(name, labels) or 0
+
+
+def test_failing_pass_is_counted_and_never_overlaps(settings, engine, maintd_log):
+    state = {"lock": threading.Lock(), "running": 0, "max_running": 0, "calls": 0}
+    metrics = Metrics()
+    settings.cleaner.interval = timedelta(milliseconds=20)
+    runner = Runner(settings, engine, metrics)
+    runner.services = {"cleaner": Flaky(settings, state)}
+    runner.start()
+    try:
+        runner.activate(NoFence())
+        wait_for(lambda: state["calls"] >= 6, 10, what="six passes")
+    finally:
+        runner.shutdown()
+    assert state["max_running"] == 1
+    assert sample(metrics, "maintd_service_runs_total", {"service": "cleaner", "outcome": "error"}) >= 2
+    assert sample(metrics, "maintd_service_runs_total", {"service": "cleaner", "outcome": "success"}) >= 2
+    errors = [m for m in maintd_log if "pass failed" in m]
+    assert errors and "error=boom" in errors[0] and "\n" not in errors[0]  # one readable line
+
+
+def test_losing_leadership_stops_passes_within_a_second(settings, engine):
+    metrics = Metrics()
+    runner = Runner(settings, engine, metrics)
+    runner.services = {"rescuer": Slow(settings)}
+    runner.start()
+    try:
+        runner.activate(NoFence())
+        wait_for(lambda: runner._active, 5, what="the slow pass to start")
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        runner.deactivate("test")
+        took = time.monotonic() - t0
+        assert not runner._active and took < 1.0
+        assert runner.scheduler.get_jobs() == []
+    finally:
+        runner.shutdown()
+    # Its query was cancelled because we asked: "stopped", not an error.
+    assert sample(metrics, "maintd_service_runs_total", {"service": "rescuer", "outcome": "stopped"}) == 1
+    assert sample(metrics, "maintd_service_runs_total", {"service": "rescuer", "outcome": "error"}) == 0
+
+
+def test_execute_pass_reports_fenced(settings, engine):
+    class Fenced:
+        def check(self, conn):
+            raise NotLeader("stale")
+
+    from maintd.services.cleaner import Cleaner
+
+    ctx = PassContext(engine=engine, settings=settings, clock=SystemClock(), fence=Fenced())
+    outcome, result, error = execute_pass(Cleaner(settings), ctx)
+    assert outcome == "fenced" and result is None and "stale" in error
+
+
+def test_pass_is_recorded_logged_and_measured(settings, engine, schema, monkeypatch, maintd_log):
+    results = iter([CountResult(3), CountResult(0)])
+    calls = []
+
+    def result():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("disk full")
+        return next(results)
+
+    monkeypatch.setattr("maintd.runner.SERVICES", {"cleaner": fake("cleaner", result)})
+    settings.cleaner.interval = timedelta(milliseconds=300)
+    metrics = Metrics()
+    runner = Runner(settings, engine, metrics)
+    runner.start()
+
+    def row():
+        with engine.connect() as conn:
+            return conn.execute(sql("SELECT outcome, result, error, instance_id, last_success_at, "
+                                    "finished_at FROM {schema}.service_runs WHERE service = 'cleaner'",
+                                    schema)).first()
+
+    try:
+        runner.activate(NoFence())
+        wait_for(lambda: row() is not None, 5, what="the first record")
+        first = row()
+        assert first.outcome == "success" and first.result == {"n": 3} and first.error is None
+        assert first.instance_id == settings.instance_id and first.last_success_at == first.finished_at
+        wait_for(lambda: row().outcome == "error", 5, what="the failing third pass")
+    finally:
+        runner.shutdown()
+    failed = row()
+    assert failed.error == "disk full" and failed.last_success_at > first.last_success_at
+    # One line for the pass that did something, none for the idle one.
+    touched = [m for m in maintd_log if "touched" in m]
+    assert len(touched) == 1 and touched[0].startswith("maintd.cleaner: cleaner: touched n=3 seconds=")
+    assert sample(metrics, "maintd_service_run_seconds_count", {"service": "cleaner"}) >= 3
+    assert sample(metrics, "maintd_service_last_success_timestamp_seconds", {"service": "cleaner"}) > 0
+
+
+def test_reload_reschedules_toggles_and_intervals(settings, engine, monkeypatch):
+    monkeypatch.setattr("maintd.runner.SERVICES", {n: fake(n) for n in ("cleaner", "rescuer", "scheduler")})
+    settings.cleaner.interval = settings.rescuer.interval = settings.scheduler.interval = timedelta(hours=1)
+    runner = Runner(settings, engine, Metrics())
+    runner.start()
+    try:
+        runner.activate(NoFence())
+        # Each interval service runs once at once, then every hour.
+        wait_for(lambda: all(j.next_run_time.timestamp() > time.time() + 3000
+                             for j in runner.scheduler.get_jobs() if j.id != "_stats"), 5,
+                 what="the first passes")
+        rescuer_next = runner.scheduler.get_job("rescuer").next_run_time
+        new = settings.model_copy(deep=True)
+        new.cleaner.enabled = False
+        new.scheduler.interval = timedelta(seconds=30)
+        runner.reload(new)
+        assert runner.scheduler.get_job("cleaner") is None
+        assert runner.scheduler.get_job("rescuer").next_run_time == rescuer_next  # unchanged
+        assert runner.scheduler.get_job("scheduler").trigger.interval == timedelta(seconds=30)
+        assert runner.services["scheduler"].settings is new
+        new2 = new.model_copy(deep=True)
+        new2.cleaner.enabled = True
+        runner.reload(new2)
+        assert runner.scheduler.get_job("cleaner") is not None
+    finally:
+        runner.shutdown()
+    # Not leading: a reload schedules nothing.
+    runner = Runner(settings, engine, Metrics())
+    runner.reload(settings)
+    assert runner.scheduler.get_jobs() == []
+
+
+def test_a_fenced_pass_demotes_only_its_own_live_term(settings, engine, monkeypatch):
+    release = threading.Event()
+    calls: list[int] = []
+
+    def pass_():  # 1: term 1's straggler, refused late; 2: term 2, fine; 3: term 2, refused
+        calls.append(1)
+        if len(calls) == 1:
+            release.wait(5)
+        if len(calls) in (1, 3):
+            raise NotLeader("epoch is no longer ours")
+        return CountResult(0)
+
+    monkeypatch.setattr("maintd.runner.SERVICES", {"cleaner": fake("cleaner", pass_)})
+    settings.cleaner.interval = timedelta(milliseconds=200)
+    fenced: list = []
+    runner = Runner(settings, engine, Metrics(), on_fenced=lambda reason, fence: fenced.append(fence))
+    runner.start()
+    term1, term2 = NoFence(), NoFence()
+    try:
+        runner.activate(term1)
+        wait_for(lambda: runner._active, 5, what="a pass of term 1")
+        runner.deactivate("lost", timeout=0.1)
+        runner.activate(term2)
+        release.set()  # term 1's straggler now finds itself fenced: old news, term 2 stays
+        # Term 2's first pass starts only after the straggler's run returned (no overlap).
+        wait_for(lambda: len(calls) >= 2, 5, what="term 2's first pass")
+        assert fenced == []
+        wait_for(lambda: fenced, 5, what="term 2's own fenced pass")
+        assert fenced == [term2]
+    finally:
+        runner.shutdown()
+
+
+def test_job_gauges_only_while_leading(settings, engine, queue, monkeypatch):
+    monkeypatch.setattr("maintd.runner.SERVICES", {})
+    with engine.begin() as conn:
+        queue.enqueue(conn, "k", queue="mail")
+    metrics = Metrics()
+    runner = Runner(settings, engine, metrics)
+    runner.start()
+    try:
+        runner.activate(NoFence())
+        wait_for(lambda: sample(metrics, "maintd_jobs", {"queue": "mail", "state": "available"}) == 1, 5,
+                 what="the job gauges")
+        runner.deactivate("lost")
+        assert sample(metrics, "maintd_jobs", {"queue": "mail", "state": "available"}) == 0
+        assert b"maintd_oldest_available_job_age_seconds{" not in metrics.render()
+    finally:
+        runner.shutdown()
+
+
+def test_maintenance_sessions_are_bounded(settings):
+    engine = maintenance_engine(settings)
+    try:
+        with engine.connect() as conn:
+            st = conn.execute(text("SHOW statement_timeout")).scalar()
+            idle = conn.execute(text("SHOW idle_in_transaction_session_timeout")).scalar()
+            app = conn.execute(text("SHOW application_name")).scalar()
+    finally:
+        engine.dispose()
+    assert st == "30s" and idle == "10s" and app == f"maintd:{settings.instance_id}:work"
+
+
+def backend(ctx: PassContext, **kw) -> tuple[int, str, str]:
+    with ctx.transaction(**kw) as conn:
+        return (conn.execute(text("SELECT pg_backend_pid()")).scalar(),
+                conn.execute(text("SHOW lock_timeout")).scalar(),
+                conn.execute(text("SHOW statement_timeout")).scalar())
+
+
+def test_a_pass_session_keeps_one_connection_and_local_settings_end_with_their_transaction(settings):
+    engine = maintenance_engine(settings)
+    ctx = PassContext(engine=engine, settings=settings, clock=SystemClock())
+    try:
+        with ctx.session():
+            pid, lock_timeout, timeout = backend(ctx, statement_timeout_ms=1234, settings={"lock_timeout": "77"})
+            assert (lock_timeout, timeout) == ("77ms", "1234ms")
+            assert engine.pool.checkedout() == 1  # held between the pass's transactions
+            # Same backend, and the settings were the last transaction's only.
+            assert backend(ctx) == (pid, "5s", "30s")
+            # A failing transaction gives the connection back; the next one gets a working one.
+            try:
+                with ctx.transaction() as conn:
+                    conn.execute(text("SELECT 1/0"))
+            except Exception:
+                pass
+            assert engine.pool.checkedout() == 0
+            assert backend(ctx)[1:] == ("5s", "30s")
+        assert engine.pool.checkedout() == 0 and ctx.current is None
+        # Outside a session (e.g. a test driving run_once) each transaction checks one out.
+        backend(ctx)
+        assert engine.pool.checkedout() == 0
+    finally:
+        engine.dispose()
+
+
+def test_execute_pass_runs_the_pass_in_one_session(settings, engine):
+    pids = []
+
+    class TwoTransactions(Service):
+        name = "rescuer"
+
+        def run_once(self, ctx):
+            for _ in range(2):
+                with ctx.transaction() as conn:
+                    pids.append(conn.execute(text("SELECT pg_backend_pid()")).scalar())
+                held.append(engine.pool.checkedout())
+            return CountResult(0)
+
+    held: list[int] = []
+    ctx = PassContext(engine=engine, settings=settings, clock=SystemClock())
+    assert execute_pass(TwoTransactions(settings), ctx)[0] == "success"
+    assert len(set(pids)) == 1 and held == [1, 1]  # kept between the transactions of the pass
+    assert engine.pool.checkedout() == 0  # and given back at its end
+    with pytest.raises(ValueError):  # setting names are code, never config: checked all the same
+        with ctx.transaction(settings={"lock_timeout'); DROP TABLE x; --": "1"}):
+            pass
