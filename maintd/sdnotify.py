@@ -25,10 +25,13 @@ class SystemdNotifier:
             addr = "\0" + addr[1:]
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+                # Never block: a notify socket nobody reads (its queue full) must not freeze the
+                # main loop, which also handles SIGHUP and SIGTERM. A dropped message is harmless.
+                sock.setblocking(False)
                 sock.connect(addr)
-                sock.sendall(message.encode())
+                sock.send(message.encode())
             return True
-        except OSError:
+        except OSError:  # including BlockingIOError when the receiver's queue is full
             return False
 
     def ready(self) -> bool:

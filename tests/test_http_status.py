@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import urllib.error
 import urllib.request
 
@@ -104,6 +105,27 @@ def test_sd_notify_sends_ready_and_watchdog(tmp_path):
     finally:
         sock.close()
     assert not SystemdNotifier({}).ready()
+
+
+def test_sd_notify_never_blocks_on_a_full_socket(tmp_path):
+    """Nobody reads the socket: its queue fills, and notify drops the message instead of hanging
+    the main loop (which also handles SIGHUP and SIGTERM)."""
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    try:
+        n = SystemdNotifier({"NOTIFY_SOCKET": path})
+        sent: list[bool] = []
+        sender = threading.Thread(target=lambda: sent.extend(n.watchdog() for _ in range(5000)),
+                                  daemon=True)  # far beyond any datagram queue length
+        sender.start()
+        sender.join(10)
+        assert not sender.is_alive(), "notify blocked on a full socket"
+        assert sent[0] and not sent[-1]
+        sock.recv(100)
+        assert n.watchdog()  # room again
+    finally:
+        sock.close()
 
 
 def test_job_gauges_refresh_live_often_and_final_counts_when_asked(settings, engine, schema, queue):
