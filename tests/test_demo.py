@@ -11,6 +11,8 @@ import urllib.request
 
 import pytest
 
+from .procs import wait_for
+
 pytestmark = pytest.mark.slow
 
 
@@ -28,8 +30,12 @@ def test_demo_runs_and_every_service_acts():
         port = int(m.group(1)) if m else None
         time.sleep(0.1)
     assert port, "".join(lines)
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        assert b"maintd_is_leader 1.0" in r.read()
+
+    def leading() -> bool:  # the URL is printed as soon as the daemon starts, before it leads
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            return b"maintd_is_leader 1.0" in r.read()
+
+    wait_for(leading, 15, what="the demo daemon to lead")
     assert proc.wait(90) == 0
     reader.join()
     out = "".join(lines)

@@ -130,7 +130,16 @@ def test_faults_keep_every_invariant(private_pg, tmp_path):
         faults.append("sigkill leader")
         for w in workers:
             w.wait(60)
-        time.sleep(6)  # rescues and promotions settle
+
+        def settled() -> bool:  # rescues, promotions and the cleaner caught up
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                running, old = conn.execute(
+                    "SELECT count(*) FILTER (WHERE kind = 'fault' AND state = 'running'), "
+                    "count(*) FILTER (WHERE kind = 'old') FROM maintd.jobs").fetchone()
+            return running <= 6 and old == 0
+
+        time.sleep(2)
+        wait_for(settled, 30, interval=0.5, what="rescues and the cleaner to settle")
     finally:
         stop_sampling.set()
         sampler.join()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -53,10 +54,16 @@ def test_http_endpoints_and_metrics(settings, schema):
         assert daemon.http.server.server_address[0] == "127.0.0.1"
 
         # An election loop that stops making progress (a hanging connection) is unhealthy.
-        daemon.elector.last_progress -= 60
-        status, body = _get(port, "/healthz")
-        assert status == 503 and "stalled" in body
-        daemon.elector.last_progress += 60
+        # (The election loop itself stamps last_progress on every turn, so set it right before
+        # each request until one lands in between.)
+        def stalled():
+            daemon.elector.last_progress = time.monotonic() - 60
+            return _get(port, "/healthz")
+
+        status, body = wait_for(lambda: (lambda r: r if r[0] == 503 else None)(stalled()), 5,
+                                what="a stalled /healthz")
+        assert "stalled" in body
+        daemon.elector.last_progress = time.monotonic()
         daemon._db_ok = False  # what the elector reports while the database is unreachable
         assert _get(port, "/healthz") == (503, "unhealthy: database unreachable\n")
         daemon._db_ok = True

@@ -190,10 +190,10 @@ def test_lease_expiry_stops_passes_at_once_and_gives_up_the_term(settings):
 
 
 def test_run_once_lock_is_renewed_and_not_registered(settings, engine, schema):
-    s = with_leader(settings, lease="1.5s", renew_interval="0.5s")
+    s = with_leader(settings)
     elector, fence = acquire_once(s)
     try:
-        time.sleep(2.5)  # longer than the lease: a pass of run-once may take that long
+        time.sleep(4)  # longer than the lease (3 s): a pass of run-once may take that long
         ctx = PassContext(engine=engine, settings=s, clock=None, fence=fence)  # type: ignore[arg-type]
         with ctx.transaction() as conn:
             conn.exec_driver_sql("SELECT 1")

@@ -23,6 +23,8 @@ STATES = ["available", "scheduled", "running", "retryable", "completed", "cancel
 FINAL = {"completed", "cancelled", "discarded"}
 EXAMPLES = hsettings(max_examples=25, deadline=None,
                      suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+# Pure-Python properties: no per-example deadline either (a loaded CI box can stall any example).
+PURE = hsettings(deadline=None)
 
 offsets = st.integers(min_value=-3 * 86400 * 4, max_value=3 * 86400)  # seconds relative to NOW
 
@@ -108,6 +110,7 @@ def test_scheduler_promotes_exactly_the_due_rows(pg_dsn, schema, engine, jobs, b
         assert after[i] == ("available" if due else before[i])
 
 
+@PURE
 @given(st.text(max_size=70))
 def test_identifiers_are_accepted_only_when_safe(name):
     try:
@@ -117,6 +120,7 @@ def test_identifiers_are_accepted_only_when_safe(name):
     assert IDENT_RE.match(name) and '"' not in name and not name.startswith("pg_")
 
 
+@PURE
 @given(st.one_of(st.text(max_size=20), st.integers(), st.floats(allow_nan=True)))
 def test_durations_parse_or_raise_valueerror(value):
     try:
@@ -126,6 +130,7 @@ def test_durations_parse_or_raise_valueerror(value):
     assert td >= timedelta(0)
 
 
+@PURE
 @given(st.text(alphabet="0123456789*/,-LW#? abcdefghijklmnopqrstuvwxyz@", max_size=30))
 def test_any_schedule_string_is_accepted_or_a_config_error(expr):
     try:

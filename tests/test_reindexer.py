@@ -97,7 +97,7 @@ def test_timeout_during_the_build_leaves_no_artifact(pg_dsn, schema, settings, e
     # created jobs_finalized_idx_ccnew: the 1 s timeout cancels it there.
     blocker = psycopg.connect(pg_dsn)
     blocker.execute(f'SELECT count(*) FROM "{schema}".jobs')
-    release = threading.Timer(2.0, blocker.rollback)
+    release = threading.Timer(4.0, blocker.rollback)  # well after the 1 s timeout, even on a slow start
     release.start()
     try:
         result = run(settings, engine)
