@@ -16,7 +16,8 @@ Sizes at ``--rows 1000000`` (the default); everything scales with it:
   due, 900,000 future rows) and the promotion lag seen by a claimer woken by NOTIFY, with and
   without ``precise_timing``.
 * workers: 4 threads claiming and completing with the maintd.jobs SQL; claim latency while maintd
-  is idle and while the cleaner deletes the 1,000,000 rows underneath.
+  is idle and while the cleaner deletes the 1,000,000 rows underneath, at full speed and with
+  each ``--cleaner-pause`` (``cleaner.batch_pause``), e.g. ``--only workers --cleaner-pause 0.02``.
 
 The physical limit does the same work in one statement: the fastest PostgreSQL can do it, at the
 price of one huge transaction that holds its locks and bloats until it ends, which is what maintd
@@ -374,50 +375,53 @@ def bench_lag(engine: Engine, url: str, table: Table, rows: int) -> None:
 
 # --- worker load ------------------------------------------------------------------------------
 
-def bench_workers(engine: Engine, url: str, table: Table, rows: int, idle_seconds: float = 5.0) -> None:
-    """Claim latency of 4 workers before, during and after a cleaner pass deleting ``rows`` rows."""
-    settings = Settings(database_url=url, schema=SCHEMA)
+def bench_workers(engine: Engine, url: str, table: Table, rows: int, pauses: list[float],
+                  idle_seconds: float = 5.0) -> None:
+    """Claim latency of 4 workers before, during and after a cleaner pass deleting ``rows`` rows,
+    once per ``cleaner.batch_pause`` in ``pauses`` (the same data seeded again each time)."""
     queue = JobQueue(SCHEMA)
     sizes = cleaner_sizes(rows)
-    now = seed(engine, SEED_CLEANER, sizes,
-               "INSERT INTO {schema}.jobs (kind, queue) SELECT 'work', 'work' FROM generate_series(1, 300000)")
-    stop = threading.Event()
-    phase = ["before"]
-    latencies: dict[str, list[float]] = {"before": [], "during": [], "after": []}
-    lock = threading.Lock()
+    for pause in pauses:
+        settings = Settings(database_url=url, schema=SCHEMA, cleaner={"batch_pause": pause})
+        now = seed(engine, SEED_CLEANER, sizes,
+                   "INSERT INTO {schema}.jobs (kind, queue) SELECT 'work', 'work' FROM generate_series(1, 300000)")
+        stop = threading.Event()
+        phase = ["before"]
+        latencies: dict[str, list[float]] = {"before": [], "during": [], "after": []}
+        lock = threading.Lock()
 
-    def worker(i: int) -> None:
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            with engine.begin() as conn:
-                jobs = queue.claim(conn, "work", f"w{i}", 1)
-            dt = time.perf_counter() - t0
-            with lock:
-                latencies[phase[0]].append(dt)
-            if jobs:
+        def worker(i: int) -> None:
+            while not stop.is_set():
+                t0 = time.perf_counter()
                 with engine.begin() as conn:
-                    queue.complete(conn, jobs[0])
+                    jobs = queue.claim(conn, "work", f"w{i}", 1)
+                dt = time.perf_counter() - t0
+                with lock:
+                    latencies[phase[0]].append(dt)
+                if jobs:
+                    with engine.begin() as conn:
+                        queue.complete(conn, jobs[0])
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    time.sleep(idle_seconds)
-    phase[0] = "during"
-    result, during, batches = run_pass(engine, settings, Cleaner(settings), now)
-    phase[0] = "after"
-    time.sleep(idle_seconds)
-    stop.set()
-    for t in threads:
-        t.join()
-    spans = {"before": idle_seconds, "during": during, "after": idle_seconds}
-    for name, label in (("before", "maintd idle (before)"), ("during", "while the cleaner deletes"),
-                        ("after", "maintd idle (after)")):
-        lat = latencies[name]
-        table.note("workers", f"claims, {label}",
-                   f"{len(lat) / spans[name]:7,.0f} claims/s  p50 {pct(lat, .5) * 1000:5.2f} ms  "
-                   f"p99 {pct(lat, .99) * 1000:6.2f} ms  max {max(lat, default=0) * 1000:6.1f} ms")
-    table.row("workers", f"cleaner under that load, batch_size {settings.cleaner.batch_size:,}", result.total,
-              during, batches)
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(idle_seconds)
+        phase[0] = "during"
+        result, during, batches = run_pass(engine, settings, Cleaner(settings), now)
+        phase[0] = "after"
+        time.sleep(idle_seconds)
+        stop.set()
+        for t in threads:
+            t.join()
+        spans = {"before": idle_seconds, "during": during, "after": idle_seconds}
+        mode = f"batch_pause {pause * 1000:g} ms" if pause else "full speed"
+        for name, label in (("before", "maintd idle (before)"), ("during", f"cleaner deleting, {mode}"),
+                            ("after", "maintd idle (after)")):
+            lat = latencies[name]
+            table.note("workers", f"claims, {label}",
+                       f"{len(lat) / spans[name]:7,.0f} claims/s  p50 {pct(lat, .5) * 1000:5.2f} ms  "
+                       f"p99 {pct(lat, .99) * 1000:6.2f} ms  max {max(lat, default=0) * 1000:6.1f} ms")
+        table.row("workers", f"cleaner under that load, {mode}", result.total, during, batches)
 
 
 # --- main -------------------------------------------------------------------------------------
@@ -432,6 +436,8 @@ def main() -> int:
     ap.add_argument("--only", choices=BENCHES, action="append", help="run only these (repeatable)")
     ap.add_argument("--cleaner-batch", type=int, action="append",
                     help="cleaner batch sizes to measure (repeatable; default: the configured default)")
+    ap.add_argument("--cleaner-pause", type=float, action="append", metavar="SECONDS",
+                    help="with the workers bench: also run the cleaner with this batch_pause (repeatable)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="measure each method this many times on fresh data and report the median run")
     args = ap.parse_args()
@@ -469,7 +475,7 @@ def main() -> int:
                 seed(engine, SEED_SCHEDULER, {"total": args.rows, "due": 0})
             bench_lag(engine, url, table, args.rows)
         if "workers" in only:
-            bench_workers(engine, url, table, args.rows)
+            bench_workers(engine, url, table, args.rows, [0.0, *(args.cleaner_pause or [])])
         engine.dispose()
     finally:
         if pg is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import random
 import statistics
 import sys
 import tempfile
@@ -49,12 +50,15 @@ def measure(dsn: str, mode: str, lease: str, runs: int, workdir: str) -> tuple[l
     extra = {"leader": {"lease": lease, "renew_interval": "1s" if lease != "10s" else "2s",
                         "retry_interval": "1s"}}
     times, passes = [], []
+    rng = random.Random(f"{mode} {lease}")  # reproducible moments per scenario
     for run in range(runs):
         procs = {f"{mode}{run}{i}": DaemonProc(dsn, "maintd", f"{mode}{run}{i}", extra, workdir=workdir).start()
                  for i in range(2)}
         try:
             wait_for(lambda: leader_row(dsn, "maintd")[1] in procs, 20, what="a leader")
-            time.sleep(1.0)
+            # At a random moment of the follower's retry cycle: a fixed delay would measure one
+            # phase of it (always just before, or just after, the follower's next try).
+            time.sleep(1.0 + rng.uniform(0, 1.0))
             epoch, inst = leader_row(dsn, "maintd")
             t0, killed_at = time.monotonic(), datetime.now(timezone.utc)
             procs[inst].signal(signal.SIGKILL if mode == "kill" else signal.SIGSTOP)

@@ -147,8 +147,17 @@ class QueueRetention(Section):
     # Fields not given fall back to the global value; keep track of which were given.
 
 
+def _pause(v: object) -> timedelta:
+    td = parse_duration(v)
+    if td > timedelta(seconds=10):
+        raise ValueError("must be at most 10s")
+    return td
+
+
 class CleanerConfig(ServiceConfig):
     batch_size: int = Field(default=10_000, ge=1, le=1_000_000)
+    # Idle time after each batch that deleted rows, leaving the database to the workers.
+    batch_pause: Annotated[timedelta, BeforeValidator(_pause), _ser] = timedelta(0)
     completed_retention: Retention = timedelta(hours=24)
     cancelled_retention: Retention = timedelta(hours=24)
     discarded_retention: Retention = timedelta(days=7)

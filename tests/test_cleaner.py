@@ -4,6 +4,8 @@ passes that do not re-read kept rows, dry run, plans."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -14,7 +16,7 @@ from sqlalchemy import event
 from maintd.config import Settings
 from maintd.db import sql
 from maintd.metrics import Metrics
-from maintd.services.base import PassContext
+from maintd.services.base import PassContext, PassStopped
 from maintd.services.cleaner import (
     BATCH_TARGET, COUNT_EXPIRED, DELETE_RANGE, DELETE_RANGE_SKIP_LOCKED, DELETE_TIED, FILL,
     FULL_SCAN_EVERY, GROW_AFTER, GROWTH, LOOKBACK, MIN_BATCH, PROBE, Cleaner, next_width,
@@ -131,6 +133,49 @@ def test_batch_size_plus_one_is_two_batches(settings, engine, schema, clock):
     assert result.deleted["completed"] == 101
     assert result.batches == 2  # 100 + 1 (transactions that deleted nothing are not counted)
     assert remaining(engine, schema) == set(keep)
+
+
+class PausingContext(PassContext):
+    """Records the pauses a pass asks for (and sleeps none of them)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.pauses: list[float] = []
+
+    def pause(self, seconds):
+        self.pauses.append(seconds)
+        super().pause(0)
+
+
+def test_batch_pause_after_batches_that_deleted_rows_never_after_a_targets_last(settings, engine, schema, clock):
+    settings.cleaner.batch_size = 100
+    settings.cleaner.batch_pause = timedelta(milliseconds=250)
+    insert(engine, schema, state="discarded", finalized_ago=8 * DAY, n=50, spread=True)
+    ctx = PausingContext(engine=engine, settings=settings, clock=clock)
+    result = Cleaner(settings).run_once(ctx)
+    assert result.deleted["discarded"] == 50 and result.batches == 1
+    assert ctx.pauses == []  # the one batch reached the horizon: nothing left to wait for
+
+    insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=350, spread=True)
+    ctx = PausingContext(engine=engine, settings=settings, clock=clock)
+    result = Cleaner(settings).run_once(ctx)
+    assert result.deleted["completed"] == 350 and result.batches == 4  # 100, 100, 100, 50
+    # After each of the three full batches; after the 50 too when its predicted range ended short
+    # of the horizon (the cleaner cannot know nothing follows); never after the range that does.
+    assert ctx.pauses in ([0.25] * 3, [0.25] * 4)
+
+
+def test_a_stop_during_a_batch_pause_ends_the_pass_at_once(settings, engine, schema, clock):
+    settings.cleaner.batch_size = 100
+    settings.cleaner.batch_pause = timedelta(seconds=10)
+    insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=300, spread=True)
+    ctx = PassContext(engine=engine, settings=settings, clock=clock)
+    threading.Timer(0.3, ctx.stop_event.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(PassStopped):
+        Cleaner(settings).run_once(ctx)
+    assert time.monotonic() - t0 < 5  # not the 10 s pause
+    assert len(remaining(engine, schema)) == 200  # the first batch was committed before the pause
 
 
 def test_ties_larger_than_a_batch(settings, engine, schema, clock):

@@ -151,6 +151,8 @@ def test_config_path_from_env(tmp_path, monkeypatch):
      "periodic[0] (id='a').timezone"),
     ("[cleaner]\nbatch_size = 99999999999999999999", "cleaner.batch_size"),
     ("[cleaner]\nbatch_size = -3", "cleaner.batch_size"),
+    ("[cleaner]\nbatch_pause = '11s'", "cleaner.batch_pause: must be at most 10s"),
+    ("[cleaner]\nbatch_pause = '-1s'", "cleaner.batch_pause"),
     ("[leader]\nlease = '2s'\nrenew_interval = '2s'", "leader.renew_interval"),
     ("[http]\nlisten = 'nope'", "http.listen"),
     ("[log]\nformat = 'xml'", "log.format"),

@@ -90,6 +90,11 @@ class PassContext:
         if self.stop_event.is_set():
             raise PassStopped()
 
+    def pause(self, seconds: float) -> None:
+        """Sleep between transactions; a stop (lost leadership, shutdown) ends it at once."""
+        if seconds > 0 and self.stop_event.wait(seconds):
+            raise PassStopped()
+
     @contextmanager
     def session(self) -> Iterator["PassContext"]:
         """While open, the pass's transactions share one pooled connection instead of checking

@@ -217,6 +217,7 @@ class Cleaner(Service):
         # next pass; any later synchronous commit, e.g. a worker's, flushes it anyway).
         batch_settings = {"lock_timeout": str(max(1, min(LOCK_WAIT_MS, timeout_ms // 2))),
                           "synchronous_commit": "off"}
+        pause = self.config.batch_pause.total_seconds()
         skip_locked = False
         width: timedelta | None = None  # predicted width of the next range; None: probe it
         at_boundary = False  # whether lo is where a probed batch ended (so a probe measures density)
@@ -273,6 +274,8 @@ class Cleaner(Service):
                 result.deleted[target.state] += n
             if last:
                 return resume
+            if n:
+                ctx.pause(pause)
             if hi == lo:
                 if n < limit:
                     resume = min(resume, lo)  # some tied rows were locked: look again next pass
