@@ -171,7 +171,6 @@ class LeaderElector:
         self._marker = ""
         self._ever_connected = False
         self._last_renewed = 0.0  # monotonic send time of the last successful proof
-        self._next_renewal = 0.0
         self._last_register = float("-inf")
         self._stop = threading.Event()
         self._demote_requested: tuple[str, int | None] | None = None
@@ -336,7 +335,6 @@ class LeaderElector:
             self._close()  # never keep the lock without a term
             raise
         self._last_renewed = sent
-        self._next_renewal = sent + self.settings.leader.renew_interval.total_seconds()
         self._demote_requested = None
         self.token = LeaderToken(epoch, self.conn.info.backend_pid, self.settings.instance_id,
                                  self.classid, self.objid)
@@ -378,12 +376,13 @@ class LeaderElector:
             self._lose("lease expired before it could be renewed")
             self._close()
             return
-        # The next proof goes out renew_interval after the previous one, however long that took.
-        self._stop.wait(max(0.0, self._next_renewal - time.monotonic()))
+        # The next proof goes out renew_interval after the previous one was sent, however long
+        # that took. (A proof that fails ends the term, so the last one sent is the last success.)
+        next_renewal = self._last_renewed + self.settings.leader.renew_interval.total_seconds()
+        self._stop.wait(max(0.0, next_renewal - time.monotonic()))
         if self._stop.is_set() or self.token is None or self._demote_requested:
             return
         sent = time.monotonic()
-        self._next_renewal = sent + self.settings.leader.renew_interval.total_seconds()
         if not self._holds_lock():
             self._lose("advisory lock no longer held")
             self._close()
