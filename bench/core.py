@@ -375,53 +375,56 @@ def bench_lag(engine: Engine, url: str, table: Table, rows: int) -> None:
 
 # --- worker load ------------------------------------------------------------------------------
 
-def bench_workers(engine: Engine, url: str, table: Table, rows: int, pauses: list[float],
-                  idle_seconds: float = 5.0) -> None:
+def bench_workers(engine: Engine, url: str, table: Table, rows: int, pauses: list[float]) -> None:
     """Claim latency of 4 workers before, during and after a cleaner pass deleting ``rows`` rows,
     once per ``cleaner.batch_pause`` in ``pauses`` (the same data seeded again each time)."""
-    queue = JobQueue(SCHEMA)
-    sizes = cleaner_sizes(rows)
     for pause in pauses:
         settings = Settings(database_url=url, schema=SCHEMA, cleaner={"batch_pause": pause})
-        now = seed(engine, SEED_CLEANER, sizes,
-                   "INSERT INTO {schema}.jobs (kind, queue) SELECT 'work', 'work' FROM generate_series(1, 300000)")
-        stop = threading.Event()
-        phase = ["before"]
-        latencies: dict[str, list[float]] = {"before": [], "during": [], "after": []}
-        lock = threading.Lock()
-
-        def worker(i: int) -> None:
-            while not stop.is_set():
-                t0 = time.perf_counter()
-                with engine.begin() as conn:
-                    jobs = queue.claim(conn, "work", f"w{i}", 1)
-                dt = time.perf_counter() - t0
-                with lock:
-                    latencies[phase[0]].append(dt)
-                if jobs:
-                    with engine.begin() as conn:
-                        queue.complete(conn, jobs[0])
-
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        time.sleep(idle_seconds)
-        phase[0] = "during"
-        result, during, batches = run_pass(engine, settings, Cleaner(settings), now)
-        phase[0] = "after"
-        time.sleep(idle_seconds)
-        stop.set()
-        for t in threads:
-            t.join()
-        spans = {"before": idle_seconds, "during": during, "after": idle_seconds}
         mode = f"batch_pause {pause * 1000:g} ms" if pause else "full speed"
-        for name, label in (("before", "maintd idle (before)"), ("during", f"cleaner deleting, {mode}"),
-                            ("after", "maintd idle (after)")):
-            lat = latencies[name]
-            table.note("workers", f"claims, {label}",
-                       f"{len(lat) / spans[name]:7,.0f} claims/s  p50 {pct(lat, .5) * 1000:5.2f} ms  "
-                       f"p99 {pct(lat, .99) * 1000:6.2f} ms  max {max(lat, default=0) * 1000:6.1f} ms")
-        table.row("workers", f"cleaner under that load, {mode}", result.total, during, batches)
+        workers_under_cleaner(engine, settings, table, rows, mode)
+
+
+def workers_under_cleaner(engine: Engine, settings: Settings, table: Table, rows: int, mode: str,
+                          idle_seconds: float = 5.0) -> None:
+    queue = JobQueue(SCHEMA)
+    now = seed(engine, SEED_CLEANER, cleaner_sizes(rows),
+               "INSERT INTO {schema}.jobs (kind, queue) SELECT 'work', 'work' FROM generate_series(1, 300000)")
+    stop = threading.Event()
+    phase = ["before"]
+    latencies: dict[str, list[float]] = {"before": [], "during": [], "after": []}
+    lock = threading.Lock()
+
+    def worker(i: int) -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            with engine.begin() as conn:
+                jobs = queue.claim(conn, "work", f"w{i}", 1)
+            dt = time.perf_counter() - t0
+            with lock:
+                latencies[phase[0]].append(dt)
+            if jobs:
+                with engine.begin() as conn:
+                    queue.complete(conn, jobs[0])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(idle_seconds)
+    phase[0] = "during"
+    result, during, batches = run_pass(engine, settings, Cleaner(settings), now)
+    phase[0] = "after"
+    time.sleep(idle_seconds)
+    stop.set()
+    for t in threads:
+        t.join()
+    spans = {"before": idle_seconds, "during": during, "after": idle_seconds}
+    for name, label in (("before", "maintd idle (before)"), ("during", f"cleaner deleting, {mode}"),
+                        ("after", "maintd idle (after)")):
+        lat = latencies[name]
+        table.note("workers", f"claims, {label}",
+                   f"{len(lat) / spans[name]:7,.0f} claims/s  p50 {pct(lat, .5) * 1000:5.2f} ms  "
+                   f"p99 {pct(lat, .99) * 1000:6.2f} ms  max {max(lat, default=0) * 1000:6.1f} ms")
+    table.row("workers", f"cleaner under that load, {mode}", result.total, during, batches)
 
 
 # --- main -------------------------------------------------------------------------------------
