@@ -31,6 +31,9 @@ A batch that hits its statement timeout halves the batch size (down to ``MIN_BAT
 successes in a row double it again, up to ``batch_size``. The size lives on the service
 instance, so it carries over from pass to pass. A final row locked by someone else makes the
 range DELETE give up after ``LOCK_WAIT_MS`` and redo that batch with ``SKIP LOCKED``.
+
+``batch_pause`` (default 0) idles after each batch that deleted rows, except the one that reached
+the horizon, to leave the database to the workers while a large backlog is worked through.
 """
 
 from __future__ import annotations
