@@ -1,10 +1,15 @@
-"""Time, injected: services never call ``datetime.now()`` themselves, so tests control "now"."""
+"""Time. Every cutoff maintd computes comes from the database server's clock (SPEC 7.1): the
+workers write ``now()`` of the server, so a daemon whose host clock is minutes off must still
+agree with them. Services never read a clock themselves; their :class:`PassContext` hands them
+one, which tests replace with a :class:`FrozenClock`.
+"""
 
 from __future__ import annotations
 
 import threading
+import time
 from datetime import datetime, timedelta, timezone
-from typing import Protocol
+from typing import Any, Protocol
 
 UTC = timezone.utc
 
@@ -15,13 +20,46 @@ class Clock(Protocol):
         ...
 
 
-class SystemClock:
+class ServerClock:
+    """The server's time, read with ``clock_timestamp()`` and carried forward on the host's
+    monotonic clock (which no wall-clock skew or NTP step moves). A reading older than
+    ``max_age`` seconds is ``due`` again; a pass then re-reads it on its own connection
+    (:meth:`maintd.services.base.PassContext.now`), so most passes cost no extra round trip."""
+
+    def __init__(self, max_age: float = 30.0):
+        self.max_age = max_age
+        self._lock = threading.Lock()
+        self._reading: tuple[datetime, float] | None = None  # (server time, monotonic then)
+
+    @property
+    def due(self) -> bool:
+        with self._lock:
+            reading = self._reading
+        return reading is None or time.monotonic() - reading[1] >= self.max_age
+
+    def sync(self, conn: Any) -> None:
+        """Read the server's time on ``conn`` (a SQLAlchemy connection)."""
+        from sqlalchemy import text
+
+        from .queries import catalog
+
+        sent = time.monotonic()
+        server = conn.execute(text(catalog.SERVER_TIME)).scalar_one()
+        got = time.monotonic()
+        with self._lock:
+            self._reading = (server.astimezone(UTC), (sent + got) / 2)
+
     def now(self) -> datetime:
-        return datetime.now(UTC)
+        with self._lock:
+            reading = self._reading
+        if reading is None:
+            raise RuntimeError("ServerClock.now() before the first sync()")
+        server, mono = reading
+        return server + timedelta(seconds=time.monotonic() - mono)
 
 
 class FrozenClock:
-    """A clock that only moves when told to (thread-safe)."""
+    """A clock that only moves when told to (thread-safe), for tests."""
 
     def __init__(self, start: datetime | None = None):
         self._now = start or datetime(2026, 1, 1, tzinfo=UTC)

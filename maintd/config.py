@@ -13,7 +13,7 @@ import tomllib
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -21,6 +21,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    PrivateAttr,
     SecretStr,
     ValidationError,
     field_validator,
@@ -29,11 +30,12 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from .durations import format_duration, parse_duration
+from .identifiers import IDENT_RE, validate_identifier  # noqa: F401  (re-exported)
 from .schedules import load_timezone, parse_schedule
 
-IDENT_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
-PERIODIC_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
-QUEUE_RE = re.compile(r"^[^\x00-\x1f]{1,128}$")
+# graphile-worker's task identifiers too (``nested/task``, ``_private_id``).
+PERIODIC_ID_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:/-]{0,127}\Z")
+QUEUE_RE = re.compile(r"^[^\x00-\x1f]{1,128}\Z")
 
 
 class ConfigError(Exception):
@@ -42,18 +44,6 @@ class ConfigError(Exception):
     def __init__(self, problems: list[str]):
         self.problems = problems
         super().__init__("\n".join(problems))
-
-
-def validate_identifier(value: str, what: str = "identifier") -> str:
-    """Lower-case SQL identifiers only; they are still always quoted where used."""
-    if not isinstance(value, str) or not IDENT_RE.match(value):
-        raise ValueError(
-            f"invalid {what} {value!r}: use 1-63 lower-case letters, digits and underscores, "
-            "not starting with a digit"
-        )
-    if value.startswith("pg_"):
-        raise ValueError(f"invalid {what} {value!r}: the pg_ prefix is reserved by PostgreSQL")
-    return value
 
 
 def _duration(v: object) -> timedelta:
@@ -101,12 +91,25 @@ class LeaderConfig(Section):
             raise ValueError("renew_interval: must be at most a third of leader.lease")
         if self.lease < timedelta(seconds=1):
             raise ValueError("lease: must be at least 1s")
+        if self.retry_interval * 2 > self.lease:  # a follower's idle lock session outlives its waits
+            raise ValueError("retry_interval: must be at most half of leader.lease")
         return self
 
 
 class HttpConfig(Section):
     enabled: bool = True
     listen: str = "127.0.0.1:9464"
+    # Required by the dashboard and /status when set (Bearer header or ?token=); never printed.
+    auth_token: SecretStr | None = None
+
+    @field_validator("auth_token")
+    @classmethod
+    def _token(cls, v: SecretStr | None) -> SecretStr | None:
+        raw = None if v is None else v.get_secret_value()
+        if raw is not None and (len(raw) < 16 or not re.fullmatch(r"[\x21-\x7e]+", raw)):
+            raise ValueError("use at least 16 printable ASCII characters without spaces, "
+                             "e.g. the output of `openssl rand -hex 32`")
+        return v
 
     @field_validator("listen")
     @classmethod
@@ -133,6 +136,11 @@ class LogConfig(Section):
     @classmethod
     def _lower(cls, v: Any) -> Any:
         return v.lower() if isinstance(v, str) else v
+
+
+class MetricsConfig(Section):
+    # Per-queue series: the largest queues keep their name, the rest are summed as queue="_other".
+    max_queues: int = Field(default=100, ge=1, le=100_000)
 
 
 class ServiceConfig(Section):
@@ -252,13 +260,16 @@ class PeriodicJob(Scheduled):
     run_on_start: bool = False
     backfill: OptionalDuration = None
     enabled: bool = True
+    # With a unique key: a waiting job holding it is updated ("replace": args and run time;
+    # "preserve_run_at": args only) instead of the slot being skipped.
+    job_key_mode: Literal["replace", "preserve_run_at"] | None = None
 
     @field_validator("id")
     @classmethod
     def _id(cls, v: str) -> str:
         if not PERIODIC_ID_RE.match(v):
             raise ValueError(
-                f"invalid periodic id {v!r}: 1-128 letters, digits, '_', '.', ':' or '-'"
+                f"invalid periodic id {v!r}: 1-128 letters, digits, '_', '.', ':', '/' or '-'"
             )
         return v
 
@@ -269,6 +280,25 @@ class PeriodicJob(Scheduled):
         if self.unique_key in (False, None, ""):
             return None
         return str(self.unique_key)
+
+    # A [[periodic]] entry's args are the job's args as they are; a crontab line's get ``_cron``.
+    cron_args: ClassVar[bool] = False
+
+
+class CrontabJob(PeriodicJob):
+    """A line of the crontab file (SPEC 7.8): a periodic entry whose job args are the payload plus
+    ``"_cron": {"ts", "backfilled"}``, and whose ``jobKey`` replaces a waiting job's (or, with
+    ``jobKeyMode=preserve_run_at``, keeps its run time)."""
+
+    cron_args: ClassVar[bool] = True
+    line: str = ""  # "crontab:3", for messages
+
+    @classmethod
+    def from_entry(cls, e: Any) -> "CrontabJob":
+        return cls(id=e.id, schedule=e.schedule, timezone=e.timezone, kind=e.kind, queue=e.queue,
+                   priority=e.priority, max_attempts=e.max_attempts, backfill=e.backfill,
+                   args=e.payload, unique_key=e.job_key, line=f"{e.source}:{e.line}",
+                   job_key_mode=(e.job_key_mode or "replace") if e.job_key else None)
 
 
 # BaseModel has a deprecated ``schema()`` classmethod; the SPEC key is called ``schema`` anyway.
@@ -294,11 +324,15 @@ with warnings.catch_warnings():
         leader: LeaderConfig = Field(default_factory=LeaderConfig)
         http: HttpConfig = Field(default_factory=HttpConfig)
         log: LogConfig = Field(default_factory=LogConfig)
+        metrics: MetricsConfig = Field(default_factory=MetricsConfig)
         cleaner: CleanerConfig = Field(default_factory=CleanerConfig)
         rescuer: RescuerConfig = Field(default_factory=RescuerConfig)
         scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
         reindexer: ReindexerConfig = Field(default_factory=ReindexerConfig)
         periodic: list[PeriodicJob] = Field(default_factory=list)
+        # A graphile-worker-style crontab file (SPEC 7.8), relative to the config file.
+        crontab: str | None = None
+        _crontab_jobs: list[CrontabJob] = PrivateAttr(default_factory=list)
 
         @field_validator("schema")
         @classmethod
@@ -329,7 +363,14 @@ with warnings.catch_warnings():
                 if job.id in seen:
                     raise ValueError(f"periodic: id {job.id!r} is defined twice")
                 seen.add(job.id)
+            if self.crontab:
+                self._crontab_jobs = _load_crontab(self.crontab, seen)
             return self
+
+        @property
+        def periodic_entries(self) -> list[PeriodicJob]:
+            """The ``[[periodic]]`` entries, then the crontab's lines."""
+            return [*self.periodic, *self._crontab_jobs]
 
         @classmethod
         def settings_customise_sources(
@@ -347,7 +388,29 @@ with warnings.catch_warnings():
             """The effective configuration as plain data, with the DSN password masked."""
             data = self.model_dump(mode="json")
             data["database_url"] = redact_dsn(self.database_url.get_secret_value())
+            if self.crontab:
+                data["crontab_entries"] = [{**j.model_dump(mode="json"), "line": j.line,
+                                            "job_key_mode": j.job_key_mode} for j in self._crontab_jobs]
             return data
+
+
+def _load_crontab(path: str, taken: set[str]) -> list[CrontabJob]:
+    """The crontab's lines as periodic entries; ids are shared with ``[[periodic]]``."""
+    from .crontab import load_crontab
+
+    try:
+        entries = load_crontab(path)
+    except ValueError as exc:
+        raise ValueError(f"crontab: {exc}") from None
+    jobs = []
+    for e in entries:
+        if e.id in taken:
+            raise ValueError(f"crontab: {e.source}:{e.line}: id {e.id!r} is also a [[periodic]] entry's")
+        try:
+            jobs.append(CrontabJob.from_entry(e))
+        except ValidationError as exc:
+            raise ValueError(f"crontab: {e.source}:{e.line}: {exc.errors()[0]['msg']}") from None
+    return jobs
 
 
 def redact_dsn(dsn: str) -> str:
@@ -410,6 +473,8 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError([f"config: {p}: invalid TOML: {exc}"]) from None
     data.update(overrides)
+    if path is not None and isinstance(data.get("crontab"), str):  # relative to the config file
+        data["crontab"] = str(Path(path).parent / Path(data["crontab"]).expanduser())
     unknown_env = sorted(
         k for k in environ
         if k.upper().startswith("MAINTD_") and k.upper() not in _KNOWN_ENV
@@ -426,6 +491,6 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
 
 
 _TOP_KEYS = {"database_url", "schema", "instance_id", "statement_timeout", "leader", "http", "log",
-             "cleaner", "rescuer", "scheduler", "reindexer", "periodic"}
+             "cleaner", "rescuer", "scheduler", "reindexer", "periodic", "crontab", "metrics"}
 # Variables of the maintd environment that are not settings.
-_KNOWN_ENV = {"MAINTD_CONFIG", "MAINTD_TEST_DATABASE_URL", "MAINTD_TEST_KEEP", "MAINTD_BENCH_ROWS"}
+_KNOWN_ENV = {"MAINTD_CONFIG"}

@@ -1,8 +1,8 @@
-"""The daemon: leader elector + service runner + HTTP, signals, reloads, systemd readiness."""
+"""The daemon process: leader elector + service runner + HTTP, signals, reloads, systemd
+readiness. (``maintd run`` in :mod:`maintd.cli` starts it.)"""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import threading
@@ -12,15 +12,19 @@ from typing import Any
 from sqlalchemy import text
 
 from . import migrate
-from .clock import Clock, SystemClock
+from .clock import Clock, ServerClock
 from .config import ConfigError, Settings, load_settings
-from .db import describe_db_error, quote_ident
+from .dashboard import Dashboard
+from .db import describe_db_error
 from .http import HttpServer, as_json, metrics_body
 from .http import text as text_body
-from .leader import LeaderElector, LeaderToken
+from .identifiers import qualified
+from .leader import LeaderElector, Term
 from .logs import kv, setup_logging
 from .metrics import Metrics
-from .runner import Runner, maintenance_engine
+from .passes import maintenance_engine
+from .queries import catalog
+from .runner import Runner
 from .sdnotify import SystemdNotifier
 
 log = logging.getLogger("maintd")
@@ -28,6 +32,14 @@ log = logging.getLogger("maintd")
 
 class SchemaNotReady(RuntimeError):
     pass
+
+
+class HttpListenError(RuntimeError):
+    """The HTTP listener cannot bind (``http.listen`` names the address)."""
+
+
+# Keys a reload cannot change in a running process (kept, with a log line naming them).
+RESTART_ONLY = ("database_url", "schema", "instance_id", "http", "leader", "statement_timeout")
 
 
 def _transient(exc: Exception) -> bool:
@@ -47,8 +59,8 @@ class Daemon:
                  config_path: str | None = None, metrics: Metrics | None = None):
         self.settings = settings
         self.config_path = config_path
-        self.clock = clock or SystemClock()
-        self.metrics = metrics or Metrics()
+        self.clock = clock or ServerClock()
+        self.metrics = metrics or Metrics(target=settings.schema, max_queues=settings.metrics.max_queues)
         self.engine = maintenance_engine(settings)
         self.elector = LeaderElector(settings, on_elected=self._elected, on_demoted=self._demoted,
                                      on_health=self._health)
@@ -61,6 +73,7 @@ class Daemon:
         self._last_tick: float | None = None  # set by tick(); None while nobody ticks
         self._started = False
         self._db_ok = False
+        self._maintenance_stall: str | None = None  # why the last term was given up, if stalled
 
     # -- lifecycle ------------------------------------------------------------------------
     @property
@@ -76,8 +89,7 @@ class Daemon:
         schema = self.settings.schema
         with self.engine.connect() as conn:
             current = migrate.current_revision(conn, schema)
-            has_jobs = conn.execute(text("SELECT to_regclass(:t) IS NOT NULL"),
-                                    {"t": f"{quote_ident(schema)}.jobs"}).scalar()
+            has_jobs = conn.execute(text(catalog.TABLE_EXISTS), {"qualified": qualified(schema, "jobs")}).scalar()
         head = migrate.head_revision()
         if current is None or not has_jobs:
             raise SchemaNotReady(f"schema {schema!r} has no maintd tables: run `maintd migrate` first")
@@ -85,49 +97,83 @@ class Daemon:
             raise SchemaNotReady(f"schema {schema!r} is at revision {current}, this maintd needs "
                                  f"{head}: run `maintd migrate`")
 
-    def wait_for_database(self) -> None:
+    def wait_for_database(self) -> bool:
         """At start: retry while the server is unreachable (it may be starting too), but fail at
-        once on what waiting cannot fix (bad password, missing database or schema)."""
+        once on what waiting cannot fix (bad password, missing database or schema). False when a
+        stop was asked for meanwhile."""
         from sqlalchemy.exc import OperationalError
 
         delay = 0.2
-        while True:
+        while not self._stopping.is_set():
             try:
                 self.check_schema()
-                return
+                return True
             except OperationalError as exc:
-                if not _transient(exc) or self._stopping.is_set():
+                if not _transient(exc):
                     raise  # authentication, missing database, ...: a human must act
                 log.warning("database unreachable, retrying in %.1fs", delay,
                             extra=kv(error=describe_db_error(exc)))
-                if self._stopping.wait(delay):
-                    raise
+                self._stopping.wait(delay)
                 delay = min(5.0, delay * 2)
+        return False
 
-    def start(self) -> None:
-        self.wait_for_database()
-        self._db_ok = True
-        if self.settings.http.enabled:
+    def start_http(self) -> None:
+        """The listener comes first, so probes answer during the start-up retries (/readyz 503)."""
+        if not self.settings.http.enabled or self.http is not None:
+            return
+        address = self.settings.http.listen
+        try:
             self.http = HttpServer(self.settings.http.host, self.settings.http.port, {
                 "/metrics": lambda: metrics_body(self.metrics.render),
                 "/healthz": self._healthz,
                 "/readyz": self._readyz,
                 "/status": self._status,
-            })
-            self.http.start()
-            log.info("http listening", extra=kv(address=f"{self.settings.http.host}:{self.http.port}"))
+            }, pages=Dashboard(lambda: self.settings).pages(),  # /, /jobs, /jobs/{id}
+               auth_token=lambda: self.settings.http.auth_token)  # all but the probes and /metrics
+        except OSError as exc:
+            raise HttpListenError(f"http.listen {address}: cannot listen: {exc.strerror or exc}") from None
+        self.http.start()
+        log.info("http listening", extra=kv(address=f"{self.settings.http.host}:{self.http.port}"))
+
+    def start(self) -> bool:
+        """HTTP, then the database, then the runner and the elector. False when stopped during
+        the start-up retries."""
+        self.start_http()
+        if not self.wait_for_database():
+            return False
+        self._db_ok = True
         self.runner.start()
+        self._first_lock_session()
         self.elector.start()
         self._started = True
         log.info("maintd started", extra=kv(instance=self.settings.instance_id, schema=self.settings.schema))
+        return True
+
+    def _first_lock_session(self) -> None:
+        """Open the lock session before the elector thread starts, so that a pooler that cannot
+        keep a session (pool_mode=transaction) ends the start with exit 1 and no lock taken."""
+        import psycopg
+
+        from .leader import LeaderSessionError
+
+        try:
+            self.elector.connect()
+        except LeaderSessionError:
+            self.runner.shutdown()
+            raise
+        except (psycopg.Error, OSError) as exc:  # the elector thread retries
+            log.warning("could not open the lock session yet", extra=kv(error=describe_db_error(exc)))
 
     def stop(self, timeout: float = 10.0) -> None:
         if not self._started:
+            if self.http:
+                self.http.stop()
+                self.http = None
             return
         self._started = False
         self._stopping.set()
         self.notifier.stopping()
-        self.runner.deactivate("shutdown")
+        self.runner.deactivate()
         self.elector.stop(timeout)
         self.runner.shutdown()
         if self.http:
@@ -136,11 +182,17 @@ class Daemon:
         log.info("maintd stopped", extra=kv(instance=self.settings.instance_id))
 
     def reload(self, settings: Settings) -> None:
-        if settings.schema != self.settings.schema or settings.database_url != self.settings.database_url:
-            log.warning("config reload: database_url and schema changes need a restart; kept the old ones")
-            settings = settings.model_copy(update={"schema": self.settings.schema,
-                                                   "database_url": self.settings.database_url})
-        settings = settings.model_copy(update={"instance_id": self.settings.instance_id})
+        changed = [k for k in RESTART_ONLY if getattr(settings, k) != getattr(self.settings, k)
+                   and not (k == "http" and settings.http.listen == self.settings.http.listen
+                            and settings.http.enabled == self.settings.http.enabled)]
+        if "instance_id" in changed and self.config_path is not None:
+            changed.remove("instance_id")  # a default derived from the pid, not set in the file
+        if changed:
+            log.warning("config reload: %s needs a restart; kept the old value", ", ".join(changed),
+                        extra=kv(keys=",".join(changed)))
+        keep = {k: getattr(self.settings, k) for k in RESTART_ONLY if k != "http"}
+        keep["http"] = self.settings.http.model_copy(update={"auth_token": settings.http.auth_token})
+        settings = settings.model_copy(update=keep)
         self.settings = settings
         self.elector.update_settings(settings)
         self.runner.reload(settings)
@@ -167,21 +219,22 @@ class Daemon:
         return True
 
     # -- callbacks ------------------------------------------------------------------------
-    def _elected(self, token: LeaderToken) -> None:
+    def _elected(self, term: Term) -> None:
+        self._maintenance_stall = None
         self.metrics.is_leader.set(1)
         self.metrics.leadership_changes.inc()
         self.runner.activate(self.elector.fence())
-        self.notifier.status(f"leader (epoch {token.epoch})")
+        self.notifier.status(f"leader (epoch {term.epoch})")
 
     def _demoted(self, reason: str) -> None:
         self.metrics.is_leader.set(0)
         self.metrics.leadership_changes.inc()
-        self.runner.deactivate(reason)
+        self.runner.deactivate()
         self.notifier.status(f"follower ({reason})")
 
     def _fenced(self, reason: str, fence: Any) -> None:
         """The database refused a pass of the current term: give that term up."""
-        self.elector.request_demotion(reason, getattr(fence, "epoch", None))
+        self.elector.request_demotion(reason, fence.epoch)
 
     def _health(self, ok: bool) -> None:
         self._db_ok = ok
@@ -189,12 +242,15 @@ class Daemon:
 
     # -- HTTP -----------------------------------------------------------------------------
     def health_problem(self) -> str | None:
-        """None while healthy, else why not (for /healthz)."""
+        """None while the process and its loops are alive, else why not (for /healthz; whether
+        the database can be reached is /readyz's business)."""
         now = time.monotonic()
         cfg = self.settings.leader
         stall = (cfg.lease + max(cfg.retry_interval, cfg.renew_interval)).total_seconds()
-        if not self._db_ok:
-            return "database unreachable"
+        if self._maintenance_stall is not None:
+            return self._maintenance_stall
+        if not self._started:
+            return None  # starting: waiting for the database is alive and well (/readyz says 503)
         if not self.elector.alive:
             return "leader election thread not running"
         if now - self.elector.last_progress > stall:
@@ -215,10 +271,12 @@ class Daemon:
         return text_body(503, "not ready\n")
 
     def _status(self) -> tuple[int, str, bytes]:
+        from .periodic_table import list_entries
         from .status import collect_status
 
         try:
-            data: dict[str, Any] = collect_status(self.engine, self.settings)
+            data: dict[str, Any] = collect_status(self.engine, self.settings.schema)
+            data["periodic"] = list_entries(self.engine, self.settings)
             status = 200
         except Exception as exc:
             data, status = {"error": describe_db_error(exc)}, 503
@@ -230,14 +288,44 @@ class Daemon:
     def tick(self) -> None:
         """Called a few times a second by :meth:`run_forever` (and tests)."""
         self._last_tick = time.monotonic()
-        token = self.elector.token
-        if token is not None and not self.elector.lease_valid():
-            # The elector thread may be stuck in a network call: stop the passes right now.
-            self.runner.deactivate("lease expired")
-            self.elector.request_demotion("lease expired", token.epoch)
+        term = self.elector.term
+        if term is not None and not term.trusted():
+            # The elector thread may be stuck in a network call: stop the passes right now, and
+            # stop saying we lead.
+            self.metrics.is_leader.set(0)
+            self.runner.deactivate()
+            self.elector.request_demotion("lease expired", term.epoch)
+        self._check_progress(term)
+        self._check_election()
         if self._reload_requested.is_set():
             self._reload_requested.clear()
             self.reload_from_file()
+
+    def _check_election(self) -> None:
+        """The election loop goes round at least every renew/retry interval; one stuck for a
+        lease in a call to a silent server (frozen primary, partition) has its socket shut down,
+        so it reconnects (with a multi-host URL, to whichever server now accepts writes)."""
+        stuck = time.monotonic() - self.elector.last_progress
+        if self._started and stuck > self.settings.leader.lease.total_seconds() and self.elector.session.open:
+            log.warning("the lock session is not answering, reconnecting", extra=kv(seconds=round(stuck, 1)))
+            self.elector.session.sever()
+            self.elector.last_progress = time.monotonic()
+
+    def _check_progress(self, term: Term | None) -> None:
+        """A leader whose maintenance transactions hang (the server or the network silent while
+        the lock session is fine) gives up the term after a lease without progress."""
+        stalled = self.runner.stalled_for()
+        lease = self.settings.leader.lease.total_seconds()
+        if term is not None and stalled > lease:
+            self._maintenance_stall = (f"maintenance connections made no progress for {stalled:.0f}s: "
+                                       f"gave up epoch {term.epoch}")
+            log.error("maintenance transactions hang, giving up leadership",
+                      extra=kv(epoch=term.epoch, seconds=round(stalled, 1)))
+            self.metrics.is_leader.set(0)
+            self.runner.deactivate()
+            self.runner.sever_stalled(lease)  # a silent server answers no cancel either
+            # Stay a follower for a few leases: a replica whose connections work goes first.
+            self.elector.request_demotion("maintenance connections hang", term.epoch, hold_off=3 * lease)
 
     def run_forever(self) -> int:
         def on_stop(signum: int, frame: Any) -> None:
@@ -250,7 +338,13 @@ class Daemon:
         signal.signal(signal.SIGTERM, on_stop)
         signal.signal(signal.SIGINT, on_stop)
         signal.signal(signal.SIGHUP, on_hup)
-        self.start()
+        try:
+            if not self.start():
+                log.info("stopped during start-up")
+                return 0
+        except BaseException:
+            self.stop()
+            raise
         self.notifier.ready()
         last_ping = 0.0
         try:
@@ -265,17 +359,8 @@ class Daemon:
                     last_ping = time.monotonic()
         finally:
             self.stop()
+            # Exiting now: a second SIGTERM (an impatient supervisor) must not kill the process
+            # while the interpreter shuts down, where Python's own handlers are gone.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         return 0
-
-
-def cli_run(args: argparse.Namespace) -> int:
-    import sys
-
-    settings = load_settings(args.config)
-    setup_logging(settings.log.level, settings.log.format)
-    daemon = Daemon(settings, config_path=args.config)
-    try:
-        return daemon.run_forever()
-    except SchemaNotReady as exc:
-        print(f"maintd: error: {exc}", file=sys.stderr)
-        return 1

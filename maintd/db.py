@@ -1,22 +1,21 @@
-"""Connections, identifier quoting and SQL templates.
-
-SQL lives next to the service that runs it as plain text with one placeholder, ``{schema}``,
-replaced by the validated, quoted schema name. Bound values always travel as parameters.
-"""
+"""Connections: raw psycopg sessions and SQLAlchemy engines with keepalives and timeouts, the
+leader lock's key, the NOTIFY channel, and password-free error lines. (The SQL itself lives in
+:mod:`maintd.queries`.)"""
 
 from __future__ import annotations
 
-import functools
 import re
 import zlib
 from datetime import timedelta
 from typing import Any
 
 import psycopg
-from sqlalchemy import Engine, TextClause, create_engine, event, text
+from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.pool import NullPool, QueuePool
 
-from .config import IDENT_RE, redact_dsn
+from .config import redact_dsn
+from .identifiers import quote_ident  # noqa: F401  (the migrations import it from here)
+from .queries import catalog, psycopg_sql
 
 KEEPALIVES = {
     "keepalives": 1,
@@ -25,24 +24,6 @@ KEEPALIVES = {
     "keepalives_count": 3,
     "connect_timeout": 5,
 }
-
-
-def quote_ident(name: str) -> str:
-    """Quote an identifier that has already passed :func:`maintd.config.validate_identifier`."""
-    if not IDENT_RE.match(name):
-        raise ValueError(f"refusing to quote unvalidated identifier {name!r}")
-    return '"' + name + '"'
-
-
-@functools.lru_cache(maxsize=512)
-def render_sql(template: str, schema: str) -> str:
-    return template.replace("{schema}", quote_ident(schema))
-
-
-@functools.lru_cache(maxsize=512)
-def sql(template: str, schema: str) -> TextClause:
-    """A SQLAlchemy ``text()`` for a template, cached per (template, schema)."""
-    return text(render_sql(template, schema))
 
 
 def libpq_dsn(dsn: str) -> str:
@@ -62,12 +43,32 @@ def connect(dsn: str, *, application_name: str, autocommit: bool = True,
                            **{**KEEPALIVES, **params})
     try:
         for key, value in (settings or {}).items():
-            conn.execute("SELECT set_config(%s, %s, false)", (key, str(value)))
+            conn.execute(psycopg_sql(catalog.SET_SESSION), {"name": key, "value": str(value)})
         conn.autocommit = autocommit
     except BaseException:
         conn.close()
         raise
     return conn
+
+
+def sever(conn: psycopg.Connection | None) -> None:
+    """Shut the connection's socket down from another thread: a call blocked on a silent peer (a
+    frozen server whose kernel still acknowledges, a partition) fails at once instead of waiting
+    for a server that may never answer. The connection is unusable afterwards."""
+    import os
+    import socket
+
+    try:
+        fd = conn.pgconn.socket if conn is not None and not conn.closed else -1
+    except Exception:  # pragma: no cover - already gone
+        return
+    if fd < 0:
+        return
+    try:
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def session_settings(statement_timeout: timedelta, *, lock_timeout: timedelta | None = None,
@@ -81,11 +82,12 @@ def session_settings(statement_timeout: timedelta, *, lock_timeout: timedelta | 
 
 
 def make_engine(dsn: str, *, application_name: str, session: dict[str, Any] | None = None,
-                pool_size: int = 4, pooled: bool = True) -> Engine:
-    """A SQLAlchemy engine over psycopg 3 whose connections carry ``session`` settings."""
+                pool_size: int = 4, pooled: bool = True, **params: Any) -> Engine:
+    """A SQLAlchemy engine over psycopg 3 whose connections carry ``session`` settings (and extra
+    libpq ``params``, e.g. ``tcp_user_timeout``)."""
 
     def creator() -> psycopg.Connection:
-        return connect(dsn, application_name=application_name, autocommit=False, settings=session)
+        return connect(dsn, application_name=application_name, autocommit=False, settings=session, **params)
 
     kwargs: dict[str, Any] = {"creator": creator, "pool_pre_ping": True}
     if pooled:

@@ -95,7 +95,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _demote(user: pwd.struct_passwd | None, death_signal: int):
+def _drop_privileges(user: pwd.struct_passwd | None, death_signal: int):
     libc = ctypes.CDLL(None, use_errno=True)
 
     def preexec() -> None:
@@ -151,7 +151,7 @@ class EmbeddedPostgres:
         self._chown(self.data)
         cmd = [str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust",
                "--locale=C", "-E", "UTF8", "--no-sync"]
-        res = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=_demote(self.user, signal.SIGKILL),
+        res = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=_drop_privileges(self.user, signal.SIGKILL),
                              cwd="/")
         if res.returncode != 0:
             raise EmbeddedPostgresError(f"initdb failed: {res.stderr.strip() or res.stdout.strip()}")
@@ -165,7 +165,7 @@ class EmbeddedPostgres:
         for key, value in self.settings.items():
             cmd += ["-c", f"{key}={value}"]
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, cwd="/",
-                                     preexec_fn=_demote(self.user, signal.SIGQUIT))
+                                     preexec_fn=_drop_privileges(self.user, signal.SIGQUIT))
         log.close()
         self.wait_ready(timeout)
         return self

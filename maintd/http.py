@@ -1,40 +1,136 @@
-"""HTTP endpoints: /metrics, /healthz, /readyz, /status (stdlib server in a thread)."""
+"""HTTP endpoints: /metrics, /healthz, /readyz, /status and the dashboard (stdlib server in a thread).
+
+Two kinds of handlers share one listener: ``routes`` take no argument (the probes and metrics),
+``pages`` take a :class:`Request` (query string, path parameters such as ``/jobs/{id}``, headers).
+With an auth token, every path except ``open_paths`` needs ``Authorization: Bearer TOKEN`` or
+``?token=TOKEN``, compared in constant time.
+"""
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import threading
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any, Callable, Collection, Mapping
+from urllib.parse import parse_qs, unquote
 
 from .metrics import CONTENT_TYPE_LATEST
 
 log = logging.getLogger("maintd.http")
 
+# (status, content type, body) and optionally extra headers.
+Response = tuple[int, str, bytes] | tuple[int, str, bytes, dict[str, str]]
+MAX_QUERY_FIELDS = 32
+COMMON_HEADERS = {"X-Content-Type-Options": "nosniff", "Cache-Control": "no-store",
+                  "Referrer-Policy": "no-referrer"}
+
+
+class HttpError(Exception):
+    """Raised by a page: answered with ``status`` and ``message`` (a line for a person)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+@dataclass(frozen=True)
+class Request:
+    path: str
+    query: dict[str, list[str]]
+    headers: Mapping[str, str] = field(default_factory=dict)
+    params: dict[str, str] = field(default_factory=dict)
+
+    def arg(self, name: str) -> str | None:
+        """The single value of query parameter ``name`` (``None`` if absent)."""
+        values = self.query.get(name)
+        if not values:
+            return None
+        if len(values) > 1:
+            raise HttpError(400, f"parameter {name!r} is given {len(values)} times; give it once")
+        return values[0]
+
+    def only(self, allowed: Collection[str]) -> None:
+        """Reject parameters this page does not know (a typo would otherwise go unnoticed)."""
+        unknown = sorted(set(self.query) - set(allowed) - {"token"})
+        if unknown:
+            raise HttpError(400, f"unknown parameter {unknown[0]!r} (this page takes: "
+                                 f"{', '.join(sorted(allowed)) or 'none'})")
+
+
+def parse_request(raw_path: str, headers: Mapping[str, str]) -> Request:
+    path, _, qs = raw_path.partition("?")
+    try:
+        query = parse_qs(qs, keep_blank_values=True, max_num_fields=MAX_QUERY_FIELDS)
+    except ValueError:
+        raise HttpError(400, f"too many query parameters (at most {MAX_QUERY_FIELDS})") from None
+    return Request(path=path, query=query, headers=headers)
+
+
+def match_page(pages: Mapping[str, Callable[[Request], Response]], path: str
+               ) -> tuple[Callable[[Request], Response], dict[str, str]] | None:
+    """The page for ``path``: an exact key, or a pattern with ``{name}`` segments."""
+    if path in pages:
+        return pages[path], {}
+    parts = path.split("/")
+    for pattern, page in pages.items():
+        pat = pattern.split("/")
+        if "{" not in pattern or len(pat) != len(parts):
+            continue
+        params: dict[str, str] = {}
+        for want, got in zip(pat, parts):
+            if want.startswith("{") and want.endswith("}") and got:
+                params[want[1:-1]] = unquote(got)
+            elif want != got:
+                break
+        else:
+            return page, params
+    return None
+
+
+def bearer_or_query_token(req: Request) -> str | None:
+    auth = req.headers.get("Authorization") or ""
+    scheme, _, cred = auth.strip().partition(" ")
+    if scheme.lower() == "bearer" and cred.strip():
+        return cred.strip()
+    values = req.query.get("token")
+    return values[0] if values else None
+
+
+def authorized(req: Request, expected: str) -> bool:
+    given = bearer_or_query_token(req)
+    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+
+
+def _secret(value: Any) -> str | None:
+    if value is not None and hasattr(value, "get_secret_value"):
+        value = value.get_secret_value()
+    return value or None
+
 
 class HttpServer:
-    """``routes``: path -> callable returning (status, content_type, body bytes)."""
+    """``routes``: path -> callable returning a :data:`Response`; ``pages``: path or pattern
+    (``/jobs/{id}``) -> callable taking a :class:`Request`. ``auth_token`` is read on every
+    request (a reload may change it); ``None`` leaves everything open."""
 
-    def __init__(self, host: str, port: int, routes: dict[str, Callable[[], tuple[int, str, bytes]]]):
-        self.routes = routes
+    def __init__(self, host: str, port: int, routes: dict[str, Callable[[], Response]], *,
+                 pages: dict[str, Callable[[Request], Response]] | None = None,
+                 auth_token: Callable[[], Any] | None = None,
+                 open_paths: Collection[str] = ("/metrics", "/healthz", "/readyz")):
+        self.routes, self.pages = routes, dict(pages or {})
+        self.auth_token, self.open_paths = auth_token, frozenset(open_paths)
         server_self = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802
-                route = server_self.routes.get(self.path.split("?", 1)[0])
-                if route is None:
-                    status, ctype, body = 404, "text/plain", b"not found\n"
-                else:
-                    try:
-                        status, ctype, body = route()
-                    except Exception as exc:  # never leak internals
-                        log.warning("http handler failed", extra={"fields": {"path": self.path,
-                                                                              "error": type(exc).__name__}})
-                        status, ctype, body = 500, "text/plain", b"internal error\n"
+                status, ctype, body, headers = server_self.respond(self.path, self.headers)
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
+                for name, value in {**COMMON_HEADERS, **headers}.items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(body)
 
@@ -44,6 +140,34 @@ class HttpServer:
         self.server = ThreadingHTTPServer((host, port), Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, name="maintd-http", daemon=True)
+
+    def respond(self, raw_path: str, headers: Mapping[str, str]) -> tuple[int, str, bytes, dict[str, str]]:
+        try:
+            req = parse_request(raw_path, headers)
+            token = _secret(self.auth_token()) if self.auth_token else None
+            if token and req.path not in self.open_paths and not authorized(req, token):
+                return (401, "text/plain; charset=utf-8",
+                        b"unauthorized: send the http.auth_token as 'Authorization: Bearer TOKEN' "
+                        b"or as ?token=TOKEN\n", {"WWW-Authenticate": 'Bearer realm="maintd"'})
+            result = self._dispatch(req)
+        except HttpError as exc:
+            result = text(exc.status, exc.message + "\n")
+        except Exception as exc:  # never leak internals
+            log.warning("http handler failed", extra={"fields": {"path": raw_path.split("?", 1)[0],
+                                                                  "error": type(exc).__name__}})
+            result = text(500, "internal error\n")
+        status, ctype, body, *extra = result
+        return status, ctype, body, (extra[0] if extra else {})
+
+    def _dispatch(self, req: Request) -> Response:
+        route = self.routes.get(req.path)
+        if route is not None:
+            return route()
+        found = match_page(self.pages, req.path)
+        if found is None:
+            return text(404, "not found\n")
+        page, params = found
+        return page(Request(path=req.path, query=req.query, headers=req.headers, params=params))
 
     @property
     def port(self) -> int:

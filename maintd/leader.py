@@ -1,29 +1,32 @@
 """Leader election: a session-level advisory lock on a dedicated connection, a lease, and fencing.
 
-* The lock is held by one non-pooled connection (``application_name=maintd:<instance>``) with TCP
-  keepalives and ``tcp_user_timeout = lease``. On winning, that session gets
-  ``idle_session_timeout = lease`` (PostgreSQL 14+): if this process freezes or is cut off, the
-  server ends the session (and frees the lock) within the lease.
-* The leader proves the lock every ``renew_interval``; if it cannot for ``lease - renew_interval``
-  (or on any error) it demotes itself and closes the session. (The lease runs from when a proof
-  was sent: the server's idle timer cannot have started earlier.)
+* The lock is held by one non-pooled connection, the :class:`LockSession`
+  (``application_name=maintd:<instance>``), with TCP keepalives and ``tcp_user_timeout = lease``.
+  On winning, that session gets ``idle_session_timeout = lease`` (PostgreSQL 14+): if this process
+  freezes or is cut off, the server ends the session (and frees the lock) within the lease.
+* A leadership is a :class:`Term`: the epoch, the server-side pid of the lock session, and until
+  when (monotonic) it can be trusted. The leader proves the lock every ``renew_interval``; the term
+  is trusted for ``lease - renew_interval`` after the last proof was sent (the server's idle timer
+  cannot have started earlier); on any failure, or when that runs out, it demotes itself.
 * Winning the lock bumps ``leader.epoch`` after locking the leader row ``FOR UPDATE``. Every
   maintenance transaction runs :meth:`LeaderFence.check` first: it locks the leader row
-  ``FOR KEY SHARE`` and proceeds only while the epoch is ours and our lock session still holds the
-  lock. A new leader's epoch bump waits for such in-flight transactions, and once it commits, a
-  stale ex-leader's transactions do nothing. (KEY SHARE, not SHARE: the leader's own ``renewed_at``
-  update must not wait for its own maintenance transactions.)
-* Followers retry every ``retry_interval`` and LISTEN for the hand-over NOTIFY a leader sends when
-  it stops gracefully, so a planned failover takes milliseconds.
+  ``FOR KEY SHARE`` and proceeds only while the epoch is ours and our lock session (by its
+  ``pg_backend_pid()``, which a session pooler does not change) still holds the lock. A new
+  leader's epoch bump waits for such in-flight transactions; once it commits, a stale ex-leader's
+  transactions do nothing. (KEY SHARE, not SHARE: the leader's own ``renewed_at`` update must not
+  wait for its own maintenance transactions.)
+* The elector thread is a follower (:meth:`LeaderElector._follow`: try the lock every
+  ``retry_interval``, waking early on the hand-over NOTIFY a leader sends when it stops
+  gracefully) or a leader (:meth:`LeaderElector._lead`: renew, or demote).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
 import secrets
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -32,17 +35,21 @@ from typing import Callable
 import psycopg
 from sqlalchemy import Connection
 
-from . import __version__
 from .config import Settings
-from .db import advisory_key, connect, describe_db_error, ms, quote_ident, render_sql, sql
+from .db import advisory_key, connect, describe_db_error, ms, sever
+from .identifiers import quote_ident
 from .logs import kv
+from .queries import leader as q
+from .queries import psycopg_sql, sql
+from .registry import DaemonRegistry
 from .services.base import NotLeader
 
 log = logging.getLogger("maintd.leader")
 
 BACKOFF_START, BACKOFF_CAP = 0.2, 5.0
-REGISTER_EVERY = 10.0  # seconds between daemons-table heartbeats
 SESSION_MARKER = "maintd.session"  # a custom setting only our own session carries
+POOLER_HINT = ("(PgBouncer pool_mode=transaction or statement?): connect maintd directly to "
+               "PostgreSQL or through a pooler with pool_mode=session")
 
 
 class LeaderSessionError(RuntimeError):
@@ -50,138 +57,203 @@ class LeaderSessionError(RuntimeError):
     pooling): leadership cannot be guaranteed, so maintd refuses to lead."""
 
 
-POOLER_HINT = ("(PgBouncer transaction pooling?): connect maintd directly to PostgreSQL or "
-               "through session pooling")
-
-
-def _unsigned(n: int) -> int:
-    return n & 0xFFFFFFFF
-
-
-TRY_LOCK = "SELECT pg_try_advisory_lock(%s, %s)"
-UNLOCK = "SELECT pg_advisory_unlock(%s, %s)"
-# Is the lock held by this very backend, and is this backend still the session we set up?
-HOLDS_LOCK = f"""
-SELECT EXISTS (SELECT 1 FROM pg_locks
-                WHERE locktype = 'advisory' AND classid::bigint = %s AND objid::bigint = %s
-                  AND objsubid = 2 AND pid = pg_backend_pid() AND granted),
-       current_setting('{SESSION_MARKER}', true) = %s
-"""
-# FOR UPDATE conflicts with the fences' FOR KEY SHARE: the bump waits for in-flight fenced
-# transactions of an old leader (bounded by their statement/idle-in-transaction timeouts).
-LOCK_LEADER_ROW = "SELECT epoch FROM {schema}.leader WHERE name = 'leader' FOR UPDATE"
-BUMP_EPOCH = """
-INSERT INTO {schema}.leader AS l (name, epoch, instance_id, host, pid, backend_pid,
-                                  elected_at, renewed_at, released_at)
-VALUES ('leader', 1, %(instance)s, %(host)s, %(pid)s, pg_backend_pid(), now(), now(), NULL)
-ON CONFLICT (name) DO UPDATE
-   SET epoch = l.epoch + 1, instance_id = excluded.instance_id, host = excluded.host,
-       pid = excluded.pid, backend_pid = excluded.backend_pid, elected_at = now(),
-       renewed_at = now(), released_at = NULL
-RETURNING epoch
-"""
-RENEW = """
-UPDATE {schema}.leader SET renewed_at = now()
- WHERE name = 'leader' AND epoch = %s AND instance_id = %s
-RETURNING epoch
-"""
-RELEASE = """
-UPDATE {schema}.leader SET released_at = now()
- WHERE name = 'leader' AND epoch = %s AND instance_id = %s
-"""
-REGISTER = """
-INSERT INTO {schema}.daemons (instance_id, host, pid, version, started_at, last_seen_at)
-VALUES (%s, %s, %s, %s, now(), now())
-ON CONFLICT (instance_id) DO UPDATE
-   SET host = excluded.host, pid = excluded.pid, version = excluded.version,
-       last_seen_at = now(),
-       started_at = CASE WHEN daemons.pid = excluded.pid THEN daemons.started_at ELSE now() END
-"""
-FORGET_STALE = "DELETE FROM {schema}.daemons WHERE last_seen_at < now() - interval '1 hour'"
-# Runs first inside every maintenance transaction (SQLAlchemy text, hence :names).
-FENCE = """
-SELECT 1 FROM {schema}.leader
- WHERE name = 'leader' AND epoch = :epoch AND instance_id = :instance
-   AND EXISTS (SELECT 1 FROM pg_locks
-                WHERE locktype = 'advisory' AND classid::bigint = :classid
-                  AND objid::bigint = :objid AND objsubid = 2 AND pid = :lock_pid AND granted)
-   FOR KEY SHARE
-"""
-
-
 def handover_channel(schema: str) -> str:
     return f"{schema}_maintd_leader"
 
 
 @dataclass(frozen=True)
-class LeaderToken:
+class Term:
     epoch: int
-    lock_pid: int
+    lock_pid: int  # pg_backend_pid() of the lock session: the server's pid, not a pooler's key
     instance_id: str
-    classid: int
-    objid: int
+    trusted_until: float  # monotonic time after which the lease may have run out
+
+    def trusted(self) -> bool:
+        return time.monotonic() < self.trusted_until
 
 
 class LeaderFence:
-    """The :class:`maintd.services.base.Fence` of one leadership term."""
+    """The :class:`maintd.services.base.Fence` of one term. ``current`` returns the elector's
+    term now (None when it has none)."""
 
-    def __init__(self, schema: str, token: LeaderToken, is_valid: Callable[[], bool] = lambda: True):
+    def __init__(self, schema: str, term: Term, current: Callable[[], Term | None]):
         self.schema = schema
-        self.token = token
-        self._is_valid = is_valid
+        self.term = term
+        self._current = current
+        self._key = advisory_key(schema)
 
     @property
     def epoch(self) -> int:
-        return self.token.epoch
+        return self.term.epoch
 
     def check(self, conn: Connection) -> None:
-        if not self._is_valid():
+        now = self._current()
+        if now is None or now.epoch != self.term.epoch or not now.trusted():
             raise NotLeader("leadership lease expired or lost")
-        row = conn.execute(sql(FENCE, self.schema), {
-            "epoch": self.token.epoch, "instance": self.token.instance_id,
-            "classid": _unsigned(self.token.classid), "objid": _unsigned(self.token.objid),
-            "lock_pid": self.token.lock_pid,
-        }).first()
+        row = conn.execute(sql(q.FENCE, self.schema), {
+            "epoch": self.term.epoch, "instance": self.term.instance_id, "lock_pid": self.term.lock_pid,
+            "classid": self._key[0], "objid": self._key[1]}).first()
         if row is None:
-            raise NotLeader(f"epoch {self.token.epoch} is no longer the leader's")
+            raise NotLeader(f"epoch {self.term.epoch} is no longer the leader's")
+
+
+class LockSession:
+    """The dedicated connection that holds (or tries for) the advisory lock of one schema."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.schema = settings.schema
+        self.classid, self.objid = advisory_key(settings.schema)
+        self.conn: psycopg.Connection | None = None
+        self._marker = ""
+
+    @property
+    def open(self) -> bool:
+        return self.conn is not None and not self.conn.closed
+
+    def _key(self, **extra: object) -> dict:
+        return {"classid": self.classid, "objid": self.objid, **extra}
+
+    def _run(self, template: str, params: dict | None = None):
+        assert self.conn is not None
+        return self.conn.execute(psycopg_sql(template, self.schema), params or {})
+
+    def connect(self) -> psycopg.Connection:
+        cfg = self.settings.leader
+        self._marker = secrets.token_hex(8)
+        self.conn = connect(
+            self.settings.database_url.get_secret_value(),
+            application_name=f"maintd:{self.settings.instance_id}",
+            settings={"statement_timeout": ms(cfg.lease / 2), "lock_timeout": ms(cfg.renew_interval),
+                      # the epoch bump's transaction, frozen half-way, ends within the lease
+                      "idle_in_transaction_session_timeout": ms(cfg.lease),
+                      SESSION_MARKER: self._marker},
+            tcp_user_timeout=ms(cfg.lease),  # a send nobody acknowledges fails within the lease
+        )
+        self.conn.execute(f"LISTEN {quote_ident(handover_channel(self.schema))}")
+        self.verify()
+        if self.conn.info.server_version >= 140000:
+            # Before the first pg_try_advisory_lock: if this process freezes (even right after
+            # winning), the server ends the session and frees the lock within the lease.
+            self.conn.execute(f"SET idle_session_timeout = {ms(cfg.lease)}")
+        return self.conn
+
+    def verify(self) -> None:
+        """Refuse a pooler that does not keep one server session per client (PgBouncer transaction
+        or statement pooling), before any lock is taken: the backend must stay the same across
+        statements, and, behind a pooler, no other client may get it."""
+        pids = {self._run(q.BACKEND_PID).fetchone()[0] for _ in range(3)}
+        if len(pids) != 1:
+            raise LeaderSessionError(f"the lock connection changes backend between statements {POOLER_HINT}")
+        assert self.conn is not None
+        if self.conn.info.backend_pid in pids:
+            return  # a direct connection: the client-side pid is the server's
+        with connect(self.settings.database_url.get_secret_value(),
+                     application_name=f"maintd:{self.settings.instance_id}:probe") as probe:
+            for _ in range(3):  # a session pooler never hands our backend to another client
+                other = probe.execute(q.BACKEND_PID).fetchone()[0]
+                mine = self._run(q.BACKEND_PID).fetchone()[0]
+                if other in pids or mine not in pids:
+                    raise LeaderSessionError(f"another client got the lock connection's backend {POOLER_HINT}")
+
+    def try_lock(self) -> bool:
+        return bool(self._run(q.TRY_LOCK, self._key()).fetchone()[0])
+
+    def holds_lock(self) -> int | None:
+        """The server-side pid of this session when it holds the lock, else None; raises
+        :class:`LeaderSessionError` when the session is not the one we set up any more."""
+        held, ours, pid = self._run(q.HOLDS_LOCK, self._key(marker=self._marker)).fetchone()
+        if not ours:
+            raise LeaderSessionError(f"the lock connection reached a session it did not set up {POOLER_HINT}")
+        return pid if held else None
+
+    def start_term(self, params: dict, deadline: float, stop: threading.Event,
+                   progress: Callable[[], None]) -> tuple[int, int, float]:
+        """Just after winning the lock: check the lock is ours, then bump the epoch, waiting (bounded) for an old leader's in-flight fenced transactions.
+        Returns (epoch, lock pid, when the successful attempt was sent)."""
+        assert self.conn is not None
+        lock_pid = self.holds_lock()
+        if lock_pid is None:
+            raise LeaderSessionError(f"the advisory lock is not visible in this backend {POOLER_HINT}")
+        while True:
+            sent = time.monotonic()
+            try:
+                with self.conn.transaction():
+                    self._run(q.LOCK_ROW)
+                    return self._run(q.BUMP_EPOCH, params).fetchone()[0], lock_pid, sent
+            except psycopg.errors.LockNotAvailable:
+                progress()
+                if time.monotonic() > deadline or stop.is_set():
+                    raise
+                log.info("waiting for the previous leader's transactions to end")
+
+    def renew(self, term: Term) -> bool:
+        """Prove the lock and the term; False when either is gone."""
+        if self.holds_lock() is None:
+            return False
+        return self._run(q.RENEW, {"epoch": term.epoch, "instance": term.instance_id}).fetchone() is not None
+
+    def release(self, term: Term) -> None:
+        """Give the term and the lock back and wake the followers."""
+        self._run(q.RELEASE, {"epoch": term.epoch, "instance": term.instance_id})
+        self._run(q.UNLOCK, self._key())
+        self._run(q.HANDOVER_NOTIFY, {"channel": handover_channel(self.schema), "instance": term.instance_id})
+
+    def wait_for_handover(self, seconds: float, stop: threading.Event) -> None:
+        """Sleep up to ``seconds``, waking early on a hand-over NOTIFY or on stop."""
+        assert self.conn is not None
+        deadline = time.monotonic() + seconds
+        while not stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            for _ in self.conn.notifies(timeout=min(left, 0.25), stop_after=1):
+                return
+
+    def sever(self) -> None:
+        """From another thread: make a call blocked on a silent server fail now."""
+        sever(self.conn)
+
+    def close(self) -> None:
+        if self.conn is not None:
+            try:
+                self.conn.close()
+            except Exception:  # pragma: no cover - closing a broken socket
+                pass
+        self.conn = None
 
 
 class LeaderElector:
-    """Runs in its own thread; calls ``on_elected(token)`` / ``on_demoted(reason)`` from it.
+    """Runs in its own thread; calls ``on_elected(term)`` / ``on_demoted(reason)`` from it.
 
     ``register``: keep this process's row in ``<schema>.daemons`` fresh (daemons do; ``run-once``
-    does not).
+    does not). ``keep_trying``: take a new term after losing one (daemons do; ``run-once`` not).
     """
 
-    def __init__(self, settings: Settings, *, on_elected: Callable[[LeaderToken], None],
+    def __init__(self, settings: Settings, *, on_elected: Callable[[Term], None],
                  on_demoted: Callable[[str], None], on_health: Callable[[bool], None] | None = None,
-                 register: bool = True):
+                 register: bool = True, keep_trying: bool = True):
         self.settings = settings
         self.on_elected = on_elected
         self.on_demoted = on_demoted
         self.on_health = on_health or (lambda ok: None)
-        self.register = register
-        self.classid, self.objid = advisory_key(settings.schema)
-        self.host = socket.gethostname()
-        self.conn: psycopg.Connection | None = None
-        self.token: LeaderToken | None = None
+        self.keep_trying = keep_trying
+        self.session = LockSession(settings)
+        self.registry = DaemonRegistry(settings.schema, settings.instance_id, enabled=register)
+        self.term: Term | None = None
         self.healthy = False
-        # Monotonic time the loop last made progress (for /healthz).
-        self.last_progress = time.monotonic()
-        self._marker = ""
+        self.last_progress = time.monotonic()  # when the loop last went round (for /healthz)
         self._ever_connected = False
-        self._last_renewed = 0.0  # monotonic send time of the last successful proof
-        self._last_register = float("-inf")
         self._stop = threading.Event()
         self._demote_requested: tuple[str, int | None] | None = None
+        self._hold_off_until = 0.0
         self._lock = threading.RLock()
-        self._keep_trying = True
         self._thread: threading.Thread | None = None
 
     # -- public API -------------------------------------------------------------------------
     @property
     def is_leader(self) -> bool:
-        return self.token is not None
+        return self.term is not None
 
     @property
     def alive(self) -> bool:
@@ -189,85 +261,43 @@ class LeaderElector:
 
     def lease_valid(self) -> bool:
         """Whether our lease can still be trusted (checked before and inside every pass)."""
-        if self.token is None:
-            return False
-        cfg = self.settings.leader
-        budget = (cfg.lease - cfg.renew_interval).total_seconds()
-        return time.monotonic() - self._last_renewed < budget
+        term = self.term
+        return term is not None and term.trusted()
 
     def fence(self) -> LeaderFence:
-        token = self.token
-        if token is None:
+        term = self.term
+        if term is None:
             raise NotLeader("not the leader")
-        return LeaderFence(self.settings.schema, token,
-                           lambda: self.token is token and self.lease_valid())
+        return LeaderFence(self.settings.schema, term, lambda: self.term)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run, name="maintd-leader", daemon=True)
         self._thread.start()
 
-    def request_demotion(self, reason: str, epoch: int | None = None) -> None:
+    def request_demotion(self, reason: str, epoch: int | None = None, hold_off: float = 0.0) -> None:
         """Ask the elector thread to give up leadership (e.g. a pass found itself fenced).
-        With ``epoch``, only that term is given up (a late report about an old term is ignored)."""
+        With ``epoch``, only that term is given up (a late report about an old term is ignored).
+        ``hold_off``: seconds not to try for the lock again (a healthier replica goes first)."""
+        self._hold_off_until = time.monotonic() + hold_off
         self._demote_requested = (reason, epoch)
 
     def update_settings(self, settings: Settings) -> None:
         self.settings = settings
+        self.session.settings = settings
 
     def stop(self, timeout: float = 5.0) -> None:
         """Graceful: release the lock, tell followers, close the session (done by the thread)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        elif self.conn is not None:
+        elif self.session.open:
             self._release()
 
-    # -- the loop ---------------------------------------------------------------------------
-    def run(self) -> None:
-        delay = BACKOFF_START
-        while not self._stop.is_set():
-            self.last_progress = time.monotonic()
-            if self.token is None and not self._keep_trying:
-                break  # run-once: the term ended, do not take another one
-            try:
-                if self.conn is None or self.conn.closed:
-                    self._connect()
-                    delay = BACKOFF_START
-                if self.token is None:
-                    self._try_acquire()
-                else:
-                    self._renew_or_demote()
-            except LeaderSessionError as exc:
-                log.error("%s", exc)
-                self._lose(f"unusable lock session: {exc}")
-                self._close()
-                self._set_health(False)
-                self._stop.wait(BACKOFF_CAP)
-            except (psycopg.Error, OSError) as exc:
-                error = describe_db_error(exc)
-                self._lose(f"database error: {error}")
-                self._close()
-                self._set_health(False)
-                sleep = min(BACKOFF_CAP, delay) * random.uniform(0.7, 1.3)
-                log.warning("database unreachable, retrying in %.1fs", sleep, extra=kv(error=error))
-                self._stop.wait(sleep)
-                delay = min(BACKOFF_CAP, delay * 2)
-        self._release()
-
-    def _connect(self) -> None:
-        cfg = self.settings.leader
-        self._marker = secrets.token_hex(8)
-        self.conn = connect(
-            self.settings.database_url.get_secret_value(),
-            application_name=f"maintd:{self.settings.instance_id}",
-            settings={"statement_timeout": ms(cfg.lease / 2), "lock_timeout": ms(cfg.renew_interval),
-                      SESSION_MARKER: self._marker},
-            # A send nobody acknowledges (cut-off network) fails within the lease.
-            tcp_user_timeout=ms(cfg.lease),
-        )
-        self.conn.execute(f"LISTEN {quote_ident(handover_channel(self.settings.schema))}")
-        self._check_session()
-        server = self.conn.info.server_version
+    def connect(self) -> None:
+        """Open (and check) the lock session; raises :class:`LeaderSessionError` for a pooler
+        that cannot keep a session, database errors otherwise."""
+        conn = self.session.connect()
+        server = conn.info.server_version
         if self._ever_connected:
             log.info("reconnected to database")
         else:
@@ -277,161 +307,143 @@ class LeaderElector:
                             "the lock until its TCP connection dies (fencing still prevents writes)")
         self._ever_connected = True
         self._set_health(True)
-        self._register(force=True)
+        self.registry.heartbeat(conn, force=True)
 
-    def _check_session(self) -> None:
-        """Refuse PgBouncer transaction pooling: the backend must stay the same across statements."""
-        assert self.conn is not None
-        pids = {self.conn.execute("SELECT pg_backend_pid()").fetchone()[0] for _ in range(3)}
-        if len(pids) != 1:
-            raise LeaderSessionError(f"the lock connection changes backend between statements {POOLER_HINT}")
+    def acquire(self, wait: float) -> LeaderFence | None:
+        """For ``run-once``: take the lock (trying for up to ``wait`` s), then keep renewing it in
+        the thread until :meth:`stop`. None if another instance holds it."""
+        deadline = time.monotonic() + wait
+        self.connect()
+        while True:
+            self._follow(wait=False)
+            if self.term is not None:
+                fence = self.fence()
+                self.start()
+                return fence
+            if time.monotonic() >= deadline:
+                self.session.close()
+                return None
+            self._stop.wait(min(0.2, max(0.0, deadline - time.monotonic())))
 
-    def _holds_lock(self) -> bool:
-        """Whether this session holds the lock; raises if the session is not ours any more."""
-        assert self.conn is not None
-        held, ours = self.conn.execute(HOLDS_LOCK, (_unsigned(self.classid), _unsigned(self.objid),
-                                                    self._marker)).fetchone()
-        if not ours:
-            raise LeaderSessionError(f"the lock connection reached a session it did not set up {POOLER_HINT}")
-        return bool(held)
-
-    def _register(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not self.register or (not force and now - self._last_register < REGISTER_EVERY):
-            return
-        assert self.conn is not None
-        s = self.settings
-        self.conn.execute(render_sql(REGISTER, s.schema), (s.instance_id, self.host, os.getpid(), __version__))
-        if force:
-            self.conn.execute(render_sql(FORGET_STALE, s.schema))
-        self._last_register = now
-
-    def _wait_for_retry(self) -> None:
-        """Sleep ``retry_interval``, waking early on a hand-over NOTIFY or on stop."""
-        assert self.conn is not None
-        deadline = time.monotonic() + self.settings.leader.retry_interval.total_seconds()
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> None:
+        delay = BACKOFF_START
         while not self._stop.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            for _ in self.conn.notifies(timeout=min(left, 0.25), stop_after=1):
-                return
+            self.last_progress = time.monotonic()
+            if self.term is None and not self.keep_trying:
+                break  # run-once: the term ended, do not take another one
+            try:
+                if not self.session.open:
+                    self.connect()
+                    delay = BACKOFF_START
+                if self.term is None:
+                    self._follow()
+                else:
+                    self._lead()
+            except LeaderSessionError as exc:
+                log.error("%s", exc)
+                self._end_term(f"unusable lock session: {exc}")
+                self._set_health(False)
+                self._stop.wait(BACKOFF_CAP)
+            except psycopg.errors.InsufficientPrivilege as exc:  # a grant problem, not an outage
+                error = describe_db_error(exc)
+                log.error("missing privilege: %s (grant what `maintd grants ROLE` prints, as the "
+                          "owner role)", error, extra=kv(error=error))
+                self._end_term(f"missing privilege: {error}")
+                self._set_health(False)
+                self._stop.wait(BACKOFF_CAP)
+            except (psycopg.Error, OSError) as exc:
+                error = describe_db_error(exc)
+                self._end_term(f"database error: {error}")
+                self._set_health(False)
+                sleep = min(BACKOFF_CAP, delay) * random.uniform(0.7, 1.3)
+                log.warning("database unreachable, retrying in %.1fs", sleep, extra=kv(error=error))
+                self._stop.wait(sleep)
+                delay = min(BACKOFF_CAP, delay * 2)
+        self._release()
 
-    def _try_acquire(self, wait: bool = True) -> None:
-        assert self.conn is not None
-        if not self.conn.execute(TRY_LOCK, (self.classid, self.objid)).fetchone()[0]:
-            self._register()
-            if wait:
-                self._wait_for_retry()
+    def _follow(self, wait: bool = True) -> None:
+        """One follower round: try the lock; on a win, start a term; else wait for a retry."""
+        retry = self.settings.leader.retry_interval.total_seconds()
+        if time.monotonic() < self._hold_off_until:  # stepped down for a reason: let others lead
+            self.session.holds_lock()  # a statement a round keeps the idle session alive
+            self.registry.heartbeat(self.session.conn)  # type: ignore[arg-type]
+            self.session.wait_for_handover(min(retry, self._hold_off_until - time.monotonic()), self._stop)
             return
+        if not self.session.try_lock():
+            self.registry.heartbeat(self.session.conn)  # type: ignore[arg-type]
+            if wait:
+                self.session.wait_for_handover(retry, self._stop)
+            return
+        cfg, s = self.settings.leader, self.settings
         try:
-            if self.conn.info.server_version >= 140000:
-                # From now on the server ends this session if we stop talking for a lease.
-                self.conn.execute(f"SET idle_session_timeout = {ms(self.settings.leader.lease)}")
-            if not self._holds_lock():
-                raise LeaderSessionError(f"the advisory lock is not visible in this backend {POOLER_HINT}")
-            epoch, sent = self._bump_epoch()
+            epoch, lock_pid, sent = self.session.start_term(
+                {"instance": s.instance_id, "host": self.registry.host, "pid": os.getpid()},
+                deadline=time.monotonic() + cfg.lease.total_seconds() * 3, stop=self._stop,
+                progress=self._progress)
         except BaseException:
-            self._close()  # never keep the lock without a term
+            self.session.close()  # never keep the lock without a term
             raise
-        self._last_renewed = sent
         self._demote_requested = None
-        self.token = LeaderToken(epoch, self.conn.info.backend_pid, self.settings.instance_id,
-                                 self.classid, self.objid)
-        log.info("became leader", extra=kv(epoch=epoch, instance=self.settings.instance_id))
+        self.term = Term(epoch, lock_pid, s.instance_id, sent + self._trust())
+        log.info("became leader", extra=kv(epoch=epoch, instance=s.instance_id))
         try:
-            self.on_elected(self.token)
+            self.on_elected(self.term)
         except Exception as exc:  # never hold the lock without running
             log.error("could not start the services, stepping down", extra=kv(error=str(exc)))
-            self._lose("services failed to start")
-            self._close()
+            self._end_term("services failed to start")
 
-    def _bump_epoch(self) -> tuple[int, float]:
-        """Waits (bounded) for an old leader's in-flight fenced transactions, then takes the term.
-        Returns the epoch and when the successful attempt began."""
-        assert self.conn is not None
-        s = self.settings
-        deadline = time.monotonic() + s.leader.lease.total_seconds() * 3
-        params = {"instance": s.instance_id, "host": self.host, "pid": os.getpid()}
-        while True:
-            sent = time.monotonic()
-            try:
-                with self.conn.transaction():
-                    self.conn.execute(render_sql(LOCK_LEADER_ROW, s.schema))
-                    return self.conn.execute(render_sql(BUMP_EPOCH, s.schema), params).fetchone()[0], sent
-            except psycopg.errors.LockNotAvailable:
-                self.last_progress = time.monotonic()
-                if time.monotonic() > deadline or self._stop.is_set():
-                    raise
-                log.info("waiting for the previous leader's transactions to end")
-
-    def _renew_or_demote(self) -> None:
-        assert self.conn is not None and self.token is not None
+    def _lead(self) -> None:
+        """One leader round: give the term up if asked or untrusted, else wait for the next proof
+        (``renew_interval`` after the previous one was sent, however long that took) and send it."""
+        term = self.term
+        assert term is not None
         requested, self._demote_requested = self._demote_requested, None
-        if requested and requested[1] in (None, self.token.epoch):
-            self._lose(requested[0])
-            self._close()
-            return
-        if not self.lease_valid():
-            self._lose("lease expired before it could be renewed")
-            self._close()
-            return
-        # The next proof goes out renew_interval after the previous one was sent, however long
-        # that took. (A proof that fails ends the term, so the last one sent is the last success.)
-        next_renewal = self._last_renewed + self.settings.leader.renew_interval.total_seconds()
-        self._stop.wait(max(0.0, next_renewal - time.monotonic()))
-        if self._stop.is_set() or self.token is None or self._demote_requested:
-            return
+        if requested and requested[1] in (None, term.epoch):
+            return self._end_term(requested[0])
+        if not term.trusted():
+            return self._end_term("lease expired before it could be renewed")
+        last_sent = term.trusted_until - self._trust()
+        self._stop.wait(max(0.0, last_sent + self.settings.leader.renew_interval.total_seconds() - time.monotonic()))
+        if self._stop.is_set() or self.term is not term or self._demote_requested:
+            return None
         sent = time.monotonic()
-        if not self._holds_lock():
-            self._lose("advisory lock no longer held")
-            self._close()
-            return
-        row = self.conn.execute(render_sql(RENEW, self.settings.schema),
-                                (self.token.epoch, self.token.instance_id)).fetchone()
-        if row is None:
-            self._lose("another instance took a newer term")
-            self._close()
-            return
-        self._last_renewed = sent
-        self._register()
+        if not self.session.renew(term):
+            return self._end_term("advisory lock no longer held or another instance took a newer term")
+        self.term = dataclasses.replace(term, trusted_until=sent + self._trust())
+        self.registry.heartbeat(self.session.conn)  # type: ignore[arg-type]
+        return None
 
-    def _lose(self, reason: str) -> None:
+    def _trust(self) -> float:
+        cfg = self.settings.leader
+        return (cfg.lease - cfg.renew_interval).total_seconds()
+
+    def _progress(self) -> None:
+        self.last_progress = time.monotonic()
+
+    def _end_term(self, reason: str) -> None:
+        """Lose the term (if any) and close the session: the server frees the lock with it."""
         with self._lock:
-            if self.token is None:
-                return
-            epoch = self.token.epoch
-            self.token = None
-        log.warning("lost leadership", extra=kv(reason=reason, epoch=epoch))
-        self.on_demoted(reason)
+            term, self.term = self.term, None
+        if term is not None:
+            log.warning("lost leadership", extra=kv(reason=reason, epoch=term.epoch))
+            self.on_demoted(reason)
+        self.session.close()
 
     def _release(self) -> None:
         """Graceful stop: give the lock back and wake the followers."""
         with self._lock:
-            token, self.token = self.token, None
-        if token is not None:
+            term, self.term = self.term, None
+        if term is not None:
             self.on_demoted("shutdown")
-        if self.conn is not None and not self.conn.closed:
+        if self.session.open and term is not None:
             try:
-                if token is not None:
-                    s = self.settings
-                    self.conn.execute(render_sql(RELEASE, s.schema), (token.epoch, token.instance_id))
-                    self.conn.execute(UNLOCK, (self.classid, self.objid))
-                    self.conn.execute("SELECT pg_notify(%s, %s)",
-                                      (handover_channel(s.schema), s.instance_id))
-                    log.info("released leadership", extra=kv(epoch=token.epoch))
+                self.session.release(term)
+                log.info("released leadership", extra=kv(epoch=term.epoch))
             except psycopg.Error as exc:
                 log.warning("could not release leadership cleanly (the session end frees it)",
                             extra=kv(error=describe_db_error(exc)))
-        self._close()
-
-    def _close(self) -> None:
-        if self.conn is not None:
-            try:
-                self.conn.close()
-            except Exception:  # pragma: no cover - closing a broken socket
-                pass
-        self.conn = None
+        self.session.close()
 
     def _set_health(self, ok: bool) -> None:
         self.healthy = ok
@@ -440,24 +452,11 @@ class LeaderElector:
 
 def acquire_once(settings: Settings, wait: float = 0.0, *,
                  on_demoted: Callable[[str], None] | None = None) -> tuple[LeaderElector, LeaderFence] | None:
-    """For ``run-once``: take the leader lock (waiting up to ``wait`` s) and keep renewing it in a
-    thread until ``elector.stop()`` (which releases it). The term is never re-taken once lost.
-
-    Returns the elector and its fence, or None if another instance holds the lock. Database
-    errors while connecting propagate.
-    """
-    elector = LeaderElector(settings, on_elected=lambda token: None,
-                            on_demoted=on_demoted or (lambda reason: None), register=False)
-    elector._keep_trying = False
-    deadline = time.monotonic() + wait
-    elector._connect()
-    while True:
-        elector._try_acquire(wait=False)
-        if elector.token is not None:
-            fence = elector.fence()
-            elector.start()
-            return elector, fence
-        if time.monotonic() >= deadline:
-            elector._close()
-            return None
-        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+    """For ``run-once``: the lock (waiting up to ``wait`` s), renewed in a thread until
+    ``elector.stop()`` releases it; a lost term is never re-taken. None if another instance holds
+    it. Database errors while connecting propagate."""
+    elector = LeaderElector(settings, on_elected=lambda term: None,
+                            on_demoted=on_demoted or (lambda reason: None), register=False,
+                            keep_trying=False)
+    fence = elector.acquire(wait)
+    return None if fence is None else (elector, fence)

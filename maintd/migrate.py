@@ -1,5 +1,11 @@
 """``maintd migrate``: Alembic revisions applied under an advisory lock, so several replicas
-starting at once apply them exactly once."""
+starting at once apply them exactly once.
+
+The revision is read first, from the catalog and ``alembic_version``: a schema already at the
+target needs no DDL and no CREATE privilege, so the daemon's runtime role (``maintd grants``) can
+run ``migrate`` at start and get ``nothing to do``. Real work is done by the owner role; a role that
+lacks what the work needs gets one line naming the privilege and the object, checked before any DDL.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +18,12 @@ from alembic import command
 from alembic.config import Config as AlembicConfig
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from psycopg import errors as pg_errors
 from sqlalchemy import Connection, text
+from sqlalchemy.exc import DBAPIError
 
-from .db import quote_ident
+from .identifiers import quote_ident
+from .queries import catalog
 
 
 def _script_location() -> str:
@@ -28,7 +37,9 @@ def alembic_config(schema: str) -> AlembicConfig:
     return cfg
 
 
-def _lock_key(schema: str) -> int:
+def lock_key(schema: str) -> int:
+    """The advisory lock serializing DDL and GRANTs on a schema (concurrent GRANTs on one table
+    fail with 'tuple concurrently updated')."""
     return zlib.crc32(f"maintd-migrate:{schema}".encode()) - (1 << 31)
 
 
@@ -36,45 +47,104 @@ def head_revision() -> str:
     return ScriptDirectory.from_config(alembic_config("maintd")).get_current_head() or ""
 
 
+class MigratePermissionError(RuntimeError):
+    """The connected role may not do what the migration needs; the message names the privilege,
+    the object and the role to use instead."""
+
+
+# What the connected role may do, read from the catalog (needs no privilege on the schema).
+
+
+
 def current_revision(conn: Connection, schema: str) -> str | None:
-    exists = conn.execute(
-        text("SELECT to_regclass(:t) IS NOT NULL"), {"t": f"{quote_ident(schema)}.alembic_version"}
-    ).scalar()
-    if not exists:
+    row = conn.execute(text(catalog.SCHEMA_PRIVILEGES), {"schema": schema}).one()
+    if not row.versioned:
         return None
     ctx = MigrationContext.configure(conn, opts={"version_table_schema": schema})
     return ctx.get_current_revision()
 
 
+_UNKNOWN = object()  # a target revision that cannot be resolved without running Alembic
+
+
+def _resolve(revision: str):
+    """The single revision id ``revision`` names (``None`` for base), or ``_UNKNOWN``."""
+    try:
+        revs = ScriptDirectory.from_config(alembic_config("maintd")).get_revisions(revision)
+    except Exception:  # relative ("+1") or unknown revisions: Alembic reports them when run
+        return _UNKNOWN
+    if not revs:
+        return None
+    return revs[0].revision if len(revs) == 1 else _UNKNOWN
+
+
 def upgrade(conn: Connection, schema: str, revision: str = "head") -> tuple[str | None, str | None]:
     """Apply migrations up to ``revision``. Returns (before, after). Safe to run concurrently."""
-    return _run(conn, schema, lambda cfg: command.upgrade(cfg, revision))
+    return _run(conn, schema, _resolve(revision), lambda cfg: command.upgrade(cfg, revision))
 
 
 def downgrade(conn: Connection, schema: str, revision: str) -> tuple[str | None, str | None]:
-    return _run(conn, schema, lambda cfg: command.downgrade(cfg, revision))
+    return _run(conn, schema, _resolve(revision), lambda cfg: command.downgrade(cfg, revision))
 
 
-def _run(conn: Connection, schema: str, action) -> tuple[str | None, str | None]:
-    key = _lock_key(schema)
+def _run(conn: Connection, schema: str, target, action) -> tuple[str | None, str | None]:
+    key = lock_key(schema)
     conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
     conn.commit()
     try:
-        conn.execute(text(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}"))
-        conn.commit()
-        before = current_revision(conn, schema)
-        conn.commit()
-        cfg = alembic_config(schema)
-        cfg.attributes["connection"] = conn
-        action(cfg)
-        conn.commit()
-        after = current_revision(conn, schema)
-        conn.commit()
-        return before, after
+        return _migrate(conn, schema, target, action)
+    except DBAPIError as exc:
+        if isinstance(exc.orig, pg_errors.InsufficientPrivilege):
+            raise MigratePermissionError(
+                f"{str(exc.orig).strip().splitlines()[0]}: run `maintd migrate` as the owner role "
+                f"of schema {schema!r}") from None
+        raise
     finally:
         conn.rollback()
         conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
         conn.commit()
+
+
+def _migrate(conn: Connection, schema: str, target, action) -> tuple[str | None, str | None]:
+    state = conn.execute(text(catalog.SCHEMA_PRIVILEGES), {"schema": schema}).one()
+    before = current_revision(conn, schema) if state.schema_usage else None
+    conn.commit()
+    if before == target and (state.versioned or target is None):
+        return before, before  # already there: no DDL, no CREATE privilege needed
+    check_privileges(state, schema)
+    if not state.schema_exists:
+        conn.execute(text(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}"))
+        conn.commit()
+    cfg = alembic_config(schema)
+    cfg.attributes["connection"] = conn
+    action(cfg)
+    conn.commit()
+    after = current_revision(conn, schema)
+    conn.commit()
+    return before, after
+
+
+def check_privileges(state, schema: str) -> None:
+    """Before any DDL: raise :class:`MigratePermissionError` naming what the role lacks."""
+    owner = state.tables_owner or state.schema_owner
+    fix = f"run `maintd migrate` as the owner role ({owner!r})" if owner else \
+        "run `maintd migrate` as the owner role"
+    if not state.schema_exists and not state.database_create:
+        raise MigratePermissionError(
+            f"role {state.role!r} lacks CREATE on database {state.database!r} (needed to create "
+            f"schema {schema!r}): {fix}, or have an administrator run "
+            f"CREATE SCHEMA {quote_ident(schema)} AUTHORIZATION <owner role>")
+    if state.schema_exists and not state.schema_usage:
+        raise MigratePermissionError(
+            f"role {state.role!r} lacks USAGE on schema {schema!r} (needed to read its revision): {fix}")
+    if state.schema_exists and not state.schema_create:
+        raise MigratePermissionError(
+            f"role {state.role!r} lacks CREATE on schema {schema!r} (needed to create maintd's "
+            f"tables): {fix}")
+    if state.versioned and not state.owns_tables:
+        raise MigratePermissionError(
+            f"role {state.role!r} does not own the tables of schema {schema!r} (needed to alter "
+            f"them): {fix}")
 
 
 def offline_sql(schema: str, revision: str = "head") -> str:

@@ -24,12 +24,12 @@ from sqlalchemy import (
     Text,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from datetime import timedelta
+
+from sqlalchemy.dialects.postgresql import INTERVAL, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-JOB_STATES = ("available", "scheduled", "running", "retryable", "completed", "cancelled", "discarded")
-FINAL_STATES = ("completed", "cancelled", "discarded")
-NON_FINAL_STATES = ("available", "scheduled", "running", "retryable")
+from .queries import FINAL_STATES_SQL, JOB_STATES
 
 metadata = MetaData(
     naming_convention={
@@ -39,7 +39,6 @@ metadata = MetaData(
 )
 
 job_state = Enum(*JOB_STATES, name="job_state", metadata=metadata, create_type=True)
-_FINAL_SQL = "('completed', 'cancelled', 'discarded')"
 
 
 class Base(DeclarativeBase):
@@ -75,7 +74,7 @@ class Job(Base):
         CheckConstraint("char_length(queue) BETWEEN 1 AND 128", name="queue_length"),
         CheckConstraint("max_attempts > 0", name="max_attempts_positive"),
         CheckConstraint("attempt >= 0", name="attempt_not_negative"),
-        CheckConstraint(f"(finalized_at IS NOT NULL) = (state IN {_FINAL_SQL})",
+        CheckConstraint(f"(finalized_at IS NOT NULL) = (state IN {FINAL_STATES_SQL})",
                         name="finalized_at_iff_final"),
         CheckConstraint("jsonb_typeof(errors) = 'array'", name="errors_is_array"),
         # Worker fetch: next available job of a queue by priority, then age.
@@ -92,7 +91,7 @@ class Job(Base):
               postgresql_where=text("state = 'running'")),
         # At most one non-final job per unique key.
         Index("jobs_unique_key_idx", "unique_key", unique=True,
-              postgresql_where=text(f"unique_key IS NOT NULL AND state NOT IN {_FINAL_SQL}")),
+              postgresql_where=text(f"unique_key IS NOT NULL AND state NOT IN {FINAL_STATES_SQL}")),
     )
 
 
@@ -114,8 +113,8 @@ class Leader(Base):
     __table_args__ = (CheckConstraint("name = 'leader'", name="single_row"),)
 
 
-class Daemon(Base):
-    """Every running maintd process registers here (for ``maintd status``)."""
+class DaemonRegistration(Base):
+    """Every running maintd process registers here (for ``maintd status`` and the dashboard)."""
 
     __tablename__ = "daemons"
 
@@ -130,7 +129,8 @@ class Daemon(Base):
 
 
 class ServiceRun(Base):
-    """Last pass of each service, written by the leader in the pass's own transaction."""
+    """Last pass of each service, written by the leader in a fenced transaction of its own after
+    the pass."""
 
     __tablename__ = "service_runs"
 
@@ -159,3 +159,28 @@ class PeriodicSlot(Base):
     enqueued_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False,
                                                   server_default=text("now()"))
     instance_id: Mapped[str | None] = mapped_column(Text)
+
+
+class PeriodicJobRow(Base):
+    """A periodic schedule kept as a row (SPEC 7.10): applications manage these with SQL; the
+    leader applies a change within seconds and writes ``error`` for a row it cannot use."""
+
+    __tablename__ = "periodic_jobs"
+
+    id: Mapped[str] = mapped_column(Text, primary_key=True)
+    schedule: Mapped[str] = mapped_column(Text, nullable=False)
+    timezone: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("'UTC'"))
+    kind: Mapped[str] = mapped_column(Text, nullable=False)
+    queue: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("'default'"))
+    args: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, server_default=text("'{}'::jsonb"))
+    priority: Mapped[int] = mapped_column(SmallInteger, nullable=False, server_default=text("0"))
+    max_attempts: Mapped[int] = mapped_column(SmallInteger, nullable=False, server_default=text("25"))
+    unique_key: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
+    backfill: Mapped[timedelta | None] = mapped_column(INTERVAL)
+    run_on_start: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
+    enabled: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("true"))
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False,
+                                                 server_default=text("now()"))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False,
+                                                 server_default=text("now()"))

@@ -13,10 +13,6 @@ class SystemdNotifier:
         usec = env.get("WATCHDOG_USEC")
         self.watchdog_interval = int(usec) / 1e6 / 2 if usec and usec.isdigit() else None
 
-    @property
-    def enabled(self) -> bool:
-        return self.address is not None
-
     def notify(self, message: str) -> bool:
         if not self.address:
             return False

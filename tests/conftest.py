@@ -7,10 +7,14 @@ started (about a second) and stopped at the end, with no process left behind.
 
 from __future__ import annotations
 
+import functools
 import os
+import re
+import subprocess
 import threading
 import uuid
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Iterator
 
 import psycopg
@@ -21,16 +25,25 @@ from maintd import migrate
 from maintd.clock import FrozenClock
 from maintd.config import Settings
 from maintd.db import make_engine, quote_ident
+from maintd.embedded import EmbeddedPostgres, EmbeddedPostgresError, _bin_dir
 from maintd.jobs import JobQueue
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=timezone.utc)
 
+# The suite's own setting, read once: maintd's config rejects unknown MAINTD_* variables, so it is
+# removed from the environment of every test (see _no_suite_env).
+TEST_DATABASE_URL = os.environ.get("MAINTD_TEST_DATABASE_URL")
+
+
+@pytest.fixture(autouse=True)
+def _no_suite_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MAINTD_TEST_DATABASE_URL", raising=False)
+
 
 @pytest.fixture(scope="session")
 def pg_dsn() -> Iterator[str]:
-    url = os.environ.get("MAINTD_TEST_DATABASE_URL")
-    if url:
-        yield url
+    if TEST_DATABASE_URL:
+        yield TEST_DATABASE_URL
         return
     from maintd.embedded import EmbeddedPostgres
 
@@ -44,16 +57,58 @@ def pg_version(pg_dsn: str) -> int:
         return int(conn.execute("SHOW server_version_num").fetchone()[0]) // 10000
 
 
-@pytest.fixture
-def private_pg() -> Iterator["object"]:
-    """A PostgreSQL of this test's own (for restarts and server-level faults)."""
-    from maintd.embedded import EmbeddedPostgres, EmbeddedPostgresError
+def server_bin_dir(major: int) -> Path | None:
+    """The binaries of a PostgreSQL ``major`` installed on this machine: ``MAINTD_TEST_PG_BIN``, else
+    Debian's layout (``/usr/lib/postgresql/<major>/bin``); None when there are none."""
+    candidates = [os.environ.get("MAINTD_TEST_PG_BIN", ""), f"/usr/lib/postgresql/{major}/bin"]
+    for c in candidates:
+        if c and (Path(c) / "postgres").is_file() and (Path(c) / "initdb").is_file():
+            return Path(c)
+    return None
 
+
+@functools.lru_cache(maxsize=None)
+def _version_of(bin_dir: Path) -> int:
+    """The major version of the PostgreSQL binaries in ``bin_dir``."""
+    out = subprocess.run([str(bin_dir / "postgres"), "--version"], capture_output=True, text=True).stdout
+    return int(re.search(r"\(PostgreSQL\)\s+(\d+)", out).group(1))
+
+
+class PostgresOf(EmbeddedPostgres):
+    """:class:`maintd.embedded.EmbeddedPostgres` run from other binaries (e.g. the machine's
+    PostgreSQL 15), so server-level tests run on the same major version as the rest of the suite."""
+
+    def __init__(self, bin_dir: Path, **kw):
+        super().__init__(**kw)
+        self.bin = bin_dir
+
+
+@pytest.fixture
+def private_pg(pg_version: int) -> Iterator[EmbeddedPostgres]:
+    """A PostgreSQL of this test's own (for restarts and server-level faults), of the same major
+    version as the suite's server."""
     try:
-        pg = EmbeddedPostgres().start()
+        embedded = _version_of(_bin_dir())
     except EmbeddedPostgresError as exc:  # pragma: no cover - only without the wheel
-        pytest.skip(f"needs the embedded PostgreSQL: {exc}")
+        embedded = exc
+    if embedded == pg_version:
+        pg = EmbeddedPostgres()
+    else:
+        bin_dir = server_bin_dir(pg_version)
+        if bin_dir is None:
+            message = f"needs PostgreSQL {pg_version} binaries for a private server (set MAINTD_TEST_PG_BIN)"
+            if os.environ.get("CI", "").lower() == "true":
+                pytest.fail(message)
+            pytest.skip(message)
+        pg = PostgresOf(bin_dir)
     try:
+        pg.start()
+    except BaseException:
+        pg.cleanup()
+        raise
+    try:
+        with psycopg.connect(pg.dsn) as conn:
+            assert int(conn.execute("SHOW server_version_num").fetchone()[0]) // 10000 == pg_version
         yield pg
     finally:
         pg.cleanup()

@@ -7,7 +7,7 @@ import re
 import psycopg
 from sqlalchemy import Connection, text
 
-from maintd.db import sql
+from maintd.queries import sql
 
 
 def explain(conn: Connection, statement: str, schema: str, params: dict, *, generic: bool = False) -> str:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -85,14 +87,28 @@ class DaemonProc:
         self.config = config
         self.config_path.write_text(to_toml(config))
 
-    def start(self) -> "DaemonProc":
+    def start(self, gated_log: bool = False) -> "DaemonProc":
+        """``gated_log``: the output goes through a pipe copied to the log file by a thread, so
+        that :meth:`block_log` can make the daemon's next log write block (a stalled log sink)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MAINTD_", "NOTIFY_SOCKET", "WATCHDOG_"))}
         env.update(self.extra_env)
         self._log = open(self.log_path, "ab")
+        out = self._log
+        if gated_log:
+            self._gate = LogGate(self._log)
+            out = self._gate.write_fd
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "maintd", "--config", str(self.config_path), "run"],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env)
+            stdout=out, stderr=subprocess.STDOUT, env=env)
         return self
+
+    def block_log(self) -> None:
+        """From now on the daemon blocks at its next log line (only with ``start(gated_log=True)``)."""
+        self._gate.block()
+
+    def unblock_log(self) -> None:
+        if getattr(self, "_gate", None) is not None:
+            self._gate.unblock()
 
     @property
     def pid(self) -> int:
@@ -128,6 +144,7 @@ class DaemonProc:
     def stop(self, timeout: float = 15) -> int:
         if self.proc is None:
             return 0
+        self.unblock_log()
         if self.proc.poll() is None:
             try:
                 os.kill(self.proc.pid, signal.SIGCONT)
@@ -155,6 +172,53 @@ class DaemonProc:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{self.instance_id}: no {pattern!r} in {timeout}s; log:\n{self.log()[-3000:]}")
             time.sleep(0.05)
+
+
+class LogGate:
+    """A pipe between a daemon's output and its log file. :meth:`block` stops copying and fills
+    the pipe with NUL bytes (dropped when copying resumes): the daemon's next write blocks."""
+
+    def __init__(self, log_file):
+        self._log = log_file
+        self._read_fd, self.write_fd = os.pipe()
+        self._copying = threading.Event()
+        self._copying.set()
+        self._idle = threading.Event()
+        threading.Thread(target=self._copy, daemon=True).start()
+
+    def _copy(self) -> None:
+        while True:
+            if not self._copying.is_set():
+                self._idle.set()
+                self._copying.wait()
+                self._idle.clear()
+            ready, _, _ = select.select([self._read_fd], [], [], 0.02)
+            if not ready:
+                continue
+            data = os.read(self._read_fd, 65536)
+            if not data:
+                return
+            self._log.write(data.replace(b"\0", b""))
+            self._log.flush()
+
+    def block(self) -> None:
+        self._copying.clear()
+        self._idle.wait(5)
+        # A file description of our own: O_NONBLOCK on the shared one would make the daemon's
+        # writes fail instead of block.
+        fd = os.open(f"/proc/self/fd/{self.write_fd}", os.O_WRONLY | os.O_NONBLOCK)
+        try:
+            for chunk in (4096, 1):
+                try:
+                    while True:
+                        os.write(fd, b"\0" * chunk)
+                except BlockingIOError:
+                    pass
+        finally:
+            os.close(fd)
+
+    def unblock(self) -> None:
+        self._copying.set()
 
 
 def leader_row(dsn: str, schema: str) -> tuple[int, str | None]:
@@ -195,3 +259,29 @@ def wait_new_leader(dsn: str, schema: str, old_epoch: int, timeout: float) -> tu
         return (epoch, inst) if epoch > old_epoch and inst else None
 
     return wait_for(check, timeout, what="a new leader")
+
+
+def install_write_audit(dsn: str, schema: str, tables: tuple[str, ...] = ("jobs", "service_runs")) -> None:
+    """Record every committed write statement on ``tables`` (even one that changed no row): who
+    (application_name, backend pid), which transaction, when, and the leader row (epoch,
+    instance) as it was committed when the statement ran."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            f'CREATE TABLE "{schema}".write_audit (seq bigserial PRIMARY KEY, at timestamptz NOT NULL, '
+            f"app text, backend_pid int, txid xid8, tbl text, op text, leader_epoch bigint, leader_instance text)")
+        conn.execute(
+            f'CREATE FUNCTION "{schema}".audit_write() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN '
+            f'INSERT INTO "{schema}".write_audit (at, app, backend_pid, txid, tbl, op, leader_epoch, leader_instance) '
+            f"SELECT clock_timestamp(), current_setting('application_name'), pg_backend_pid(), "
+            f"pg_current_xact_id(), TG_TABLE_NAME, TG_OP, l.epoch, l.instance_id "
+            f"""FROM "{schema}".leader l WHERE l.name = 'leader'; RETURN NULL; END $$""")
+        for table in tables:
+            conn.execute(f'CREATE TRIGGER audit_write AFTER INSERT OR UPDATE OR DELETE ON "{schema}"."{table}" '
+                         f'FOR EACH STATEMENT EXECUTE FUNCTION "{schema}".audit_write()')
+
+
+def audited_writes(dsn: str, schema: str) -> list[dict]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cur = conn.execute(f'SELECT * FROM "{schema}".write_audit ORDER BY seq')
+        names = [d.name for d in cur.description]
+        return [dict(zip(names, row)) for row in cur.fetchall()]

@@ -12,14 +12,16 @@ from datetime import timedelta
 import psycopg
 import pytest
 from sqlalchemy import event
+from sqlalchemy.exc import OperationalError
 
 from maintd.config import Settings
-from maintd.db import sql
+from maintd.queries import sql
 from maintd.metrics import Metrics
 from maintd.services.base import PassContext, PassStopped
+from maintd.queries import jobs as q
 from maintd.services.cleaner import (
-    BATCH_TARGET, COUNT_EXPIRED, DELETE_RANGE, DELETE_RANGE_SKIP_LOCKED, DELETE_TIED, FILL,
-    FULL_SCAN_EVERY, GROW_AFTER, GROWTH, LOOKBACK, MIN_BATCH, PROBE, Cleaner, next_width,
+    BATCH_TARGET, FILL, FULL_SCAN_EVERY, GROW_AFTER, GROWTH, LOOKBACK, MIN_BATCH, Cleaner, CleanerResult,
+    next_width,
 )
 
 from .conftest import T0, run_concurrently
@@ -61,8 +63,8 @@ class CountingContext(PassContext):
 
 
 def run(settings, engine, clock, dry_run=False, cleaner=None):
-    cleaner = cleaner or Cleaner(settings)
-    return cleaner.run_once(PassContext(engine=engine, settings=settings, clock=clock, dry_run=dry_run))
+    cleaner = cleaner or Cleaner(settings.cleaner)
+    return cleaner.run_once(PassContext.for_settings(settings, engine, clock, dry_run=dry_run))
 
 
 @pytest.mark.parametrize("state,retention", [
@@ -99,7 +101,9 @@ def test_minus_one_keeps_forever(pg_dsn, schema, engine, clock):
     result = run(settings, engine, clock)
     assert result.deleted == {"completed": 1, "cancelled": 0, "discarded": 0}
     assert remaining(engine, schema) == set(kept)
-    assert gone[0] not in kept
+    clock.advance(timedelta(days=365 * 100))  # forever: not just a long retention
+    assert run(settings, engine, clock).total == 0
+    assert remaining(engine, schema) == set(kept)
 
 
 def test_per_queue_overrides(pg_dsn, schema, engine, clock):
@@ -121,8 +125,7 @@ def test_per_queue_overrides(pg_dsn, schema, engine, clock):
             + insert(engine, schema, state="discarded", queue="billing", finalized_ago=7 * DAY - SECOND))
     result = run(settings, engine, clock)
     assert remaining(engine, schema) == set(kept)
-    assert result.deleted == {"completed": 3, "cancelled": 0, "discarded": 1}
-    assert not set(gone) & set(kept)
+    assert result.deleted == {"completed": 3, "cancelled": 0, "discarded": 1} and result.total == len(gone)
 
 
 def test_batch_size_plus_one_is_two_batches(settings, engine, schema, clock):
@@ -151,14 +154,14 @@ def test_batch_pause_after_batches_that_deleted_rows_never_after_a_targets_last(
     settings.cleaner.batch_size = 100
     settings.cleaner.batch_pause = timedelta(milliseconds=250)
     insert(engine, schema, state="discarded", finalized_ago=8 * DAY, n=50, spread=True)
-    ctx = PausingContext(engine=engine, settings=settings, clock=clock)
-    result = Cleaner(settings).run_once(ctx)
+    ctx = PausingContext.for_settings(settings, engine, clock)
+    result = Cleaner(settings.cleaner).run_once(ctx)
     assert result.deleted["discarded"] == 50 and result.batches == 1
     assert ctx.pauses == []  # the one batch reached the horizon: nothing left to wait for
 
     insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=350, spread=True)
-    ctx = PausingContext(engine=engine, settings=settings, clock=clock)
-    result = Cleaner(settings).run_once(ctx)
+    ctx = PausingContext.for_settings(settings, engine, clock)
+    result = Cleaner(settings.cleaner).run_once(ctx)
     assert result.deleted["completed"] == 350 and result.batches == 4  # 100, 100, 100, 50
     # After each of the three full batches; after the 50 too when its predicted range ended short
     # of the horizon (the cleaner cannot know nothing follows); never after the range that does.
@@ -169,11 +172,11 @@ def test_a_stop_during_a_batch_pause_ends_the_pass_at_once(settings, engine, sch
     settings.cleaner.batch_size = 100
     settings.cleaner.batch_pause = timedelta(seconds=10)
     insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=300, spread=True)
-    ctx = PassContext(engine=engine, settings=settings, clock=clock)
+    ctx = PassContext.for_settings(settings, engine, clock)
     threading.Timer(0.3, ctx.stop_event.set).start()
     t0 = time.monotonic()
     with pytest.raises(PassStopped):
-        Cleaner(settings).run_once(ctx)
+        Cleaner(settings.cleaner).run_once(ctx)
     assert time.monotonic() - t0 < 5  # not the 10 s pause
     assert len(remaining(engine, schema)) == 200  # the first batch was committed before the pause
 
@@ -215,7 +218,7 @@ class BatchRecorder(PassContext):
 
 @pytest.fixture
 def recorder(settings, engine, clock):
-    ctx = BatchRecorder(engine=engine, settings=settings, clock=clock)
+    ctx = BatchRecorder.for_settings(settings, engine, clock)
 
     def after(conn, cursor, statement, parameters, context, executemany):
         ctx.observe(statement, cursor.rowcount)
@@ -236,7 +239,7 @@ def test_predicted_ranges_spare_the_probe(settings, engine, schema, recorder):
     insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=3000, spread=True)
     keep = insert(engine, schema, state="completed", finalized_ago=HOUR, n=5, spread=True)
     with recorder.session():
-        result = Cleaner(settings).run_once(recorder)
+        result = Cleaner(settings.cleaner).run_once(recorder)
     assert result.deleted["completed"] == 3000 and result.overflows == 0
     assert remaining(engine, schema) == set(keep)
     assert max(recorder.committed) <= 100
@@ -255,7 +258,7 @@ def test_a_burst_at_one_instant_is_rolled_back_and_probed(settings, engine, sche
     after = insert(engine, schema, state="completed", finalized_ago=2 * DAY - SECOND, n=400, spread=True)
     keep = insert(engine, schema, state="completed", finalized_ago=HOUR, n=5, spread=True)
     with recorder.session():
-        result = Cleaner(settings).run_once(recorder)
+        result = Cleaner(settings.cleaner).run_once(recorder)
     assert result.overflows >= 1
     assert result.deleted["completed"] == len(before + burst + after) == sum(recorder.committed)
     assert max(recorder.committed) <= 100
@@ -282,15 +285,17 @@ def test_dry_run_counts_and_changes_nothing(pg_dsn, schema, engine, clock):
     insert(engine, schema, state="completed", queue="billing", finalized_ago=2 * DAY, n=4)  # kept
     insert(engine, schema, state="completed", queue="billing", finalized_ago=31 * DAY, n=1)
     insert(engine, schema, state="discarded", finalized_ago=8 * DAY, n=2)
+    exact = insert(engine, schema, state="completed", finalized_ago=DAY)  # at the horizon: neither counted nor deleted
     before = remaining(engine, schema)
-    ctx = CountingContext(engine=engine, settings=settings, clock=clock, dry_run=True)
-    result = Cleaner(settings).run_once(ctx)
+    ctx = CountingContext.for_settings(settings, engine, clock, dry_run=True)
+    result = Cleaner(settings.cleaner).run_once(ctx)
     assert result.dry_run and result.deleted == {"completed": 8, "cancelled": 0, "discarded": 2}
-    assert result.summary().startswith("would delete completed=8")
+    assert result.summary().startswith("would delete completed=8") and result.batch_size == 2
     assert ctx.transactions == 4  # one count per target, not a loop over batches
     assert remaining(engine, schema) == before
     # The real pass deletes exactly what the dry run announced.
     assert run(settings, engine, clock).deleted == result.deleted
+    assert exact[0] in remaining(engine, schema)
 
 
 def test_two_cleaners_at_once_delete_each_row_once(settings, engine, schema, clock):
@@ -303,7 +308,7 @@ def test_two_cleaners_at_once_delete_each_row_once(settings, engine, schema, clo
 
 
 def test_a_locked_final_row_is_skipped_then_deleted_by_the_next_pass(settings, engine, schema, clock):
-    cleaner = Cleaner(settings)
+    cleaner = Cleaner(settings.cleaner)
     ids = insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=10, spread=True)
     holder = engine.connect()
     holder.execute(sql("SELECT 1 FROM {schema}.jobs WHERE id = :id FOR UPDATE", schema), {"id": ids[4]})
@@ -349,32 +354,61 @@ def test_adaptive_batch_shrinks_after_a_timeout_and_grows_back(pg_dsn, schema, e
         "batch_size": 1000, "cancelled_retention": -1, "discarded_retention": -1})
 
     class Cleaner1(Cleaner):
+        shrunk = 0
+
         def _shrink(self):
             super()._shrink()
-            slow_deletes(False)  # the smaller batch goes through
+            self.shrunk += 1
+            if self.shrunk == 2:
+                slow_deletes(False)  # the twice smaller batch goes through
 
-    cleaner = Cleaner1(settings)
+    cleaner = Cleaner1(settings.cleaner)
     insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=10)
     with caplog.at_level(logging.WARNING, logger="maintd.cleaner"):
         result = run(settings, engine, clock, cleaner=cleaner)
-    assert result.timeouts == 1 and result.deleted["completed"] == 10
-    assert result.batch_size == cleaner.batch_size == 500
-    [warning] = [r for r in caplog.records if "statement timeout" in r.getMessage()]
-    assert warning.fields["batch_size"] == 500
+    assert result.timeouts == 2 and result.deleted["completed"] == 10
+    assert result.batch_size == cleaner.batch_size == 250
+    warnings = [r for r in caplog.records if r.getMessage() == "delete batch hit the statement timeout, shrinking the batch"]
+    assert [(w.fields["state"], w.fields["batch_size"]) for w in warnings] == [("completed", 500), ("completed", 250)]
     assert remaining(engine, schema) == set()
-    # One successful batch per pass; after GROW_AFTER successes in a row the size doubles back.
+    # One successful batch per pass; after GROW_AFTER successes in a row the size doubles, twice.
     sizes = []
-    for _ in range(GROW_AFTER - 1):
+    for _ in range(2 * GROW_AFTER - 1):
         clock.advance(30)
         sizes.append(run(settings, engine, clock, cleaner=cleaner).batch_size)
-    assert sizes == [500] * (GROW_AFTER - 2) + [1000]
+    assert sizes == [250] * (GROW_AFTER - 2) + [500] * GROW_AFTER + [1000]
+
+
+def test_an_error_other_than_a_timeout_fails_the_pass_at_once(pg_dsn, schema, engine, clock):
+    """Only a statement timeout shrinks the batch and retries, only a lock timeout retries with SKIP
+    LOCKED: any other error (here: disk full, raised by a trigger) ends the pass after one try."""
+    settings = Settings(database_url=pg_dsn, schema=schema, cleaner={
+        "batch_size": 1000, "cancelled_retention": -1, "discarded_retention": -1})
+    with engine.begin() as conn:
+        conn.execute(sql("CREATE SEQUENCE {schema}.delete_tries", schema))
+        conn.execute(sql("""
+            CREATE FUNCTION {schema}.disk_full() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+              PERFORM nextval('{schema}.delete_tries');  -- sequences survive the rollback
+              RAISE EXCEPTION 'no space left' USING ERRCODE = 'disk_full';
+            END $$""", schema))
+        conn.execute(sql("CREATE TRIGGER disk_full BEFORE DELETE ON {schema}.jobs "
+                         "FOR EACH STATEMENT EXECUTE FUNCTION {schema}.disk_full()", schema))
+    ids = insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=3)
+    cleaner = Cleaner(settings.cleaner)
+    with pytest.raises(OperationalError) as err:
+        run(settings, engine, clock, cleaner=cleaner)
+    assert isinstance(err.value.orig, psycopg.errors.DiskFull)
+    with engine.connect() as conn:
+        assert conn.execute(sql("SELECT last_value FROM {schema}.delete_tries", schema)).scalar() == 1
+    assert cleaner.batch_size == 1000 and remaining(engine, schema) == set(ids)
 
 
 def test_a_batch_that_times_out_even_at_the_minimum_size_fails_the_pass(pg_dsn, schema, engine, clock,
                                                                         slow_deletes):
     settings = Settings(database_url=pg_dsn, schema=schema, statement_timeout="100ms", cleaner={
         "batch_size": MIN_BATCH * 4, "cancelled_retention": -1, "discarded_retention": -1})
-    cleaner = Cleaner(settings)
+    cleaner = Cleaner(settings.cleaner)
     ids = insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=3)
     with pytest.raises(Exception) as err:
         run(settings, engine, clock, cleaner=cleaner)
@@ -390,12 +424,12 @@ def test_later_passes_do_not_reread_rows_kept_by_a_longer_override(pg_dsn, schem
     settings = Settings(database_url=pg_dsn, schema=schema, cleaner={
         "batch_size": 100, "completed_retention": "1h", "cancelled_retention": -1, "discarded_retention": -1,
         "queues": {"billing": {"completed_retention": "30d"}}})
-    cleaner = Cleaner(settings)
+    cleaner = Cleaner(settings.cleaner)
     kept = insert(engine, schema, state="completed", queue="billing", finalized_ago=2 * DAY, n=1000, spread=True)
     insert(engine, schema, state="completed", queue="other", finalized_ago=2 * DAY, n=5, spread=True)
 
     def counted_pass():
-        ctx = CountingContext(engine=engine, settings=settings, clock=clock)
+        ctx = CountingContext.for_settings(settings, engine, clock)
         return cleaner.run_once(ctx), ctx.transactions
 
     first, walked = counted_pass()
@@ -406,7 +440,7 @@ def test_later_passes_do_not_reread_rows_kept_by_a_longer_override(pg_dsn, schem
     second, walked = counted_pass()
     assert not second.full_scan and second.deleted["completed"] == 3
     assert walked == 2  # one transaction per target (default, billing)
-    assert remaining(engine, schema) == set(kept) and not set(new) & set(kept)
+    assert remaining(engine, schema) == set(kept)  # the 3 new rows went, the 1000 billing rows stay
     clock.advance(FULL_SCAN_EVERY)
     third, walked = counted_pass()
     assert third.full_scan and walked >= 10
@@ -416,28 +450,27 @@ def test_rows_committed_after_their_finalized_at(settings, engine, schema, clock
     """A job whose finalized_at is a little older than the previous pass's horizon when it commits
     (finished in a transaction that ran for a while) is found by the next pass (LOOKBACK); one
     far older (e.g. imported) waits for the next full scan: deletion delayed, never early."""
-    cleaner = Cleaner(settings)
+    cleaner = Cleaner(settings.cleaner)
     run(settings, engine, clock, cleaner=cleaner)
     horizon = clock.now() - settings.cleaner.completed_retention
-    slightly_late = insert(engine, schema, state="completed", finalized_ago=LOOKBACK - 10 * SECOND,
-                           now=horizon)
+    insert(engine, schema, state="completed", finalized_ago=LOOKBACK - 10 * SECOND, now=horizon)  # slightly late
     very_late = insert(engine, schema, state="completed", finalized_ago=2 * DAY, now=horizon)
     clock.advance(30)
     result = run(settings, engine, clock, cleaner=cleaner)
     assert not result.full_scan and result.deleted["completed"] == 1
-    assert remaining(engine, schema) == set(very_late)
+    assert remaining(engine, schema) == set(very_late)  # the slightly late one went
     clock.advance(FULL_SCAN_EVERY)
     result = run(settings, engine, clock, cleaner=cleaner)
     assert result.full_scan and result.deleted["completed"] == 1
-    assert remaining(engine, schema) == set() and slightly_late
+    assert remaining(engine, schema) == set()
 
 
 def test_observe_counts_deleted_jobs_by_state(settings, engine, schema, clock):
     insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=3)
     insert(engine, schema, state="discarded", finalized_ago=8 * DAY, n=2)
     metrics = Metrics()
-    Cleaner(settings).observe(metrics, run(settings, engine, clock))
-    value = metrics.registry.get_sample_value
+    Cleaner(settings.cleaner).observe(metrics, run(settings, engine, clock))
+    value = lambda name, labels=None: metrics.registry.get_sample_value(name, {"target": "maintd", **(labels or {})})
     assert value("maintd_jobs_deleted_total", {"state": "completed"}) == 3
     assert value("maintd_jobs_deleted_total", {"state": "discarded"}) == 2
     assert value("maintd_jobs_deleted_total", {"state": "cancelled"}) is None
@@ -457,12 +490,85 @@ def test_every_statement_is_index_backed(settings, engine, schema):
               "queue": None, "excluded": ["q1"], "limit": 1000}
     plans = {}
     with engine.connect() as conn:
-        for name, stmt in [("PROBE", PROBE), ("DELETE_RANGE", DELETE_RANGE),
-                           ("DELETE_RANGE_SKIP_LOCKED", DELETE_RANGE_SKIP_LOCKED),
-                           ("DELETE_TIED", DELETE_TIED), ("COUNT_EXPIRED", COUNT_EXPIRED)]:
+        for name, stmt in [("PROBE", q.CLEANER_PROBE), ("DELETE_RANGE", q.CLEANER_DELETE_RANGE),
+                           ("DELETE_RANGE_SKIP_LOCKED", q.CLEANER_DELETE_RANGE_SKIP_LOCKED),
+                           ("DELETE_TIED", q.CLEANER_DELETE_TIED), ("COUNT_EXPIRED", q.CLEANER_COUNT_EXPIRED)]:
             for generic in (False, True):
                 for p in (params, {**params, "queue": "q2", "excluded": []}):
                     plans[name, generic, p["queue"]] = explain(conn, stmt, schema, p, generic=generic)
         conn.rollback()
     for key, plan in plans.items():
         assert "jobs_finalized_idx" in plan and "Seq Scan" not in plan, (key, plan)
+
+
+def test_a_predicted_range_ending_at_the_horizon_keeps_the_row_exactly_at_it(settings, engine, schema, clock):
+    """Rows up to 2 ms before the horizon, dense enough that the last range is a predicted one
+    clipped to the horizon: that range is the pass's last, so the row finalized exactly at the
+    horizon (not older than the retention) is never a batch of its own."""
+    settings.cleaner.batch_size = 100
+    gone = insert(engine, schema, state="completed", finalized_ago=DAY + MS, n=1000, spread=True)
+    exact = insert(engine, schema, state="completed", finalized_ago=DAY)
+    result = run(settings, engine, clock)
+    assert result.deleted["completed"] == len(gone)
+    assert remaining(engine, schema) == set(exact)
+
+
+def test_full_scan_every_is_exact(settings, engine, schema, clock):
+    cleaner = Cleaner(settings.cleaner)
+    assert run(settings, engine, clock, cleaner=cleaner).full_scan  # the first pass
+    assert not run(settings, engine, clock, cleaner=cleaner).full_scan  # at the same instant
+    clock.advance(FULL_SCAN_EVERY - timedelta(microseconds=1))
+    assert not run(settings, engine, clock, cleaner=cleaner).full_scan
+    clock.advance(timedelta(microseconds=1))
+    assert run(settings, engine, clock, cleaner=cleaner).full_scan  # exactly FULL_SCAN_EVERY later
+    clock.advance(-timedelta(seconds=1))  # the clock went back: start over
+    assert run(settings, engine, clock, cleaner=cleaner).full_scan
+
+
+def test_a_tie_shared_with_a_kept_queue_then_later_rows(pg_dsn, schema, engine, clock):
+    """More than a batch finalized at one instant, most of them in a queue kept longer: the tie
+    batch deletes fewer than batch_size rows, moves exactly one microsecond past the tie (a row
+    there is deleted too), and the next pass resumes at the tie, not at the horizon (rows of the
+    tie may have been skipped, e.g. locked)."""
+    settings = Settings(database_url=pg_dsn, schema=schema, cleaner={
+        "batch_size": 100, "completed_retention": "1h", "cancelled_retention": -1, "discarded_retention": -1,
+        "queues": {"billing": {"completed_retention": "30d"}}})
+    cleaner = Cleaner(settings.cleaner)
+    kept = insert(engine, schema, state="completed", queue="billing", finalized_ago=2 * DAY, n=150)
+    tied = insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=30)
+    just_after = insert(engine, schema, state="completed", finalized_ago=2 * DAY - timedelta(microseconds=1))
+    later = insert(engine, schema, state="completed", finalized_ago=DAY, n=20, spread=True)
+    first = run(settings, engine, clock, cleaner=cleaner)
+    assert first.deleted["completed"] == len(tied + just_after + later)
+    assert remaining(engine, schema) == set(kept)
+    clock.advance(30)
+    insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=3, now=T0)  # committed late, at the tie
+    second = run(settings, engine, clock, cleaner=cleaner)
+    # Two days back, far beyond LOOKBACK from the horizon: found because the pass resumes at the tie.
+    assert not second.full_scan and second.deleted["completed"] == 3
+    assert remaining(engine, schema) == set(kept)
+
+
+def test_result_summary_and_whether_a_pass_did_something():
+    assert not CleanerResult().did_something()
+    assert CleanerResult(deleted={"completed": 1, "cancelled": 0, "discarded": 0}).did_something()
+    assert CleanerResult(timeouts=1).did_something()
+    result = CleanerResult(deleted={"completed": 3, "cancelled": 0, "discarded": 1}, batches=2, batch_size=100)
+    assert result.summary() == "deleted completed=3 cancelled=0 discarded=1 batches=2 batch_size=100"
+    result = CleanerResult(deleted={"completed": 3, "cancelled": 1, "discarded": 0}, batches=1, batch_size=50,
+                           timeouts=2, overflows=1, dry_run=True)
+    assert result.summary() == ("would delete completed=3 cancelled=1 discarded=0 batches=1 batch_size=50 "
+                                "timeouts=2 overflows=1")
+    assert next_width(timedelta(seconds=10), 1, 2, 0.001) == timedelta(seconds=10) * FILL * 2  # one of two rows
+
+
+def test_more_than_a_batch_at_one_instant_all_go_in_one_pass(settings, engine, schema, clock):
+    """250 rows finalized at one instant (batch 100), after 50 rows finalized later but inserted
+    first (lower ids): each tie batch deletes 100 rows of the tie, not the later rows' ids."""
+    settings.cleaner.batch_size = 100
+    later = insert(engine, schema, state="completed", finalized_ago=2 * DAY - SECOND, n=50)
+    tied = insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=250)
+    keep = insert(engine, schema, state="completed", finalized_ago=HOUR)
+    result = run(settings, engine, clock)
+    assert result.deleted["completed"] == len(later + tied)
+    assert remaining(engine, schema) == set(keep)

@@ -79,7 +79,7 @@ def test_example_config_is_valid_and_documents_every_key():
     text = (ROOT / "config.example.toml").read_text()
     # Every key of every section appears in the example (set or commented out).
     sections = {"": Settings, "leader": None, "http": None, "log": None, "cleaner": None,
-                "rescuer": None, "scheduler": None, "reindexer": None, "periodic": None}
+                "rescuer": None, "scheduler": None, "reindexer": None, "periodic": None, "metrics": None}
     from maintd.config import PeriodicJob
     for name in sections:
         model = Settings if name == "" else (
@@ -179,8 +179,25 @@ def test_bad_env_value_names_the_key(monkeypatch):
 
 
 def test_missing_file(tmp_path):
-    with pytest.raises(ConfigError, match="not found"):
+    with pytest.raises(ConfigError) as err:
         load_settings(tmp_path / "nope.toml")
+    assert err.value.problems == [f"config: file {str(tmp_path / 'nope.toml')!r} not found"]
+    with pytest.raises(ConfigError) as err:
+        load_settings(tmp_path)
+    assert err.value.problems == [f"config: {str(tmp_path)!r} is a directory"]
+
+
+def test_every_problem_is_reported_one_per_line(tmp_path, monkeypatch):
+    """An unknown environment setting and bad values in the file: all of them, one line each."""
+    monkeypatch.setenv("MAINTD_CLEANR__ENABLED", "false")
+    p = write(tmp_path, 'statement_timeout = "0s"\n[scheduler]\ninterval = "fast"\n')
+    with pytest.raises(ConfigError) as err:
+        load_settings(p)
+    lines = str(err.value).split("\n")
+    assert lines == err.value.problems and len(lines) == 3, lines
+    assert lines[0] == "MAINTD_CLEANR__ENABLED: unknown environment setting"
+    assert lines[1].startswith("statement_timeout: ") and "greater than zero" in lines[1]
+    assert lines[2].startswith("scheduler.interval: ")
 
 
 @pytest.mark.parametrize("dsn,shown", [

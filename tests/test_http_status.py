@@ -11,11 +11,12 @@ import urllib.request
 
 from maintd.config import Settings
 from maintd.daemon import Daemon
-from maintd.db import sql
+from maintd.queries import sql
 from maintd.leader import acquire_once
 from maintd.metrics import Metrics
 from maintd.sdnotify import SystemdNotifier
-from maintd.status import collect_status, format_status, refresh_job_gauges
+from maintd.metrics import JobGauges
+from maintd.status import collect_status, format_status
 
 from .procs import wait_for
 
@@ -39,11 +40,16 @@ def test_http_endpoints_and_metrics(settings, schema):
         assert _get(port, "/readyz")[0] == 200
         status, body = _get(port, "/metrics")
         assert status == 200
-        for name in ("maintd_is_leader 1.0", "maintd_leadership_changes_total 1.0",
-                     "maintd_database_up 1.0",
-                     'maintd_service_runs_total{outcome="success",service="cleaner"}',
-                     'maintd_service_run_seconds_bucket{le="0.005",service="cleaner"}',
-                     'maintd_service_last_success_timestamp_seconds{service="cleaner"}'):
+        t = f'target="{settings.schema}"'
+        for name in (f"maintd_is_leader{{{t}}} 1.0", f"maintd_leadership_changes_total{{{t}}} 1.0",
+                     f"maintd_database_up{{{t}}} 1.0",
+                     f'maintd_service_runs_total{{outcome="success",service="cleaner",{t}}}',
+                     f'maintd_service_run_seconds_bucket{{le="0.005",service="cleaner",{t}}}',
+                     f'maintd_service_last_success_timestamp_seconds{{service="cleaner",{t}}}',
+                     # known label sets exist from the start at 0 (SPEC 7.4)
+                     f'maintd_jobs_deleted_total{{state="discarded",{t}}} 0.0',
+                     f'maintd_jobs_rescued_total{{outcome="retried",{t}}} 0.0',
+                     f'maintd_service_runs_total{{outcome="error",service="rescuer",{t}}} 0.0'):
             assert name in body, name
         status, body = _get(port, "/status")
         data = json.loads(body)
@@ -64,9 +70,12 @@ def test_http_endpoints_and_metrics(settings, schema):
                                 what="a stalled /healthz")
         assert "stalled" in body
         daemon.elector.last_progress = time.monotonic()
-        daemon._db_ok = False  # what the elector reports while the database is unreachable
-        assert _get(port, "/healthz") == (503, "unhealthy: database unreachable\n")
-        daemon._db_ok = True
+        daemon.elector.healthy = False  # what the elector reports while the database is unreachable
+        # Liveness is the process and its loops; the database is readiness's business (a grant
+        # problem or an outage must not make Kubernetes restart the pod).
+        assert _get(port, "/healthz") == (200, "ok\n")
+        assert _get(port, "/readyz")[0] == 503
+        daemon.elector.healthy = True
     finally:
         daemon.stop()
     assert not daemon.is_leader
@@ -79,10 +88,10 @@ def test_default_http_listen_is_loopback():
 def test_status_names_the_lock_holder_only(settings, engine, schema, queue):
     with engine.begin() as conn:
         queue.enqueue(conn, "k", queue="mail")
-    assert collect_status(engine, settings)["leader"] is None
+    assert collect_status(engine, settings.schema)["leader"] is None
     elector, fence = acquire_once(settings)
     try:
-        st = collect_status(engine, settings)
+        st = collect_status(engine, settings.schema)
         lead = st["leader"]
         assert lead["instance_id"] == settings.instance_id and lead["epoch"] == fence.epoch
         assert lead["since"] and lead["renewed_at"]
@@ -93,10 +102,10 @@ def test_status_names_the_lock_holder_only(settings, engine, schema, queue):
         # A recorded term whose (live) session does not hold the lock is nobody's.
         with engine.begin() as conn:
             conn.execute(sql("UPDATE {schema}.leader SET backend_pid = pg_backend_pid()", schema))
-        assert collect_status(engine, settings)["leader"] is None
+        assert collect_status(engine, settings.schema)["leader"] is None
     finally:
         elector.stop()
-    assert format_status(collect_status(engine, settings)).splitlines()[1] == "leader: none"
+    assert format_status(collect_status(engine, settings.schema)).splitlines()[1] == "leader: none"
 
 
 def test_sd_notify_sends_ready_and_watchdog(tmp_path):
@@ -106,7 +115,7 @@ def test_sd_notify_sends_ready_and_watchdog(tmp_path):
     sock.settimeout(2)
     try:
         n = SystemdNotifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "4000000"})
-        assert n.enabled and n.watchdog_interval == 2.0
+        assert n.address is not None and n.watchdog_interval == 2.0
         assert n.ready() and n.watchdog() and n.stopping()
         assert [sock.recv(100) for _ in range(3)] == [b"READY=1", b"WATCHDOG=1", b"STOPPING=1"]
     finally:
@@ -137,21 +146,22 @@ def test_sd_notify_never_blocks_on_a_full_socket(tmp_path):
 
 def test_job_gauges_refresh_live_often_and_final_counts_when_asked(settings, engine, schema, queue):
     metrics = Metrics()
+    gauges = JobGauges(metrics)
     with engine.begin() as conn:
         for _ in range(3):
             queue.enqueue(conn, "k", queue="mail")
         conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state, finalized_at) "
                          "VALUES ('k', 'mail', 'completed', now())", schema))
-    refresh_job_gauges(engine, settings, metrics, final=True)
-    get = metrics.registry.get_sample_value
+    gauges.refresh(engine, settings.schema, final=True)
+    get = lambda name, labels=None: metrics.registry.get_sample_value(name, {"target": "maintd", **(labels or {})})
     assert get("maintd_jobs", {"queue": "mail", "state": "available"}) == 3
     assert get("maintd_jobs", {"queue": "mail", "state": "completed"}) == 1
     assert get("maintd_oldest_available_job_age_seconds", {"queue": "mail"}) >= 0
     with engine.begin() as conn:
         [job] = queue.claim(conn, "mail", "w")
         queue.complete(conn, job)
-    refresh_job_gauges(engine, settings, metrics, final=False)
+    gauges.refresh(engine, settings.schema, final=False)
     assert get("maintd_jobs", {"queue": "mail", "state": "available"}) == 2
     assert get("maintd_jobs", {"queue": "mail", "state": "completed"}) == 1  # not recounted yet
-    refresh_job_gauges(engine, settings, metrics, final=True)
+    gauges.refresh(engine, settings.schema, final=True)
     assert get("maintd_jobs", {"queue": "mail", "state": "completed"}) == 2

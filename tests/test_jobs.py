@@ -7,10 +7,11 @@ import threading
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from sqlalchemy import text
 
-from maintd.db import sql
+from maintd.queries import jobs, sql
 from maintd.jobs import ClaimedJob, JobQueue, backoff
+
+from .plans import explain
 
 
 def _row(engine, schema, job_id):
@@ -207,12 +208,19 @@ def test_cancel_live_jobs_only(engine, schema, queue):
 
 
 def test_claim_uses_the_fetch_index(engine, schema, queue):
+    """The production CLAIM statement (not a copy of it), with a realistic table: many finished
+    rows, a few waiting in other queues, statistics up to date. Both the plan with the values known
+    and the generic plan psycopg switches to after five executions must read jobs_fetch_idx."""
     with engine.begin() as conn:
-        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, finalized_at) "
-                         "SELECT 'k', 'completed', now() FROM generate_series(1, 20000)", schema))
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state, finalized_at) "
+                         "SELECT 'k', 'q' || (g % 7), 'completed', now() FROM generate_series(1, 20000) g",
+                         schema))
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue) "
+                         "SELECT 'k', 'q' || (g % 7) FROM generate_series(1, 300) g", schema))
         conn.execute(sql("ANALYZE {schema}.jobs", schema))
-        plan = "\n".join(r[0] for r in conn.execute(text(
-            "EXPLAIN " + sql("SELECT id FROM {schema}.jobs WHERE state = 'available' AND queue = 'x' "
-                             "AND scheduled_at <= now() ORDER BY priority, scheduled_at, id LIMIT 5 "
-                             "FOR UPDATE SKIP LOCKED", schema).text)))
-    assert "jobs_fetch_idx" in plan and "Seq Scan" not in plan
+    with engine.connect() as conn:
+        params = {"queue": "q3", "worker": "w1", "limit": 5}
+        plans = [explain(conn, jobs.CLAIM, schema, params, generic=g) for g in (False, True)]
+        conn.rollback()
+    for plan in plans:
+        assert "jobs_fetch_idx" in plan and "Seq Scan" not in plan, plan

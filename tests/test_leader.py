@@ -3,6 +3,8 @@ reconnects, pooler detection, run-once's lock."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 import time
 from contextlib import contextmanager
@@ -13,8 +15,8 @@ import pytest
 
 from maintd.config import Settings
 from maintd.daemon import Daemon
-from maintd.db import sql
-from maintd.leader import LeaderElector, LeaderFence, LeaderSessionError, LeaderToken, acquire_once
+from maintd.queries import sql
+from maintd.leader import LeaderElector, LeaderFence, LeaderSessionError, acquire_once
 from maintd.services.base import NotLeader, PassContext
 
 from .procs import lock_holders, wait_for
@@ -29,10 +31,12 @@ def with_leader(settings: Settings, instance_id: str | None = None, **leader) ->
     })
 
 
-def terminate(dsn: str, instance_id: str) -> int:
+def terminate(dsn: str, schema: str, instance_id: str) -> int:
+    """End the lock session of this schema's leader (found by its pid: instance names such as
+    "test-1" are shared by tests running at once on a shared server)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        return conn.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                            "WHERE application_name = %s", (f"maintd:{instance_id}",)).fetchone()[0]
+        return conn.execute(f'SELECT count(pg_terminate_backend(backend_pid)) FROM "{schema}".leader '
+                            "WHERE instance_id = %s", (instance_id,)).fetchone()[0]
 
 
 def kinds(engine, schema):
@@ -70,19 +74,27 @@ def test_fence_refuses_a_stale_epoch_and_writes_nothing(settings, engine, schema
     assert held is not None
     elector, fence = held
     try:
-        ctx = PassContext(engine=engine, settings=settings, clock=None, fence=fence)  # type: ignore[arg-type]
+        ctx = PassContext.for_settings(settings, engine, None, fence=fence)  # type: ignore[arg-type]
         with ctx.transaction() as conn:  # the real term passes the fence
             conn.execute(sql("INSERT INTO {schema}.jobs (kind) VALUES ('ok')", schema))
-        stale = LeaderFence(schema, LeaderToken(fence.token.epoch - 1, fence.token.lock_pid,
-                                                settings.instance_id, fence.token.classid, fence.token.objid))
-        ctx_stale = PassContext(engine=engine, settings=settings, clock=None, fence=stale)  # type: ignore[arg-type]
-        with pytest.raises(NotLeader):
+        stale_term = dataclasses.replace(fence.term, epoch=fence.term.epoch - 1)
+        stale = LeaderFence(schema, stale_term, lambda: stale_term)  # trusted by the client side
+        ctx_stale = PassContext.for_settings(settings, engine, None, fence=stale)  # type: ignore[arg-type]
+        with pytest.raises(NotLeader, match=f"^epoch {fence.term.epoch - 1} is no longer the leader's$"):
             with ctx_stale.transaction() as conn:
                 conn.execute(sql("INSERT INTO {schema}.jobs (kind) VALUES ('stale')", schema))
-        wrong_pid = LeaderFence(schema, LeaderToken(fence.token.epoch, 1, settings.instance_id,
-                                                    fence.token.classid, fence.token.objid))
-        with pytest.raises(NotLeader), engine.connect() as conn:
-            wrong_pid.check(conn)
+        # Each part of the term is checked: the lock session, the instance.
+        t = fence.term
+        for wrong in [dataclasses.replace(t, lock_pid=1), dataclasses.replace(t, instance_id="someone-else")]:
+            with pytest.raises(NotLeader, match=f"^epoch {t.epoch} is no longer the leader's$"), engine.connect() as conn:
+                LeaderFence(schema, wrong, lambda w=wrong: w).check(conn)
+        with engine.connect() as conn:  # while the right term still passes
+            fence.check(conn)
+        lapsed = dataclasses.replace(t, trusted_until=0.0)
+        with pytest.raises(NotLeader, match="^leadership lease expired or lost$"), engine.connect() as conn:
+            LeaderFence(schema, t, lambda: lapsed).check(conn)
+        with pytest.raises(NotLeader, match="^leadership lease expired or lost$"), engine.connect() as conn:
+            LeaderFence(schema, t, lambda: None).check(conn)
     finally:
         elector.stop()
     # After release, the old term's fence refuses too.
@@ -110,10 +122,10 @@ def test_takeover_waits_for_an_in_flight_fenced_transaction(pg_dsn, settings, en
     b_settings = settings.model_copy(update={"instance_id": "test-2"})
     b_held: list = []
     taker = threading.Thread(target=lambda: b_held.append(acquire_once(b_settings, wait=15)))
-    ctx = PassContext(engine=engine, settings=settings, clock=None, fence=fence_a)  # type: ignore[arg-type]
+    ctx = PassContext.for_settings(settings, engine, None, fence=fence_a)  # type: ignore[arg-type]
     try:
         with ctx.transaction() as conn:  # A's fence passes
-            assert terminate(pg_dsn, settings.instance_id) == 1  # then A's lock session dies
+            assert terminate(pg_dsn, schema, settings.instance_id) == 1  # then A's lock session dies
             taker.start()
             wait_for(lambda: lock_holders(pg_dsn, schema) == ["maintd:test-2"], 10, what="B to get the lock")
             time.sleep(0.5)
@@ -139,7 +151,7 @@ def test_slow_fenced_transaction_does_not_cost_the_leadership(settings, engine):
     s = with_leader(settings)
     rec = Recorder()
     with rec.leading(s) as elector:
-        ctx = PassContext(engine=engine, settings=s, clock=None, fence=elector.fence())  # type: ignore[arg-type]
+        ctx = PassContext.for_settings(s, engine, None, fence=elector.fence())  # type: ignore[arg-type]
         with ctx.transaction() as conn:
             conn.exec_driver_sql("SELECT 1")
             time.sleep(2.5)  # > renew_interval (1 s) + lock_timeout, < lease (3 s)
@@ -150,17 +162,17 @@ def test_killed_lock_session_demotes_then_reconnects_and_leads_again(pg_dsn, set
     s = with_leader(settings)
     rec = Recorder()
     with rec.leading(s) as elector:
-        epoch = elector.token.epoch
+        epoch = elector.term.epoch
         # A demotion request about an older term is ignored ...
         elector.request_demotion("late news about an old term", epoch - 1)
         time.sleep(1.5)
-        assert elector.is_leader and elector.token.epoch == epoch
+        assert elector.is_leader and elector.term.epoch == epoch
         t0 = time.monotonic()
-        assert terminate(pg_dsn, s.instance_id) == 1
+        assert terminate(pg_dsn, s.schema, s.instance_id) == 1
         wait_for(lambda: any(e[0] == "demoted" for e in rec.events), 5, what="demotion")
         assert time.monotonic() - t0 < 2.0  # at the next renewal (1 s)
         wait_for(lambda: elector.is_leader, 10, what="re-election")
-        assert elector.token.epoch == epoch + 1
+        assert elector.term.epoch == epoch + 1
         # ... one about the current term is not.
         elector.request_demotion("fenced", epoch + 1)
         # Nobody else holds the lock, so the elector may win again right after: look for the
@@ -178,12 +190,13 @@ def test_lease_expiry_stops_passes_at_once_and_gives_up_the_term(settings):
     daemon = Daemon(with_leader(settings))
     daemon.start()
     try:
-        wait_for(lambda: daemon.is_leader and daemon.runner.scheduler.get_jobs(), 10, what="leadership")
-        epoch = daemon.elector.token.epoch
-        daemon.elector._last_renewed -= 60  # the lease could have run out
+        wait_for(lambda: daemon.is_leader and daemon.runner.timetable.get_jobs(), 10, what="leadership")
+        epoch = daemon.elector.term.epoch
+        term = daemon.elector.term  # the lease could have run out:
+        daemon.elector.term = dataclasses.replace(term, trusted_until=time.monotonic() - 1)
         daemon.tick()
-        assert daemon.runner._fence is None and daemon.runner.scheduler.get_jobs() == []
-        wait_for(lambda: daemon.is_leader and daemon.elector.token.epoch == epoch + 1, 10,
+        assert daemon.runner._fence is None and daemon.runner.timetable.get_jobs() == []
+        wait_for(lambda: daemon.is_leader and daemon.elector.term.epoch == epoch + 1, 10,
                  what="a fresh term")
     finally:
         daemon.stop()
@@ -194,7 +207,7 @@ def test_run_once_lock_is_renewed_and_not_registered(settings, engine, schema):
     elector, fence = acquire_once(s)
     try:
         time.sleep(4)  # longer than the lease (3 s): a pass of run-once may take that long
-        ctx = PassContext(engine=engine, settings=s, clock=None, fence=fence)  # type: ignore[arg-type]
+        ctx = PassContext.for_settings(s, engine, None, fence=fence)  # type: ignore[arg-type]
         with ctx.transaction() as conn:
             conn.exec_driver_sql("SELECT 1")
         assert elector.is_leader
@@ -208,8 +221,8 @@ def test_a_session_it_did_not_set_up_is_refused(settings, pg_dsn, schema):
     """What transaction pooling looks like from the client: the statement reaches a backend
     without our session state. The elector refuses to lead from it and keeps no lock."""
     elector = Recorder().elector(settings)
-    elector._connect()
-    elector.conn.execute("SELECT set_config('maintd.session', 'someone-else', false)")
+    elector.connect()
+    elector.session.conn.execute("SELECT set_config('maintd.session', 'someone-else', false)")
     with pytest.raises(LeaderSessionError, match="PgBouncer"):
-        elector._try_acquire(wait=False)
-    assert elector.conn is None and lock_holders(pg_dsn, schema) == []
+        elector._follow(wait=False)
+    assert not elector.session.open and lock_holders(pg_dsn, schema) == []

@@ -8,7 +8,7 @@ import pytest
 
 from maintd.clock import FrozenClock
 from maintd.config import Settings
-from maintd.db import sql
+from maintd.queries import sql
 from maintd.metrics import Metrics
 from maintd.schedules import parse_schedule
 
@@ -27,8 +27,8 @@ def make_settings(pg_dsn, schema, **entry):
 
 
 def run(settings, engine, clock, service=None, **kw):
-    service = service or PeriodicEnqueuer(settings)
-    return service.run_once(PassContext(engine=engine, settings=settings, clock=clock, **kw))
+    service = service or PeriodicEnqueuer(settings.periodic)
+    return service.run_once(PassContext.for_settings(settings, engine, clock, **kw))
 
 
 def jobs(engine, schema):
@@ -108,7 +108,7 @@ def test_backfill_window_edges_oldest_first(pg_dsn, schema, engine):
     run(settings, engine, clock)  # baseline at 12:00:00
     clock.set(datetime(2026, 3, 1, 12, 5, 0, tzinfo=UTC))  # downtime: 30 slots missed
     metrics = Metrics()
-    service = PeriodicEnqueuer(settings)
+    service = PeriodicEnqueuer(settings.periodic)
     result = run(settings, engine, clock, service=service)
     service.observe(metrics, result)
     got = [j.scheduled_at for j in jobs(engine, schema)]
@@ -137,7 +137,7 @@ def test_run_on_start_enqueues_the_current_slot_once(pg_dsn, schema, engine):
     settings = make_settings(pg_dsn, schema, schedule="0 3 * * *", run_on_start=True)
     clock = FrozenClock(START)
     run(settings, engine, clock)
-    run(PeriodicEnqueuer(settings).settings, engine, clock)  # a restart: a new service instance
+    run(settings, engine, clock, service=PeriodicEnqueuer(settings.periodic))  # a restart: a new instance
     [job] = jobs(engine, schema)
     assert job.scheduled_at == datetime(2026, 3, 1, 3, 0, tzinfo=UTC)
 
@@ -145,7 +145,7 @@ def test_run_on_start_enqueues_the_current_slot_once(pg_dsn, schema, engine):
 def test_disabled_entry_enqueues_nothing_and_counts(pg_dsn, schema, engine):
     settings = make_settings(pg_dsn, schema, enabled=False)
     clock = FrozenClock(START)
-    service = PeriodicEnqueuer(settings)
+    service = PeriodicEnqueuer(settings.periodic)
     run(settings, engine, clock, service=service)
     clock.advance(10)
     result = run(settings, engine, clock, service=service)

@@ -10,11 +10,12 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import text
 
-from maintd.db import sql
+from maintd.queries import sql
 from maintd.jobs import BACKOFF_CAP, ClaimedJob, JobQueue, backoff
 from maintd.metrics import Metrics
 from maintd.services.base import PassContext
-from maintd.services.rescuer import COUNT_STUCK, RESCUE_BATCH, Rescuer
+from maintd.queries.jobs import RESCUER_BATCH, RESCUER_COUNT_STUCK, RESCUER_NO_SIGN_BATCH
+from maintd.services.rescuer import Rescuer
 
 from .conftest import T0, run_concurrently
 from .plans import explain
@@ -44,7 +45,7 @@ def as_json(engine, t) -> str:
 
 
 def run(settings, engine, clock, **kw):
-    return Rescuer(settings).run_once(PassContext(engine=engine, settings=settings, clock=clock, **kw))
+    return Rescuer(settings.rescuer).run_once(PassContext.for_settings(settings, engine, clock, **kw))
 
 
 def test_stuck_edges_and_retry_with_backoff(settings, engine, schema, clock, caplog):
@@ -64,9 +65,21 @@ def test_stuck_edges_and_retry_with_backoff(settings, engine, schema, clock, cap
                            "error": f"stuck: no sign of life since {seen} (rescued by maintd test-1)"}]
     assert job.attempt == 3 and job.attempted_by == "w1"  # the claim's own fields stay as they were
     assert r[fresh[0]].state == "running" and r[exact[0]].state == "running"
-    assert [(rec.getMessage(), rec.fields["count"]) for rec in caplog.records] == [
-        ("released stale running jobs", 1)]
+    assert [(rec.getMessage(), rec.fields) for rec in caplog.records] == [
+        ("released stale running jobs", {"count": 1, "retried": 1, "discarded": 0})]
     assert result.summary() == "rescued retried=1 discarded=0"
+
+
+def test_counts_and_log_line_over_several_batches(settings, engine, schema, clock, caplog):
+    """Counts add up over batches; a pass that only discarded logs its line too."""
+    settings.rescuer.batch_size = 2
+    running(engine, schema, seen_ago=timedelta(hours=2), attempt=25, max_attempts=25, n=5)
+    with caplog.at_level(logging.INFO, logger="maintd.rescuer"):
+        result = run(settings, engine, clock)
+    assert (result.retried, result.discarded, result.batches) == (0, 5, 3)
+    assert result.did_something() and result.summary() == "rescued retried=0 discarded=5"
+    assert [(rec.getMessage(), rec.fields) for rec in caplog.records] == [
+        ("released stale running jobs", {"count": 5, "retried": 0, "discarded": 5})]
 
 
 def test_nothing_stuck_logs_nothing(settings, engine, schema, clock, caplog):
@@ -91,11 +104,17 @@ def test_heartbeat_timeout_rule(settings, engine, schema, clock):
     silent = running(engine, schema, seen_ago=timedelta(minutes=30), heartbeat_ago=timedelta(minutes=2, seconds=1))
     beating = running(engine, schema, seen_ago=timedelta(minutes=30), heartbeat_ago=timedelta(minutes=1, seconds=59))
     never_beat = running(engine, schema, seen_ago=timedelta(minutes=30))  # only the 1 h rule applies
+    # Exactly at each limit is not older than it: alive (with the heartbeat rule widening the scan).
+    hb_exact = running(engine, schema, seen_ago=timedelta(minutes=30), heartbeat_ago=timedelta(minutes=2))
+    never_beat_exact = running(engine, schema, seen_ago=timedelta(hours=1))
+    never_beat_over = running(engine, schema, seen_ago=timedelta(hours=1, microseconds=1))
     run(settings, engine, clock)
     r = rows(engine, schema)
     assert r[silent[0]].state == "retryable"
     assert r[beating[0]].state == "running"
     assert r[never_beat[0]].state == "running"
+    assert (r[hb_exact[0]].state, r[never_beat_exact[0]].state) == ("running", "running")
+    assert r[never_beat_over[0]].state == "retryable"
 
 
 def test_max_attempts_discards(settings, engine, schema, clock):
@@ -125,6 +144,7 @@ def test_dry_run(settings, engine, schema, clock):
     running(engine, schema, seen_ago=timedelta(hours=2), attempt=25, n=2)
     result = run(settings, engine, clock, dry_run=True)
     assert (result.retried, result.discarded) == (3, 2)
+    assert result.dry_run is True and result.summary() == "would rescue retried=3 discarded=2"
     assert {r.state for r in rows(engine, schema).values()} == {"running"}
 
 
@@ -217,18 +237,20 @@ def test_statements_are_index_backed(settings, engine, schema, clock):
                          "SELECT 'k', 'running', 1, CAST(:t0 AS timestamptz) - interval '2 hours' "
                          "- g * interval '1 second' FROM generate_series(1, 20000) g", schema), {"t0": T0})
         conn.execute(sql("ANALYZE {schema}.jobs", schema))
-    params = {**Rescuer(settings).horizons(T0), "after_seen": T0 - timedelta(days=999), "after_id": 0,
+    params = {**Rescuer(settings.rescuer).horizons(T0), "after_seen": T0 - timedelta(days=999), "after_id": 0,
               "limit": 100, "now": T0, "instance": "i", "cap": BACKOFF_CAP,
               "delays": [backoff(k).total_seconds() for k in range(BACKOFF_CAP + 1)]}
     with engine.connect() as conn:
         for generic in (False, True):
-            plan = explain(conn, RESCUE_BATCH, schema, params, generic=generic)
+            plan = explain(conn, RESCUER_BATCH, schema, params, generic=generic)
             candidates, update = plan.split("CTE rescued")
             assert "Index Scan using jobs_running_idx" in candidates, plan
             assert "jobs_pkey" in update and "jobs_running_idx" not in update, plan
             assert "Seq Scan" not in plan, plan
-            plan = explain(conn, COUNT_STUCK, schema, params, generic=generic)
+            plan = explain(conn, RESCUER_COUNT_STUCK, schema, params, generic=generic)
             assert "jobs_running_idx" in plan and "Seq Scan" not in plan, plan
+            plan = explain(conn, RESCUER_NO_SIGN_BATCH, schema, params, generic=generic)
+            assert "jobs_running_idx" in plan.split("CTE rescued")[0] and "Seq Scan" not in plan, plan
         conn.rollback()
 
 
@@ -236,8 +258,8 @@ def test_observe_counts_rescues_by_outcome(settings, engine, schema, clock):
     running(engine, schema, seen_ago=timedelta(hours=2), n=3)
     running(engine, schema, seen_ago=timedelta(hours=2), attempt=25, n=2)
     metrics = Metrics()
-    Rescuer(settings).observe(metrics, run(settings, engine, clock))
-    value = metrics.registry.get_sample_value
+    Rescuer(settings.rescuer).observe(metrics, run(settings, engine, clock))
+    value = lambda name, labels=None: metrics.registry.get_sample_value(name, {"target": "maintd", **(labels or {})})
     assert value("maintd_jobs_rescued_total", {"outcome": "retried"}) == 3
     assert value("maintd_jobs_rescued_total", {"outcome": "discarded"}) == 2
 

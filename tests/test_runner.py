@@ -10,15 +10,19 @@ from datetime import timedelta
 
 import pytest
 from sqlalchemy import text
+from sqlalchemy.exc import DataError
 
-from maintd.clock import SystemClock
-from maintd.db import sql
+from maintd.clock import ServerClock
+from maintd.queries import sql
 from maintd.metrics import Metrics
-from maintd.runner import Runner, execute_pass, maintenance_engine
-from maintd.services.base import NoFence, NotLeader, PassContext, PassResult, Service
+from maintd.passes import execute_pass, maintenance_engine
+from maintd.runner import Runner
+from maintd.services.base import NoFence, NotLeader, PassContext, PassResult, PassStopped, Service
 
 from .procs import wait_for
 
+
+TARGET = "maintd"  # Metrics() default target: every series carries it (SPEC 7.4)
 
 @dataclass
 class CountResult(PassResult):
@@ -34,10 +38,8 @@ class CountResult(PassResult):
 class Flaky(Service):
     """Fails every other pass; records overlap."""
 
-    name = "cleaner"
-
-    def __init__(self, settings, state):
-        super().__init__(settings)
+    def __init__(self, config, state):
+        super().__init__(config)
         self.state = state
 
     def run_once(self, ctx):
@@ -57,17 +59,20 @@ class Flaky(Service):
 
 
 class Slow(Service):
-    name = "rescuer"
-
     def run_once(self, ctx):
         with ctx.transaction() as conn:
             conn.execute(text("SELECT pg_sleep(30)"))
         return CountResult(1)
 
 
-def fake(name: str, result=lambda: CountResult(0)):
-    """A Service class named ``name`` (using that section of the settings) returning ``result()``."""
-    return type(f"Fake_{name}", (Service,), {"name": name, "run_once": lambda self, ctx: result()})
+def fake(result=lambda: CountResult(0)):
+    """A Service class whose passes return ``result()``."""
+    return type("Fake", (Service,), {"run_once": lambda self, ctx: result()})
+
+
+def fakes(**classes):
+    """A ``build`` for the runner: the named fake services, each with that section of the settings."""
+    return lambda settings: {name: cls(getattr(settings, name)) for name, cls in classes.items()}
 
 
 def sample(metrics, name, labels):
@@ -78,8 +83,7 @@ def test_failing_pass_is_counted_and_never_overlaps(settings, engine, maintd_log
     state = {"lock": threading.Lock(), "running": 0, "max_running": 0, "calls": 0}
     metrics = Metrics()
     settings.cleaner.interval = timedelta(milliseconds=20)
-    runner = Runner(settings, engine, metrics)
-    runner.services = {"cleaner": Flaky(settings, state)}
+    runner = Runner(settings, engine, metrics, build=lambda s: {"cleaner": Flaky(s.cleaner, state)})
     runner.start()
     try:
         runner.activate(NoFence())
@@ -87,31 +91,30 @@ def test_failing_pass_is_counted_and_never_overlaps(settings, engine, maintd_log
     finally:
         runner.shutdown()
     assert state["max_running"] == 1
-    assert sample(metrics, "maintd_service_runs_total", {"service": "cleaner", "outcome": "error"}) >= 2
-    assert sample(metrics, "maintd_service_runs_total", {"service": "cleaner", "outcome": "success"}) >= 2
+    assert sample(metrics, "maintd_service_runs_total", {"target": TARGET, "service": "cleaner", "outcome": "error"}) >= 2
+    assert sample(metrics, "maintd_service_runs_total", {"target": TARGET, "service": "cleaner", "outcome": "success"}) >= 2
     errors = [m for m in maintd_log if "pass failed" in m]
     assert errors and "error=boom" in errors[0] and "\n" not in errors[0]  # one readable line
 
 
 def test_losing_leadership_stops_passes_within_a_second(settings, engine):
     metrics = Metrics()
-    runner = Runner(settings, engine, metrics)
-    runner.services = {"rescuer": Slow(settings)}
+    runner = Runner(settings, engine, metrics, build=lambda s: {"rescuer": Slow(s.rescuer)})
     runner.start()
     try:
         runner.activate(NoFence())
         wait_for(lambda: runner._active, 5, what="the slow pass to start")
         time.sleep(0.2)
         t0 = time.monotonic()
-        runner.deactivate("test")
+        runner.deactivate()
         took = time.monotonic() - t0
         assert not runner._active and took < 1.0
-        assert runner.scheduler.get_jobs() == []
+        assert runner.timetable.get_jobs() == []
     finally:
         runner.shutdown()
     # Its query was cancelled because we asked: "stopped", not an error.
-    assert sample(metrics, "maintd_service_runs_total", {"service": "rescuer", "outcome": "stopped"}) == 1
-    assert sample(metrics, "maintd_service_runs_total", {"service": "rescuer", "outcome": "error"}) == 0
+    assert sample(metrics, "maintd_service_runs_total", {"target": TARGET, "service": "rescuer", "outcome": "stopped"}) == 1
+    assert sample(metrics, "maintd_service_runs_total", {"target": TARGET, "service": "rescuer", "outcome": "error"}) == 0
 
 
 def test_execute_pass_reports_fenced(settings, engine):
@@ -121,9 +124,9 @@ def test_execute_pass_reports_fenced(settings, engine):
 
     from maintd.services.cleaner import Cleaner
 
-    ctx = PassContext(engine=engine, settings=settings, clock=SystemClock(), fence=Fenced())
-    outcome, result, error = execute_pass(Cleaner(settings), ctx)
-    assert outcome == "fenced" and result is None and "stale" in error
+    ctx = PassContext.for_settings(settings, engine, ServerClock(), fence=Fenced())
+    record = execute_pass("cleaner", Cleaner(settings.cleaner), ctx)
+    assert record.outcome == "fenced" and record.result is None and "stale" in record.error
 
 
 def test_pass_is_recorded_logged_and_measured(settings, engine, schema, monkeypatch, maintd_log):
@@ -139,10 +142,9 @@ def test_pass_is_recorded_logged_and_measured(settings, engine, schema, monkeypa
             return CountResult(0)
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr("maintd.runner.SERVICES", {"cleaner": fake("cleaner", result)})
     settings.cleaner.interval = timedelta(milliseconds=300)
     metrics = Metrics()
-    runner = Runner(settings, engine, metrics)
+    runner = Runner(settings, engine, metrics, build=fakes(cleaner=fake(result)))
     runner.start()
 
     def row():
@@ -165,40 +167,39 @@ def test_pass_is_recorded_logged_and_measured(settings, engine, schema, monkeypa
     # One line for the pass that did something, none for the idle one.
     touched = [m for m in maintd_log if "touched" in m]
     assert len(touched) == 1 and touched[0].startswith("maintd.cleaner: cleaner: touched n=3 seconds=")
-    assert sample(metrics, "maintd_service_run_seconds_count", {"service": "cleaner"}) >= 3
-    assert sample(metrics, "maintd_service_last_success_timestamp_seconds", {"service": "cleaner"}) > 0
+    assert sample(metrics, "maintd_service_run_seconds_count", {"target": TARGET, "service": "cleaner"}) >= 3
+    assert sample(metrics, "maintd_service_last_success_timestamp_seconds", {"target": TARGET, "service": "cleaner"}) > 0
 
 
 def test_reload_reschedules_toggles_and_intervals(settings, engine, monkeypatch):
-    monkeypatch.setattr("maintd.runner.SERVICES", {n: fake(n) for n in ("cleaner", "rescuer", "scheduler")})
     settings.cleaner.interval = settings.rescuer.interval = settings.scheduler.interval = timedelta(hours=1)
-    runner = Runner(settings, engine, Metrics())
+    runner = Runner(settings, engine, Metrics(), build=fakes(cleaner=fake(), rescuer=fake(), scheduler=fake()))
     runner.start()
     try:
         runner.activate(NoFence())
         # Each interval service runs once at once, then every hour.
         wait_for(lambda: all(j.next_run_time.timestamp() > time.time() + 3000
-                             for j in runner.scheduler.get_jobs() if j.id != "_stats"), 5,
+                             for j in runner.timetable.get_jobs() if j.id != "_job_gauges"), 5,
                  what="the first passes")
-        rescuer_next = runner.scheduler.get_job("rescuer").next_run_time
+        rescuer_next = runner.timetable.get_job("rescuer").next_run_time
         new = settings.model_copy(deep=True)
         new.cleaner.enabled = False
         new.scheduler.interval = timedelta(seconds=30)
         runner.reload(new)
-        assert runner.scheduler.get_job("cleaner") is None
-        assert runner.scheduler.get_job("rescuer").next_run_time == rescuer_next  # unchanged
-        assert runner.scheduler.get_job("scheduler").trigger.interval == timedelta(seconds=30)
-        assert runner.services["scheduler"].settings is new
+        assert runner.timetable.get_job("cleaner") is None
+        assert runner.timetable.get_job("rescuer").next_run_time == rescuer_next  # unchanged
+        assert runner.timetable.get_job("scheduler").trigger.interval == timedelta(seconds=30)
+        assert runner.services["scheduler"].config is new.scheduler
         new2 = new.model_copy(deep=True)
         new2.cleaner.enabled = True
         runner.reload(new2)
-        assert runner.scheduler.get_job("cleaner") is not None
+        assert runner.timetable.get_job("cleaner") is not None
     finally:
         runner.shutdown()
     # Not leading: a reload schedules nothing.
     runner = Runner(settings, engine, Metrics())
     runner.reload(settings)
-    assert runner.scheduler.get_jobs() == []
+    assert runner.timetable.get_jobs() == []
 
 
 def test_a_fenced_pass_demotes_only_its_own_live_term(settings, engine, monkeypatch):
@@ -213,16 +214,16 @@ def test_a_fenced_pass_demotes_only_its_own_live_term(settings, engine, monkeypa
             raise NotLeader("epoch is no longer ours")
         return CountResult(0)
 
-    monkeypatch.setattr("maintd.runner.SERVICES", {"cleaner": fake("cleaner", pass_)})
     settings.cleaner.interval = timedelta(milliseconds=200)
     fenced: list = []
-    runner = Runner(settings, engine, Metrics(), on_fenced=lambda reason, fence: fenced.append(fence))
+    runner = Runner(settings, engine, Metrics(), on_fenced=lambda reason, fence: fenced.append(fence),
+                    build=fakes(cleaner=fake(pass_)))
     runner.start()
     term1, term2 = NoFence(), NoFence()
     try:
         runner.activate(term1)
         wait_for(lambda: runner._active, 5, what="a pass of term 1")
-        runner.deactivate("lost", timeout=0.1)
+        runner.deactivate(timeout=0.1)
         runner.activate(term2)
         release.set()  # term 1's straggler now finds itself fenced: old news, term 2 stays
         # Term 2's first pass starts only after the straggler's run returned (no overlap).
@@ -235,18 +236,17 @@ def test_a_fenced_pass_demotes_only_its_own_live_term(settings, engine, monkeypa
 
 
 def test_job_gauges_only_while_leading(settings, engine, queue, monkeypatch):
-    monkeypatch.setattr("maintd.runner.SERVICES", {})
     with engine.begin() as conn:
         queue.enqueue(conn, "k", queue="mail")
     metrics = Metrics()
-    runner = Runner(settings, engine, metrics)
+    runner = Runner(settings, engine, metrics, build=lambda s: {})
     runner.start()
     try:
         runner.activate(NoFence())
-        wait_for(lambda: sample(metrics, "maintd_jobs", {"queue": "mail", "state": "available"}) == 1, 5,
+        wait_for(lambda: sample(metrics, "maintd_jobs", {"target": TARGET, "queue": "mail", "state": "available"}) == 1, 5,
                  what="the job gauges")
-        runner.deactivate("lost")
-        assert sample(metrics, "maintd_jobs", {"queue": "mail", "state": "available"}) == 0
+        runner.deactivate()
+        assert sample(metrics, "maintd_jobs", {"target": TARGET, "queue": "mail", "state": "available"}) == 0
         assert b"maintd_oldest_available_job_age_seconds{" not in metrics.render()
     finally:
         runner.shutdown()
@@ -273,7 +273,7 @@ def backend(ctx: PassContext, **kw) -> tuple[int, str, str]:
 
 def test_a_pass_session_keeps_one_connection_and_local_settings_end_with_their_transaction(settings):
     engine = maintenance_engine(settings)
-    ctx = PassContext(engine=engine, settings=settings, clock=SystemClock())
+    ctx = PassContext.for_settings(settings, engine, ServerClock())
     try:
         with ctx.session():
             pid, lock_timeout, timeout = backend(ctx, statement_timeout_ms=1234, settings={"lock_timeout": "77"})
@@ -282,14 +282,12 @@ def test_a_pass_session_keeps_one_connection_and_local_settings_end_with_their_t
             # Same backend, and the settings were the last transaction's only.
             assert backend(ctx) == (pid, "5s", "30s")
             # A failing transaction gives the connection back; the next one gets a working one.
-            try:
+            with pytest.raises(DataError, match="division by zero"):
                 with ctx.transaction() as conn:
                     conn.execute(text("SELECT 1/0"))
-            except Exception:
-                pass
             assert engine.pool.checkedout() == 0
             assert backend(ctx)[1:] == ("5s", "30s")
-        assert engine.pool.checkedout() == 0 and ctx.current is None
+        assert engine.pool.checkedout() == 0 and not ctx.query.active
         # Outside a session (e.g. a test driving run_once) each transaction checks one out.
         backend(ctx)
         assert engine.pool.checkedout() == 0
@@ -301,8 +299,6 @@ def test_execute_pass_runs_the_pass_in_one_session(settings, engine):
     pids = []
 
     class TwoTransactions(Service):
-        name = "rescuer"
-
         def run_once(self, ctx):
             for _ in range(2):
                 with ctx.transaction() as conn:
@@ -311,10 +307,24 @@ def test_execute_pass_runs_the_pass_in_one_session(settings, engine):
             return CountResult(0)
 
     held: list[int] = []
-    ctx = PassContext(engine=engine, settings=settings, clock=SystemClock())
-    assert execute_pass(TwoTransactions(settings), ctx)[0] == "success"
+    ctx = PassContext.for_settings(settings, engine, ServerClock())
+    assert execute_pass("rescuer", TwoTransactions(settings.rescuer), ctx).outcome == "success"
     assert len(set(pids)) == 1 and held == [1, 1]  # kept between the transactions of the pass
     assert engine.pool.checkedout() == 0  # and given back at its end
     with pytest.raises(ValueError):  # setting names are code, never config: checked all the same
         with ctx.transaction(settings={"lock_timeout'); DROP TABLE x; --": "1"}):
             pass
+
+
+def test_pause_sleeps_unless_stopped(settings, engine):
+    ctx = PassContext.for_settings(settings, engine, ServerClock())
+    t0 = time.monotonic()
+    ctx.pause(0.1)
+    assert 0.09 <= time.monotonic() - t0 < 2
+    ctx.pause(0)  # no pause, nothing to wait for
+    ctx.stop_event.set()
+    ctx.pause(0)  # a zero pause does not look at the stop flag
+    t0 = time.monotonic()
+    with pytest.raises(PassStopped):
+        ctx.pause(5)
+    assert time.monotonic() - t0 < 1

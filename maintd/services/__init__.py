@@ -1,6 +1,9 @@
-"""The maintenance services. A new service is one module here plus one line in ``SERVICES``."""
+"""The maintenance services. A new service is one module here plus one line in ``SERVICES``:
+its name, its class, and where its config section lives in the settings."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from .base import NotLeader, PassContext, PassResult, Service
 from .cleaner import Cleaner
@@ -9,8 +12,27 @@ from .reindexer import Reindexer
 from .rescuer import Rescuer
 from .scheduler import Scheduler
 
-SERVICES: dict[str, type[Service]] = {
-    cls.name: cls for cls in (Cleaner, Rescuer, Scheduler, PeriodicEnqueuer, Reindexer)
+if TYPE_CHECKING:
+    from ..config import Settings
+
+
+class ServiceSpec(NamedTuple):
+    cls: type[Service]
+    section: Callable[["Settings"], Any]
+
+
+SERVICES: dict[str, ServiceSpec] = {
+    "cleaner": ServiceSpec(Cleaner, lambda s: s.cleaner),
+    "rescuer": ServiceSpec(Rescuer, lambda s: s.rescuer),
+    "scheduler": ServiceSpec(Scheduler, lambda s: s.scheduler),
+    "periodic": ServiceSpec(PeriodicEnqueuer, lambda s: s.periodic_entries),
+    "reindexer": ServiceSpec(Reindexer, lambda s: s.reindexer),
 }
 
-__all__ = ["SERVICES", "NotLeader", "PassContext", "PassResult", "Service"]
+
+def build_services(settings: "Settings") -> dict[str, Service]:
+    """One instance of every service, each with its own config section."""
+    return {name: spec.cls(spec.section(settings)) for name, spec in SERVICES.items()}
+
+
+__all__ = ["SERVICES", "NotLeader", "PassContext", "PassResult", "Service", "build_services"]

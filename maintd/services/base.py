@@ -1,10 +1,11 @@
-"""What every maintenance service is: config in, one pass against a connection and a clock, a
-typed result out. Scheduling, leadership gating, fencing, timing, metrics and error handling live
-in :mod:`maintd.runner`, not here.
+"""What a maintenance service is: its own config section in, one pass against a
+:class:`PassContext` (connections, fencing, the server's clock, a stop flag), a typed
+:class:`PassResult` out. Scheduling, leadership gating, timing, metrics, error handling and the
+``service_runs`` record live in :mod:`maintd.runner` and :mod:`maintd.passes`, not here.
 
 A pass does its work in short transactions opened with :meth:`PassContext.transaction`, each
 fenced (it proves, inside the transaction, that this instance still leads) and each bounded by
-the statement timeout. Between batches a pass checks :meth:`PassContext.should_stop`.
+the statement timeout. Between batches a pass checks :meth:`PassContext.check_stop`.
 """
 
 from __future__ import annotations
@@ -13,15 +14,16 @@ import abc
 import dataclasses
 import logging
 import threading
-from contextlib import contextmanager
+import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from datetime import datetime
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Protocol
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 from sqlalchemy import Connection, Engine, TextClause
 
 from ..clock import Clock
-from ..db import sql as render
+from ..queries import sql
 
 if TYPE_CHECKING:
     from apscheduler.triggers.base import BaseTrigger
@@ -29,12 +31,22 @@ if TYPE_CHECKING:
     from ..config import Settings
     from ..metrics import Metrics
 
+CANCEL_TIMEOUT = 2.0  # seconds a cancel request may take (it opens its own connection)
+
 
 class NotLeader(Exception):
     """This instance does not (or no longer) hold the leader lock: the transaction was not run."""
 
 
+class PassStopped(Exception):
+    """Raised by a pass that noticed a stop (lost leadership, shutdown) and gave up early."""
+
+
 class Fence(Protocol):
+    """Proves leadership inside a transaction. ``epoch`` names the term (None: no term)."""
+
+    epoch: int | None
+
     def check(self, conn: Connection) -> None:
         """Inside the caller's open transaction: raise :class:`NotLeader` unless we still lead.
 
@@ -44,43 +56,107 @@ class Fence(Protocol):
 
 
 class NoFence:
-    """For dry runs and unit tests of a single pass."""
+    """For dry runs and tests of a single pass."""
+
+    epoch = None
 
     def check(self, conn: Connection) -> None:
         return None
 
 
-class PassStopped(Exception):
-    """Raised by a pass that noticed ``should_stop()`` and gave up early."""
+class RunningQuery:
+    """The connection whose statement a pass is running now, so that the runner can cancel it
+    when leadership is lost or the daemon stops (a cancel request opens its own connection, so it
+    runs in a thread: it must not hold up a demotion when the server is unreachable)."""
+
+    def __init__(self) -> None:
+        self._conn: Connection | None = None
+        self._since: float | None = None  # monotonic start of the fenced transaction now open
+
+    @property
+    def active(self) -> bool:
+        return self._conn is not None
+
+    def stalled_for(self) -> float:
+        """Seconds the open transaction (from its connection checkout on) has been waiting; 0
+        when none is open. DDL on an autocommit connection is not counted (it has a timeout)."""
+        since = self._since
+        return 0.0 if since is None else time.monotonic() - since
+
+    @contextmanager
+    def timing(self) -> Iterator[None]:
+        self._since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._since = None
+
+    @contextmanager
+    def tracking(self, conn: Connection) -> Iterator[Connection]:
+        self._conn = conn
+        try:
+            yield conn
+        finally:
+            self._conn = None
+
+    def sever(self) -> None:
+        """Shut the running query's socket down (a silent server never answers a cancel)."""
+        from ..db import sever
+
+        conn = self._conn
+        try:
+            sever(conn.connection.dbapi_connection if conn is not None else None)
+        except Exception:  # pragma: no cover - the connection may be gone already
+            pass
+
+    def cancel(self) -> None:
+        conn = self._conn
+        try:
+            raw = conn.connection.dbapi_connection if conn is not None else None
+        except Exception:  # pragma: no cover - the connection may be gone already
+            raw = None
+        if raw is None:
+            return
+
+        def cancel() -> None:
+            try:
+                raw.cancel_safe(timeout=CANCEL_TIMEOUT)
+            except Exception:  # the pass ends anyway: statement timeout or a dead connection
+                pass
+
+        threading.Thread(target=cancel, name="maintd-cancel", daemon=True).start()
 
 
 @dataclass
 class PassContext:
     engine: Engine
-    settings: "Settings"
+    schema: str
     clock: Clock
+    instance_id: str = "maintd"
+    statement_timeout: timedelta = timedelta(seconds=30)
     fence: Fence = field(default_factory=NoFence)
     dry_run: bool = False
     stop_event: threading.Event = field(default_factory=threading.Event)
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("maintd"))
-    # The connection of the transaction now running, so the runner can cancel its query when
-    # leadership is lost or the daemon stops.
-    current: Any = None
+    query: RunningQuery = field(default_factory=RunningQuery)
     _conn: Any = field(default=None, repr=False)
     _in_session: bool = field(default=False, repr=False)
 
-    @property
-    def schema(self) -> str:
-        return self.settings.schema
-
-    @property
-    def instance_id(self) -> str:
-        return self.settings.instance_id
+    @classmethod
+    def for_settings(cls, settings: "Settings", engine: Engine, clock: Clock, **kw: Any) -> "PassContext":
+        return cls(engine=engine, schema=settings.schema, clock=clock, instance_id=settings.instance_id,
+                   statement_timeout=settings.statement_timeout, **kw)
 
     def sql(self, template: str) -> TextClause:
-        return render(template, self.schema)
+        return sql(template, self.schema)
 
     def now(self) -> datetime:
+        """The server's time (a test's frozen time), read again on this pass's connection when the
+        last reading is old."""
+        if getattr(self.clock, "due", False):
+            timing = self.query.timing() if self.query.stalled_for() == 0.0 else nullcontext()
+            with timing, self._checkout() as conn:  # in a transaction: that transaction's connection
+                self.clock.sync(conn)  # type: ignore[attr-defined]
         return self.clock.now()
 
     def should_stop(self) -> bool:
@@ -110,6 +186,22 @@ class PassContext:
             self._in_session = False
             self._release()
 
+    @contextmanager
+    def _checkout(self) -> Iterator[Connection]:
+        """The session's connection (kept) or, outside a session, a connection of its own."""
+        conn = self._conn or self.engine.connect()
+        if self._in_session:
+            self._conn = conn
+        try:
+            yield conn
+        except BaseException:
+            if conn is self._conn:
+                self._release()
+            raise
+        finally:
+            if conn is not self._conn:
+                conn.close()
+
     def _release(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
@@ -122,36 +214,42 @@ class PassContext:
         ``statement_timeout_ms`` and ``settings`` (e.g. ``lock_timeout``) hold for this
         transaction only."""
         self.check_stop()
-        conn = self._conn or self.engine.connect()
-        if self._in_session:
-            self._conn = conn
-        self.current = conn
-        try:
-            local = dict(settings or {})
-            if statement_timeout_ms is not None:
-                local["statement_timeout"] = str(int(statement_timeout_ms))
-            if local:
-                conn.execute(self.sql(_set_local(tuple(local))),
-                             {f"v{i}": v for i, v in enumerate(local.values())})
-            if fenced and not self.dry_run:
-                self.fence.check(conn)
-            yield conn
-            if self.dry_run:
-                conn.rollback()
-            else:
-                conn.commit()
-        except BaseException:
+        with self.query.timing(), self._checkout() as conn, self.query.tracking(conn):
             try:
-                conn.rollback()
-            except Exception:  # e.g. the connection is gone: the original error is what matters
-                pass
-            if conn is self._conn:
-                self._release()
-            raise
-        finally:
-            self.current = None
-            if conn is not self._conn:
-                conn.close()
+                local = dict(settings or {})
+                if statement_timeout_ms is not None:
+                    local["statement_timeout"] = str(int(statement_timeout_ms))
+                if local:
+                    conn.execute(self.sql(_set_local(tuple(local))),
+                                 {f"v{i}": v for i, v in enumerate(local.values())})
+                if fenced and not self.dry_run:
+                    self.fence.check(conn)
+                yield conn
+                conn.rollback() if self.dry_run else conn.commit()
+            except BaseException:
+                try:
+                    conn.rollback()
+                except Exception:  # e.g. the connection is gone: the original error is what matters
+                    pass
+                raise
+
+    @contextmanager
+    def autocommit(self, *, lock_timeout_ms: int, statement_timeout_ms: int = 0) -> Iterator[Connection]:
+        """A connection of its own in autocommit mode (for DDL such as ``REINDEX CONCURRENTLY``,
+        which cannot run in a transaction), with the given timeouts; the runner can cancel it."""
+        with self.engine.connect() as conn:
+            conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+            conn.exec_driver_sql(f"SET lock_timeout = {int(lock_timeout_ms)}")
+            conn.exec_driver_sql(f"SET statement_timeout = {int(statement_timeout_ms)}")
+            try:
+                with self.query.tracking(conn):
+                    yield conn
+            finally:
+                try:
+                    conn.exec_driver_sql("RESET statement_timeout")
+                    conn.exec_driver_sql("RESET lock_timeout")
+                except Exception:  # a broken connection is discarded by the pool anyway
+                    pass
 
 
 def _set_local(names: tuple[str, ...]) -> str:
@@ -172,23 +270,25 @@ class PassResult:
         """Whether the pass changed (or in a dry run, would change) anything worth a log line."""
         return False
 
+    def failed(self) -> bool:
+        """Whether part of the pass failed although it ran to its end (outcome ``error``)."""
+        return False
+
+    def waited(self) -> float:
+        """Seconds the pass spent waiting on purpose (not work: left out of its duration)."""
+        return 0.0
+
     def summary(self) -> str:
         """A short human line, e.g. ``deleted completed=10 discarded=2``."""
         return " ".join(f"{k}={v}" for k, v in self.as_dict().items())
 
 
 class Service(abc.ABC):
-    """One maintenance service. Subclasses set ``name`` and implement :meth:`run_once`."""
+    """One maintenance service, built from its own config section (any object with ``enabled``
+    and ``interval`` for the defaults below). Subclasses implement :meth:`run_once`."""
 
-    name: ClassVar[str]
-
-    def __init__(self, settings: "Settings"):
-        self.settings = settings
-
-    @property
-    def config(self) -> Any:
-        """This service's config section (``settings.<name>``)."""
-        return getattr(self.settings, self.name)
+    def __init__(self, config: Any):
+        self.config = config
 
     def enabled(self) -> bool:
         return bool(self.config.enabled)
@@ -206,3 +306,4 @@ class Service(abc.ABC):
     def observe(self, metrics: "Metrics", result: PassResult) -> None:
         """Record the service-specific metrics of a committed pass (optional)."""
         return None
+

@@ -43,16 +43,17 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
-from psycopg import errors as pg_errors
 from sqlalchemy.exc import OperationalError
 
+from ..config import CleanerConfig
 from ..logs import kv
-from ..models import FINAL_STATES
+from ..queries import FINAL_STATES, jobs
 from .base import PassContext, PassResult, Service
 
 log = logging.getLogger("maintd.cleaner")
 
-FAR_PAST = datetime(1900, 1, 1, tzinfo=timezone.utc)
+# Where a full scan starts: rows finalized earlier (BC, '-infinity') go first, in id batches.
+FAR_PAST = datetime(1, 1, 2, tzinfo=timezone.utc)
 MIN_BATCH = 100
 FILL = 0.9  # a predicted batch aims at this fraction of batch_size rows
 GROWTH = 2.0  # a predicted range is at most this many times wider than the previous one
@@ -62,56 +63,8 @@ BATCH_TIMEOUT = timedelta(seconds=5)  # statement timeout of one batch (at most 
 LOCK_WAIT_MS = 500
 LOOKBACK = timedelta(minutes=5)
 FULL_SCAN_EVERY = timedelta(hours=1)
-
-
-# Where a batch ends: the finalized_at of the (:limit + 1)-th row of the state from :lo on. The
-# range [lo, that) then holds at most :limit rows of the state. NULL: the rest fits in a batch.
-PROBE = """
-SELECT finalized_at FROM {schema}.jobs
- WHERE state = CAST(:state AS {schema}.job_state)
-   AND finalized_at IS NOT NULL AND finalized_at >= :lo AND finalized_at < :horizon
- ORDER BY finalized_at
-OFFSET :limit LIMIT 1
-"""
-
-# Which queues a target covers: one queue (:queue), or all but the overridden ones (:excluded).
-QUEUES = """
-   AND (CAST(:queue AS text) IS NULL OR queue = :queue)
-   AND queue <> ALL(CAST(:excluded AS text[]))"""
-
-DELETE_RANGE = """
-DELETE FROM {schema}.jobs
- WHERE state = CAST(:state AS {schema}.job_state)
-   AND finalized_at IS NOT NULL AND finalized_at >= :lo AND finalized_at < :hi""" + QUEUES
-
-# The same range when one of its rows is locked by another session (final rows normally are
-# not): delete the others, skip that one.
-DELETE_RANGE_SKIP_LOCKED = """
-DELETE FROM {schema}.jobs
- WHERE id = ANY(ARRAY(
-         SELECT id FROM {schema}.jobs
-          WHERE state = CAST(:state AS {schema}.job_state)
-            AND finalized_at IS NOT NULL AND finalized_at >= :lo AND finalized_at < :hi""" + QUEUES + """
-            FOR UPDATE SKIP LOCKED))
-   AND state = CAST(:state AS {schema}.job_state) AND finalized_at >= :lo AND finalized_at < :hi
-"""
-
-# More than :limit rows finalized at the very same instant: delete them in id batches.
-DELETE_TIED = """
-DELETE FROM {schema}.jobs
- WHERE id = ANY(ARRAY(
-         SELECT id FROM {schema}.jobs
-          WHERE state = CAST(:state AS {schema}.job_state) AND finalized_at = :lo""" + QUEUES + """
-          ORDER BY id LIMIT :limit
-            FOR UPDATE SKIP LOCKED))
-   AND state = CAST(:state AS {schema}.job_state) AND finalized_at = :lo
-"""
-
-# Dry run: what a full pass would delete (one index range count per target, no loop).
-COUNT_EXPIRED = """
-SELECT count(*) FROM {schema}.jobs
- WHERE state = CAST(:state AS {schema}.job_state)
-   AND finalized_at IS NOT NULL AND finalized_at < :horizon""" + QUEUES
+TINY = timedelta(microseconds=1)
+LOCK_NOT_AVAILABLE, QUERY_CANCELED = "55P03", "57014"  # SQLSTATEs
 
 
 @dataclass
@@ -153,12 +106,53 @@ class Target:
                 "excluded": list(self.excluded)}
 
 
-class Cleaner(Service):
-    name = "cleaner"
+@dataclass
+class RangePlan:
+    """The walk of one target through ``[lo, horizon)``: where the next batch ends (a probe when
+    ``width`` is None, else a prediction ``lo + width``) and where the next pass may resume."""
 
-    def __init__(self, settings):
-        super().__init__(settings)
-        self._batch = self.config.batch_size
+    lo: datetime
+    horizon: datetime
+    width: timedelta | None = None
+    at_boundary: bool = False  # lo is where a probed batch ended (so a probe measures density)
+    skip_locked: bool = False  # redo the range skipping a row someone else holds
+    resume: datetime = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.resume = self.horizon
+
+    @property
+    def predicted(self) -> bool:
+        return self.width is not None and not self.skip_locked
+
+    def skip_lock_holders(self) -> None:
+        self.skip_locked = True
+        self.resume = min(self.resume, self.lo)  # look at the locked rows again next pass
+
+    def advance(self, hi: datetime, n: int, limit: int, seconds: float, predicted: bool) -> None:
+        """After a committed batch ``[lo, hi)`` that deleted ``n`` rows in ``seconds``."""
+        self.skip_locked = False
+        if hi == self.lo:  # a tie: more than a batch finalized at this very instant
+            if n < limit:  # the tie is done (rows skipped as locked are looked at next pass)
+                self.resume = min(self.resume, self.lo)
+                self.lo = hi + TINY
+                self.at_boundary = False
+            self.width = None
+            return
+        if predicted:  # an empty range says nothing of what follows (a gap): probe it
+            self.width = next_width(hi - self.lo, n, limit, seconds) if n else None
+        elif self.at_boundary:  # [lo, hi) held exactly ``limit`` rows of the state
+            self.width = next_width(hi - self.lo, limit, limit, seconds)
+        self.at_boundary = not predicted
+        self.lo = hi
+
+
+class Cleaner(Service):
+    config: CleanerConfig
+
+    def __init__(self, config: CleanerConfig):
+        super().__init__(config)
+        self._batch = config.batch_size
         self._successes = 0
         self._cleaned_through: dict[Target, datetime] = {}
         self._last_full_scan: datetime | None = None
@@ -178,120 +172,140 @@ class Cleaner(Service):
                     out.append(Target(state, retention, queue, ()))
         return out
 
+    @property
+    def batch_size(self) -> int:
+        return min(self._batch, self.config.batch_size)
+
     def run_once(self, ctx: PassContext) -> CleanerResult:
         now = ctx.now()
         result = CleanerResult(dry_run=ctx.dry_run)
-        targets = self.targets()
         if ctx.dry_run:
-            for target in targets:
-                with ctx.transaction() as conn:
-                    result.deleted[target.state] += conn.execute(
-                        ctx.sql(COUNT_EXPIRED), target.params(now - target.retention)).scalar_one()
-            result.batch_size = self.batch_size
-            return result
+            return self._count(ctx, now, result)
+        targets = self.targets()
         last_full = self._last_full_scan
         result.full_scan = last_full is None or not (timedelta(0) <= now - last_full < FULL_SCAN_EVERY)
         # Forget the cursors of targets that are no longer configured (after a reload).
         self._cleaned_through = {t: c for t, c in self._cleaned_through.items() if t in targets}
         for target in targets:
             horizon = now - target.retention
+            if result.full_scan:
+                self._delete_ancient(ctx, target, result)
             lo = FAR_PAST
             if not result.full_scan and target in self._cleaned_through:
                 lo = max(FAR_PAST, min(self._cleaned_through[target], horizon) - LOOKBACK)
-            self._cleaned_through[target] = self._clean(ctx, target, horizon, lo, result)
+            self._cleaned_through[target] = self._clean(ctx, target, RangePlan(lo, horizon), result)
         if result.full_scan:
             self._last_full_scan = now
         result.batch_size = self.batch_size
         return result
 
-    @property
-    def batch_size(self) -> int:
-        return min(self._batch, self.config.batch_size)
+    def _count(self, ctx: PassContext, now: datetime, result: CleanerResult) -> CleanerResult:
+        """Dry run: what a full pass would delete (one index range count per target)."""
+        for target in self.targets():
+            with ctx.transaction() as conn:
+                result.deleted[target.state] += conn.execute(
+                    ctx.sql(jobs.CLEANER_COUNT_EXPIRED), target.params(now - target.retention)).scalar_one()
+        result.batch_size = self.batch_size
+        return result
 
-    def _clean(self, ctx: PassContext, target: Target, horizon: datetime, lo: datetime,
-               result: CleanerResult) -> datetime:
-        """Delete the target's expired rows from ``lo`` on; return where the next pass may start
-        (``horizon``, or where rows were skipped because someone held their lock)."""
-        params = target.params(horizon)
-        resume = horizon
-        timeout_ms = int(min(BATCH_TIMEOUT, self.settings.statement_timeout).total_seconds() * 1000)
-        # Per batch: a short lock wait (a locked row is skipped, not waited for until the timeout),
-        # and no wait for the WAL flush at commit (a deletion lost in a crash is done again by the
-        # next pass; any later synchronous commit, e.g. a worker's, flushes it anyway).
-        batch_settings = {"lock_timeout": str(max(1, min(LOCK_WAIT_MS, timeout_ms // 2))),
-                          "synchronous_commit": "off"}
+    def _clean(self, ctx: PassContext, target: Target, plan: RangePlan, result: CleanerResult) -> datetime:
+        """Delete the target's expired rows, batch by batch; return where the next pass may start
+        (the horizon, or where rows were skipped because someone held their lock)."""
         pause = self.config.batch_pause.total_seconds()
-        skip_locked = False
-        width: timedelta | None = None  # predicted width of the next range; None: probe it
-        at_boundary = False  # whether lo is where a probed batch ended (so a probe measures density)
         while True:
             ctx.check_stop()
-            limit = self.batch_size
-            predicted = width is not None and not skip_locked
-            started = time.monotonic()
+            limit, predicted, started = self.batch_size, plan.predicted, time.monotonic()
             try:
-                with ctx.transaction(statement_timeout_ms=timeout_ms, settings=batch_settings) as conn:
-                    if predicted:
-                        hi = min(lo + width, horizon)
-                        last = hi >= horizon
-                    else:
-                        hi = conn.execute(ctx.sql(PROBE), {"state": target.state, "lo": lo,
-                                                           "horizon": horizon, "limit": limit}).scalar()
-                        last = hi is None
-                        if last:
-                            hi = horizon
-                    if hi == lo:  # more than a batch finalized at this very instant
-                        stmt, args = DELETE_TIED, {**params, "lo": lo, "limit": limit}
-                    else:
-                        stmt = DELETE_RANGE_SKIP_LOCKED if skip_locked else DELETE_RANGE
-                        args = {**params, "lo": lo, "hi": hi}
-                    n = conn.execute(ctx.sql(stmt), args).rowcount
-                    if n > limit:  # only a prediction can overshoot: undo it, probe instead
-                        raise _Overflow()
-            except _Overflow:
+                hi, last, n = self._delete_batch(ctx, target, plan, limit)
+            except _Overflow:  # only a prediction can overshoot: it was rolled back; probe instead
                 result.overflows += 1
-                width = None
+                plan.width = None
                 continue
             except OperationalError as exc:
-                if isinstance(exc.orig, pg_errors.LockNotAvailable) and not skip_locked:
-                    skip_locked = True  # redo this batch, skipping the locked rows
-                    resume = min(resume, lo)
-                    continue
-                if not isinstance(exc.orig, pg_errors.QueryCanceled) or ctx.should_stop():
-                    raise
-                result.timeouts += 1
-                if predicted:  # the prediction was too wide: probe, keep the batch size
-                    width = None
-                    continue
-                if limit <= MIN_BATCH:
-                    raise
-                self._shrink()
-                log.warning("delete batch hit the statement timeout, shrinking the batch",
-                            extra=kv(state=target.state, batch_size=self.batch_size))
+                self._recover(exc, ctx, plan, predicted, limit, target, result)
                 continue
-            seconds = time.monotonic() - started
-            skip_locked = False
             self._grow()
             if n:
                 result.batches += 1
                 result.deleted[target.state] += n
             if last:
-                return resume
+                return plan.resume
             if n:
                 ctx.pause(pause)
-            if hi == lo:
-                if n < limit:
-                    resume = min(resume, lo)  # some tied rows were locked: look again next pass
-                    lo = hi + timedelta(microseconds=1)  # the tie is done: move just past it
-                    at_boundary = False
-                width = None
-                continue
-            if predicted:  # an empty range says nothing of what follows (a gap): probe it
-                width = next_width(hi - lo, n, limit, seconds) if n else None
-            elif at_boundary:  # [lo, hi) held exactly ``limit`` rows of the state
-                width = next_width(hi - lo, limit, limit, seconds)
-            at_boundary = not predicted
-            lo = hi
+            plan.advance(hi, n, limit, time.monotonic() - started, predicted)
+
+    def _delete_ancient(self, ctx: PassContext, target: Target, result: CleanerResult) -> None:
+        """Rows finalized before ``FAR_PAST`` (odd but final, so expired): one index probe, in a
+        read-only transaction, when there are none."""
+        params = {"state": target.state, "far_past": FAR_PAST}
+        with ctx.transaction(fenced=False) as conn:
+            if not conn.execute(ctx.sql(jobs.CLEANER_ANY_ANCIENT), params).scalar():
+                return
+        while True:
+            ctx.check_stop()
+            with ctx.transaction(statement_timeout_ms=self._timeout_ms(ctx), settings=self._batch_settings(ctx)) as conn:
+                n = conn.execute(ctx.sql(jobs.CLEANER_DELETE_ANCIENT), {
+                    **target.params(FAR_PAST), "far_past": FAR_PAST, "limit": self.batch_size}).rowcount
+            if n:
+                result.batches += 1
+                result.deleted[target.state] += n
+                log.info("deleted jobs finalized before year 1", extra=kv(state=target.state, count=n))
+            if n < self.batch_size:
+                return
+
+    def _delete_batch(self, ctx: PassContext, target: Target, plan: RangePlan,
+                      limit: int) -> tuple[datetime, bool, int]:
+        """One fenced transaction: where the range ends (predicted or probed), then its DELETE.
+        Returns (hi, whether the range reached the horizon, rows deleted)."""
+        with ctx.transaction(statement_timeout_ms=self._timeout_ms(ctx),
+                             settings=self._batch_settings(ctx)) as conn:
+            if plan.predicted:
+                hi = min(plan.lo + plan.width, plan.horizon)  # type: ignore[operator]
+                last = hi >= plan.horizon
+            else:
+                probed = conn.execute(ctx.sql(jobs.CLEANER_PROBE), {
+                    "state": target.state, "lo": plan.lo, "horizon": plan.horizon, "limit": limit}).scalar()
+                last = probed is None
+                hi = plan.horizon if probed is None else probed
+            args = {**target.params(plan.horizon), "lo": plan.lo, "hi": hi, "limit": limit}
+            if hi == plan.lo:
+                stmt = jobs.CLEANER_DELETE_TIED
+            else:
+                stmt = jobs.CLEANER_DELETE_RANGE_SKIP_LOCKED if plan.skip_locked else jobs.CLEANER_DELETE_RANGE
+            n = conn.execute(ctx.sql(stmt), args).rowcount
+            if n > limit:
+                raise _Overflow()
+        return hi, last, n
+
+    def _recover(self, exc: OperationalError, ctx: PassContext, plan: RangePlan, predicted: bool,
+                 limit: int, target: Target, result: CleanerResult) -> None:
+        """A batch failed: decide how to redo it (by SQLSTATE), or re-raise."""
+        sqlstate = getattr(exc.orig, "sqlstate", None)
+        if sqlstate == LOCK_NOT_AVAILABLE and not plan.skip_locked:
+            plan.skip_lock_holders()
+            return
+        if sqlstate != QUERY_CANCELED or ctx.should_stop():
+            raise exc
+        result.timeouts += 1
+        if predicted:  # the prediction was too wide: probe, keep the batch size
+            plan.width = None
+            return
+        if limit <= MIN_BATCH:
+            raise exc
+        self._shrink()
+        log.warning("delete batch hit the statement timeout, shrinking the batch",
+                    extra=kv(state=target.state, batch_size=self.batch_size))
+
+    @staticmethod
+    def _timeout_ms(ctx: PassContext) -> int:
+        return int(min(BATCH_TIMEOUT, ctx.statement_timeout).total_seconds() * 1000)
+
+    def _batch_settings(self, ctx: PassContext) -> dict[str, str]:
+        """Per batch: a short lock wait (a locked row is skipped, not waited for until the
+        timeout), and no wait for the WAL flush at commit (a deletion lost in a crash is done
+        again by the next pass; any later synchronous commit, e.g. a worker's, flushes it)."""
+        return {"lock_timeout": str(max(1, min(LOCK_WAIT_MS, self._timeout_ms(ctx) // 2))),
+                "synchronous_commit": "off"}
 
     def _shrink(self) -> None:
         self._batch = max(MIN_BATCH, self.batch_size // 2)
@@ -318,4 +332,4 @@ def next_width(width: timedelta, rows: int, limit: int, seconds: float) -> timed
     ``limit``) in ``seconds``. Aims at ``FILL * limit`` rows and at most ``BATCH_TARGET`` seconds,
     growing at most ``GROWTH`` times."""
     factor = min(GROWTH, FILL * limit / max(rows, 1), BATCH_TARGET / max(seconds, 1e-6))
-    return max(timedelta(microseconds=1), width * factor)
+    return max(TINY, width * factor)

@@ -13,6 +13,11 @@ Per entry and pass, with ``hwm`` = the newest slot taken so far:
   enqueued once, oldest first; older ones are skipped (``outside_backfill``). Without ``backfill``
   only the most recent due slot is enqueued (missed older runs are skipped, as cron does).
 * disabled: nothing is enqueued; each new slot is counted as skipped (``disabled``).
+
+Entries come from ``[[periodic]]`` (and the crontab) and from the rows of ``periodic_jobs``
+(:mod:`maintd.services.periodic_rows`), read again whenever they change. A row that changed after
+its newest slot starts afresh from its next slot; a row never seen counts its missed slots from
+when it was last changed (so ``backfill`` covers a row added while no leader ran).
 """
 
 from __future__ import annotations
@@ -25,47 +30,16 @@ from datetime import datetime, timedelta
 from apscheduler.triggers.interval import IntervalTrigger
 
 from ..config import PeriodicJob
+from ..crontab import cron_args
+from ..db import describe_db_error
 from ..logs import kv
+from ..queries import jobs, periodic_slots
 from ..schedules import Schedule, parse_schedule
-from .base import PassContext, PassResult, Service
+from .base import NotLeader, PassContext, PassResult, PassStopped, Service
+from .periodic_rows import Entry, RowSource
 
 log = logging.getLogger("maintd.periodic")
 
-HIGH_WATER = """
-SELECT periodic_id, max(slot) AS hwm FROM {schema}.periodic_slots
- WHERE periodic_id = ANY(CAST(:ids AS text[])) GROUP BY periodic_id
-"""
-
-TAKE_SLOT = """
-INSERT INTO {schema}.periodic_slots (periodic_id, slot, backfilled, instance_id)
-VALUES (:periodic_id, :slot, :backfilled, :instance)
-ON CONFLICT (periodic_id, slot) DO NOTHING
-RETURNING slot
-"""
-
-ENQUEUE = """
-INSERT INTO {schema}.jobs (kind, queue, args, priority, max_attempts, scheduled_at, state,
-                           unique_key, metadata)
-VALUES (:kind, :queue, CAST(:args AS jsonb), :priority, :max_attempts, :slot,
-        CASE WHEN CAST(:slot AS timestamptz) <= now() THEN 'available'
-             ELSE 'scheduled' END::{schema}.job_state,
-        :unique_key, CAST(:metadata AS jsonb))
-ON CONFLICT (unique_key)
-   WHERE unique_key IS NOT NULL AND state NOT IN ('completed', 'cancelled', 'discarded')
-   DO NOTHING
-RETURNING id
-"""
-
-LINK_JOB = """
-UPDATE {schema}.periodic_slots SET job_id = :job_id WHERE periodic_id = :periodic_id AND slot = :slot
-"""
-
-# Old slot rows are only history; the newest per id (the high-water mark) always stays.
-PRUNE = """
-DELETE FROM {schema}.periodic_slots s
- WHERE s.slot < :before
-   AND s.slot < (SELECT max(slot) FROM {schema}.periodic_slots m WHERE m.periodic_id = s.periodic_id)
-"""
 PRUNE_EVERY = timedelta(hours=1)
 KEEP_HISTORY = timedelta(days=7)
 
@@ -75,7 +49,15 @@ class PeriodicResult(PassResult):
     enqueued: list[dict] = field(default_factory=list)
     skipped: dict[str, dict[str, int]] = field(default_factory=dict)
     baselined: list[str] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)  # periodic id -> why its turn failed
+    invalid_rows: dict[str, str] = field(default_factory=dict)  # row id -> why it is not used
     dry_run: bool = False
+
+    def fail(self, periodic_id: str, error: str) -> None:
+        self.errors[periodic_id] = error
+
+    def failed(self) -> bool:
+        return bool(self.errors)
 
     def skip(self, periodic_id: str, reason: str, n: int = 1) -> None:
         if n:
@@ -83,7 +65,7 @@ class PeriodicResult(PassResult):
             by_reason[reason] = by_reason.get(reason, 0) + n
 
     def did_something(self) -> bool:
-        return bool(self.enqueued) or any(
+        return bool(self.enqueued) or bool(self.errors) or any(
             r != "disabled" for reasons in self.skipped.values() for r in reasons)
 
     def summary(self) -> str:
@@ -94,21 +76,37 @@ class PeriodicResult(PassResult):
 
 
 class PeriodicEnqueuer(Service):
-    name = "periodic"
+    """Built from the list of configured periodic entries; rows of ``periodic_jobs`` join them
+    at run time, so the service always runs (an idle pass is one read of the rows' version)."""
 
-    def __init__(self, settings):
-        super().__init__(settings)
-        self._schedules: dict[str, Schedule] = {
-            e.id: parse_schedule(e.schedule, e.timezone) for e in settings.periodic}
+    config: list[PeriodicJob]
+
+    def __init__(self, config: list[PeriodicJob]):
+        super().__init__(list(config))
+        self._configured = [Entry(e, "crontab" if e.cron_args else "config") for e in self.config]
+        self._rows = RowSource()
+        self._schedules: dict[tuple[str, str], Schedule] = {}
         self._disabled_seen: dict[str, datetime] = {}
         self._last_prune: datetime | None = None
 
-    @property
-    def config(self):
-        return self.settings.periodic
-
     def enabled(self) -> bool:
-        return bool(self.settings.periodic)
+        return True
+
+    def schedule(self, job: PeriodicJob) -> Schedule:
+        key = (job.schedule, job.timezone)
+        if key not in self._schedules:
+            self._schedules[key] = parse_schedule(job.schedule, job.timezone)
+        return self._schedules[key]
+
+    def entries(self, ctx: PassContext, result: PeriodicResult) -> list[Entry]:
+        """The configured entries, then the usable rows (their ``error`` kept up to date)."""
+        rows, notes = self._rows.entries(ctx, {e.job.id for e in self._configured})
+        self._rows.note(ctx, notes)
+        for row_id, problem in notes.items():
+            if problem is not None:
+                result.invalid_rows[row_id] = problem
+                log.warning("periodic_jobs row not used", extra=kv(periodic_id=row_id, error=problem))
+        return self._configured + rows
 
     def trigger(self) -> IntervalTrigger:
         return IntervalTrigger(seconds=1)
@@ -116,70 +114,83 @@ class PeriodicEnqueuer(Service):
     def run_once(self, ctx: PassContext) -> PeriodicResult:
         now = ctx.now()
         result = PeriodicResult(dry_run=ctx.dry_run)
-        entries: list[PeriodicJob] = list(self.settings.periodic)
+        entries = self.entries(ctx, result)
         if not entries:
             return result
         with ctx.transaction(fenced=False) as conn:
             hwms = {r.periodic_id: r.hwm for r in conn.execute(
-                ctx.sql(HIGH_WATER), {"ids": [e.id for e in entries]})}
+                ctx.sql(periodic_slots.HIGH_WATER), {"ids": [e.job.id for e in entries]})}
         for entry in entries:
             ctx.check_stop()
-            schedule = self._schedules[entry.id]
-            latest = schedule.latest_at_or_before(now)
-            if not entry.enabled:
-                if self._disabled_seen.get(entry.id) != latest:
-                    if entry.id in self._disabled_seen:
-                        result.skip(entry.id, "disabled")
-                    self._disabled_seen[entry.id] = latest
-                continue
-            self._disabled_seen.pop(entry.id, None)
-            hwm = hwms.get(entry.id)
-            if hwm is None:
-                if entry.run_on_start:
-                    self._enqueue(ctx, entry, latest, False, result)
-                else:
-                    self._baseline(ctx, entry, latest, result)
-                continue
-            due = list(schedule.slots_between(hwm, now)) if hwm < latest else []
-            if not due:
-                continue
-            if entry.backfill is not None:
-                window_start = now - entry.backfill
-                keep = [s for s in due if s >= window_start]
-            else:
-                keep = due[-1:]
-            result.skip(entry.id, "outside_backfill", len(due) - len(keep))
-            for slot in keep:
-                self._enqueue(ctx, entry, slot, slot != latest, result)
+            try:
+                self._run_entry(ctx, entry, hwms.get(entry.job.id), now, result)
+            except (NotLeader, PassStopped):
+                raise
+            except Exception as exc:  # one broken entry never starves the others
+                result.fail(entry.job.id, describe_db_error(exc))
+                result.skip(entry.job.id, "error")
+                log.error("periodic entry failed", extra=kv(periodic_id=entry.job.id,
+                                                            error=describe_db_error(exc)))
         if not ctx.dry_run:
             self._prune(ctx, now)
         return result
 
+    def _run_entry(self, ctx: PassContext, entry: Entry, hwm: datetime | None, now: datetime,
+                   result: PeriodicResult) -> None:
+        job, schedule = entry.job, self.schedule(entry.job)
+        latest = schedule.latest_at_or_before(now)
+        if not job.enabled:
+            if self._disabled_seen.get(job.id) != latest:
+                if job.id in self._disabled_seen:
+                    result.skip(job.id, "disabled")
+                self._disabled_seen[job.id] = latest
+            return
+        self._disabled_seen.pop(job.id, None)
+        if hwm is None and (job.run_on_start or entry.since is None):
+            if job.run_on_start:
+                self._enqueue(ctx, job, latest, False, result)
+            else:
+                self._baseline(ctx, job, latest, result)
+            return
+        if entry.since is not None and (hwm is None or entry.since > hwm):
+            hwm = entry.since  # a new or changed row: its slots count from the change
+        due = list(schedule.slots_between(hwm, now)) if hwm < latest else []
+        if job.backfill is not None:
+            keep = [s for s in due if s >= now - job.backfill]
+        else:
+            keep = due[-1:]
+        result.skip(job.id, "outside_backfill", len(due) - len(keep))
+        for slot in keep:
+            self._enqueue(ctx, job, slot, slot != latest, result)
+
     def _baseline(self, ctx: PassContext, entry: PeriodicJob, slot: datetime, result: PeriodicResult) -> None:
         with ctx.transaction() as conn:
-            conn.execute(ctx.sql(TAKE_SLOT), {"periodic_id": entry.id, "slot": slot,
-                                              "backfilled": False, "instance": ctx.instance_id})
+            conn.execute(ctx.sql(periodic_slots.TAKE), {"periodic_id": entry.id, "slot": slot,
+                                                        "backfilled": False, "instance": ctx.instance_id})
         result.baselined.append(entry.id)
 
     def _enqueue(self, ctx: PassContext, entry: PeriodicJob, slot: datetime, backfilled: bool,
                  result: PeriodicResult) -> None:
         with ctx.transaction() as conn:
-            taken = conn.execute(ctx.sql(TAKE_SLOT), {"periodic_id": entry.id, "slot": slot,
-                                                      "backfilled": backfilled,
-                                                      "instance": ctx.instance_id}).first()
+            taken = conn.execute(ctx.sql(periodic_slots.TAKE), {
+                "periodic_id": entry.id, "slot": slot, "backfilled": backfilled,
+                "instance": ctx.instance_id}).first()
             if taken is None:
                 result.skip(entry.id, "duplicate")
                 return
             metadata = {"periodic_id": entry.id, "slot": slot.isoformat(), "backfilled": backfilled}
-            job = conn.execute(ctx.sql(ENQUEUE), {
-                "kind": entry.kind, "queue": entry.queue, "args": json.dumps(entry.args),
-                "priority": entry.priority, "max_attempts": entry.max_attempts, "slot": slot,
+            args = cron_args(entry.args, slot, backfilled) if entry.cron_args else entry.args
+            replacing = entry.job_key_mode is not None and entry.effective_unique_key is not None
+            job = conn.execute(ctx.sql(jobs.ENQUEUE_REPLACING if replacing else jobs.ENQUEUE), {
+                "kind": entry.kind, "queue": entry.queue, "args": json.dumps(args),
+                "priority": entry.priority, "max_attempts": entry.max_attempts, "scheduled_at": slot,
                 "unique_key": entry.effective_unique_key, "metadata": json.dumps(metadata),
+                "preserve_run_at": entry.job_key_mode == "preserve_run_at",
             }).first()
             if job is None:  # a live job still holds the entry's unique_key; the slot stays taken
                 result.skip(entry.id, "duplicate")
                 return
-            conn.execute(ctx.sql(LINK_JOB), {"job_id": job.id, "periodic_id": entry.id, "slot": slot})
+            conn.execute(ctx.sql(periodic_slots.LINK_JOB), {"job_id": job.id, "periodic_id": entry.id, "slot": slot})
         result.enqueued.append({"periodic_id": entry.id, "slot": slot.isoformat(),
                                 "job_id": None if ctx.dry_run else job.id, "backfilled": backfilled})
         if not ctx.dry_run:
@@ -190,9 +201,10 @@ class PeriodicEnqueuer(Service):
         if self._last_prune is not None and now - self._last_prune < PRUNE_EVERY:
             return
         self._last_prune = now
-        longest = max((e.backfill for e in self.settings.periodic if e.backfill), default=timedelta(0))
+        longest = max((e.backfill for e in self.config if e.backfill), default=timedelta(0))
+        longest = max(longest, timedelta(days=31))  # rows' backfill windows are not known here
         with ctx.transaction() as conn:
-            conn.execute(ctx.sql(PRUNE), {"before": now - max(KEEP_HISTORY, longest * 2)})
+            conn.execute(ctx.sql(periodic_slots.PRUNE), {"before": now - max(KEEP_HISTORY, longest * 2)})
 
     def observe(self, metrics, result: PeriodicResult) -> None:
         for e in result.enqueued:

@@ -7,7 +7,8 @@ dropped right away. With ``bloat_threshold`` set, indexes whose estimated bloat 
 skipped (``pgstattuple``'s ``pgstatindex`` when installed, a catalog estimate otherwise).
 
 DDL cannot run inside the fenced transaction, so the fence is checked in a short transaction right
-before each index, and the build runs on its own autocommit connection that the runner can cancel.
+before each index, and the build runs on an autocommit connection of its own that the runner can
+cancel. A pass in which any index failed has outcome ``error``.
 """
 
 from __future__ import annotations
@@ -17,51 +18,23 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from apscheduler.triggers.cron import CronTrigger
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
-from ..config import IDENT_RE
-from ..db import describe_db_error, ms, quote_ident
+from ..config import ReindexerConfig
+from ..db import describe_db_error, ms
+from ..identifiers import IDENT_RE, qualified
 from ..logs import kv
-from ..schedules import CronSchedule, parse_schedule
+from ..queries import catalog
+from ..schedules import ScheduleTrigger, parse_schedule, schedule_trigger
 from .base import PassContext, PassResult, PassStopped, Service
 
 log = logging.getLogger("maintd.reindexer")
 
-TABLE_INDEXES = """
-SELECT c.relname AS name, i.indisvalid AS valid, pg_relation_size(c.oid) AS bytes
-  FROM pg_index i
-  JOIN pg_class c ON c.oid = i.indexrelid
-  JOIN pg_class t ON t.oid = i.indrelid
-  JOIN pg_namespace n ON n.oid = t.relnamespace
- WHERE n.nspname = :schema AND t.relname = 'jobs'
- ORDER BY c.relname
-"""
-
-HAS_PGSTATTUPLE = "SELECT count(*) > 0 FROM pg_extension WHERE extname = 'pgstattuple'"
-
-# leaf density of a btree: a fresh index is about 90 % full (the default fillfactor).
-PGSTATINDEX = """
-SELECT greatest(0, 90 - avg_leaf_density)::float8 AS bloat
-  FROM pgstatindex(CAST(:qualified AS regclass))
-"""
-
-# Catalog estimate: pages the index would need at 90 % fill for its tuples, vs its size.
-ESTIMATE = """
-SELECT CASE WHEN c.relpages <= 1 OR c.reltuples <= 0 THEN 0
-            ELSE greatest(0, 100 * (1 - (c.reltuples * (8 + coalesce(w.width, 8))
-                 / (current_setting('block_size')::float8 * 0.9)) / c.relpages)) END::float8 AS bloat
-  FROM pg_class c
-  JOIN pg_namespace n ON n.oid = c.relnamespace
-  LEFT JOIN LATERAL (
-       SELECT sum(s.avg_width)::float8 AS width
-         FROM pg_index i
-         JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)
-         JOIN pg_stats s ON s.schemaname = n.nspname AND s.tablename = 'jobs' AND s.attname = a.attname
-        WHERE i.indexrelid = c.oid) w ON true
- WHERE n.nspname = :schema AND c.relname = :index
-"""
+ARTIFACT_RE = re.compile(r"_cc(new|old)[0-9]*$")
+# SQLSTATE -> outcome of an index whose build failed (anything else: "error")
+OUTCOMES = {"57014": "timeout", "55P03": "timeout"}  # query_canceled, lock_not_available
+NEEDS_OWNER = ("42501",)  # insufficient_privilege ("must be owner of index")
 
 
 def artifact_pattern(index: str) -> re.Pattern[str]:
@@ -88,144 +61,137 @@ class ReindexerResult(PassResult):
     def did_something(self) -> bool:
         return bool(self.indexes)
 
+    def failed(self) -> bool:
+        return any(r.outcome in ("error", "timeout") for r in self.indexes)
+
     def summary(self) -> str:
         return " ".join(f"{r.index}={r.outcome}" for r in self.indexes)
 
 
 class Reindexer(Service):
-    name = "reindexer"
+    config: ReindexerConfig
 
-    def trigger(self) -> CronTrigger:
-        cfg = self.config
-        schedule = parse_schedule(cfg.schedule, cfg.timezone)
-        assert isinstance(schedule, CronSchedule), "reindexer schedules are cron expressions"
-        return schedule.trigger  # type: ignore[return-value]
+    def trigger(self) -> ScheduleTrigger:
+        return schedule_trigger(parse_schedule(self.config.schedule, self.config.timezone))
 
     def run_once(self, ctx: PassContext) -> ReindexerResult:
-        cfg = self.config
         result = ReindexerResult(dry_run=ctx.dry_run)
         with ctx.transaction(fenced=False) as conn:
-            catalog = {r.name: r for r in conn.execute(text(TABLE_INDEXES), {"schema": ctx.schema})}
-            has_pgstattuple = bool(conn.execute(text(HAS_PGSTATTUPLE)).scalar())
-        artifact_re = re.compile(r"_cc(new|old)[0-9]*$")
-        wanted = list(cfg.indexes) or [n for n in catalog if not artifact_re.search(n)]
+            catalog_rows = {r.name: r for r in conn.execute(text(catalog.JOBS_INDEXES), {"schema": ctx.schema})}
+            has_pgstattuple = bool(conn.execute(text(catalog.HAS_PGSTATTUPLE)).scalar())
+        wanted = list(self.config.indexes) or [n for n in catalog_rows if not ARTIFACT_RE.search(n)]
         for index in wanted:
             if ctx.should_stop():
                 break
             report = IndexReport(index=index, outcome="planned")
             result.indexes.append(report)
-            if index not in catalog or not IDENT_RE.match(index):
+            if index not in catalog_rows or not IDENT_RE.match(index):
                 report.outcome = "missing"
                 log.warning("configured index does not exist, skipping", extra=kv(index=index))
                 continue
-            report.bytes_before = catalog[index].bytes
-            pattern = artifact_pattern(index)
-            artifacts = [n for n, r in catalog.items() if pattern.match(n) and not r.valid]
+            report.bytes_before = catalog_rows[index].bytes
             report.bloat_percent = self._bloat(ctx, index, has_pgstattuple)
-            if ctx.dry_run:
-                report.artifacts_dropped = artifacts
-                if cfg.bloat_threshold is not None and report.bloat_percent is not None \
-                        and report.bloat_percent < cfg.bloat_threshold:
-                    report.outcome = "skipped"
-                continue
-            try:
-                with ctx.transaction():  # proves we still lead, right before the DDL
-                    pass
-                for name in artifacts:
-                    self._ddl(ctx, f"DROP INDEX CONCURRENTLY IF EXISTS {quote_ident(ctx.schema)}.{quote_ident(name)}")
-                    report.artifacts_dropped.append(name)
-                    log.info("dropped leftover index of a failed build", extra=kv(index=name))
-                if cfg.bloat_threshold is not None and report.bloat_percent is not None \
-                        and report.bloat_percent < cfg.bloat_threshold:
-                    report.outcome = "skipped"
-                    continue
-                started = time.monotonic()
-                self._ddl(ctx, f"REINDEX INDEX CONCURRENTLY {quote_ident(ctx.schema)}.{quote_ident(index)}",
-                          timeout_ms=ms(cfg.timeout))
-                report.seconds = round(time.monotonic() - started, 3)
-                report.outcome = "reindexed"
-                report.bytes_after = self._size(ctx, index)
-                log.info("reindexed", extra=kv(index=index, seconds=report.seconds,
-                                               bytes_before=report.bytes_before,
-                                               bytes_after=report.bytes_after))
-            except PassStopped:
-                report.outcome = "cancelled"
+            artifacts = [n for n, r in catalog_rows.items() if artifact_pattern(index).match(n) and not r.valid]
+            if not self._reindex(ctx, report, artifacts):
                 break
-            except DBAPIError as exc:
-                report.error = describe_db_error(exc)
-                msg = str(exc.orig)
-                if "statement timeout" in msg:
-                    report.outcome = "timeout"
-                elif "canceling statement" in msg or ctx.should_stop():
-                    report.outcome = "cancelled"
-                else:
-                    report.outcome = "error"
-                    if "must be owner" in msg or "permission denied" in msg:
-                        report.error = (f"{report.error} (REINDEX CONCURRENTLY needs ownership of "
-                                        "the jobs table's indexes: run the reindexer as the owner)")
-                log.warning("reindex failed", extra=kv(index=index, outcome=report.outcome,
-                                                       error=report.error))
-                self._drop_leftovers(ctx, index, report)
-                if report.outcome == "cancelled":
-                    break
         return result
 
-    # -- helpers ----------------------------------------------------------------------------
-    def _ddl(self, ctx: PassContext, statement: str, timeout_ms: int | None = None) -> None:
-        ctx.check_stop()
-        with ctx.engine.connect() as conn:
-            conn = conn.execution_options(isolation_level="AUTOCOMMIT")
-            conn.exec_driver_sql(f"SET lock_timeout = {ms(self.config.lock_timeout)}")
-            conn.exec_driver_sql(f"SET statement_timeout = {timeout_ms or 0}")
-            ctx.current = conn
-            try:
-                conn.exec_driver_sql(statement)
-            finally:
-                ctx.current = None
-                try:
-                    conn.exec_driver_sql("RESET statement_timeout")
-                    conn.exec_driver_sql("RESET lock_timeout")
-                except DBAPIError:
-                    pass
+    def _healthy(self, report: IndexReport) -> bool:
+        """Below the bloat threshold: not worth a rebuild."""
+        threshold = self.config.bloat_threshold
+        return threshold is not None and report.bloat_percent is not None and report.bloat_percent < threshold
 
-    def _drop_leftovers(self, ctx: PassContext, index: str, report: IndexReport) -> None:
-        """A cancelled REINDEX CONCURRENTLY leaves an invalid ``<index>_ccnew``: remove it now."""
+    def _reindex(self, ctx: PassContext, report: IndexReport, artifacts: list[str]) -> bool:
+        """Drop the index's leftovers, then rebuild it unless it is healthy. Returns False when
+        the pass must end (stopped)."""
+        if ctx.dry_run:
+            report.artifacts_dropped = artifacts
+            report.outcome = "skipped" if self._healthy(report) else "planned"
+            return True
+        try:
+            with ctx.transaction():  # proves we still lead, right before the DDL
+                pass
+            for name in artifacts:
+                self._drop(ctx, name, report)
+            if self._healthy(report):
+                report.outcome = "skipped"
+                return True
+            started = time.monotonic()
+            self._ddl(ctx, f"REINDEX INDEX CONCURRENTLY {qualified(ctx.schema, report.index)}",
+                      timeout_ms=ms(self.config.timeout))
+            report.seconds = round(time.monotonic() - started, 3)
+            report.outcome = "reindexed"
+            report.bytes_after = self._size(ctx, report.index)
+            log.info("reindexed", extra=kv(index=report.index, seconds=report.seconds,
+                                           bytes_before=report.bytes_before, bytes_after=report.bytes_after))
+            return True
+        except PassStopped:
+            report.outcome = "cancelled"
+            return False
+        except DBAPIError as exc:
+            self._failed(ctx, report, exc)
+            self._drop_leftovers(ctx, report)
+            return report.outcome != "cancelled"
+
+    def _failed(self, ctx: PassContext, report: IndexReport, exc: DBAPIError) -> None:
+        """Classify a failed build by SQLSTATE (a cancel we asked for is ``cancelled``)."""
+        sqlstate = getattr(exc.orig, "sqlstate", None)
+        report.error = describe_db_error(exc)
+        if ctx.should_stop():
+            report.outcome = "cancelled"
+        else:
+            report.outcome = OUTCOMES.get(sqlstate or "", "error")
+        if sqlstate in NEEDS_OWNER:
+            report.error += (" (REINDEX CONCURRENTLY needs ownership of the jobs table's indexes: "
+                             "run the reindexer as the owner)")
+        log.warning("reindex failed", extra=kv(index=report.index, outcome=report.outcome,
+                                               error=report.error))
+
+    def _ddl(self, ctx: PassContext, statement: str, timeout_ms: int = 0) -> None:
+        ctx.check_stop()
+        with ctx.autocommit(lock_timeout_ms=ms(self.config.lock_timeout),
+                            statement_timeout_ms=timeout_ms) as conn:
+            conn.exec_driver_sql(statement)
+
+    def _drop(self, ctx: PassContext, name: str, report: IndexReport) -> None:
+        self._ddl(ctx, f"DROP INDEX CONCURRENTLY IF EXISTS {qualified(ctx.schema, name)}")
+        report.artifacts_dropped.append(name)
+        log.info("dropped leftover index of a failed build", extra=kv(index=name))
+
+    def _drop_leftovers(self, ctx: PassContext, report: IndexReport) -> None:
+        """A cancelled REINDEX CONCURRENTLY leaves an invalid ``<index>_ccnew``: remove it now
+        (even when the pass is stopping: this DDL is not cancelled by the stop flag)."""
+        pattern = artifact_pattern(report.index)
         try:
             with ctx.engine.connect() as conn:
-                rows = conn.execute(text(TABLE_INDEXES), {"schema": ctx.schema}).all()
-            pattern = artifact_pattern(index)
+                rows = conn.execute(text(catalog.JOBS_INDEXES), {"schema": ctx.schema}).all()
             for r in rows:
                 if pattern.match(r.name) and not r.valid:
-                    with ctx.engine.connect() as conn:
-                        conn = conn.execution_options(isolation_level="AUTOCOMMIT")
-                        conn.exec_driver_sql(f"SET lock_timeout = {ms(self.config.lock_timeout)}")
-                        conn.exec_driver_sql(
-                            f"DROP INDEX CONCURRENTLY IF EXISTS {quote_ident(ctx.schema)}.{quote_ident(r.name)}")
+                    with ctx.autocommit(lock_timeout_ms=ms(self.config.lock_timeout)) as conn:
+                        conn.exec_driver_sql(f"DROP INDEX CONCURRENTLY IF EXISTS {qualified(ctx.schema, r.name)}")
                     report.artifacts_dropped.append(r.name)
                     log.info("dropped leftover of the cancelled build", extra=kv(index=r.name))
         except DBAPIError as exc:
             log.warning("could not drop the leftover index; the next pass will",
-                        extra=kv(index=index, error=describe_db_error(exc)))
+                        extra=kv(index=report.index, error=describe_db_error(exc)))
 
     def _size(self, ctx: PassContext, index: str) -> int | None:
         with ctx.engine.connect() as conn:
-            return conn.execute(text("SELECT pg_relation_size(CAST(:q AS regclass))"),
-                                {"q": f"{quote_ident(ctx.schema)}.{quote_ident(index)}"}).scalar()
+            return conn.execute(text(catalog.RELATION_SIZE), {"qualified": qualified(ctx.schema, index)}).scalar()
 
     def _bloat(self, ctx: PassContext, index: str, has_pgstattuple: bool) -> float | None:
-        try:
-            with ctx.engine.connect() as conn:
-                if has_pgstattuple:
-                    try:
-                        return round(conn.execute(text(PGSTATINDEX), {
-                            "qualified": f"{quote_ident(ctx.schema)}.{quote_ident(index)}"}).scalar(), 1)
-                    except DBAPIError:  # not a btree, or no permission: fall back
-                        conn.rollback()
-                value = conn.execute(text(ESTIMATE), {"schema": ctx.schema, "index": index}).scalar()
+        """Estimated bloat in percent: ``pgstatindex`` when installed (and allowed), else the
+        catalog estimate."""
+        queries = [(catalog.PGSTATINDEX_BLOAT, {"qualified": qualified(ctx.schema, index)})] if has_pgstattuple else []
+        queries.append((catalog.ESTIMATED_BLOAT, {"schema": ctx.schema, "index": index}))
+        for query, params in queries:
+            try:
+                with ctx.engine.connect() as conn:
+                    value = conn.execute(text(query), params).scalar()
                 return None if value is None else round(value, 1)
-        except DBAPIError as exc:
-            log.debug("bloat estimate failed", extra=kv(index=index, error=describe_db_error(exc)))
-            return None
+            except DBAPIError as exc:  # not a btree, or no permission: the next estimate
+                log.debug("bloat estimate failed", extra=kv(index=index, error=describe_db_error(exc)))
+        return None
 
     def observe(self, metrics, result: ReindexerResult) -> None:
         for r in result.indexes:

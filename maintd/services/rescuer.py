@@ -18,73 +18,18 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from ..config import RescuerConfig
 from ..jobs import BACKOFF_CAP, backoff
 from ..logs import kv
+from ..queries import jobs
 from .base import PassContext, PassResult, Service
 
 log = logging.getLogger("maintd.rescuer")
 
-FAR_PAST = datetime(1900, 1, 1, tzinfo=timezone.utc)
-
-# :hb_before is NULL when heartbeat_timeout is not set.
-STUCK = """
-      coalesce(heartbeat_at, attempted_at) < :stuck_before
-   OR (heartbeat_at IS NOT NULL AND heartbeat_at < CAST(:hb_before AS timestamptz))
-"""
-
-# One batch, one statement: up to :limit candidates in keyset order over jobs_running_idx, locked
-# (rows a worker is finishing right now are skipped, not waited for: the worker's update wins),
-# then rescued. The update re-checks the state, the attempt and the stuck rule on the row as it is
-# now. :delays[k + 1] is backoff(k) in seconds for k = 0 .. :cap (it is constant from :cap on).
-RESCUE_BATCH = """
-WITH candidates AS MATERIALIZED (
-  SELECT id, attempt, coalesce(heartbeat_at, attempted_at) AS seen
-    FROM {schema}.jobs
-   WHERE state = 'running'
-     AND coalesce(heartbeat_at, attempted_at) < :scan_until
-     AND (coalesce(heartbeat_at, attempted_at), id) > (:after_seen, :after_id)
-     AND (""" + STUCK + """)
-   ORDER BY coalesce(heartbeat_at, attempted_at), id
-   LIMIT :limit
-     FOR NO KEY UPDATE SKIP LOCKED
-), rescued AS (
-  UPDATE {schema}.jobs AS j
-     SET state = CASE WHEN j.attempt >= j.max_attempts
-                      THEN 'discarded' ELSE 'retryable' END::{schema}.job_state,
-         scheduled_at = CASE WHEN j.attempt >= j.max_attempts THEN j.scheduled_at
-                             ELSE CAST(:now AS timestamptz) + make_interval(
-                                    secs => (CAST(:delays AS float8[]))[least(greatest(j.attempt, 0), :cap) + 1])
-                        END,
-         finalized_at = CASE WHEN j.attempt >= j.max_attempts THEN CAST(:now AS timestamptz) END,
-         errors = j.errors || jsonb_build_array(jsonb_build_object(
-                    'at', CAST(:now AS timestamptz),
-                    'attempt', j.attempt,
-                    'error', 'stuck: no sign of life since ' || (to_jsonb(c.seen) #>> '{}')
-                             || ' (rescued by maintd ' || CAST(:instance AS text) || ')'))
-    FROM candidates AS c
-   WHERE j.id = ANY(ARRAY(SELECT id FROM candidates))  -- a primary-key path for the candidates
-     AND j.id = c.id                                    -- alone, whatever the planner thinks of c
-     AND j.state = 'running'
-     AND j.attempt = c.attempt
-     AND (""" + STUCK.replace("heartbeat_at", "j.heartbeat_at").replace("attempted_at", "j.attempted_at") + """)
-  RETURNING j.state = 'discarded' AS discarded
-)
-SELECT (SELECT count(*) FROM candidates) AS candidates,
-       last.seen AS last_seen, last.id AS last_id,
-       (SELECT count(*) FROM rescued WHERE discarded) AS discarded,
-       (SELECT count(*) FROM rescued WHERE NOT discarded) AS retried
-  FROM (SELECT 1) AS one
-  LEFT JOIN LATERAL (SELECT seen, id FROM candidates ORDER BY seen DESC, id DESC LIMIT 1) AS last ON true
-"""
-
-COUNT_STUCK = """
-SELECT count(*) FILTER (WHERE attempt < max_attempts) AS retry,
-       count(*) FILTER (WHERE attempt >= max_attempts) AS discard
-  FROM {schema}.jobs
- WHERE state = 'running'
-   AND coalesce(heartbeat_at, attempted_at) < :scan_until
-   AND (""" + STUCK + """)
-"""
+# Where the keyset starts; earlier signs of life (and none at all) are RESCUER_NO_SIGN_BATCH's.
+FAR_PAST = datetime(1, 1, 2, tzinfo=timezone.utc)
+# backoff(k) in seconds for k = 0 .. BACKOFF_CAP (the statement indexes it by attempt)
+DELAYS = [backoff(k).total_seconds() for k in range(BACKOFF_CAP + 1)]
 
 
 @dataclass
@@ -103,7 +48,7 @@ class RescuerResult(PassResult):
 
 
 class Rescuer(Service):
-    name = "rescuer"
+    config: RescuerConfig
 
     def horizons(self, now: datetime) -> dict:
         cfg = self.config
@@ -118,27 +63,14 @@ class Rescuer(Service):
         result = RescuerResult(dry_run=ctx.dry_run)
         if ctx.dry_run:
             with ctx.transaction() as conn:
-                row = conn.execute(ctx.sql(COUNT_STUCK), params).one()
+                row = conn.execute(ctx.sql(jobs.RESCUER_COUNT_STUCK), params).one()
             result.retried, result.discarded = row.retry, row.discard
             return result
-        after_seen, after_id = FAR_PAST, 0
-        limit = self.config.batch_size
-        delays = [backoff(k).total_seconds() for k in range(BACKOFF_CAP + 1)]
         try:
-            while True:
-                ctx.check_stop()
-                with ctx.transaction() as conn:
-                    batch = conn.execute(ctx.sql(RESCUE_BATCH), {
-                        **params, "after_seen": after_seen, "after_id": after_id, "limit": limit,
-                        "now": now, "instance": ctx.instance_id, "delays": delays, "cap": BACKOFF_CAP,
-                    }).one()
-                if batch.retried or batch.discarded:
-                    result.batches += 1
-                result.discarded += batch.discarded
-                result.retried += batch.retried
-                if batch.candidates < limit:
-                    break
-                after_seen, after_id = batch.last_seen, batch.last_id
+            params = {**params, "now": now, "instance": ctx.instance_id, "delays": DELAYS,
+                      "cap": BACKOFF_CAP}
+            self._rescue_without_sign(ctx, params, result)
+            self._rescue(ctx, params, result)
         finally:  # also when the pass stops or fails half-way: say what was committed
             if result.did_something():
                 log.info("released stale running jobs",
@@ -146,10 +78,40 @@ class Rescuer(Service):
                                   discarded=result.discarded))
         return result
 
+    def _rescue(self, ctx: PassContext, params: dict, result: RescuerResult) -> None:
+        """Batches in keyset order until one finds fewer than ``batch_size`` candidates."""
+        after_seen, after_id = FAR_PAST, 0
+        limit = self.config.batch_size
+        while True:
+            ctx.check_stop()
+            with ctx.transaction() as conn:
+                batch = conn.execute(ctx.sql(jobs.RESCUER_BATCH), {
+                    **params, "after_seen": after_seen, "after_id": after_id, "limit": limit}).one()
+            if batch.retried or batch.discarded:
+                result.batches += 1
+            result.discarded += batch.discarded
+            result.retried += batch.retried
+            if batch.candidates < limit:
+                return
+            after_seen, after_id = batch.last_seen, batch.last_id
+
+    def _rescue_without_sign(self, ctx: PassContext, params: dict, result: RescuerResult) -> None:
+        """Running jobs with no usable attempted_at/heartbeat_at: stuck, rescued, each logged."""
+        limit = self.config.batch_size
+        while True:
+            ctx.check_stop()
+            with ctx.transaction() as conn:
+                batch = conn.execute(ctx.sql(jobs.RESCUER_NO_SIGN_BATCH), {**params, "limit": limit}).one()
+            result.discarded += batch.discarded
+            result.retried += batch.retried
+            for job_id in batch.ids:
+                log.warning("rescued a running job with no usable attempted_at or heartbeat_at",
+                            extra=kv(job_id=job_id))
+            if batch.candidates < limit:
+                return
+
     def observe(self, metrics, result: RescuerResult) -> None:
         if result.retried:
             metrics.jobs_rescued.labels("retried").inc(result.retried)
         if result.discarded:
             metrics.jobs_rescued.labels("discarded").inc(result.discarded)
-
-

@@ -23,40 +23,14 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from ..config import SchedulerConfig
 from ..db import notify_channel
+from ..queries import jobs
 from .base import PassContext, PassResult, Service
 
 MIN_WAKE = 0.05  # seconds: at most ~20 wake-ups a second, whatever the due times
 MAX_SLEEP = 1.0  # seconds: re-read the next due time at least this often while waiting
 TICK_MARGIN = 0.25  # seconds (at most 10 % of interval): a pass ends this long before the next tick
-
-PROMOTE_BATCH = """
-WITH promoted AS (
-  UPDATE {schema}.jobs SET state = 'available'
-   WHERE id = ANY(ARRAY(
-           SELECT id FROM {schema}.jobs
-            WHERE state IN ('scheduled', 'retryable') AND scheduled_at <= :now
-            ORDER BY scheduled_at, id
-            LIMIT :limit
-              FOR UPDATE SKIP LOCKED))
-     AND state IN ('scheduled', 'retryable')
-     AND scheduled_at <= :now
-  RETURNING queue
-)
-SELECT queue, count(*) AS n FROM promoted GROUP BY queue
-"""
-
-NOTIFY = "SELECT pg_notify(:channel, q) FROM unnest(CAST(:queues AS text[])) AS q"
-
-NEXT_DUE = """
-SELECT min(scheduled_at) FROM {schema}.jobs WHERE state IN ('scheduled', 'retryable')
-"""
-
-COUNT_DUE = """
-SELECT queue, count(*) AS n FROM {schema}.jobs
- WHERE state IN ('scheduled', 'retryable') AND scheduled_at <= :now
- GROUP BY queue
-"""
 
 
 @dataclass
@@ -64,7 +38,11 @@ class SchedulerResult(PassResult):
     promoted: dict[str, int] = field(default_factory=dict)
     batches: int = 0  # transactions that promoted at least one job
     wakeups: int = 0  # precise timing: times the pass slept and looked again
+    slept: float = 0.0  # precise timing: seconds spent waiting for due times
     dry_run: bool = False
+
+    def waited(self) -> float:
+        return self.slept
 
     @property
     def total(self) -> int:
@@ -80,13 +58,13 @@ class SchedulerResult(PassResult):
 
 
 class Scheduler(Service):
-    name = "scheduler"
+    config: SchedulerConfig
 
     def run_once(self, ctx: PassContext) -> SchedulerResult:
         result = SchedulerResult(dry_run=ctx.dry_run)
         if ctx.dry_run:
             with ctx.transaction() as conn:
-                for row in conn.execute(ctx.sql(COUNT_DUE), {"now": ctx.now()}):
+                for row in conn.execute(ctx.sql(jobs.SCHEDULER_COUNT_DUE), {"now": ctx.now()}):
                     result.promoted[row.queue] = row.n
             return result
         interval = self.config.interval.total_seconds()
@@ -100,7 +78,10 @@ class Scheduler(Service):
             wait = (next_due - ctx.now()).total_seconds()
             if max(wait, MIN_WAKE) > deadline - time.monotonic():
                 return result
-            if ctx.stop_event.wait(min(max(wait, MIN_WAKE), MAX_SLEEP)):
+            started = time.monotonic()
+            stopped = ctx.stop_event.wait(min(max(wait, MIN_WAKE), MAX_SLEEP))
+            result.slept += time.monotonic() - started
+            if stopped:
                 return result
             result.wakeups += 1
 
@@ -113,12 +94,12 @@ class Scheduler(Service):
             ctx.check_stop()
             next_due = None
             with ctx.transaction() as conn:
-                rows = conn.execute(ctx.sql(PROMOTE_BATCH), {"now": ctx.now(), "limit": limit}).all()
+                rows = conn.execute(ctx.sql(jobs.SCHEDULER_PROMOTE), {"now": ctx.now(), "limit": limit}).all()
                 if rows:
-                    conn.execute(ctx.sql(NOTIFY), {"channel": channel, "queues": [r.queue for r in rows]})
+                    conn.execute(ctx.sql(jobs.NOTIFY_QUEUES), {"channel": channel, "queues": [r.queue for r in rows]})
                 promoted = sum(r.n for r in rows)
                 if want_next_due and promoted < limit:
-                    next_due = conn.execute(ctx.sql(NEXT_DUE)).scalar()
+                    next_due = conn.execute(ctx.sql(jobs.SCHEDULER_NEXT_DUE)).scalar()
             if rows:
                 result.batches += 1
             for r in rows:
@@ -128,4 +109,4 @@ class Scheduler(Service):
 
     def observe(self, metrics, result: SchedulerResult) -> None:
         for queue, n in result.promoted.items():
-            metrics.jobs_promoted.labels(queue).inc(n)
+            metrics.jobs_promoted.labels(metrics.queue_label(queue)).inc(n)

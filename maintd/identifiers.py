@@ -1,0 +1,31 @@
+"""SQL identifiers from the config (schema, index names): validated once, always quoted."""
+
+from __future__ import annotations
+
+import re
+
+IDENT_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}\Z")  # \Z: "$" would also match before a final newline
+
+
+def validate_identifier(value: str, what: str = "identifier") -> str:
+    """Lower-case SQL identifiers only; they are still always quoted where used."""
+    if not isinstance(value, str) or not IDENT_RE.match(value):
+        raise ValueError(
+            f"invalid {what} {value!r}: use 1-63 lower-case letters, digits and underscores, "
+            "not starting with a digit"
+        )
+    if value.startswith("pg_"):
+        raise ValueError(f"invalid {what} {value!r}: the pg_ prefix is reserved by PostgreSQL")
+    return value
+
+
+def quote_ident(name: str) -> str:
+    """Quote an identifier that has already passed :func:`validate_identifier`."""
+    if not IDENT_RE.match(name):
+        raise ValueError(f"refusing to quote unvalidated identifier {name!r}")
+    return '"' + name + '"'
+
+
+def qualified(schema: str, name: str) -> str:
+    """``"schema"."name"`` for two validated identifiers."""
+    return f"{quote_ident(schema)}.{quote_ident(name)}"

@@ -1,0 +1,141 @@
+"""One pass of one service: run it under a :class:`PassContext`, classify its outcome, report it
+(metrics, log line) and record it in ``service_runs``. The runner (daemon) and ``run-once`` (CLI)
+both come through here."""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Engine
+
+from .config import Settings
+from .db import describe_db_error, make_engine, ms, session_settings
+from .logs import kv
+from .metrics import Metrics
+from .queries import service_runs
+from .services import SERVICES
+from .services.base import NotLeader, PassContext, PassResult, PassStopped, Service
+
+log = logging.getLogger("maintd.passes")
+
+
+class Outcome(str, enum.Enum):
+    SUCCESS = "success"  # the pass ran to its end
+    ERROR = "error"      # the pass failed, or part of it did (e.g. one index of the reindexer)
+    FENCED = "fenced"    # the database refused it: this instance does not lead (any more)
+    STOPPED = "stopped"  # it gave up early: leadership lost or shutting down
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class PassRecord:
+    service: str
+    outcome: Outcome
+    started_at: datetime
+    finished_at: datetime
+    seconds: float  # the pass's work, not its waits (the scheduler's precise-timing sleeps)
+    result: PassResult | None = None
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"service": self.service, "outcome": self.outcome.value,
+                "started_at": self.started_at.isoformat(), "finished_at": self.finished_at.isoformat(),
+                "seconds": round(self.seconds, 6), "error": self.error,
+                "result": self.result.as_dict() if self.result is not None else {}}
+
+
+def maintenance_engine(settings: Settings, *, pool_size: int = len(SERVICES) + 1) -> Engine:
+    """Pooled connections for maintenance transactions, bounded on both sides: by the statement
+    timeout on the server (and a frozen process's open transaction is ended by the server within
+    the lease), and on the client by ``tcp_user_timeout`` (a send the server does not acknowledge
+    fails within the lease) besides the keepalives and the connect timeout. Each running pass holds
+    one (:meth:`PassContext.session`), the job gauges another; connections open on demand."""
+    return make_engine(
+        settings.database_url.get_secret_value(),
+        application_name=f"maintd:{settings.instance_id}:work",
+        session=session_settings(settings.statement_timeout, lock_timeout=settings.leader.lease / 2,
+                                 idle_in_transaction=settings.leader.lease),
+        pool_size=pool_size, tcp_user_timeout=ms(settings.leader.lease),
+    )
+
+
+def execute_pass(name: str, service: Service, ctx: PassContext, metrics: Metrics | None = None) -> PassRecord:
+    """Run one pass of ``service`` and report it; never raises for a failing pass."""
+    slog = logging.getLogger(f"maintd.{name}")
+    with ctx.session():
+        started, mono = _now(ctx), time.monotonic()
+        result, outcome, error = _run(name, service, ctx, slog)
+        work = time.monotonic() - mono - (result.waited() if result is not None else 0.0)
+        record = PassRecord(name, outcome, started, _now(ctx, default=started), work, result, error)
+    if metrics is not None:
+        _observe(metrics, service, record, ctx)
+    if result is not None and result.did_something():
+        slog.info("%s: %s", name, result.summary(), extra=kv(seconds=round(record.seconds, 3)))
+    return record
+
+
+def _run(name: str, service: Service, ctx: PassContext,
+         slog: logging.Logger) -> tuple[PassResult | None, Outcome, str | None]:
+    try:
+        result = service.run_once(ctx)
+    except NotLeader as exc:
+        slog.warning("pass refused: not the leader", extra=kv(service=name, reason=str(exc)))
+        return None, Outcome.FENCED, str(exc)
+    except PassStopped:
+        return None, Outcome.STOPPED, "stopped: leadership lost or shutting down"
+    except Exception as exc:  # a failing pass never kills the daemon
+        if ctx.should_stop():  # e.g. its query was cancelled because we lost leadership
+            return None, Outcome.STOPPED, f"stopped: {describe_db_error(exc)}"
+        error = describe_db_error(exc)
+        slog.error("pass failed", extra=kv(service=name, error=error),
+                   exc_info=slog.isEnabledFor(logging.DEBUG))
+        return None, Outcome.ERROR, error
+    if result.failed():
+        return result, Outcome.ERROR, f"part of the pass failed: {result.summary()}"
+    return result, Outcome.SUCCESS, None
+
+
+def _now(ctx: PassContext, default: datetime | None = None) -> datetime:
+    """The server's time for the record; ``default`` when the server cannot be asked."""
+    try:
+        return ctx.now()
+    except Exception:
+        if default is None:
+            from .clock import UTC
+
+            return datetime.now(UTC)  # the server is unreachable: the pass fails anyway
+        return default
+
+
+def _observe(metrics: Metrics, service: Service, record: PassRecord, ctx: PassContext) -> None:
+    metrics.service_runs.labels(record.service, record.outcome.value).inc()
+    metrics.service_run_seconds.labels(record.service).observe(record.seconds)
+    if record.outcome is Outcome.SUCCESS:
+        metrics.service_last_success.labels(record.service).set(record.finished_at.timestamp())
+    if record.result is not None and not ctx.dry_run:
+        service.observe(metrics, record.result)
+
+
+def record_pass(ctx: PassContext, record: PassRecord) -> None:
+    """Write the pass to ``service_runs`` in a fenced transaction of its own. Raises NotLeader
+    when the term is over; other failures are logged (the record is bookkeeping only)."""
+    try:
+        with ctx.transaction() as conn:
+            conn.execute(ctx.sql(service_runs.RECORD), {
+                "service": record.service, "instance": ctx.instance_id, "started": record.started_at,
+                "finished": record.finished_at, "outcome": record.outcome.value,
+                "result": json.dumps(record.as_dict()["result"], default=str), "error": record.error,
+            })
+    except (NotLeader, PassStopped):
+        raise
+    except Exception as exc:
+        log.warning("could not record the pass", extra=kv(service=record.service,
+                                                          error=describe_db_error(exc)))

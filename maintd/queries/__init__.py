@@ -1,0 +1,108 @@
+"""Every SQL statement maintd runs, one module per table (plus ``catalog`` for PostgreSQL's own).
+
+Statements are plain SQL with ``:name`` parameters. Placeholders in braces are filled in when a
+statement is rendered; each fragment used by more than one statement is defined once, here:
+
+* ``{schema}``: the validated, quoted schema name;
+* ``{final_states}``: the final states as a SQL list (also in the schema's constraints);
+* ``{advisory_lock}``: the ``pg_locks`` row of the leader lock (bound by ``:classid`` and
+  ``:objid``, the signed key halves of :func:`maintd.db.advisory_key`, compared as ``oid``);
+* ``{stuck}``: the rescuer's rule for a running job that shows no sign of life (bound by
+  ``:stuck_before`` and ``:hb_before``, NULL without ``heartbeat_timeout``);
+* ``{target_queues}``: the queues one cleaner target covers (``:queue``, or every queue but
+  ``:excluded``);
+* ``{enqueue}``: a job's INSERT (the workers' enqueue and the periodic enqueuer's);
+* ``{rescue}``: the rescuer's update of its locked ``candidates`` (``retryable`` after
+  ``:delays[attempt + 1]`` seconds, or ``discarded``), re-checking each row as it is now.
+
+:func:`sql` gives a SQLAlchemy ``text()``; :func:`psycopg_sql` the same statement in psycopg's
+``%(name)s`` style for the raw connections of the leader lock.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+from sqlalchemy import TextClause, text
+
+from ..identifiers import quote_ident
+
+FINAL_STATES = ("completed", "cancelled", "discarded")
+JOB_STATES = ("available", "scheduled", "running", "retryable", *FINAL_STATES)
+FINAL_STATES_SQL = "(" + ", ".join(f"'{s}'" for s in FINAL_STATES) + ")"
+
+# The advisory lock of a leadership, as PostgreSQL lists it: pg_locks shows a two-key lock's
+# halves as unsigned oids; the int4 -> oid cast maps the signed halves onto them.
+ADVISORY_LOCK = """SELECT 1 FROM pg_locks
+                WHERE locktype = 'advisory' AND objsubid = 2 AND granted
+                  AND classid = CAST(CAST(:classid AS int4) AS oid)
+                  AND objid = CAST(CAST(:objid AS int4) AS oid)"""
+
+STUCK = """(coalesce(heartbeat_at, attempted_at) < :stuck_before
+          OR (heartbeat_at IS NOT NULL AND heartbeat_at < CAST(:hb_before AS timestamptz)))"""
+
+TARGET_QUEUES = """(CAST(:queue AS text) IS NULL OR queue = :queue)
+            AND queue <> ALL(CAST(:excluded AS text[]))"""
+
+# :delays[k + 1] is backoff(k) in seconds for k = 0 .. :cap (constant from :cap on). Unqualified
+# columns in the WHERE are the jobs row's (the candidates carry id, attempt and seen only).
+RESCUE = """rescued AS (
+  UPDATE {schema}.jobs AS j
+     SET state = CASE WHEN j.attempt >= j.max_attempts
+                      THEN 'discarded' ELSE 'retryable' END::{schema}.job_state,
+         scheduled_at = CASE WHEN j.attempt >= j.max_attempts THEN j.scheduled_at
+                             ELSE CAST(:now AS timestamptz) + make_interval(
+                                    secs => (CAST(:delays AS float8[]))[least(greatest(j.attempt, 0), :cap) + 1])
+                        END,
+         finalized_at = CASE WHEN j.attempt >= j.max_attempts THEN CAST(:now AS timestamptz) END,
+         errors = j.errors || jsonb_build_array(jsonb_build_object(
+                    'at', CAST(:now AS timestamptz),
+                    'attempt', j.attempt,
+                    'error', 'stuck: no sign of life since '
+                             || coalesce(to_jsonb(c.seen) #>> '{}', 'ever (attempted_at and heartbeat_at are NULL)')
+                             || ' (rescued by maintd ' || CAST(:instance AS text) || ')'))
+    FROM candidates AS c
+   WHERE j.id = ANY(ARRAY(SELECT id FROM candidates))  -- a primary-key path for the candidates
+     AND j.id = c.id                                    -- alone, whatever the planner thinks of c
+     AND j.state = 'running'
+     AND j.attempt = c.attempt
+     AND ({stuck} OR coalesce(heartbeat_at, attempted_at) IS NULL
+          OR coalesce(heartbeat_at, attempted_at) < '0001-01-02 00:00:00+00')
+  RETURNING j.id, j.state = 'discarded' AS discarded
+)"""
+
+# A job's INSERT, before its ON CONFLICT: due now ('available') or later ('scheduled').
+ENQUEUE = """INSERT INTO {schema}.jobs (kind, queue, args, priority, max_attempts, scheduled_at, state,
+                           unique_key, metadata)
+VALUES (:kind, :queue, CAST(:args AS jsonb), :priority, :max_attempts,
+        coalesce(CAST(:scheduled_at AS timestamptz), now()),
+        CASE WHEN coalesce(CAST(:scheduled_at AS timestamptz), now()) <= now()
+             THEN 'available' ELSE 'scheduled' END::{schema}.job_state,
+        :unique_key, CAST(:metadata AS jsonb))"""
+
+# Order matters: a fragment may hold the ones after it.
+FRAGMENTS = {"{enqueue}": ENQUEUE, "{rescue}": RESCUE, "{advisory_lock}": ADVISORY_LOCK, "{stuck}": STUCK,
+             "{target_queues}": TARGET_QUEUES, "{final_states}": FINAL_STATES_SQL}
+
+_PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
+
+
+@functools.lru_cache(maxsize=1024)
+def render(template: str, schema: str) -> str:
+    """The statement for one schema, placeholders filled in."""
+    for name, fragment in FRAGMENTS.items():
+        template = template.replace(name, fragment)
+    return template.replace("{schema}", quote_ident(schema))
+
+
+@functools.lru_cache(maxsize=1024)
+def sql(template: str, schema: str) -> TextClause:
+    """A SQLAlchemy ``text()`` for a statement, cached per (statement, schema)."""
+    return text(render(template, schema))
+
+
+@functools.lru_cache(maxsize=256)
+def psycopg_sql(template: str, schema: str = "maintd") -> str:
+    """The statement with ``:name`` turned into psycopg's ``%(name)s`` (and ``%`` escaped)."""
+    return _PARAM.sub(r"%(\1)s", render(template, schema).replace("%", "%%"))

@@ -1,0 +1,131 @@
+"""Statements of ``maintd jobs`` (on ``{schema}.jobs``, through the SQL admin functions of
+migration 0002). Filters are composed from fixed pieces: the state is a validated literal (so the
+partial indexes can be proved), every other value is a parameter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from . import FINAL_STATES, FINAL_STATES_SQL
+
+_FINAL = FINAL_STATES_SQL
+IDLE = "j.state IN ('available', 'scheduled', 'retryable')"  # non-final and not running
+RUN_AT = "coalesce(CAST(:at AS timestamptz), now() + make_interval(secs => CAST(:offset AS float8)))"
+
+
+@dataclass(frozen=True)
+class Action:
+    verb: str  # past tense, for the output
+    call: str  # the SQL function call, returning the changed rows' id and state
+    applies: str  # predicate on alias j: exactly the jobs the function changes
+    to_state: str  # SQL expression: the job's state after the change (for --dry-run)
+
+
+ACTIONS: dict[str, Action] = {
+    "retry": Action(
+        "retried", "SELECT id, state::text AS state FROM {schema}.retry_jobs(CAST(:ids AS bigint[]))",
+        "j.state <> 'running' AND NOT (j.state = 'available' AND j.scheduled_at <= now())"
+        f" AND NOT (j.state IN {_FINAL} AND j.unique_key IS NOT NULL AND EXISTS ("
+        "SELECT 1 FROM {schema}.jobs AS o"
+        f" WHERE o.unique_key = j.unique_key AND o.state NOT IN {_FINAL}))",
+        "'available'"),
+    "cancel": Action(
+        "cancelled", "SELECT id, state::text AS state FROM {schema}.cancel_jobs(CAST(:ids AS bigint[]))",
+        IDLE, "'cancelled'"),
+    "discard": Action(
+        "discarded",
+        "SELECT id, state::text AS state"
+        " FROM {schema}.permanently_fail_jobs(CAST(:ids AS bigint[]), CAST(:reason AS text))",
+        IDLE, "'discarded'"),
+    "delete": Action(
+        "deleted", "SELECT id, 'deleted' AS state FROM {schema}.delete_jobs(CAST(:ids AS bigint[]))",
+        "j.state <> 'running'", "'deleted'"),
+    "reschedule": Action(
+        "rescheduled",
+        "SELECT id, state::text AS state FROM {schema}.reschedule_jobs(CAST(:ids AS bigint[]),"
+        f" run_at => {RUN_AT}, priority => CAST(:priority AS int),"
+        " max_attempts => CAST(:max_attempts AS int))",
+        IDLE,
+        f"CASE WHEN {RUN_AT} <= now() THEN 'available' WHEN j.state = 'retryable' THEN 'retryable'"
+        " ELSE 'scheduled' END"),
+}
+
+# Keyset per state filter: the columns of the partial index serving that state, in its order.
+_ID = (("j.id", "bigint"),)
+_SCHEDULED = (("j.scheduled_at", "timestamptz"), ("j.id", "bigint"))
+_FINALIZED = (("j.finalized_at", "timestamptz"), ("j.id", "bigint"))
+KEYSETS: dict[str | None, tuple[tuple[str, str], ...]] = {
+    "available": (("j.queue", "text"), ("j.priority", "smallint"),
+                  ("j.scheduled_at", "timestamptz"), ("j.id", "bigint")),  # jobs_fetch_idx
+    "scheduled": _SCHEDULED, "retryable": _SCHEDULED,  # jobs_scheduled_idx
+    "completed": _FINALIZED, "cancelled": _FINALIZED, "discarded": _FINALIZED,  # jobs_finalized_idx
+}
+
+ROW = "j.id, j.kind, j.queue, j.state::text AS state, j.unique_key"
+
+BY_IDS = """
+SELECT {row}, ({applies}) AS applies, ({to_state}) AS to_state
+  FROM {{schema}}.jobs AS j WHERE j.id = ANY(CAST(:ids AS bigint[])) ORDER BY j.id
+"""
+
+BY_FILTER = """
+SELECT {row}, ({applies}) AS applies, ({to_state}) AS to_state, {keys}
+  FROM {{schema}}.jobs AS j
+ WHERE {where}
+ ORDER BY {order} LIMIT :limit
+"""
+
+REREAD = "SELECT id, state::text AS state FROM {schema}.jobs WHERE id = ANY(CAST(:ids AS bigint[]))"
+
+LIST = """
+SELECT j.id, j.state::text AS state, j.queue, j.kind, j.attempt, j.max_attempts, j.priority,
+       j.scheduled_at, j.finalized_at, j.errors -> -1 ->> 'error' AS last_error
+  FROM {{schema}}.jobs AS j {where}
+ ORDER BY j.id DESC LIMIT :limit
+"""
+
+SHOW = "SELECT j.*, j.state::text AS state FROM {schema}.jobs AS j WHERE j.id = :id"
+
+
+# ---------------------------------------------------------------- selection
+
+@dataclass(frozen=True)
+class Filter:
+    state: str | None = None
+    queue: str | None = None
+    kind: str | None = None
+
+    def __bool__(self) -> bool:
+        return any(v is not None for v in (self.state, self.queue, self.kind))
+
+    def clauses(self) -> list[str]:
+        """SQL conditions; the state is a literal (validated) so partial indexes can be proved."""
+        out = []
+        if self.state is not None:
+            out.append(f"j.state = '{self.state}'")
+            if self.state in FINAL_STATES:
+                out.append("j.finalized_at IS NOT NULL")  # jobs_finalized_idx's predicate
+        if self.queue is not None:
+            out.append("j.queue = :queue")
+        if self.kind is not None:
+            out.append("j.kind = :kind")
+        return out
+
+    def params(self) -> dict[str, Any]:
+        return {"queue": self.queue, "kind": self.kind}
+
+
+def filter_query(action: Action, flt: Filter, *, first: bool) -> str:
+    """The batch query of a filter: matching jobs the action applies to, plus running ones (to
+    report them), in the keyset order of the index serving the state filter."""
+    keys = KEYSETS.get(flt.state, _ID)
+    where = [f"(({action.applies}) OR j.state = 'running')", *flt.clauses()]
+    if not first:
+        cols = ", ".join(col for col, _ in keys)
+        marks = ", ".join(f"CAST(:k{i} AS {typ})" for i, (_, typ) in enumerate(keys))
+        where.append(f"({cols}) > ({marks})")
+    return BY_FILTER.format(
+        row=ROW, applies=action.applies, to_state=action.to_state,
+        keys=", ".join(f"{col} AS k{i}" for i, (col, _) in enumerate(keys)),
+        where="\n   AND ".join(where), order=", ".join(col for col, _ in keys))

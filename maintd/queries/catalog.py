@@ -1,0 +1,60 @@
+"""Statements on PostgreSQL's catalogs (the reindexer, schema checks, the server clock)."""
+
+SERVER_TIME = "SELECT clock_timestamp()"
+
+# A session setting of a new connection (maintd.db.connect).
+SET_SESSION = "SELECT set_config(:name, :value, false)"
+
+TABLE_EXISTS = "SELECT to_regclass(:qualified) IS NOT NULL"
+
+JOBS_INDEXES = """
+SELECT c.relname AS name, i.indisvalid AS valid, pg_relation_size(c.oid) AS bytes
+  FROM pg_index i
+  JOIN pg_class c ON c.oid = i.indexrelid
+  JOIN pg_class t ON t.oid = i.indrelid
+  JOIN pg_namespace n ON n.oid = t.relnamespace
+ WHERE n.nspname = :schema AND t.relname = 'jobs'
+ ORDER BY c.relname
+"""
+
+HAS_PGSTATTUPLE = "SELECT count(*) > 0 FROM pg_extension WHERE extname = 'pgstattuple'"
+
+# Leaf density of a btree: a fresh index is about 90 % full (the default fillfactor).
+PGSTATINDEX_BLOAT = """
+SELECT greatest(0, 90 - avg_leaf_density)::float8 AS bloat
+  FROM pgstatindex(CAST(:qualified AS regclass))
+"""
+
+# Catalog estimate: pages the index would need at 90 % fill for its tuples, vs its size.
+ESTIMATED_BLOAT = """
+SELECT CASE WHEN c.relpages <= 1 OR c.reltuples <= 0 THEN 0
+            ELSE greatest(0, 100 * (1 - (c.reltuples * (8 + coalesce(w.width, 8))
+                 / (current_setting('block_size')::float8 * 0.9)) / c.relpages)) END::float8 AS bloat
+  FROM pg_class c
+  JOIN pg_namespace n ON n.oid = c.relnamespace
+  LEFT JOIN LATERAL (
+       SELECT sum(s.avg_width)::float8 AS width
+         FROM pg_index i
+         JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)
+         JOIN pg_stats s ON s.schemaname = n.nspname AND s.tablename = 'jobs' AND s.attname = a.attname
+        WHERE i.indexrelid = c.oid) w ON true
+ WHERE n.nspname = :schema AND c.relname = :index
+"""
+
+RELATION_SIZE = "SELECT pg_relation_size(CAST(:qualified AS regclass))"
+
+# migrate: what the connected role may do on the schema, and whether it is versioned yet.
+SCHEMA_PRIVILEGES = """
+SELECT current_user AS role, current_database() AS database,
+       has_database_privilege(current_database(), 'CREATE') AS database_create,
+       n.oid IS NOT NULL AS schema_exists,
+       pg_get_userbyid(n.nspowner) AS schema_owner,
+       n.oid IS NOT NULL AND has_schema_privilege(n.oid, 'USAGE') AS schema_usage,
+       n.oid IS NOT NULL AND has_schema_privilege(n.oid, 'CREATE') AS schema_create,
+       v.oid IS NOT NULL AS versioned,
+       pg_get_userbyid(v.relowner) AS tables_owner,
+       v.oid IS NOT NULL AND pg_has_role(v.relowner, 'USAGE') AS owns_tables
+  FROM (SELECT 1) AS one
+  LEFT JOIN pg_namespace n ON n.nspname = :schema
+  LEFT JOIN pg_class v ON v.relnamespace = n.oid AND v.relname = 'alembic_version'
+"""

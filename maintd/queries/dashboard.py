@@ -1,0 +1,115 @@
+"""Statements of the dashboard (read-only, on ``{schema}.jobs`` and maintd's tables): bounded
+counts that read an index and stop, keyset pages in each state's index order. Where a statement
+follows a state's index, ``{where}`` and ``{order}`` are filled from ``INDEX`` (fixed text of
+this module, never user input)."""
+
+from . import FINAL_STATES
+
+# Each state's index: (its predicate, its order). scheduled and retryable share jobs_scheduled_idx;
+# available's (jobs_fetch_idx) leads with the queue.
+_SCHEDULED_IDX = ("state IN ('scheduled', 'retryable')", "scheduled_at, id")
+
+INDEX = {
+    "available": ("state = 'available'", "queue, priority, scheduled_at, id"),
+    "scheduled": _SCHEDULED_IDX,
+    "retryable": _SCHEDULED_IDX,
+    "running": ("state = 'running'", "coalesce(heartbeat_at, attempted_at), id"),
+    **{s: (f"state = '{s}' AND finalized_at IS NOT NULL", "finalized_at DESC, id DESC")
+       for s in FINAL_STATES},
+}
+
+# Counts of every state but available: (state, queue) among the first `cap` entries of the index.
+WINDOW = """
+SELECT state::text AS state, queue, count(*) AS n
+  FROM (SELECT state, queue FROM {schema}.jobs WHERE {where} ORDER BY {order} LIMIT :cap) w
+ GROUP BY state, queue
+"""
+
+# The first job of each (queue, priority) group of available jobs, by a loose index scan of
+# jobs_fetch_idx: the smallest scheduled_at per queue is among them.
+HEADS = """
+WITH RECURSIVE heads AS (
+  (SELECT queue, priority, scheduled_at FROM {schema}.jobs WHERE state = 'available'
+    ORDER BY queue, priority, scheduled_at, id LIMIT 1)
+  UNION ALL
+  SELECT n.queue, n.priority, n.scheduled_at
+    FROM heads h CROSS JOIN LATERAL (
+         SELECT queue, priority, scheduled_at FROM {schema}.jobs
+          WHERE state = 'available' AND (queue, priority) > (h.queue, h.priority)
+          ORDER BY queue, priority, scheduled_at, id LIMIT 1) n
+)
+SELECT queue, min(scheduled_at) AS oldest, count(*) AS groups
+  FROM (SELECT * FROM heads LIMIT :max_heads) h GROUP BY queue
+"""
+
+AVAILABLE_COUNTS = """
+SELECT q.queue, (SELECT count(*) FROM (SELECT 1 FROM {schema}.jobs j
+                                        WHERE j.state = 'available' AND j.queue = q.queue
+                                        ORDER BY j.priority, j.scheduled_at, j.id
+                                        LIMIT :cap) s) AS n
+  FROM unnest(CAST(:queues AS text[])) AS q(queue)
+"""
+
+# Rows per state from the statistics (ANALYZE, autovacuum): no row is read.
+ESTIMATES = """
+SELECT v.state, round(greatest(c.reltuples, 0) * v.freq)::bigint AS n
+  FROM pg_class c
+  JOIN pg_stats s ON s.schemaname = :schema AND s.tablename = 'jobs' AND s.attname = 'state'
+ CROSS JOIN unnest(s.most_common_vals::text::text[], s.most_common_freqs) AS v(state, freq)
+ WHERE c.oid = to_regclass(:table)
+"""
+
+DISCARDED = """
+SELECT id, kind, queue, attempt, max_attempts, finalized_at,
+       left(errors->-1->>'error', 2000) AS last_error
+  FROM {schema}.jobs WHERE state = 'discarded' AND finalized_at IS NOT NULL
+ ORDER BY finalized_at DESC, id DESC LIMIT :n
+"""
+
+LAST_SLOTS = """
+SELECT p.id, s.slot, s.job_id
+  FROM unnest(CAST(:ids AS text[])) AS p(id)
+  LEFT JOIN LATERAL (SELECT slot, job_id FROM {schema}.periodic_slots
+                      WHERE periodic_id = p.id ORDER BY slot DESC LIMIT 1) s ON true
+"""
+
+LIST_COLUMNS = """id, kind, queue, state::text AS state, priority, attempt, max_attempts, scheduled_at,
+       created_at, attempted_at, finalized_at, left(args::text, 160) AS args_brief,
+       left(errors->-1->>'error', 300) AS last_error"""
+
+LIST = """
+SELECT {columns}, {keys}
+  FROM (SELECT * FROM {schema}.jobs WHERE {where} {after} ORDER BY {order} LIMIT :scan) w
+ WHERE {outer} ORDER BY {order} LIMIT :limit
+"""
+
+# Available jobs of every queue: the first page of each queue (jobs_fetch_idx), merged.
+LIST_AVAILABLE = """
+WITH RECURSIVE queues AS (
+  (SELECT queue FROM {schema}.jobs WHERE state = 'available' ORDER BY queue LIMIT 1)
+  UNION ALL
+  SELECT (SELECT j.queue FROM {schema}.jobs j WHERE j.state = 'available' AND j.queue > q.queue
+           ORDER BY j.queue LIMIT 1)
+    FROM queues q WHERE q.queue IS NOT NULL
+)
+SELECT j.* FROM queues q CROSS JOIN LATERAL (
+  SELECT {columns}, {keys} FROM {schema}.jobs
+   WHERE state = 'available' AND queue = q.queue {after} ORDER BY {order} LIMIT :limit) j
+ WHERE q.queue IS NOT NULL
+ ORDER BY {outer_order} LIMIT :limit
+"""
+
+WINDOW_END = """
+SELECT {keys} FROM {schema}.jobs WHERE {where} {after} ORDER BY {order} OFFSET :scan - 1 LIMIT 1
+"""
+
+JOB = """
+SELECT id, kind, queue, state::text AS state, priority, attempt, max_attempts, scheduled_at,
+       created_at, attempted_at, attempted_by, heartbeat_at, finalized_at, unique_key,
+       jsonb_pretty(args) AS args, jsonb_pretty(metadata) AS metadata,
+       jsonb_array_length(errors) AS error_count,
+       (SELECT coalesce(jsonb_agg(e ORDER BY i DESC), '[]'::jsonb)
+          FROM jsonb_array_elements(errors) WITH ORDINALITY AS x(e, i)
+         WHERE i > jsonb_array_length(errors) - 50) AS errors
+  FROM {schema}.jobs WHERE id = :id
+"""

@@ -1,0 +1,281 @@
+"""Statements on ``{schema}.jobs``: the workers' contract (shown verbatim in the README), the
+maintenance services' batches, and the counts behind ``status`` and the job gauges.
+
+Times the daemon passes in (``:now``, horizons) come from the server's clock
+(:class:`maintd.clock.ServerClock`); workers use ``now()``.
+"""
+
+# -- workers (maintd.jobs.JobQueue) ---------------------------------------------------------------
+
+# ({enqueue}: the INSERT of a job, see maintd/queries/__init__.py.) Also the periodic enqueuer's,
+# with scheduled_at = the slot.
+ENQUEUE = """
+{enqueue}
+ON CONFLICT (unique_key)
+   WHERE unique_key IS NOT NULL AND state NOT IN {final_states}
+   DO NOTHING
+RETURNING id
+"""
+
+# The periodic enqueuer's, for an entry with a job key mode (graphile-worker's jobKeyMode): a
+# waiting job holding the key takes the new args (and, unless :preserve_run_at, the new run time
+# and the state that goes with it); a running one is left alone (no row returned).
+ENQUEUE_REPLACING = """
+{enqueue}
+ON CONFLICT (unique_key)
+   WHERE unique_key IS NOT NULL AND state NOT IN {final_states}
+   DO UPDATE SET args = excluded.args, kind = excluded.kind, queue = excluded.queue,
+                 priority = excluded.priority, max_attempts = excluded.max_attempts,
+                 metadata = excluded.metadata,
+                 scheduled_at = CASE WHEN :preserve_run_at THEN jobs.scheduled_at ELSE excluded.scheduled_at END,
+                 state = CASE WHEN :preserve_run_at OR jobs.state = 'retryable' THEN jobs.state
+                              ELSE excluded.state END
+   WHERE jobs.state IN ('available', 'scheduled', 'retryable')
+RETURNING id
+"""
+
+CLAIM = """
+UPDATE {schema}.jobs
+   SET state = 'running', attempt = attempt + 1, attempted_at = now(),
+       attempted_by = :worker, heartbeat_at = NULL
+ WHERE id = ANY(ARRAY(
+         SELECT id FROM {schema}.jobs
+          WHERE state = 'available' AND queue = :queue AND scheduled_at <= now()
+          ORDER BY priority, scheduled_at, id
+          LIMIT :limit
+            FOR UPDATE SKIP LOCKED))
+   AND state = 'available'
+RETURNING id, kind, queue, args, attempt, max_attempts, attempted_by, metadata
+"""
+
+HEARTBEAT = """
+UPDATE {schema}.jobs SET heartbeat_at = now()
+ WHERE id = :id AND state = 'running' AND attempted_by = :worker AND attempt = :attempt
+RETURNING id
+"""
+
+COMPLETE = """
+UPDATE {schema}.jobs SET state = 'completed', finalized_at = now()
+ WHERE id = :id AND state = 'running' AND attempted_by = :worker AND attempt = :attempt
+RETURNING id
+"""
+
+FAIL = """
+UPDATE {schema}.jobs
+   SET state = CASE WHEN attempt >= max_attempts OR :discard
+                    THEN 'discarded' ELSE 'retryable' END::{schema}.job_state,
+       scheduled_at = CASE WHEN attempt >= max_attempts OR :discard
+                           THEN scheduled_at ELSE now() + make_interval(secs => :backoff) END,
+       finalized_at = CASE WHEN attempt >= max_attempts OR :discard THEN now() END,
+       errors = errors || jsonb_build_array(jsonb_build_object(
+                   'at', now(), 'attempt', attempt, 'error', CAST(:error AS text)))
+ WHERE id = :id AND state = 'running' AND attempted_by = :worker AND attempt = :attempt
+RETURNING state::text
+"""
+
+CANCEL = """
+UPDATE {schema}.jobs SET state = 'cancelled', finalized_at = now()
+ WHERE id = :id AND state NOT IN {final_states}
+RETURNING id
+"""
+
+# -- cleaner ------------------------------------------------------------------------------------
+
+# Where a batch ends: the finalized_at of the (:limit + 1)-th row of the state from :lo on. The
+# range [lo, that) then holds at most :limit rows of the state. NULL: the rest fits in a batch.
+CLEANER_PROBE = """
+SELECT finalized_at FROM {schema}.jobs
+ WHERE state = CAST(:state AS {schema}.job_state)
+   AND finalized_at IS NOT NULL AND finalized_at >= :lo AND finalized_at < :horizon
+ ORDER BY finalized_at
+OFFSET :limit LIMIT 1
+"""
+
+CLEANER_DELETE_RANGE = """
+DELETE FROM {schema}.jobs
+ WHERE state = CAST(:state AS {schema}.job_state)
+   AND finalized_at IS NOT NULL AND finalized_at >= :lo AND finalized_at < :hi
+   AND {target_queues}
+"""
+
+# The same range when one of its rows is locked by another session (final rows normally are
+# not): delete the others, skip that one.
+CLEANER_DELETE_RANGE_SKIP_LOCKED = """
+DELETE FROM {schema}.jobs
+ WHERE id = ANY(ARRAY(
+         SELECT id FROM {schema}.jobs
+          WHERE state = CAST(:state AS {schema}.job_state)
+            AND finalized_at IS NOT NULL AND finalized_at >= :lo AND finalized_at < :hi
+            AND {target_queues}
+            FOR UPDATE SKIP LOCKED))
+   AND state = CAST(:state AS {schema}.job_state) AND finalized_at >= :lo AND finalized_at < :hi
+"""
+
+# More than :limit rows finalized at the very same instant: delete them in id batches.
+CLEANER_DELETE_TIED = """
+DELETE FROM {schema}.jobs
+ WHERE id = ANY(ARRAY(
+         SELECT id FROM {schema}.jobs
+          WHERE state = CAST(:state AS {schema}.job_state) AND finalized_at = :lo
+            AND {target_queues}
+          ORDER BY id LIMIT :limit
+            FOR UPDATE SKIP LOCKED))
+   AND state = CAST(:state AS {schema}.job_state) AND finalized_at = :lo
+"""
+
+# Rows finalized before year 1 ('-infinity', BC dates: no Python datetime holds them), deleted
+# first, in id batches, so the ranges that follow start at :far_past.
+CLEANER_DELETE_ANCIENT = """
+DELETE FROM {schema}.jobs
+ WHERE id = ANY(ARRAY(
+         SELECT id FROM {schema}.jobs
+          WHERE state = CAST(:state AS {schema}.job_state)
+            AND finalized_at IS NOT NULL AND finalized_at < :far_past
+            AND {target_queues}
+          ORDER BY finalized_at LIMIT :limit
+            FOR UPDATE SKIP LOCKED))
+   AND state = CAST(:state AS {schema}.job_state) AND finalized_at < :far_past
+"""
+
+CLEANER_ANY_ANCIENT = """
+SELECT EXISTS (SELECT 1 FROM {schema}.jobs
+                WHERE state = CAST(:state AS {schema}.job_state)
+                  AND finalized_at IS NOT NULL AND finalized_at < :far_past)
+"""
+
+# Dry run: what a full pass would delete (one index range count per target).
+CLEANER_COUNT_EXPIRED = """
+SELECT count(*) FROM {schema}.jobs
+ WHERE state = CAST(:state AS {schema}.job_state)
+   AND finalized_at IS NOT NULL AND finalized_at < :horizon
+   AND {target_queues}
+"""
+
+# -- rescuer ------------------------------------------------------------------------------------
+
+# One batch, one statement: up to :limit candidates in keyset order over jobs_running_idx, locked
+# (rows a worker is finishing right now are skipped, not waited for: the worker's update wins),
+# then rescued by {rescue} (see maintd/queries/__init__.py), which re-checks the state, the
+# attempt and the stuck rule on the row as it is now.
+RESCUER_BATCH = """
+WITH candidates AS MATERIALIZED (
+  SELECT id, attempt, coalesce(heartbeat_at, attempted_at) AS seen
+    FROM {schema}.jobs
+   WHERE state = 'running'
+     AND coalesce(heartbeat_at, attempted_at) < :scan_until
+     AND (coalesce(heartbeat_at, attempted_at), id) > (:after_seen, :after_id)
+     AND {stuck}
+   ORDER BY coalesce(heartbeat_at, attempted_at), id
+   LIMIT :limit
+     FOR NO KEY UPDATE SKIP LOCKED
+), {rescue}
+SELECT (SELECT count(*) FROM candidates) AS candidates,
+       last.seen AS last_seen, last.id AS last_id,
+       (SELECT count(*) FROM rescued WHERE discarded) AS discarded,
+       (SELECT count(*) FROM rescued WHERE NOT discarded) AS retried,
+       ARRAY(SELECT id FROM rescued) AS ids
+  FROM (SELECT 1) AS one
+  LEFT JOIN LATERAL (SELECT seen, id FROM candidates ORDER BY seen DESC, id DESC LIMIT 1) AS last ON true
+"""
+
+# Running jobs with no usable sign of life (attempted_at and heartbeat_at NULL, or before year 1:
+# '-infinity', BC), which the keyset above cannot reach: stuck by definition, rescued the same way.
+# Year 1 is a literal (maintd.services.rescuer.FAR_PAST), so that even a generic plan knows the
+# range is empty and reads the index.
+RESCUER_NO_SIGN_BATCH = """
+WITH candidates AS MATERIALIZED (
+  SELECT id, attempt, coalesce(heartbeat_at, attempted_at) AS seen
+    FROM {schema}.jobs
+   WHERE id = ANY(ARRAY(
+           (SELECT id FROM {schema}.jobs
+             WHERE state = 'running' AND coalesce(heartbeat_at, attempted_at) IS NULL LIMIT :limit)
+           UNION ALL
+           (SELECT id FROM {schema}.jobs
+             WHERE state = 'running'
+               AND coalesce(heartbeat_at, attempted_at) < '0001-01-02 00:00:00+00'
+             ORDER BY coalesce(heartbeat_at, attempted_at) LIMIT :limit)))
+     AND state = 'running'
+   LIMIT :limit
+     FOR NO KEY UPDATE SKIP LOCKED
+), {rescue}
+SELECT (SELECT count(*) FROM candidates) AS candidates,
+       (SELECT count(*) FROM rescued WHERE discarded) AS discarded,
+       (SELECT count(*) FROM rescued WHERE NOT discarded) AS retried,
+       ARRAY(SELECT id FROM rescued) AS ids
+"""
+
+RESCUER_COUNT_STUCK = """
+SELECT count(*) FILTER (WHERE attempt < max_attempts) AS retry,
+       count(*) FILTER (WHERE attempt >= max_attempts) AS discard
+  FROM {schema}.jobs
+ WHERE state = 'running'
+   AND coalesce(heartbeat_at, attempted_at) < :scan_until
+   AND {stuck}
+"""
+
+# -- scheduler ----------------------------------------------------------------------------------
+
+SCHEDULER_PROMOTE = """
+WITH promoted AS (
+  UPDATE {schema}.jobs SET state = 'available'
+   WHERE id = ANY(ARRAY(
+           SELECT id FROM {schema}.jobs
+            WHERE state IN ('scheduled', 'retryable') AND scheduled_at <= :now
+            ORDER BY scheduled_at, id
+            LIMIT :limit
+              FOR UPDATE SKIP LOCKED))
+     AND state IN ('scheduled', 'retryable')
+     AND scheduled_at <= :now
+  RETURNING queue
+)
+SELECT queue, count(*) AS n FROM promoted GROUP BY queue
+"""
+
+# Wake the workers of each queue (delivered only if the transaction commits).
+NOTIFY_QUEUES = "SELECT pg_notify(:channel, q) FROM unnest(CAST(:queues AS text[])) AS q"
+
+# The next due time the daemon can wait for: a row due at 'infinity' (or past year 9999) is never
+# due, and one due at '-infinity' is promoted by the batch; neither is a time to wait for.
+SCHEDULER_NEXT_DUE = """
+SELECT min(scheduled_at) FROM {schema}.jobs
+ WHERE state IN ('scheduled', 'retryable')
+   AND scheduled_at >= '0001-01-02 00:00:00+00' AND scheduled_at < '9999-12-31 00:00:00+00'
+"""
+
+SCHEDULER_COUNT_DUE = """
+SELECT queue, count(*) AS n FROM {schema}.jobs
+ WHERE state IN ('scheduled', 'retryable') AND scheduled_at <= :now
+ GROUP BY queue
+"""
+
+# -- status and job gauges ------------------------------------------------------------------------
+
+# Live states are served by their partial indexes; final ones read the heap (bounded by a timeout).
+COUNT_LIVE = """
+SELECT queue, state::text AS state, count(*) AS n FROM {schema}.jobs
+ WHERE state IN ('available', 'scheduled', 'retryable', 'running') GROUP BY queue, state
+"""
+
+COUNT_FINAL = """
+SELECT queue, state::text AS state, count(*) AS n FROM {schema}.jobs
+ WHERE finalized_at IS NOT NULL GROUP BY queue, state
+"""
+
+# An infinite scheduled_at has no age (PostgreSQL 15 cannot subtract it, 17+ gives infinity).
+OLDEST_AVAILABLE = """
+SELECT queue, extract(epoch FROM now() - min(scheduled_at) FILTER (WHERE isfinite(scheduled_at)))::float8 AS age
+  FROM {schema}.jobs WHERE state = 'available' GROUP BY queue
+"""
+
+COUNT_BY_STATE = "SELECT state::text, count(*) FROM {schema}.jobs GROUP BY state"
+
+# -- demo -----------------------------------------------------------------------------------------
+
+# Old finished jobs (for the cleaner) and jobs of workers that died before the demo (rescuer).
+DEMO_SEED_OLD = """
+INSERT INTO {schema}.jobs (kind, queue, state, attempt, attempted_at, finalized_at, created_at)
+SELECT 'demo.old', 'default', CAST(:state AS {schema}.job_state), 1, now() - CAST(:age AS interval),
+       CASE WHEN :state = 'running' THEN NULL ELSE now() - CAST(:age AS interval) END,
+       now() - CAST(:age AS interval)
+  FROM generate_series(1, :n)
+"""

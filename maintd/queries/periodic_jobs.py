@@ -1,0 +1,35 @@
+"""Statements on ``{schema}.periodic_jobs``: periodic schedules kept as rows (SPEC 7.10)."""
+
+# What changed since the last read: cheap enough for every pass of the periodic enqueuer.
+VERSION = "SELECT count(*) AS n, max(updated_at) AS changed FROM {schema}.periodic_jobs"
+
+ALL = """
+SELECT id, schedule, timezone, kind, queue, args, priority, max_attempts, unique_key, backfill,
+       run_on_start, enabled, error, created_at, updated_at
+  FROM {schema}.periodic_jobs ORDER BY id
+"""
+
+# The daemon's note on a row it cannot use (NULL clears it); written only when it changes.
+SET_ERROR = """
+UPDATE {schema}.periodic_jobs SET error = CAST(:error AS text)
+ WHERE id = :id AND error IS DISTINCT FROM CAST(:error AS text)
+"""
+
+# Add a row; with :replace, an existing row takes the new values (else no row is returned).
+UPSERT = """
+INSERT INTO {schema}.periodic_jobs (id, schedule, timezone, kind, queue, args, priority,
+                                    max_attempts, unique_key, backfill, run_on_start, enabled)
+VALUES (:id, :schedule, :timezone, :kind, :queue, CAST(:args AS jsonb), :priority, :max_attempts,
+        :unique_key, CAST(:backfill AS interval), :run_on_start, true)
+ON CONFLICT (id) DO UPDATE
+   SET schedule = excluded.schedule, timezone = excluded.timezone, kind = excluded.kind,
+       queue = excluded.queue, args = excluded.args, priority = excluded.priority,
+       max_attempts = excluded.max_attempts, unique_key = excluded.unique_key,
+       backfill = excluded.backfill, run_on_start = excluded.run_on_start
+ WHERE CAST(:replace AS boolean)
+RETURNING id
+"""
+
+DELETE = "DELETE FROM {schema}.periodic_jobs WHERE id = :id RETURNING id"
+
+SET_ENABLED = "UPDATE {schema}.periodic_jobs SET enabled = :enabled WHERE id = :id RETURNING id"

@@ -1,0 +1,93 @@
+"""Periodic schedules kept as rows of ``periodic_jobs`` (SPEC 7.10), turned into entries for the
+periodic enqueuer.
+
+The rows are re-read when their version (row count, newest ``updated_at``) changes, which the
+enqueuer checks on every pass (each second): a committed change is applied within about a
+second, with no reload, whatever happened to notifications. (The table's trigger also sends a
+NOTIFY for other tools.) Each row is validated like a ``[[periodic]]`` entry; a row that fails,
+or whose id a config or crontab entry already uses, is reported with the reason so the pass can
+write it to the row's ``error``; every other entry keeps running.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from ..config import PeriodicJob
+from ..queries import periodic_jobs
+from .base import PassContext
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A periodic entry and where it comes from. ``since``: for a row, when it last changed (a
+    change starts the row afresh from its next slot; a new row's missed slots count from it)."""
+
+    job: PeriodicJob
+    origin: str  # "config", "crontab" or "table"
+    since: datetime | None = None
+
+
+def row_problem(exc: ValidationError) -> str:
+    """One line naming the column, like the config's errors name the key."""
+    parts = []
+    for err in exc.errors():
+        column = ".".join(str(x) for x in err.get("loc", ()))
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{column}: {msg}" if column else msg)  # a row-level check names its column
+    return "; ".join(parts)
+
+
+def to_entry(row: Any, taken: set[str]) -> tuple[Entry | None, str | None]:
+    """(the row's entry, None) or (None, why the row cannot be used)."""
+    if row.id in taken:
+        return None, f"id {row.id!r} is already defined in the config file or crontab, which wins"
+    try:
+        job = PeriodicJob(id=row.id, schedule=row.schedule, timezone=row.timezone, kind=row.kind,
+                          queue=row.queue, args=row.args, priority=row.priority,
+                          max_attempts=row.max_attempts, unique_key=bool(row.unique_key),
+                          backfill=row.backfill, run_on_start=row.run_on_start, enabled=row.enabled)
+    except ValidationError as exc:
+        return None, row_problem(exc)
+    return Entry(job, "table", row.updated_at), None
+
+
+class RowSource:
+    """The rows of one schema, read again only when they changed."""
+
+    def __init__(self) -> None:
+        self._version: tuple | None = None
+        self._rows: list[Any] = []
+
+    def rows(self, ctx: PassContext) -> list[Any]:
+        with ctx.transaction(fenced=False) as conn:
+            version = tuple(conn.execute(ctx.sql(periodic_jobs.VERSION)).one())
+            if version != self._version:
+                self._rows = list(conn.execute(ctx.sql(periodic_jobs.ALL)))
+                self._version = version
+        return self._rows
+
+    def entries(self, ctx: PassContext, taken: set[str]) -> tuple[list[Entry], dict[str, str | None]]:
+        """Usable entries, and per row the ``error`` it should carry (None: none) where that
+        differs from what the row carries now."""
+        entries, notes = [], {}
+        for row in self.rows(ctx):
+            entry, problem = to_entry(row, taken)
+            if entry is not None:
+                entries.append(entry)
+            if problem != row.error:
+                notes[row.id] = problem
+        return entries, notes
+
+    def note(self, ctx: PassContext, notes: dict[str, str | None]) -> None:
+        """Write (or clear) the rows' ``error``; the version check then re-reads them."""
+        if not notes or ctx.dry_run:
+            return
+        with ctx.transaction() as conn:
+            for row_id, error in notes.items():
+                conn.execute(ctx.sql(periodic_jobs.SET_ERROR), {"id": row_id, "error": error})
+        self._version = None

@@ -1,0 +1,105 @@
+"""A daemon whose host clock is minutes off behaves exactly like one whose clock is right (SPEC 7.1).
+
+Real processes under Debian's libfaketime (``FAKETIME=+300s``: the host clock runs 5 minutes fast;
+``-120s``: 2 minutes slow; the monotonic clock is left alone), against the real server, whose
+``now()`` is what the workers write. Every expectation below is what a correct clock gives; the
+comments say what the skewed host clock would have done if maintd trusted it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from maintd.queries import sql
+
+from .procs import DaemonProc, wait_for
+
+FAKETIME_LIB = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+
+pytestmark = pytest.mark.slow
+
+
+def skewed(offset: str) -> dict[str, str]:
+    if not FAKETIME_LIB.exists():
+        if os.environ.get("CI"):
+            pytest.fail("libfaketime is missing: .ci/run installs Debian's faketime package")
+        pytest.skip("needs Debian's faketime package (apt-get install faketime)")
+    # Both spellings: libfaketime renamed DONT_FAKE_MONOTONIC in 0.9.9 (Debian 12 ships 0.9.10).
+    return {"LD_PRELOAD": str(FAKETIME_LIB), "FAKETIME": offset, "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+            "DONT_FAKE_MONOTONIC": "1"}
+
+
+def insert(engine, schema, statement: str) -> list[int]:
+    with engine.begin() as conn:
+        return [r[0] for r in conn.execute(sql(statement + " RETURNING id", schema))]
+
+
+def state_of(engine, schema, job_id: int) -> str | None:
+    with engine.connect() as conn:
+        return conn.execute(sql("SELECT state::text FROM {schema}.jobs WHERE id = :id", schema),
+                            {"id": job_id}).scalar()
+
+
+CONFIG = {
+    "cleaner": {"interval": "1s", "completed_retention": "2m"},
+    "rescuer": {"interval": "1s", "rescue_stuck_jobs_after": "3m"},
+    "scheduler": {"interval": "1s"},
+}
+
+
+def test_a_fast_host_clock_neither_rescues_live_jobs_nor_deletes_or_promotes_early(pg_dsn, schema, engine):
+    [live] = insert(engine, schema, "INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at) "
+                                    "VALUES ('live', 'running', 1, now() - interval '1 minute')")
+    [dead] = insert(engine, schema, "INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at) "
+                                    "VALUES ('dead', 'running', 1, now() - interval '10 minutes')")
+    [fresh] = insert(engine, schema, "INSERT INTO {schema}.jobs (kind, state, finalized_at) "
+                                     "VALUES ('fresh', 'completed', now() - interval '30 seconds')")
+    [old] = insert(engine, schema, "INSERT INTO {schema}.jobs (kind, state, finalized_at) "
+                                   "VALUES ('old', 'completed', now() - interval '10 minutes')")
+    [later] = insert(engine, schema, "INSERT INTO {schema}.jobs (kind, state, scheduled_at) "
+                                     "VALUES ('later', 'scheduled', now() + interval '2 minutes')")
+    [due] = insert(engine, schema, "INSERT INTO {schema}.jobs (kind, state, scheduled_at) "
+                                   "VALUES ('due', 'scheduled', now() - interval '1 second')")
+    d = DaemonProc(pg_dsn, schema, "fast", CONFIG, env=skewed("+300s")).start()
+    try:
+        # The work a right clock does happens...
+        wait_for(lambda: state_of(engine, schema, dead) == "retryable", 30, what="the dead job rescued")
+        wait_for(lambda: state_of(engine, schema, old) is None, 30, what="the old job deleted")
+        wait_for(lambda: state_of(engine, schema, due) == "available", 30, what="the due job promoted")
+        time.sleep(3)  # a few more passes of each service
+        # ... and nothing a clock 5 minutes fast would have done: rescue a job that was heard from a
+        # minute ago (it would run twice), delete a job finished 30 s ago, promote one due in 2 min.
+        assert state_of(engine, schema, live) == "running"
+        assert state_of(engine, schema, fresh) == "completed"
+        assert state_of(engine, schema, later) == "scheduled"
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_a_slow_host_clock_still_promotes_due_jobs_and_enqueues_periodic_slots(pg_dsn, schema, engine):
+    [due] = insert(engine, schema, "INSERT INTO {schema}.jobs (kind, state, scheduled_at) "
+                                   "VALUES ('due', 'scheduled', now() - interval '10 seconds')")
+    # A correct leader ran the periodic entry until just now: its newest slot is the server's now.
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.periodic_slots (periodic_id, slot) "
+                         "VALUES ('tick', to_timestamp(floor(extract(epoch FROM now()) / 2) * 2))", schema))
+    config = {**CONFIG, "periodic": [{"id": "tick", "schedule": "@every 2s", "kind": "tick"}]}
+    d = DaemonProc(pg_dsn, schema, "slow", config, env=skewed("-120s")).start()
+    try:
+        # A clock 2 minutes slow would see the job as not due for another 110 s, and the next
+        # periodic slot 2 minutes away.
+        wait_for(lambda: state_of(engine, schema, due) == "available", 20, what="the due job promoted")
+
+        def enqueued():
+            with engine.connect() as conn:
+                return conn.execute(sql("SELECT count(*) FROM {schema}.jobs j "
+                                        "WHERE kind = 'tick' AND scheduled_at > now() - interval '30 seconds'",
+                                        schema)).scalar()
+
+        wait_for(enqueued, 20, what="a periodic slot of the server's present")
+    finally:
+        assert d.stop() == 0, d.log()

@@ -1,0 +1,62 @@
+"""Start-up and reload as an operator meets them (issue 15): probes answer while the database is
+not there yet, SIGTERM during the start-up retries exits 0, a taken port names ``http.listen``,
+restart-only keys changed by a reload say so."""
+
+from __future__ import annotations
+
+import signal
+import socket
+
+
+import pytest
+
+from maintd.config import load_settings
+from maintd.daemon import Daemon
+
+from maintd.embedded import free_port
+
+from .procs import DaemonProc, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def test_probes_answer_before_the_database_does_and_sigterm_during_retries_exits_0(schema, tmp_path):
+    dead = f"postgresql://postgres@127.0.0.1:{free_port()}/nothing?connect_timeout=1"
+    d = DaemonProc(dead, schema, "early", workdir=str(tmp_path)).start()
+    try:
+        wait_for(lambda: d.http_get("/healthz")[0] == 200, 15, what="/healthz while the database is down")
+        assert d.http_get("/readyz")[0] == 503  # not connected: not ready
+        assert "database unreachable" in d.log()
+        d.signal(signal.SIGTERM)
+        assert d.proc.wait(15) == 0
+    finally:
+        d.stop()
+
+
+def test_a_taken_port_names_http_listen_and_the_address(pg_dsn, schema, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        d = DaemonProc(pg_dsn, schema, "port", {"http": {"listen": f"127.0.0.1:{port}"}},
+                       workdir=str(tmp_path)).start()
+        try:
+            assert d.proc.wait(20) == 1
+        finally:
+            d.stop()
+    assert f"http.listen 127.0.0.1:{port}: cannot listen" in d.log()
+
+
+def test_a_reload_of_a_restart_only_key_says_it_needs_a_restart(pg_dsn, schema, tmp_path, maintd_log):
+    cfg = tmp_path / "m.toml"
+    base = f'database_url = "{pg_dsn}"\nschema = "{schema}"\ninstance_id = "r1"\n[http]\nenabled = false\n'
+    cfg.write_text(base + '[leader]\nlease = "10s"\n')
+    daemon = Daemon(load_settings(str(cfg)), config_path=str(cfg))
+    try:
+        cfg.write_text(base + '[leader]\nlease = "30s"\n[cleaner]\ninterval = "7s"\n')
+        assert daemon.reload_from_file()
+        assert any("leader needs a restart" in line for line in maintd_log), maintd_log
+        assert daemon.settings.leader.lease.total_seconds() == 10  # kept
+        assert daemon.settings.cleaner.interval.total_seconds() == 7  # applied
+    finally:
+        daemon.engine.dispose()
