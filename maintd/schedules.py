@@ -1,27 +1,45 @@
-"""Schedules for periodic jobs and the reindexer.
+"""Schedules for periodic jobs and the reindexer: cron expressions and ``@every`` intervals.
 
-Fire times come from APScheduler's triggers; this module only translates the classic crontab
-conventions APScheduler 3 does not follow (day-of-week 0 = Sunday, and the day-of-month /
-day-of-week OR rule) and adds ``@every <duration>`` intervals anchored at the Unix epoch, so
-every replica computes the same slots without talking to the others.
+Cron expressions follow cronie (and croniter where cronie says nothing). This module parses and
+validates the five fields itself, with cronie's grammar and readable errors, and hands a canonical
+expression to ``cronsim`` (a cron iterator written for healthchecks.io after Debian/cronie cron)
+for the date arithmetic, including the daylight-saving rules of cronie's ``cron.8``:
+
+- a *fixed-time* job (neither the minute nor the hour field starts with ``*``; cronie's
+  ``MIN_STAR``/``HR_STAR`` flags in ``src/entry.c``, used by ``find_jobs`` in ``src/cron.c``) runs
+  once when its local time repeats (the first occurrence), and once at the end of a skipped
+  interval when its time falls inside it;
+- every other job (``*/15 * * * *``, ``0 * * * *``, ``0 */2 * * *``) runs at each real instant its
+  fields match: in both passes of a repeated hour, and not at all in a skipped one;
+- a forward change of more than three hours is a clock correction: fixed-time jobs that fell in
+  the skipped interval do not run.
+
+``@every <duration>`` intervals are anchored at the Unix epoch, so every replica computes the same
+slots without talking to the others. Schedules take aware datetimes and return slots in UTC.
 """
 
 from __future__ import annotations
 
+import calendar
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Iterator
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from apscheduler.triggers.combining import OrTrigger
-from apscheduler.triggers.cron import CronTrigger
+from apscheduler.triggers.base import BaseTrigger
+from cronsim import CronSim, CronSimError
 
 from .durations import parse_duration
 
 UTC = timezone.utc
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _TINY = timedelta(microseconds=1)
+_SECOND = timedelta(seconds=1)
+# cronie treats a forward jump of more than three hours as a clock correction (src/cron.c).
+_CORRECTION = timedelta(hours=3)
+# Upper bound on candidates examined per call; real schedules need a handful.
+_MAX_CANDIDATES = 10_000
 
 SHORTCUTS = {
     "@yearly": "0 0 1 1 *",
@@ -32,152 +50,395 @@ SHORTCUTS = {
     "@midnight": "0 0 * * *",
     "@hourly": "0 * * * *",
 }
-_DOW_NAMES = ["sun", "mon", "tue", "wed", "thu", "fri", "sat"]
-_DOW_PART = re.compile(r"^(\*|[0-7a-z]{1,3})(?:-([0-7a-z]{1,3}))?(?:/(\d+))?$")
+_MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
+_DAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")
+_NUMBER = re.compile(r"[0-9]{1,9}")
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """One cron field: its name, cronie's bounds and the names it accepts."""
+
+    name: str
+    lo: int
+    hi: int
+    names: tuple[str, ...] = ()
+
+    def name_value(self, token: str) -> int | None:
+        """The number a name stands for (``jan`` = 1, ``sun`` = 0), or None."""
+        lowered = token.lower()
+        if lowered not in self.names:
+            return None
+        return self.names.index(lowered) + self.lo
+
+
+_SPECS = (
+    _Spec("minute", 0, 59),
+    _Spec("hour", 0, 23),
+    _Spec("day-of-month", 1, 31),
+    _Spec("month", 1, 12, _MONTHS),
+    _Spec("day-of-week", 0, 7, _DAYS),
+)
+_DOW = _SPECS[4]
 
 
 def load_timezone(name: str) -> ZoneInfo:
+    """The IANA zone called ``name``; ``ValueError`` if there is none."""
     try:
         return ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError) as exc:
+    except (ZoneInfoNotFoundError, ValueError, TypeError) as exc:
         raise ValueError(f"unknown time zone {name!r}") from exc
 
 
+def _require_aware(t: datetime) -> None:
+    if not isinstance(t, datetime) or t.tzinfo is None or t.utcoffset() is None:
+        raise ValueError(f"expected an aware datetime, got {t!r}")
+
+
 class Schedule:
-    """A set of slot times. ``next_after(t)`` is the first slot strictly after ``t``."""
+    """A set of slot times.
+
+    ``next_after(t)`` is the first slot strictly after ``t``; ``latest_at_or_before(t)`` the last
+    slot at or before ``t`` (cached, so calling it every second costs a comparison);
+    ``slots_between(start, end)`` the slots ``s`` with ``start < s <= end``, oldest first.
+    """
 
     text: str
+    timezone: str
+
+    def __init__(self) -> None:
+        self._bracket: tuple[datetime, datetime] | None = None
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        """What makes two schedules the same: kind, normalised text and time zone."""
+        return (type(self).__name__, self.text, self.timezone)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Schedule) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.text!r}, timezone={self.timezone!r})"
 
     def next_after(self, t: datetime) -> datetime:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def _previous(self, t: datetime) -> datetime:  # pragma: no cover - interface
+        """A slot at or before ``t``, ideally the latest; ``latest_at_or_before`` corrects it."""
+        raise NotImplementedError
+
     def slots_between(self, start: datetime, end: datetime) -> Iterator[datetime]:
         """Slots ``s`` with ``start < s <= end``, oldest first."""
+        _require_aware(end)
         t = self.next_after(start)
         while t <= end:
             yield t
             t = self.next_after(t)
 
     def latest_at_or_before(self, t: datetime) -> datetime:
-        """The most recent slot ``<= t`` (searches back with growing windows)."""
-        window = timedelta(seconds=1)
-        while window < timedelta(days=366 * 30):
-            last = None
-            for s in self.slots_between(t - window, t):
-                last = s
-            if last is not None:
-                return last
-            window *= 4
-        raise ValueError(f"schedule {self.text!r} has no slot in the last 30 years")
+        """The most recent slot ``<= t``. Remembers the slot pair around the last answer, so
+        repeated calls with a clock that moves forward by seconds do no date arithmetic."""
+        _require_aware(t)
+        bracket = self._bracket
+        if bracket is not None and bracket[0] <= t < bracket[1]:
+            return bracket[0]
+        prev = self._previous(t)
+        nxt = self.next_after(prev)
+        while nxt <= t:  # _previous may land early around DST changes; walk forward to the latest
+            prev, nxt = nxt, self.next_after(nxt)
+        self._bracket = (prev, nxt)
+        return prev
 
 
-@dataclass(frozen=True)
 class IntervalSchedule(Schedule):
-    text: str
-    every: timedelta
+    """``@every <duration>``: slots at whole multiples of the interval since the Unix epoch."""
+
+    def __init__(self, text: str, every: timedelta, timezone_name: str = "UTC") -> None:
+        super().__init__()
+        self.text = text
+        self.every = every
+        self.timezone = timezone_name
+
+    def _index(self, t: datetime) -> int:
+        """How many whole intervals lie between the epoch and ``t`` (floor)."""
+        _require_aware(t)
+        return (t - EPOCH) // self.every
 
     def next_after(self, t: datetime) -> datetime:
-        step = self.every.total_seconds()
-        elapsed = (t - EPOCH).total_seconds()
-        n = int(elapsed // step) + 1
-        slot = EPOCH + timedelta(seconds=n * step)
-        if slot <= t:  # float rounding at an exact boundary
-            slot += self.every
-        return slot
+        return EPOCH + (self._index(t) + 1) * self.every
+
+    def _previous(self, t: datetime) -> datetime:
+        return EPOCH + self._index(t) * self.every
 
 
 @dataclass(frozen=True)
+class CronFields:
+    """A validated five-field expression.
+
+    ``values`` holds the matching numbers of each field (day-of-week 0-6, Sunday = 0); ``expr``
+    is the same schedule in the canonical form given to cronsim (numbers only, and ``*`` /
+    ``*/n`` kept where the field had them, since cron's day and DST rules look at a leading ``*``).
+    """
+
+    expr: str
+    values: tuple[frozenset[int], ...]
+    dom_star: bool
+    dow_star: bool
+    fixed_time: bool
+
+    def day_matches(self, year: int, month: int, day: int) -> bool:
+        """cron's day rule: both day fields must match if either starts with ``*``, else either."""
+        dom_ok = day in self.values[2]
+        dow_ok = (calendar.weekday(year, month, day) + 1) % 7 in self.values[4]
+        if self.dom_star or self.dow_star:
+            return dom_ok and dow_ok
+        return dom_ok or dow_ok
+
+    def matches(self, wall: datetime) -> bool:
+        """True when the wall-clock minute ``wall`` matches every field."""
+        return (wall.minute in self.values[0] and wall.hour in self.values[1]
+                and wall.month in self.values[3] and self.day_matches(wall.year, wall.month, wall.day))
+
+
+def parse_cron_fields(expr: str) -> CronFields:
+    """Validate a five-field cron expression with cronie's grammar; ``ValueError`` names the
+    field and the offending value (``minute 61 out of range 0-59``)."""
+    parts = expr.split()
+    if len(parts) != 5:
+        raise ValueError(f"a cron expression has 5 fields (minute hour day-of-month month "
+                         f"day-of-week), got {len(parts)} in {expr!r}")
+    parsed = [_parse_field(spec, part) for spec, part in zip(_SPECS, parts)]
+    values = tuple(v for v, _ in parsed)
+    fields = CronFields(
+        expr=" ".join(c for _, c in parsed), values=values,
+        dom_star=parts[2].startswith("*"), dow_star=parts[4].startswith("*"),
+        fixed_time=not (parts[0].startswith("*") or parts[1].startswith("*")),
+    )
+    _check_can_fire(fields)
+    return fields
+
+
+def _parse_field(spec: _Spec, text: str) -> tuple[frozenset[int], str]:
+    """The values of one field and its canonical text (comma-separated terms)."""
+    values: set[int] = set()
+    canonical = []
+    for term in text.split(","):
+        if not term:
+            raise ValueError(f"{spec.name} field {text!r} has an empty list item")
+        term_values, term_text = _parse_term(spec, term)
+        values |= term_values
+        canonical.append(term_text)
+    return frozenset(values), ",".join(canonical)
+
+
+def _parse_term(spec: _Spec, term: str) -> tuple[set[int], str]:
+    """``*``, ``*/n``, ``a``, ``a-b``, ``a-b/n`` or ``a/n`` (croniter's ``a-max/n``)."""
+    base, slash, step_text = term.partition("/")
+    step = _step(spec, step_text) if slash else 1
+    if base == "*":
+        values = set(range(spec.lo, spec.hi + 1, step))
+        return _fold_sunday(spec, values), "*" if step == 1 else f"*/{step}"
+    lo, dash, hi_text = base.partition("-")
+    first = _value(spec, lo)
+    if dash:
+        last = _value(spec, hi_text)
+        if spec is _DOW and first > last and last == 0:
+            last = 7  # cronie (src/entry.c get_range): Sunday as a range end is 7, so mon-sun works
+        if first > last:
+            raise ValueError(f"{spec.name} range {base!r} runs backwards")
+    elif slash:
+        if spec is _DOW and first == 7:
+            first = 0  # croniter: 7/2 is 0/2
+        last = 6 if spec is _DOW else spec.hi
+    else:
+        last = first
+    values = _fold_sunday(spec, set(range(first, last + 1, step)))
+    return values, ",".join(str(v) for v in sorted(values))
+
+
+def _step(spec: _Spec, text: str) -> int:
+    if not _NUMBER.fullmatch(text) or int(text) < 1:
+        raise ValueError(f"{spec.name} step {text!r} must be a whole number of at least 1")
+    return int(text)
+
+
+def _value(spec: _Spec, token: str) -> int:
+    if _NUMBER.fullmatch(token):
+        n = int(token)
+        if not spec.lo <= n <= spec.hi:
+            raise ValueError(f"{spec.name} {n} out of range {spec.lo}-{spec.hi}")
+        return n
+    named = spec.name_value(token)
+    if named is None:
+        what = f"a number or a name ({', '.join(spec.names)})" if spec.names else "a number"
+        raise ValueError(f"{spec.name} {token!r} is not {what}")
+    return named
+
+
+def _fold_sunday(spec: _Spec, values: set[int]) -> set[int]:
+    return {v % 7 for v in values} if spec is _DOW else values
+
+
+def _check_can_fire(fields: CronFields) -> None:
+    """Reject expressions no calendar date satisfies (``0 0 30 2 *``). With the OR rule any
+    weekday of any month matches; with the AND rule every day number that exists in a month
+    falls on every weekday within the 400-year Gregorian cycle, so only the month length matters."""
+    if not (fields.dom_star or fields.dow_star):
+        return
+    longest = {1: 31, 2: 29, 3: 31, 4: 30, 5: 31, 6: 30, 7: 31, 8: 31, 9: 30, 10: 31, 11: 30, 12: 31}
+    if min(fields.values[2]) > max(longest[m] for m in fields.values[3]):
+        days = ",".join(str(d) for d in sorted(fields.values[2]))
+        months = ",".join(str(m) for m in sorted(fields.values[3]))
+        raise ValueError(f"never fires: day-of-month {days} does not occur in month {months}")
+
+
 class CronSchedule(Schedule):
-    text: str
-    tz: ZoneInfo
-    trigger: object = field(compare=False, repr=False)
+    """A five-field cron expression evaluated in one time zone (see the module docstring)."""
+
+    def __init__(self, text: str, fields: CronFields, zone: ZoneInfo) -> None:
+        super().__init__()
+        self.text = text
+        self.fields = fields
+        self.zone = zone
+        self.timezone = zone.key
+        self._iter_zone = UTC if zone.key in ("UTC", "Etc/UTC") else zone
+
+    def _candidates(self, start: datetime, reverse: bool = False) -> Iterator[datetime]:
+        """cronsim's slots from ``start`` (local), in UTC, dropping fixed-time slots that only
+        exist because a clock correction (> 3 h) skipped their day."""
+        sim = CronSim(self.fields.expr, start.astimezone(self._iter_zone), reverse=reverse)
+        for _ in range(_MAX_CANDIDATES):
+            try:
+                local = next(sim)
+            except StopIteration:
+                break
+            if self.fields.fixed_time and self._after_correction(local):
+                continue
+            yield local.astimezone(UTC)
+        raise ValueError(f"schedule {self.text!r} has no slot within 50 years of {start.isoformat()}")
+
+    def _after_correction(self, local: datetime) -> bool:
+        """True for a slot moved to the end of a forward jump longer than three hours that its
+        own fields do not match (cronie just adopts the new time then)."""
+        before = (local.astimezone(UTC) - _TINY).astimezone(self.zone)
+        jump = local.utcoffset() - before.utcoffset()
+        return jump > _CORRECTION and not self.fields.matches(local)
 
     def next_after(self, t: datetime) -> datetime:
-        while True:
-            nxt = self.trigger.get_next_fire_time(None, (t + _TINY).astimezone(self.tz))
-            if nxt is None:  # pragma: no cover - cron schedules never end
-                raise ValueError(f"schedule {self.text!r} has no next fire time")
-            nxt = nxt.astimezone(UTC)
-            # A wall-clock time repeated when the clocks go back fires once, like cron: skip the
-            # second occurrence (fold=1).
-            if nxt.astimezone(self.tz).fold == 0:
-                return nxt
-            t = nxt
+        _require_aware(t)
+        for slot in self._candidates(t):
+            # In a repeated hour cronsim counts fixed-time slots from the wall clock, so the
+            # first candidates can lie before ``t``; skip them.
+            if slot > t:
+                return slot
+        raise AssertionError("unreachable")  # pragma: no cover - _candidates raises first
+
+    def _previous(self, t: datetime) -> datetime:
+        # cronsim walks back from ``start`` (exclusive) over whole seconds. In the second pass of
+        # a repeated hour it walks the wall clock, so it can miss a fixed-time slot of the first
+        # pass that is later on the wall but earlier in time; latest_at_or_before walks forward
+        # from here and finds it.
+        start = (t.astimezone(UTC).replace(microsecond=0) + _SECOND).astimezone(self.zone)
+        for slot in self._candidates(start, reverse=True):
+            if slot <= t:
+                return slot
+        raise AssertionError("unreachable")  # pragma: no cover - _candidates raises first
 
 
-def parse_schedule(text: str, tz: str = "UTC") -> Schedule:
-    """Parse ``*/15 * * * *``, ``@hourly`` or ``@every 30s``; raise ``ValueError`` if invalid."""
+def parse_schedule(text: str, timezone: str = "UTC") -> Schedule:
+    """Parse ``*/15 * * * *``, ``@hourly`` or ``@every 30s`` evaluated in ``timezone``.
+
+    Raises ``ValueError`` for anything the config rejects: bad syntax, values out of range,
+    backwards ranges, unknown names or zones, and expressions that can never fire.
+    """
     if not isinstance(text, str) or not text.strip():
         raise ValueError("schedule must be a non-empty string")
     raw = " ".join(text.split())
+    zone = load_timezone(timezone)
     lowered = raw.lower()
-    if lowered.startswith("@every"):
+    if lowered == "@every" or lowered.startswith("@every "):
         every = parse_duration(raw[len("@every"):].strip() or "missing")
-        if every < timedelta(seconds=1):
-            raise ValueError(f"interval in {text!r} must be at least 1s")
-        return IntervalSchedule(text=raw, every=every)
+        if every < _SECOND:
+            raise ValueError(f"interval in {raw!r} must be at least 1s")
+        return IntervalSchedule(raw, every, zone.key)
     expr = SHORTCUTS.get(lowered, raw)
     if expr.startswith("@"):
-        raise ValueError(f"unknown schedule shortcut {raw!r}")
-    zone = load_timezone(tz)
-    fields_ = expr.split()
-    if len(fields_) != 5:
-        raise ValueError(f"cron schedule {text!r} must have 5 fields (minute hour day month weekday)")
-    minute, hour, dom, month, dow = fields_
-    dow_names = _translate_dow(dow)
+        raise ValueError(f"unknown schedule shortcut {raw!r} (use one of "
+                         f"{', '.join(SHORTCUTS)} or @every <duration>)")
+    fields = parse_cron_fields(expr)
+    _check_cronsim_accepts(fields)
+    return CronSchedule(raw, fields, zone)
+
+
+def _check_cronsim_accepts(fields: CronFields) -> None:
     try:
-        if dom != "*" and dow != "*":
-            # Classic cron: when both day fields are restricted, either one matching fires.
-            trigger: object = OrTrigger([
-                CronTrigger(minute=minute, hour=hour, day=dom, month=month, timezone=zone),
-                CronTrigger(minute=minute, hour=hour, month=month, day_of_week=dow_names,
-                            timezone=zone),
-            ])
-        else:
-            trigger = CronTrigger(minute=minute, hour=hour, day=dom, month=month,
-                                  day_of_week=dow_names, timezone=zone)
-    except ValueError as exc:
-        raise ValueError(f"invalid cron schedule {text!r}: {exc}") from exc
-    return CronSchedule(text=raw, tz=zone, trigger=trigger)
+        CronSim(fields.expr, datetime(2000, 1, 1, tzinfo=UTC))
+    except CronSimError as exc:  # pragma: no cover - our grammar is a subset of cronsim's
+        raise ValueError(f"cron expression {fields.expr!r} rejected: {exc}") from exc
 
 
-def _dow_number(token: str, text: str) -> int:
-    if token.isdigit():
-        n = int(token)
-        if n > 7:
-            raise ValueError(f"day of week {token!r} out of range 0-7 in {text!r}")
-        return n % 7
-    if token in _DOW_NAMES:
-        return _DOW_NAMES.index(token)
-    raise ValueError(f"invalid day of week {token!r} in {text!r}")
+def upcoming(expr: str, timezone: str = "UTC", after: datetime | None = None,
+             n: int = 10) -> list[datetime]:
+    """The next ``n`` slots of ``expr`` after ``after`` (default: now), in the schedule's zone.
+
+    A naive ``after`` is read as wall-clock time in ``timezone``. For ``maintd schedule``.
+    """
+    if not 1 <= n <= 10_000:
+        raise ValueError(f"n must be between 1 and 10000, got {n}")
+    schedule = parse_schedule(expr, timezone)
+    zone = load_timezone(timezone)
+    t = datetime.now(UTC) if after is None else after
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=zone)
+    out = []
+    for _ in range(n):
+        t = schedule.next_after(t)
+        out.append(t.astimezone(zone))
+    return out
 
 
-def _translate_dow(field_: str) -> str:
-    """Crontab weekday field (0/7 = Sunday, names) -> APScheduler's list of weekday names."""
-    if field_ == "*":
-        return "*"
-    days: set[int] = set()
-    for part in field_.lower().split(","):
-        m = _DOW_PART.match(part)
-        if not m:
-            raise ValueError(f"invalid day-of-week field {field_!r}")
-        start_s, end_s, step_s = m.groups()
-        step = int(step_s) if step_s else 1
-        if step < 1:
-            raise ValueError(f"step must be at least 1 in {field_!r}")
-        if start_s == "*":
-            if end_s:
-                raise ValueError(f"invalid day-of-week field {field_!r}")
-            lo, hi = 0, 6
-        else:
-            lo = _dow_number(start_s, field_)
-            if end_s:
-                hi = int(end_s) if end_s.isdigit() else _dow_number(end_s, field_)
-                if hi > 7:
-                    raise ValueError(f"day of week {end_s!r} out of range 0-7 in {field_!r}")
-                if start_s.isdigit() and hi < lo:
-                    raise ValueError(f"day-of-week range {part!r} runs backwards")
-            else:
-                hi = 6 if step_s else lo
-        days.update(d % 7 for d in range(lo, hi + 1, step))
-    return ",".join(_DOW_NAMES[d] for d in sorted(days))
+class ScheduleTrigger(BaseTrigger):
+    """An APScheduler 3 trigger firing at a ``Schedule``'s slots. Two triggers are equal when
+    their schedules are (``key``), so a reload can keep an unchanged job's next run time."""
+
+    __slots__ = ("schedule",)
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return self.schedule.key
+
+    def get_next_fire_time(self, previous_fire_time: datetime | None, now: datetime) -> datetime:
+        # Like CronTrigger: the first fire time may be ``now`` itself; later ones follow the
+        # previous fire time, or ``now`` if the clock went back behind it.
+        if previous_fire_time is not None and previous_fire_time <= now:
+            return self.schedule.next_after(previous_fire_time)
+        return self.schedule.next_after(now - _TINY)
+
+    def __getstate__(self) -> dict:
+        return {"version": 1, "text": self.schedule.text, "timezone": self.schedule.timezone}
+
+    def __setstate__(self, state: dict) -> None:
+        self.schedule = parse_schedule(state["text"], state["timezone"])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ScheduleTrigger) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __str__(self) -> str:
+        return f"schedule[{self.schedule.text}, {self.schedule.timezone}]"
+
+    def __repr__(self) -> str:
+        return f"<ScheduleTrigger {self.schedule.text!r} timezone={self.schedule.timezone!r}>"
+
+
+def schedule_trigger(schedule: Schedule) -> ScheduleTrigger:
+    """An APScheduler 3 trigger that fires at ``schedule``'s slots."""
+    return ScheduleTrigger(schedule)

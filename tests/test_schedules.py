@@ -1,14 +1,22 @@
-"""Schedules: fire times against an independent cron library (croniter), intervals, shortcuts, DST."""
+"""Schedules: fire times against an independent cron library (croniter), intervals, shortcuts,
+DST, validation messages, the cached latest slot, the APScheduler trigger and upcoming().
+
+Ported outside cases live in test_cron_conformance.py."""
 
 from __future__ import annotations
 
+import pickle
 import random
+import threading
+import time
 from datetime import datetime, timedelta, timezone
+from zoneinfo import ZoneInfo
 
 import pytest
+from apscheduler.schedulers.background import BackgroundScheduler
 from croniter import croniter
 
-from maintd.schedules import parse_schedule
+from maintd.schedules import parse_cron_fields, parse_schedule, schedule_trigger, upcoming
 
 UTC = timezone.utc
 
@@ -48,6 +56,8 @@ def random_cron(rng: random.Random) -> str:
 
 
 def test_next_fire_times_match_croniter_on_random_expressions():
+    """croniter with implement_cron_bug=True applies cron's day rule (a day field starting with
+    '*' makes both fields required), which is cronie's."""
     rng = random.Random(20261122)
     checked = 0
     for _ in range(300):
@@ -55,7 +65,7 @@ def test_next_fire_times_match_croniter_on_random_expressions():
         start = datetime(2026, 1, 1, tzinfo=UTC) + timedelta(minutes=rng.randint(0, 400 * 24 * 60),
                                                               seconds=rng.randint(0, 59))
         ours = parse_schedule(expr)
-        theirs = croniter(expr, start)
+        theirs = croniter(expr, start, implement_cron_bug=True)
         t = start
         for _ in range(5):
             expected = theirs.get_next(datetime)
@@ -102,28 +112,189 @@ def test_latest_at_or_before_for_sparse_schedules():
     assert s.latest_at_or_before(datetime(2026, 1, 1, 3, tzinfo=UTC)) == datetime(2026, 1, 1, 3, tzinfo=UTC)
 
 
-def test_dst_spring_forward_and_fall_back_fire_once():
+def test_latest_at_or_before_is_cheap_and_bounded_for_rare_schedules():
+    """Called every second per entry: repeated calls hit the cached slot pair, and a leap-day
+    schedule finds its slot years back without walking minute by minute."""
+    leap = parse_schedule("0 0 29 2 *", "Europe/Berlin")
+    t = datetime(2027, 7, 1, tzinfo=UTC)
+    started = time.perf_counter()
+    assert leap.latest_at_or_before(t) == datetime(2024, 2, 28, 23, tzinfo=UTC)
+    assert leap.next_after(t) == datetime(2028, 2, 28, 23, tzinfo=UTC)
+    assert time.perf_counter() - started < 0.5
+    started = time.perf_counter()
+    for i in range(20_000):
+        assert leap.latest_at_or_before(t + timedelta(seconds=i)) == datetime(2024, 2, 28, 23, tzinfo=UTC)
+    assert time.perf_counter() - started < 2.0  # about 3 us a call here
+
+
+def test_latest_at_or_before_follows_a_clock_that_goes_back():
+    """graphile-worker __tests__/cron-timing.test.ts "doesn't schedule tasks twice when system
+    clock reverses": the cache must not answer for a time before the cached slot."""
+    s = parse_schedule("0 */4 * * *")
+    assert s.latest_at_or_before(datetime(2021, 1, 1, 4, 0, 1, tzinfo=UTC)) == datetime(2021, 1, 1, 4, tzinfo=UTC)
+    assert s.latest_at_or_before(datetime(2021, 1, 1, 3, 0, 1, tzinfo=UTC)) == datetime(2021, 1, 1, 0, tzinfo=UTC)
+    assert s.latest_at_or_before(datetime(2021, 1, 1, 8, tzinfo=UTC)) == datetime(2021, 1, 1, 8, tzinfo=UTC)
+
+
+def test_every_slot_in_a_week_is_found_from_both_directions():
+    """next_after, latest_at_or_before and slots_between agree slot by slot across both DST
+    changes of a zone, for a fixed-time and a wildcard expression."""
+    for expr in ("30 1,2 * * *", "*/20 * * * *"):
+        s = parse_schedule(expr, "America/New_York")
+        for start in (datetime(2026, 3, 5, tzinfo=UTC), datetime(2026, 10, 29, tzinfo=UTC)):
+            slots = list(s.slots_between(start, start + timedelta(days=7)))
+            assert slots == sorted(set(slots))
+            for before, slot in zip([start] + slots, slots):
+                assert s.next_after(before) == slot
+                assert s.latest_at_or_before(slot) == slot
+                assert s.latest_at_or_before(slot - timedelta(microseconds=1)) == (
+                    before if before != start else s.latest_at_or_before(start))
+
+
+def test_dst_fixed_time_jobs_run_once_wildcard_jobs_follow_the_clock():
     # Europe/Berlin: 2026-03-29 02:00 -> 03:00; 2026-10-25 03:00 -> 02:00.
     s = parse_schedule("30 2 * * *", "Europe/Berlin")
     spring = list(s.slots_between(datetime(2026, 3, 28, 12, tzinfo=UTC), datetime(2026, 3, 30, 12, tzinfo=UTC)))
+    assert spring == [datetime(2026, 3, 29, 1, tzinfo=UTC),  # 03:00 CEST, the end of the gap
+                      datetime(2026, 3, 30, 0, 30, tzinfo=UTC)]
     fall = list(s.slots_between(datetime(2026, 10, 24, 12, tzinfo=UTC), datetime(2026, 10, 26, 12, tzinfo=UTC)))
-    assert len(fall) == 2 and len(set(fall)) == 2  # one per day, the repeated hour fires once
-    assert fall[0] == datetime(2026, 10, 25, 0, 30, tzinfo=UTC)  # 02:30 CEST, first occurrence only
-    # The nonexistent 02:30 on the spring-forward day does not double anything.
-    assert len(spring) <= 2 and len(set(spring)) == len(spring)
+    assert fall == [datetime(2026, 10, 25, 0, 30, tzinfo=UTC),  # 02:30 CEST, first pass only
+                    datetime(2026, 10, 26, 1, 30, tzinfo=UTC)]
+    every = parse_schedule("30 * * * *", "Europe/Berlin")
+    fall = list(every.slots_between(datetime(2026, 10, 24, 23, tzinfo=UTC), datetime(2026, 10, 25, 2, tzinfo=UTC)))
+    assert [x.astimezone(ZoneInfo("Europe/Berlin")).strftime("%H:%M%z") for x in fall] == [
+        "01:30+0200", "02:30+0200", "02:30+0100"]
     nine = parse_schedule("0 9 * * *", "America/New_York")
     slots = list(nine.slots_between(datetime(2026, 3, 7, tzinfo=UTC), datetime(2026, 3, 10, tzinfo=UTC)))
     assert [x.hour for x in slots] == [14, 13, 13]  # 09:00 local before and after the switch
 
 
+def test_fixed_time_follows_cronie_star_flags():
+    """cronie src/entry.c sets MIN_STAR/HR_STAR when the minute or hour field starts with '*'."""
+    assert parse_cron_fields("30 2 * * *").fixed_time
+    assert parse_cron_fields("0 0-23/2 * * *").fixed_time
+    assert not parse_cron_fields("*/15 2 * * *").fixed_time
+    assert not parse_cron_fields("0 */2 * * *").fixed_time
+    assert not parse_cron_fields("0 * * * *").fixed_time
+
+
 @pytest.mark.parametrize("bad", ["* * * *", "60 * * * *", "* 24 * * *", "* * 32 * *", "* * * 13 *",
                                  "* * * * 8", "@often", "@every", "@every 0s", "@every -5s", "",
-                                 "a b c d e", "*/0 * * * *", "5-1 * * * *"])
+                                 "a b c d e", "*/0 * * * *", "5-1 * * * *", "0 0 30 2 *",
+                                 "0 0 31 4,6,9,11 *", "0 0 30,31 2 */2", "0 0 1 jan/error *",
+                                 "0 0 * * sunday", "0 0 L * *", "0 0 * * 1#2", "0 0 ? * *",
+                                 "@reboot", "* * * * * *", "1,,2 * * * *", "*-5 * * * *",
+                                 "0 0 * * fri-mon", "0 0 1 nov-feb *", "٣ * * * *", "0 0 0 * *"])
 def test_invalid_schedules(bad):
     with pytest.raises(ValueError):
         parse_schedule(bad)
 
 
+@pytest.mark.parametrize("expr,message", [
+    ("61 * * * *", "minute 61 out of range 0-59"),
+    ("0 24 * * *", "hour 24 out of range 0-23"),
+    ("0 0 * * 8", "day-of-week 8 out of range 0-7"),
+    ("0 0 1 jan/error *", "month step 'error' must be a whole number of at least 1"),
+    ("0 0 1 janu *", "month 'janu' is not a number or a name (jan, feb"),
+    ("0 0 * * fri-mon", "day-of-week range 'fri-mon' runs backwards"),
+    ("0 0 30 2 *", "never fires: day-of-month 30 does not occur in month 2"),
+    ("0 0 31 4,6 *", "never fires: day-of-month 31 does not occur in month 4,6"),
+    ("* * * *", "a cron expression has 5 fields"),
+    ("@reboot", "unknown schedule shortcut '@reboot'"),
+])
+def test_error_messages_name_the_field(expr, message):
+    with pytest.raises(ValueError) as err:
+        parse_schedule(expr)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("expr,after,expected", [
+    ("0 0 30 2 1", "2026-01-01T00:00:00", "2026-02-02T00:00:00"),  # OR rule: Mondays in February
+    ("0 0 29 2 *", "2026-01-01T00:00:00", "2028-02-29T00:00:00"),  # leap day only
+    ("0 0 * * mon-sun", "2026-01-01T00:00:00", "2026-01-02T00:00:00"),
+    ("0 0 * * 7-7", "2026-01-01T00:00:00", "2026-01-04T00:00:00"),  # Sunday
+    ("0 0 1 Jan-Aug/2 *", "2026-01-02T00:00:00", "2026-03-01T00:00:00"),
+    ("5-6/2 * * * *", "2026-01-01T00:05:00", "2026-01-01T01:05:00"),
+    ("0 0 1 jan/5 *", "2026-01-02T00:00:00", "2026-06-01T00:00:00"),  # croniter's a/n: jan-dec/5
+    ("0 0 * * mon/2", "2026-01-05T00:00:00", "2026-01-07T00:00:00"),  # mon-sat/2: Mon Wed Fri
+])
+def test_cron_extensions_and_sunday_ranges(expr, after, expected):
+    got = parse_schedule(expr).next_after(datetime.fromisoformat(after).replace(tzinfo=UTC))
+    assert got == datetime.fromisoformat(expected).replace(tzinfo=UTC)
+
+
 def test_invalid_timezone():
     with pytest.raises(ValueError, match="time zone"):
         parse_schedule("0 0 * * *", "Nowhere/City")
+    with pytest.raises(ValueError, match="time zone"):
+        parse_schedule("@every 10s", "Nowhere/City")
+
+
+def test_naive_datetimes_are_refused():
+    s = parse_schedule("0 0 * * *")
+    for call in (s.next_after, s.latest_at_or_before):
+        with pytest.raises(ValueError, match="aware"):
+            call(datetime(2026, 1, 1))
+
+
+def test_interval_slots_are_exact_multiples_since_the_epoch():
+    s = parse_schedule("@every 1.5s")
+    t = datetime(2026, 1, 1, 0, 0, 0, 700000, tzinfo=UTC)  # 1767225600.7 s after the epoch
+    assert s.next_after(t) == datetime(2026, 1, 1, 0, 0, 1, 500000, tzinfo=UTC)
+    assert s.latest_at_or_before(t) == datetime(2026, 1, 1, 0, 0, 0, tzinfo=UTC)
+    assert parse_schedule("@every 5h").next_after(datetime(2026, 1, 1, tzinfo=UTC)) == \
+        datetime(2026, 1, 1, 4, tzinfo=UTC)  # 1767225600 s = 98179 * 5 h + 1 h
+
+
+def test_schedules_compare_by_text_and_zone():
+    assert parse_schedule("0  0 * * *", "UTC") == parse_schedule("0 0 * * *")
+    assert parse_schedule("0 0 * * *", "Europe/Berlin") != parse_schedule("0 0 * * *")
+    assert len({parse_schedule("@daily"), parse_schedule("@daily")}) == 1
+
+
+def test_trigger_fires_like_cron_trigger_and_has_a_stable_key():
+    trigger = schedule_trigger(parse_schedule("0 3 * * *", "Europe/Berlin"))
+    now = datetime(2026, 3, 1, 2, tzinfo=UTC)  # 03:00 CET exactly: the first fire may be now
+    assert trigger.get_next_fire_time(None, now) == now
+    assert trigger.get_next_fire_time(now, now) == datetime(2026, 3, 2, 2, tzinfo=UTC)
+    # the clock went back behind the previous fire time: fire from now, like CronTrigger
+    assert trigger.get_next_fire_time(datetime(2026, 3, 5, 2, tzinfo=UTC), now) == now
+    again = schedule_trigger(parse_schedule("0  3 * * *", "Europe/Berlin"))
+    assert again == trigger and again.key == trigger.key and repr(again) == repr(trigger)
+    assert schedule_trigger(parse_schedule("0 3 * * *")) != trigger
+    copy = pickle.loads(pickle.dumps(trigger))
+    assert copy == trigger and copy.get_next_fire_time(None, now) == now
+
+
+def test_trigger_drives_a_real_apscheduler():
+    fired: list[float] = []
+    done = threading.Event()
+
+    def tick():
+        fired.append(time.time())
+        if len(fired) >= 2:
+            done.set()
+
+    scheduler = BackgroundScheduler(timezone=UTC)
+    job = scheduler.add_job(tick, trigger=schedule_trigger(parse_schedule("@every 1s")))
+    scheduler.start()
+    try:
+        assert done.wait(10), f"fired {len(fired)} times in 10 s"
+        next_run = scheduler.get_job(job.id).next_run_time
+    finally:
+        scheduler.shutdown(wait=False)
+    assert next_run.microsecond == 0  # the schedule's slots, not "now + 1 s"
+
+
+def test_upcoming_lists_local_fire_times():
+    got = upcoming("30 2 * * *", "Europe/Berlin", datetime(2026, 3, 28, 12), 3)
+    assert [x.isoformat() for x in got] == [
+        "2026-03-29T03:00:00+02:00", "2026-03-30T02:30:00+02:00", "2026-03-31T02:30:00+02:00"]
+    assert upcoming("@every 1h", "UTC", datetime(2026, 1, 1, 0, 30, tzinfo=UTC), 1) == [
+        datetime(2026, 1, 1, 1, tzinfo=UTC)]
+    soon = upcoming("* * * * *", n=2)
+    assert datetime.now(UTC) < soon[0] <= datetime.now(UTC) + timedelta(minutes=1)
+    with pytest.raises(ValueError):
+        upcoming("* * * * *", n=0)
+    with pytest.raises(ValueError, match="never fires"):
+        upcoming("0 0 31 2 *")

@@ -1,0 +1,89 @@
+"""``maintd periodic``: the schedules of one schema (rows of ``periodic_jobs`` and the configured
+entries together, marked by origin) and plain-SQL changes to the rows."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+from pydantic import ValidationError
+from sqlalchemy import Engine
+
+from .config import PeriodicJob, Settings
+from .queries import periodic_jobs, periodic_slots, sql
+from .schedules import parse_schedule
+from .services.periodic_rows import row_problem
+
+
+def list_entries(engine: Engine, settings: Settings) -> list[dict[str, Any]]:
+    """Every schedule with its origin, last slot taken, next slot and error (server time)."""
+    schema = settings.schema
+    with engine.connect() as conn:
+        now = conn.exec_driver_sql("SELECT now()").scalar_one()
+        rows = [dict(r._mapping) for r in conn.execute(sql(periodic_jobs.ALL, schema))]
+        configured = [{**e.model_dump(), "origin": "crontab" if e.cron_args else "config", "error": None}
+                      for e in settings.periodic_entries]
+        for r in rows:
+            r["origin"] = "table"
+        entries = configured + rows
+        hwms = {r.periodic_id: r.hwm for r in conn.execute(
+            sql(periodic_slots.HIGH_WATER, schema), {"ids": [e["id"] for e in entries]})}
+    out = []
+    for e in entries:
+        try:
+            next_slot = parse_schedule(e["schedule"], e["timezone"]).next_after(now)
+        except ValueError:
+            next_slot = None
+        out.append({"id": e["id"], "origin": e["origin"], "schedule": e["schedule"],
+                    "timezone": e["timezone"], "kind": e["kind"], "queue": e["queue"],
+                    "enabled": e["enabled"], "last_slot": hwms.get(e["id"]),
+                    "next_slot": next_slot if e["enabled"] else None, "error": e["error"]})
+    return out
+
+
+def validated(values: dict[str, Any]) -> PeriodicJob:
+    """The row as the daemon will read it; ValueError naming the column otherwise."""
+    try:
+        return PeriodicJob(**values)
+    except ValidationError as exc:
+        raise ValueError(row_problem(exc)) from None
+
+
+def add(engine: Engine, schema: str, job: PeriodicJob, *, replace: bool = False) -> bool:
+    """Insert the row (or, with ``replace``, update it); False when it exists and not replaced."""
+    params = {"id": job.id, "schedule": job.schedule, "timezone": job.timezone, "kind": job.kind,
+              "queue": job.queue, "args": json.dumps(job.args), "priority": job.priority,
+              "max_attempts": job.max_attempts, "unique_key": bool(job.unique_key),
+              "backfill": _interval(job.backfill), "run_on_start": job.run_on_start, "replace": replace}
+    with engine.begin() as conn:
+        return conn.execute(sql(periodic_jobs.UPSERT, schema), params).first() is not None
+
+
+def remove(engine: Engine, schema: str, periodic_id: str) -> bool:
+    with engine.begin() as conn:
+        return conn.execute(sql(periodic_jobs.DELETE, schema), {"id": periodic_id}).first() is not None
+
+
+def set_enabled(engine: Engine, schema: str, periodic_id: str, enabled: bool) -> bool:
+    with engine.begin() as conn:
+        return conn.execute(sql(periodic_jobs.SET_ENABLED, schema),
+                            {"id": periodic_id, "enabled": enabled}).first() is not None
+
+
+def _interval(td: timedelta | None) -> str | None:
+    return None if td is None else f"{td.total_seconds()} seconds"
+
+
+def format_entries(entries: list[dict[str, Any]]) -> str:
+    if not entries:
+        return "no periodic entries"
+    lines = [f"{'ID':<24} {'ORIGIN':<7} {'SCHEDULE':<18} {'ENABLED':<7} {'LAST SLOT':<25} NEXT SLOT"]
+    for e in entries:
+        last = e["last_slot"].isoformat() if e["last_slot"] else "-"
+        nxt = e["next_slot"].isoformat() if e["next_slot"] else "-"
+        lines.append(f"{e['id']:<24} {e['origin']:<7} {e['schedule']:<18} {str(e['enabled']).lower():<7} "
+                     f"{last:<25} {nxt}")
+        if e["error"]:
+            lines.append(f"  error: {e['error']}")
+    return "\n".join(lines)

@@ -1,0 +1,144 @@
+"""The crontab file in the config (SPEC 7.8): loaded relative to the config file, errors naming the
+file and line, one id space with ``[[periodic]]``, ``_cron`` args, job key modes, reload, and bad
+entries stopped at load or contained at run time."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from maintd.cli import main
+from maintd.clock import FrozenClock
+from maintd.config import ConfigError, load_settings
+from maintd.daemon import Daemon
+from maintd.jobs import JobQueue
+from maintd.queries import sql
+from maintd.services.base import PassContext
+from maintd.services.periodic import PeriodicEnqueuer
+
+UTC = timezone.utc
+T0 = datetime(2026, 3, 2, 4, 0, tzinfo=UTC)
+
+
+def write_config(tmp_path, dsn, schema, crontab: str, extra: str = "") -> str:
+    (tmp_path / "jobs.crontab").write_text(crontab)
+    cfg = tmp_path / "maintd.toml"
+    cfg.write_text(f'database_url = "{dsn}"\nschema = "{schema}"\ncrontab = "jobs.crontab"\n{extra}')
+    return str(cfg)
+
+
+def one_pass(settings, engine, when, service=None):
+    service = service or PeriodicEnqueuer(settings.periodic_entries)
+    return service.run_once(PassContext.for_settings(settings, engine, FrozenClock(when))), service
+
+
+def jobs(engine, schema, kind=None):
+    with engine.connect() as conn:
+        return conn.execute(sql("SELECT id, kind, args, scheduled_at, state::text AS state FROM {schema}.jobs "
+                                "WHERE CAST(:k AS text) IS NULL OR kind = :k ORDER BY scheduled_at, id", schema),
+                            {"k": kind}).all()
+
+
+def test_crontab_entries_are_loaded_relative_to_the_config_and_listed_by_check_config(
+        tmp_path, pg_dsn, schema, capsys):
+    cfg = write_config(tmp_path, pg_dsn, schema, "# nightly\n0 4 * * * send_emails ?fill=1d&max=10 {count: 5}\n"
+                                                 "*/15 * * * * nested/task ?id=_private_id&queue=mail\n")
+    settings = load_settings(cfg)
+    [a, b] = [e for e in settings.periodic_entries]
+    assert (a.id, a.kind, a.schedule, a.max_attempts, a.backfill, a.args) == (
+        "send_emails", "send_emails", "0 4 * * *", 10, timedelta(days=1), {"count": 5})
+    assert (b.id, b.kind, b.queue) == ("_private_id", "nested/task", "mail")
+    assert main(["--config", cfg, "check-config"]) == 0
+    listed = json.loads(capsys.readouterr().out)["crontab_entries"]
+    assert [e["id"] for e in listed] == ["send_emails", "_private_id"]
+    assert listed[0]["line"].endswith("jobs.crontab:2")
+
+
+@pytest.mark.parametrize("crontab, message", [
+    ("0 4 * * * ok\n\n61 4 * * * bad\n", "jobs.crontab:3: minute 61 out of range"),
+    ("0 4 * * * task ?nope=1\n", "jobs.crontab:1:"),
+    ("0 0 30 2 * never\n", "jobs.crontab:1:"),
+    ("0 4 * * * dup\n5 4 * * * dup\n", "jobs.crontab:2: duplicate id"),
+])
+def test_bad_crontab_lines_are_config_errors_naming_file_and_line(tmp_path, pg_dsn, schema, crontab, message):
+    cfg = write_config(tmp_path, pg_dsn, schema, crontab)
+    with pytest.raises(ConfigError) as err:
+        load_settings(cfg)
+    assert message in str(err.value), str(err.value)
+    assert str(err.value).startswith("crontab:")
+    assert main(["--config", cfg, "check-config"]) == 2
+
+
+def test_crontab_and_periodic_share_one_id_space(tmp_path, pg_dsn, schema):
+    cfg = write_config(tmp_path, pg_dsn, schema, "0 4 * * * report\n",
+                       '[[periodic]]\nid = "report"\nschedule = "@hourly"\nkind = "r"\n')
+    with pytest.raises(ConfigError, match=r"jobs.crontab:1: id 'report' is also a \[\[periodic\]\]"):
+        load_settings(cfg)
+
+
+def test_a_never_firing_periodic_schedule_is_rejected_at_load(tmp_path, pg_dsn, schema):
+    cfg = tmp_path / "m.toml"
+    cfg.write_text(f'database_url = "{pg_dsn}"\nschema = "{schema}"\n'
+                   '[[periodic]]\nid = "feb30"\nschedule = "0 0 30 2 *"\nkind = "k"\n')
+    with pytest.raises(ConfigError, match=r"periodic\[0\] \(id='feb30'\).*never fires"):
+        load_settings(str(cfg))
+
+
+def test_jobs_get_the_payload_and_cron_metadata(tmp_path, pg_dsn, schema, engine):
+    settings = load_settings(write_config(tmp_path, pg_dsn, schema, "0 * * * * hourly ?fill=3h {a: [1, 2]}\n"))
+    _, service = one_pass(settings, engine, T0 - timedelta(hours=3))  # the baseline, 3 hours ago
+    one_pass(settings, engine, T0, service)
+    got = jobs(engine, schema, "hourly")
+    assert [j.scheduled_at for j in got] == [T0 - timedelta(hours=2), T0 - timedelta(hours=1), T0]
+    assert got[0].args == {"a": [1, 2], "_cron": {"ts": "2026-03-02T02:00:00.000Z", "backfilled": True}}
+    assert got[-1].args["_cron"] == {"ts": "2026-03-02T04:00:00.000Z", "backfilled": False}
+
+
+@pytest.mark.parametrize("mode, keeps_run_at", [("replace", False), ("preserve_run_at", True)])
+def test_job_key_modes_update_the_waiting_job(tmp_path, pg_dsn, schema, engine, mode, keeps_run_at):
+    settings = load_settings(write_config(
+        tmp_path, pg_dsn, schema, f"0 * * * * sync ?jobKey=sync-all&jobKeyMode={mode} {{v: 2}}\n"))
+    later = datetime(2099, 1, 1, tzinfo=UTC)
+    with engine.begin() as conn:  # a waiting job already holds the key
+        JobQueue(schema).enqueue(conn, "sync", {"v": 1}, scheduled_at=later, unique_key="sync-all")
+    _, service = one_pass(settings, engine, T0 - timedelta(minutes=1))
+    one_pass(settings, engine, T0, service)
+    [job] = jobs(engine, schema, "sync")
+    assert job.args["v"] == 2 and job.args["_cron"]["ts"] == "2026-03-02T04:00:00.000Z"
+    assert (job.scheduled_at == later) is keeps_run_at
+    assert job.state == ("scheduled" if keeps_run_at else "available")
+
+
+def test_a_failing_entry_does_not_starve_the_others(pg_dsn, schema, engine, settings):
+    s = settings.model_copy(update={"periodic": []})
+    s = load_settings(None, database_url=pg_dsn, schema=schema, periodic=[
+        {"id": "broken", "schedule": "* * * * *", "kind": "b", "run_on_start": True},
+        {"id": "healthy", "schedule": "@every 10s", "kind": "h", "run_on_start": True}])
+
+    class Broken(PeriodicEnqueuer):
+        def schedule(self, job):
+            if job.id == "broken":
+                raise RuntimeError("cannot compute this entry's slots")
+            return super().schedule(job)
+
+    service = Broken(s.periodic_entries)
+    for i in range(3):
+        result, _ = one_pass(s, engine, T0 + timedelta(seconds=10 * i), service)
+        assert "broken" in result.errors and result.failed()
+        assert result.skipped["broken"]["error"] == 1
+    assert [j.scheduled_at for j in jobs(engine, schema, "h")] == [T0 + timedelta(seconds=10 * i) for i in range(3)]
+
+
+def test_sighup_reloads_the_crontab_file(tmp_path, pg_dsn, schema):
+    cfg = write_config(tmp_path, pg_dsn, schema, "0 4 * * * first\n", '[http]\nenabled = false\n')
+    daemon = Daemon(load_settings(cfg), config_path=cfg)
+    assert [e.id for e in daemon.runner.services["periodic"].config] == ["first"]
+    (tmp_path / "jobs.crontab").write_text("0 4 * * * first\n0 5 * * * second\n")
+    assert daemon.reload_from_file()
+    assert [e.id for e in daemon.runner.services["periodic"].config] == ["first", "second"]
+    (tmp_path / "jobs.crontab").write_text("0 4 * * * first\n99 5 * * * broken\n")
+    assert not daemon.reload_from_file()  # rejected: the old entries stay
+    assert [e.id for e in daemon.runner.services["periodic"].config] == ["first", "second"]
+    daemon.engine.dispose()
