@@ -1,0 +1,371 @@
+"""``maintd jobs``: look at jobs and act on them (SPEC 7.5).
+
+One implementation. Every action calls the schema's SQL admin function (revision 0002:
+``retry_jobs``, ``cancel_jobs``, ``permanently_fail_jobs``, ``delete_jobs``,
+``reschedule_jobs``), so the CLI and workers or operators in any other language behave alike:
+a ``running`` job, or a row some worker holds locked right now, is skipped (never waited for,
+never changed) and reported as skipped with the reason.
+
+Selection. Jobs come by ids (in chunks of ``--batch-size``) or by ``--state/--queue/--kind``
+filters. A filter walks the matching jobs in keyset order over the index that serves it (the
+state's partial index, else the primary key), ``--batch-size`` jobs (default 1,000) per
+transaction, so cancelling a million jobs is a thousand short transactions, never one long
+one; each batch's changes are committed (and their NOTIFYs delivered) before the next.
+
+Dry run. ``--dry-run`` reads the same batches in read-only transactions and evaluates, per job,
+the predicate that guards the SQL function (``applies`` below; a test holds the two equal), so
+it prints what would change without writing anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import re
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any, Callable, Iterable, Sequence
+
+from sqlalchemy import Connection, text
+
+from .db import quote_ident
+from .queries import sql
+from .queries.admin import (ACTIONS, BY_IDS, LIST, REREAD, ROW, SHOW, Action, Filter,  # noqa: F401
+                            filter_query)
+from .durations import parse_duration
+from .queries import FINAL_STATES, JOB_STATES
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+DEFAULT_BATCH = 1000
+KEEP_LISTED = 10_000  # changed/skipped jobs kept for the output (counts are always exact)
+TEXT_ROWS = 20  # rows per section in the text output; --json lists up to KEEP_LISTED
+CELL_WIDTH = 48
+LOCK_TIMEOUT = timedelta(seconds=5)  # DDL on the table, never row locks (those are skipped)
+
+class UsageError(Exception):
+    """Bad arguments: exit 2."""
+
+
+class AdminError(Exception):
+    """The database cannot serve the command (e.g. not migrated): exit 1."""
+
+
+# ---------------------------------------------------------------- the report
+
+@dataclass
+class Report:
+    action: str
+    verb: str
+    dry_run: bool
+    changed_count: int = 0
+    skipped_count: int = 0
+    batches: int = 0
+    transitions: Counter = field(default_factory=Counter)  # (queue, from, to) -> jobs
+    changed: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+
+    def add_changed(self, row: Any, to_state: str) -> None:
+        self.changed_count += 1
+        self.transitions[(row.queue, row.state, to_state)] += 1
+        if len(self.changed) < KEEP_LISTED:
+            self.changed.append({"id": row.id, "queue": row.queue, "kind": row.kind,
+                                 "from": row.state, "to": to_state})
+
+    def add_skipped(self, job_id: int, row: Any, reason: str) -> None:
+        self.skipped_count += 1
+        if len(self.skipped) < KEEP_LISTED:
+            self.skipped.append({"id": job_id, "queue": getattr(row, "queue", None),
+                                 "kind": getattr(row, "kind", None),
+                                 "state": getattr(row, "state", None), "reason": reason})
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "action": self.action, "dry_run": self.dry_run, "changed": self.changed_count,
+            "skipped": self.skipped_count, "batches": self.batches,
+            "by_queue": [{"queue": q, "from": f, "to": t, "count": n}
+                         for (q, f, t), n in sorted(self.transitions.items())],
+            "jobs": self.changed, "skipped_jobs": self.skipped,
+            "truncated": max(self.changed_count, self.skipped_count) > KEEP_LISTED,
+        }
+
+
+def skip_reason(action: Action, row: Any, now_state: str | None, revived_keys: set[str]) -> str:
+    """Why a selected job was not changed."""
+    if row.state == "running":
+        return "running: maintd never touches a running job"
+    if not row.applies:
+        if action.verb == "retried" and row.state in FINAL_STATES and row.unique_key:
+            return "its unique_key is held by a live job"
+        return f"nothing to do for a {row.state} job"
+    if now_state is None:
+        return "deleted meanwhile"
+    if now_state != row.state:
+        return f"changed meanwhile: now {now_state}"
+    if row.unique_key and row.unique_key in revived_keys:
+        return "a newer job with its unique_key was retried"
+    return "locked by another transaction (a worker claiming or finishing it)"
+
+
+# ---------------------------------------------------------------- running an action
+
+def apply_batch(conn: Connection, schema: str, action: Action, rows: Sequence[Any],
+                params: dict[str, Any], report: Report, *, dry_run: bool) -> None:
+    """Change one batch through the SQL function (or predict it), and report every row."""
+    if dry_run:
+        changed = {r.id: r.to_state for r in rows if r.applies}
+    else:
+        result = conn.execute(sql(action.call, schema), {**params, "ids": [r.id for r in rows]})
+        changed = {c.id: c.state for c in result}
+    pending = [r.id for r in rows if r.id not in changed and r.applies]
+    now_state = {}
+    if pending:
+        now_state = {r.id: r.state for r in conn.execute(sql(REREAD, schema), {"ids": pending})}
+    revived = {r.unique_key for r in rows if r.id in changed and r.unique_key}
+    for r in rows:
+        if r.id in changed:
+            report.add_changed(r, changed[r.id])
+        else:
+            report.add_skipped(r.id, r, skip_reason(action, r, now_state.get(r.id), revived))
+
+
+def run_ids(conn: Connection, schema: str, action: Action, ids: Iterable[int],
+            params: dict[str, Any], report: Report, *, batch_size: int, dry_run: bool) -> None:
+    wanted = sorted(set(ids))
+    for start in range(0, len(wanted), batch_size):
+        chunk = wanted[start:start + batch_size]
+        query = BY_IDS.format(row=ROW, applies=action.applies, to_state=action.to_state)
+        with conn.begin():
+            rows = conn.execute(sql(query, schema), {**params, "ids": chunk}).all()
+            apply_batch(conn, schema, action, rows, params, report, dry_run=dry_run)
+        report.batches += 1
+        found = {r.id for r in rows}
+        for job_id in chunk:
+            if job_id not in found:
+                report.add_skipped(job_id, None, "not found")
+
+
+def run_filter(conn: Connection, schema: str, action: Action, flt: Filter,
+               params: dict[str, Any], report: Report, *, batch_size: int, dry_run: bool) -> None:
+    """Walk the filter's jobs in keyset order, one transaction per batch."""
+    keyset: dict[str, Any] | None = None
+    while True:
+        query = filter_query(action, flt, first=keyset is None)
+        with conn.begin():
+            rows = conn.execute(sql(query, schema), {**params, **flt.params(), **(keyset or {}),
+                                                     "limit": batch_size}).all()
+            if rows:
+                apply_batch(conn, schema, action, rows, params, report, dry_run=dry_run)
+        if not rows:
+            return
+        report.batches += 1
+        if len(rows) < batch_size:
+            return
+        last = rows[-1]._mapping
+        keyset = {k: v for k, v in last.items() if re.fullmatch(r"k\d+", k)}
+
+
+def run_action(conn: Connection, schema: str, name: str, *, ids: Sequence[int] = (),
+               flt: Filter = Filter(), params: dict[str, Any] | None = None,
+               batch_size: int = DEFAULT_BATCH, dry_run: bool = False) -> Report:
+    """Python entry point of ``maintd jobs retry|cancel|discard|delete|reschedule``."""
+    if bool(ids) == bool(flt):
+        raise UsageError("give job ids or at least one of --state/--queue/--kind (not both)")
+    if flt.state is not None and flt.state not in JOB_STATES:
+        raise UsageError(f"unknown state {flt.state!r}: one of {', '.join(JOB_STATES)}")
+    action = ACTIONS[name]
+    report = Report(name, action.verb, dry_run)
+    base = {"reason": None, "at": None, "offset": None, "priority": None, "max_attempts": None,
+            **(params or {})}
+    check_migrated(conn, schema)
+    if dry_run:  # every batch transaction starts as BEGIN READ ONLY: the server refuses writes
+        conn.execution_options(postgresql_readonly=True)
+    if ids:
+        run_ids(conn, schema, action, ids, base, report, batch_size=batch_size, dry_run=dry_run)
+    else:
+        run_filter(conn, schema, action, flt, base, report, batch_size=batch_size, dry_run=dry_run)
+    return report
+
+
+def check_migrated(conn: Connection, schema: str) -> None:
+    with conn.begin():
+        found = conn.execute(text("SELECT to_regprocedure(:f) IS NOT NULL"),
+                             {"f": f"{quote_ident(schema)}.retry_jobs(bigint[])"}).scalar()
+    if not found:
+        raise AdminError(f"schema {schema} has no admin functions (revision 0002): "
+                         "run `maintd migrate` first")
+
+
+# ---------------------------------------------------------------- list and show
+
+def list_jobs(conn: Connection, schema: str, flt: Filter, limit: int) -> list[dict[str, Any]]:
+    if flt.state is not None and flt.state not in JOB_STATES:
+        raise UsageError(f"unknown state {flt.state!r}: one of {', '.join(JOB_STATES)}")
+    clauses = flt.clauses()
+    where = ("WHERE " + " AND ".join(clauses)) if clauses else ""
+    with conn.begin():
+        rows = conn.execute(sql(LIST.format(where=where), schema), {**flt.params(), "limit": limit})
+        return [dict(r._mapping) for r in rows]
+
+
+def show_job(conn: Connection, schema: str, job_id: int) -> dict[str, Any] | None:
+    with conn.begin():
+        row = conn.execute(sql(SHOW, schema), {"id": job_id}).mappings().first()
+    return None if row is None else dict(row)
+
+
+# ---------------------------------------------------------------- output
+
+def _cell(value: Any) -> str:
+    """One table cell: UTC times, control characters neutralised, long text cut."""
+    if value is None:
+        return "-"
+    if isinstance(value, datetime):
+        return value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+    out = "".join(c if c.isprintable() else "?" for c in str(value))
+    return out if len(out) <= CELL_WIDTH else out[:CELL_WIDTH - 3] + "..."
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], indent: str = "  ") -> str:
+    cells = [[_cell(v) for v in r] for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    lines = [headers] + cells
+    return "\n".join(indent + "  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip()
+                     for line in lines)
+
+
+def _plural(n: int, word: str = "job") -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def format_report(rep: Report) -> str:
+    verb = f"would be {rep.verb}" if rep.dry_run else rep.verb
+    head = f"{_plural(rep.changed_count)} {verb}"
+    head += f" in {rep.batches} batches" if rep.batches > 1 else ""
+    lines = [head + (" (dry run: nothing changed)" if rep.dry_run else "") + ":"]
+    if rep.changed:
+        lines.append(table(("ID", "QUEUE", "KIND", "STATE"),
+                           [(j["id"], j["queue"], j["kind"], f"{j['from']} -> {j['to']}")
+                            for j in rep.changed[:TEXT_ROWS]]))
+        lines += _more(rep.changed_count, TEXT_ROWS)
+    if len(rep.transitions) > 1 or rep.changed_count > TEXT_ROWS:
+        lines.append("by queue:")
+        lines.append(table(("QUEUE", "FROM", "TO", "JOBS"),
+                           [(q, f, t, n) for (q, f, t), n in sorted(rep.transitions.items())]))
+    if rep.skipped_count:
+        lines.append(f"{_plural(rep.skipped_count)} skipped:")
+        lines.append(table(("ID", "QUEUE", "KIND", "STATE", "REASON"),
+                           [(s["id"], s["queue"], s["kind"], s["state"], s["reason"])
+                            for s in rep.skipped[:TEXT_ROWS]]))
+        lines += _more(rep.skipped_count, TEXT_ROWS)
+    return "\n".join(lines)
+
+
+def _more(total: int, shown: int) -> list[str]:
+    return [f"  ... and {total - shown} more (--json lists up to {KEEP_LISTED:,})"] if total > shown else []
+
+
+def format_list(jobs: list[dict[str, Any]]) -> str:
+    if not jobs:
+        return "(no jobs)"
+    return table(("ID", "STATE", "QUEUE", "KIND", "ATTEMPT", "PRIO", "SCHEDULED_AT", "LAST_ERROR"),
+                 [(j["id"], j["state"], j["queue"], j["kind"], f"{j['attempt']}/{j['max_attempts']}",
+                   j["priority"], j["scheduled_at"], j["last_error"]) for j in jobs], indent="")
+
+
+def format_job(job: dict[str, Any]) -> str:
+    lines = []
+    for key in ("id", "state", "kind", "queue", "priority", "attempt", "max_attempts",
+                "scheduled_at", "created_at", "attempted_at", "attempted_by", "heartbeat_at",
+                "finalized_at", "unique_key"):
+        lines.append(f"{key + ':':<14}{_cell(job[key])}")
+    for key in ("args", "metadata", "errors"):
+        body = json.dumps(job[key], indent=2, ensure_ascii=True, default=str)
+        lines.append(f"{key}:" + ("\n" + "\n".join("  " + ln for ln in body.splitlines())))
+    return "\n".join(lines)
+
+
+def _json(obj: Any) -> str:
+    return json.dumps(obj, indent=2, default=lambda v: v.isoformat() if isinstance(v, datetime) else str(v))
+
+
+# ---------------------------------------------------------------- command line
+
+def parse_time(value: str) -> tuple[datetime | None, float | None]:
+    """``--at``: ISO 8601 (naive = UTC), ``now``, or ``+5m`` / ``-1h`` from the server's clock.
+    Returns (absolute time, offset seconds); one of them is None."""
+    value = value.strip()
+    if value.lower() == "now":
+        return None, 0.0
+    if value[:1] in ("+", "-"):
+        try:
+            seconds = parse_duration(value[1:]).total_seconds()
+        except ValueError as exc:
+            raise UsageError(f"--at {value!r}: {exc}") from None
+        return None, -seconds if value[0] == "-" else seconds
+    try:
+        at = datetime.fromisoformat(value)
+    except ValueError:
+        raise UsageError(f"--at {value!r}: use an ISO 8601 time (2026-03-01T12:00:00Z), "
+                         "'now', or '+DURATION' (e.g. +30m)") from None
+    return (at if at.tzinfo else at.replace(tzinfo=timezone.utc)), None
+
+
+def _action_params(args: argparse.Namespace) -> dict[str, Any]:
+    params: dict[str, Any] = {"reason": getattr(args, "reason", None)}
+    if args.jobs_command == "reschedule":
+        params["at"], params["offset"] = parse_time(args.at)
+        if args.priority is not None and not -32768 <= args.priority <= 32767:
+            raise UsageError("--priority must be between -32768 and 32767")
+        if args.max_attempts is not None and not 1 <= args.max_attempts <= 32767:
+            raise UsageError("--max-attempts must be between 1 and 32767")
+        params.update(priority=args.priority, max_attempts=args.max_attempts)
+    return params
+
+
+def _filter(args: argparse.Namespace) -> Filter:
+    return Filter(getattr(args, "state", None), getattr(args, "queue", None),
+                  getattr(args, "kind", None))
+
+
+def plan_command(args: argparse.Namespace) -> Callable[[Connection, str], int]:
+    """Check the arguments (before any connection) and return the work to do."""
+    cmd, flt = args.jobs_command, _filter(args)
+    if flt.state is not None and flt.state not in JOB_STATES:
+        raise UsageError(f"unknown state {flt.state!r}: one of {', '.join(JOB_STATES)}")
+    if cmd == "list":
+        if args.limit < 1:
+            raise UsageError("--limit must be at least 1")
+        return functools.partial(_cmd_list, flt=flt, limit=args.limit, as_json=args.json)
+    if cmd == "show":
+        return functools.partial(_cmd_show, job_id=args.id, as_json=args.json)
+    if args.batch_size < 1:
+        raise UsageError("--batch-size must be at least 1")
+    if bool(args.ids) == bool(flt):
+        raise UsageError("give job ids or at least one of --state/--queue/--kind (not both)")
+    return functools.partial(_cmd_action, name=cmd, ids=args.ids, flt=flt,
+                             params=_action_params(args), batch_size=args.batch_size,
+                             dry_run=args.dry_run, as_json=args.json)
+
+
+def _cmd_list(conn: Connection, schema: str, *, flt: Filter, limit: int, as_json: bool) -> int:
+    jobs = list_jobs(conn, schema, flt, limit)
+    print(_json(jobs) if as_json else format_list(jobs))
+    return EXIT_OK
+
+
+def _cmd_show(conn: Connection, schema: str, *, job_id: int, as_json: bool) -> int:
+    job = show_job(conn, schema, job_id)
+    if job is None:
+        print(f"maintd jobs: job {job_id} not found", file=sys.stderr)
+        return EXIT_FAILURE
+    print(_json(job) if as_json else format_job(job))
+    return EXIT_OK
+
+
+def _cmd_action(conn: Connection, schema: str, *, name: str, as_json: bool, **kw: Any) -> int:
+    report = run_action(conn, schema, name, **kw)
+    print(_json(report.as_json()) if as_json else format_report(report))
+    return EXIT_OK

@@ -1,0 +1,537 @@
+"""The dashboard (SPEC 7.6): ``GET /`` per target, ``/jobs`` (paged) and ``/jobs/{id}``.
+
+Read-only, server-rendered HTML (Jinja2, autoescape on), no JavaScript. Every query reads an
+index and is bounded, so a page stays fast on a table of millions of jobs:
+
+* counts read at most ``cap`` index entries per cell and say "at least" beyond; totals beyond
+  that are the planner's estimates;
+* queues with available jobs come from a loose index scan (one probe per queue and priority);
+* lists are keyset-paged in the order of the state's index; a queue filter that no index serves
+  searches a bounded window of the state's index and offers to continue past it.
+
+Connections are read-only, REPEATABLE READ (one snapshot per page), with short timeouts, and
+not pooled (a person reloading a page needs no pool; the maintenance pool stays untouched).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Callable, Sequence
+from urllib.parse import urlencode
+
+from jinja2 import Environment, PackageLoader, StrictUndefined, pass_context
+from sqlalchemy import Connection, Engine, text
+from sqlalchemy.exc import SQLAlchemyError
+
+from .config import PeriodicJob, Settings
+from .db import advisory_key, describe_db_error, make_engine, quote_ident, session_settings
+from .queries import sql
+from .http import HttpError, Request, Response
+from .queries import FINAL_STATES, JOB_STATES
+from .schedules import parse_schedule
+from .queries import daemons as q_daemons
+from .queries import periodic_jobs as q_periodic
+from .queries import leader as q_leader
+from .queries import service_runs as q_runs
+from .queries.dashboard import (AVAILABLE_COUNTS, DISCARDED, ESTIMATES, HEADS, INDEX, JOB, LAST_SLOTS, LIST,
+                                LIST_AVAILABLE, LIST_COLUMNS, WINDOW, WINDOW_END)
+
+CAP = 10_000            # index entries an available count reads per queue before it says "at least"
+# The other states' counts read the heap too (their indexes do not hold the queue): a fifth of CAP.
+WINDOW_SHARE = 5
+PAGE_SIZE = 50
+SCAN_WINDOW = 100_000   # jobs of a state searched per page for a queue no index leads with
+MAX_HEADS = 1_000       # (queue, priority) groups of available jobs probed on the overview
+DISCARDED_SHOWN = 10
+REFRESH_SECONDS = 10
+QUERY_TIMEOUT = timedelta(seconds=5)
+TEXT_LIMIT = 65_536     # characters of args, metadata or one error shown on a job's page
+
+# -- targets ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """One schema the page shows: its name, schema, a read-only engine and its periodic entries."""
+
+    name: str
+    schema: str
+    engine: Engine
+    periodic: Sequence[PeriodicJob] = ()
+
+
+def target_specs(settings: Settings) -> list[tuple[str, str, str, Sequence[PeriodicJob]]]:
+    """(name, schema, dsn, periodic entries) per target. Today one: the configured schema."""
+    return [(settings.schema, settings.schema, settings.database_url.get_secret_value(),
+             settings.periodic_entries)]
+
+
+def dashboard_engine(dsn: str, instance_id: str) -> Engine:
+    session = session_settings(QUERY_TIMEOUT, lock_timeout=timedelta(seconds=2),
+                               idle_in_transaction=QUERY_TIMEOUT * 2)
+    session["default_transaction_read_only"] = "on"
+    return make_engine(dsn, application_name=f"maintd:{instance_id}:dashboard", session=session,
+                       pooled=False)
+
+
+def begin_snapshot(conn: Connection) -> datetime:
+    """One read-only snapshot for the whole page; returns the database's ``now()``."""
+    conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+    return conn.execute(text("SELECT now()")).scalar_one()
+
+
+# -- counts -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Count:
+    """A job count: ``exact``, ``atleast`` (a bounded count hit its cap) or ``estimate``."""
+
+    value: int
+    kind: str = "exact"
+
+
+
+
+def estimates(conn: Connection, schema: str) -> dict[str, int]:
+    """The statistics' row count per state (empty before the first ANALYZE)."""
+    rows = conn.execute(text(ESTIMATES), {"schema": schema, "table": f"{quote_ident(schema)}.jobs"})
+    return {r.state: r.n for r in rows}
+
+
+def windowed_counts(conn: Connection, schema: str, cap: int
+                    ) -> tuple[dict[str, dict[str, int]], dict[str, bool]]:
+    """(state -> queue -> jobs among the first ``cap`` entries of the state's index, state ->
+    whether that window was full) for every state but available."""
+    windows = sorted({INDEX[s] for s in JOB_STATES if s != "available"})
+    out: dict[str, dict[str, int]] = {s: {} for s in JOB_STATES if s != "available"}
+    seen: dict[tuple[str, str], int] = {w: 0 for w in windows}
+    for where, order in windows:
+        for row in conn.execute(sql(WINDOW.replace("{where}", where).replace("{order}", order), schema),
+                                {"cap": cap}):
+            out[row.state][row.queue] = row.n
+            seen[(where, order)] += row.n
+    return out, {s: seen[INDEX[s]] >= cap for s in out}
+
+
+def available_counts(conn: Connection, schema: str, cap: int
+                     ) -> tuple[dict[str, int], dict[str, datetime], bool, int]:
+    """(bounded count per queue, oldest scheduled_at per queue, whether queues were cut off,
+    the per-queue bound)."""
+    heads = list(conn.execute(sql(HEADS, schema), {"max_heads": MAX_HEADS}))
+    oldest = {r.queue: r.oldest for r in heads}
+    cut = sum(r.groups for r in heads) >= MAX_HEADS
+    limit = per_queue_cap(cap, len(oldest))
+    counts = {r.queue: r.n for r in conn.execute(sql(AVAILABLE_COUNTS, schema),
+                                                  {"queues": sorted(oldest), "cap": limit})}
+    return counts, oldest, cut, limit
+
+
+def per_queue_cap(cap: int, queues: int) -> int:
+    """Entries one queue's available count may read: ``cap``, shared out when queues are many,
+    so the whole column reads at most 10 x ``cap`` entries."""
+    return max(1, min(cap, (10 * cap) // max(1, queues)))
+
+
+def queue_table(conn: Connection, schema: str, now: datetime, cap: int = CAP) -> dict[str, Any]:
+    """Jobs by queue and state (bounded counts), per-state totals, the oldest available age."""
+    avail, oldest, cut, limit = available_counts(conn, schema, cap)
+    others, full = windowed_counts(conn, schema, max(1, cap // WINDOW_SHARE))
+    windows = {"available": avail, **others}
+    full["available"] = cut or any(n >= limit for n in avail.values())
+    queues = sorted(set().union(*(set(w) for w in windows.values())))
+    rows = []
+    for q in queues:
+        counts = {}
+        for s in JOB_STATES:
+            n = windows[s].get(q, 0)
+            capped = (n >= limit) if s == "available" else full[s]
+            counts[s] = Count(n, "atleast" if capped else "exact")
+        age = (now - oldest[q]).total_seconds() if q in oldest else None
+        rows.append({"queue": q, "counts": counts, "oldest_age": None if age is None else max(0.0, age)})
+    guess = estimates(conn, schema) if any(full.values()) else {}
+    totals = {}
+    for s in JOB_STATES:
+        n = sum(windows[s].values())
+        if not full[s]:
+            totals[s] = Count(n)
+        else:  # past the cap: the statistics, or the lower bound if they know less
+            totals[s] = Count(guess[s], "estimate") if guess.get(s, 0) > n else Count(n, "atleast")
+    return {"rows": rows, "totals": totals, "cut": cut,
+            "oldest_age": max((r["oldest_age"] for r in rows if r["oldest_age"] is not None),
+                              default=None)}
+
+
+# -- the rest of the overview -------------------------------------------------------------------
+
+
+
+def leadership(conn: Connection, schema: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """(the leader whose session holds the lock, or None; the live replicas)."""
+    classid, objid = advisory_key(schema)
+    row = conn.execute(sql(q_leader.CURRENT, schema), {"classid": classid, "objid": objid}).mappings().first()
+    leader = dict(row) if row and row["instance_id"] and row["released_at"] is None \
+        and row["holds_lock"] else None
+    daemons = [dict(r) for r in conn.execute(sql(q_daemons.LIVE, schema)).mappings()]
+    for d in daemons:
+        d["is_leader"] = bool(leader and leader["instance_id"] == d["instance_id"])
+    return leader, daemons
+
+
+def service_runs(conn: Connection, schema: str) -> list[dict[str, Any]]:
+    runs = []
+    for r in conn.execute(sql(q_runs.ALL, schema)).mappings():
+        run = dict(r)
+        run["duration"] = (r["finished_at"] - r["started_at"]).total_seconds()
+        run["summary"] = ", ".join(f"{k} {v}" for k, v in (r["result"] or {}).items()
+                                   if isinstance(v, (int, float, str)) and not isinstance(v, bool))
+        runs.append(run)
+    return runs
+
+
+def periodic_rows(conn: Connection, schema: str, entries: Sequence[PeriodicJob],
+                  now: datetime) -> list[dict[str, Any]]:
+    """Each entry (configured, then the rows of periodic_jobs, marked by origin) with its last
+    slot taken (the database) and its next slot (the schedule)."""
+    table = list(conn.execute(sql(q_periodic.ALL, schema)))
+    origin = {e.id: "crontab" if e.cron_args else "config" for e in entries}
+    entries = [*entries, *[r for r in table if r.id not in origin]]
+    errors = {r.id: r.error for r in table if r.error}
+    last = {r.id: r for r in conn.execute(sql(LAST_SLOTS, schema), {"ids": [e.id for e in entries]})}
+    rows = []
+    for e in entries:
+        try:
+            nxt = parse_schedule(e.schedule, e.timezone).next_after(now) if e.enabled else None
+        except ValueError:
+            nxt = None
+        slot = last.get(e.id)
+        rows.append({"id": e.id, "schedule": e.schedule, "timezone": e.timezone, "kind": e.kind,
+                     "queue": e.queue, "enabled": e.enabled, "next_slot": nxt,
+                     "origin": origin.get(e.id, "table"), "error": errors.get(e.id),
+                     "last_slot": slot.slot if slot else None, "last_job_id": slot.job_id if slot else None})
+    return rows
+
+
+def target_overview(target: Target, *, cap: int = CAP) -> dict[str, Any]:
+    """Everything ``GET /`` shows for one target, read in one snapshot."""
+    schema = target.schema
+    with target.engine.connect() as conn:
+        now = begin_snapshot(conn)
+        leader, daemons = leadership(conn, schema)
+        data = {
+            "name": target.name, "schema": schema, "now": now, "leader": leader, "daemons": daemons,
+            "services": service_runs(conn, schema), "queues": queue_table(conn, schema, now, cap),
+            "periodic": periodic_rows(conn, schema, target.periodic, now),
+            "discarded": [dict(r) for r in conn.execute(sql(DISCARDED, schema),
+                                                        {"n": DISCARDED_SHOWN}).mappings()],
+        }
+        conn.rollback()
+    return data
+
+
+def overview(targets: Sequence[Target], *, cap: int = CAP) -> list[dict[str, Any]]:
+    """Per target its overview, or ``{"name", "schema", "error"}`` when it cannot be read."""
+    out = []
+    for t in targets:
+        try:
+            out.append(target_overview(t, cap=cap))
+        except SQLAlchemyError as exc:
+            out.append({"name": t.name, "schema": t.schema, "error": describe_db_error(exc)})
+    return out
+
+
+# -- /jobs --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Order:
+    """A keyset order: (SQL expression, SQL type) columns, all ascending or all descending."""
+
+    columns: tuple[tuple[str, str], ...]
+    descending: bool
+
+    def sql(self) -> str:
+        return ", ".join(f"{c} {'DESC' if self.descending else 'ASC'}" for c, _ in self.columns)
+
+    def after(self) -> str:
+        left = ", ".join(c for c, _ in self.columns)
+        right = ", ".join(f"CAST(:k{i} AS {t})" for i, (_, t) in enumerate(self.columns))
+        return f"AND ({left}) {'<' if self.descending else '>'} ({right})"
+
+    def cursor(self, row: Any) -> str:
+        return ",".join(v.isoformat() if isinstance(v, datetime) else str(v)
+                        for v in (row._mapping[f"k{i}"] for i in range(len(self.columns))))
+
+    def parse(self, cursor: str) -> dict[str, Any]:
+        parts = cursor.split(",")
+        if len(parts) != len(self.columns):
+            raise HttpError(400, f"invalid 'after' cursor {cursor!r}: use the page's own links")
+        try:
+            return {f"k{i}": (datetime.fromisoformat(v) if t == "timestamptz" else int(v))
+                    for i, ((_, t), v) in enumerate(zip(self.columns, parts))}
+        except ValueError:
+            raise HttpError(400, f"invalid 'after' cursor {cursor!r}: use the page's own links") from None
+
+
+_FINAL_ORDER = Order((("finalized_at", "timestamptz"), ("id", "bigint")), True)
+ORDERS: dict[str | None, Order] = {
+    None: Order((("id", "bigint"),), True),
+    "available": Order((("priority", "smallint"), ("scheduled_at", "timestamptz"), ("id", "bigint")), False),
+    "scheduled": Order((("scheduled_at", "timestamptz"), ("id", "bigint")), False),
+    "retryable": Order((("scheduled_at", "timestamptz"), ("id", "bigint")), False),
+    "running": Order((("id", "bigint"),), False),
+    **{s: _FINAL_ORDER for s in FINAL_STATES},
+}
+
+
+@dataclass(frozen=True)
+class JobFilter:
+    state: str | None = None
+    queue: str | None = None
+    after: str | None = None
+
+
+@dataclass
+class JobPage:
+    jobs: list[dict[str, Any]]
+    next_after: str | None = None
+    searched: int | None = None  # set when the page stopped at the search window, not at a match
+    now: datetime | None = None
+    filters: JobFilter = field(default_factory=JobFilter)
+
+
+def _list_sql(f: JobFilter, order: Order) -> tuple[str, str, bool]:
+    """(the SQL of one page, its inner WHERE, whether it searches a bounded window of the index:
+    when it filters on what the index does not lead with)."""
+    keys = ", ".join(f"{c} AS k{i}" for i, (c, _) in enumerate(order.columns))
+    after = order.after() if f.after else ""
+    if f.state == "available" and f.queue is None:
+        outer_order = ", ".join(f"k{i}" for i in range(len(order.columns)))
+        return (LIST_AVAILABLE.replace("{outer_order}", outer_order).replace("{columns}", LIST_COLUMNS)
+                .replace("{keys}", keys).replace("{after}", after).replace("{order}", order.sql()),
+                "", False)
+    where = INDEX[f.state][0] if f.state else "TRUE"
+    outer = []
+    if f.state in ("scheduled", "retryable"):
+        outer.append(f"state = '{f.state}'")
+    if f.queue is not None:
+        if f.state == "available":
+            where += " AND queue = :queue"
+        else:
+            outer.append("queue = :queue")
+    query = (LIST.replace("{columns}", LIST_COLUMNS).replace("{keys}", keys).replace("{where}", where)
+             .replace("{after}", after).replace("{order}", order.sql())
+             .replace("{outer}", " AND ".join(outer) or "TRUE"))
+    return query, where, bool(outer)
+
+
+def list_jobs(conn: Connection, schema: str, f: JobFilter, *, page_size: int = PAGE_SIZE,
+              scan_window: int = SCAN_WINDOW) -> JobPage:
+    """One page of jobs in the order of the state's index, keyset-paged by ``f.after``."""
+    order = ORDERS[f.state]
+    params: dict[str, Any] = {"queue": f.queue, "limit": page_size + 1,
+                              **(order.parse(f.after) if f.after else {})}
+    query, where, windowed = _list_sql(f, order)
+    params["scan"] = scan_window if windowed else page_size + 1
+    rows = list(conn.execute(sql(query, schema), params))
+    page = JobPage(jobs=[dict(r._mapping) for r in rows[:page_size]], filters=f)
+    if len(rows) > page_size:
+        page.next_after = order.cursor(rows[page_size - 1])
+    elif windowed:
+        keys = ", ".join(f"{c} AS k{i}" for i, (c, _) in enumerate(order.columns))
+        end = conn.execute(sql(WINDOW_END.replace("{keys}", keys).replace("{where}", where)
+                               .replace("{after}", order.after() if f.after else "")
+                               .replace("{order}", order.sql()), schema), params).first()
+        if end is not None:
+            page.next_after, page.searched = order.cursor(end), scan_window
+    return page
+
+
+
+
+def _clip(s: Any) -> Any:
+    return s[:TEXT_LIMIT] + f"\n... ({len(s) - TEXT_LIMIT} more characters)" \
+        if isinstance(s, str) and len(s) > TEXT_LIMIT else s
+
+
+def job_detail(conn: Connection, schema: str, job_id: int) -> dict[str, Any] | None:
+    row = conn.execute(sql(JOB, schema), {"id": job_id}).mappings().first()
+    if row is None:
+        return None
+    job = {k: _clip(v) for k, v in row.items()}
+    job["errors"] = [{"at": e.get("at"), "attempt": e.get("attempt"), "error": _clip(str(e.get("error"))),
+                      "extra": {k: v for k, v in e.items() if k not in ("at", "attempt", "error")}}
+                     if isinstance(e, dict) else {"at": None, "attempt": None, "extra": {},
+                                                  "error": _clip(json.dumps(e))} for e in row["errors"]]
+    return job
+
+
+# -- rendering ----------------------------------------------------------------------------------
+
+
+def _fmt_seconds(s: float) -> str:
+    s = abs(s)
+    if s < 1:
+        return f"{s * 1000:.0f} ms"
+    if s < 120:
+        return f"{s:.1f} s" if s < 10 else f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.0f} min"
+    if s < 2 * 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} d"
+
+
+@pass_context
+def _ago(ctx: Any, ts: datetime | None) -> str:
+    if ts is None:
+        return "never"
+    delta = (ctx["now"] - ts).total_seconds()
+    return f"in {_fmt_seconds(delta)}" if delta < 0 else f"{_fmt_seconds(delta)} ago"
+
+
+def _iso(ts: datetime | None) -> str:
+    return "" if ts is None else ts.isoformat(sep=" ", timespec="seconds")
+
+
+def _count(c: Count) -> str:
+    if c.kind == "atleast":
+        return f"≥ {c.value:,}" if c.value else "?"
+    return f"≈ {c.value:,}" if c.kind == "estimate" else f"{c.value:,}"
+
+
+def make_env() -> Environment:
+    env = Environment(loader=PackageLoader("maintd", "templates"), autoescape=True,
+                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env.filters.update(ago=_ago, iso=_iso, seconds=lambda s: "" if s is None else _fmt_seconds(s),
+                       count=_count, num=lambda n: f"{n:,}")
+    env.globals.update(states=JOB_STATES, final_states=FINAL_STATES)
+    return env
+
+
+class Links:
+    """URLs of the dashboard's pages; carry the token when the request brought it by query."""
+
+    def __init__(self, req: Request, target: str | None):
+        self.token = (req.query.get("token") or [None])[0]
+        self.target = target
+
+    def __call__(self, path: str, **params: Any) -> str:
+        q = {k: v for k, v in params.items() if v is not None}
+        if self.target is not None:
+            q.setdefault("target", self.target)
+        if self.token:
+            q["token"] = self.token
+        return path + ("?" + urlencode(q) if q else "")
+
+
+# -- the pages ----------------------------------------------------------------------------------
+
+
+class Dashboard:
+    """The pages on the HTTP listener. ``settings`` is read per request (reloads apply)."""
+
+    def __init__(self, settings: Callable[[], Settings], *, page_size: int = PAGE_SIZE,
+                 scan_window: int = SCAN_WINDOW, cap: int = CAP, refresh: int = REFRESH_SECONDS):
+        self.settings, self.page_size, self.scan_window = settings, page_size, scan_window
+        self.cap, self.refresh = cap, refresh
+        self.env = make_env()
+        self._engines: dict[str, Engine] = {}
+        self._lock = threading.Lock()
+
+    def pages(self) -> dict[str, Callable[[Request], Response]]:
+        return {"/": self._guard(self.index), "/jobs": self._guard(self.jobs),
+                "/jobs/{id}": self._guard(self.job)}
+
+    def targets(self) -> list[Target]:
+        settings = self.settings()
+        out = []
+        for name, schema, dsn, periodic in target_specs(settings):
+            with self._lock:
+                engine = self._engines.get(dsn)
+                if engine is None:
+                    engine = self._engines[dsn] = dashboard_engine(dsn, settings.instance_id)
+            out.append(Target(name, schema, engine, periodic))
+        return out
+
+    def _target(self, req: Request) -> tuple[Target, Links]:
+        targets = self.targets()
+        name = req.arg("target")
+        if name is None:
+            return targets[0], Links(req, None if len(targets) == 1 else targets[0].name)
+        for t in targets:
+            if t.name == name:
+                return t, Links(req, name)
+        raise HttpError(404, f"unknown target {name!r} (known: {', '.join(t.name for t in targets)})")
+
+    def render(self, template: str, status: int = 200, **ctx: Any) -> Response:
+        body = self.env.get_template(template).render(instance=self.settings().instance_id, **ctx)
+        return status, "text/html; charset=utf-8", body.encode(), {
+            "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; img-src data:; "
+                                       "form-action 'self'; base-uri 'none'; frame-ancestors 'none'"}
+
+    def _guard(self, page: Callable[[Request], Response]) -> Callable[[Request], Response]:
+        def run(req: Request) -> Response:
+            links = Links(req, None)
+            try:
+                return page(req)
+            except HttpError as exc:
+                return self.render("error.html", exc.status, message=exc.message, link=links, now=None)
+            except SQLAlchemyError as exc:
+                return self.render("error.html", 503, link=links, now=None,
+                                   message=f"database error: {describe_db_error(exc)}")
+        return run
+
+    def index(self, req: Request) -> Response:
+        req.only({"refresh"})
+        raw = req.arg("refresh")
+        if raw is not None and not (raw.isdigit() and (raw == "0" or 2 <= int(raw) <= 3600)):
+            raise HttpError(400, f"refresh must be 0 (off) or 2 to 3600 seconds, not {raw!r}")
+        targets = self.targets()
+        data = overview(targets, cap=self.cap)
+        now = next((d["now"] for d in data if "now" in d), None)
+        multi = len(targets) > 1
+        return self.render("index.html", 503 if any("error" in d for d in data) else 200,
+                           targets=data, now=now, refresh=self.refresh if raw is None else int(raw),
+                           link=Links(req, None), links={d["name"]: Links(req, d["name"] if multi else None)
+                                                         for d in data})
+
+    def _filter(self, req: Request) -> JobFilter:
+        req.only({"state", "queue", "after", "target"})
+        state = req.arg("state") or None
+        if state is not None and state not in JOB_STATES:
+            raise HttpError(400, f"unknown state {state!r} (one of: {', '.join(JOB_STATES)})")
+        queue = req.arg("queue") or None
+        if queue is not None and len(queue) > 128:
+            raise HttpError(400, "queue must be at most 128 characters (leave it empty for every queue)")
+        after = req.arg("after") or None
+        if after is not None:
+            ORDERS[state].parse(after)  # 400 before touching the database
+        return JobFilter(state=state, queue=queue, after=after)
+
+    def jobs(self, req: Request) -> Response:
+        f = self._filter(req)
+        target, links = self._target(req)
+        with target.engine.connect() as conn:
+            now = begin_snapshot(conn)
+            page = list_jobs(conn, target.schema, f, page_size=self.page_size, scan_window=self.scan_window)
+            conn.rollback()
+        page.now = now
+        return self.render("jobs.html", page=page, f=f, target=target.name, now=now, link=links)
+
+    def job(self, req: Request) -> Response:
+        req.only({"target"})
+        raw = req.params["id"]
+        if not raw.isdigit() or int(raw) > 2**63 - 1 or int(raw) == 0:
+            raise HttpError(400, f"job id must be a positive integer, not {raw[:40]!r}")
+        target, links = self._target(req)
+        with target.engine.connect() as conn:
+            now = begin_snapshot(conn)
+            job = job_detail(conn, target.schema, int(raw))
+            conn.rollback()
+        if job is None:
+            raise HttpError(404, f"no job {raw} in {target.name} (deleted by the cleaner, or never there)")
+        return self.render("job.html", job=job, target=target.name, now=now, link=links)

@@ -1,0 +1,549 @@
+"""SQL admin functions (revision 0002) and ``maintd jobs`` (SPEC 7.5), on real PostgreSQL.
+
+Function semantics follow graphile-worker's admin functions and their tests
+(graphile/worker __tests__/workerUtils.completeJobs.test.ts, workerUtils.permanentlyFailJobs.test.ts,
+workerUtils.rescheduleJobs.test.ts: "leaves locked jobs unaffected") and River's JobRetry
+(riverqueue/river riverdriver/riverpgxv5/internal/dbsqlc/river_job.sql), adapted to maintd's states.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+
+import psycopg
+import pytest
+from sqlalchemy import text
+
+from maintd import admin, migrate
+from maintd.cli import main
+from maintd.db import make_engine, notify_channel, quote_ident
+from maintd.queries import sql
+from maintd.jobs import JobQueue
+from maintd.queries import FINAL_STATES, JOB_STATES
+
+from .plans import explain
+
+ALL = JOB_STATES  # one job per state, in this order, in most tests
+IDLE = ("available", "scheduled", "retryable")
+ADMIN_FUNCTIONS = {"complete_jobs", "permanently_fail_jobs", "retry_jobs", "cancel_jobs",
+                   "reschedule_jobs", "remove_job", "delete_jobs"}
+
+
+# ---------------------------------------------------------------- helpers
+
+def add(engine, schema, state="available", *, queue="default", kind="k", n=1, attempt=0,
+        max_attempts=25, due_in=timedelta(0), unique_key=None):
+    """Insert ``n`` jobs in ``state`` (consistent: finalized_at for final states, attempted_at for
+    running); returns their ids."""
+    with engine.begin() as conn:
+        return [r[0] for r in conn.execute(sql(
+            "INSERT INTO {schema}.jobs (kind, queue, state, attempt, max_attempts, scheduled_at,"
+            " finalized_at, attempted_at, attempted_by, unique_key)"
+            " SELECT :kind, :queue, CAST(:state AS {schema}.job_state), :attempt, :max_attempts,"
+            " now() + make_interval(secs => :due), CASE WHEN :state IN ('completed', 'cancelled',"
+            " 'discarded') THEN now() END, CASE WHEN :state = 'running' THEN now() END,"
+            " CASE WHEN :state = 'running' THEN 'w1' END, :unique_key"
+            " FROM generate_series(1, :n) ORDER BY 1 RETURNING id", schema),
+            {"kind": kind, "queue": queue, "state": state, "attempt": attempt, "n": n,
+             "max_attempts": max_attempts, "due": due_in.total_seconds(), "unique_key": unique_key})]
+
+
+def one_of_each(engine, schema, **kw) -> dict[str, int]:
+    return {s: add(engine, schema, s, **kw)[0] for s in ALL}
+
+
+def rows(engine, schema, ids=None) -> dict[int, dict]:
+    with engine.connect() as conn:
+        return {r["id"]: dict(r) for r in conn.execute(sql(
+            "SELECT *, state::text AS state FROM {schema}.jobs"
+            " WHERE CAST(:ids AS bigint[]) IS NULL OR id = ANY(CAST(:ids AS bigint[]))", schema),
+            {"ids": ids}).mappings()}
+
+
+def call(engine, schema, fn, *args):
+    """``SELECT * FROM schema.fn(args)`` in its own transaction; the changed rows by id."""
+    marks = ", ".join(f":a{i}" for i in range(len(args)))
+    with engine.begin() as conn:
+        out = conn.execute(text(f"SELECT *, state::text AS state FROM {quote_ident(schema)}.{fn}({marks})"),
+                           {f"a{i}": a for i, a in enumerate(args)}).mappings()
+        return {r["id"]: dict(r) for r in out}
+
+
+def table_digest(engine, schema) -> str:
+    with engine.connect() as conn:
+        return conn.execute(sql("SELECT md5(coalesce(string_agg(j::text, '|' ORDER BY id), ''))"
+                                " FROM {schema}.jobs AS j", schema)).scalar()
+
+
+def listen(pg_dsn, schema):
+    conn = psycopg.connect(pg_dsn, autocommit=True)
+    conn.execute(f'LISTEN "{notify_channel(schema)}"')
+    return conn
+
+
+def drain(conn, timeout=0.5):
+    return sorted(n.payload for n in conn.notifies(timeout=timeout))
+
+
+@pytest.fixture
+def cfg(tmp_path, pg_dsn, schema):
+    path = tmp_path / "maintd.toml"
+    path.write_text(f'database_url = "{pg_dsn}"\nschema = "{schema}"\ninstance_id = "admin-test"\n')
+    return str(path)
+
+
+@pytest.fixture
+def cli(cfg, capsys):
+    def run(*argv):
+        rc = main(["--config", cfg, "jobs", *argv])
+        out = capsys.readouterr()
+        return rc, out.out, out.err
+    return run
+
+
+def cli_json(cli, *argv):
+    rc, out, err = cli(*argv, "--json")
+    assert rc == 0, err
+    return json.loads(out)
+
+
+def assert_invariant(engine, schema):
+    with engine.connect() as conn:
+        bad = conn.execute(sql("SELECT count(*) FROM {schema}.jobs WHERE (finalized_at IS NOT NULL)"
+                               " <> (state IN ('completed', 'cancelled', 'discarded'))", schema)).scalar()
+    assert bad == 0
+
+
+# ---------------------------------------------------------------- SQL functions
+
+def test_complete_jobs_completes_all_but_running_and_completed(engine, schema):
+    ids = one_of_each(engine, schema)
+    before = rows(engine, schema)
+    changed = call(engine, schema, "complete_jobs", list(ids.values()))
+    assert set(changed) == {ids[s] for s in ALL if s not in ("running", "completed")}
+    after = rows(engine, schema)
+    assert {after[i]["state"] for i in changed} == {"completed"}
+    assert after[ids["running"]] == before[ids["running"]]  # untouched, byte for byte
+    assert after[ids["completed"]] == before[ids["completed"]]
+    assert all(after[i]["finalized_at"] is not None for i in changed)
+    assert_invariant(engine, schema)
+
+
+def test_permanently_fail_jobs_discards_waiting_jobs_and_appends_the_reason(engine, schema):
+    ids = one_of_each(engine, schema, attempt=2)
+    changed = call(engine, schema, "permanently_fail_jobs", list(ids.values()), "bad payload")
+    assert set(changed) == {ids[s] for s in IDLE}
+    for job in changed.values():
+        assert job["state"] == "discarded" and job["finalized_at"] is not None
+        [entry] = job["errors"]
+        assert entry["error"] == "bad payload" and entry["attempt"] == 2
+        assert datetime.fromisoformat(entry["at"]) == job["finalized_at"]  # the server's now()
+    after = rows(engine, schema)
+    assert after[ids["running"]]["state"] == "running" and after[ids["running"]]["errors"] == []
+    # No reason: still an entry, with a default text (the dashboard shows the last error).
+    [job_id] = add(engine, schema, "retryable")
+    [entry] = call(engine, schema, "permanently_fail_jobs", [job_id], None)[job_id]["errors"]
+    assert entry["error"] == "permanently failed by an operator"
+
+
+def test_cancel_jobs_cancels_only_waiting_jobs(engine, schema):
+    ids = one_of_each(engine, schema)
+    changed = call(engine, schema, "cancel_jobs", list(ids.values()) + [10**12])
+    assert set(changed) == {ids[s] for s in IDLE}
+    assert {j["state"] for j in changed.values()} == {"cancelled"}
+    assert all(j["finalized_at"] is not None for j in changed.values())
+    after = rows(engine, schema)
+    assert {after[ids[s]]["state"] for s in ("running", "completed", "discarded")} == {
+        "running", "completed", "discarded"}
+    assert_invariant(engine, schema)
+
+
+def test_retry_jobs_revives_final_jobs_with_one_more_attempt_and_notifies(pg_dsn, engine, schema):
+    exhausted = add(engine, schema, "discarded", queue="mail", attempt=25, max_attempts=25)[0]
+    cancelled = add(engine, schema, "cancelled", queue="mail", attempt=1)[0]
+    later = add(engine, schema, "scheduled", queue="pdf", due_in=timedelta(hours=1))[0]
+    due_now = add(engine, schema, "available", queue="pdf")[0]  # already available: no change
+    running = add(engine, schema, "running", queue="pdf")[0]
+    listener = listen(pg_dsn, schema)
+    try:
+        changed = call(engine, schema, "retry_jobs", [exhausted, cancelled, later, due_now, running])
+        assert drain(listener) == ["mail", "pdf"]  # once per queue
+    finally:
+        listener.close()
+    assert set(changed) == {exhausted, cancelled, later}
+    for job in changed.values():
+        assert job["state"] == "available" and job["finalized_at"] is None
+        assert job["scheduled_at"] <= datetime.now(timezone.utc) + timedelta(seconds=5)
+    assert changed[exhausted]["attempt"] == 25 and changed[exhausted]["max_attempts"] == 26
+    assert changed[cancelled]["max_attempts"] == 25  # attempts left: unchanged
+    assert rows(engine, schema, [running])[running]["state"] == "running"
+    assert_invariant(engine, schema)
+
+
+def test_retry_jobs_keeps_a_final_job_whose_unique_key_is_taken(engine, schema):
+    live = add(engine, schema, "scheduled", unique_key="report:1", due_in=timedelta(hours=1))[0]
+    old = add(engine, schema, "discarded", unique_key="report:1")[0]
+    twins = add(engine, schema, "discarded", unique_key="report:2", n=2)
+    changed = call(engine, schema, "retry_jobs", [live, old, *twins])
+    # The live one is retried; the old one cannot be (one live job per key); of two final twins
+    # the newest is revived. No unique violation aborts the call.
+    assert set(changed) == {live, max(twins)}
+
+
+def test_reschedule_jobs_null_keeps_fields_and_state_follows_run_at(pg_dsn, engine, schema):
+    ids = one_of_each(engine, schema, attempt=3)
+    before = rows(engine, schema)
+    later = datetime.now(timezone.utc) + timedelta(hours=2)
+    changed = call(engine, schema, "reschedule_jobs", list(ids.values()), later, None, None, None)
+    assert set(changed) == {ids[s] for s in IDLE}  # final jobs are not revived here
+    assert changed[ids["available"]]["state"] == "scheduled"
+    assert changed[ids["scheduled"]]["state"] == "scheduled"
+    assert changed[ids["retryable"]]["state"] == "retryable"
+    for job_id, job in changed.items():
+        assert job["scheduled_at"] == later
+        assert (job["priority"], job["attempt"], job["max_attempts"]) == (0, 3, 25)
+    after = rows(engine, schema)
+    for s in ("running", *FINAL_STATES):
+        assert after[ids[s]] == before[ids[s]]
+    listener = listen(pg_dsn, schema)
+    try:
+        past = datetime.now(timezone.utc) - timedelta(minutes=1)
+        changed = call(engine, schema, "reschedule_jobs", [ids["scheduled"]], past, 7, 0, 3)
+        assert drain(listener) == ["default"]
+    finally:
+        listener.close()
+    job = changed[ids["scheduled"]]
+    assert (job["state"], job["priority"], job["attempt"], job["max_attempts"]) == ("available", 7, 0, 3)
+
+
+def test_remove_job_deletes_the_pending_job_of_a_key_but_not_a_running_one(engine, schema):
+    pending = add(engine, schema, "scheduled", unique_key="a", due_in=timedelta(hours=1))[0]
+    history = add(engine, schema, "completed", unique_key="a")[0]
+    running = add(engine, schema, "running", unique_key="b")[0]
+    assert set(call(engine, schema, "remove_job", "a")) == {pending}
+    assert call(engine, schema, "remove_job", "a") == {}
+    assert call(engine, schema, "remove_job", "b") == {}
+    left = rows(engine, schema)
+    assert set(left) == {history, running} and left[running]["state"] == "running"
+    # The key is free again: a new job with it can be enqueued.
+    with engine.begin() as conn:
+        assert JobQueue(schema).enqueue(conn, "k", unique_key="a") is not None
+
+
+def test_delete_jobs_deletes_any_state_but_running(engine, schema):
+    ids = one_of_each(engine, schema)
+    deleted = call(engine, schema, "delete_jobs", list(ids.values()))
+    assert set(deleted) == {ids[s] for s in ALL if s != "running"}
+    assert set(rows(engine, schema)) == {ids["running"]}
+
+
+FUNCTION_CALLS = {
+    "complete_jobs": ("complete_jobs(:ids)", "available"),
+    "permanently_fail_jobs": ("permanently_fail_jobs(:ids, 'x')", "available"),
+    "cancel_jobs": ("cancel_jobs(:ids)", "available"),
+    "delete_jobs": ("delete_jobs(:ids)", "available"),
+    "retry_jobs": ("retry_jobs(:ids)", "retryable"),
+    "reschedule_jobs": ("reschedule_jobs(:ids, now() + interval '1 hour')", "available"),
+}
+
+
+@pytest.mark.parametrize("fn", sorted(FUNCTION_CALLS))
+def test_functions_skip_a_row_a_worker_holds_locked_without_waiting(pg_dsn, engine, schema, fn):
+    """A worker claims the job (row locked, not yet committed): the admin call returns at once
+    without it, and after the worker commits the job is the worker's."""
+    expr, state = FUNCTION_CALLS[fn]
+    job_id = add(engine, schema, state, queue="q", due_in=timedelta(seconds=-1))[0]
+    worker = psycopg.connect(pg_dsn)
+    try:
+        worker.execute(f"UPDATE {quote_ident(schema)}.jobs SET state = 'running', attempt = attempt + 1,"
+                       " attempted_at = now(), attempted_by = 'w1' WHERE id = %s", (job_id,))
+        admin_engine = make_engine(pg_dsn, application_name="t", pooled=False,
+                                   session={"statement_timeout": 10000})
+        started = time.monotonic()
+        with admin_engine.begin() as conn:
+            out = conn.execute(text(f"SELECT id FROM {quote_ident(schema)}.{expr}"), {"ids": [job_id]}).all()
+        elapsed = time.monotonic() - started
+        admin_engine.dispose()
+        assert out == [] and elapsed < 5
+        worker.commit()
+    finally:
+        worker.close()
+    job = rows(engine, schema, [job_id])[job_id]
+    assert (job["state"], job["attempted_by"], job["attempt"]) == ("running", "w1", 1)
+
+
+def test_every_function_keeps_the_finalized_at_invariant_from_every_state(engine, schema):
+    for fn, args in (("complete_jobs", ()), ("permanently_fail_jobs", ("r",)), ("cancel_jobs", ()),
+                     ("retry_jobs", ()), ("reschedule_jobs", (datetime.now(timezone.utc),)),
+                     ("retry_jobs", ()), ("delete_jobs", ())):
+        ids = list(one_of_each(engine, schema).values())
+        call(engine, schema, fn, ids, *args)  # the CHECK constraint would abort a violation
+        assert_invariant(engine, schema)
+        with engine.connect() as conn:
+            assert conn.execute(sql("SELECT count(*) FROM {schema}.jobs WHERE state = 'running'"
+                                    " AND finalized_at IS NULL AND attempted_by = 'w1'", schema)).scalar() >= 1
+
+
+def test_functions_are_schema_qualified_and_channel_follows_the_schema():
+    out = migrate.offline_sql("maintd")
+    assert "CREATE FUNCTION \"maintd\".retry_jobs(ids bigint[]) RETURNS SETOF \"maintd\".jobs" in out
+    assert "pg_notify('maintd_jobs'" in out
+    other = migrate.offline_sql("acme")
+    assert "pg_notify('acme_maintd_jobs'" in other and "maintd_jobs'" not in other.replace("acme_maintd_jobs'", "")
+    assert "SET search_path = pg_catalog, pg_temp" in out
+
+
+def test_downgrade_drops_the_functions_and_upgrade_restores_them(pg_dsn, engine, schema):
+    def present():
+        with engine.connect() as conn:
+            return {r[0] for r in conn.execute(text(
+                "SELECT p.proname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
+                " WHERE n.nspname = :s"), {"s": schema})} & ADMIN_FUNCTIONS
+
+    assert present() == ADMIN_FUNCTIONS
+    mig = make_engine(pg_dsn, application_name="t", pooled=False)
+    try:
+        with mig.connect() as conn:
+            assert migrate.downgrade(conn, schema, "0001") == (migrate.head_revision(), "0001")
+            assert present() == set()
+            assert migrate.downgrade(conn, schema, "base")[1] is None  # jobs drops: nothing depends on it
+            assert migrate.upgrade(conn, schema) == (None, migrate.head_revision())
+    finally:
+        mig.dispose()
+    assert present() == ADMIN_FUNCTIONS
+    job_id = add(engine, schema, "discarded")[0]
+    assert set(call(engine, schema, "retry_jobs", [job_id])) == {job_id}
+
+
+# ---------------------------------------------------------------- maintd jobs: list, show
+
+def test_cli_list_filters_and_prints_a_table_or_json(engine, schema, cli):
+    add(engine, schema, "available", queue="mail", kind="send", n=3)
+    failed = add(engine, schema, "retryable", queue="mail", kind="send")[0]
+    add(engine, schema, "completed", queue="pdf", kind="render", n=2)
+    with engine.begin() as conn:
+        conn.execute(sql("UPDATE {schema}.jobs SET errors = CAST(:e AS jsonb) WHERE id = :id", schema),
+                     {"id": failed, "e": json.dumps([{"error": "old"}, {"error": "smtp\x1b[31m down"}])})
+    rc, out, _ = cli("list", "--queue", "mail", "--limit", "3")
+    assert rc == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["ID", "STATE", "QUEUE", "KIND", "ATTEMPT", "PRIO", "SCHEDULED_AT", "LAST_ERROR"]
+    assert len(lines) == 4 and lines[1].split()[:2] == [str(failed), "retryable"]  # newest first
+    assert "smtp?[31m down" in lines[1] and "\x1b" not in out  # terminal escapes neutralised
+    data = cli_json(cli, "list", "--state", "completed")
+    assert [j["state"] for j in data] == ["completed", "completed"] and data[0]["queue"] == "pdf"
+    assert cli("list", "--state", "nope")[0] == 2
+
+
+def test_cli_show_prints_args_metadata_errors(engine, schema, cli):
+    with engine.begin() as conn:
+        job_id = JobQueue(schema).enqueue(conn, "send", {"to": "a@b"}, queue="mail", metadata={"m": 1})
+    rc, out, _ = cli("show", str(job_id))
+    assert rc == 0 and f"id:           {job_id}" in out and '"to": "a@b"' in out and "queue:        mail" in out
+    data = cli_json(cli, "show", str(job_id))
+    assert data["args"] == {"to": "a@b"} and data["metadata"] == {"m": 1} and data["errors"] == []
+    rc, _, err = cli("show", "999999999")
+    assert rc == 1 and "not found" in err
+
+
+# ---------------------------------------------------------------- maintd jobs: actions
+
+def test_cli_cancel_by_ids_reports_changed_and_skipped(engine, schema, cli):
+    ids = one_of_each(engine, schema)
+    before = rows(engine, schema)
+    rc, out, _ = cli("cancel", *map(str, ids.values()), "424242")
+    assert rc == 0
+    assert out.startswith("3 jobs cancelled:")
+    assert f"{ids['scheduled']}" in out and "scheduled -> cancelled" in out
+    assert "5 jobs skipped:" in out and "running: maintd never touches a running job" in out
+    assert "424242" in out and "not found" in out and "nothing to do for a completed job" in out
+    after = rows(engine, schema)
+    assert after[ids["running"]] == before[ids["running"]]
+    assert {after[ids[s]]["state"] for s in IDLE} == {"cancelled"}
+
+
+def test_cli_json_report_parses_and_lists_everything(engine, schema, cli):
+    ids = one_of_each(engine, schema)
+    data = cli_json(cli, "discard", *map(str, ids.values()), "--reason", "operator: bad input")
+    assert data["action"] == "discard" and data["dry_run"] is False
+    assert data["changed"] == 3 and data["skipped"] == 4 and data["batches"] == 1
+    assert {j["id"] for j in data["jobs"]} == {ids[s] for s in IDLE}
+    assert {j["to"] for j in data["jobs"]} == {"discarded"}
+    assert {s["id"]: s["state"] for s in data["skipped_jobs"]} == {
+        ids[s]: s for s in ("running", *FINAL_STATES)}
+    errors = rows(engine, schema, [ids["available"]])[ids["available"]]["errors"]
+    assert errors[-1]["error"] == "operator: bad input"
+
+
+def test_cli_retry_and_delete(engine, schema, cli):
+    dead = add(engine, schema, "discarded", attempt=25, max_attempts=25, n=2)
+    running = add(engine, schema, "running")[0]
+    data = cli_json(cli, "retry", *map(str, dead + [running]))
+    assert {j["id"] for j in data["jobs"]} == set(dead)
+    assert [s["id"] for s in data["skipped_jobs"]] == [running]
+    assert {j["state"] for j in rows(engine, schema, dead).values()} == {"available"}
+    data = cli_json(cli, "delete", "--state", "available")
+    assert data["changed"] == 2 and set(rows(engine, schema)) == {running}
+
+
+def test_cli_reschedule(engine, schema, cli):
+    waiting = add(engine, schema, "available", n=2)
+    final = add(engine, schema, "completed")[0]
+    rc, out, _ = cli("reschedule", *map(str, waiting + [final]), "--at", "+2h", "--priority", "5",
+                     "--max-attempts", "3")
+    assert rc == 0 and "2 jobs rescheduled:" in out and "available -> scheduled" in out
+    after = rows(engine, schema)
+    for job_id in waiting:
+        job = after[job_id]
+        assert (job["state"], job["priority"], job["max_attempts"]) == ("scheduled", 5, 3)
+        delta = job["scheduled_at"] - datetime.now(timezone.utc)
+        assert timedelta(hours=1, minutes=50) < delta <= timedelta(hours=2)
+    assert after[final]["state"] == "completed"
+    data = cli_json(cli, "reschedule", str(waiting[0]), "--at", "2020-01-01T00:00:00")
+    assert data["jobs"][0]["to"] == "available"
+    assert rows(engine, schema, [waiting[0]])[waiting[0]]["scheduled_at"] == datetime(2020, 1, 1, tzinfo=timezone.utc)
+    assert cli_json(cli, "reschedule", str(waiting[1]), "--at", "now")["jobs"][0]["to"] == "available"
+
+
+@pytest.mark.parametrize("argv", [
+    ("cancel",),  # neither ids nor a filter
+    ("cancel", "1", "--queue", "q"),  # both
+    ("retry", "--state", "bogus"),
+    ("delete", "--queue", "q", "--batch-size", "0"),
+    ("reschedule", "1", "--at", "tomorrow-ish"),
+    ("reschedule", "1", "--at", "now", "--priority", "40000"),
+    ("list", "--limit", "0"),
+])
+def test_cli_usage_errors_exit_2(cli, argv):
+    rc, out, err = cli(*argv)
+    assert rc == 2 and out == "" and "error" in err
+
+
+def test_cli_argparse_errors_exit_2(cli):
+    with pytest.raises(SystemExit) as exc:
+        cli("reschedule", "1")  # --at is required
+    assert exc.value.code == 2
+
+
+def test_cli_on_a_schema_without_the_functions_exits_1(pg_dsn, schema, cli):
+    mig = make_engine(pg_dsn, application_name="t", pooled=False)
+    with mig.connect() as conn:
+        migrate.downgrade(conn, schema, "0001")
+    mig.dispose()
+    rc, _, err = cli("cancel", "1")
+    assert rc == 1 and "maintd migrate" in err
+
+
+@pytest.mark.parametrize("action", ["retry", "cancel", "discard", "delete", "reschedule"])
+def test_dry_run_changes_nothing_and_predicts_exactly_what_the_run_changes(engine, schema, cli, action):
+    ids = list(one_of_each(engine, schema).values())
+    ids += list(one_of_each(engine, schema, queue="other", due_in=timedelta(hours=1)).values())
+    ids += add(engine, schema, "discarded", unique_key="u")  # retry: key free, revived
+    add(engine, schema, "scheduled", unique_key="v", due_in=timedelta(hours=1))
+    ids += add(engine, schema, "cancelled", unique_key="v")  # retry: key taken, skipped
+    extra = ("--at", "+1h") if action == "reschedule" else ()
+    digest = table_digest(engine, schema)
+    dry = cli_json(cli, action, *map(str, ids), *extra, "--dry-run")
+    assert table_digest(engine, schema) == digest
+    real = cli_json(cli, action, *map(str, ids), *extra)
+    assert dry["dry_run"] is True and dry["changed"] > 0
+    assert [(j["id"], j["to"]) for j in dry["jobs"]] == [(j["id"], j["to"]) for j in real["jobs"]]
+    assert [s["id"] for s in dry["skipped_jobs"]] == [s["id"] for s in real["skipped_jobs"]]
+    assert table_digest(engine, schema) != digest
+    if action != "reschedule":  # filters too (reschedule takes ids only)
+        digest = table_digest(engine, schema)
+        rc, out, _ = cli(action, "--queue", "other", "--dry-run")
+        assert rc == 0 and "(dry run: nothing changed)" in out
+        assert table_digest(engine, schema) == digest
+
+
+def test_filter_works_in_batches_of_short_transactions(pg_dsn, engine, schema, cli):
+    """5,000 jobs cancelled by filter with --batch-size 700: eight transactions (one xmin per
+    batch on the changed rows), none larger than a batch; running ones reported as skipped."""
+    add(engine, schema, "available", queue="bulk", n=3000)
+    add(engine, schema, "scheduled", queue="bulk", n=2000, due_in=timedelta(hours=1))
+    running = add(engine, schema, "running", queue="bulk", n=3)
+    other = add(engine, schema, "available", queue="keep", n=10)
+    data = cli_json(cli, "cancel", "--queue", "bulk", "--batch-size", "700")
+    assert data["changed"] == 5000 and data["skipped"] == 3
+    assert sorted(s["id"] for s in data["skipped_jobs"]) == running
+    assert data["batches"] == 8  # ceil(5003 / 700)
+    with engine.connect() as conn:
+        per_tx = [r[0] for r in conn.execute(sql(
+            "SELECT count(*) FROM {schema}.jobs WHERE state = 'cancelled' GROUP BY xmin::text", schema))]
+    assert len(per_tx) == 8 and max(per_tx) <= 700
+    states = {j["state"] for j in rows(engine, schema, other + running).values()}
+    assert states == {"available", "running"}
+
+
+def test_filter_by_state_walks_the_index_keyset_without_repeats(engine, schema, cli):
+    add(engine, schema, "discarded", queue="a", n=1200)
+    add(engine, schema, "discarded", queue="b", n=5)
+    add(engine, schema, "completed", queue="a", n=7)
+    data = cli_json(cli, "retry", "--state", "discarded", "--queue", "a", "--batch-size", "250")
+    assert data["changed"] == 1200 and data["batches"] == 5
+    assert len({j["id"] for j in data["jobs"]}) == 1200
+    counts = {}
+    for job in rows(engine, schema).values():
+        counts[(job["queue"], job["state"])] = counts.get((job["queue"], job["state"]), 0) + 1
+    assert counts == {("a", "available"): 1200, ("b", "discarded"): 5, ("a", "completed"): 7}
+
+
+def test_cli_race_with_a_worker_completing_the_job_meanwhile(pg_dsn, engine, schema, cli):
+    """The worker claims and completes a job in one open transaction (holding the row lock) while
+    the operator cancels it: the CLI does not wait, reports it skipped as locked, and after the
+    worker commits the job is completed, not cancelled."""
+    job_id = add(engine, schema, "available", queue="race")[0]
+    other = add(engine, schema, "available", queue="race")[0]
+    q = JobQueue(schema)
+    with engine.connect() as worker:  # one open transaction until commit
+        [job] = q.claim(worker, "race", "w9")
+        assert job.id == job_id and q.complete(worker, job)
+        result: dict = {}
+        thread = threading.Thread(target=lambda: result.update(json=cli_json(cli, "cancel", str(job_id), str(other))))
+        started = time.monotonic()
+        thread.start()
+        thread.join(timeout=20)
+        assert not thread.is_alive(), "the admin command waited for the worker's row lock"
+        assert time.monotonic() - started < 15
+        worker.commit()
+    data = result["json"]
+    assert [j["id"] for j in data["jobs"]] == [other]
+    [skipped] = data["skipped_jobs"]
+    assert skipped["id"] == job_id and skipped["reason"].startswith("locked by another transaction")
+    assert rows(engine, schema, [job_id])[job_id]["state"] == "completed"
+
+
+# ---------------------------------------------------------------- plans
+
+def _plan_params(state):
+    return {"queue": "q1", "kind": None, "limit": 1000, "reason": None, "at": None, "offset": None,
+            "k0": "q1" if state == "available" else (datetime.now(timezone.utc) if state else 10),
+            "k1": 0 if state == "available" else 10, "k2": datetime.now(timezone.utc), "k3": 10}
+
+
+EXPECTED_INDEX = {None: "jobs_pkey", "available": "jobs_fetch_idx", "scheduled": "jobs_scheduled_idx",
+                  "retryable": "jobs_scheduled_idx", "discarded": "jobs_finalized_idx",
+                  "completed": "jobs_finalized_idx", "cancelled": "jobs_finalized_idx"}
+
+
+def test_filter_batches_are_index_backed(engine, schema):
+    """EXPLAIN of each filter batch query (first and next batch, custom and generic plans) on
+    60,000 jobs: the state's partial index (or the primary key), never a sequential scan."""
+    for i, state in enumerate(ALL):
+        add(engine, schema, state, queue=f"q{i % 3}", n=8000, due_in=timedelta(minutes=i))
+    add(engine, schema, "discarded", queue="q1", n=4000)
+    with engine.begin() as conn:
+        conn.execute(sql("ANALYZE {schema}.jobs", schema))
+    for state, index in EXPECTED_INDEX.items():
+        action = admin.ACTIONS["delete" if state in FINAL_STATES or state is None else "cancel"]
+        for first in (True, False):
+            query = admin.filter_query(action, admin.Filter(state=state, queue="q1"), first=first)
+            for generic in (False, True):
+                with engine.begin() as conn:
+                    plan = explain(conn, query, schema, _plan_params(state), generic=generic)
+                assert "Seq Scan" not in plan, plan
+                assert index in plan, (state, first, generic, plan)

@@ -1,0 +1,687 @@
+"""The dashboard as a person uses it: a real headless Chromium against an in-process daemon.
+
+Browser tests need Debian's ``chromium`` and ``chromium-driver`` (CI installs them); without them
+they are skipped with that reason. ``python -m tests.test_dashboard docs/dashboard.png [DSN]``
+redraws the README screenshot from the same realistic workload the overview test uses.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import struct
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import zlib
+from datetime import datetime, timedelta
+from html import unescape
+from typing import Any, Iterator
+
+import pytest
+from sqlalchemy import Engine, text
+
+from maintd.config import Settings
+from maintd.daemon import Daemon
+from maintd.dashboard import Dashboard, per_queue_cap, queue_table
+from maintd.db import make_engine
+from maintd.queries import sql
+from maintd.http import Request
+from maintd.jobs import JobQueue
+from maintd.schedules import parse_schedule
+
+from .procs import wait_for
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+XSS = "<script>window.__xss=1;alert(1)</script>"
+XSS_IMG = '<img src=x onerror="window.__xss=2">'
+TOKEN = "s3cret-token-0123456789abcdef"
+
+needs_browser = pytest.mark.skipif(
+    not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)),
+    reason="needs Debian's chromium and chromium-driver (/usr/bin/chromium, /usr/bin/chromedriver)")
+
+
+# -- a browser ----------------------------------------------------------------------------------
+
+
+def make_browser(javascript: bool = True, width: int = 1280, height: int = 1000):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    profile = tempfile.mkdtemp(prefix="maintd-chromium-")
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", f"--user-data-dir={profile}", f"--window-size={width},{height}",
+                 "--force-device-scale-factor=1", "--hide-scrollbars"):
+        opts.add_argument(flag)
+    if not javascript:  # what a person with JavaScript turned off gets
+        opts.add_experimental_option("prefs", {"profile.managed_default_content_settings.javascript": 2})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    driver.maintd_profile = profile
+    return driver
+
+
+def close_browser(driver) -> None:
+    driver.quit()
+    shutil.rmtree(driver.maintd_profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    driver = make_browser()
+    yield driver
+    close_browser(driver)
+
+
+@pytest.fixture(scope="module")
+def browser_nojs() -> Iterator[Any]:
+    driver = make_browser(javascript=False)
+    yield driver
+    close_browser(driver)
+
+
+def by_css(driver, selector: str) -> list[Any]:
+    from selenium.webdriver.common.by import By
+
+    return driver.find_elements(By.CSS_SELECTOR, selector)
+
+
+def one(driver, selector: str):
+    found = by_css(driver, selector)
+    assert len(found) == 1, f"{selector}: {len(found)} elements on {driver.current_url}"
+    return found[0]
+
+
+def follow(driver, element) -> None:
+    """Click a link or button and wait until the next page has replaced this one."""
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from selenium.common.exceptions import WebDriverException
+
+    page = driver.find_element("css selector", "html")
+    element.click()
+    # While the old document is being torn down, chromedriver can answer the staleness probe with
+    # "unhandled inspector error" (its execution context is gone) instead of a stale-element error:
+    # keep polling until the old page is reported stale.
+    WebDriverWait(driver, 15, ignored_exceptions=(WebDriverException,)).until(ec.staleness_of(page))
+
+
+def assert_no_alert(driver) -> None:
+    from selenium.common.exceptions import NoAlertPresentException
+
+    try:
+        alert = driver.switch_to.alert
+    except NoAlertPresentException:
+        return
+    text_ = alert.text
+    alert.dismiss()
+    raise AssertionError(f"an alert opened: {text_!r}")
+
+
+# -- PNG check (no imaging library needed) ------------------------------------------------------
+
+
+def png_colors(data: bytes) -> tuple[int, int, dict[bytes, int]]:
+    """(width, height, pixel colour -> count) of an 8-bit RGB/RGBA PNG, every 4th row and column."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, idat, header = 8, b"", None
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        chunk = data[pos + 8:pos + 8 + length]
+        pos += 12 + length
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBB", chunk[:10])
+        elif kind == b"IDAT":
+            idat += chunk
+    width, height, depth, color = header
+    assert depth == 8 and color in (2, 6), f"unexpected PNG format depth={depth} color={color}"
+    bpp = 3 if color == 2 else 4
+    raw, stride, prev = zlib.decompress(idat), width * bpp, bytearray(width * bpp)
+    colors: dict[bytes, int] = {}
+    for y in range(height):
+        line = bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        _unfilter(raw[y * (stride + 1)], line, prev, bpp)
+        if y % 4 == 0:
+            for x in range(0, width, 4):
+                px = bytes(line[x * bpp:x * bpp + 3])
+                colors[px] = colors.get(px, 0) + 1
+        prev = line
+    return width, height, colors
+
+
+def _unfilter(ftype: int, line: bytearray, prev: bytearray, bpp: int) -> None:
+    if ftype == 0:
+        return
+    if ftype == 2:
+        line[:] = bytes((a + b) & 0xFF for a, b in zip(line, prev))
+        return
+    for i in range(len(line)):
+        left = line[i - bpp] if i >= bpp else 0
+        up, corner = prev[i], (prev[i - bpp] if i >= bpp else 0)
+        if ftype == 1:
+            add = left
+        elif ftype == 3:
+            add = (left + up) >> 1
+        else:  # Paeth
+            p = left + up - corner
+            pa, pb, pc = abs(p - left), abs(p - up), abs(p - corner)
+            add = left if pa <= pb and pa <= pc else (up if pb <= pc else corner)
+        line[i] = (line[i] + add) & 0xFF
+
+
+def assert_real_screenshot(png: bytes, min_width: int = 800) -> None:
+    width, height, colors = png_colors(png)
+    assert width >= min_width and height >= 400, (width, height)
+    top = max(colors.values()) / sum(colors.values())
+    # A blank or single-colour page has one colour; rendered text and tables have many shades.
+    assert len(colors) >= 20 and top < 0.97, f"{len(colors)} colours, the commonest covers {top:.0%}"
+
+
+# -- a daemon and a workload --------------------------------------------------------------------
+
+
+def changed(settings: Settings, **updates: Any) -> Settings:
+    """A validated copy (model_copy would leave ``periodic`` entries as plain dicts)."""
+    return Settings(**{**dict(settings), **updates})
+
+
+def start_daemon(settings: Settings, **updates: Any) -> Daemon:
+    daemon = Daemon(changed(settings, **updates))
+    daemon.start()
+    try:
+        wait_for(lambda: daemon.is_leader, 15, what="leadership")
+        wait_for(lambda: {"cleaner", "rescuer", "scheduler"} <= set(daemon.runner.last_runs), 15,
+                 what="a pass of each service")
+    except BaseException:
+        daemon.stop()
+        raise
+    return daemon
+
+
+def fetch(port: int, path: str, headers: dict[str, str] | None = None) -> tuple[int, str, Any]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read().decode(), r.headers
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(), e.headers
+
+
+PERIODIC = [
+    {"id": "nightly-report", "schedule": "30 2 * * *", "timezone": "Europe/Paris",
+     "kind": "reports.nightly", "queue": "reports"},
+    {"id": "refresh-rates", "schedule": "@every 10m", "kind": "billing.rates", "queue": "billing",
+     "run_on_start": True},
+    {"id": "purge-sessions", "schedule": "*/15 * * * *", "kind": "maintenance.purge_sessions",
+     "enabled": False},
+]
+ERRORS = {
+    "mail": "smtp: 421 4.7.0 connection refused by mx1.example.net",
+    "billing": "stripe: card_declined (insufficient_funds) for customer cus_9Xa2",
+    "webhooks": "POST https://hooks.example.com/orders: 504 Gateway Timeout after 30s",
+}
+
+
+def seed_workload(engine: Engine, schema: str) -> None:
+    """A mixed workload through the worker helpers: every state, five queues, real errors."""
+    q = JobQueue(schema)
+    with engine.begin() as conn:
+        for i in range(40):
+            queue = ("default", "mail", "mail", "billing", "webhooks")[i % 5]
+            q.enqueue(conn, f"{queue}.{('send', 'sync', 'deliver')[i % 3]}", {"order": 1000 + i},
+                      queue=queue, priority=i % 2, max_attempts=1 if i % 4 == 0 else 5)
+        for i in range(12):
+            q.enqueue(conn, "reports.weekly", {"week": i}, queue="reports",
+                      scheduled_at=datetime.now().astimezone() + timedelta(hours=i + 1))
+        conn.execute(sql("UPDATE {schema}.jobs SET scheduled_at = scheduled_at - interval '95 seconds'"
+                         " WHERE state = 'available'", schema))
+    for queue in ("default", "mail", "billing", "webhooks"):
+        with engine.begin() as conn:
+            claimed = q.claim(conn, queue, f"worker-{queue}", limit=6)
+        with engine.begin() as conn:
+            for k, job in enumerate(claimed):
+                if k < 3:
+                    q.complete(conn, job)
+                elif k < 5 and queue in ERRORS:
+                    q.fail(conn, job, ERRORS[queue], discard=k == 4)
+                elif k == 5 and queue == "default":
+                    q.cancel(conn, job.id)
+                # the rest stay running
+    with engine.begin() as conn:  # retries due later, so the picture holds still while it is read
+        conn.execute(sql("UPDATE {schema}.jobs SET scheduled_at = now() + interval '40 minutes'"
+                         " WHERE state = 'retryable'", schema))
+
+
+# -- the overview -------------------------------------------------------------------------------
+
+
+@needs_browser
+def test_overview_shows_leader_services_queues_periodic_and_discarded(browser, settings, engine, schema):
+    follower = None
+    daemon = start_daemon(settings, periodic=PERIODIC)
+    try:
+        follower = Daemon(changed(settings, instance_id="test-2", periodic=PERIODIC))
+        follower.start()
+        wait_for(lambda: "periodic" in daemon.runner.last_runs, 15, what="a periodic pass")
+        wait_for(lambda: _replicas(engine, schema) == 2, 15, what="both replicas registered")
+        seed_workload(engine, schema)
+        browser.get(f"http://127.0.0.1:{daemon.http_port}/")
+        assert_no_alert(browser)
+        assert one(browser, "#leader-name").text == "test-1"
+        replicas = {r.find_element("css selector", "td").text: r.text for r in by_css(browser, "#replicas tbody tr")}
+        assert set(replicas) == {"test-1", "test-2"}
+        assert "leader" in replicas["test-1"] and "follower" in replicas["test-2"]
+        services = {r.get_attribute("data-service"): r.text for r in by_css(browser, "#services tbody tr")}
+        assert {"cleaner", "rescuer", "scheduler", "periodic"} <= set(services)
+        assert all("success" in services[s] and "test-1" in services[s] for s in services)
+
+        # Jobs by queue and state, as counted by the database.
+        with engine.connect() as conn:
+            truth = {(r.queue, r.state): r.n for r in conn.execute(sql(
+                "SELECT queue, state::text AS state, count(*) AS n FROM {schema}.jobs GROUP BY 1, 2", schema))}
+            db_now = conn.execute(text("SELECT now()")).scalar_one()
+        cells = {(r.get_attribute("data-queue"), c.get_attribute("data-state")): c.text
+                 for r in by_css(browser, "#queues tbody tr[data-queue]")
+                 for c in r.find_elements("css selector", "td[data-state]")}
+        assert {q for q, _ in cells} == {q for q, _ in truth}
+        for (queue, state), shown in cells.items():
+            assert shown == str(truth.get((queue, state), 0)), (queue, state, shown)
+        assert truth[("mail", "available")] > 0 and truth[("mail", "discarded")] >= 1
+        oldest = one(browser, "#oldest-available .big").text
+        assert re.fullmatch(r"\d+(\.\d)? (s|min)", oldest) and 90 <= _seconds(oldest) <= 400, oldest
+
+        # Periodic entries: the last slot taken, the next one from the schedule at database time.
+        rows = {r.get_attribute("data-periodic"): r for r in by_css(browser, "#periodic tbody tr")}
+        nxt = parse_schedule("@every 10m").next_after(db_now)
+        rates = rows["refresh-rates"]
+        assert nxt.isoformat(sep=" ", timespec="seconds") in rates.find_element("css selector", ".next-slot").text
+        assert "job " in rates.find_element("css selector", ".last-slot").text  # run_on_start enqueued one
+        assert "disabled" in rows["purge-sessions"].text
+        assert "Europe/Paris" in rows["nightly-report"].text
+
+        # The latest discarded jobs with their last error, readable as a person reads it.
+        discarded = one(browser, "#discarded").text
+        for queue in ERRORS:
+            assert ERRORS[queue] in discarded
+        png = browser.get_screenshot_as_png()
+        assert len(png) > 20_000
+        assert_real_screenshot(png)
+    finally:
+        if follower is not None:
+            follower.stop()
+        daemon.stop()
+
+
+def _replicas(engine: Engine, schema: str) -> int:
+    with engine.connect() as conn:
+        return conn.execute(sql("SELECT count(*) FROM {schema}.daemons", schema)).scalar_one()
+
+
+def _seconds(shown: str) -> float:
+    value, unit = shown.split()
+    return float(value) * (60 if unit == "min" else 1)
+
+
+# -- XSS ----------------------------------------------------------------------------------------
+
+
+@needs_browser
+def test_xss_payload_in_error_args_kind_and_queue_is_shown_as_text(browser, settings, engine, schema):
+    q = JobQueue(schema)
+    with engine.begin() as conn:
+        q.enqueue(conn, XSS_IMG, {"html": XSS, XSS: XSS_IMG}, queue=XSS, max_attempts=1,
+                  metadata={"note": XSS})
+    with engine.begin() as conn:
+        job = q.claim(conn, XSS, "worker-1")[0]
+        q.fail(conn, job, XSS)
+    daemon = start_daemon(settings)
+    try:
+        base = f"http://127.0.0.1:{daemon.http_port}"
+        from urllib.parse import quote
+
+        for path in ("/", "/jobs?state=discarded", f"/jobs?queue={quote(XSS)}", f"/jobs/{job.id}"):
+            browser.get(base + path)
+            assert_no_alert(browser)
+            assert browser.execute_script("return window.__xss === undefined"), path
+            # Not one script or img element made it into the DOM (the page itself has none).
+            assert by_css(browser, "script") == [] and by_css(browser, "img") == [], path
+            body = one(browser, "body").text
+            assert XSS in body, f"{path}: payload not shown as text"
+        assert XSS_IMG in one(browser, "#job-kind").text
+        assert one(browser, "#job-queue").text == XSS
+        assert XSS in one(browser, "#job-args").text and XSS in one(browser, "#job-metadata").text
+        assert XSS in one(browser, "#job-errors").text
+        # A link built from the queue name stays a link to the jobs page.
+        href = one(browser, "#job-queue a").get_attribute("href")
+        assert href.startswith(base + "/jobs?queue=%3Cscript%3E")
+    finally:
+        daemon.stop()
+
+
+# -- without JavaScript: links, paging, the filter form ------------------------------------------
+
+
+@needs_browser
+def test_pages_work_with_javascript_disabled(browser_nojs, settings, engine, schema):
+    drv = browser_nojs
+    q = JobQueue(schema)
+    with engine.begin() as conn:
+        ids = [q.enqueue(conn, "export.csv", {"part": i}, queue="exports") for i in range(120)]
+        conn.execute(sql("UPDATE {schema}.jobs SET state = 'completed', attempt = 1, attempted_at = now(),"
+                         " finalized_at = now() - make_interval(secs => id) WHERE queue = 'exports'", schema))
+    daemon = start_daemon(settings)
+    try:
+        drv.get(f"http://127.0.0.1:{daemon.http_port}/")
+        drv.get("data:text/html,<title>x</title><script>document.title='js on'</script>")
+        assert drv.title == "x"  # this browser really runs no page JavaScript
+        drv.get(f"http://127.0.0.1:{daemon.http_port}/")
+        assert one(drv, "#leader-name").text == "test-1"
+        follow(drv, one(drv, '#queues tr[data-queue="exports"] td[data-state="completed"] a'))
+        seen: list[int] = []
+        for _ in range(5):
+            seen += [int(r.get_attribute("data-job-id")) for r in by_css(drv, "#jobs tbody tr[data-job-id]")]
+            nxt = by_css(drv, "#next-page")
+            if not nxt:
+                break
+            follow(drv, nxt[0])
+        assert seen == sorted(ids)  # newest finalized first: the smallest id was finalized last
+        assert len(by_css(drv, "#first-page")) == 1
+        # The filter form (a plain GET form).
+        from selenium.webdriver.support.select import Select
+
+        Select(one(drv, "select[name=state]")).select_by_value("completed")
+        box = one(drv, "input[name=queue]")
+        box.clear()
+        box.send_keys("nope")
+        follow(drv, one(drv, "form.filters button"))
+        assert "state=completed" in drv.current_url and "queue=nope" in drv.current_url
+        assert "no jobs" in one(drv, "#jobs").text
+        drv.get(f"http://127.0.0.1:{daemon.http_port}/jobs/{ids[7]}")
+        assert one(drv, "#job-state").text == "completed" and '"part": 7' in one(drv, "#job-args").text
+    finally:
+        daemon.stop()
+
+
+# -- auth ---------------------------------------------------------------------------------------
+
+
+def test_auth_token_guards_pages_and_status_but_not_probes(settings, schema):
+    daemon = start_daemon(settings, http=settings.http.model_copy(update={"auth_token": TOKEN}))
+    try:
+        port = daemon.http_port
+        for path in ("/", "/jobs", "/jobs/1", "/status", "/nope", "/?token=wrong-token-0123456789"):
+            status, body, headers = fetch(port, path)
+            assert status == 401 and "Bearer" in headers["WWW-Authenticate"], path
+            assert TOKEN not in body
+        assert fetch(port, "/status", {"Authorization": "Bearer " + TOKEN[:-1] + "X"})[0] == 401
+        assert fetch(port, "/status", {"Authorization": "Basic " + TOKEN})[0] == 401
+        for path in ("/metrics", "/healthz", "/readyz"):
+            assert fetch(port, path)[0] == 200, path
+        assert fetch(port, "/status", {"Authorization": "Bearer " + TOKEN})[0] == 200
+        status, body, headers = fetch(port, "/", {"Authorization": "bearer " + TOKEN})
+        assert status == 200 and "test-1" in body and "token=" not in body  # header: links stay clean
+        assert "default-src 'none'" in headers["Content-Security-Policy"]
+        assert headers["Referrer-Policy"] == "no-referrer"
+        status, body, _ = fetch(port, "/?token=" + TOKEN)
+        assert status == 200 and f"/jobs?state=discarded&amp;token={TOKEN}" in body
+        # A reload changes the token without a restart.
+        daemon.reload(daemon.settings.model_copy(update={"http": daemon.settings.http.model_copy(
+            update={"auth_token": TOKEN + "-new"})}))
+        assert fetch(port, "/?token=" + TOKEN)[0] == 401
+        assert fetch(port, "/?token=" + TOKEN + "-new")[0] == 200
+    finally:
+        daemon.stop()
+
+
+@needs_browser
+def test_token_given_by_link_follows_the_person_through_the_pages(browser, settings, engine, schema):
+    q = JobQueue(schema)
+    with engine.begin() as conn:
+        q.enqueue(conn, "mail.send", {"to": "ops@example.com"}, queue="mail", max_attempts=1)
+    with engine.begin() as conn:
+        q.fail(conn, q.claim(conn, "mail", "w1")[0], "smtp timeout")
+    daemon = start_daemon(settings, http=settings.http.model_copy(update={"auth_token": TOKEN}))
+    try:
+        base = f"http://127.0.0.1:{daemon.http_port}"
+        browser.get(base + "/")
+        assert "unauthorized" in one(browser, "body").text
+        browser.get(f"{base}/?token={TOKEN}")
+        follow(browser, one(browser, "#discarded a"))  # the discarded job's page
+        assert one(browser, "#job-kind").text == "mail.send"
+        follow(browser, one(browser, "#job-queue a"))  # the queue's jobs
+        assert [r.get_attribute("data-job-id") for r in by_css(browser, "#jobs tr[data-job-id]")] == ["1"]
+        follow(browser, one(browser, "#home"))  # back to the overview
+        assert one(browser, "#leader-name").text == "test-1"
+    finally:
+        daemon.stop()
+
+
+# -- /jobs: paging, filters, errors -------------------------------------------------------------
+
+STATES_SQL = """
+INSERT INTO {schema}.jobs (kind, queue, state, priority, attempt, scheduled_at, attempted_at, finalized_at)
+SELECT 'k', (ARRAY['q1', 'q2', 'q3'])[1 + g % 3], CAST(s AS {schema}.job_state), (g % 3)::smallint,
+       CASE WHEN s IN ('available', 'scheduled') THEN 0 ELSE 1 END,
+       now() + CASE WHEN s IN ('scheduled', 'retryable') THEN make_interval(secs => g % 7)
+                    ELSE -make_interval(secs => g % 7) END,
+       CASE WHEN s IN ('available', 'scheduled') THEN NULL ELSE now() END,
+       CASE WHEN s IN ('completed', 'cancelled', 'discarded') THEN now() - make_interval(secs => g % 5) END
+  FROM generate_series(1, 23) g, unnest(CAST(:states AS text[])) s
+"""
+TRUTH_ORDER = {None: "id DESC", "available": "priority, scheduled_at, id",
+               "scheduled": "scheduled_at, id", "retryable": "scheduled_at, id", "running": "id",
+               "completed": "finalized_at DESC, id DESC", "cancelled": "finalized_at DESC, id DESC",
+               "discarded": "finalized_at DESC, id DESC"}
+
+
+def _page_ids(dashboard: Dashboard, query: dict[str, list[str]]) -> tuple[list[int], str | None, str]:
+    status, _, body, _ = dashboard.jobs(Request("/jobs", query))
+    assert status == 200, unescape(body.decode())
+    html = body.decode()
+    ids = [int(i) for i in re.findall(r'data-job-id="(\d+)"', html)]
+    nxt = re.search(r'id="next-page" href="/jobs\?([^"]+)"', html)
+    return ids, (unescape(nxt.group(1)) if nxt else None), html
+
+
+@pytest.mark.parametrize("state", [None, "available", "scheduled", "running", "retryable", "completed",
+                                   "discarded"])
+@pytest.mark.parametrize("queue", [None, "q2"])
+def test_jobs_pages_list_each_job_once_in_index_order(settings, engine, schema, state, queue):
+    from urllib.parse import parse_qs
+
+    with engine.begin() as conn:
+        conn.execute(sql(STATES_SQL, schema), {"states": ["available", "scheduled", "running", "retryable",
+                                                          "completed", "cancelled", "discarded"]})
+        where = " AND ".join(["TRUE"] + [f"state = '{state}'"] * bool(state) + ["queue = 'q2'"] * bool(queue))
+        truth = [r[0] for r in conn.execute(sql(f"SELECT id FROM {{schema}}.jobs WHERE {where} "
+                                                f"ORDER BY {TRUTH_ORDER[state]}", schema))]
+    # Small pages and a small search window, so every path (next page, search further) is taken.
+    dashboard = Dashboard(lambda: settings, page_size=4, scan_window=10)
+    query = {k: [v] for k, v in (("state", state), ("queue", queue)) if v}
+    seen, pages, searched = [], 0, False
+    while True:
+        ids, nxt, html = _page_ids(dashboard, query)
+        seen += ids
+        pages += 1
+        searched |= 'id="searched"' in html
+        if nxt is None:
+            break
+        query = parse_qs(nxt)
+        assert pages < 200
+    assert seen == truth
+    # A bounded search window only where no index serves the filter (and then it shows).
+    assert searched <= (bool(queue and state != "available") or state in ("scheduled", "retryable"))
+    if queue and state in ("completed", "discarded"):
+        assert searched
+
+
+def test_bad_parameters_get_400_and_an_unknown_job_404(settings, schema):
+    daemon = start_daemon(settings)
+    try:
+        port = daemon.http_port
+        cases = {
+            "/jobs?state=bogus": "unknown state 'bogus'",
+            "/jobs?state=completed&after=zzz": "invalid 'after' cursor",
+            "/jobs?state=available&after=1,2": "invalid 'after' cursor",
+            "/jobs?stat=completed": "unknown parameter 'stat'",
+            "/jobs?state=completed&state=running": "parameter 'state' is given 2 times",
+            "/jobs?queue=" + "x" * 129: "queue must be at most 128 characters",
+            "/jobs/abc": "job id must be a positive integer",
+            "/jobs/0": "job id must be a positive integer",
+            "/jobs/99999999999999999999": "job id must be a positive integer",
+            "/jobs?target=other": "unknown target 'other'",
+            "/?refresh=1": "refresh must be 0 (off) or 2 to 3600 seconds",
+        }
+        for path, message in cases.items():
+            status, body, headers = fetch(port, path)
+            expected = 404 if "target" in path else 400
+            assert status == expected and message in unescape(body), (path, status, body[-300:])
+            assert headers["Content-Type"].startswith("text/html")
+        status, body, _ = fetch(port, "/jobs/123456789")
+        assert status == 404 and "no job 123456789" in body
+        assert fetch(port, "/?refresh=0")[0] == 200 and 'http-equiv="refresh"' not in fetch(port, "/?refresh=0")[1]
+        assert 'content="10"' in fetch(port, "/")[1]
+    finally:
+        daemon.stop()
+
+
+def test_an_unreachable_database_is_a_503_page_without_the_password(schema):
+    settings = Settings(database_url="postgresql://maintd:hunter2secret@127.0.0.1:1/app", schema=schema,
+                        instance_id="test-1")
+    dashboard = Dashboard(lambda: settings)
+    for req in (Request("/", {}), Request("/jobs", {}), Request("/jobs/1", {}, params={"id": "1"})):
+        status, _, body, _ = dashboard.pages()[{"/": "/", "/jobs": "/jobs"}.get(req.path, "/jobs/{id}")](req)
+        html = body.decode()
+        assert status == 503 and "127.0.0.1" in html and "hunter2secret" not in html, html[-500:]
+
+
+# -- bounded counts -----------------------------------------------------------------------------
+
+
+def test_counts_stop_at_the_cap_and_say_so(engine, schema):
+    q = JobQueue(schema)
+    with engine.begin() as conn:
+        for i in range(12):
+            q.enqueue(conn, "k", queue="big")
+        for i in range(3):
+            q.enqueue(conn, "k", queue="small")
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state, attempt, attempted_at, finalized_at)"
+                         " SELECT 'k', 'done', 'completed', 1, now(), now() FROM generate_series(1, 9)", schema))
+        conn.execute(sql("ANALYZE {schema}.jobs", schema))
+    with engine.connect() as conn:
+        now = conn.execute(text("SELECT now()")).scalar_one()
+        table = queue_table(conn, schema, now, cap=10)  # 10 per available cell, 2 for the others
+    rows = {r["queue"]: r["counts"] for r in table["rows"]}
+    assert (rows["big"]["available"].value, rows["big"]["available"].kind) == (10, "atleast")
+    assert (rows["small"]["available"].value, rows["small"]["available"].kind) == (3, "exact")
+    assert (rows["done"]["completed"].value, rows["done"]["completed"].kind) == (2, "atleast")
+    # Totals past the cap come from the statistics (ANALYZE saw 15 available, 9 completed).
+    assert (table["totals"]["available"].value, table["totals"]["available"].kind) == (15, "estimate")
+    assert (table["totals"]["completed"].value, table["totals"]["completed"].kind) == (9, "estimate")
+    assert (table["totals"]["running"].value, table["totals"]["running"].kind) == (0, "exact")
+    # With many queues the available column shares out its budget (10 x cap entries in all).
+    assert per_queue_cap(10_000, 5) == 10_000 and per_queue_cap(10_000, 1_000) == 100
+
+
+# -- a large table ------------------------------------------------------------------------------
+
+BIG = """
+INSERT INTO {schema}.jobs (kind, queue, state, priority, attempt, scheduled_at, attempted_at,
+                           finalized_at, errors)
+SELECT 'kind.' || (g % 13), (ARRAY['default', 'mail', 'billing', 'reports', 'webhooks'])[1 + g % 5],
+       CAST(s AS {schema}.job_state), (g % 3)::smallint,
+       CASE WHEN s IN ('available', 'scheduled') THEN 0 ELSE 1 END,
+       now() - make_interval(secs => g % 86400)
+             + CASE WHEN s IN ('scheduled', 'retryable') THEN interval '2 days' ELSE interval '0' END,
+       CASE WHEN s IN ('available', 'scheduled') THEN NULL ELSE now() END,
+       CASE WHEN s IN ('completed', 'cancelled', 'discarded') THEN now() - make_interval(secs => g % 86400) END,
+       CASE WHEN s = 'discarded' THEN jsonb_build_array(jsonb_build_object('error', 'boom ' || g))
+            ELSE '[]'::jsonb END
+  FROM generate_series(1, :n) g,
+       LATERAL (SELECT CASE WHEN g % 100 < 60 THEN 'completed' WHEN g % 100 < 63 THEN 'discarded'
+                            WHEN g % 100 < 85 THEN 'available' WHEN g % 100 < 97 THEN 'scheduled'
+                            WHEN g % 100 < 99 THEN 'retryable' ELSE 'cancelled' END) AS x(s)
+"""
+
+
+@pytest.mark.slow
+def test_pages_stay_fast_on_a_large_table(settings, schema, pg_dsn):
+    """MAINTD_BENCH_ROWS jobs (default 1,000,000; measured with 10,000,000 for the README)."""
+    n = int(os.environ.get("MAINTD_BENCH_ROWS", "1000000"))
+    eng = make_engine(pg_dsn, application_name="maintd-test-big", pooled=False)
+    with eng.connect() as conn:
+        conn.exec_driver_sql("SET statement_timeout = 0")
+        conn.execute(sql(BIG, schema), {"n": n})
+        conn.commit()
+        conn.connection.driver_connection.autocommit = True
+        conn.exec_driver_sql(f'VACUUM (ANALYZE) "{schema}".jobs')
+    eng.dispose()
+    dashboard = Dashboard(lambda: settings)
+    timings = {}
+    for path, query in (("/", {}), ("/jobs", {}), ("/jobs", {"state": ["available"]}),
+                        ("/jobs", {"state": ["discarded"], "queue": ["mail"]}),
+                        ("/jobs", {"state": ["completed"], "queue": ["nope"]})):
+        page = dashboard.pages()[path]
+        page(Request(path, query))  # warm the cache once, as a refreshing page does
+        started = time.perf_counter()
+        status, _, body, _ = page(Request(path, query))
+        timings[f"{path}?{query}"] = time.perf_counter() - started
+        assert status == 200, body[-400:]
+    print(f"page times on {n:,} jobs: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in timings.items()))
+    assert max(timings.values()) < 3.0, timings
+
+
+# -- the README screenshot ----------------------------------------------------------------------
+
+
+def write_readme_screenshot(path: str, dsn: str) -> None:
+    """Two replicas, a seeded workload, the overview in Chromium, saved as ``path``."""
+    from maintd import migrate
+    from maintd.db import quote_ident
+
+    schema = "shop"
+    engine = make_engine(dsn, application_name="maintd-screenshot", pool_size=4)
+    with engine.connect() as conn:
+        conn.execute(text(f"DROP SCHEMA IF EXISTS {quote_ident(schema)} CASCADE"))
+        conn.commit()
+        migrate.upgrade(conn, schema)
+    base = Settings(database_url=dsn, schema=schema, instance_id="maintd-a", http={"listen": "127.0.0.1:0"},
+                    periodic=PERIODIC)
+    daemon = start_daemon(base)
+    follower = Daemon(changed(base, instance_id="maintd-b"))
+    follower.start()
+    driver = make_browser()
+    try:
+        wait_for(lambda: "periodic" in daemon.runner.last_runs, 15, what="a periodic pass")
+        seed_workload(engine, schema)
+        wait_for(lambda: _replicas(engine, schema) == 2, 15, what="both replicas registered")
+        driver.get(f"http://127.0.0.1:{daemon.http_port}/?refresh=0")
+        height = driver.execute_script("return document.documentElement.scrollHeight")
+        driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
+            "width": 1280, "height": height, "deviceScaleFactor": 1, "mobile": False})
+        png = driver.get_screenshot_as_png()
+        assert_real_screenshot(png)
+        with open(path, "wb") as fh:
+            fh.write(png)
+        print(f"wrote {path} ({len(png):,} bytes)")
+    finally:
+        close_browser(driver)
+        follower.stop()
+        daemon.stop()
+        with engine.connect() as conn:
+            conn.execute(text(f"DROP SCHEMA IF EXISTS {quote_ident(schema)} CASCADE"))
+            conn.commit()
+        engine.dispose()
+
+
+if __name__ == "__main__":  # python -m tests.test_dashboard docs/dashboard.png [DSN]
+    import sys
+
+    write_readme_screenshot(sys.argv[1], sys.argv[2] if len(sys.argv) > 2
+                            else "postgresql://postgres@127.0.0.1:5432/test")
