@@ -13,7 +13,8 @@ import time
 
 from sqlalchemy.exc import DBAPIError
 
-from maintd.db import make_engine, sql
+from maintd.db import make_engine
+from maintd.queries import sql
 from maintd.jobs import JobQueue
 
 
