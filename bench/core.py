@@ -41,9 +41,10 @@ import psycopg  # noqa: E402
 from sqlalchemy import Engine, text  # noqa: E402
 
 from maintd import migrate  # noqa: E402
-from maintd.clock import FrozenClock, SystemClock  # noqa: E402
+from maintd.clock import FrozenClock, ServerClock  # noqa: E402
 from maintd.config import Settings  # noqa: E402
-from maintd.db import make_engine, notify_channel, sql  # noqa: E402
+from maintd.db import make_engine, notify_channel
+from maintd.queries import sql  # noqa: E402
 from maintd.jobs import JobQueue  # noqa: E402
 from maintd.services.base import PassContext  # noqa: E402
 from maintd.services.cleaner import Cleaner  # noqa: E402
@@ -126,7 +127,7 @@ def timed(engine: Engine, statement: str, params: dict) -> tuple[float, int]:
 
 
 def run_pass(engine: Engine, settings: Settings, service, now: datetime):
-    ctx = TimedContext(engine=engine, settings=settings, clock=FrozenClock(now))
+    ctx = TimedContext.for_settings(settings, engine, FrozenClock(now))
     t0 = time.perf_counter()
     with ctx.session():  # as the daemon runs a pass: one pooled connection for its transactions
         result = service.run_once(ctx)
@@ -203,7 +204,7 @@ def bench_cleaner(engine: Engine, url: str, table: Table, rows: int, batch_sizes
 
     def maintd(size: int) -> Run:
         settings = Settings(database_url=url, schema=SCHEMA, cleaner={"batch_size": size})
-        result, t, batches = run_pass(engine, settings, Cleaner(settings), seed(engine, SEED_CLEANER, sizes))
+        result, t, batches = run_pass(engine, settings, Cleaner(settings.cleaner), seed(engine, SEED_CLEANER, sizes))
         return result.total, t, batches
 
     def naive(size: int) -> Run:
@@ -264,7 +265,7 @@ def bench_rescuer(engine: Engine, url: str, table: Table, rows: int, repeat: int
         return n, t, []
 
     def maintd() -> Run:
-        result, t, batches = run_pass(engine, settings, Rescuer(settings), seed(engine, SEED_RESCUER, sizes))
+        result, t, batches = run_pass(engine, settings, Rescuer(settings.rescuer), seed(engine, SEED_RESCUER, sizes))
         return result.retried + result.discarded, t, batches
 
     table.row("rescuer", "one unbatched UPDATE (physical limit)", *median(repeat, unbatched), limit=True)
@@ -297,7 +298,7 @@ def bench_scheduler(engine: Engine, url: str, table: Table, rows: int, repeat: i
         return n, t, []
 
     def maintd() -> Run:
-        result, t, batches = run_pass(engine, settings, Scheduler(settings), seed(engine, SEED_SCHEDULER, sizes))
+        result, t, batches = run_pass(engine, settings, Scheduler(settings.scheduler), seed(engine, SEED_SCHEDULER, sizes))
         return result.total, t, batches
 
     table.row("scheduler", "one unbatched UPDATE (physical limit)", *median(repeat, unbatched), limit=True)
@@ -308,7 +309,7 @@ def bench_scheduler(engine: Engine, url: str, table: Table, rows: int, repeat: i
     ticks = []
     for _ in range(100):
         t0 = time.perf_counter()
-        Scheduler(settings).run_once(PassContext(engine=engine, settings=settings, clock=SystemClock()))
+        Scheduler(settings.scheduler).run_once(PassContext.for_settings(settings, engine, ServerClock()))
         ticks.append(time.perf_counter() - t0)
     table.note("scheduler", f"idle tick ({rows - sizes['due']:,} future rows)",
                f"p50 {pct(ticks, .5) * 1000:.2f} ms  p99 {pct(ticks, .99) * 1000:.2f} ms  "
@@ -343,11 +344,11 @@ def bench_lag(engine: Engine, url: str, table: Table, rows: int) -> None:
                         woken = len(queue.claim(conn, "lag", "bench-claimer", 100)) == 100
 
         def ticker():  # what the runner does: one pass every interval
-            scheduler = Scheduler(settings)
+            scheduler = Scheduler(settings.scheduler)
             interval = settings.scheduler.interval.total_seconds()
             next_tick = time.monotonic()
             while not stop.is_set():
-                scheduler.run_once(PassContext(engine=engine, settings=settings, clock=SystemClock(),
+                scheduler.run_once(PassContext.for_settings(settings, engine, ServerClock(),
                                                stop_event=stop))
                 next_tick += interval
                 stop.wait(max(0.0, next_tick - time.monotonic()))
@@ -411,7 +412,7 @@ def workers_under_cleaner(engine: Engine, settings: Settings, table: Table, rows
         t.start()
     time.sleep(idle_seconds)
     phase[0] = "during"
-    result, during, batches = run_pass(engine, settings, Cleaner(settings), now)
+    result, during, batches = run_pass(engine, settings, Cleaner(settings.cleaner), now)
     phase[0] = "after"
     time.sleep(idle_seconds)
     stop.set()

@@ -16,9 +16,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from maintd import migrate  # noqa: E402
-from maintd.clock import SystemClock  # noqa: E402
+from maintd.clock import ServerClock  # noqa: E402
 from maintd.config import Settings  # noqa: E402
-from maintd.db import make_engine, sql  # noqa: E402
+from maintd.db import make_engine
+from maintd.queries import sql  # noqa: E402
 from maintd.embedded import EmbeddedPostgres  # noqa: E402
 from maintd.jobs import JobQueue  # noqa: E402
 from maintd.services.base import PassContext  # noqa: E402
@@ -66,8 +67,7 @@ def main() -> int:
             t.start()
             started = time.perf_counter()
             if reindex:
-                result = Reindexer(settings).run_once(PassContext(engine=engine, settings=settings,
-                                                                  clock=SystemClock()))
+                result = Reindexer(settings.reindexer).run_once(PassContext.for_settings(settings, engine, ServerClock()))
             else:
                 time.sleep(10)
             took = time.perf_counter() - started

@@ -23,7 +23,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.failover import proc_stats  # noqa: E402
 from maintd import migrate  # noqa: E402
-from maintd.db import make_engine, sql  # noqa: E402
+from maintd.db import make_engine
+from maintd.queries import sql  # noqa: E402
 from maintd.embedded import EmbeddedPostgres  # noqa: E402
 from maintd.jobs import JobQueue  # noqa: E402
 from tests.procs import DaemonProc, leader_row, wait_for  # noqa: E402

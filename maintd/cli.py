@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from datetime import timezone
 from typing import Callable, Sequence
 
 from . import __version__
 from .config import ConfigError, Settings, load_settings
+from .services import SERVICES
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -40,43 +43,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TOML config file (default: $MAINTD_CONFIG; without either, defaults + env)")
     p.add_argument("--version", action="version", version=f"maintd {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    _add_daemon_parsers(sub)
+    _add_setup_parsers(sub)
+    _add_jobs_parser(sub)
+    _add_periodic_parser(sub)
+    _add_schedule_parser(sub)
+    return p
 
+
+def _add_daemon_parsers(sub) -> None:
+    """run, run-once, status, demo."""
     sub.add_parser("run", help="run the daemon (the default command)",
                    description="Run the daemon: join the leader election, run the services while "
                                "leading, serve /metrics, /healthz, /readyz and /status. SIGTERM or "
                                "SIGINT stops it gracefully (releasing leadership at once); SIGHUP "
                                "reloads the config file.")
-
-    m = sub.add_parser("migrate", help="create or upgrade the schema (safe from several replicas)",
-                       description="Apply the Alembic migrations to the configured schema under an "
-                                   "advisory lock, so replicas starting together migrate once.")
-    m.add_argument("--sql", action="store_true", help="print the SQL instead of applying it")
-    m.add_argument("--revision", default="head", help="target revision (default: head)")
-    m.add_argument("--downgrade", metavar="REVISION",
-                   help="downgrade to REVISION ('base' removes every maintd table)")
-
-    sub.add_parser("check-config", help="validate the config and print it (password redacted)",
-                   description="Load the config file and environment, validate every key and print "
-                               "the effective configuration as JSON with the DSN password masked. "
-                               "Exit 2 and one line per problem if it is invalid.")
-
     r = sub.add_parser("run-once", help="run one pass of a service and print what it did",
                        description="Run one pass of SERVICE under the leader lock and print its "
                                    "result as JSON. With --dry-run nothing is changed (and no lock "
                                    "is needed): it prints what the pass would do.")
-    r.add_argument("service", metavar="SERVICE",
-                   choices=["cleaner", "rescuer", "scheduler", "periodic", "reindexer"],
-                   help="cleaner, rescuer, scheduler, periodic or reindexer")
+    r.add_argument("service", metavar="SERVICE", choices=list(SERVICES),
+                   help=", ".join(SERVICES))
     r.add_argument("--dry-run", action="store_true", help="report what would change, change nothing")
     r.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                    help="wait up to SECONDS for the leader lock (default: fail at once if held)")
-
     s = sub.add_parser("status", help="who leads, each service's last run, jobs by queue and state",
                        description="Print the current leader (instance, host, pid, since), the "
                                    "last run and outcome of each service, and job counts by queue "
                                    "and state, read from the database.")
     s.add_argument("--json", action="store_true", help="print JSON instead of text")
-
     d = sub.add_parser("demo", help="run everything on a throwaway PostgreSQL with a live workload",
                        description="Start an embedded PostgreSQL, migrate, run the daemon with "
                                    "short intervals and a small workload of workers, failures, "
@@ -85,7 +80,114 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--duration", type=float, metavar="SECONDS", help="stop after SECONDS")
     d.add_argument("--data-dir", metavar="DIR", help="keep the database in DIR (default: temp, removed)")
     d.add_argument("--listen", default="127.0.0.1:9464", help="HTTP listen address for /metrics")
-    return p
+
+
+def _add_setup_parsers(sub) -> None:
+    """migrate, grants, check-config."""
+    m = sub.add_parser("migrate", help="create or upgrade the schema (safe from several replicas)",
+                       description="Apply the Alembic migrations to the configured schema under an "
+                                   "advisory lock, so replicas starting together migrate once.")
+    m.add_argument("--sql", action="store_true", help="print the SQL instead of applying it")
+    m.add_argument("--revision", default="head", help="target revision (default: head)")
+    m.add_argument("--downgrade", metavar="REVISION",
+                   help="downgrade to REVISION ('base' removes every maintd table)")
+
+    g = sub.add_parser("grants", help="print the SQL granting a role what the daemon (or a worker) needs",
+                       description="Print GRANT statements giving ROLE exactly the privileges the "
+                                   "daemon needs on the configured schema (with --worker: what a "
+                                   "worker running the README's SQL needs). Run them as the owner "
+                                   "role that runs `maintd migrate`, or let --apply do it.")
+    g.add_argument("role", metavar="ROLE", help="role to grant to (lower-case SQL identifier)")
+    g.add_argument("--worker", action="store_true", help="a worker's privileges instead of the daemon's")
+    g.add_argument("--apply", action="store_true",
+                   help="run the grants through the configured connection (the owner role's)")
+
+    sub.add_parser("check-config", help="validate the config and print it (password redacted)",
+                   description="Load the config file and environment, validate every key and print "
+                               "the effective configuration as JSON with the DSN password masked. "
+                               "Exit 2 and one line per problem if it is invalid.")
+
+
+def _add_schedule_parser(sub) -> None:
+    sc = sub.add_parser("schedule", help="print the next fire times of a schedule expression",
+                        description="Check a cron expression (or @hourly, '@every 30s') before "
+                                    "deploying it: print its next N fire times, in its time zone "
+                                    "and in UTC, with cron's DST rules (like systemd-analyze calendar).")
+    sc.add_argument("expression", metavar="EXPR", help="e.g. '*/15 * * * *', '0 2 * * mon-fri', @daily")
+    sc.add_argument("--timezone", "--tz", default="UTC", help="IANA time zone (default UTC)")
+    sc.add_argument("--after", metavar="TIME", help="ISO 8601 start (default now); naive = in --timezone")
+    sc.add_argument("-n", type=int, default=10, metavar="N", help="how many fire times (default 10)")
+
+
+def _add_periodic_parser(sub) -> None:
+    p = sub.add_parser("periodic", help="list and change periodic schedules kept as rows",
+                       description="Periodic schedules in the periodic_jobs table, applied by the "
+                                   "leader within seconds without a reload. `list` shows them with "
+                                   "the [[periodic]] entries of the config (origin config or table), "
+                                   "the last and next slot, and any error the daemon noted on a row.")
+    actions = p.add_subparsers(dest="periodic_action", metavar="ACTION", required=True)
+    ls = actions.add_parser("list", help="every schedule with its origin, last and next slot, error")
+    ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add = actions.add_parser("add", help="add a schedule (a row of periodic_jobs)")
+    add.add_argument("id", help="the periodic id (letters, digits, _ . : -)")
+    add.add_argument("--schedule", required=True, help="cron expression, @hourly, or '@every 30s'")
+    add.add_argument("--kind", required=True, help="the job kind to enqueue")
+    add.add_argument("--queue", default="default")
+    add.add_argument("--args", default="{}", metavar="JSON", help="the job's args (a JSON object)")
+    add.add_argument("--timezone", default="UTC", help="time zone of a cron schedule (default UTC)")
+    add.add_argument("--priority", type=int, default=0)
+    add.add_argument("--max-attempts", type=int, default=25)
+    add.add_argument("--backfill", metavar="DURATION", help="enqueue slots missed within this window")
+    add.add_argument("--run-on-start", action="store_true", help="enqueue the current slot at once")
+    add.add_argument("--unique", action="store_true", help="at most one live job of this schedule")
+    add.add_argument("--replace", action="store_true", help="update the row if the id exists")
+    for name, text in (("remove", "delete a schedule (jobs it enqueued stay)"),
+                       ("pause", "stop enqueueing (enabled = false)"), ("resume", "enqueue again")):
+        actions.add_parser(name, help=text).add_argument("id")
+
+
+def _add_jobs_parser(sub) -> None:
+    """``maintd jobs ...`` (SPEC 7.5); the work is in maintd.admin."""
+    jobs = sub.add_parser("jobs", help="list, show, retry, cancel, discard, delete or reschedule jobs",
+                          description="Look at jobs and act on them through the schema's SQL admin "
+                                      "functions. Running jobs (and rows a worker holds locked) are "
+                                      "never touched: they are reported as skipped.")
+    acts = jobs.add_subparsers(dest="jobs_command", metavar="ACTION", required=True)
+
+    def filters(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--state", help="available, scheduled, running, retryable, completed, "
+                                       "cancelled or discarded")
+        p.add_argument("--queue")
+        p.add_argument("--kind")
+        p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    lst = acts.add_parser("list", help="newest jobs first, optionally filtered")
+    filters(lst)
+    lst.add_argument("--limit", type=int, default=50, help="at most N jobs (default 50)")
+    show = acts.add_parser("show", help="one job with args, metadata and errors")
+    show.add_argument("id", type=int, metavar="ID")
+    show.add_argument("--json", action="store_true", help="print JSON")
+    for name, text in (("retry", "make jobs available now (final ones too)"),
+                       ("cancel", "cancel available/scheduled/retryable jobs"),
+                       ("discard", "discard available/scheduled/retryable jobs"),
+                       ("delete", "delete jobs in any state but running"),
+                       ("reschedule", "change run time, priority, max attempts of waiting jobs")):
+        a = acts.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}: by ids, or "
+                            "by filters in batches of --batch-size jobs, one transaction each.")
+        a.add_argument("ids", type=int, nargs="+" if name == "reschedule" else "*", metavar="ID")
+        if name == "reschedule":
+            a.add_argument("--at", required=True, metavar="TIME",
+                           help="ISO 8601 time (UTC if no offset), 'now', or '+30m' from now")
+            a.add_argument("--priority", type=int, metavar="N")
+            a.add_argument("--max-attempts", type=int, metavar="N")
+            a.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        else:
+            filters(a)
+        if name == "discard":
+            a.add_argument("--reason", help="recorded in the job's errors")
+        a.add_argument("--dry-run", action="store_true", help="print what would change, change nothing")
+        a.add_argument("--batch-size", type=int, default=1000, metavar="N",
+                       help="jobs per transaction (default 1000)")
 
 
 def _load(args: argparse.Namespace) -> Settings:
@@ -123,23 +225,226 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _lazy(module: str, func: str) -> Callable[[argparse.Namespace], int]:
-    def call(args: argparse.Namespace) -> int:
-        import importlib
+def cmd_run(args: argparse.Namespace) -> int:
+    from .daemon import Daemon, HttpListenError, SchemaNotReady
+    from .leader import LeaderSessionError
+    from .logs import setup_logging
 
-        mod = importlib.import_module(f"maintd.{module}")
-        return getattr(mod, func)(args)
+    settings = _load(args)
+    setup_logging(settings.log.level, settings.log.format)
+    daemon = Daemon(settings, config_path=args.config or os.environ.get("MAINTD_CONFIG"))
+    try:
+        return daemon.run_forever()
+    except (SchemaNotReady, HttpListenError, LeaderSessionError) as exc:
+        print(f"maintd: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
 
-    return call
+
+def cmd_run_once(args: argparse.Namespace) -> int:
+    import threading
+
+    from .clock import ServerClock
+    from .leader import acquire_once
+    from .logs import setup_logging
+    from .passes import Outcome, execute_pass, maintenance_engine
+    from .services.base import Fence, NoFence, PassContext
+
+    settings = _load(args)
+    setup_logging(settings.log.level, settings.log.format)
+    spec = SERVICES[args.service]
+    engine = maintenance_engine(settings, pool_size=2)
+    stop_event = threading.Event()
+    held = None
+    try:
+        fence: Fence = NoFence()
+        if not args.dry_run:  # the lock is renewed in a thread meanwhile; losing it stops the pass
+            held = acquire_once(settings, wait=args.wait, on_demoted=lambda reason: stop_event.set())
+            if held is None:
+                print(f"maintd: error: another instance holds the leader lock ({_current_leader(engine, settings)});"
+                      " stop it, use --wait, or run with --dry-run", file=sys.stderr)
+                return EXIT_FAILURE
+            fence = held[1]
+        ctx = PassContext.for_settings(settings, engine, ServerClock(), fence=fence, dry_run=args.dry_run,
+                                       stop_event=stop_event)
+        record = execute_pass(args.service, spec.cls(spec.section(settings)), ctx)
+        out = {"service": args.service, "dry_run": args.dry_run, "outcome": record.outcome.value,
+               "result": record.result.as_dict() if record.result is not None else None}
+        if record.error:
+            out["error"] = record.error
+        print(json.dumps(out, indent=2, default=str))
+        return EXIT_OK if record.outcome is Outcome.SUCCESS else EXIT_FAILURE
+    finally:
+        if held is not None:
+            held[0].stop()
+        engine.dispose()
+
+
+def _current_leader(engine, settings: Settings) -> str:
+    from .status import collect_status
+
+    try:
+        lead = collect_status(engine, settings.schema)["leader"]
+    except Exception as exc:
+        from .db import describe_db_error
+
+        return f"unknown: {describe_db_error(exc)}"
+    if lead is None:
+        return "unknown"
+    return f"instance={lead['instance_id']} host={lead['host']} pid={lead['pid']} epoch={lead['epoch']}"
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .db import make_engine
+    from .status import SchemaMissing, collect_status, format_status
+
+    settings = _load(args)
+    engine = make_engine(settings.database_url.get_secret_value(),
+                         application_name=f"maintd:{settings.instance_id}:status", pooled=False)
+    try:
+        st = collect_status(engine, settings.schema)
+    except SchemaMissing as exc:
+        print(f"maintd: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    finally:
+        engine.dispose()
+    print(json.dumps(st, indent=2, default=str) if args.json else format_status(st))
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(duration=args.duration, data_dir=args.data_dir, listen=args.listen)
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    """``maintd jobs ...``: exit 0 done (skipped jobs are reported, not errors), 1 runtime
+    failure, 2 usage."""
+    from datetime import timedelta
+
+    from .admin import LOCK_TIMEOUT, AdminError, UsageError, plan_command
+    from .db import make_engine, session_settings
+
+    settings = _load(args)
+    try:
+        work = plan_command(args)
+        engine = make_engine(
+            settings.database_url.get_secret_value(),
+            application_name=f"maintd:{settings.instance_id}:jobs", pooled=False,
+            session=session_settings(settings.statement_timeout, lock_timeout=LOCK_TIMEOUT,
+                                     idle_in_transaction=timedelta(minutes=1)))
+        try:
+            with engine.connect() as conn:
+                return work(conn, settings.schema)
+        finally:
+            engine.dispose()
+    except UsageError as exc:
+        print(f"maintd jobs: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except AdminError as exc:
+        print(f"maintd jobs: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+def cmd_schedule(args: argparse.Namespace) -> int:
+    from datetime import datetime
+
+    from .schedules import upcoming
+
+    try:
+        after = datetime.fromisoformat(args.after) if args.after else None
+        times = upcoming(args.expression, args.timezone, after, args.n)
+    except ValueError as exc:
+        print(f"maintd schedule: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    for t in times:
+        utc = t.astimezone(timezone.utc)
+        print(f"{t.isoformat()}  ({utc.strftime('%Y-%m-%d %H:%M:%S')} UTC)")
+    return EXIT_OK
+
+
+def cmd_periodic(args: argparse.Namespace) -> int:
+    from . import periodic_table as table
+    from .db import make_engine
+
+    settings = _load(args)
+    if args.periodic_action == "add":
+        try:
+            job = table.validated(_periodic_values(args))
+        except ValueError as exc:
+            print(f"maintd periodic: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    engine = make_engine(settings.database_url.get_secret_value(),
+                         application_name=f"maintd:{settings.instance_id}:periodic", pooled=False)
+    try:
+        if args.periodic_action == "list":
+            entries = table.list_entries(engine, settings)
+            print(json.dumps(entries, indent=2, default=str) if args.json else table.format_entries(entries))
+            return EXIT_OK
+        if args.periodic_action == "add":
+            done = table.add(engine, settings.schema, job, replace=args.replace)
+            what = "exists (use --replace)" if not done else "saved"
+        elif args.periodic_action == "remove":
+            done, what = table.remove(engine, settings.schema, args.id), "removed"
+        else:
+            enabled = args.periodic_action == "resume"
+            done = table.set_enabled(engine, settings.schema, args.id, enabled)
+            what = "resumed" if enabled else "paused"
+    finally:
+        engine.dispose()
+    print(f"periodic {args.id}: {what if done or args.periodic_action == 'add' else 'not found'}")
+    return EXIT_OK if done else EXIT_FAILURE
+
+
+def _periodic_values(args: argparse.Namespace) -> dict:
+    try:
+        job_args = json.loads(args.args)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"args: not JSON: {exc}") from None
+    return {"id": args.id, "schedule": args.schedule, "timezone": args.timezone, "kind": args.kind,
+            "queue": args.queue, "args": job_args, "priority": args.priority,
+            "max_attempts": args.max_attempts, "backfill": args.backfill,
+            "run_on_start": args.run_on_start, "unique_key": args.unique}
+
+
+def cmd_grants(args: argparse.Namespace) -> int:
+    from .grants import apply, render, target_schemas, validate_role
+
+    try:
+        validate_role(args.role)
+    except ValueError as exc:
+        print(f"maintd: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    settings = _load(args)
+    schemas = target_schemas(settings)
+    if not args.apply:
+        sys.stdout.write(render(schemas, args.role, worker=args.worker))
+        return EXIT_OK
+    from .db import make_engine
+
+    engine = make_engine(settings.database_url.get_secret_value(), pooled=False,
+                         application_name=f"maintd:{settings.instance_id}:grants")
+    try:
+        with engine.connect() as conn:
+            n = apply(conn, schemas, args.role, worker=args.worker)
+    finally:
+        engine.dispose()
+    who = "a worker" if args.worker else "the daemon"
+    print(f"granted role {args.role} what {who} needs on schema {', '.join(schemas)} ({n} statements)")
+    return EXIT_OK
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "run": _lazy("daemon", "cli_run"),
+    "run": cmd_run,
     "migrate": cmd_migrate,
     "check-config": cmd_check_config,
-    "run-once": _lazy("runner", "cli_run_once"),
-    "status": _lazy("status", "cli_status"),
-    "demo": _lazy("demo", "cli_demo"),
+    "run-once": cmd_run_once,
+    "status": cmd_status,
+    "demo": cmd_demo,
+    "jobs": cmd_jobs,
+    "periodic": cmd_periodic,
+    "schedule": cmd_schedule,
+    "grants": cmd_grants,
 }
 
 

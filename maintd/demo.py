@@ -3,7 +3,6 @@ which every service has something to do. Prints a summary every few seconds."""
 
 from __future__ import annotations
 
-import argparse
 import random
 import signal
 import sys
@@ -14,21 +13,11 @@ from datetime import datetime, timedelta, timezone
 from sqlalchemy import Engine
 
 from .config import Settings
-from .db import make_engine, sql
+from .db import make_engine
 from .jobs import JobQueue
-from .models import JOB_STATES
+from .queries import JOB_STATES, jobs, sql
 
 QUEUES = ("default", "mail")
-SEED_OLD = """
-INSERT INTO {schema}.jobs (kind, queue, state, attempt, attempted_at, finalized_at, created_at)
-SELECT 'demo.old', 'default', CAST(:state AS {schema}.job_state), 1, now() - CAST(:age AS interval),
-       CASE WHEN :state = 'running' THEN NULL ELSE now() - CAST(:age AS interval) END,
-       now() - CAST(:age AS interval)
-  FROM generate_series(1, :n)
-"""
-COUNTS = "SELECT state::text, count(*) FROM {schema}.jobs GROUP BY state"
-
-
 def demo_settings(dsn: str, listen: str) -> Settings:
     return Settings(
         database_url=dsn, schema="maintd", instance_id="demo",
@@ -94,7 +83,8 @@ class Workload:
 
 
 def _metric(daemon, name: str, labels: dict | None = None) -> float:
-    return daemon.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+    labels = {"target": daemon.metrics.target, **(labels or {})}
+    return daemon.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 def _sum(daemon, name: str, label: str, values) -> float:
@@ -103,7 +93,7 @@ def _sum(daemon, name: str, label: str, values) -> float:
 
 def summary(daemon, engine: Engine, work: Workload, started: float) -> str:
     with engine.connect() as conn:
-        counts = dict(conn.execute(sql(COUNTS, "maintd")).all())
+        counts = dict(conn.execute(sql(jobs.COUNT_BY_STATE, "maintd")).all())
     states = " ".join(f"{s}={counts.get(s, 0)}" for s in JOB_STATES)
     deleted = _sum(daemon, "maintd_jobs_deleted_total", "state", ("completed", "cancelled", "discarded"))
     rescued = _sum(daemon, "maintd_jobs_rescued_total", "outcome", ("retried", "discarded"))
@@ -116,42 +106,65 @@ def summary(daemon, engine: Engine, work: Workload, started: float) -> str:
             + " ".join(f"{k}={v}" for k, v in work.counts.items()))
 
 
-def cli_demo(args: argparse.Namespace) -> int:
-    from . import migrate
+def _seed(engine: Engine) -> None:
+    """Old finished jobs (for the cleaner) and jobs of workers that died before the demo started
+    (for the rescuer)."""
+    with engine.begin() as conn:
+        for state, age, n in (("completed", "1 hour", 400), ("cancelled", "2 hours", 50),
+                              ("discarded", "8 days", 30), ("running", "1 hour", 5)):
+            conn.execute(sql(jobs.DEMO_SEED_OLD, "maintd"), {"state": state, "age": age, "n": n})
+
+
+def _start_daemon(dsn: str, listen: str):
     from .daemon import Daemon
+
+    daemon = Daemon(demo_settings(dsn, listen))
+    try:
+        daemon.start()
+    except OSError:  # the port is taken: any free one will do
+        daemon = Daemon(demo_settings(dsn, "127.0.0.1:0"))
+        daemon.start()
+    return daemon
+
+
+def _watch(daemon, engine: Engine, work: Workload, duration: float | None, stop: threading.Event) -> None:
+    """Print a summary every 3 s until ``duration`` ends, Ctrl-C or SIGTERM."""
+    started = time.monotonic()
+    deadline = started + duration if duration else None
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    try:
+        while not stop.wait(3.0):
+            daemon.tick()
+            print(summary(daemon, engine, work, started), flush=True)
+            if deadline and time.monotonic() >= deadline:
+                break
+    except KeyboardInterrupt:
+        pass
+    stop.set()
+    print(summary(daemon, engine, work, started))
+
+
+def run_demo(duration: float | None = None, data_dir: str | None = None, listen: str = "127.0.0.1:9464") -> int:
+    """``maintd demo``: a throwaway PostgreSQL, the daemon and a live workload."""
+    from . import migrate
     from .embedded import EmbeddedPostgres, EmbeddedPostgresError
     from .logs import setup_logging
 
     try:
-        pg = EmbeddedPostgres(data_dir=args.data_dir).start()
+        pg = EmbeddedPostgres(data_dir=data_dir).start()
     except EmbeddedPostgresError as exc:
         print(f"maintd: error: {exc}", file=sys.stderr)
         return 1
     stop = threading.Event()
     daemon = None
-    threads: list[threading.Thread] = []
     engine = make_engine(pg.dsn, application_name="maintd-demo-workload", pool_size=6)
     try:
         with engine.connect() as conn:
             migrate.upgrade(conn, "maintd")
-        with engine.begin() as conn:
-            # Old finished jobs (for the cleaner) and jobs of workers that died before the demo
-            # started (for the rescuer).
-            for state, age, n in (("completed", "1 hour", 400), ("cancelled", "2 hours", 50),
-                                  ("discarded", "8 days", 30), ("running", "1 hour", 5)):
-                conn.execute(sql(SEED_OLD, "maintd"), {"state": state, "age": age, "n": n})
-        listen = args.listen
-        settings = demo_settings(pg.dsn, listen)
+        _seed(engine)
         setup_logging("warning", "text")
-        daemon = Daemon(settings)
-        try:
-            daemon.start()
-        except OSError:  # the port is taken: any free one will do
-            settings = demo_settings(pg.dsn, "127.0.0.1:0")
-            daemon = Daemon(settings)
-            daemon.start()
-        print(f"maintd demo: PostgreSQL {pg.dsn} (throwaway)"
-              + (f", data in {args.data_dir}" if args.data_dir else ""))
+        daemon = _start_daemon(pg.dsn, listen)
+        print(f"maintd demo: PostgreSQL {pg.dsn} (throwaway)" + (f", data in {data_dir}" if data_dir else ""))
         print(f"maintd demo: metrics on http://127.0.0.1:{daemon.http_port}/metrics, status on /status;"
               " Ctrl-C to stop")
         work = Workload(engine, "maintd", stop)
@@ -159,21 +172,9 @@ def cli_demo(args: argparse.Namespace) -> int:
         threads += [threading.Thread(target=work.worker, args=(f"worker-{i}",), daemon=True) for i in range(3)]
         for t in threads:
             t.start()
-        started = time.monotonic()
-        deadline = started + args.duration if args.duration else None
-        signal.signal(signal.SIGTERM, lambda *a: stop.set())
-        try:
-            while not stop.wait(3.0):
-                daemon.tick()
-                print(summary(daemon, engine, work, started), flush=True)
-                if deadline and time.monotonic() >= deadline:
-                    break
-        except KeyboardInterrupt:
-            pass
-        stop.set()
+        _watch(daemon, engine, work, duration, stop)
         for t in threads:
             t.join(5)
-        print(summary(daemon, engine, work, started))
         print("maintd demo: done")
         return 0
     finally:
@@ -181,4 +182,4 @@ def cli_demo(args: argparse.Namespace) -> int:
         if daemon is not None:
             daemon.stop()
         engine.dispose()
-        pg.cleanup() if not args.data_dir else pg.stop()
+        pg.cleanup() if not data_dir else pg.stop()

@@ -33,7 +33,7 @@ def test_demo_runs_and_every_service_acts():
 
     def leading() -> bool:  # the URL is printed as soon as the daemon starts, before it leads
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            return b"maintd_is_leader 1.0" in r.read()
+            return b'maintd_is_leader{target="maintd"} 1.0' in r.read()
 
     wait_for(leading, 15, what="the demo daemon to lead")
     assert proc.wait(90) == 0

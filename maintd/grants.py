@@ -1,0 +1,134 @@
+"""``maintd grants ROLE [--worker]``: the SQL granting a role exactly what the daemon (or, with
+``--worker``, a worker following the README's SQL) needs on the configured schema.
+
+Two roles are meant to exist: an *owner* that runs ``maintd migrate`` (it owns the schema and
+everything in it, and is the only one that runs DDL), and a *runtime* role for the daemon that
+gets these grants and nothing else. ``--apply`` runs them through the configured connection (the
+owner's), which is what the deploy files do right after ``migrate``, so an upgrade that adds a
+table grants it too. The privileges are declared here, per table, with the reason;
+``tests/test_grants.py`` derives them from the SQL in the code and fails when the two disagree.
+
+Notes on what is *not* granted:
+
+* ``jobs.id`` is an identity column: an INSERT draws from its sequence without any privilege on
+  it (only ``nextval()``/``currval()`` called by hand would need USAGE).
+* The type ``job_state`` and functions are usable by PUBLIC unless revoked.
+* The reindexer's ``REINDEX INDEX CONCURRENTLY`` needs ownership of the jobs table (PostgreSQL 17+:
+  the MAINTAIN privilege also allows the REINDEX, but not dropping a failed build's leftover
+  index), so it is left to the owner role; the output says so in a comment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import Connection, text
+
+from . import __version__
+from .config import validate_identifier
+from .db import quote_ident
+from .migrate import lock_key
+
+PRIVILEGE_ORDER = ("SELECT", "INSERT", "UPDATE", "DELETE")
+RESERVED_ROLES = {"public", "none", "current_user", "current_role", "session_user"}
+
+
+@dataclass(frozen=True)
+class TableGrant:
+    table: str
+    privileges: tuple[str, ...]
+    why: str
+
+
+# What the daemon runs: the services, leader election and fencing, registration, pass records,
+# job gauges, /status, and the schema revision check.
+DAEMON: tuple[TableGrant, ...] = (
+    TableGrant("alembic_version", ("SELECT",),
+               "schema revision check at start; `maintd migrate` on a current schema"),
+    TableGrant("jobs", ("SELECT", "INSERT", "UPDATE", "DELETE"),
+               "cleaner DELETE, rescuer/scheduler UPDATE, periodic INSERT, gauges SELECT "
+               "(SELECT ... FOR UPDATE needs UPDATE)"),
+    TableGrant("leader", ("SELECT", "INSERT", "UPDATE"),
+               "election (INSERT ... ON CONFLICT DO UPDATE), renewal, fencing "
+               "(FOR UPDATE / FOR KEY SHARE need UPDATE)"),
+    TableGrant("daemons", ("SELECT", "INSERT", "UPDATE", "DELETE"),
+               "replica registration; DELETE forgets replicas silent for an hour"),
+    TableGrant("service_runs", ("SELECT", "INSERT", "UPDATE"), "last pass of each service"),
+    TableGrant("periodic_slots", ("SELECT", "INSERT", "UPDATE", "DELETE"),
+               "exactly-once slot per periodic entry; DELETE prunes old history"),
+    TableGrant("periodic_jobs", ("SELECT", "UPDATE"),
+               "periodic schedules kept as rows; UPDATE writes the daemon's error note on a bad row "
+               "(applications that add schedules need INSERT/UPDATE/DELETE of their own)"),
+)
+
+# The README's worker SQL: enqueue, claim, heartbeat, complete, fail, cancel.
+WORKER: tuple[TableGrant, ...] = (
+    TableGrant("jobs", ("SELECT", "INSERT", "UPDATE"),
+               "enqueue (ON CONFLICT/RETURNING need SELECT), claim (FOR UPDATE SKIP LOCKED needs "
+               "UPDATE), heartbeat, complete, fail, cancel; no DELETE: the cleaner removes finished jobs"),
+)
+
+
+def validate_role(role: str) -> str:
+    """A role name as ``CREATE ROLE name`` (unquoted) makes it: lower-case identifier rules."""
+    validate_identifier(role, "role name")
+    if role in RESERVED_ROLES:
+        raise ValueError(f"invalid role name {role!r}: reserved by PostgreSQL")
+    return role
+
+
+def grant_statements(schema: str, role: str, *, worker: bool = False) -> list[tuple[str, str]]:
+    """(``GRANT`` statement, reason) pairs for one schema; identifiers validated and quoted."""
+    q_schema, q_role = quote_ident(schema), quote_ident(validate_role(role))
+    out = [(f"GRANT USAGE ON SCHEMA {q_schema} TO {q_role};", "look up maintd's tables")]
+    for grant in WORKER if worker else DAEMON:
+        privileges = ", ".join(p for p in PRIVILEGE_ORDER if p in grant.privileges)
+        table = f"{q_schema}.{quote_ident(grant.table)}"
+        out.append((f"GRANT {privileges} ON TABLE {table} TO {q_role};", grant.why))
+    return out
+
+
+def render(schemas: list[str], role: str, *, worker: bool = False) -> str:
+    """The full script for psql: one transaction, a block per schema, reasons as comments."""
+    validate_role(role)
+    who = "a worker" if worker else "the maintd daemon"
+    lines = [
+        f"-- maintd {__version__}: what {who} needs, granted to role {quote_ident(role)}.",
+        "-- Run as the owner role (the one that runs `maintd migrate`), after `maintd migrate`,",
+        "-- and again after every upgrade (new tables need new grants; `--apply` does both). E.g.:",
+        f"--   maintd grants {role}{' --worker' if worker else ''} | psql -v ON_ERROR_STOP=1 \"$OWNER_URL\"",
+        "BEGIN;",
+    ]
+    for schema in schemas:
+        lines.append(f"-- schema {quote_ident(schema)}")
+        for statement, why in grant_statements(schema, role, worker=worker):
+            lines += [f"-- {why}", statement]
+    lines.append("-- jobs.id is an identity column: INSERT needs no privilege on its sequence.")
+    if not worker:
+        lines += [
+            "-- Not granted: the reindexer (off by default) needs ownership of the jobs table's indexes",
+            "-- (REINDEX INDEX CONCURRENTLY, dropping a failed build's leftover index). Keep",
+            "-- reindexer.enabled = false for this role; let the owner role reindex on a schedule instead.",
+        ]
+    lines.append("COMMIT;")
+    return "\n".join(lines) + "\n"
+
+
+def apply(conn: Connection, schemas: list[str], role: str, *, worker: bool = False) -> int:
+    """Run the grants on ``conn`` (as the owner role) in one transaction, under the migration lock
+    of each schema, so replicas applying them at once do not collide. Returns the statement count."""
+    count = 0
+    with conn.begin():
+        for schema in schemas:
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": lock_key(schema)})
+            for statement, _ in grant_statements(schema, role, worker=worker):
+                conn.execute(text(statement))
+                count += 1
+    return count
+
+
+def target_schemas(settings) -> list[str]:
+    """Every configured schema (one per target when ``[[targets]]`` exist), in order, once."""
+    targets = getattr(settings, "targets", None) or []
+    schemas = [t.schema for t in targets] or [settings.schema]
+    return list(dict.fromkeys(schemas))

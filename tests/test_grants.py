@@ -1,0 +1,384 @@
+"""``maintd grants ROLE [--worker]`` and ``maintd migrate`` by a least-privilege role (SPEC 7.5).
+
+The grants are held to the code from both sides: a static check derives the privileges from every
+SQL statement of the daemon (and of the worker helpers) and compares them with what
+:mod:`maintd.grants` declares, so neither an unneeded nor a missing privilege goes unnoticed; and
+real roles given exactly the printed SQL run every service, ``status`` and ``migrate`` on a real
+server, while everything else stays denied.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import importlib
+import inspect
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+import uuid
+from contextlib import contextmanager
+from typing import Iterator
+
+import psycopg
+import pytest
+
+import maintd
+from maintd import grants, migrate
+from maintd.db import make_engine
+from maintd.jobs import JobQueue
+
+from .conftest import run_concurrently
+
+# -- the privileges the code's SQL needs ---------------------------------------------------------
+
+# Not the daemon's SQL: worker helpers (the worker role's), the demo's workload, DDL (the owner's),
+# the operator's commands (`maintd jobs`, `maintd periodic`: run with an operator's role).
+NOT_DAEMON = {"maintd.jobs", "maintd.demo", "maintd.embedded", "maintd.migrate", "maintd.grants",
+              "maintd.__main__", "maintd.admin", "maintd.queries.admin", "maintd.periodic_table"}
+
+
+def operator_only() -> set[str]:
+    """Statements of the statement modules that only operators' commands and the demo run."""
+    from maintd.queries import jobs, periodic_jobs
+
+    return {periodic_jobs.UPSERT, periodic_jobs.DELETE, periodic_jobs.SET_ENABLED,
+            jobs.DEMO_SEED_OLD}
+
+
+def worker_statements() -> list[str]:
+    """What maintd.jobs.JobQueue (the README's worker SQL) runs."""
+    from maintd.queries import jobs
+
+    return [jobs.ENQUEUE, jobs.CLAIM, jobs.HEARTBEAT, jobs.COMPLETE, jobs.FAIL, jobs.CANCEL]
+LOCKING = re.compile(r"\bFOR\s+(NO\s+KEY\s+UPDATE|UPDATE|KEY\s+SHARE|SHARE)\b", re.I)
+
+
+def sql_texts(module) -> list[str]:
+    """Every SQL template of a module: string constants holding ``{schema}`` (module attributes,
+    so concatenated statements count whole, plus literals written inline in functions)."""
+    texts = [v for v in vars(module).values() if isinstance(v, str) and "{schema}" in v]
+    tree = ast.parse(inspect.getsource(module))
+    texts += [n.value for n in ast.walk(tree)
+              if isinstance(n, ast.Constant) and isinstance(n.value, str) and "{schema}" in n.value]
+    return texts
+
+
+def privileges_of(statement: str) -> dict[str, set[str]]:
+    """Table privileges a statement needs (PostgreSQL's rules: RETURNING, ON CONFLICT and WHERE
+    read columns, so they need SELECT; row locks need UPDATE)."""
+    s = " ".join(statement.split())
+    need: dict[str, set[str]] = {}
+
+    def add(table: str, *privs: str) -> None:
+        need.setdefault(table, set()).update(privs)
+
+    reads = bool(re.search(r"\b(WHERE|RETURNING|ON CONFLICT)\b", s, re.I))
+    for m in re.finditer(r"\bINSERT\s+INTO\s+\{schema\}\.(\w+)", s, re.I):
+        add(m.group(1), "INSERT", *(["SELECT"] if re.search(r"\b(RETURNING|ON CONFLICT)\b", s, re.I) else []))
+        if re.search(r"\bDO\s+UPDATE\b", s, re.I):
+            add(m.group(1), "UPDATE")
+    for m in re.finditer(r"(?<!FOR )(?<!NO KEY )\bUPDATE\s+\{schema\}\.(\w+)", s, re.I):
+        add(m.group(1), "UPDATE", *(["SELECT"] if reads else []))
+    for m in re.finditer(r"\b(DELETE\s+)?(FROM|JOIN|USING)\s+\{schema\}\.(\w+)", s, re.I):
+        if m.group(1):
+            add(m.group(3), "DELETE", *(["SELECT"] if reads else []))
+        else:
+            add(m.group(3), "SELECT", *(["UPDATE"] if LOCKING.search(s) else []))
+    return need
+
+
+def expanded(text: str) -> str:
+    """A statement with maintd's shared fragments filled in ({schema} kept)."""
+    from maintd.queries import FRAGMENTS
+
+    for name, fragment in FRAGMENTS.items():
+        text = text.replace(name, fragment)
+    return text
+
+
+def derived(modules, texts=()) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    skip = operator_only()
+    for text in [t for m in modules for t in sql_texts(m) if t not in skip] + list(texts):
+        for table, privs in privileges_of(expanded(text)).items():
+            out.setdefault(table, set()).update(privs)
+    return out
+
+
+def daemon_modules():
+    for info in pkgutil.walk_packages(maintd.__path__, "maintd."):
+        if info.name not in NOT_DAEMON and not info.name.startswith("maintd.migrations"):
+            yield importlib.import_module(info.name)
+
+
+def declared(table_grants) -> dict[str, set[str]]:
+    return {g.table: set(g.privileges) for g in table_grants}
+
+
+def test_privilege_rules_follow_postgresql():
+    assert privileges_of("INSERT INTO {schema}.t (a) VALUES (1)") == {"t": {"INSERT"}}
+    assert privileges_of("INSERT INTO {schema}.t (a) VALUES (1) ON CONFLICT (a) DO NOTHING") == \
+        {"t": {"INSERT", "SELECT"}}
+    assert privileges_of("INSERT INTO {schema}.t AS x VALUES (1) ON CONFLICT (a) DO UPDATE SET a = 2") == \
+        {"t": {"INSERT", "SELECT", "UPDATE"}}
+    assert privileges_of("SELECT 1 FROM {schema}.t WHERE a = 1 FOR KEY SHARE") == {"t": {"SELECT", "UPDATE"}}
+    assert privileges_of("DELETE FROM {schema}.t") == {"t": {"DELETE"}}
+    assert privileges_of("DELETE FROM {schema}.t WHERE a < 1") == {"t": {"DELETE", "SELECT"}}
+    assert privileges_of("UPDATE {schema}.t SET a = 1 WHERE id = ANY(ARRAY(SELECT id FROM {schema}.u "
+                         "FOR UPDATE SKIP LOCKED))") == {"t": {"UPDATE", "SELECT"}, "u": {"SELECT", "UPDATE"}}
+
+
+def test_daemon_grants_are_what_its_sql_needs():
+    need = derived(daemon_modules())
+    need.setdefault("alembic_version", set()).add("SELECT")  # read by Alembic, not by a template
+    assert declared(grants.DAEMON) == need
+
+
+def test_worker_grants_are_what_the_worker_sql_needs():
+    assert declared(grants.WORKER) == derived([], worker_statements())
+
+
+# -- the command -----------------------------------------------------------------------------------
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MAINTD_")}
+    return subprocess.run([sys.executable, "-m", "maintd", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**base, **(env or {})})
+
+
+def test_grants_prints_quoted_statements_for_the_configured_schema(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('schema = "acme_jobs"\n')
+    res = cli("--config", str(cfg), "grants", "maintd_daemon")
+    assert res.returncode == 0, res.stderr
+    statements = [line for line in res.stdout.splitlines() if line.startswith("GRANT")]
+    assert statements[0] == 'GRANT USAGE ON SCHEMA "acme_jobs" TO "maintd_daemon";'
+    assert 'GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE "acme_jobs"."jobs" TO "maintd_daemon";' in statements
+    assert all('"acme_jobs".' in s and s.endswith('TO "maintd_daemon";') for s in statements[1:])
+    assert "ownership" in res.stdout and "reindex" in res.stdout  # said, not granted
+    assert not any(re.search(r"\b(CREATE|OWNER|ALL|TRUNCATE|MAINTAIN)\b", s) for s in statements)
+    worker = cli("--config", str(cfg), "grants", "app_worker", "--worker")
+    assert [line for line in worker.stdout.splitlines() if line.startswith("GRANT")] == [
+        'GRANT USAGE ON SCHEMA "acme_jobs" TO "app_worker";',
+        'GRANT SELECT, INSERT, UPDATE ON TABLE "acme_jobs"."jobs" TO "app_worker";']
+
+
+@pytest.mark.parametrize("role", ['Maintd', 'a"b', "x; DROP ROLE postgres", "pg_monitor", "public",
+                                  "1abc", "", "a" * 64])
+def test_a_bad_role_name_is_refused(role):
+    with pytest.raises(ValueError, match="invalid role name"):
+        grants.render(["maintd"], role)
+
+
+def test_grants_with_a_bad_role_name_exits_2_with_one_line():
+    res = cli("grants", "x; DROP ROLE postgres")
+    assert res.returncode == 2 and res.stdout == ""
+    assert "invalid role name" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+# -- on a real server --------------------------------------------------------------------------------
+
+def role_dsn(pg_dsn: str, role: str) -> str:
+    assert "postgres@" in pg_dsn, pg_dsn
+    return pg_dsn.replace("postgres@", f"{role}@", 1)
+
+
+@contextmanager
+def login_role(pg_dsn: str, prefix: str = "maintd_t") -> Iterator[str]:
+    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE ROLE "{name}" LOGIN')
+    try:
+        yield name
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (name,))
+            conn.execute(f'DROP OWNED BY "{name}" CASCADE')
+            conn.execute(f'DROP ROLE "{name}"')
+
+
+def apply(pg_dsn: str, script: str) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(script)
+
+
+def table_privileges(pg_dsn: str, schema: str, role: str) -> dict[str, set[str]]:
+    with psycopg.connect(pg_dsn) as conn:
+        rows = conn.execute("""
+            SELECT c.relname, a.privilege_type
+              FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace,
+                   aclexplode(c.relacl) a
+             WHERE n.nspname = %s AND a.grantee = to_regrole(%s)""", (schema, role)).fetchall()
+    out: dict[str, set[str]] = {}
+    for table, priv in rows:
+        out.setdefault(table, set()).add(priv)
+    return out
+
+
+def test_grants_cover_every_table_migrate_creates(pg_dsn, schema):
+    with psycopg.connect(pg_dsn) as conn:
+        tables = {r[0] for r in conn.execute(
+            "SELECT tablename FROM pg_tables WHERE schemaname = %s", (schema,))}
+        sequences = conn.execute("""
+            SELECT c.relname, d.deptype FROM pg_class c
+              JOIN pg_namespace n ON n.oid = c.relnamespace
+              LEFT JOIN pg_depend d ON d.objid = c.oid AND d.classid = 'pg_class'::regclass
+                                   AND d.refclassid = 'pg_class'::regclass
+             WHERE n.nspname = %s AND c.relkind = 'S'""", (schema,)).fetchall()
+    assert tables == {g.table for g in grants.DAEMON}
+    # The only sequences are identity sequences (deptype 'i'), which INSERT uses without a grant.
+    assert sequences and {deptype for _, deptype in sequences} == {"i"}
+
+
+@pytest.mark.parametrize("worker", [False, True], ids=["daemon", "worker"])
+def test_printed_sql_grants_exactly_the_declared_privileges(pg_dsn, schema, worker):
+    with login_role(pg_dsn) as role:
+        apply(pg_dsn, grants.render([schema], role, worker=worker))
+        assert table_privileges(pg_dsn, schema, role) == declared(grants.WORKER if worker else grants.DAEMON)
+        with psycopg.connect(role_dsn(pg_dsn, role)) as conn:
+            usage, create, db_create = conn.execute(
+                "SELECT has_schema_privilege(%s, 'USAGE'), has_schema_privilege(%s, 'CREATE'), "
+                "has_database_privilege(current_database(), 'CREATE')", (schema, schema)).fetchone()
+        assert (usage, create, db_create) == (True, False, False)
+
+
+def test_apply_from_several_replicas_at_once(pg_dsn, schema):
+    with login_role(pg_dsn) as role:
+        engines = [make_engine(pg_dsn, application_name=f"grants-{i}", pooled=False) for i in range(4)]
+        unused = list(engines)
+
+        def go():
+            with unused.pop().connect() as conn:  # list.pop is atomic
+                return grants.apply(conn, [schema], role)
+
+        try:  # unserialized, concurrent GRANTs on one table fail with "tuple concurrently updated"
+            assert run_concurrently(go, 4) == [len(grants.DAEMON) + 1] * 4
+        finally:
+            for engine in engines:
+                engine.dispose()
+        assert table_privileges(pg_dsn, schema, role) == declared(grants.DAEMON)
+
+
+def test_a_quoted_reserved_word_is_a_usable_role_name(pg_dsn, schema):
+    name = "select"  # valid per the identifier rules, works only because it is quoted
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute('DROP ROLE IF EXISTS "select"')
+        conn.execute('CREATE ROLE "select"')
+    try:
+        apply(pg_dsn, grants.render([schema], name))
+        assert table_privileges(pg_dsn, schema, name)["jobs"] == {"SELECT", "INSERT", "UPDATE", "DELETE"}
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute('DROP OWNED BY "select"')
+            conn.execute('DROP ROLE "select"')
+
+
+def write_config(tmp_path, schema: str, extra: str = "") -> str:
+    cfg = tmp_path / "maintd.toml"
+    cfg.write_text(f'schema = "{schema}"\ninstance_id = "grants-test"\n'
+                   '[http]\nlisten = "127.0.0.1:0"\n' + extra)
+    return str(cfg)
+
+
+def seed(pg_dsn: str, schema: str) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"""INSERT INTO "{schema}".jobs (kind, state, finalized_at, attempted_at, attempt, scheduled_at)
+            VALUES ('old', 'completed', now() - interval '2 days', now() - interval '2 days', 1, now()),
+                   ('stuck', 'running', NULL, now() - interval '2 hours', 1, now()),
+                   ('due', 'scheduled', NULL, NULL, 0, now() - interval '1 second')""")
+
+
+def job_states(pg_dsn: str, schema: str) -> dict[str, str]:
+    with psycopg.connect(pg_dsn) as conn:
+        return dict(conn.execute(f'SELECT kind, state::text FROM "{schema}".jobs').fetchall())
+
+
+def test_daemon_role_runs_every_service_status_and_migrate(pg_dsn, schema, tmp_path):
+    periodic = '[[periodic]]\nid = "g"\nschedule = "@hourly"\nkind = "g.tick"\nrun_on_start = true\n'
+    cfg = write_config(tmp_path, schema, periodic)
+    seed(pg_dsn, schema)
+    with login_role(pg_dsn) as role:
+        apply(pg_dsn, grants.render([schema], role))
+        env = {"MAINTD_DATABASE_URL": role_dsn(pg_dsn, role)}
+        for service in ("cleaner", "rescuer", "scheduler", "periodic"):
+            res = cli("--config", cfg, "run-once", service, env=env)
+            assert res.returncode == 0 and '"outcome": "success"' in res.stdout, (service, res.stdout + res.stderr)
+        states = job_states(pg_dsn, schema)
+        assert "old" not in states and states["stuck"] in ("retryable", "available")  # backoff 2.7 s
+        assert states["due"] == "available" and states["g.tick"] == "available"
+        res = cli("--config", cfg, "status", "--json", env=env)
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["schema"] == schema  # leader, daemons, runs, job counts read
+        res = cli("--config", cfg, "migrate", env=env)
+        assert res.returncode == 0 and "nothing to do" in res.stdout, res.stderr
+
+
+def test_worker_role_runs_the_worker_sql_and_nothing_else(pg_dsn, schema):
+    with login_role(pg_dsn, "app_worker") as role:
+        apply(pg_dsn, grants.render([schema], role, worker=True))
+        q = JobQueue(schema)
+        engine = make_engine(role_dsn(pg_dsn, role), application_name="grants-worker", pooled=False)
+        try:
+            with engine.begin() as conn:
+                assert q.enqueue(conn, "w", queue="w", unique_key="k") is not None
+                assert q.enqueue(conn, "w", queue="w", unique_key="k") is None
+                q.enqueue(conn, "w", queue="w")
+                q.enqueue(conn, "w", queue="w")
+            with engine.begin() as conn:
+                a, b, c = q.claim(conn, "w", "worker-1", limit=3)
+                assert q.heartbeat(conn, a) and q.complete(conn, a)
+                assert q.fail(conn, b, "boom") == "retryable" and q.cancel(conn, c.id)
+            for forbidden in (f'DELETE FROM "{schema}".jobs', f'SELECT * FROM "{schema}".leader',
+                              f'TRUNCATE "{schema}".jobs', f'CREATE TABLE "{schema}".x ()'):
+                with pytest.raises(Exception, match="permission denied"), engine.begin() as conn:
+                    conn.exec_driver_sql(forbidden)
+        finally:
+            engine.dispose()
+
+
+# -- migrate as a role that may not do the work -------------------------------------------------
+
+def test_migrate_by_a_role_without_create_on_the_database_names_it(pg_dsn, tmp_path):
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    with login_role(pg_dsn) as role:
+        res = cli("--config", write_config(tmp_path, schema), "migrate",
+                  env={"MAINTD_DATABASE_URL": role_dsn(pg_dsn, role)})
+        assert res.returncode == 1 and "Traceback" not in res.stderr
+        [line] = res.stderr.strip().splitlines()
+        assert f"lacks CREATE on database" in line and f"schema '{schema}'" in line
+        assert "as the owner role" in line and f"CREATE SCHEMA \"{schema}\" AUTHORIZATION" in line
+
+
+def test_migrate_into_an_empty_schema_without_create_names_it(pg_dsn, tmp_path):
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    with login_role(pg_dsn, "maintd_owner") as owner, login_role(pg_dsn) as role:
+        apply(pg_dsn, f'CREATE SCHEMA "{schema}" AUTHORIZATION "{owner}"; '
+                      f'GRANT USAGE ON SCHEMA "{schema}" TO "{role}"')
+        res = cli("--config", write_config(tmp_path, schema), "migrate",
+                  env={"MAINTD_DATABASE_URL": role_dsn(pg_dsn, role)})
+        assert res.returncode == 1
+        [line] = res.stderr.strip().splitlines()
+        assert f"lacks CREATE on schema '{schema}'" in line and f"owner role ('{owner}')" in line
+        # The owner can, without CREATE on the database: the schema is there already.
+        res = cli("--config", write_config(tmp_path, schema), "migrate",
+                  env={"MAINTD_DATABASE_URL": role_dsn(pg_dsn, owner)})
+        assert res.returncode == 0 and "migrated from base" in res.stdout, res.stderr
+
+
+def test_migrate_work_on_tables_of_another_owner_names_the_owner(pg_dsn, tmp_path):
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    with login_role(pg_dsn, "maintd_owner") as owner, login_role(pg_dsn) as role:
+        apply(pg_dsn, f'CREATE SCHEMA "{schema}" AUTHORIZATION "{owner}"')
+        cfg = write_config(tmp_path, schema)
+        assert cli("--config", cfg, "migrate", env={"MAINTD_DATABASE_URL": role_dsn(pg_dsn, owner)}).returncode == 0
+        apply(pg_dsn, grants.render([schema], role) + f'GRANT CREATE ON SCHEMA "{schema}" TO "{role}";')
+        res = cli("--config", cfg, "migrate", "--downgrade", "base",
+                  env={"MAINTD_DATABASE_URL": role_dsn(pg_dsn, role)})
+        assert res.returncode == 1
+        [line] = res.stderr.strip().splitlines()
+        assert f"does not own the tables of schema '{schema}'" in line and f"('{owner}')" in line
+        with psycopg.connect(pg_dsn) as conn:  # nothing was touched
+            assert conn.execute(f'SELECT version_num FROM "{schema}".alembic_version').fetchone()[0] == migrate.head_revision()
