@@ -10,6 +10,7 @@ lacks what the work needs gets one line naming the privilege and the object, che
 from __future__ import annotations
 
 import io
+import time
 import zlib
 from importlib import resources
 from pathlib import Path
@@ -24,6 +25,8 @@ from sqlalchemy.exc import DBAPIError
 
 from .identifiers import quote_ident
 from .queries import catalog
+
+LOCK_POLL = 0.2  # seconds between tries for the migrate lock
 
 
 def _script_location() -> str:
@@ -89,8 +92,7 @@ def downgrade(conn: Connection, schema: str, revision: str) -> tuple[str | None,
 
 def _run(conn: Connection, schema: str, target, action) -> tuple[str | None, str | None]:
     key = lock_key(schema)
-    conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
-    conn.commit()
+    _take_lock(conn, key)
     try:
         return _migrate(conn, schema, target, action)
     except DBAPIError as exc:
@@ -103,6 +105,18 @@ def _run(conn: Connection, schema: str, target, action) -> tuple[str | None, str
         conn.rollback()
         conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
         conn.commit()
+
+
+def _take_lock(conn: Connection, key: int) -> None:
+    """Wait for the schema's migrate lock by polling, not in ``pg_advisory_lock``: a session
+    blocked in a statement keeps a snapshot open, and ``CREATE INDEX CONCURRENTLY`` in the holder's
+    migration waits for every such snapshot, a deadlock. Each try is a short transaction."""
+    while True:
+        got = conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar()
+        conn.commit()
+        if got:
+            return
+        time.sleep(LOCK_POLL)
 
 
 def _migrate(conn: Connection, schema: str, target, action) -> tuple[str | None, str | None]:

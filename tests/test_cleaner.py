@@ -15,12 +15,12 @@ from sqlalchemy import event
 from sqlalchemy.exc import OperationalError
 
 from maintd.config import Settings
-from maintd.queries import sql
+from maintd.queries import for_queue, sql
 from maintd.metrics import Metrics
 from maintd.services.base import PassContext, PassStopped
 from maintd.queries import jobs as q
 from maintd.services.cleaner import (
-    BATCH_TARGET, FILL, FULL_SCAN_EVERY, GROW_AFTER, GROWTH, LOOKBACK, MIN_BATCH, Cleaner, CleanerResult,
+    BATCH_TARGET, FAR_PAST, FILL, GROW_AFTER, GROWTH, MIN_BATCH, Cleaner, CleanerResult,
     next_width,
 )
 
@@ -28,6 +28,7 @@ from .conftest import T0, run_concurrently
 from .plans import explain
 
 DAY, HOUR, SECOND, MS = timedelta(days=1), timedelta(hours=1), timedelta(seconds=1), timedelta(milliseconds=1)
+MINUTE = timedelta(minutes=1)
 
 
 def insert(engine, schema, *, state, finalized_ago=None, queue="default", n=1, spread=False, now=T0):
@@ -51,14 +52,14 @@ def remaining(engine, schema) -> set[int]:
 
 
 class CountingContext(PassContext):
-    """Counts the transactions of a pass (one per batch)."""
+    """Counts the fenced (writing) transactions of a pass: one per batch."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.transactions = 0
 
     def transaction(self, **kw):
-        self.transactions += 1
+        self.transactions += kw.get("fenced", True)
         return super().transaction(**kw)
 
 
@@ -321,7 +322,7 @@ def test_a_locked_final_row_is_skipped_then_deleted_by_the_next_pass(settings, e
     assert remaining(engine, schema) == {ids[4]}
     clock.advance(30)
     result = run(settings, engine, clock, cleaner=cleaner)
-    assert not result.full_scan and result.deleted["completed"] == 1
+    assert result.deleted["completed"] == 1
     assert remaining(engine, schema) == set()
 
 
@@ -419,50 +420,53 @@ def test_a_batch_that_times_out_even_at_the_minimum_size_fails_the_pass(pg_dsn, 
 
 def test_later_passes_do_not_reread_rows_kept_by_a_longer_override(pg_dsn, schema, engine, clock):
     """30 days of billing rows sit below the default horizon: the first pass walks them once (in
-    index ranges of batch_size), later passes start where the previous one ended, and a full scan
-    walks them again only every FULL_SCAN_EVERY."""
+    index ranges of batch_size); later passes start at the first expired row of the queues they
+    cover, so they take one batch per target (default, billing) instead of walking them again."""
     settings = Settings(database_url=pg_dsn, schema=schema, cleaner={
         "batch_size": 100, "completed_retention": "1h", "cancelled_retention": -1, "discarded_retention": -1,
         "queues": {"billing": {"completed_retention": "30d"}}})
     cleaner = Cleaner(settings.cleaner)
     kept = insert(engine, schema, state="completed", queue="billing", finalized_ago=2 * DAY, n=1000, spread=True)
-    insert(engine, schema, state="completed", queue="other", finalized_ago=2 * DAY, n=5, spread=True)
+    # Older than every billing row: the first pass walks from there through the billing rows.
+    insert(engine, schema, state="completed", queue="other", finalized_ago=2 * DAY + 2 * SECOND, n=5, spread=True)
 
     def counted_pass():
         ctx = CountingContext.for_settings(settings, engine, clock)
         return cleaner.run_once(ctx), ctx.transactions
 
     first, walked = counted_pass()
-    assert first.full_scan and first.deleted["completed"] == 5 and walked >= 10
-    clock.advance(30)
-    new = insert(engine, schema, state="completed", queue="other", finalized_ago=HOUR + SECOND, n=3,
-                 now=clock.now())
-    second, walked = counted_pass()
-    assert not second.full_scan and second.deleted["completed"] == 3
-    assert walked == 2  # one transaction per target (default, billing)
-    assert remaining(engine, schema) == set(kept)  # the 3 new rows went, the 1000 billing rows stay
-    clock.advance(FULL_SCAN_EVERY)
-    third, walked = counted_pass()
-    assert third.full_scan and walked >= 10
+    assert first.deleted["completed"] == 5 and walked >= 10
+    for _ in range(2):
+        clock.advance(30)
+        insert(engine, schema, state="completed", queue="other", finalized_ago=HOUR + SECOND, n=3, now=clock.now())
+        later, walked = counted_pass()
+        assert later.deleted["completed"] == 3
+        assert walked == 2  # one transaction per target (default, billing)
+        assert remaining(engine, schema) == set(kept)  # the 3 new rows went, the 1000 billing rows stay
 
 
-def test_rows_committed_after_their_finalized_at(settings, engine, schema, clock):
-    """A job whose finalized_at is a little older than the previous pass's horizon when it commits
-    (finished in a transaction that ran for a while) is found by the next pass (LOOKBACK); one
-    far older (e.g. imported) waits for the next full scan: deletion delayed, never early."""
+def test_back_dated_rows_go_with_the_next_pass_and_dry_run_agrees(pg_dsn, schema, engine, clock):
+    """Rows committed long after their finalized_at (imported, back-dated, finished by a long
+    transaction), anywhere below the horizon, even deep among rows a longer override keeps: the
+    dry run counts them and the next pass deletes exactly those (before, a cross-pass cursor left
+    them for an hourly full scan while --dry-run said they would go)."""
+    settings = Settings(database_url=pg_dsn, schema=schema, cleaner={
+        "batch_size": 100, "completed_retention": "1h", "cancelled_retention": "1h", "discarded_retention": -1,
+        "queues": {"billing": {"completed_retention": "30d"}, "fast": {"cancelled_retention": "1m"}}})
     cleaner = Cleaner(settings.cleaner)
+    kept = insert(engine, schema, state="completed", queue="billing", finalized_ago=2 * DAY, n=500, spread=True)
+    kept += insert(engine, schema, state="cancelled", queue="other", finalized_ago=30 * MINUTE, n=5, spread=True)
     run(settings, engine, clock, cleaner=cleaner)
-    horizon = clock.now() - settings.cleaner.completed_retention
-    insert(engine, schema, state="completed", finalized_ago=LOOKBACK - 10 * SECOND, now=horizon)  # slightly late
-    very_late = insert(engine, schema, state="completed", finalized_ago=2 * DAY, now=horizon)
-    clock.advance(30)
-    result = run(settings, engine, clock, cleaner=cleaner)
-    assert not result.full_scan and result.deleted["completed"] == 1
-    assert remaining(engine, schema) == set(very_late)  # the slightly late one went
-    clock.advance(FULL_SCAN_EVERY)
-    result = run(settings, engine, clock, cleaner=cleaner)
-    assert result.full_scan and result.deleted["completed"] == 1
-    assert remaining(engine, schema) == set()
+    for ago in (DAY, 2 * DAY + SECOND, 10 * DAY):  # each pass: rows back-dated below what it covered
+        clock.advance(30)
+        back = insert(engine, schema, state="completed", queue="other", finalized_ago=ago, n=3, now=clock.now())
+        back += insert(engine, schema, state="completed", queue="billing", finalized_ago=40 * DAY, n=2,
+                       now=clock.now())
+        back += insert(engine, schema, state="cancelled", queue="fast", finalized_ago=ago, n=2, now=clock.now())
+        assert run(settings, engine, clock, dry_run=True).deleted == {"completed": 5, "cancelled": 2, "discarded": 0}
+        result = run(settings, engine, clock, cleaner=cleaner)
+        assert result.deleted == {"completed": 5, "cancelled": 2, "discarded": 0}, ago
+        assert remaining(engine, schema) == set(kept)
 
 
 def test_observe_counts_deleted_jobs_by_state(settings, engine, schema, clock):
@@ -478,7 +482,9 @@ def test_observe_counts_deleted_jobs_by_state(settings, engine, schema, clock):
 
 def test_every_statement_is_index_backed(settings, engine, schema):
     """No batch may scan the whole table: every statement, with its values known or as a generic
-    prepared plan, reads jobs_finalized_idx and never a Seq Scan."""
+    prepared plan, reads a finalized index and never a Seq Scan; a per-queue target's reads only
+    its queue's entries (jobs_finalized_queue_idx), and a default target's first-row probe is a
+    loose scan of that index."""
     with engine.begin() as conn:
         conn.execute(sql(
             "INSERT INTO {schema}.jobs (kind, queue, state, finalized_at, attempted_at) "
@@ -486,19 +492,25 @@ def test_every_statement_is_index_backed(settings, engine, schema):
             "CASE WHEN g % 10 = 0 THEN NULL ELSE now() - (g || ' seconds')::interval END, now() "
             "FROM generate_series(1, 100000) g", schema))
         conn.execute(sql("ANALYZE {schema}.jobs", schema))
-    params = {"state": "completed", "horizon": T0, "lo": T0 - timedelta(days=9999), "hi": T0 - DAY,
-              "queue": None, "excluded": ["q1"], "limit": 1000}
-    plans = {}
+    default = {"state": "completed", "horizon": T0, "lo": T0 - timedelta(days=9999), "hi": T0 - DAY,
+               "queue": None, "excluded": ["q1"], "limit": 1000}
+    one_queue = {**default, "queue": "q2", "excluded": []}
+    statements = [q.CLEANER_DELETE_RANGE, q.CLEANER_DELETE_RANGE_SKIP_LOCKED, q.CLEANER_DELETE_TIED,
+                  q.CLEANER_COUNT_EXPIRED, q.CLEANER_DELETE_ANCIENT]
+    either = ("jobs_finalized_idx ", "jobs_finalized_queue_idx ")  # PG 18 may skip-scan the second
+    cases = [(q.CLEANER_PROBE, default, ("jobs_finalized_idx ",)),
+             (q.CLEANER_FIRST_EXPIRED, default, ("jobs_finalized_queue_idx ",)),
+             (q.CLEANER_PROBE_QUEUE, one_queue, ("jobs_finalized_queue_idx ",))]
+    cases += [(stmt, {**default, "far_past": FAR_PAST}, either) for stmt in statements]
+    cases += [(for_queue(stmt), {**one_queue, "far_past": FAR_PAST},
+               either if stmt is q.CLEANER_DELETE_TIED else ("jobs_finalized_queue_idx ",))
+              for stmt in statements]  # a tie is one instant: either index reads just that
     with engine.connect() as conn:
-        for name, stmt in [("PROBE", q.CLEANER_PROBE), ("DELETE_RANGE", q.CLEANER_DELETE_RANGE),
-                           ("DELETE_RANGE_SKIP_LOCKED", q.CLEANER_DELETE_RANGE_SKIP_LOCKED),
-                           ("DELETE_TIED", q.CLEANER_DELETE_TIED), ("COUNT_EXPIRED", q.CLEANER_COUNT_EXPIRED)]:
+        for stmt, params, indexes in cases:
             for generic in (False, True):
-                for p in (params, {**params, "queue": "q2", "excluded": []}):
-                    plans[name, generic, p["queue"]] = explain(conn, stmt, schema, p, generic=generic)
+                plan = explain(conn, stmt, schema, params, generic=generic)
+                assert any(i in plan for i in indexes) and "Seq Scan" not in plan, (stmt, generic, plan)
         conn.rollback()
-    for key, plan in plans.items():
-        assert "jobs_finalized_idx" in plan and "Seq Scan" not in plan, (key, plan)
 
 
 def test_a_predicted_range_ending_at_the_horizon_keeps_the_row_exactly_at_it(settings, engine, schema, clock):
@@ -511,18 +523,6 @@ def test_a_predicted_range_ending_at_the_horizon_keeps_the_row_exactly_at_it(set
     result = run(settings, engine, clock)
     assert result.deleted["completed"] == len(gone)
     assert remaining(engine, schema) == set(exact)
-
-
-def test_full_scan_every_is_exact(settings, engine, schema, clock):
-    cleaner = Cleaner(settings.cleaner)
-    assert run(settings, engine, clock, cleaner=cleaner).full_scan  # the first pass
-    assert not run(settings, engine, clock, cleaner=cleaner).full_scan  # at the same instant
-    clock.advance(FULL_SCAN_EVERY - timedelta(microseconds=1))
-    assert not run(settings, engine, clock, cleaner=cleaner).full_scan
-    clock.advance(timedelta(microseconds=1))
-    assert run(settings, engine, clock, cleaner=cleaner).full_scan  # exactly FULL_SCAN_EVERY later
-    clock.advance(-timedelta(seconds=1))  # the clock went back: start over
-    assert run(settings, engine, clock, cleaner=cleaner).full_scan
 
 
 def test_a_tie_shared_with_a_kept_queue_then_later_rows(pg_dsn, schema, engine, clock):
@@ -544,8 +544,8 @@ def test_a_tie_shared_with_a_kept_queue_then_later_rows(pg_dsn, schema, engine, 
     clock.advance(30)
     insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=3, now=T0)  # committed late, at the tie
     second = run(settings, engine, clock, cleaner=cleaner)
-    # Two days back, far beyond LOOKBACK from the horizon: found because the pass resumes at the tie.
-    assert not second.full_scan and second.deleted["completed"] == 3
+    # Committed late, two days back, among the kept billing rows: found by the next pass.
+    assert second.deleted["completed"] == 3
     assert remaining(engine, schema) == set(kept)
 
 

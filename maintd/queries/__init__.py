@@ -9,8 +9,8 @@ statement is rendered; each fragment used by more than one statement is defined 
   ``:objid``, the signed key halves of :func:`maintd.db.advisory_key`, compared as ``oid``);
 * ``{stuck}``: the rescuer's rule for a running job that shows no sign of life (bound by
   ``:stuck_before`` and ``:hb_before``, NULL without ``heartbeat_timeout``);
-* ``{target_queues}``: the queues one cleaner target covers (``:queue``, or every queue but
-  ``:excluded``);
+* ``{target_queues}``: the queues a default cleaner target covers: every queue but ``:excluded``
+  (a per-queue target's statement is made with :func:`for_queue`);
 * ``{enqueue}``: a job's INSERT (the workers' enqueue and the periodic enqueuer's);
 * ``{rescue}``: the rescuer's update of its locked ``candidates`` (``retryable`` after
   ``:delays[attempt + 1]`` seconds, or ``discarded``), re-checking each row as it is now.
@@ -42,8 +42,10 @@ ADVISORY_LOCK = """SELECT 1 FROM pg_locks
 STUCK = """(coalesce(heartbeat_at, attempted_at) < :stuck_before
           OR (heartbeat_at IS NOT NULL AND heartbeat_at < CAST(:hb_before AS timestamptz)))"""
 
-TARGET_QUEUES = """(CAST(:queue AS text) IS NULL OR queue = :queue)
-            AND queue <> ALL(CAST(:excluded AS text[]))"""
+TARGET_QUEUES = "queue <> ALL(CAST(:excluded AS text[]))"
+# A per-queue target's statements say ``queue = :queue`` instead (see :func:`for_queue`), so that
+# the planner can use jobs_finalized_queue_idx whatever plan it caches.
+ONE_QUEUE = "queue = :queue"
 
 # :delays[k + 1] is backoff(k) in seconds for k = 0 .. :cap (constant from :cap on). Unqualified
 # columns in the WHERE are the jobs row's (the candidates carry id, attempt and seen only).
@@ -86,6 +88,11 @@ FRAGMENTS = {"{enqueue}": ENQUEUE, "{rescue}": RESCUE, "{advisory_lock}": ADVISO
              "{target_queues}": TARGET_QUEUES, "{final_states}": FINAL_STATES_SQL}
 
 _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
+
+
+def for_queue(template: str) -> str:
+    """A cleaner statement for a per-queue target: ``{target_queues}`` becomes ``queue = :queue``."""
+    return template.replace("{target_queues}", ONE_QUEUE)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -91,6 +91,35 @@ SELECT finalized_at FROM {schema}.jobs
 OFFSET :limit LIMIT 1
 """
 
+# The same for a per-queue target, over jobs_finalized_queue_idx: only that queue's rows are read.
+CLEANER_PROBE_QUEUE = """
+SELECT finalized_at FROM {schema}.jobs
+ WHERE state = CAST(:state AS {schema}.job_state) AND queue = :queue
+   AND finalized_at IS NOT NULL AND finalized_at >= :lo AND finalized_at < :horizon
+ ORDER BY finalized_at
+OFFSET :limit LIMIT 1
+"""
+
+# Where a default target's pass starts: the oldest final row of the state among the queues it
+# covers, found by a loose index scan of jobs_finalized_queue_idx (one probe per distinct queue of
+# the state), so rows kept by a longer per-queue retention are not walked to get there. NULL:
+# nothing of these queues is older than the horizon.
+CLEANER_FIRST_EXPIRED = """
+WITH RECURSIVE oldest AS (
+  (SELECT queue, finalized_at FROM {schema}.jobs
+    WHERE state = CAST(:state AS {schema}.job_state) AND finalized_at IS NOT NULL
+    ORDER BY queue, finalized_at LIMIT 1)
+  UNION ALL
+  SELECT next.queue, next.finalized_at FROM oldest, LATERAL (
+    SELECT queue, finalized_at FROM {schema}.jobs
+     WHERE state = CAST(:state AS {schema}.job_state) AND finalized_at IS NOT NULL
+       AND queue > oldest.queue
+     ORDER BY queue, finalized_at LIMIT 1) AS next
+)
+SELECT min(finalized_at) FROM oldest
+ WHERE queue <> ALL(CAST(:excluded AS text[])) AND finalized_at < :horizon
+"""
+
 CLEANER_DELETE_RANGE = """
 DELETE FROM {schema}.jobs
  WHERE state = CAST(:state AS {schema}.job_state)

@@ -19,13 +19,14 @@ override are read at most once per pass, never once per batch. ``hi`` comes from
   would delete more than ``batch_size`` rows (a burst of jobs finished at one instant, e.g. a mass
   cancel) is rolled back and redone with a probe. A committed batch never exceeds ``batch_size``.
 
-Across passes a target starts where the previous pass finished (minus ``LOOKBACK``, for jobs
-committed a little after their ``finalized_at``), so rows kept by a longer override are not
-re-read every pass either; every ``FULL_SCAN_EVERY`` a pass starts from the oldest row again.
-This can only delay a deletion (never delete early): a job whose ``finalized_at`` lies further in
-the past than ``LOOKBACK`` when it commits (e.g. imported, or finished by a transaction open for
-hours) is deleted by the next full scan. Rows skipped because another session held their lock are
-looked at again by the next pass.
+Every pass starts at the oldest expired row of each target, so a row whose ``finalized_at`` lies
+far in the past when it commits (imported, back-dated, finished by a long transaction) goes with
+the next pass, and ``--dry-run`` counts exactly what a pass deletes. Rows kept by a longer
+per-queue retention are not walked again every pass for that: a per-queue target reads its own
+queue through ``jobs_finalized_queue_idx (state, queue, finalized_at)``, and a default target
+with overridden queues starts at the first expired row of the queues it covers, found by a loose
+scan of that index (one probe per distinct queue of the state). Rows skipped because another
+session held their lock are looked at again by the next pass.
 
 A batch that hits its statement timeout halves the batch size (down to ``MIN_BATCH``); three
 successes in a row double it again, up to ``batch_size``. The size lives on the service
@@ -47,7 +48,7 @@ from sqlalchemy.exc import OperationalError
 
 from ..config import CleanerConfig
 from ..logs import kv
-from ..queries import FINAL_STATES, jobs
+from ..queries import FINAL_STATES, for_queue, jobs
 from .base import PassContext, PassResult, Service
 
 log = logging.getLogger("maintd.cleaner")
@@ -61,8 +62,6 @@ BATCH_TARGET = 0.2  # seconds: a predicted range narrows when a batch took longe
 GROW_AFTER = 3  # successful batches in a row before the batch size doubles again
 BATCH_TIMEOUT = timedelta(seconds=5)  # statement timeout of one batch (at most statement_timeout)
 LOCK_WAIT_MS = 500
-LOOKBACK = timedelta(minutes=5)
-FULL_SCAN_EVERY = timedelta(hours=1)
 TINY = timedelta(microseconds=1)
 LOCK_NOT_AVAILABLE, QUERY_CANCELED = "55P03", "57014"  # SQLSTATEs
 
@@ -74,7 +73,6 @@ class CleanerResult(PassResult):
     batch_size: int = 0  # the (adaptive) batch size at the end of the pass
     timeouts: int = 0
     overflows: int = 0  # predicted batches rolled back because they held more than batch_size rows
-    full_scan: bool = False
     dry_run: bool = False
 
     @property
@@ -105,36 +103,34 @@ class Target:
         return {"state": self.state, "horizon": horizon, "queue": self.queue,
                 "excluded": list(self.excluded)}
 
+    def statement(self, template: str) -> str:
+        """``template`` for this target's queues (``{target_queues}`` or ``queue = :queue``)."""
+        return template if self.queue is None else for_queue(template)
+
 
 @dataclass
 class RangePlan:
     """The walk of one target through ``[lo, horizon)``: where the next batch ends (a probe when
-    ``width`` is None, else a prediction ``lo + width``) and where the next pass may resume."""
+    ``width`` is None, else a prediction ``lo + width``)."""
 
     lo: datetime
     horizon: datetime
     width: timedelta | None = None
     at_boundary: bool = False  # lo is where a probed batch ended (so a probe measures density)
     skip_locked: bool = False  # redo the range skipping a row someone else holds
-    resume: datetime = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.resume = self.horizon
 
     @property
     def predicted(self) -> bool:
         return self.width is not None and not self.skip_locked
 
     def skip_lock_holders(self) -> None:
-        self.skip_locked = True
-        self.resume = min(self.resume, self.lo)  # look at the locked rows again next pass
+        self.skip_locked = True  # the rows skipped are looked at again by the next pass
 
     def advance(self, hi: datetime, n: int, limit: int, seconds: float, predicted: bool) -> None:
         """After a committed batch ``[lo, hi)`` that deleted ``n`` rows in ``seconds``."""
         self.skip_locked = False
         if hi == self.lo:  # a tie: more than a batch finalized at this very instant
             if n < limit:  # the tie is done (rows skipped as locked are looked at next pass)
-                self.resume = min(self.resume, self.lo)
                 self.lo = hi + TINY
                 self.at_boundary = False
             self.width = None
@@ -154,8 +150,6 @@ class Cleaner(Service):
         super().__init__(config)
         self._batch = config.batch_size
         self._successes = 0
-        self._cleaned_through: dict[Target, datetime] = {}
-        self._last_full_scan: datetime | None = None
 
     def targets(self) -> list[Target]:
         cfg = self.config
@@ -181,36 +175,37 @@ class Cleaner(Service):
         result = CleanerResult(dry_run=ctx.dry_run)
         if ctx.dry_run:
             return self._count(ctx, now, result)
-        targets = self.targets()
-        last_full = self._last_full_scan
-        result.full_scan = last_full is None or not (timedelta(0) <= now - last_full < FULL_SCAN_EVERY)
-        # Forget the cursors of targets that are no longer configured (after a reload).
-        self._cleaned_through = {t: c for t, c in self._cleaned_through.items() if t in targets}
-        for target in targets:
+        for target in self.targets():
             horizon = now - target.retention
-            if result.full_scan:
-                self._delete_ancient(ctx, target, result)
-            lo = FAR_PAST
-            if not result.full_scan and target in self._cleaned_through:
-                lo = max(FAR_PAST, min(self._cleaned_through[target], horizon) - LOOKBACK)
-            self._cleaned_through[target] = self._clean(ctx, target, RangePlan(lo, horizon), result)
-        if result.full_scan:
-            self._last_full_scan = now
+            self._delete_ancient(ctx, target, result)
+            lo = self._start(ctx, target, horizon)
+            if lo is not None:
+                self._clean(ctx, target, RangePlan(lo, horizon), result)
         result.batch_size = self.batch_size
         return result
+
+    def _start(self, ctx: PassContext, target: Target, horizon: datetime) -> datetime | None:
+        """Where the target's walk starts: the oldest row (the first probe finds it), or, for a
+        default target whose range holds rows of overridden queues, the first expired row of the
+        queues it covers (None: there is none)."""
+        if target.queue is not None or not target.excluded:
+            return FAR_PAST
+        with ctx.transaction(fenced=False) as conn:
+            first = conn.execute(ctx.sql(jobs.CLEANER_FIRST_EXPIRED), target.params(horizon)).scalar()
+        return None if first is None else max(first, FAR_PAST)
 
     def _count(self, ctx: PassContext, now: datetime, result: CleanerResult) -> CleanerResult:
         """Dry run: what a full pass would delete (one index range count per target)."""
         for target in self.targets():
             with ctx.transaction() as conn:
                 result.deleted[target.state] += conn.execute(
-                    ctx.sql(jobs.CLEANER_COUNT_EXPIRED), target.params(now - target.retention)).scalar_one()
+                    ctx.sql(target.statement(jobs.CLEANER_COUNT_EXPIRED)),
+                    target.params(now - target.retention)).scalar_one()
         result.batch_size = self.batch_size
         return result
 
-    def _clean(self, ctx: PassContext, target: Target, plan: RangePlan, result: CleanerResult) -> datetime:
-        """Delete the target's expired rows, batch by batch; return where the next pass may start
-        (the horizon, or where rows were skipped because someone held their lock)."""
+    def _clean(self, ctx: PassContext, target: Target, plan: RangePlan, result: CleanerResult) -> None:
+        """Delete the target's expired rows, batch by batch, up to the horizon."""
         pause = self.config.batch_pause.total_seconds()
         while True:
             ctx.check_stop()
@@ -229,7 +224,7 @@ class Cleaner(Service):
                 result.batches += 1
                 result.deleted[target.state] += n
             if last:
-                return plan.resume
+                return
             if n:
                 ctx.pause(pause)
             plan.advance(hi, n, limit, time.monotonic() - started, predicted)
@@ -244,7 +239,7 @@ class Cleaner(Service):
         while True:
             ctx.check_stop()
             with ctx.transaction(statement_timeout_ms=self._timeout_ms(ctx), settings=self._batch_settings(ctx)) as conn:
-                n = conn.execute(ctx.sql(jobs.CLEANER_DELETE_ANCIENT), {
+                n = conn.execute(ctx.sql(target.statement(jobs.CLEANER_DELETE_ANCIENT)), {
                     **target.params(FAR_PAST), "far_past": FAR_PAST, "limit": self.batch_size}).rowcount
             if n:
                 result.batches += 1
@@ -263,8 +258,9 @@ class Cleaner(Service):
                 hi = min(plan.lo + plan.width, plan.horizon)  # type: ignore[operator]
                 last = hi >= plan.horizon
             else:
-                probed = conn.execute(ctx.sql(jobs.CLEANER_PROBE), {
-                    "state": target.state, "lo": plan.lo, "horizon": plan.horizon, "limit": limit}).scalar()
+                probe = jobs.CLEANER_PROBE if target.queue is None else jobs.CLEANER_PROBE_QUEUE
+                probed = conn.execute(ctx.sql(probe), {"state": target.state, "queue": target.queue, "lo": plan.lo,
+                                                       "horizon": plan.horizon, "limit": limit}).scalar()
                 last = probed is None
                 hi = plan.horizon if probed is None else probed
             args = {**target.params(plan.horizon), "lo": plan.lo, "hi": hi, "limit": limit}
@@ -272,7 +268,7 @@ class Cleaner(Service):
                 stmt = jobs.CLEANER_DELETE_TIED
             else:
                 stmt = jobs.CLEANER_DELETE_RANGE_SKIP_LOCKED if plan.skip_locked else jobs.CLEANER_DELETE_RANGE
-            n = conn.execute(ctx.sql(stmt), args).rowcount
+            n = conn.execute(ctx.sql(target.statement(stmt)), args).rowcount
             if n > limit:
                 raise _Overflow()
         return hi, last, n

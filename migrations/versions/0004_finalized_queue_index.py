@@ -1,0 +1,50 @@
+"""jobs_finalized_queue_idx: final jobs by (state, queue, finalized_at), for exact cleaner passes
+
+Revision ID: 0004
+Revises: 0003
+Create Date: 2026-11-23
+
+The cleaner used to resume each pass where the previous one ended, so that rows kept by a longer
+per-queue retention were not walked again every pass; a row finalized further back than that
+(imported, back-dated, finished by a long transaction) then waited up to an hour. With this index
+every pass starts at the first expired row of the queues it covers (a loose index scan, one probe
+per distinct queue), and a per-queue retention walks only its own queue's rows. The dashboard's
+"finished jobs of a queue, newest first" reads it too.
+
+Built ``CONCURRENTLY`` (outside a transaction), so workers keep writing while it builds on a large
+table; a build interrupted half-way leaves an invalid index, which the next ``migrate`` drops and
+builds again.
+"""
+
+from alembic import op
+
+from maintd.db import quote_ident
+
+revision = "0004"
+down_revision = "0003"
+branch_labels = None
+depends_on = None
+
+INDEX = "jobs_finalized_queue_idx"
+
+
+def upgrade() -> None:
+    schema = quote_ident(op.get_context().version_table_schema)
+    with op.get_context().autocommit_block():
+        op.execute(f"""
+DO $$
+BEGIN
+  IF EXISTS (SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+              WHERE c.relname = '{INDEX}' AND c.relnamespace = '{schema}'::regnamespace
+                AND NOT i.indisvalid) THEN
+    EXECUTE 'DROP INDEX {schema}.{INDEX}';
+  END IF;
+END $$""")
+        op.execute(f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {INDEX} ON {schema}.jobs"
+                   " (state, queue, finalized_at) WHERE finalized_at IS NOT NULL")
+
+
+def downgrade() -> None:
+    schema = quote_ident(op.get_context().version_table_schema)
+    with op.get_context().autocommit_block():
+        op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {schema}.{INDEX}")
