@@ -1,46 +1,85 @@
-"""``maintd demo``: an embedded PostgreSQL, the daemon with short intervals, and a live workload in
-which every service has something to do. Prints a summary every few seconds."""
+"""``maintd demo``: an embedded PostgreSQL, two daemons (real ``maintd run`` processes) with short
+intervals, and a live workload in which every service has something to do. Midway the leader is
+killed with SIGKILL and the other daemon takes over. Prints a summary every few seconds."""
 
 from __future__ import annotations
 
+import os
 import random
+import re
 import signal
+import subprocess
 import sys
+import tempfile
 import threading
 import time
+import urllib.request
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 from sqlalchemy import Engine
 
-from .config import Settings
 from .db import make_engine
 from .jobs import JobQueue
 from .queries import JOB_STATES, jobs, sql
 
 QUEUES = ("default", "mail")
-def demo_settings(dsn: str, listen: str) -> Settings:
-    return Settings(
-        database_url=dsn, schema="maintd", instance_id="demo",
-        http={"listen": listen}, log={"level": "warning"},
-        leader={"lease": "10s", "renew_interval": "2s", "retry_interval": "1s"},
-        cleaner={"interval": "5s", "completed_retention": "20s", "cancelled_retention": "20s",
-                 "discarded_retention": "1m"},
-        rescuer={"interval": "3s", "rescue_stuck_jobs_after": "8s"},
-        scheduler={"interval": "1s"},
-        periodic=[
-            {"id": "demo-heartbeat", "schedule": "@every 5s", "kind": "demo.heartbeat", "backfill": "1m"},
-            {"id": "demo-minutely", "schedule": "* * * * *", "kind": "demo.report", "run_on_start": True},
-        ],
-    )
+NAMES = ("demo-a", "demo-b")
+FIRST_KILL = 30.0  # seconds: when the leader is killed if the demo runs until Ctrl-C
+CONFIG = """\
+database_url = "{dsn}"
+schema = "maintd"
+
+[http]
+listen = "{listen}"
+
+[log]
+level = "info"
+
+[leader]
+lease = "10s"
+renew_interval = "2s"
+retry_interval = "1s"
+
+[cleaner]
+interval = "5s"
+completed_retention = "20s"
+cancelled_retention = "20s"
+discarded_retention = "1m"
+
+[rescuer]
+interval = "3s"
+rescue_stuck_jobs_after = "8s"
+
+[scheduler]
+interval = "1s"
+
+[[periodic]]
+id = "demo-heartbeat"
+schedule = "@every 5s"
+kind = "demo.heartbeat"
+backfill = "1m"
+
+[[periodic]]
+id = "demo-minutely"
+schedule = "* * * * *"
+kind = "demo.report"
+run_on_start = true
+"""
+COUNTERS = {  # the summary's name -> the metric families summed over all their series
+    "cleaner deleted": "maintd_jobs_deleted", "rescuer rescued": "maintd_jobs_rescued",
+    "scheduler promoted": "maintd_jobs_promoted", "periodic enqueued": "maintd_periodic_enqueued"}
 
 
 class Workload:
-    """Producers and workers using the public helpers, like an application would."""
+    """Producers and workers using the public helpers, like an application would: most jobs
+    complete, some fail and are retried, ``demo.poison`` jobs always fail (discarded once out of
+    attempts), some scheduled jobs are cancelled, and a few workers die holding their job."""
 
     def __init__(self, engine: Engine, schema: str, stop: threading.Event, seed: int = 1):
         self.engine, self.q, self.stop = engine, JobQueue(schema), stop
         self.rng = random.Random(seed)
-        self.counts = {"enqueued": 0, "completed": 0, "failed": 0, "crashed": 0}
+        self.counts = {"enqueued": 0, "completed": 0, "failed": 0, "discarded": 0, "cancelled": 0, "crashed": 0}
         self.lock = threading.Lock()
 
     def bump(self, key: str) -> None:
@@ -52,11 +91,14 @@ class Workload:
             with self.engine.begin() as conn:
                 for _ in range(3):
                     later = self.rng.random() < 0.25
-                    self.q.enqueue(conn, "demo.email", {"n": self.rng.randint(1, 999)},
-                                   queue=self.rng.choice(QUEUES),
-                                   scheduled_at=datetime.now(timezone.utc) + timedelta(seconds=self.rng.uniform(2, 8))
-                                   if later else None, max_attempts=3)
+                    kind = "demo.poison" if self.rng.random() < 0.05 else "demo.email"
+                    job_id = self.q.enqueue(conn, kind, {"n": self.rng.randint(1, 999)},
+                                            queue=self.rng.choice(QUEUES), max_attempts=2 if kind == "demo.poison" else 3,
+                                            scheduled_at=datetime.now(timezone.utc) + timedelta(
+                                                seconds=self.rng.uniform(2, 8)) if later else None)
                     self.bump("enqueued")
+                    if later and self.rng.random() < 0.2 and self.q.cancel(conn, job_id):
+                        self.bump("cancelled")  # the user changed their mind
 
     def worker(self, name: str) -> None:
         while not self.stop.is_set():
@@ -68,42 +110,93 @@ class Workload:
                 self.stop.wait(0.2)
                 continue
             for job in claimed:
-                roll = self.rng.random()
                 self.stop.wait(self.rng.uniform(0.01, 0.05))
-                if roll < 0.03:
-                    self.bump("crashed")  # never finishes: the rescuer will give it back
-                    continue
-                with self.engine.begin() as conn:
-                    if roll < 0.15:
-                        self.q.fail(conn, job, "demo: simulated failure")
-                        self.bump("failed")
-                    else:
-                        self.q.complete(conn, job)
-                        self.bump("completed")
+                self.finish(job, self.rng.random())
+
+    def finish(self, job, roll: float) -> None:
+        if roll < 0.03:
+            self.bump("crashed")  # never finishes: the rescuer will give it back
+            return
+        with self.engine.begin() as conn:
+            if job.kind == "demo.poison" or roll < 0.15:
+                outcome = self.q.fail(conn, job, "demo: simulated failure")
+                self.bump("discarded" if outcome == "discarded" else "failed")
+            else:
+                self.q.complete(conn, job)
+                self.bump("completed")
 
 
-def _metric(daemon, name: str, labels: dict | None = None) -> float:
-    labels = {"target": daemon.metrics.target, **(labels or {})}
-    return daemon.metrics.registry.get_sample_value(name, labels) or 0.0
+class DemoDaemon:
+    """One ``maintd run`` process of the demo, its log file and its last /metrics reading."""
+
+    def __init__(self, name: str, workdir: Path):
+        self.name, self.log_path = name, workdir / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+        self.port: int | None = None
+        self.last: dict[str, float] = {}  # a killed daemon's counts stay in the totals
+        self.leading = False
+
+    def start(self, config: Path) -> None:
+        env = {**os.environ, "MAINTD_INSTANCE_ID": self.name}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "maintd", "--config", str(config), "run"],
+                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_http(self, timeout: float = 30.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(r"http listening address=\S+:(\d+)", self.log_path.read_text(errors="replace"))
+            if m:
+                self.port = int(m.group(1))
+                return self.port
+            if self.proc and self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name} did not start; its log:\n{self.log_path.read_text(errors='replace')}")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def scrape(self) -> None:
+        """Refresh ``last`` and ``leading`` from /metrics (kept as they were if it does not answer)."""
+        if not self.alive or self.port is None:
+            self.leading = False
+            return
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2) as r:
+                text = r.read().decode()
+        except OSError:
+            return
+        self.leading = bool(re.search(r"^maintd_is_leader\{[^}]*\} 1(\.0)?$", text, re.M))
+        self.last = {label: sum(float(v) for v in re.findall(rf"^{family}_total\{{[^}}]*\}} (\S+)$", text, re.M))
+                     for label, family in COUNTERS.items()}
+
+    def kill(self) -> None:
+        if self.alive:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+        self.leading = False
+
+    def stop(self) -> None:
+        if self.alive:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
 
 
-def _sum(daemon, name: str, label: str, values) -> float:
-    return sum(_metric(daemon, name, {label: v}) for v in values)
-
-
-def summary(daemon, engine: Engine, work: Workload, started: float) -> str:
+def summary(daemons: list[DemoDaemon], engine: Engine, work: Workload, started: float) -> str:
     with engine.connect() as conn:
         counts = dict(conn.execute(sql(jobs.COUNT_BY_STATE, "maintd")).all())
+    for d in daemons:
+        d.scrape()
     states = " ".join(f"{s}={counts.get(s, 0)}" for s in JOB_STATES)
-    deleted = _sum(daemon, "maintd_jobs_deleted_total", "state", ("completed", "cancelled", "discarded"))
-    rescued = _sum(daemon, "maintd_jobs_rescued_total", "outcome", ("retried", "discarded"))
-    promoted = _sum(daemon, "maintd_jobs_promoted_total", "queue", QUEUES)
-    periodic = _sum(daemon, "maintd_periodic_enqueued_total", "periodic_id", ("demo-heartbeat", "demo-minutely"))
-    role = "leader" if daemon.is_leader else "follower"
-    return (f"[{time.monotonic() - started:5.0f}s] {role} | jobs {states}\n"
-            f"        cleaner deleted={deleted:.0f}  rescuer rescued={rescued:.0f}  "
-            f"scheduler promoted={promoted:.0f}  periodic enqueued={periodic:.0f}  | workers "
-            + " ".join(f"{k}={v}" for k, v in work.counts.items()))
+    leader = ",".join(d.name for d in daemons if d.leading) or "none"
+    totals = "  ".join(f"{label}={sum(d.last.get(label, 0) for d in daemons):.0f}" for label in COUNTERS)
+    return (f"[{time.monotonic() - started:5.0f}s] leader={leader} | jobs now: {states}\n"
+            f"        {totals}  | workers " + " ".join(f"{k}={v}" for k, v in work.counts.items()))
 
 
 def _seed(engine: Engine) -> None:
@@ -115,71 +208,96 @@ def _seed(engine: Engine) -> None:
             conn.execute(sql(jobs.DEMO_SEED_OLD, "maintd"), {"state": state, "age": age, "n": n})
 
 
-def _start_daemon(dsn: str, listen: str):
-    from .daemon import Daemon
+def _kill_leader(daemons: list[DemoDaemon]) -> None:
+    leader = next((d for d in daemons if d.leading and d.alive), None)
+    if leader is None:
+        return
+    pid = leader.proc.pid
+    leader.kill()
+    others = ", ".join(d.name for d in daemons if d.alive)
+    print(f"maintd demo: killed the leader {leader.name} (pid {pid}) with SIGKILL; {others} takes over",
+          flush=True)
 
-    daemon = Daemon(demo_settings(dsn, listen))
-    try:
-        daemon.start()
-    except OSError:  # the port is taken: any free one will do
-        daemon = Daemon(demo_settings(dsn, "127.0.0.1:0"))
-        daemon.start()
-    return daemon
 
-
-def _watch(daemon, engine: Engine, work: Workload, duration: float | None, stop: threading.Event) -> None:
-    """Print a summary every 3 s until ``duration`` ends, Ctrl-C or SIGTERM."""
+def _watch(daemons: list[DemoDaemon], engine: Engine, work: Workload, duration: float | None,
+           stop: threading.Event) -> None:
+    """Print a summary every 3 s until ``duration`` ends, Ctrl-C or SIGTERM; kill the leader midway."""
     started = time.monotonic()
     deadline = started + duration if duration else None
+    kill_at = started + (duration / 2 if duration else FIRST_KILL)
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    line = None
     try:
         while not stop.wait(3.0):
-            daemon.tick()
-            print(summary(daemon, engine, work, started), flush=True)
+            if kill_at is not None and time.monotonic() >= kill_at:
+                _kill_leader(daemons)
+                kill_at = None
+            line = summary(daemons, engine, work, started)
+            print(line, flush=True)
             if deadline and time.monotonic() >= deadline:
-                break
+                return
     except KeyboardInterrupt:
         pass
-    stop.set()
-    print(summary(daemon, engine, work, started))
+    if line is None:  # stopped before the first summary: print one (and only one) at the end
+        print(summary(daemons, engine, work, started), flush=True)
+
+
+def _start_daemons(dsn: str, listen: str, workdir: Path) -> list[DemoDaemon]:
+    """Two daemons on one config; the second listens on the next port (any free one with port 0)."""
+    host, _, port = listen.rpartition(":")
+    daemons = []
+    for i, name in enumerate(NAMES):
+        config = workdir / f"{name}.toml"
+        config.write_text(CONFIG.format(dsn=dsn, listen=f"{host}:{int(port) + i if int(port) else 0}"))
+        daemon = DemoDaemon(name, workdir)
+        daemon.start(config)
+        daemons.append(daemon)
+    for daemon in daemons:
+        daemon.wait_http()
+    return daemons
 
 
 def run_demo(duration: float | None = None, data_dir: str | None = None, listen: str = "127.0.0.1:9464") -> int:
-    """``maintd demo``: a throwaway PostgreSQL, the daemon and a live workload."""
+    """``maintd demo``: a throwaway PostgreSQL, two daemons, a live workload and a failover."""
     from . import migrate
     from .embedded import EmbeddedPostgres, EmbeddedPostgresError
-    from .logs import setup_logging
 
     try:
         pg = EmbeddedPostgres(data_dir=data_dir).start()
     except EmbeddedPostgresError as exc:
         print(f"maintd: error: {exc}", file=sys.stderr)
         return 1
-    stop = threading.Event()
-    daemon = None
+    stop, daemons = threading.Event(), []
     engine = make_engine(pg.dsn, application_name="maintd-demo-workload", pool_size=6)
+    workdir = Path(tempfile.mkdtemp(prefix="maintd-demo-"))
     try:
         with engine.connect() as conn:
             migrate.upgrade(conn, "maintd")
         _seed(engine)
-        setup_logging("warning", "text")
-        daemon = _start_daemon(pg.dsn, listen)
+        daemons = _start_daemons(pg.dsn, listen, workdir)
         print(f"maintd demo: PostgreSQL {pg.dsn} (throwaway)" + (f", data in {data_dir}" if data_dir else ""))
-        print(f"maintd demo: metrics on http://127.0.0.1:{daemon.http_port}/metrics, status on /status;"
-              " Ctrl-C to stop")
+        print("maintd demo: daemons " + ", ".join(f"{d.name} on http://127.0.0.1:{d.port}/metrics" for d in daemons)
+              + " (/status, / for the dashboard); Ctrl-C to stop")
         work = Workload(engine, "maintd", stop)
         threads = [threading.Thread(target=work.producer, daemon=True)]
         threads += [threading.Thread(target=work.worker, args=(f"worker-{i}",), daemon=True) for i in range(3)]
         for t in threads:
             t.start()
-        _watch(daemon, engine, work, duration, stop)
+        _watch(daemons, engine, work, duration, stop)
+        stop.set()
         for t in threads:
             t.join(5)
         print("maintd demo: done")
         return 0
+    except RuntimeError as exc:
+        print(f"maintd: error: {exc}", file=sys.stderr)
+        return 1
     finally:
         stop.set()
-        if daemon is not None:
+        for daemon in daemons:
             daemon.stop()
         engine.dispose()
         pg.cleanup() if not data_dir else pg.stop()
+        for f in workdir.iterdir():
+            f.unlink()
+        workdir.rmdir()

@@ -16,32 +16,46 @@ from .procs import wait_for
 pytestmark = pytest.mark.slow
 
 
-def test_demo_runs_and_every_service_acts():
-    proc = subprocess.Popen([sys.executable, "-m", "maintd", "demo", "--duration", "15",
+def test_demo_runs_two_daemons_fails_over_and_every_service_acts():
+    """Two `maintd run` processes; midway the leader is SIGKILLed and the other one leads; every
+    final state is reached (completed, cancelled, discarded); the last summary is printed once."""
+    proc = subprocess.Popen([sys.executable, "-m", "maintd", "demo", "--duration", "36",
                              "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout))
     reader.start()
-    port = None
-    deadline = time.monotonic() + 30
-    while port is None and time.monotonic() < deadline:
-        m = re.search(r"http://127\.0\.0\.1:(\d+)/metrics", "".join(lines))
-        port = int(m.group(1)) if m else None
+    ports: list[int] = []
+    deadline = time.monotonic() + 60
+    while len(ports) < 2 and time.monotonic() < deadline:
+        ports = [int(p) for p in re.findall(r"http://127\.0\.0\.1:(\d+)/metrics", "".join(lines))]
         time.sleep(0.1)
-    assert port, "".join(lines)
+    assert len(ports) == 2, "".join(lines)
 
-    def leading() -> bool:  # the URL is printed as soon as the daemon starts, before it leads
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            return b'maintd_is_leader{target="maintd"} 1.0' in r.read()
+    def leaders() -> int:  # the URLs are printed as soon as the daemons listen, before one leads
+        n = 0
+        for port in ports:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                n += b'maintd_is_leader{target="maintd"} 1.0' in r.read()
+        return n == 1
 
-    wait_for(leading, 15, what="the demo daemon to lead")
-    assert proc.wait(90) == 0
+    wait_for(leaders, 20, what="exactly one demo daemon to lead")
+    assert proc.wait(120) == 0
     reader.join()
     out = "".join(lines)
-    last = out.strip().splitlines()[-3:]
-    stats = dict(re.findall(r"(cleaner deleted|rescuer rescued|scheduler promoted|periodic enqueued)=(\d+)",
-                            " ".join(last)))
-    assert int(stats["cleaner deleted"]) > 0 and int(stats["rescuer rescued"]) > 0, out[-800:]
-    assert int(stats["scheduler promoted"]) > 0 and int(stats["periodic enqueued"]) > 0, out[-800:]
-    assert "maintd demo: done" in out and "Traceback" not in out
+    assert "Traceback" not in out and out.rstrip().endswith("maintd demo: done"), out[-1500:]
+    killed = re.search(r"killed the leader (demo-[ab]) \(pid \d+\) with SIGKILL", out)
+    assert killed, out[-1500:]
+    before, after = out[:killed.start()], out[killed.end():]
+    other = {"demo-a": "demo-b", "demo-b": "demo-a"}[killed.group(1)]
+    assert f"leader={killed.group(1)} " in before, before[-1500:]
+    assert f"leader={other} " in after, after  # the survivor took over
+    summaries = re.findall(r"^\[ *\d+s\] leader=.*\n.*$", out, re.M)
+    assert len(summaries) >= 8 and len(set(summaries)) == len(summaries), out  # none printed twice
+    last = summaries[-1]
+    stats = {k: int(v) for k, v in re.findall(r"(cleaner deleted|rescuer rescued|scheduler promoted|periodic enqueued"
+                                              r"|completed|cancelled|discarded)=(\d+)", last.split("| workers")[1])}
+    totals = {k: int(v) for k, v in re.findall(r"(cleaner deleted|rescuer rescued|scheduler promoted"
+                                               r"|periodic enqueued)=(\d+)", last)}
+    assert all(n > 0 for n in totals.values()) and len(totals) == 4, last
+    assert stats["completed"] > 0 and stats["cancelled"] > 0 and stats["discarded"] > 0, last
