@@ -128,6 +128,9 @@ def _observe(metrics: Metrics, service: Service, record: PassRecord, ctx: PassCo
         metrics.service_last_success.labels(record.service).set(record.finished_at.timestamp())
     if record.result is not None and not ctx.dry_run:
         service.observe(metrics, record.result)
+        for reason, n in record.result.skipped_rows().items():
+            if n:
+                metrics.rows_skipped.labels(record.service, reason).inc(n)
 
 
 def record_pass(ctx: PassContext, record: PassRecord) -> None:

@@ -284,6 +284,11 @@ class PassResult:
         """Seconds the pass spent waiting on purpose (not work: left out of its duration)."""
         return 0.0
 
+    def skipped_rows(self) -> dict[str, int]:
+        """Rows the pass passed over, by reason (each also logged with its id): fed to
+        ``maintd_rows_skipped_total{service,reason}``."""
+        return {}
+
     def summary(self) -> str:
         """A short human line, e.g. ``deleted completed=10 discarded=2``."""
         return " ".join(f"{k}={v}" for k, v in self.as_dict().items())
