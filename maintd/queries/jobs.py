@@ -253,17 +253,23 @@ SELECT count(*) FILTER (WHERE attempt < max_attempts) AS retry,
 
 # -- scheduler ----------------------------------------------------------------------------------
 
+# Due: scheduled_at <= :now (the daemon's reading of the server's clock, carried forward on the
+# host's monotonic clock, or a test's FrozenClock) and never ahead of the server's own clock:
+# statement_timestamp() is when the server got this statement, so a job is never promoted before
+# clock_timestamp() reaches its scheduled_at, whatever the carried reading's drift. (Unlike
+# clock_timestamp(), it is stable, so the bound stays an index condition on jobs_scheduled_idx.)
 SCHEDULER_PROMOTE = """
 WITH promoted AS (
   UPDATE {schema}.jobs SET state = 'available'
    WHERE id = ANY(ARRAY(
            SELECT id FROM {schema}.jobs
-            WHERE state IN ('scheduled', 'retryable') AND scheduled_at <= :now
+            WHERE state IN ('scheduled', 'retryable')
+              AND scheduled_at <= least(CAST(:now AS timestamptz), statement_timestamp())
             ORDER BY scheduled_at, id
             LIMIT :limit
               FOR UPDATE SKIP LOCKED))
      AND state IN ('scheduled', 'retryable')
-     AND scheduled_at <= :now
+     AND scheduled_at <= least(CAST(:now AS timestamptz), statement_timestamp())
   RETURNING queue
 )
 SELECT queue, count(*) AS n FROM promoted GROUP BY queue
