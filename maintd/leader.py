@@ -156,8 +156,8 @@ class LockSession:
         assert self.conn is not None
         if self.conn.info.backend_pid in pids:
             return  # a direct connection: the client-side pid is the server's
-        with connect(self.settings.database_url.get_secret_value(),
-                     application_name=f"maintd:{self.settings.instance_id}:probe") as probe:
+        with connect(self.hosts.dsn(), application_name=f"maintd:{self.settings.instance_id}:probe",
+                     answer_timeout=self.settings.leader.lease.total_seconds()) as probe:
             for _ in range(3):  # a session pooler never hands our backend to another client
                 other = probe.execute(q.BACKEND_PID).fetchone()[0]
                 mine = self._run(q.BACKEND_PID).fetchone()[0]
