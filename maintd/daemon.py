@@ -15,7 +15,7 @@ from . import migrate
 from .clock import Clock, ServerClock
 from .config import ConfigError, Settings, load_settings
 from .dashboard import Dashboard
-from .db import describe_db_error
+from .db import HostOrder, describe_db_error
 from .http import HttpServer, as_json, metrics_body
 from .http import text as text_body
 from .identifiers import qualified
@@ -61,9 +61,10 @@ class Daemon:
         self.config_path = config_path
         self.clock = clock or ServerClock()
         self.metrics = metrics or Metrics(target=settings.schema, max_queues=settings.metrics.max_queues)
-        self.engine = maintenance_engine(settings)
+        hosts = HostOrder(settings.database_url.get_secret_value())  # multi-host URLs: who answers
+        self.engine = maintenance_engine(settings, hosts=hosts)
         self.elector = LeaderElector(settings, on_elected=self._elected, on_demoted=self._demoted,
-                                     on_health=self._health)
+                                     on_health=self._health, hosts=hosts)
         self.runner = Runner(settings, self.engine, self.metrics, clock=self.clock,
                              on_fenced=self._fenced)
         self.http: HttpServer | None = None
@@ -221,6 +222,9 @@ class Daemon:
     # -- callbacks ------------------------------------------------------------------------
     def _elected(self, term: Term) -> None:
         self._maintenance_stall = None
+        # Idle pooled connections may lead to a server that has since gone silent (a frozen old
+        # primary): a term starts with fresh ones, to the server the lock session reached.
+        self.engine.dispose()
         self.metrics.is_leader.set(1)
         self.metrics.leadership_changes.inc()
         self.runner.activate(self.elector.fence())

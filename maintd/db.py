@@ -5,11 +5,13 @@ leader lock's key, the NOTIFY channel, and password-free error lines. (The SQL i
 from __future__ import annotations
 
 import re
+import threading
 import zlib
 from datetime import timedelta
 from typing import Any
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.pool import NullPool, QueuePool
 
@@ -35,12 +37,41 @@ def ms(td: timedelta) -> int:
     return max(1, int(td.total_seconds() * 1000))
 
 
+class BoundedConnection(psycopg.Connection):
+    """A psycopg connection whose every wait for the server (a statement, a fetch, a commit) ends
+    after ``answer_timeout`` seconds (None: no bound): the connection is closed and
+    :class:`NoAnswer` raised. TCP cannot tell a frozen server (SIGSTOP, a hung VM) from a slow
+    one: its kernel keeps acknowledging, so keepalives and ``tcp_user_timeout`` never fire, and
+    the server-side timeouts need a running server. Set the bound above the statement timeout."""
+
+    answer_timeout: float | None = None
+
+    def wait(self, gen: Any, interval: float = 0.1, timeout: float | None = None) -> Any:
+        bound = self.answer_timeout if timeout is None else timeout
+        try:
+            return super().wait(gen, interval=interval, timeout=bound)
+        except psycopg.errors._WaitTimeout:
+            if timeout is not None:
+                raise  # the caller's own timeout (notifies()): the caller handles it
+            where = f"{self.info.host}:{self.info.port}"
+            self.pgconn.finish()  # mid-protocol: unusable (and SQLAlchemy sees a disconnect)
+            raise NoAnswer(f"no answer from the server at {where} within {bound:g}s "
+                           "(frozen or cut off?): connection closed") from None
+
+
+class NoAnswer(psycopg.OperationalError):
+    """The server did not answer within a connection's ``answer_timeout``."""
+
+
 def connect(dsn: str, *, application_name: str, autocommit: bool = True,
-            settings: dict[str, Any] | None = None, **params: Any) -> psycopg.Connection:
+            settings: dict[str, Any] | None = None, answer_timeout: float | None = None,
+            **params: Any) -> psycopg.Connection:
     """A raw psycopg connection with TCP keepalives and the given session settings; ``params``
-    are extra libpq parameters (e.g. ``tcp_user_timeout``)."""
-    conn = psycopg.connect(libpq_dsn(dsn), autocommit=True, application_name=application_name[:63],
-                           **{**KEEPALIVES, **params})
+    are extra libpq parameters (e.g. ``tcp_user_timeout``); ``answer_timeout``: see
+    :class:`BoundedConnection`."""
+    conn = BoundedConnection.connect(libpq_dsn(dsn), autocommit=True,
+                                     application_name=application_name[:63], **{**KEEPALIVES, **params})
+    conn.answer_timeout = answer_timeout
     try:
         for key, value in (settings or {}).items():
             conn.execute(psycopg_sql(catalog.SET_SESSION), {"name": key, "value": str(value)})
@@ -49,6 +80,46 @@ def connect(dsn: str, *, application_name: str, autocommit: bool = True,
         conn.close()
         raise
     return conn
+
+
+class HostOrder:
+    """The order in which the hosts of a multi-host URL (``host=a,b target_session_attrs=
+    read-write``) are tried. libpq tries them in the written order and spends a whole connect
+    timeout on a frozen one before the next, for every new connection; so the host the lock
+    session last reached goes first (the work pool follows it) and a host that stopped answering
+    goes last. One object per daemon, shared by its lock session and its engine; thread-safe."""
+
+    def __init__(self, dsn: str):
+        self._dsn = libpq_dsn(dsn)
+        params = conninfo_to_dict(self._dsn)
+        hosts = str(params.get("host") or "").split(",")
+        ports = str(params.get("port") or "").split(",")
+        if len(ports) == 1:
+            ports = ports * len(hosts)
+        self._params = params
+        self._servers = list(zip(hosts, ports)) if len(hosts) > 1 and len(ports) == len(hosts) \
+            and "hostaddr" not in params else []
+        self._lock = threading.Lock()
+
+    def dsn(self) -> str:
+        with self._lock:
+            if not self._servers:
+                return self._dsn
+            hosts, ports = zip(*self._servers)
+        return make_conninfo("", **{**self._params, "host": ",".join(hosts), "port": ",".join(ports)})
+
+    def _move(self, host: str | None, port: int | str | None, first: bool) -> None:
+        key = (str(host), str(port))
+        with self._lock:
+            if key in self._servers:
+                self._servers.remove(key)
+                self._servers.insert(0 if first else len(self._servers), key)
+
+    def reached(self, host: str | None, port: int | str | None) -> None:
+        self._move(host, port, first=True)
+
+    def silent(self, host: str | None, port: int | str | None) -> None:
+        self._move(host, port, first=False)
 
 
 def sever(conn: psycopg.Connection | None) -> None:
@@ -82,12 +153,15 @@ def session_settings(statement_timeout: timedelta, *, lock_timeout: timedelta | 
 
 
 def make_engine(dsn: str, *, application_name: str, session: dict[str, Any] | None = None,
-                pool_size: int = 4, pooled: bool = True, **params: Any) -> Engine:
+                pool_size: int = 4, pooled: bool = True, hosts: HostOrder | None = None,
+                **params: Any) -> Engine:
     """A SQLAlchemy engine over psycopg 3 whose connections carry ``session`` settings (and extra
-    libpq ``params``, e.g. ``tcp_user_timeout``)."""
+    libpq ``params``, e.g. ``tcp_user_timeout``); with ``hosts``, new connections try a multi-host
+    URL's hosts in that order."""
 
     def creator() -> psycopg.Connection:
-        return connect(dsn, application_name=application_name, autocommit=False, settings=session, **params)
+        return connect(hosts.dsn() if hosts is not None else dsn, application_name=application_name,
+                       autocommit=False, settings=session, **params)
 
     kwargs: dict[str, Any] = {"creator": creator, "pool_pre_ping": True}
     if pooled:

@@ -36,7 +36,7 @@ import psycopg
 from sqlalchemy import Connection
 
 from .config import Settings
-from .db import advisory_key, connect, describe_db_error, ms, sever
+from .db import HostOrder, advisory_key, connect, describe_db_error, ms, sever
 from .identifiers import quote_ident
 from .logs import kv
 from .queries import leader as q
@@ -100,8 +100,10 @@ class LeaderFence:
 class LockSession:
     """The dedicated connection that holds (or tries for) the advisory lock of one schema."""
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, hosts: HostOrder | None = None):
         self.settings = settings
+        self.hosts = hosts or HostOrder(settings.database_url.get_secret_value())
+        self.server: tuple[str | None, int | None] = (None, None)  # host, port last reached
         self.schema = settings.schema
         self.classid, self.objid = advisory_key(settings.schema)
         self.conn: psycopg.Connection | None = None
@@ -118,18 +120,24 @@ class LockSession:
         assert self.conn is not None
         return self.conn.execute(psycopg_sql(template, self.schema), params or {})
 
-    def connect(self) -> psycopg.Connection:
+    def connect(self, progress: Callable[[], None] = lambda: None) -> psycopg.Connection:
+        """Open and check the session; ``progress`` is called once the server is reached (a
+        multi-host URL may first spend a connect timeout on a silent host)."""
         cfg = self.settings.leader
         self._marker = secrets.token_hex(8)
         self.conn = connect(
-            self.settings.database_url.get_secret_value(),
+            self.hosts.dsn(),
             application_name=f"maintd:{self.settings.instance_id}",
             settings={"statement_timeout": ms(cfg.lease / 2), "lock_timeout": ms(cfg.renew_interval),
                       # the epoch bump's transaction, frozen half-way, ends within the lease
                       "idle_in_transaction_session_timeout": ms(cfg.lease),
                       SESSION_MARKER: self._marker},
             tcp_user_timeout=ms(cfg.lease),  # a send nobody acknowledges fails within the lease
+            answer_timeout=cfg.lease.total_seconds(),  # a frozen server acknowledges, never answers
         )
+        progress()
+        self.server = (self.conn.info.host, self.conn.info.port)
+        self.hosts.reached(*self.server)  # the work pool's new connections go there first
         self.conn.execute(f"LISTEN {quote_ident(handover_channel(self.schema))}")
         self.verify()
         if self.conn.info.server_version >= 140000:
@@ -148,8 +156,8 @@ class LockSession:
         assert self.conn is not None
         if self.conn.info.backend_pid in pids:
             return  # a direct connection: the client-side pid is the server's
-        with connect(self.settings.database_url.get_secret_value(),
-                     application_name=f"maintd:{self.settings.instance_id}:probe") as probe:
+        with connect(self.hosts.dsn(), application_name=f"maintd:{self.settings.instance_id}:probe",
+                     answer_timeout=self.settings.leader.lease.total_seconds()) as probe:
             for _ in range(3):  # a session pooler never hands our backend to another client
                 other = probe.execute(q.BACKEND_PID).fetchone()[0]
                 mine = self._run(q.BACKEND_PID).fetchone()[0]
@@ -212,7 +220,12 @@ class LockSession:
 
     def sever(self) -> None:
         """From another thread: make a call blocked on a silent server fail now."""
+        self.silent()
         sever(self.conn)
+
+    def silent(self) -> None:
+        """The server stopped answering: with a multi-host URL, try the others first."""
+        self.hosts.silent(*self.server)
 
     def close(self) -> None:
         if self.conn is not None:
@@ -232,13 +245,13 @@ class LeaderElector:
 
     def __init__(self, settings: Settings, *, on_elected: Callable[[Term], None],
                  on_demoted: Callable[[str], None], on_health: Callable[[bool], None] | None = None,
-                 register: bool = True, keep_trying: bool = True):
+                 register: bool = True, keep_trying: bool = True, hosts: HostOrder | None = None):
         self.settings = settings
         self.on_elected = on_elected
         self.on_demoted = on_demoted
         self.on_health = on_health or (lambda ok: None)
         self.keep_trying = keep_trying
-        self.session = LockSession(settings)
+        self.session = LockSession(settings, hosts)
         self.registry = DaemonRegistry(settings.schema, settings.instance_id, enabled=register)
         self.term: Term | None = None
         self.healthy = False
@@ -296,7 +309,7 @@ class LeaderElector:
     def connect(self) -> None:
         """Open (and check) the lock session; raises :class:`LeaderSessionError` for a pooler
         that cannot keep a session, database errors otherwise."""
-        conn = self.session.connect()
+        conn = self.session.connect(progress=self._progress)
         server = conn.info.server_version
         if self._ever_connected:
             log.info("reconnected to database")
@@ -354,6 +367,8 @@ class LeaderElector:
                 self._stop.wait(BACKOFF_CAP)
             except (psycopg.Error, OSError) as exc:
                 error = describe_db_error(exc)
+                if isinstance(exc, (psycopg.OperationalError, OSError)):
+                    self.session.silent()
                 self._end_term(f"database error: {error}")
                 self._set_health(False)
                 sleep = min(BACKOFF_CAP, delay) * random.uniform(0.7, 1.3)

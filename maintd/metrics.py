@@ -79,7 +79,8 @@ class Metrics:
                                           ("service",))
         self.jobs_deleted = bound(Counter, "maintd_jobs_deleted", "Final jobs deleted by the cleaner.", ("state",))
         self.jobs_rescued = bound(Counter, "maintd_jobs_rescued", "Stuck running jobs rescued "
-                                  "(outcome: retried or discarded).", ("outcome",))
+                                  "(outcome: retried or discarded), and waiting jobs with no attempt left "
+                                  "discarded (outcome: exhausted).", ("outcome",))
         self.jobs_promoted = bound(Counter, "maintd_jobs_promoted", "Scheduled/retryable jobs made available.",
                                    ("queue",))
         self.periodic_enqueued = bound(Counter, "maintd_periodic_enqueued", "Periodic jobs enqueued.",

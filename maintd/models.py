@@ -92,6 +92,9 @@ class Job(Base):
         # Rescuer: running jobs by last sign of life.
         Index("jobs_running_idx", text("coalesce(heartbeat_at, attempted_at)"), "id",
               postgresql_where=text("state = 'running'")),
+        # Rescuer: waiting jobs with no attempt left (the claim passes them over; migration 0005).
+        Index("jobs_exhausted_idx", "id",
+              postgresql_where=text("state IN ('available', 'scheduled', 'retryable') AND attempt >= max_attempts")),
         # At most one non-final job per unique key.
         Index("jobs_unique_key_idx", "unique_key", unique=True,
               postgresql_where=text(f"unique_key IS NOT NULL AND state NOT IN {FINAL_STATES_SQL}")),

@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import Engine
 
 from .config import Settings
-from .db import describe_db_error, make_engine, ms, session_settings
+from .db import HostOrder, describe_db_error, make_engine, ms, session_settings
 from .logs import kv
 from .metrics import Metrics
 from .queries import service_runs
@@ -52,18 +52,24 @@ class PassRecord:
                 "result": self.result.as_dict() if self.result is not None else {}}
 
 
-def maintenance_engine(settings: Settings, *, pool_size: int = len(SERVICES) + 1) -> Engine:
+def maintenance_engine(settings: Settings, *, pool_size: int = len(SERVICES) + 1,
+                       hosts: HostOrder | None = None) -> Engine:
     """Pooled connections for maintenance transactions, bounded on both sides: by the statement
     timeout on the server (and a frozen process's open transaction is ended by the server within
     the lease), and on the client by ``tcp_user_timeout`` (a send the server does not acknowledge
-    fails within the lease) besides the keepalives and the connect timeout. Each running pass holds
-    one (:meth:`PassContext.session`), the job gauges another; connections open on demand."""
+    fails within the lease) and a wait for an answer that ends a lease after the statement timeout
+(a frozen server's kernel keeps acknowledging), besides the keepalives and the connect timeout. Each running pass holds
+    one (:meth:`PassContext.session`), the job gauges another; connections open on demand, with a
+multi-host URL first to the server the lock session reached (``hosts``)."""
     return make_engine(
         settings.database_url.get_secret_value(),
         application_name=f"maintd:{settings.instance_id}:work",
         session=session_settings(settings.statement_timeout, lock_timeout=settings.leader.lease / 2,
                                  idle_in_transaction=settings.leader.lease),
-        pool_size=pool_size, tcp_user_timeout=ms(settings.leader.lease),
+        pool_size=pool_size, tcp_user_timeout=ms(settings.leader.lease), hosts=hosts,
+        # a frozen server never answers: a statement gets its timeout plus a lease (longer DDL
+        # lifts the bound, PassContext.autocommit)
+        answer_timeout=(settings.statement_timeout + settings.leader.lease).total_seconds(),
     )
 
 
@@ -122,6 +128,9 @@ def _observe(metrics: Metrics, service: Service, record: PassRecord, ctx: PassCo
         metrics.service_last_success.labels(record.service).set(record.finished_at.timestamp())
     if record.result is not None and not ctx.dry_run:
         service.observe(metrics, record.result)
+        for reason, n in record.result.skipped_rows().items():
+            if n:
+                metrics.rows_skipped.labels(record.service, reason).inc(n)
 
 
 def record_pass(ctx: PassContext, record: PassRecord) -> None:

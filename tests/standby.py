@@ -106,25 +106,55 @@ class PgNode:
                     raise RuntimeError(f"{self.name}: postgres did not start:\n{self.log_tail()}")
                 time.sleep(0.05)
 
-    def _signal_all(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+    def processes(self) -> list[int]:
+        """The postmaster and its children. (Each backend calls setsid() when forked, so the
+        postmaster's process group holds the postmaster alone.)"""
+        if self.proc is None or self.proc.poll() is not None:
+            return []
+        try:
+            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        except OSError:
+            children = []
+        return [self.proc.pid, *map(int, children)]
+
+    def _signal_all(self, sig: int, pids: list[int] | None = None) -> None:
+        for pid in self.processes() if pids is None else pids:  # the postmaster first: stopped, it forks no more
             try:
-                os.killpg(self.proc.pid, sig)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
 
     def freeze(self) -> None:
-        """SIGSTOP the whole server: sockets stay open and the kernel keeps acknowledging."""
+        """SIGSTOP the whole server, postmaster and every backend: sockets stay open and the
+        kernel keeps acknowledging, nothing answers."""
         self._signal_all(signal.SIGSTOP)
+        self._signal_all(signal.SIGSTOP)  # a child forked while the postmaster was being stopped
         self.frozen = True
+        deadline = time.monotonic() + 5
+        while set(self.stopped()) != set(self.processes()):  # the kernel stops them asynchronously
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name}: not every process stopped")
+            time.sleep(0.01)
+
+    def stopped(self) -> list[int]:
+        """The server's processes the kernel reports stopped (state T)."""
+        out = []
+        for pid in self.processes():
+            try:
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                    out.append(pid)
+            except OSError:
+                pass
+        return out
 
     def thaw(self) -> None:
         self._signal_all(signal.SIGCONT)
         self.frozen = False
 
     def kill(self) -> None:
-        self._signal_all(signal.SIGKILL)
-        self._signal_all(signal.SIGCONT)
+        pids = self.processes()  # listed first: the children of a dead postmaster are not its children
+        self._signal_all(signal.SIGKILL, pids)
+        self._signal_all(signal.SIGCONT, pids)
         if self.proc is not None:
             self.proc.wait(10)
         self.proc = None

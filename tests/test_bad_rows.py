@@ -151,9 +151,27 @@ def test_cleaner_deletes_expired_rows_with_odd_finalized_at(settings, engine, sc
 
 # -- the attempt counter -----------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="issue 13: an available job with attempt = 32767 makes every "
-                   "claim of its queue fail (smallint out of range)")
-def test_claim_survives_an_exhausted_attempt_counter(settings, engine, schema, clock):
+def readme_claim(schema: str):
+    """The README's claim statement, verbatim, for ``schema``: workers in other languages copy it."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    m = re.search(r"-- claim up to[^\n]*\n(UPDATE maintd\.jobs.*?;)", readme, re.S)
+    assert m, "no claim statement in the README"
+    return sql(m.group(1).rstrip(";").replace("maintd.jobs", "{schema}.jobs"), schema)
+
+
+def test_readme_claim_is_the_one_jobqueue_runs(schema):
+    from maintd.queries import jobs as q
+
+    def words(t: str) -> list[str]:
+        return re.sub(r"\s+", " ", t).strip().split(" ")
+
+    assert words(str(readme_claim(schema))) == words(str(sql(q.CLAIM, schema)))
+
+
+def test_claim_survives_an_exhausted_attempt_counter(settings, engine, schema, clock, maintd_log):
+    """Through JobQueue and through the README's claim statement."""
     queue = JobQueue(schema)
     try:
         bad = insert(engine, schema, "available", queue="q", attempt=32767, max_attempts=25, priority=-5)
@@ -163,6 +181,15 @@ def test_claim_survives_an_exhausted_attempt_counter(settings, engine, schema, c
     with engine.begin() as conn:
         claimed = queue.claim(conn, "q", "w1", limit=10)
     assert sorted(j.id for j in claimed) == good  # the whole queue still works
+    more = [insert(engine, schema, "available", queue="q") for _ in range(2)]
+    with engine.begin() as conn:
+        rows = conn.execute(readme_claim(schema), {"queue": "q", "worker": "w2", "limit": 10}).all()
+    assert sorted(r.id for r in rows) == more
+    # used up below the smallint's top too (reschedule_jobs lowering max_attempts): not handed out
+    used_up = insert(engine, schema, "scheduled", queue="q", attempt=3, max_attempts=3,
+                     scheduled_at="2000-01-01 00:00:00+00")
+    untouched = insert(engine, schema, "retryable", queue="q", attempt=2, max_attempts=3,
+                       scheduled_at="2999-01-01 00:00:00+00")
     if bad is None:
         return
     metrics = Metrics()
@@ -170,9 +197,16 @@ def test_claim_survives_an_exhausted_attempt_counter(settings, engine, schema, c
         outcome, _, error = run(service, settings, engine, clock, metrics)
         assert (outcome, error) == ("success", None)
     with engine.connect() as conn:
-        row = conn.execute(sql("SELECT state::text AS state, errors FROM {schema}.jobs WHERE id = :id", schema),
-                           {"id": bad}).one()
-    assert row.state == "discarded" and row.errors, "an exhausted job must be discarded with a reason"
+        rows = {r.id: r for r in conn.execute(sql(
+            "SELECT id, state::text AS state, errors, finalized_at FROM {schema}.jobs", schema))}
+    for job in (bad, used_up):
+        assert rows[job].state == "discarded" and rows[job].finalized_at is not None
+        assert re.search(r"no attempt left.*attempt (32767|3) >= max_attempts (25|3)", rows[job].errors[-1]["error"]), \
+            rows[job].errors
+        assert any(re.search(rf"maintd\.rescuer.*\b{job}\b", line) for line in maintd_log)
+    assert rows[untouched].state == "retryable"
+    assert metrics.registry.get_sample_value("maintd_jobs_rescued_total",
+                                             {"target": TARGET, "outcome": "exhausted"}) == 2
 
 
 # -- the job gauges and /status ----------------------------------------------------------------
@@ -196,8 +230,6 @@ def test_job_gauges_and_status_survive_infinite_timestamps(settings, engine, sch
 
 # -- the count of what was passed over -----------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="issue 13: maintd_rows_skipped_total{service,reason} does not "
-                   "exist yet")
 def test_rows_passed_over_are_counted_and_logged(settings, engine, schema, clock, maintd_log):
     settings.cleaner.batch_size = 2
     eligible = {  # id -> the state it is in while a pass should do something with it
@@ -219,3 +251,29 @@ def test_rows_passed_over_are_counted_and_logged(settings, engine, schema, clock
     for i in passed_over:
         assert any(re.search(rf"\b{i}\b", line) for line in maintd_log), f"job {i} skipped without a log line"
     assert skipped(metrics) == len(passed_over)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_cleaner_counts_and_logs_the_expired_rows_it_passes_over(settings, engine, schema, clock, maintd_log,
+                                                                  tied):
+    """A final row held by another session (an operator's open transaction, an admin function) is
+    skipped after a short lock wait: the rest of its range is deleted, the pass succeeds, and the
+    row is logged by id and counted in maintd_rows_skipped_total{service="cleaner",reason="locked"}."""
+    settings.cleaner.batch_size = 3 if tied else 100
+    ids = [insert(engine, schema, "completed",
+                  finalized_at=ago(timedelta(days=2, seconds=0 if tied else s))) for s in range(6)]
+    held = ids[2] if tied else ids[4]
+    with engine.connect() as other:
+        other.execute(sql("SELECT 1 FROM {schema}.jobs WHERE id = :id FOR UPDATE", schema), {"id": held})
+        metrics = Metrics()
+        outcome, result, error = run(Cleaner(settings.cleaner), settings, engine, clock, metrics)
+        other.rollback()
+    assert (outcome, error) == ("success", None)
+    assert set(states(engine, schema)) == {held}
+    assert result.skipped == {"locked": 1}
+    assert skipped(metrics, "cleaner") == 1
+    assert metrics.registry.get_sample_value("maintd_rows_skipped_total", {
+        "target": TARGET, "service": "cleaner", "reason": "locked"}) == 1
+    assert [line for line in maintd_log if re.search(rf"^maintd\.cleaner: passed over .*job_id={held}\b", line)]
+    outcome, result, _ = run(Cleaner(settings.cleaner), settings, engine, clock, metrics)
+    assert outcome == "success" and states(engine, schema) == {}  # looked at again next pass

@@ -99,5 +99,6 @@ def test_indexes_exist_per_access_path(pg_dsn, schema):
             "SELECT indexname FROM pg_indexes WHERE schemaname = :s AND tablename = 'jobs'"),
             {"s": schema})}
     engine.dispose()
-    assert names == {"jobs_pkey", "jobs_fetch_idx", "jobs_scheduled_idx", "jobs_finalized_idx", "jobs_finalized_queue_idx",
-                     "jobs_running_idx", "jobs_unique_key_idx"}
+    assert names == {"jobs_pkey", "jobs_fetch_idx", "jobs_scheduled_idx", "jobs_finalized_idx",
+                     "jobs_running_idx", "jobs_unique_key_idx", "jobs_exhausted_idx",
+                     "jobs_finalized_queue_idx"}  # main's 0004

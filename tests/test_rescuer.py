@@ -14,7 +14,8 @@ from maintd.queries import sql
 from maintd.jobs import BACKOFF_CAP, ClaimedJob, JobQueue, backoff
 from maintd.metrics import Metrics
 from maintd.services.base import PassContext
-from maintd.queries.jobs import RESCUER_BATCH, RESCUER_COUNT_STUCK, RESCUER_NO_SIGN_BATCH
+from maintd.queries.jobs import (RESCUER_BATCH, RESCUER_COUNT_STUCK, RESCUER_EXHAUSTED_BATCH,
+                                 RESCUER_NO_SIGN_BATCH)
 from maintd.services.rescuer import Rescuer
 
 from .conftest import T0, run_concurrently
@@ -251,6 +252,11 @@ def test_statements_are_index_backed(settings, engine, schema, clock):
             assert "jobs_running_idx" in plan and "Seq Scan" not in plan, plan
             plan = explain(conn, RESCUER_NO_SIGN_BATCH, schema, params, generic=generic)
             assert "jobs_running_idx" in plan.split("CTE rescued")[0] and "Seq Scan" not in plan, plan
+            plan = explain(conn, RESCUER_EXHAUSTED_BATCH, schema, params, generic=generic)
+            candidates, update = plan.split("CTE discarded")
+            assert "jobs_exhausted_idx" in candidates, plan
+            assert "jobs_pkey" in update or "jobs_exhausted_idx" in update, plan
+            assert "Seq Scan" not in plan, plan
         conn.rollback()
 
 

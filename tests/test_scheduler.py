@@ -222,6 +222,43 @@ def test_precise_timing_wakes_at_most_every_min_wake(settings, engine, schema):
     assert last <= ended
 
 
+class AheadClock(ServerClock):
+    """A ServerClock whose carried reading runs ``ahead`` seconds fast: what the monotonic carry's
+    drift (and the round trip's asymmetry) does to a real one, a fraction of a ms at a time."""
+
+    def __init__(self, ahead: float):
+        super().__init__()
+        self.ahead = timedelta(seconds=ahead)
+
+    def now(self) -> datetime:
+        return super().now() + self.ahead
+
+
+def test_a_job_is_never_promoted_before_the_servers_clock_reaches_it(settings, engine, schema):
+    """Whatever the daemon's reading of the server's clock says, promotion waits for the server's
+    own clock: 200 jobs spread over 2 s, promoted by precise-timing passes whose clock runs 30 ms
+    fast, are each promoted at or after scheduled_at by clock_timestamp() in the promoting
+    transaction (a trigger records it), and still within MIN_WAKE + NOISE."""
+    settings.scheduler.interval = timedelta(seconds=1)
+    record_promotions(engine, schema)
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) "
+                         "SELECT 'k', 'scheduled', clock_timestamp() + interval '0.2 seconds' "
+                         "+ g * interval '10.0371 milliseconds' FROM generate_series(1, 200) g", schema))
+    clock, total = AheadClock(0.030), 0
+    deadline = time.monotonic() + 3.5
+    while time.monotonic() < deadline and total < 200:
+        total += Scheduler(settings.scheduler).run_once(PassContext.for_settings(settings, engine, clock)).total
+    with engine.connect() as conn:
+        rows = conn.execute(sql("SELECT j.id, j.scheduled_at, p.at FROM {schema}.jobs j "
+                                "JOIN {schema}.promotions p USING (id)", schema)).all()
+    assert total == len(rows) == 200
+    early = [(r.id, (r.scheduled_at - r.at).total_seconds()) for r in rows if r.at < r.scheduled_at]
+    assert not early, f"{len(early)} promoted before the server's clock reached them, e.g. {early[:3]}"
+    lags = [(r.at - r.scheduled_at).total_seconds() for r in rows]
+    assert max(lags) <= MIN_WAKE + NOISE, f"promotion lag up to {max(lags):.3f}s"
+
+
 def test_run_seconds_measure_work_not_the_precise_timing_sleeps(settings, engine, schema):
     """SPEC 7.4: a pass that sleeps until a job falls due reports its work, not its wait."""
     from maintd.metrics import Metrics

@@ -41,6 +41,7 @@ UPDATE {schema}.jobs
  WHERE id = ANY(ARRAY(
          SELECT id FROM {schema}.jobs
           WHERE state = 'available' AND queue = :queue AND scheduled_at <= now()
+            AND attempt < max_attempts
           ORDER BY priority, scheduled_at, id
           LIMIT :limit
             FOR UPDATE SKIP LOCKED))
@@ -140,6 +141,17 @@ DELETE FROM {schema}.jobs
    AND state = CAST(:state AS {schema}.job_state) AND finalized_at >= :lo AND finalized_at < :hi
 """
 
+# After a SKIP LOCKED delete of [lo, hi), in its transaction: the rows it passed over (held by
+# another session), for the log and maintd_rows_skipped_total; they are looked at next pass.
+CLEANER_LEFT_IN_RANGE = """
+SELECT id FROM {schema}.jobs
+ WHERE state = CAST(:state AS {schema}.job_state)
+   AND finalized_at IS NOT NULL AND finalized_at >= :lo AND finalized_at < :hi
+   AND {target_queues}
+ ORDER BY finalized_at, id
+ LIMIT :limit
+"""
+
 # More than :limit rows finalized at the very same instant: delete them in id batches.
 CLEANER_DELETE_TIED = """
 DELETE FROM {schema}.jobs
@@ -233,6 +245,32 @@ SELECT (SELECT count(*) FROM candidates) AS candidates,
        ARRAY(SELECT id FROM rescued) AS ids
 """
 
+# Waiting jobs with no attempt left (attempt >= max_attempts: an import, an operator's UPDATE, or
+# reschedule_jobs lowering max_attempts), which the claim passes over: discarded with the reason
+# in errors. jobs_exhausted_idx (migration 0005) holds exactly these rows, so this is one probe
+# of an empty index in the normal case.
+RESCUER_EXHAUSTED_BATCH = """
+WITH candidates AS MATERIALIZED (
+  SELECT id FROM {schema}.jobs
+   WHERE state IN ('available', 'scheduled', 'retryable') AND attempt >= max_attempts
+   ORDER BY id
+   LIMIT :limit
+     FOR NO KEY UPDATE SKIP LOCKED
+), discarded AS (
+  UPDATE {schema}.jobs AS j
+     SET state = 'discarded', finalized_at = CAST(:now AS timestamptz),
+         errors = j.errors || jsonb_build_array(jsonb_build_object(
+                    'at', CAST(:now AS timestamptz), 'attempt', j.attempt,
+                    'error', format('discarded by maintd (%s): no attempt left to claim, attempt %s >= max_attempts %s',
+                                    CAST(:instance AS text), j.attempt, j.max_attempts)))
+    FROM candidates AS c
+   WHERE j.id = c.id AND j.state IN ('available', 'scheduled', 'retryable') AND j.attempt >= j.max_attempts
+  RETURNING j.id, j.queue
+)
+SELECT (SELECT count(*) FROM candidates) AS candidates,
+       ARRAY(SELECT id FROM discarded ORDER BY id) AS ids
+"""
+
 RESCUER_COUNT_STUCK = """
 SELECT count(*) FILTER (WHERE attempt < max_attempts) AS retry,
        count(*) FILTER (WHERE attempt >= max_attempts) AS discard
@@ -244,17 +282,23 @@ SELECT count(*) FILTER (WHERE attempt < max_attempts) AS retry,
 
 # -- scheduler ----------------------------------------------------------------------------------
 
+# Due: scheduled_at <= :now (the daemon's reading of the server's clock, carried forward on the
+# host's monotonic clock, or a test's FrozenClock) and never ahead of the server's own clock:
+# statement_timestamp() is when the server got this statement, so a job is never promoted before
+# clock_timestamp() reaches its scheduled_at, whatever the carried reading's drift. (Unlike
+# clock_timestamp(), it is stable, so the bound stays an index condition on jobs_scheduled_idx.)
 SCHEDULER_PROMOTE = """
 WITH promoted AS (
   UPDATE {schema}.jobs SET state = 'available'
    WHERE id = ANY(ARRAY(
            SELECT id FROM {schema}.jobs
-            WHERE state IN ('scheduled', 'retryable') AND scheduled_at <= :now
+            WHERE state IN ('scheduled', 'retryable')
+              AND scheduled_at <= least(CAST(:now AS timestamptz), statement_timestamp())
             ORDER BY scheduled_at, id
             LIMIT :limit
               FOR UPDATE SKIP LOCKED))
      AND state IN ('scheduled', 'retryable')
-     AND scheduled_at <= :now
+     AND scheduled_at <= least(CAST(:now AS timestamptz), statement_timestamp())
   RETURNING queue
 )
 SELECT queue, count(*) AS n FROM promoted GROUP BY queue

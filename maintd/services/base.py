@@ -241,10 +241,16 @@ class PassContext:
             conn = conn.execution_options(isolation_level="AUTOCOMMIT")
             conn.exec_driver_sql(f"SET lock_timeout = {int(lock_timeout_ms)}")
             conn.exec_driver_sql(f"SET statement_timeout = {int(statement_timeout_ms)}")
+            raw = conn.connection.dbapi_connection
+            bound = getattr(raw, "answer_timeout", None)  # db.BoundedConnection: follows the timeout
+            if bound is not None:
+                raw.answer_timeout = None if not statement_timeout_ms else bound + statement_timeout_ms / 1000
             try:
                 with self.query.tracking(conn):
                     yield conn
             finally:
+                if bound is not None:
+                    raw.answer_timeout = bound
                 try:
                     conn.exec_driver_sql("RESET statement_timeout")
                     conn.exec_driver_sql("RESET lock_timeout")
@@ -277,6 +283,11 @@ class PassResult:
     def waited(self) -> float:
         """Seconds the pass spent waiting on purpose (not work: left out of its duration)."""
         return 0.0
+
+    def skipped_rows(self) -> dict[str, int]:
+        """Rows the pass passed over, by reason (each also logged with its id): fed to
+        ``maintd_rows_skipped_total{service,reason}``."""
+        return {}
 
     def summary(self) -> str:
         """A short human line, e.g. ``deleted completed=10 discarded=2``."""

@@ -74,10 +74,14 @@ class CleanerResult(PassResult):
     timeouts: int = 0
     overflows: int = 0  # predicted batches rolled back because they held more than batch_size rows
     dry_run: bool = False
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> rows passed over
 
     @property
     def total(self) -> int:
         return sum(self.deleted.values())
+
+    def skipped_rows(self) -> dict[str, int]:
+        return self.skipped
 
     def did_something(self) -> bool:
         return self.total > 0 or self.timeouts > 0
@@ -211,7 +215,7 @@ class Cleaner(Service):
             ctx.check_stop()
             limit, predicted, started = self.batch_size, plan.predicted, time.monotonic()
             try:
-                hi, last, n = self._delete_batch(ctx, target, plan, limit)
+                hi, last, n = self._delete_batch(ctx, target, plan, limit, result)
             except _Overflow:  # only a prediction can overshoot: it was rolled back; probe instead
                 result.overflows += 1
                 plan.width = None
@@ -249,7 +253,7 @@ class Cleaner(Service):
                 return
 
     def _delete_batch(self, ctx: PassContext, target: Target, plan: RangePlan,
-                      limit: int) -> tuple[datetime, bool, int]:
+                      limit: int, result: CleanerResult) -> tuple[datetime, bool, int]:
         """One fenced transaction: where the range ends (predicted or probed), then its DELETE.
         Returns (hi, whether the range reached the horizon, rows deleted)."""
         with ctx.transaction(statement_timeout_ms=self._timeout_ms(ctx),
@@ -271,7 +275,19 @@ class Cleaner(Service):
             n = conn.execute(ctx.sql(target.statement(stmt)), args).rowcount
             if n > limit:
                 raise _Overflow()
+            if plan.skip_locked or (hi == plan.lo and n < limit):  # SKIP LOCKED left only locked rows
+                self._report_locked(ctx, conn, {**args, "hi": max(hi, plan.lo + TINY)}, result)
         return hi, last, n
+
+    @staticmethod
+    def _report_locked(ctx: PassContext, conn, args: dict, result: CleanerResult) -> None:
+        """The expired rows a SKIP LOCKED delete left in its range: held by another session."""
+        ids = conn.execute(ctx.sql(jobs.CLEANER_LEFT_IN_RANGE), args).scalars().all()
+        for job_id in ids:
+            log.warning("passed over an expired job locked by another session (retried next pass)",
+                        extra=kv(job_id=job_id, state=args["state"]))
+        if ids:
+            result.skipped["locked"] = result.skipped.get("locked", 0) + len(ids)
 
     def _recover(self, exc: OperationalError, ctx: PassContext, plan: RangePlan, predicted: bool,
                  limit: int, target: Target, result: CleanerResult) -> None:

@@ -10,6 +10,11 @@ a job right now holds its row: we skip it rather than wait), and updated. ``sche
 backoff(attempt)`` uses :func:`maintd.jobs.backoff`, tabulated here and passed as an array. The
 update re-checks ``state = 'running'``, the same attempt and the stuck condition, so a job
 completed or re-claimed in between is never overwritten.
+
+Waiting jobs (``available``, ``scheduled``, ``retryable``) with no attempt left (``attempt >=
+max_attempts``), which the workers' claim passes over, are discarded with the reason appended to
+``errors`` (through ``jobs_exhausted_idx``), counted as ``maintd_jobs_rescued_total{outcome=
+"exhausted"}`` and logged one line per job.
 """
 
 from __future__ import annotations
@@ -36,15 +41,17 @@ DELAYS = [backoff(k).total_seconds() for k in range(BACKOFF_CAP + 1)]
 class RescuerResult(PassResult):
     retried: int = 0
     discarded: int = 0
+    exhausted: int = 0  # waiting jobs with no attempt left, discarded
     batches: int = 0
     dry_run: bool = False
 
     def did_something(self) -> bool:
-        return self.retried + self.discarded > 0
+        return self.retried + self.discarded + self.exhausted > 0
 
     def summary(self) -> str:
         verb = "would rescue" if self.dry_run else "rescued"
-        return f"{verb} retried={self.retried} discarded={self.discarded}"
+        return f"{verb} retried={self.retried} discarded={self.discarded}" + (
+            f" exhausted={self.exhausted}" if self.exhausted else "")
 
 
 class Rescuer(Service):
@@ -71,8 +78,9 @@ class Rescuer(Service):
                       "cap": BACKOFF_CAP}
             self._rescue_without_sign(ctx, params, result)
             self._rescue(ctx, params, result)
+            self._discard_exhausted(ctx, params, result)
         finally:  # also when the pass stops or fails half-way: say what was committed
-            if result.did_something():
+            if result.retried + result.discarded:
                 log.info("released stale running jobs",
                          extra=kv(count=result.retried + result.discarded, retried=result.retried,
                                   discarded=result.discarded))
@@ -110,8 +118,25 @@ class Rescuer(Service):
             if batch.candidates < limit:
                 return
 
+    def _discard_exhausted(self, ctx: PassContext, params: dict, result: RescuerResult) -> None:
+        """Waiting jobs with no attempt left (the claim passes them over): discarded, each logged."""
+        limit = self.config.batch_size
+        while True:
+            ctx.check_stop()
+            with ctx.transaction() as conn:
+                batch = conn.execute(ctx.sql(jobs.RESCUER_EXHAUSTED_BATCH), {
+                    "now": params["now"], "instance": ctx.instance_id, "limit": limit}).one()
+            result.exhausted += len(batch.ids)
+            for job_id in batch.ids:
+                log.warning("discarded a waiting job with no attempt left (attempt >= max_attempts)",
+                            extra=kv(job_id=job_id))
+            if batch.candidates < limit:
+                return
+
     def observe(self, metrics, result: RescuerResult) -> None:
         if result.retried:
             metrics.jobs_rescued.labels("retried").inc(result.retried)
         if result.discarded:
             metrics.jobs_rescued.labels("discarded").inc(result.discarded)
+        if result.exhausted:
+            metrics.jobs_rescued.labels("exhausted").inc(result.exhausted)

@@ -15,6 +15,12 @@ enqueued meanwhile is not missed, and ending ``TICK_MARGIN`` before the next tic
 before the next tick is promoted, and its queue notified, within about ``MIN_WAKE`` of
 ``scheduled_at``. Without it, lag is up to ``interval``. An idle tick is one transaction with two
 probes of ``jobs_scheduled_idx``.
+
+Never early: the pass's ``now`` is the server's clock carried forward on the host's monotonic
+clock, which drifts from the server's by a fraction of a millisecond; the promotion is bounded by
+the server's own ``statement_timestamp()`` as well, so no job becomes ``available`` before the
+server's clock reaches its ``scheduled_at`` (a pass woken a little early promotes it on its next
+wake-up, within ``MIN_WAKE``). A test's FrozenClock in the server's past still decides alone.
 """
 
 from __future__ import annotations

@@ -1,0 +1,47 @@
+"""jobs_exhausted_idx: waiting jobs with no attempt left, for the rescuer (issue 13)
+
+Revision ID: 0005
+Revises: 0004
+Create Date: 2026-11-23
+
+The workers' claim passes over an ``available`` job with ``attempt >= max_attempts`` (its
+``attempt + 1`` would overflow the smallint at 32767 and fail the whole claim statement); the
+rescuer discards such waiting jobs with the reason in ``errors``. This partial index holds exactly
+them, so finding them is one probe of a normally empty index.
+
+Built ``CONCURRENTLY`` like 0004 (workers keep writing while it builds); a build interrupted
+half-way leaves an invalid index, which the next ``migrate`` drops and builds again.
+"""
+
+from alembic import op
+
+from maintd.db import quote_ident
+
+revision = "0005"
+down_revision = "0004"  # 0004_finalized_queue_index
+branch_labels = None
+depends_on = None
+
+INDEX = "jobs_exhausted_idx"
+WHERE = "state IN ('available', 'scheduled', 'retryable') AND attempt >= max_attempts"
+
+
+def upgrade() -> None:
+    schema = quote_ident(op.get_context().version_table_schema)
+    with op.get_context().autocommit_block():
+        op.execute(f"""
+DO $$
+BEGIN
+  IF EXISTS (SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+              WHERE c.relname = '{INDEX}' AND c.relnamespace = '{schema}'::regnamespace
+                AND NOT i.indisvalid) THEN
+    EXECUTE 'DROP INDEX {schema}.{INDEX}';
+  END IF;
+END $$""")
+        op.execute(f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {INDEX} ON {schema}.jobs (id) WHERE {WHERE}")
+
+
+def downgrade() -> None:
+    schema = quote_ident(op.get_context().version_table_schema)
+    with op.get_context().autocommit_block():
+        op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {schema}.{INDEX}")
