@@ -9,12 +9,15 @@
   is trusted for ``lease - renew_interval`` after the last proof was sent (the server's idle timer
   cannot have started earlier); on any failure, or when that runs out, it demotes itself.
 * Winning the lock bumps ``leader.epoch`` after locking the leader row ``FOR UPDATE``. Every
-  maintenance transaction runs :meth:`LeaderFence.check` first: it locks the leader row
-  ``FOR KEY SHARE`` and proceeds only while the epoch is ours and our lock session (by its
-  ``pg_backend_pid()``, which a session pooler does not change) still holds the lock. A new
-  leader's epoch bump waits for such in-flight transactions; once it commits, a stale ex-leader's
-  transactions do nothing. (KEY SHARE, not SHARE: the leader's own ``renewed_at`` update must not
-  wait for its own maintenance transactions.)
+  maintenance transaction that wrote anything runs :meth:`LeaderFence.check_writes` last, right
+  before COMMIT: it locks the leader row ``FOR KEY SHARE`` and commits only while the epoch is
+  ours and our lock session (by its ``pg_backend_pid()``, which a session pooler does not change)
+  still holds the lock; otherwise the transaction rolls back. A new leader's epoch bump waits for
+  such in-flight transactions; once it commits, a stale ex-leader's writes never commit. A
+  transaction that wrote nothing (an idle pass) takes no lock and writes no WAL. (KEY SHARE, not
+  SHARE: it must not conflict with updates of the row's other columns.)
+* Renewing the lease is read-only (the lock is still held by this session, the term is still
+  ours, the server is a primary): an idle leader writes no WAL.
 * The elector thread is a follower (:meth:`LeaderElector._follow`: try the lock every
   ``retry_interval``, waking early on the hand-over NOTIFY a leader sends when it stops
   gracefully) or a leader (:meth:`LeaderElector._lead`: renew, or demote).
@@ -86,14 +89,28 @@ class LeaderFence:
     def epoch(self) -> int:
         return self.term.epoch
 
-    def check(self, conn: Connection) -> None:
+    def _params(self) -> dict:
+        return {"epoch": self.term.epoch, "instance": self.term.instance_id, "lock_pid": self.term.lock_pid,
+                "classid": self._key[0], "objid": self._key[1]}
+
+    def _check_term(self) -> None:
         now = self._current()
         if now is None or now.epoch != self.term.epoch or not now.trusted():
             raise NotLeader("leadership lease expired or lost")
-        row = conn.execute(sql(q.FENCE, self.schema), {
-            "epoch": self.term.epoch, "instance": self.term.instance_id, "lock_pid": self.term.lock_pid,
-            "classid": self._key[0], "objid": self._key[1]}).first()
-        if row is None:
+
+    def check(self, conn: Connection) -> None:
+        self._check_term()
+        if conn.execute(sql(q.FENCE, self.schema), self._params()).first() is None:
+            raise NotLeader(f"epoch {self.term.epoch} is no longer the leader's")
+
+    def check_writes(self, conn: Connection) -> None:
+        """Right before COMMIT: if the transaction wrote anything, prove the term (one statement;
+        none of it when nothing was written)."""
+        wrote, leads = conn.execute(sql(q.FENCE_WRITES, self.schema), self._params()).one()
+        if not wrote:
+            return
+        self._check_term()
+        if not leads:
             raise NotLeader(f"epoch {self.term.epoch} is no longer the leader's")
 
 
@@ -320,7 +337,7 @@ class LeaderElector:
                             "the lock until its TCP connection dies (fencing still prevents writes)")
         self._ever_connected = True
         self._set_health(True)
-        self.registry.heartbeat(conn, force=True)
+        self.registry.register(conn)
 
     def acquire(self, wait: float) -> LeaderFence | None:
         """For ``run-once``: take the lock (trying for up to ``wait`` s), then keep renewing it in
@@ -382,11 +399,9 @@ class LeaderElector:
         retry = self.settings.leader.retry_interval.total_seconds()
         if time.monotonic() < self._hold_off_until:  # stepped down for a reason: let others lead
             self.session.holds_lock()  # a statement a round keeps the idle session alive
-            self.registry.heartbeat(self.session.conn)  # type: ignore[arg-type]
             self.session.wait_for_handover(min(retry, self._hold_off_until - time.monotonic()), self._stop)
             return
         if not self.session.try_lock():
-            self.registry.heartbeat(self.session.conn)  # type: ignore[arg-type]
             if wait:
                 self.session.wait_for_handover(retry, self._stop)
             return
@@ -426,7 +441,6 @@ class LeaderElector:
         if not self.session.renew(term):
             return self._end_term("advisory lock no longer held or another instance took a newer term")
         self.term = dataclasses.replace(term, trusted_until=sent + self._trust())
-        self.registry.heartbeat(self.session.conn)  # type: ignore[arg-type]
         return None
 
     def _trust(self) -> float:

@@ -1,6 +1,13 @@
 """One pass of one service: run it under a :class:`PassContext`, classify its outcome, report it
 (metrics, log line) and record it in ``service_runs``. The runner (daemon) and ``run-once`` (CLI)
-both come through here."""
+both come through here.
+
+Every pass is reported in this process (metrics, ``/status``); the daemon writes to
+``service_runs`` only the passes that say something new (:func:`worth_recording`): the first of
+each service in a term or after a reload, one that did something, one whose outcome or error
+differs from the last recorded, and a failing one again every ``RECORD_FAILING_EVERY``. Idle
+passes are not written, so an idle daemon writes no WAL; ``last_success_at`` is still that of the
+latest successful pass (idle or not) whenever a row is written."""
 
 from __future__ import annotations
 
@@ -9,7 +16,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Engine
@@ -23,6 +30,8 @@ from .services import SERVICES
 from .services.base import NotLeader, PassContext, PassResult, PassStopped, Service
 
 log = logging.getLogger("maintd.passes")
+
+RECORD_FAILING_EVERY = timedelta(minutes=5)  # a pass failing the same way is recorded this often
 
 
 class Outcome(str, enum.Enum):
@@ -44,6 +53,9 @@ class PassRecord:
     seconds: float  # the pass's work, not its waits (the scheduler's precise-timing sleeps)
     result: PassResult | None = None
     error: str | None = None
+    # The latest successful pass of the service known to this process (None: not known), so
+    # that a record of a failure after unrecorded idle successes still says when it last worked.
+    last_success_at: datetime | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"service": self.service, "outcome": self.outcome.value,
@@ -133,18 +145,33 @@ def _observe(metrics: Metrics, service: Service, record: PassRecord, ctx: PassCo
                 metrics.rows_skipped.labels(record.service, reason).inc(n)
 
 
-def record_pass(ctx: PassContext, record: PassRecord) -> None:
-    """Write the pass to ``service_runs`` in a fenced transaction of its own. Raises NotLeader
-    when the term is over; other failures are logged (the record is bookkeeping only)."""
+def worth_recording(previous: PassRecord | None, record: PassRecord) -> bool:
+    """Whether the daemon writes ``record`` to ``service_runs``, given the last pass of the
+    service it wrote in this term (None: none yet)."""
+    if previous is None or record.outcome is not previous.outcome or record.error != previous.error:
+        return True
+    if record.result is not None and record.result.did_something():
+        return True
+    return record.outcome is not Outcome.SUCCESS and record.finished_at - previous.finished_at >= RECORD_FAILING_EVERY
+
+
+def record_pass(ctx: PassContext, record: PassRecord) -> bool:
+    """Write the pass to ``service_runs`` in a fenced transaction of its own; True when it was
+    written. Raises NotLeader when the term is over; other failures are logged (the record is
+    bookkeeping only)."""
+    last_success = record.finished_at if record.outcome is Outcome.SUCCESS else record.last_success_at
     try:
         with ctx.transaction() as conn:
             conn.execute(ctx.sql(service_runs.RECORD), {
                 "service": record.service, "instance": ctx.instance_id, "started": record.started_at,
                 "finished": record.finished_at, "outcome": record.outcome.value,
                 "result": json.dumps(record.as_dict()["result"], default=str), "error": record.error,
+                "last_success": last_success,
             })
+        return True
     except (NotLeader, PassStopped):
         raise
     except Exception as exc:
         log.warning("could not record the pass", extra=kv(service=record.service,
                                                           error=describe_db_error(exc)))
+        return False

@@ -20,7 +20,7 @@ from .clock import Clock, ServerClock
 from .config import Settings
 from .logs import kv
 from .metrics import JobGauges, Metrics
-from .passes import Outcome, PassRecord, execute_pass, record_pass
+from .passes import Outcome, PassRecord, execute_pass, record_pass, worth_recording
 from .services import build_services
 from .services.base import Fence, NotLeader, PassContext, PassStopped, Service
 
@@ -53,6 +53,8 @@ class Runner:
         self._pass_ended = threading.Event()
         self._lock = threading.Lock()
         self.last_runs: dict[str, dict] = {}
+        self._recorded: dict[str, PassRecord] = {}  # the last pass of each service written this term
+        self._last_success: dict[str, datetime] = {}
 
     def start(self) -> None:
         self.timetable.start()
@@ -66,6 +68,7 @@ class Runner:
         with self._lock:
             self._fence = fence
             self._stop_event = threading.Event()
+            self._recorded = {}  # a new term: the first pass of each service is written
             self._schedule_all()
 
     def deactivate(self, timeout: float = 1.0) -> None:
@@ -94,6 +97,7 @@ class Runner:
         with self._lock:
             self.settings = settings
             self.services = self.build(settings)
+            self._recorded = {}  # new settings: the first pass of each service is written
             if self._fence is not None:
                 self._schedule_all(reload=True)
 
@@ -160,15 +164,20 @@ class Runner:
             self._active.pop(name, None)
             self._pass_ended.set()
         self.last_runs[name] = record.as_dict()
+        if record.outcome is Outcome.SUCCESS:
+            self._last_success[name] = record.finished_at
+        record.last_success_at = self._last_success.get(name)
         if record.outcome is Outcome.FENCED:
             if not stop_event.is_set():  # this term is still ours as far as the elector knows
                 self.on_fenced(record.error or "fenced", fence)
-        elif record.outcome is not Outcome.STOPPED:
+        elif record.outcome is not Outcome.STOPPED and worth_recording(self._recorded.get(name), record):
             self._record(ctx, record)
 
     def _record(self, ctx: PassContext, record: PassRecord) -> None:
+        recorded = self._recorded
         try:
-            record_pass(ctx, record)
+            if record_pass(ctx, record):
+                recorded[record.service] = record
         except NotLeader as exc:
             if not ctx.should_stop():
                 self.on_fenced(str(exc), ctx.fence)

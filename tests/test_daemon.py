@@ -30,6 +30,13 @@ def service_runs(dsn, schema):
             f'SELECT service, instance_id, finished_at FROM "{schema}".service_runs')}
 
 
+def last_passes(d) -> dict:
+    """This daemon's last pass of each service, idle ones included (its /status; service_runs
+    holds only the passes that said something new)."""
+    runs = json.loads(d.http_get("/status")[1])["this_instance"]["last_runs"]
+    return {name: (d.instance_id, datetime.fromisoformat(r["finished_at"])) for name, r in runs.items()}
+
+
 def registered(dsn, schema) -> set[str]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         return {r[0] for r in conn.execute(f'SELECT instance_id FROM "{schema}".daemons')}
@@ -245,11 +252,11 @@ def _sighup_checks(pg_dsn, schema, d, notify):
     # (A cleaner pass already running at the reload may still finish: compare with the record
     # after the first rescuer pass that began after the reload.)
     reloaded = datetime.now(timezone.utc)
-    wait_for(lambda: service_runs(pg_dsn, schema)["rescuer"][1] > reloaded, 5, what="a rescuer pass")
-    cleaner_before = service_runs(pg_dsn, schema)["cleaner"]
-    rescued_at = service_runs(pg_dsn, schema)["rescuer"][1]
+    wait_for(lambda: last_passes(d)["rescuer"][1] > reloaded, 5, what="a rescuer pass")
+    cleaner_before = last_passes(d)["cleaner"]
+    rescued_at = last_passes(d)["rescuer"][1]
     time.sleep(1.5)
-    runs = service_runs(pg_dsn, schema)
+    runs = last_passes(d)
     assert runs["rescuer"][1] > rescued_at and runs["cleaner"] == cleaner_before
 
     config["cleaner"]["enabled"] = True
@@ -259,7 +266,7 @@ def _sighup_checks(pg_dsn, schema, d, notify):
     m = d.wait_log(r"config reloaded services=(\S+)", after=offset)
     assert "cleaner" in m.group(1).split(",")
     since = datetime.now(timezone.utc)
-    wait_for(lambda: service_runs(pg_dsn, schema).get("cleaner", (None, since))[1] > since, 5,
+    wait_for(lambda: last_passes(d).get("cleaner", (None, since))[1] > since, 5,
              what="a cleaner pass after re-enabling")
 
     d.config_path.write_text("[cleaner]\nbatch_size = 0\n")
@@ -268,7 +275,7 @@ def _sighup_checks(pg_dsn, schema, d, notify):
     m = d.wait_log(r"config reload rejected.*", after=offset)
     assert "cleaner.batch_size" in m.group(0)
     since = datetime.now(timezone.utc)
-    wait_for(lambda: service_runs(pg_dsn, schema).get("cleaner", (None, since))[1] > since, 5,
+    wait_for(lambda: last_passes(d).get("cleaner", (None, since))[1] > since, 5,
              what="passes continuing with the old config")
     assert d.proc.poll() is None
 

@@ -116,21 +116,24 @@ def test_second_acquire_fails_while_held(settings):
 
 
 def test_takeover_waits_for_an_in_flight_fenced_transaction(pg_dsn, settings, engine, schema):
-    """The ordering fencing relies on: a new term begins only after the old leader's open fenced
-    transaction ended, and from then on the old leader's transactions are refused."""
+    """The ordering fencing relies on: a write's fence is checked right before its COMMIT (in the
+    same transaction); a new term begins only after an old leader's transaction whose fence
+    passed has ended, and from then on the old leader's writes are refused."""
     a, fence_a = acquire_once(settings)
     b_settings = settings.model_copy(update={"instance_id": "test-2"})
     b_held: list = []
     taker = threading.Thread(target=lambda: b_held.append(acquire_once(b_settings, wait=15)))
     ctx = PassContext.for_settings(settings, engine, None, fence=fence_a)  # type: ignore[arg-type]
     try:
-        with ctx.transaction() as conn:  # A's fence passes
+        with engine.connect() as conn:  # what PassContext.transaction does, paused before COMMIT
+            conn.execute(sql("INSERT INTO {schema}.jobs (kind) VALUES ('by-a')", schema))
+            fence_a.check_writes(conn)  # A's fence passes
             assert terminate(pg_dsn, schema, settings.instance_id) == 1  # then A's lock session dies
             taker.start()
             wait_for(lambda: lock_holders(pg_dsn, schema) == ["maintd:test-2"], 10, what="B to get the lock")
             time.sleep(0.5)
             assert taker.is_alive(), "B's term began while A's fenced transaction was open"
-            conn.execute(sql("INSERT INTO {schema}.jobs (kind) VALUES ('by-a')", schema))
+            conn.commit()
         taker.join(15)
         [(b, fence_b)] = b_held
         try:
@@ -143,6 +146,25 @@ def test_takeover_waits_for_an_in_flight_fenced_transaction(pg_dsn, settings, en
     finally:
         a.stop()
     assert kinds(engine, schema) == ["by-a"]
+
+
+def test_write_made_before_a_takeover_is_refused_at_commit(pg_dsn, settings, engine, schema):
+    """A write whose transaction was open (but not yet fenced) when another instance took over
+    never commits: the fence before COMMIT sees the new term and rolls it back."""
+    a, fence_a = acquire_once(settings)
+    b_settings = settings.model_copy(update={"instance_id": "test-2"})
+    ctx = PassContext.for_settings(settings, engine, None, fence=fence_a)  # type: ignore[arg-type]
+    try:
+        with pytest.raises(NotLeader):
+            with ctx.transaction() as conn:
+                conn.execute(sql("INSERT INTO {schema}.jobs (kind) VALUES ('stale')", schema))
+                assert terminate(pg_dsn, schema, settings.instance_id) == 1
+                held = acquire_once(b_settings, wait=15)  # not blocked: A holds no lock yet
+                assert held is not None and held[1].epoch == fence_a.epoch + 1
+        held[0].stop()
+    finally:
+        a.stop()
+    assert kinds(engine, schema) == []
 
 
 def test_slow_fenced_transaction_does_not_cost_the_leadership(settings, engine):

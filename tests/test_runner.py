@@ -117,16 +117,29 @@ def test_losing_leadership_stops_passes_within_a_second(settings, engine):
     assert sample(metrics, "maintd_service_runs_total", {"target": TARGET, "service": "rescuer", "outcome": "error"}) == 0
 
 
-def test_execute_pass_reports_fenced(settings, engine):
+def test_execute_pass_reports_fenced(settings, engine, schema):
+    """A pass whose write is refused by the fence is "fenced", and its write is rolled back; an
+    idle pass (nothing to write) never asks the fence."""
+    checks = []
+
     class Fenced:
         def check(self, conn):
+            checks.append(1)
             raise NotLeader("stale")
 
     from maintd.services.cleaner import Cleaner
 
     ctx = PassContext.for_settings(settings, engine, ServerClock(), fence=Fenced())
+    idle = execute_pass("cleaner", Cleaner(settings.cleaner), ctx)
+    assert idle.outcome == "success" and checks == []
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, finalized_at) "
+                         "VALUES ('k', 'completed', now() - interval '30 days')", schema))
     record = execute_pass("cleaner", Cleaner(settings.cleaner), ctx)
     assert record.outcome == "fenced" and record.result is None and "stale" in record.error
+    assert checks
+    with engine.connect() as conn:
+        assert conn.execute(sql("SELECT count(*) FROM {schema}.jobs", schema)).scalar() == 1
 
 
 def test_pass_is_recorded_logged_and_measured(settings, engine, schema, monkeypatch, maintd_log):

@@ -13,7 +13,7 @@ from maintd.db import notify_channel
 from maintd.queries import sql
 from maintd.metrics import Metrics
 from maintd.services.base import PassContext
-from maintd.queries.jobs import SCHEDULER_COUNT_DUE, SCHEDULER_NEXT_DUE, SCHEDULER_PROMOTE
+from maintd.queries.jobs import SCHEDULER_COUNT_DUE, SCHEDULER_NEXT_DUE, SCHEDULER_PROBE, SCHEDULER_PROMOTE
 from maintd.services.scheduler import MIN_WAKE, Scheduler, SchedulerResult
 
 from .conftest import T0, run_concurrently
@@ -127,10 +127,12 @@ def test_statements_are_index_backed(settings, engine, schema):
                          schema))
         conn.execute(sql("ANALYZE {schema}.jobs", schema))
     with engine.connect() as conn:
-        for stmt in (SCHEDULER_PROMOTE, SCHEDULER_NEXT_DUE, SCHEDULER_COUNT_DUE):
+        for stmt in (SCHEDULER_PROBE, SCHEDULER_PROMOTE, SCHEDULER_NEXT_DUE, SCHEDULER_COUNT_DUE):
             for generic in (False, True):
                 plan = explain(conn, stmt, schema, {"now": T0, "limit": 100}, generic=generic)
                 assert "jobs_scheduled_idx" in plan and "Seq Scan" not in plan, plan
+                if stmt == SCHEDULER_PROBE:  # both probes of the idle tick
+                    assert plan.count("jobs_scheduled_idx") == 2, plan
         conn.rollback()
 
 

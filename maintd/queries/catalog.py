@@ -5,6 +5,9 @@ SERVER_TIME = "SELECT clock_timestamp()"
 # A session setting of a new connection (maintd.db.connect).
 SET_SESSION = "SELECT set_config(:name, :value, false)"
 
+# Did the current transaction write anything (has it been given a transaction id)?
+WROTE = "SELECT txid_current_if_assigned() IS NOT NULL"
+
 TABLE_EXISTS = "SELECT to_regclass(:qualified) IS NOT NULL"
 
 JOBS_INDEXES = """

@@ -9,9 +9,22 @@ ON CONFLICT (instance_id) DO UPDATE
        started_at = CASE WHEN daemons.pid = excluded.pid THEN daemons.started_at ELSE now() END
 """
 
-FORGET_STALE = "DELETE FROM {schema}.daemons WHERE last_seen_at < now() - interval '1 hour'"
+# A daemon is alive while its lock session is connected: a session named maintd:<instance_id>
+# (application_name, at most 63 bytes, is shown to every role) on this database. So the row is
+# written only when the daemon (re)connects, and an idle daemon writes nothing.
+LIVE_SESSION = """EXISTS (SELECT 1 FROM pg_stat_activity a
+                WHERE a.datname = current_database()
+                  AND a.application_name = left('maintd:' || d.instance_id, 63))"""
 
+FORGET_STALE = """
+DELETE FROM {schema}.daemons d
+ WHERE d.last_seen_at < now() - interval '1 hour' AND NOT """ + LIVE_SESSION
+
+# last_seen_at: now for a daemon whose session is connected, else when it last (re)connected.
 LIVE = """
-SELECT instance_id, host, pid, version, started_at, last_seen_at
-  FROM {schema}.daemons WHERE last_seen_at > now() - interval '1 minute' ORDER BY instance_id
+SELECT instance_id, host, pid, version, started_at,
+       CASE WHEN """ + LIVE_SESSION + """ THEN now() ELSE last_seen_at END AS last_seen_at
+  FROM {schema}.daemons d
+ WHERE d.last_seen_at > now() - interval '1 minute' OR """ + LIVE_SESSION + """
+ ORDER BY instance_id
 """

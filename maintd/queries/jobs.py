@@ -315,6 +315,17 @@ SELECT min(scheduled_at) FROM {schema}.jobs
    AND scheduled_at >= '0001-01-02 00:00:00+00' AND scheduled_at < '9999-12-31 00:00:00+00'
 """
 
+# An idle tick's only statement (read-only, in autocommit): is anything due (the first entry of
+# jobs_scheduled_idx, whatever :now is, even in a generic plan), and when is the next due time
+# (as SCHEDULER_NEXT_DUE)? Two probes of the index, each reading one entry.
+SCHEDULER_PROBE = """
+SELECT coalesce((SELECT min(scheduled_at) FROM {schema}.jobs
+                  WHERE state IN ('scheduled', 'retryable')) <= CAST(:now AS timestamptz), false) AS due,
+       (SELECT min(scheduled_at) FROM {schema}.jobs
+         WHERE state IN ('scheduled', 'retryable')
+           AND scheduled_at >= '0001-01-02 00:00:00+00' AND scheduled_at < '9999-12-31 00:00:00+00') AS next_due
+"""
+
 SCHEDULER_COUNT_DUE = """
 SELECT queue, count(*) AS n FROM {schema}.jobs
  WHERE state IN ('scheduled', 'retryable') AND scheduled_at <= :now

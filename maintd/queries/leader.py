@@ -28,10 +28,12 @@ ON CONFLICT (name) DO UPDATE
 RETURNING epoch
 """
 
+# The lease's proof, every renew_interval: the term is still ours (and the server a primary: a
+# standby cannot take a maintenance write). Read-only, so an idle leader writes no WAL;
+# ``renewed_at`` is written when a term starts, liveness is the lock itself (``holds_lock``).
 RENEW = """
-UPDATE {schema}.leader SET renewed_at = now()
- WHERE name = 'leader' AND epoch = :epoch AND instance_id = :instance
-RETURNING epoch
+SELECT epoch FROM {schema}.leader
+ WHERE name = 'leader' AND epoch = :epoch AND instance_id = :instance AND NOT pg_is_in_recovery()
 """
 
 RELEASE = """
@@ -41,8 +43,21 @@ UPDATE {schema}.leader SET released_at = now()
 
 HANDOVER_NOTIFY = "SELECT pg_notify(:channel, :instance)"
 
-# Runs first inside every fenced maintenance transaction: the term is still ours, and the lock
-# session of that term (:lock_pid, the server-side pid) still holds the lock.
+# Runs last (right before COMMIT) inside every maintenance transaction: did it write (has it a
+# transaction id)? Only then is the leader row locked FOR KEY SHARE and the term checked: ours
+# (:epoch, :instance), and its lock session (:lock_pid, the server-side pid) still holding the
+# lock. A transaction that wrote nothing takes no lock and commits without WAL. The filter on the
+# transaction id sits below the row lock, so no row reaches the lock when nothing was written.
+FENCE_WRITES = """
+SELECT txid_current_if_assigned() IS NOT NULL AS wrote,
+       EXISTS (SELECT 1 FROM {schema}.leader
+                WHERE txid_current_if_assigned() IS NOT NULL
+                  AND name = 'leader' AND epoch = :epoch AND instance_id = :instance
+                  AND EXISTS ({advisory_lock} AND pid = :lock_pid)
+                  FOR KEY SHARE) AS leads
+"""
+
+# The same check, unconditionally (a proof of leadership before DDL, which cannot be fenced).
 FENCE = """
 SELECT 1 FROM {schema}.leader
  WHERE name = 'leader' AND epoch = :epoch AND instance_id = :instance

@@ -1,10 +1,13 @@
-"""Statements on ``{schema}.service_runs``: the last pass of each service."""
+"""Statements on ``{schema}.service_runs``: the last recorded pass of each service (the daemon
+skips idle passes that repeat the last record, see :mod:`maintd.passes`)."""
 
+# :last_success: the latest successful pass the daemon knows of (this one if it succeeded; NULL
+# keeps the row's).
 RECORD = """
 INSERT INTO {schema}.service_runs AS r
        (service, instance_id, started_at, finished_at, outcome, result, error, last_success_at)
 VALUES (:service, :instance, :started, :finished, :outcome, CAST(:result AS jsonb), :error,
-        CASE WHEN :outcome = 'success' THEN CAST(:finished AS timestamptz) END)
+        CAST(:last_success AS timestamptz))
 ON CONFLICT (service) DO UPDATE
    SET instance_id = excluded.instance_id, started_at = excluded.started_at,
        finished_at = excluded.finished_at, outcome = excluded.outcome, result = excluded.result,

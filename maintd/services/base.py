@@ -4,8 +4,11 @@
 ``service_runs`` record live in :mod:`maintd.runner` and :mod:`maintd.passes`, not here.
 
 A pass does its work in short transactions opened with :meth:`PassContext.transaction`, each
-fenced (it proves, inside the transaction, that this instance still leads) and each bounded by
-the statement timeout. Between batches a pass checks :meth:`PassContext.check_stop`.
+bounded by the statement timeout. A transaction that wrote anything is fenced: right before its
+COMMIT it proves, inside the transaction, that this instance still leads (or it rolls back); one
+that wrote nothing commits without a fence, a lock or WAL. A pass first looks whether there is
+work with a read-only probe (:meth:`PassContext.read`, one round trip, no transaction), so an idle
+pass writes nothing. Between batches a pass checks :meth:`PassContext.check_stop`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol
 from sqlalchemy import Connection, Engine, TextClause
 
 from ..clock import Clock
-from ..queries import sql
+from ..queries import catalog, sql
 
 if TYPE_CHECKING:
     from apscheduler.triggers.base import BaseTrigger
@@ -43,7 +46,11 @@ class PassStopped(Exception):
 
 
 class Fence(Protocol):
-    """Proves leadership inside a transaction. ``epoch`` names the term (None: no term)."""
+    """Proves leadership inside a transaction. ``epoch`` names the term (None: no term).
+
+    A fence may also have ``check_writes(conn)``: the same proof, made only when the transaction
+    wrote anything, in one statement (:class:`maintd.leader.LeaderFence` has it); without it,
+    :class:`PassContext` asks the server whether the transaction wrote, then calls ``check``."""
 
     epoch: int | None
 
@@ -61,6 +68,9 @@ class NoFence:
     epoch = None
 
     def check(self, conn: Connection) -> None:
+        return None
+
+    def check_writes(self, conn: Connection) -> None:
         return None
 
 
@@ -154,9 +164,11 @@ class PassContext:
         """The server's time (a test's frozen time), read again on this pass's connection when the
         last reading is old."""
         if getattr(self.clock, "due", False):
-            timing = self.query.timing() if self.query.stalled_for() == 0.0 else nullcontext()
-            with timing, self._checkout() as conn:  # in a transaction: that transaction's connection
-                self.clock.sync(conn)  # type: ignore[attr-defined]
+            outside = self.query.stalled_for() == 0.0
+            with self.query.timing() if outside else nullcontext(), self._checkout() as conn:
+                self.clock.sync(conn)  # type: ignore[attr-defined]  (in a transaction: that one's connection)
+                if outside:
+                    conn.rollback()  # end the read's transaction: a probe may follow in autocommit
         return self.clock.now()
 
     def should_stop(self) -> bool:
@@ -210,9 +222,10 @@ class PassContext:
     @contextmanager
     def transaction(self, *, statement_timeout_ms: int | None = None, fenced: bool = True,
                     settings: dict[str, str] | None = None) -> Iterator[Connection]:
-        """One short fenced transaction. Commits on success; in a dry run it always rolls back.
-        ``statement_timeout_ms`` and ``settings`` (e.g. ``lock_timeout``) hold for this
-        transaction only."""
+        """One short transaction. Commits on success; in a dry run it always rolls back. If it
+        wrote anything (and ``fenced``), the fence is checked right before COMMIT, in the same
+        transaction: a write commits only while this instance leads. ``statement_timeout_ms``
+        and ``settings`` (e.g. ``lock_timeout``) hold for this transaction only."""
         self.check_stop()
         with self.query.timing(), self._checkout() as conn, self.query.tracking(conn):
             try:
@@ -222,16 +235,53 @@ class PassContext:
                 if local:
                     conn.execute(self.sql(_set_local(tuple(local))),
                                  {f"v{i}": v for i, v in enumerate(local.values())})
-                if fenced and not self.dry_run:
-                    self.fence.check(conn)
                 yield conn
-                conn.rollback() if self.dry_run else conn.commit()
+                if self.dry_run:
+                    conn.rollback()
+                    return
+                if fenced:
+                    self._fence_writes(conn)
+                conn.commit()
             except BaseException:
                 try:
                     conn.rollback()
                 except Exception:  # e.g. the connection is gone: the original error is what matters
                     pass
                 raise
+
+    def _fence_writes(self, conn: Connection) -> None:
+        check_writes = getattr(self.fence, "check_writes", None)
+        if check_writes is not None:
+            check_writes(conn)
+        elif conn.execute(sql(catalog.WROTE, self.schema)).scalar():
+            self.fence.check(conn)
+
+    def prove_leader(self) -> None:
+        """Check the fence now, in a transaction of its own (before work no transaction can
+        fence, such as DDL on an autocommit connection). Raises :class:`NotLeader`."""
+        self.check_stop()
+        if self.dry_run:
+            return
+        with self.query.timing(), self._checkout() as conn, self.query.tracking(conn):
+            try:
+                self.fence.check(conn)
+            finally:
+                conn.rollback()
+
+    @contextmanager
+    def read(self) -> Iterator[Connection]:
+        """A read-only probe (is there work?): statements in autocommit, one round trip each, no
+        transaction, no fence, no WAL. Must not write."""
+        self.check_stop()
+        with self.query.timing(), self._checkout() as conn, self.query.tracking(conn):
+            if conn.in_transaction():
+                conn.rollback()
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+            try:
+                yield conn
+            finally:
+                conn.rollback()  # ends SQLAlchemy's autobegun Transaction (nothing is sent)
+                conn.execution_options(isolation_level=conn.default_isolation_level)
 
     @contextmanager
     def autocommit(self, *, lock_timeout_ms: int, statement_timeout_ms: int = 0) -> Iterator[Connection]:

@@ -109,8 +109,7 @@ class Reindexer(Service):
             report.outcome = "skipped" if self._healthy(report) else "planned"
             return True
         try:
-            with ctx.transaction():  # proves we still lead, right before the DDL
-                pass
+            ctx.prove_leader()  # right before the DDL (no transaction can fence it)
             for name in artifacts:
                 self._drop(ctx, name, report)
             if self._healthy(report):

@@ -13,8 +13,11 @@ tick sleeps until that moment and promotes it then (waking at most every ``MIN_W
 dense stream of due times, re-reading the next due time at least every ``MAX_SLEEP`` so a job
 enqueued meanwhile is not missed, and ending ``TICK_MARGIN`` before the next tick): a job due
 before the next tick is promoted, and its queue notified, within about ``MIN_WAKE`` of
-``scheduled_at``. Without it, lag is up to ``interval``. An idle tick is one transaction with two
-probes of ``jobs_scheduled_idx``.
+``scheduled_at``. Without it, lag is up to ``interval``.
+
+An idle tick is one read-only statement in autocommit (:data:`maintd.queries.jobs.SCHEDULER_PROBE`,
+two probes of ``jobs_scheduled_idx``): no transaction, no fence, no WAL. Only when something is
+due do the promoting (fenced) transactions run.
 
 Never early: the pass's ``now`` is the server's clock carried forward on the host's monotonic
 clock, which drifts from the server's by a fraction of a millisecond; the promotion is bounded by
@@ -77,8 +80,8 @@ class Scheduler(Service):
         deadline = time.monotonic() + interval - min(TICK_MARGIN, interval * 0.1)
         precise = self.config.precise_timing
         while True:
-            next_due = self._promote_due(ctx, result, want_next_due=precise)
-            if next_due is None:
+            next_due = self._promote_due(ctx, result)
+            if next_due is None or not precise:
                 return result
             # Sleep until the next job falls due, if that is before the next tick.
             wait = (next_due - ctx.now()).total_seconds()
@@ -91,9 +94,14 @@ class Scheduler(Service):
                 return result
             result.wakeups += 1
 
-    def _promote_due(self, ctx: PassContext, result: SchedulerResult, *, want_next_due: bool) -> datetime | None:
-        """Promote everything due now, one batch per transaction; return the next due time (read
-        in the last transaction) if asked for."""
+    def _promote_due(self, ctx: PassContext, result: SchedulerResult) -> datetime | None:
+        """Probe (read-only); if anything is due, promote it, one batch per transaction. Returns
+        the next due time (from the probe, or read in the last batch's transaction)."""
+        ctx.check_stop()
+        with ctx.read() as conn:
+            probe = conn.execute(ctx.sql(jobs.SCHEDULER_PROBE), {"now": ctx.now()}).one()
+        if not probe.due:
+            return probe.next_due
         channel = notify_channel(ctx.schema)
         limit = self.config.batch_size
         while True:
@@ -104,7 +112,7 @@ class Scheduler(Service):
                 if rows:
                     conn.execute(ctx.sql(jobs.NOTIFY_QUEUES), {"channel": channel, "queues": [r.queue for r in rows]})
                 promoted = sum(r.n for r in rows)
-                if want_next_due and promoted < limit:
+                if promoted < limit:
                     next_due = conn.execute(ctx.sql(jobs.SCHEDULER_NEXT_DUE)).scalar()
             if rows:
                 result.batches += 1
