@@ -125,6 +125,24 @@ class DaemonProc:
         if sig == SIGKILL:
             self.proc.wait(10)
 
+    def main_thread_stalled(self, seconds: float = 0.5) -> bool:
+        """Whether the daemon's main thread (which wakes every 0.2 s) stayed asleep for
+        ``seconds``: its context-switch counts in /proc did not move."""
+        def switches() -> str:
+            with open(f"/proc/{self.pid}/task/{self.pid}/status") as f:
+                return "".join(line for line in f if "ctxt_switches" in line)
+
+        before = switches()
+        time.sleep(seconds)
+        return switches() == before
+
+    def work_backends(self) -> list[str]:
+        """The states (pg_stat_activity) of this daemon's maintenance connections; instance ids
+        must be unique on the server for this (tests running at once share it)."""
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            return [r[0] for r in conn.execute("SELECT state FROM pg_stat_activity WHERE application_name = %s",
+                                               (f"maintd:{self.instance_id}:work",))]
+
     def is_leader_from_db(self) -> bool:
         """Whether the database sees this instance's lock session holding the leader lock."""
         return f"maintd:{self.instance_id}" in lock_holders(self.dsn, self.schema)

@@ -62,7 +62,7 @@ def daemons(pg_dsn, schema, tmp_path):
 
 
 def current_leader(pg_dsn, schema, procs):
-    _, inst = wait_for(lambda: (lambda r: r if r[1] else None)(leader_row(pg_dsn, schema)), 15,
+    _, inst = wait_for(lambda: (lambda r: r if r[1] else None)(leader_row(pg_dsn, schema)), 30,
                        what="a leader")
     return next(p for p in procs if p.instance_id == inst)
 
@@ -95,11 +95,15 @@ def test_sigstop_leader_is_replaced_within_lease_and_fenced_after_sigcont(pg_dsn
     it tries. Every committed write statement on jobs and service_runs is recorded by a trigger,
     with the leader row as committed at that moment.
 
-    The resumed ex-leader's elector would demote it within milliseconds, racing its passes; to test
-    the fence and not that race, its log is stalled (a full pipe) before SIGCONT, so the elector
-    blocks at its "lost leadership" line while the passes go on: its scheduler is mid-pass (a
-    stream of due jobs) and its cleaner mid-backlog (small batches with pauses). Without the fence
-    they write in the new term; with it, nothing."""
+    The resumed ex-leader would stop its passes within milliseconds by two other routes, racing
+    them: its main loop sees the lease expired (and stops the passes), its elector sees the term
+    lost. To test the fence and not that race, both are stalled first: its log is stalled (a full
+    pipe) and a SIGHUP makes the main loop block in its reload, at a log line (checked in
+    /proc: it no longer wakes); the elector will block at its "lost leadership" line. The cleaner's pass goes on (a
+    long backlog in small batches with pauses; it logs nothing per batch), and the freeze is
+    taken between two of its transactions (every maintenance connection idle, checked after the
+    SIGSTOP; else resume and try again), so after SIGCONT its next step is a new transaction, in
+    the new term. Without the fence it writes (every run); with it, nothing."""
     install_write_audit(pg_dsn, schema)
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute(f'INSERT INTO "{schema}".jobs (kind, state, scheduled_at) SELECT \'k\', \'scheduled\', '
@@ -108,7 +112,8 @@ def test_sigstop_leader_is_replaced_within_lease_and_fenced_after_sigcont(pg_dsn
                      f"now() - interval '2 days' - g * interval '1 millisecond' FROM generate_series(1, 100000) g")
     busy = {"scheduler": {"interval": "1s"}, "rescuer": {"interval": "0.2s"},
             "cleaner": {"interval": "0.2s", "batch_size": 100, "batch_pause": "0.2s"}}
-    procs = daemons(2, busy, gated_log=True)
+    # Instance ids unique on the server: pg_stat_activity is read by application name.
+    procs = daemons(2, busy, prefix=f"{schema}-d", gated_log=True)
     leader = current_leader(pg_dsn, schema, procs)
     follower = next(p for p in procs if p is not leader)
     for _ in range(10):  # two daemons, exactly one leader
@@ -117,19 +122,36 @@ def test_sigstop_leader_is_replaced_within_lease_and_fenced_after_sigcont(pg_dsn
     epoch, _ = leader_row(pg_dsn, schema)
     leader.http_port  # (read from its log while it can still write one)
     work = f"maintd:{leader.instance_id}:work"
-    wait_for(lambda: any(w["app"] == work for w in audited_writes(pg_dsn, schema)), 5, what="the leader's writes")
-    t0 = time.monotonic()
-    leader.kill(signal.SIGSTOP)
+
+    def leader_writes():
+        return sum(w["app"] == work for w in audited_writes(pg_dsn, schema))
+
+    wait_for(leader_writes, 5, what="the leader's writes")
+    offset = len(leader.log())
+    leader.block_log()
+    leader.signal(signal.SIGHUP)
+    wait_for(leader.main_thread_stalled, 5, what="the main loop blocked at a log line")
+    before = leader_writes()
+    wait_for(lambda: leader_writes() > before + 2, 5, what="the cleaner writing on with the log stalled")
+    for _ in range(100):  # freeze between two transactions
+        wait_for(lambda: set(leader.work_backends()) <= {"idle"}, 5, interval=0.005, what="idle connections")
+        leader.kill(signal.SIGSTOP)
+        t0 = time.monotonic()
+        time.sleep(0.1)  # a statement already sent but not yet read by the server starts now
+        if set(leader.work_backends()) <= {"idle"}:
+            break
+        leader.signal(signal.SIGCONT)
+        time.sleep(0.05)
+    else:
+        pytest.fail("never froze the leader between two transactions")
     try:
         new_epoch, new_inst = wait_new_leader(pg_dsn, schema, epoch, timeout=3 + 3)  # lease 3 s + margin
         took = time.monotonic() - t0
         assert new_inst == follower.instance_id
-        offset = len(leader.log())
-        leader.block_log()
     finally:
         leader.signal(signal.SIGCONT)
     assert took <= 3 + 2.5, f"takeover took {took:.2f}s with a 3 s lease"
-    time.sleep(1.5)  # the ex-leader runs, its elector stuck in a log line
+    time.sleep(1.5)  # the ex-leader runs, its main loop and elector stuck in log lines
     writes = audited_writes(pg_dsn, schema)
     leader.unblock_log()
     mine = [w for w in writes if w["app"].startswith(f"maintd:{leader.instance_id}")]
@@ -140,6 +162,7 @@ def test_sigstop_leader_is_replaced_within_lease_and_fenced_after_sigcont(pg_dsn
                for w in writes), "the new leader never wrote"
     # Once its log flows again, the ex-leader notices, says so, and still writes nothing.
     leader.wait_log(r"lost leadership reason=", timeout=5, after=offset)
+    assert re.search(r"pass refused: not the leader", leader.log()[offset:]), "the fence was never tried"
     time.sleep(0.5)
     assert [w for w in audited_writes(pg_dsn, schema) if w["app"].startswith(f"maintd:{leader.instance_id}")] == mine
     assert leader_row(pg_dsn, schema) == (new_epoch, follower.instance_id)

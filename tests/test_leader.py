@@ -95,6 +95,11 @@ def test_fence_refuses_a_stale_epoch_and_writes_nothing(settings, engine, schema
             LeaderFence(schema, t, lambda: lapsed).check(conn)
         with pytest.raises(NotLeader, match="^leadership lease expired or lost$"), engine.connect() as conn:
             LeaderFence(schema, t, lambda: None).check(conn)
+        # The elector moved on to another term (trusted) while the database still shows this one:
+        # the client-side check alone refuses.
+        newer = dataclasses.replace(t, epoch=t.epoch + 1)
+        with pytest.raises(NotLeader, match="^leadership lease expired or lost$"), engine.connect() as conn:
+            LeaderFence(schema, t, lambda: newer).check(conn)
     finally:
         elector.stop()
     # After release, the old term's fence refuses too.

@@ -276,3 +276,19 @@ def test_rescue_after_must_exceed_job_timeout(pg_dsn, after, timeout):
 
     with pytest.raises(ConfigError, match="rescuer.rescue_stuck_jobs_after"):
         load_settings(None, rescuer={"rescue_stuck_jobs_after": after, "job_timeout": timeout})
+
+
+def test_signs_of_life_at_the_keyset_start_are_rescued(settings, engine, schema, clock):
+    """Where the no-sign batch (signs of life before year 1, January 2: FAR_PAST) hands over to the
+    keyset, which starts just before (FAR_PAST, id 1): the job seen exactly at FAR_PAST with the
+    smallest id there is, one a microsecond earlier and one a microsecond later are all rescued
+    (a keyset starting at id 1 instead of 0 passed every other test)."""
+    with engine.begin() as conn:
+        for job_id, seen in [(1, "0001-01-02 00:00:00+00"), (2, "0001-01-01 23:59:59.999999+00"),
+                             (3, "0001-01-02 00:00:00.000001+00")]:
+            conn.execute(sql("INSERT INTO {schema}.jobs (id, kind, state, attempt, attempted_at) "
+                             "OVERRIDING SYSTEM VALUE VALUES (:id, 'k', 'running', 1, CAST(:seen AS timestamptz))",
+                             schema), {"id": job_id, "seen": seen})
+    result = run(settings, engine, clock)
+    assert (result.retried, result.discarded) == (3, 0)
+    assert {i: r.state for i, r in rows(engine, schema).items()} == {1: "retryable", 2: "retryable", 3: "retryable"}

@@ -146,8 +146,19 @@ def test_observe_counts_promotions_by_queue(settings, engine, schema, clock):
     assert value("maintd_jobs_promoted_total", {"queue": "b"}) == 1
 
 
+# What a loaded 2-core machine adds to a wake-up on the wall clock: waking up, checking out a
+# connection, the promote transaction and its commit (measured under a parallel load: typically
+# 0.02-0.15 s, once 0.4 s with a load average of 10 on 2 cores). The design's own lag (at most one
+# MIN_WAKE) is checked exactly, without this noise, on a simulated clock by
+# test_precise_timing_lag_is_at_most_one_min_wake_on_a_simulated_clock; the wall-clock tests only
+# check that the real thing is nowhere near the tick interval: lag at most MIN_WAKE + NOISE (0.25 s,
+# a quarter of the 1 s interval the pass would otherwise wait).
+NOISE = 0.2
+
+
 def test_precise_timing_promotes_between_ticks(settings, engine, schema):
-    """A job due 0.4 s after the tick is promoted within a few ms of its time, not at the next tick."""
+    """A job due 0.4 s after the tick is promoted at its time (the pass sleeps until then: on the
+    wall clock, plus NOISE at most), not at the next tick 2 s later."""
     settings.scheduler.interval = timedelta(seconds=2)
     now = datetime.now(timezone.utc)
     with engine.begin() as conn:
@@ -171,7 +182,7 @@ def test_precise_timing_promotes_between_ticks(settings, engine, schema):
     watcher.join()
     assert result.total == 1 and result.wakeups >= 1
     lag = seen["at"] - (now + timedelta(milliseconds=400)).timestamp()
-    assert lag < 0.25, f"promotion lag {lag:.3f}s"
+    assert lag <= NOISE, f"promotion lag {lag:.3f}s"
 
 
 def record_promotions(engine, schema):
@@ -186,12 +197,6 @@ def record_promotions(engine, schema):
             "EXECUTE FUNCTION {schema}.record_promotion()",
         ]:
             conn.execute(sql(stmt, schema))
-
-
-# What a loaded 2-core machine adds to MIN_WAKE: waking up, checking out a connection, the promote
-# transaction and its commit (measured under a parallel load: at most 0.07-0.11 s). A lag beyond
-# MIN_WAKE + NOISE (0.25 s, a quarter of the 1 s interval the pass would otherwise wait) is a bug.
-NOISE = 0.2
 
 
 def test_precise_timing_wakes_at_most_every_min_wake(settings, engine, schema):
@@ -261,6 +266,50 @@ def test_a_job_is_never_promoted_before_the_servers_clock_reaches_it(settings, e
     assert max(lags) <= MIN_WAKE + NOISE, f"promotion lag up to {max(lags):.3f}s"
 
 
+class SimulatedSleep(threading.Event):
+    """A pass's stop flag whose waits take no time: each moves a FrozenClock on by its timeout
+    instead, and records the time it wakes at."""
+
+    def __init__(self, clock):
+        super().__init__()
+        self.clock = clock
+        self.wakes: list[datetime] = []
+
+    def wait(self, timeout=None):
+        if self.is_set():
+            return True
+        self.wakes.append(self.clock.advance(timeout))
+        return False
+
+
+def test_precise_timing_lag_is_at_most_one_min_wake_on_a_simulated_clock(settings, engine, schema, clock):
+    """The module's promise, without the machine's noise: every job is promoted at the first
+    wake-up at or after its due time, and that wake-up comes at most MIN_WAKE after it, for a
+    dense stream (every 3 ms) and for sparse due times (the pass sleeps until each exactly, at
+    most MAX_SLEEP at a time); wake-ups are at least MIN_WAKE apart."""
+    settings.scheduler.interval = timedelta(seconds=60)  # the pass's real-time deadline is never near
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) "
+                         "SELECT 'k', 'scheduled', CAST(:t AS timestamptz) + g * interval '3 milliseconds' "
+                         "FROM generate_series(1, 300) g", schema), {"t": T0})
+    sparse = [timedelta(seconds=s) for s in (1.2, 1.45, 2.0, 3.7)]
+    for due in sparse:
+        add(engine, schema, state="retryable", due_in=due)
+    stop = SimulatedSleep(clock)
+    result = Scheduler(settings.scheduler).run_once(
+        PassContext.for_settings(settings, engine, clock, stop_event=stop))
+    assert result.total == 304 and set(states(engine, schema).values()) == {"available"}, result
+    wakes = [T0] + stop.wakes
+    assert all(b - a >= timedelta(seconds=MIN_WAKE) for a, b in zip(wakes, wakes[1:])), wakes
+    with engine.connect() as conn:
+        due_times = [r[0] for r in conn.execute(sql("SELECT scheduled_at FROM {schema}.jobs", schema))]
+    for due in due_times:
+        woke = min(w for w in wakes if w >= due)
+        assert woke - due <= timedelta(seconds=MIN_WAKE), (due, woke)
+    for due in sparse:  # nothing else due near them: the pass wakes exactly at their time
+        assert T0 + due in wakes, (due, wakes)
+
+
 def test_run_seconds_measure_work_not_the_precise_timing_sleeps(settings, engine, schema):
     """SPEC 7.4: a pass that sleeps until a job falls due reports its work, not its wait."""
     from maintd.metrics import Metrics
@@ -307,10 +356,10 @@ def test_without_precise_timing_a_pass_does_not_wait(settings, engine, schema):
     settings.scheduler.interval = timedelta(seconds=2)
     settings.scheduler.precise_timing = False
     now = datetime.now(timezone.utc)
-    add_at = now + timedelta(seconds=0.3)
+    add_at = now + timedelta(seconds=1.5)  # before the next tick; far enough that setup under load is not late
     with engine.begin() as conn:
         conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) VALUES ('k', 'scheduled', :t)",
                          schema), {"t": add_at})
     t0 = time.monotonic()
     result = Scheduler(settings.scheduler).run_once(PassContext.for_settings(settings, engine, ServerClock()))
-    assert result.total == 0 and result.wakeups == 0 and time.monotonic() - t0 < 0.25
+    assert result.total == 0 and result.wakeups == 0 and time.monotonic() - t0 < 1.0  # a wait would be ~1.5 s
