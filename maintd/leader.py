@@ -247,6 +247,9 @@ class LeaderElector:
         self._stop = threading.Event()
         self._demote_requested: tuple[str, int | None] | None = None
         self._hold_off_until = 0.0
+        # Consulted before each try for the lock (several targets: the spread's gate, see
+        # maintd.spread); False makes the round wait like a hold-off.
+        self.may_try: Callable[[], bool] = lambda: True
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
 
@@ -365,10 +368,11 @@ class LeaderElector:
     def _follow(self, wait: bool = True) -> None:
         """One follower round: try the lock; on a win, start a term; else wait for a retry."""
         retry = self.settings.leader.retry_interval.total_seconds()
-        if time.monotonic() < self._hold_off_until:  # stepped down for a reason: let others lead
+        hold_off = self._hold_off_until - time.monotonic()
+        if hold_off > 0 or not self.may_try():  # stepped down for a reason: let others lead
             self.session.holds_lock()  # a statement a round keeps the idle session alive
             self.registry.heartbeat(self.session.conn)  # type: ignore[arg-type]
-            self.session.wait_for_handover(min(retry, self._hold_off_until - time.monotonic()), self._stop)
+            self.session.wait_for_handover(min(retry, hold_off) if hold_off > 0 else retry, self._stop)
             return
         if not self.session.try_lock():
             self.registry.heartbeat(self.session.conn)  # type: ignore[arg-type]

@@ -15,3 +15,12 @@ LIVE = """
 SELECT instance_id, host, pid, version, started_at, last_seen_at
   FROM {schema}.daemons WHERE last_seen_at > now() - interval '1 minute' ORDER BY instance_id
 """
+
+# Replicas alive now (SPEC 7.9's R): a recent heartbeat, and a session of that instance still
+# connected (a SIGKILLed replica's sessions end at once, a frozen one's within the lease by
+# idle_session_timeout; its heartbeat row alone would count it for :window seconds more).
+LIVE_REPLICAS = """
+SELECT count(*) FROM {schema}.daemons d
+ WHERE d.last_seen_at > now() - make_interval(secs => :window)
+   AND EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.application_name = 'maintd:' || d.instance_id)
+"""
