@@ -466,8 +466,8 @@ def _target_settings(top: "Settings") -> list["Settings"]:
     schemas: dict[tuple[str, str], int] = {}
     for i, t in enumerate(top.targets):
         dsn = t.database_url or top.database_url
-        for what, key, seen in (("name", t.target_name, names),
-                                ("schema", (dsn.get_secret_value(), t.schema), schemas)):
+        for what, key, seen in (("schema", (dsn.get_secret_value(), t.schema), schemas),
+                                ("name", t.target_name, names)):
             if key in seen:
                 shown = t.target_name if what == "name" else t.schema
                 raise ValueError(f"targets[{i}].{what}: {shown!r} is also targets[{seen[key]}]'s {what}")
