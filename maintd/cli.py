@@ -477,27 +477,31 @@ def _periodic_values(args: argparse.Namespace) -> dict:
 
 
 def cmd_grants(args: argparse.Namespace) -> int:
-    from .grants import apply, render, target_schemas, validate_role
+    from .grants import apply, render, validate_role
 
     try:
         validate_role(args.role)
     except ValueError as exc:
         print(f"maintd: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    settings = _load(args)
-    schemas = target_schemas(settings)
+    targets = _targets(args)  # every target's schema, or --target's
+    schemas = list(dict.fromkeys(t.schema for t in targets))
     if not args.apply:
         sys.stdout.write(render(schemas, args.role, worker=args.worker))
         return EXIT_OK
     from .db import make_engine
 
-    engine = make_engine(settings.database_url.get_secret_value(), pooled=False,
-                         application_name=f"maintd:{settings.instance_id}:grants")
-    try:
-        with engine.connect() as conn:
-            n = apply(conn, schemas, args.role, worker=args.worker)
-    finally:
-        engine.dispose()
+    by_database: dict[str, list[str]] = {}
+    for t in targets:
+        by_database.setdefault(t.database_url.get_secret_value(), []).append(t.schema)
+    n = 0
+    for dsn, on_it in by_database.items():
+        engine = make_engine(dsn, pooled=False, application_name=f"maintd:{targets[0].instance_id}:grants")
+        try:
+            with engine.connect() as conn:
+                n += apply(conn, list(dict.fromkeys(on_it)), args.role, worker=args.worker)
+        finally:
+            engine.dispose()
     who = "a worker" if args.worker else "the daemon"
     print(f"granted role {args.role} what {who} needs on schema {', '.join(schemas)} ({n} statements)")
     return EXIT_OK

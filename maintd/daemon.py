@@ -62,10 +62,11 @@ def _transient(exc: Exception) -> bool:
 
 def pool_size(targets: int) -> int:
     """Maintenance connections kept per database engine: a pass holds one while it runs, so one
-    target needs at most one per service plus the job gauges; many targets rarely run passes at
-    the same instant, so the pool grows slowly with them (+2 overflow, opened on demand)."""
+    target needs at most one per service plus the job gauges. Several targets share the pool; a
+    pass waiting for a connection counts as a stalled one (a lease of that gives the term up), so
+    it grows with them, a quarter of a connection per target (+2 overflow, opened on demand)."""
     one = len(SERVICES) + 1
-    return one if targets <= 1 else min(32, one + targets // 8)
+    return one if targets <= 1 else min(64, one + targets // 4)
 
 
 def _engine_key(s: Settings) -> tuple:

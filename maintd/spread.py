@@ -3,8 +3,8 @@
 With T targets and R live replicas, a replica's *cap* is ceil(T/R) + 1 leaderships.
 
 * Below its cap, a replica tries free locks as usual (every ``retry_interval``, at once on a
-  hand-over NOTIFY). At its cap it still tries, but only every 2-3 retry intervals (``lazy``): a
-  replica below its cap gets a free lock first, and no lock stays free when every replica is at
+  hand-over NOTIFY). At its cap it still tries, but only every 1.5-2.5 retry intervals
+  (``lazy``): a replica below its cap usually gets a free lock first, and no lock stays free when every replica is at
   its cap (a dead replica counted live a little longer, for example).
 * Above its cap for ``settle`` seconds (hysteresis), it hands the extra leaderships over
   gracefully: release, NOTIFY, and a hold-off on those targets so that another replica takes them.
@@ -27,7 +27,7 @@ from .logs import kv
 
 log = logging.getLogger("maintd.spread")
 
-REFRESH = 2.0  # seconds between two reads of R
+REFRESH = 1.0  # seconds between two reads of R
 PENDING = 1.0  # a granted try counts as a leadership for this long (or until elected)
 LIVE_WINDOW = 30.0  # a heartbeat older than this (3 registry intervals) is not a live replica
 
@@ -80,7 +80,7 @@ class Spread:
             if self.leading() + pending < self.cap:
                 self._pending[name] = now
                 return True
-            due = self._lazy_due.setdefault(name, now + random.uniform(2, 3) * self.retry)
+            due = self._lazy_due.setdefault(name, now + random.uniform(0.5, 1.5) * self.retry)
             if now < due:
                 return False
             del self._lazy_due[name]

@@ -152,7 +152,7 @@ def test_same_schema_on_two_databases_is_two_targets(tmp_path):
 
 
 def test_pool_size_grows_slowly_with_the_targets():
-    assert pool_size(1) == 6 and pool_size(8) == 7 and pool_size(200) == 31 and pool_size(10_000) == 32
+    assert pool_size(1) == 6 and pool_size(8) == 8 and pool_size(200) == 56 and pool_size(10_000) == 64
 
 
 # -- the spread, without a database ---------------------------------------------------------------
@@ -181,9 +181,9 @@ def test_spread_gate_and_hand_over_with_hysteresis():
     spread = Spread(units, retry_interval=0.05, settle=0.3, count_replicas=lambda: replicas[0])
     spread.refresh()
     assert spread.cap == 5
-    # At or above the cap, a follower tries only lazily (after 2-3 retry intervals)...
+    # At or above the cap, a follower tries only lazily (after 0.5-1.5 retry intervals)...
     assert not spread.may_try("t9")
-    time.sleep(0.16)
+    time.sleep(0.08)
     assert spread.may_try("t9")
     # ...and extras are handed over only once the excess has lasted `settle`.
     assert spread.balance() == 0
@@ -286,6 +286,11 @@ def test_per_target_overrides_take_effect(pg_dsn, make_schemas):
         # One registry, one `target` label per target.
         body = get(daemon.http_port, "/metrics")[1]
         assert f'maintd_is_leader{{target="{a}"}} 1.0' in body and 'maintd_is_leader{target="bee"} 1.0' in body
+        # /status and the dashboard cover both targets.
+        data = json.loads(get(daemon.http_port, "/status")[1])
+        assert [(t["target"], t["leader"]["instance_id"]) for t in data["targets"]] == [(a, "multi-1"), ("bee", "multi-1")]
+        page = get(daemon.http_port, "/")[1]
+        assert f'data-target="{a}"' in page and 'data-target="bee"' in page
     finally:
         daemon.stop()
 
@@ -334,3 +339,32 @@ def test_a_target_whose_database_is_down_does_not_stop_the_others(pg_dsn, make_s
                  == "available", 10, what="a new job promoted")
     finally:
         daemon.stop()
+
+
+def test_migrate_and_status_cover_every_target(pg_dsn, tmp_path, capsys):
+    from maintd.cli import main
+
+    names = [new_schema_name() for _ in range(2)]
+    cfg = write(tmp_path, f'database_url = "{pg_dsn}"\n' + "".join(
+        f'[[targets]]\nschema = "{s}"\nname = "n{i}"\n' for i, s in enumerate(names)))
+    try:
+        assert main(["-c", str(cfg), "migrate"]) == 0
+        out = capsys.readouterr().out
+        assert all(f"schema {s} migrated from base" in out for s in names), out
+        assert main(["-c", str(cfg), "status", "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert [(t["target"], t["schema"]) for t in data["targets"]] == [("n0", names[0]), ("n1", names[1])]
+        assert main(["-c", str(cfg), "status"]) == 0
+        out = capsys.readouterr().out
+        assert "== target n0" in out and "== target n1" in out and f"schema: {names[1]}" in out
+        # --target picks one; commands on one target need it.
+        assert main(["-c", str(cfg), "--target", "n1", "status", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["targets"][0]["schema"] == names[1]
+        assert main(["-c", str(cfg), "jobs", "list"]) == 2
+        assert "choose one with --target NAME (n0, n1)" in capsys.readouterr().err
+        assert main(["-c", str(cfg), "--target", "n0", "jobs", "list", "--json"]) == 0
+        assert main(["-c", str(cfg), "--target", "zz", "status"]) == 2
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            for s in names:
+                conn.execute(f'DROP SCHEMA IF EXISTS "{s}" CASCADE')
