@@ -220,6 +220,7 @@ def main() -> int:
     ap.add_argument("--old", type=int, default=200, help="old finished jobs per target for the cleaner")
     ap.add_argument("--max-connections", type=int, default=1000)
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(1))  # stop the replicas on the way out
     schemas = schema_names(args.targets)
     workdir = tempfile.mkdtemp(prefix="bench-targets-")
     with EmbeddedPostgres(settings={"max_connections": str(args.max_connections)}) as pg:

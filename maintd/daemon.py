@@ -32,13 +32,14 @@ from .passes import maintenance_engine
 from .queries import daemons as q_daemons
 from .queries import sql
 from .sdnotify import SystemdNotifier
+from .runner import new_timetable
 from .services import SERVICES
 from .spread import LIVE_WINDOW, Spread
 from .target import SchemaNotReady, TargetUnit
 
 log = logging.getLogger("maintd")
 
-__all__ = ["Daemon", "HttpListenError", "SchemaNotReady", "pool_size"]
+__all__ = ["Daemon", "HttpListenError", "SchemaNotReady", "pass_workers", "pool_size"]
 
 class HttpListenError(RuntimeError):
     """The HTTP listener cannot bind (``http.listen`` names the address)."""
@@ -61,12 +62,18 @@ def _transient(exc: Exception) -> bool:
 
 
 def pool_size(targets: int) -> int:
-    """Maintenance connections kept per database engine: a pass holds one while it runs, so one
-    target needs at most one per service plus the job gauges. Several targets share the pool; a
-    pass waiting for a connection counts as a stalled one (a lease of that gives the term up), so
-    it grows with them, a quarter of a connection per target (+2 overflow, opened on demand)."""
+    """Maintenance connections kept per database engine: a pass holds one while it runs (the
+    scheduler's, also while it sleeps until the next due job), so one target needs at most one per
+    service plus the job gauges. Several targets share the pool; a pass waiting for a connection
+    counts as a stalled one (a lease of that gives the term up), so it grows with them, half a
+    connection per target (+2 overflow; all opened on demand)."""
     one = len(SERVICES) + 1
-    return one if targets <= 1 else min(64, one + targets // 4)
+    return one if targets <= 1 else min(100, one + targets // 2)
+
+
+def pass_workers(targets: int) -> int:
+    """Threads running the passes of the targets of one process (started on demand)."""
+    return min(100, 10 + targets // 2)
 
 
 def _engine_key(s: Settings) -> tuple:
@@ -85,6 +92,8 @@ class Daemon:
         self.engines: dict[tuple, Engine] = {}
         self.units: list[TargetUnit] = []
         shared = metrics
+        # One scheduler thread and one pool of pass threads for every target of the process.
+        self.timetable = new_timetable(pass_workers(len(targets))) if self.multi else None
         for t in targets:
             key = _engine_key(t)
             if key not in self.engines:
@@ -93,7 +102,7 @@ class Daemon:
                 Metrics(target=t.target_name, max_queues=settings.metrics.max_queues, shared=shared)
             shared = shared or unit_metrics
             self.units.append(TargetUnit(t, self.engines[key], unit_metrics, self.clock,
-                                         on_change=self._changed))
+                                         on_change=self._changed, timetable=self.timetable))
         lead = settings.leader
         self.spread = Spread(self.units, retry_interval=lead.retry_interval.total_seconds(),
                              settle=lead.lease.total_seconds(), count_replicas=self._count_replicas)
@@ -198,6 +207,8 @@ class Daemon:
     def _start_targets(self) -> bool:
         """Every target whose schema is ready starts now; the others are retried in the
         background (a target's outage or missing schema must not stop the rest)."""
+        if self.timetable is not None:
+            self.timetable.start()
         waiting = [u for u in self.units if not self._try_start(u)]
         self._started = True
         if waiting:
@@ -258,6 +269,8 @@ class Daemon:
         elif started:  # every lock released at once, not one after the other
             with ThreadPoolExecutor(min(32, len(started)), thread_name_prefix="maintd-stop") as pool:
                 list(pool.map(lambda u: u.stop(timeout), started))
+        if self.timetable is not None:
+            self.timetable.shutdown(wait=False)
         if self.http:
             self.http.stop()
         for engine in self.engines.values():

@@ -33,7 +33,9 @@ class TargetUnit:
     and the spread's count)."""
 
     def __init__(self, settings: Settings, engine: Engine, metrics: Metrics, clock: Clock, *,
-                 on_change: Callable[["TargetUnit"], None] = lambda unit: None):
+                 on_change: Callable[["TargetUnit"], None] = lambda unit: None,
+                 timetable: Any = None):
+        """``timetable``: the process's shared pass scheduler (several targets), else its own."""
         self.settings = settings
         self.name = settings.target_name
         self.engine = engine
@@ -41,7 +43,8 @@ class TargetUnit:
         self.on_change = on_change
         self.elector = LeaderElector(settings, on_elected=self._elected, on_demoted=self._demoted,
                                      on_health=self._health)
-        self.runner = Runner(settings, engine, metrics, clock=clock, on_fenced=self._fenced)
+        self.runner = Runner(settings, engine, metrics, clock=clock, on_fenced=self._fenced,
+                             timetable=timetable, prefix=f"{self.name}:" if timetable is not None else "")
         self.started = False
         self.db_ok = False
         self.problem: str | None = None  # why this target is not started (schema missing, ...)

@@ -152,7 +152,7 @@ def test_same_schema_on_two_databases_is_two_targets(tmp_path):
 
 
 def test_pool_size_grows_slowly_with_the_targets():
-    assert pool_size(1) == 6 and pool_size(8) == 8 and pool_size(200) == 56 and pool_size(10_000) == 64
+    assert pool_size(1) == 6 and pool_size(8) == 10 and pool_size(200) == 100 and pool_size(10_000) == 100
 
 
 # -- the spread, without a database ---------------------------------------------------------------
