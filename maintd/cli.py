@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", "-c", metavar="PATH",
                    help="TOML config file (default: $MAINTD_CONFIG; without either, defaults + env)")
+    p.add_argument("--target", "-t", metavar="NAME",
+                   help="with [[targets]]: act on this target only (migrate and status cover every "
+                        "target without it; the other commands need it)")
     p.add_argument("--version", action="version", version=f"maintd {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     _add_daemon_parsers(sub)
@@ -191,7 +194,29 @@ def _add_jobs_parser(sub) -> None:
 
 
 def _load(args: argparse.Namespace) -> Settings:
-    return load_settings(args.config)
+    """The settings of one target: ``--target``'s, or the only one."""
+    targets = _targets(args)
+    if len(targets) > 1:
+        names = ", ".join(t.target_name for t in targets[:5]) + (", ..." if len(targets) > 5 else "")
+        raise ConfigError([f"targets: {len(targets)} targets are configured; choose one with "
+                           f"--target NAME ({names})"])
+    return targets[0]
+
+
+def _targets(args: argparse.Namespace) -> list[Settings]:
+    """Every target's settings, or ``--target``'s alone."""
+    return _select(load_settings(args.config), getattr(args, "target", None))
+
+
+def _select(settings: Settings, name: str | None) -> list[Settings]:
+    targets = settings.target_settings()
+    if name is None:
+        return targets
+    chosen = [t for t in targets if t.target_name == name]
+    if not chosen:
+        raise ConfigError([f"--target: no target named {name!r} (configured: "
+                           f"{', '.join(t.target_name for t in targets)})"])
+    return chosen
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -201,13 +226,31 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
+    """Every target (or ``--target``'s); one that fails does not stop the others (exit 1)."""
+    from . import migrate
+    from .db import describe_db_error
+
+    targets = _targets(args)
+    if args.sql:
+        for settings in targets:
+            sys.stdout.write(migrate.offline_sql(settings.schema, args.revision))
+        return EXIT_OK
+    failed = 0
+    for settings in targets:
+        try:
+            _migrate_one(settings, args)
+        except Exception as exc:
+            if len(targets) == 1:
+                raise
+            failed += 1
+            print(f"maintd: error: target {settings.target_name}: {describe_db_error(exc)}", file=sys.stderr)
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
+def _migrate_one(settings: Settings, args: argparse.Namespace) -> None:
     from . import migrate
     from .db import make_engine
 
-    settings = _load(args)
-    if args.sql:
-        sys.stdout.write(migrate.offline_sql(settings.schema, args.revision))
-        return EXIT_OK
     engine = make_engine(settings.database_url.get_secret_value(),
                          application_name=f"maintd:{settings.instance_id}:migrate", pooled=False)
     try:
@@ -222,7 +265,6 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         print(f"schema {settings.schema} is at revision {after or 'base'}; nothing to do")
     else:
         print(f"schema {settings.schema} migrated from {before or 'base'} to {after or 'base'}")
-    return EXIT_OK
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -230,7 +272,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .leader import LeaderSessionError
     from .logs import setup_logging
 
-    settings = _load(args)
+    settings = load_settings(args.config)  # every target
     setup_logging(settings.log.level, settings.log.format)
     daemon = Daemon(settings, config_path=args.config or os.environ.get("MAINTD_CONFIG"))
     try:
@@ -294,21 +336,48 @@ def _current_leader(engine, settings: Settings) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .db import make_engine
-    from .status import SchemaMissing, collect_status, format_status
+    """Every target (or ``--target``'s); without [[targets]] the output is the one schema's."""
+    top = load_settings(args.config)
+    targets = _select(top, getattr(args, "target", None))
+    if not top.targets:
+        st, error = _status_one(targets[0])
+        if error:
+            print(f"maintd: error: {error}", file=sys.stderr)
+            return EXIT_FAILURE
+        print(json.dumps(st, indent=2, default=str) if args.json else format_status_text(st))
+        return EXIT_OK
+    results = [(t, *_status_one(t)) for t in targets]
+    if args.json:
+        print(json.dumps({"targets": [{"target": t.target_name, **(st or {"schema": t.schema, "error": err})}
+                                      for t, st, err in results]}, indent=2, default=str))
+    else:
+        for t, st, err in results:
+            print(f"== target {t.target_name}")
+            print(f"schema: {t.schema}\nerror: {err}" if err else format_status_text(st))
+    return EXIT_FAILURE if any(err for _, _, err in results) else EXIT_OK
 
-    settings = _load(args)
+
+def format_status_text(st: dict) -> str:
+    from .status import format_status
+
+    return format_status(st)
+
+
+def _status_one(settings: Settings) -> tuple[dict | None, str | None]:
+    """(status, None), or (None, the problem) for a schema or database that cannot be read."""
+    from .db import describe_db_error, make_engine
+    from .status import SchemaMissing, collect_status
+
     engine = make_engine(settings.database_url.get_secret_value(),
                          application_name=f"maintd:{settings.instance_id}:status", pooled=False)
     try:
-        st = collect_status(engine, settings.schema)
+        return collect_status(engine, settings.schema), None
     except SchemaMissing as exc:
-        print(f"maintd: error: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
+        return None, str(exc)
+    except Exception as exc:  # one target's outage does not hide the others
+        return None, describe_db_error(exc)
     finally:
         engine.dispose()
-    print(json.dumps(st, indent=2, default=str) if args.json else format_status(st))
-    return EXIT_OK
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -408,27 +477,31 @@ def _periodic_values(args: argparse.Namespace) -> dict:
 
 
 def cmd_grants(args: argparse.Namespace) -> int:
-    from .grants import apply, render, target_schemas, validate_role
+    from .grants import apply, render, validate_role
 
     try:
         validate_role(args.role)
     except ValueError as exc:
         print(f"maintd: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    settings = _load(args)
-    schemas = target_schemas(settings)
+    targets = _targets(args)  # every target's schema, or --target's
+    schemas = list(dict.fromkeys(t.schema for t in targets))
     if not args.apply:
         sys.stdout.write(render(schemas, args.role, worker=args.worker))
         return EXIT_OK
     from .db import make_engine
 
-    engine = make_engine(settings.database_url.get_secret_value(), pooled=False,
-                         application_name=f"maintd:{settings.instance_id}:grants")
-    try:
-        with engine.connect() as conn:
-            n = apply(conn, schemas, args.role, worker=args.worker)
-    finally:
-        engine.dispose()
+    by_database: dict[str, list[str]] = {}
+    for t in targets:
+        by_database.setdefault(t.database_url.get_secret_value(), []).append(t.schema)
+    n = 0
+    for dsn, on_it in by_database.items():
+        engine = make_engine(dsn, pooled=False, application_name=f"maintd:{targets[0].instance_id}:grants")
+        try:
+            with engine.connect() as conn:
+                n += apply(conn, list(dict.fromkeys(on_it)), args.role, worker=args.worker)
+        finally:
+            engine.dispose()
     who = "a worker" if args.worker else "the daemon"
     print(f"granted role {args.role} what {who} needs on schema {', '.join(schemas)} ({n} statements)")
     return EXIT_OK

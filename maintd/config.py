@@ -301,7 +301,42 @@ class CrontabJob(PeriodicJob):
                    job_key_mode=(e.job_key_mode or "replace") if e.job_key else None)
 
 
+# The sections a [[targets]] entry may override (merged over the top-level ones, key by key).
+TARGET_SECTIONS = ("cleaner", "rescuer", "scheduler", "reindexer")
+
 # BaseModel has a deprecated ``schema()`` classmethod; the SPEC key is called ``schema`` anyway.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message='Field name "schema"')
+
+    class TargetConfig(Section):
+        """One ``[[targets]]`` entry (SPEC 7.9): a schema maintained by this daemon, with its own
+        leadership, services and metrics. Service sections given here are merged over the
+        top-level ones; ``periodic`` replaces the top-level list."""
+
+        name: str | None = None  # defaults to the schema
+        schema: str
+        database_url: SecretStr | None = None  # defaults to the top-level one
+        cleaner: dict[str, Any] | None = None
+        rescuer: dict[str, Any] | None = None
+        scheduler: dict[str, Any] | None = None
+        reindexer: dict[str, Any] | None = None
+        periodic: list[dict[str, Any]] | None = None
+
+        @field_validator("schema")
+        @classmethod
+        def _schema(cls, v: str) -> str:
+            return validate_identifier(v, "schema name")
+
+        @field_validator("name")
+        @classmethod
+        def _name(cls, v: str | None) -> str | None:
+            return None if v is None else validate_identifier(v, "target name")
+
+        @property
+        def target_name(self) -> str:
+            return self.name or self.schema
+
+
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message='Field name "schema"')
 
@@ -332,7 +367,11 @@ with warnings.catch_warnings():
         periodic: list[PeriodicJob] = Field(default_factory=list)
         # A graphile-worker-style crontab file (SPEC 7.8), relative to the config file.
         crontab: str | None = None
+        # Several schemas (or databases) maintained by this process (SPEC 7.9); replaces `schema`.
+        targets: list[TargetConfig] = Field(default_factory=list)
         _crontab_jobs: list[CrontabJob] = PrivateAttr(default_factory=list)
+        _target_name: str | None = PrivateAttr(default=None)
+        _targets: list["Settings"] = PrivateAttr(default_factory=list)
 
         @field_validator("schema")
         @classmethod
@@ -367,6 +406,21 @@ with warnings.catch_warnings():
                 self._crontab_jobs = _load_crontab(self.crontab, seen)
             return self
 
+        @model_validator(mode="after")
+        def _check_targets(self) -> "Settings":
+            self._targets = _target_settings(self) if self.targets else []
+            return self
+
+        @property
+        def target_name(self) -> str:
+            """This target's name (the ``target`` metric label): its schema unless named."""
+            return self._target_name or self.schema
+
+        def target_settings(self) -> list["Settings"]:
+            """The settings of every target: one per ``[[targets]]`` entry (its schema, database
+            and merged sections), or this one alone without ``[[targets]]``."""
+            return list(self._targets) if self.targets else [self]
+
         @property
         def periodic_entries(self) -> list[PeriodicJob]:
             """The ``[[periodic]]`` entries, then the crontab's lines."""
@@ -388,10 +442,63 @@ with warnings.catch_warnings():
             """The effective configuration as plain data, with the DSN password masked."""
             data = self.model_dump(mode="json")
             data["database_url"] = redact_dsn(self.database_url.get_secret_value())
+            for entry, t in zip(data.get("targets", []), self.targets):
+                if t.database_url is not None:
+                    entry["database_url"] = redact_dsn(t.database_url.get_secret_value())
             if self.crontab:
                 data["crontab_entries"] = [{**j.model_dump(mode="json"), "line": j.line,
                                             "job_key_mode": j.job_key_mode} for j in self._crontab_jobs]
             return data
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _target_settings(top: "Settings") -> list["Settings"]:
+    """One Settings per [[targets]] entry; a duplicate name or schema, or a bad override, is a
+    ValueError naming ``targets[i]`` and the key."""
+    out: list[Settings] = []
+    names: dict[str, int] = {}
+    schemas: dict[tuple[str, str], int] = {}
+    for i, t in enumerate(top.targets):
+        dsn = t.database_url or top.database_url
+        for what, key, seen in (("schema", (dsn.get_secret_value(), t.schema), schemas),
+                                ("name", t.target_name, names)):
+            if key in seen:
+                shown = t.target_name if what == "name" else t.schema
+                raise ValueError(f"targets[{i}].{what}: {shown!r} is also targets[{seen[key]}]'s {what}")
+            seen[key] = i
+        update: dict[str, Any] = {"schema": t.schema, "database_url": dsn, "targets": []}
+        for section in TARGET_SECTIONS:
+            override = getattr(t, section)
+            if override is not None:
+                base = getattr(top, section)
+                try:
+                    update[section] = type(base).model_validate(
+                        _merge(base.model_dump(exclude_unset=True), override))
+                except ValidationError as exc:
+                    raise ValueError(f"targets[{i}].{_first_error(section, exc)} (target {t.target_name})") from None
+        if t.periodic is not None:
+            try:
+                update["periodic"] = [PeriodicJob.model_validate(p) for p in t.periodic]
+            except ValidationError as exc:
+                raise ValueError(f"targets[{i}].{_first_error('periodic', exc)} (target {t.target_name})") from None
+        settings = top.model_copy(update=update)
+        settings._target_name = t.target_name
+        settings._targets = []
+        out.append(settings)
+    return out
+
+
+def _first_error(section: str, exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    loc = ".".join(str(x) for x in (section, *err.get("loc", ())))
+    msg = err.get("msg", "invalid").removeprefix("Value error, ")
+    return f"{loc}: {'unknown key' if err.get('type') == 'extra_forbidden' else msg}"
 
 
 def _load_crontab(path: str, taken: set[str]) -> list[CrontabJob]:
@@ -442,7 +549,7 @@ def _format_errors(exc: ValidationError, data: dict[str, Any]) -> list[str]:
             msg = msg[len("Value error, "):]
         if err.get("type") == "extra_forbidden":
             msg = "unknown key"
-        sub = re.match(r"^([a-z_]+): ", msg)
+        sub = re.match(r"^([a-z_][a-z0-9_.\[\]]*): ", msg)
         if sub:  # a model check naming the precise key
             key = sub.group(1) if key == "config" else f"{key}.{sub.group(1)}"
             msg = msg[sub.end():]
@@ -491,6 +598,6 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
 
 
 _TOP_KEYS = {"database_url", "schema", "instance_id", "statement_timeout", "leader", "http", "log",
-             "cleaner", "rescuer", "scheduler", "reindexer", "periodic", "crontab", "metrics"}
+             "cleaner", "rescuer", "scheduler", "reindexer", "periodic", "crontab", "metrics", "targets"}
 # Variables of the maintd environment that are not settings.
 _KNOWN_ENV = {"MAINTD_CONFIG"}

@@ -1,5 +1,11 @@
-"""The daemon process: leader elector + service runner + HTTP, signals, reloads, systemd
-readiness. (``maintd run`` in :mod:`maintd.cli` starts it.)"""
+"""The daemon process: one unit (leader elector + service runner) per target, the HTTP listener,
+signals, reloads, systemd readiness. (``maintd run`` in :mod:`maintd.cli` starts it.)
+
+With ``[[targets]]`` (SPEC 7.9) the units share the HTTP listener, the Prometheus registry (one
+``target`` label each) and one maintenance engine per database; each has its own lock session,
+leadership and fencing, and :class:`maintd.spread.Spread` shares the leaderships out between the
+replicas. A target whose database is down or whose schema is missing does not stop the others:
+it is retried in the background and reported by ``/readyz`` and ``/status``."""
 
 from __future__ import annotations
 
@@ -7,32 +13,33 @@ import logging
 import signal
 import threading
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import Engine
+from sqlalchemy.exc import OperationalError
 
-from . import migrate
 from .clock import Clock, ServerClock
-from .config import ConfigError, Settings, load_settings
+from .config import ConfigError, Settings, _target_settings, load_settings
 from .dashboard import Dashboard
 from .db import HostOrder, describe_db_error
 from .http import HttpServer, as_json, metrics_body
 from .http import text as text_body
-from .identifiers import qualified
-from .leader import LeaderElector, Term
 from .logs import kv, setup_logging
 from .metrics import Metrics
 from .passes import maintenance_engine
-from .queries import catalog
-from .runner import Runner
+from .queries import daemons as q_daemons
+from .queries import sql
 from .sdnotify import SystemdNotifier
+from .runner import new_timetable
+from .services import SERVICES
+from .spread import Spread
+from .target import SchemaNotReady, TargetUnit
 
 log = logging.getLogger("maintd")
 
-
-class SchemaNotReady(RuntimeError):
-    pass
-
+__all__ = ["Daemon", "HttpListenError", "SchemaNotReady", "pass_workers", "pool_size"]
 
 class HttpListenError(RuntimeError):
     """The HTTP listener cannot bind (``http.listen`` names the address)."""
@@ -54,32 +61,89 @@ def _transient(exc: Exception) -> bool:
     return True
 
 
+def pool_size(targets: int) -> int:
+    """Maintenance connections kept per database engine: a pass holds one while it runs (the
+    scheduler's, also while it sleeps until the next due job), so one target needs at most one per
+    service plus the job gauges. Several targets share the pool; a pass waiting for a connection
+    counts as a stalled one (a lease of that gives the term up), so it grows with them, half a
+    connection per target (+2 overflow; all opened on demand)."""
+    one = len(SERVICES) + 1
+    return one if targets <= 1 else min(100, one + targets // 2)
+
+
+def pass_workers(targets: int) -> int:
+    """Threads running the passes of the targets of one process (started on demand)."""
+    return min(100, 10 + targets // 2)
+
+
+def _engine_key(s: Settings) -> tuple:
+    return (s.database_url.get_secret_value(), s.statement_timeout, s.leader.lease)
+
+
 class Daemon:
     def __init__(self, settings: Settings, *, clock: Clock | None = None,
                  config_path: str | None = None, metrics: Metrics | None = None):
         self.settings = settings
         self.config_path = config_path
         self.clock = clock or ServerClock()
-        self.metrics = metrics or Metrics(target=settings.schema, max_queues=settings.metrics.max_queues)
-        hosts = HostOrder(settings.database_url.get_secret_value())  # multi-host URLs: who answers
-        self.engine = maintenance_engine(settings, hosts=hosts)
-        self.elector = LeaderElector(settings, on_elected=self._elected, on_demoted=self._demoted,
-                                     on_health=self._health, hosts=hosts)
-        self.runner = Runner(settings, self.engine, self.metrics, clock=self.clock,
-                             on_fenced=self._fenced)
+        self.multi = bool(settings.targets)
+        targets = settings.target_settings()
+        per_engine = Counter(_engine_key(t) for t in targets)
+        self.engines: dict[tuple, Engine] = {}
+        self.hosts: dict[tuple, HostOrder] = {}  # multi-host URLs: who answers (engine + lock sessions)
+        self.units: list[TargetUnit] = []
+        shared = metrics
+        # One scheduler thread and one pool of pass threads for every target of the process.
+        self.timetable = new_timetable(pass_workers(len(targets))) if self.multi else None
+        for t in targets:
+            key = _engine_key(t)
+            if key not in self.engines:
+                self.hosts[key] = HostOrder(t.database_url.get_secret_value())
+                self.engines[key] = maintenance_engine(t, pool_size=pool_size(per_engine[key]), hosts=self.hosts[key])
+            unit_metrics = shared if shared is not None and not self.units else \
+                Metrics(target=t.target_name, max_queues=settings.metrics.max_queues, shared=shared)
+            shared = shared or unit_metrics
+            self.units.append(TargetUnit(t, self.engines[key], unit_metrics, self.clock, hosts=self.hosts[key],
+                                         on_change=self._changed, timetable=self.timetable))
+        lead = settings.leader
+        self.spread = Spread(self.units, retry_interval=lead.retry_interval.total_seconds(),
+                             settle=lead.lease.total_seconds(), count_replicas=self._count_replicas)
+        if self.multi:
+            for unit in self.units:
+                unit.elector.may_try = (lambda name: lambda: self.spread.may_try(name))(unit.name)
         self.http: HttpServer | None = None
         self.notifier = SystemdNotifier()
         self._stopping = threading.Event()
         self._reload_requested = threading.Event()
         self._last_tick: float | None = None  # set by tick(); None while nobody ticks
         self._started = False
-        self._db_ok = False
-        self._maintenance_stall: str | None = None  # why the last term was given up, if stalled
+        self._retry_thread: threading.Thread | None = None
+
+    # -- the first target (the only one without [[targets]]) ------------------------------
+    @property
+    def unit(self) -> TargetUnit:
+        return self.units[0]
+
+    @property
+    def elector(self):  # noqa: ANN201
+        return self.unit.elector
+
+    @property
+    def runner(self):  # noqa: ANN201
+        return self.unit.runner
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.unit.metrics
+
+    @property
+    def engine(self) -> Engine:
+        return self.unit.engine
 
     # -- lifecycle ------------------------------------------------------------------------
     @property
     def is_leader(self) -> bool:
-        return self.elector.is_leader
+        return any(u.is_leader for u in self.units)
 
     @property
     def http_port(self) -> int | None:
@@ -87,23 +151,12 @@ class Daemon:
 
     def check_schema(self) -> None:
         """Fail fast (exit 1) with one line when the schema is missing or behind."""
-        schema = self.settings.schema
-        with self.engine.connect() as conn:
-            current = migrate.current_revision(conn, schema)
-            has_jobs = conn.execute(text(catalog.TABLE_EXISTS), {"qualified": qualified(schema, "jobs")}).scalar()
-        head = migrate.head_revision()
-        if current is None or not has_jobs:
-            raise SchemaNotReady(f"schema {schema!r} has no maintd tables: run `maintd migrate` first")
-        if current != head:
-            raise SchemaNotReady(f"schema {schema!r} is at revision {current}, this maintd needs "
-                                 f"{head}: run `maintd migrate`")
+        self.unit.check_schema()
 
     def wait_for_database(self) -> bool:
         """At start: retry while the server is unreachable (it may be starting too), but fail at
         once on what waiting cannot fix (bad password, missing database or schema). False when a
         stop was asked for meanwhile."""
-        from sqlalchemy.exc import OperationalError
-
         delay = 0.2
         while not self._stopping.is_set():
             try:
@@ -140,15 +193,53 @@ class Daemon:
         """HTTP, then the database, then the runner and the elector. False when stopped during
         the start-up retries."""
         self.start_http()
+        if self.multi:
+            return self._start_targets()
         if not self.wait_for_database():
             return False
-        self._db_ok = True
+        self.unit.db_ok = True
         self.runner.start()
         self._first_lock_session()
         self.elector.start()
+        self.unit.started = True
         self._started = True
         log.info("maintd started", extra=kv(instance=self.settings.instance_id, schema=self.settings.schema))
         return True
+
+    def _start_targets(self) -> bool:
+        """Every target whose schema is ready starts now; the others are retried in the
+        background (a target's outage or missing schema must not stop the rest)."""
+        if self.timetable is not None:
+            self.timetable.start()
+        waiting = [u for u in self.units if not self._try_start(u)]
+        self._started = True
+        if waiting:
+            self._retry_thread = threading.Thread(target=self._retry_targets, args=(waiting,),
+                                                  name="maintd-targets", daemon=True)
+            self._retry_thread.start()
+        log.info("maintd started", extra=kv(instance=self.settings.instance_id, targets=len(self.units),
+                                            waiting=len(waiting)))
+        return True
+
+    def _try_start(self, unit: TargetUnit) -> bool:
+        try:
+            unit.check_schema()
+        except (OperationalError, SchemaNotReady) as exc:
+            problem = describe_db_error(exc)
+            if problem != unit.problem:
+                log.error("target not started, retrying in the background",
+                          extra=kv(target=unit.name, error=problem))
+            unit.problem, unit.db_ok = problem, False
+            return False
+        unit.db_ok = True
+        unit.start()
+        return True
+
+    def _retry_targets(self, waiting: list[TargetUnit]) -> None:
+        delay = 0.5
+        while waiting and not self._stopping.wait(delay):
+            waiting = [u for u in waiting if not self._try_start(u)]
+            delay = min(5.0, delay * 2)
 
     def _first_lock_session(self) -> None:
         """Open the lock session before the elector thread starts, so that a pooler that cannot
@@ -174,12 +265,18 @@ class Daemon:
         self._started = False
         self._stopping.set()
         self.notifier.stopping()
-        self.runner.deactivate()
-        self.elector.stop(timeout)
-        self.runner.shutdown()
+        started = [u for u in self.units if u.started]
+        if len(started) == 1:
+            started[0].stop(timeout)
+        elif started:  # every lock released at once, not one after the other
+            with ThreadPoolExecutor(min(32, len(started)), thread_name_prefix="maintd-stop") as pool:
+                list(pool.map(lambda u: u.stop(timeout), started))
+        if self.timetable is not None:
+            self.timetable.shutdown(wait=False)
         if self.http:
             self.http.stop()
-        self.engine.dispose()
+        for engine in self.engines.values():
+            engine.dispose()
         log.info("maintd stopped", extra=kv(instance=self.settings.instance_id))
 
     def reload(self, settings: Settings) -> None:
@@ -195,12 +292,32 @@ class Daemon:
         keep["http"] = self.settings.http.model_copy(update={"auth_token": settings.http.auth_token})
         settings = settings.model_copy(update=keep)
         self.settings = settings
-        self.elector.update_settings(settings)
-        self.runner.reload(settings)
+        self._reload_units(settings)
         setup_logging(settings.log.level, settings.log.format)
         enabled = [n for n, s in self.runner.services.items() if s.enabled()]
         log.info("config reloaded", extra=kv(services=",".join(enabled) or "none",
                                              periodic=len(settings.periodic)))
+
+    def _reload_units(self, settings: Settings) -> None:
+        """Each unit gets its target's new sections; adding, removing or moving a target needs a
+        restart (kept as it was, with a log line)."""
+        if not self.multi or not settings.targets:
+            if self.multi or settings.targets:
+                log.warning("config reload: targets needs a restart; kept the old value", extra=kv(keys="targets"))
+                return
+            self.unit.reload(settings)
+            return
+        settings._targets = _target_settings(settings)  # over the kept restart-only keys
+        new = {t.target_name: t for t in settings.target_settings()}
+        old = {u.name: u for u in self.units}
+        moved = [n for n, u in old.items() if n not in new or _engine_key(new[n]) != _engine_key(u.settings)
+                 or new[n].schema != u.settings.schema] + [n for n in new if n not in old]
+        if moved:
+            log.warning("config reload: targets need a restart to be added, removed or moved; kept "
+                        "those as they were", extra=kv(targets=",".join(moved)))
+        for name, unit in old.items():
+            if name in new and name not in moved:
+                unit.reload(new[name])
 
     def reload_from_file(self) -> bool:
         """SIGHUP: apply the config file; an invalid one changes nothing."""
@@ -220,46 +337,40 @@ class Daemon:
         return True
 
     # -- callbacks ------------------------------------------------------------------------
-    def _elected(self, term: Term) -> None:
-        self._maintenance_stall = None
-        # Idle pooled connections may lead to a server that has since gone silent (a frozen old
-        # primary): a term starts with fresh ones, to the server the lock session reached.
-        self.engine.dispose()
-        self.metrics.is_leader.set(1)
-        self.metrics.leadership_changes.inc()
-        self.runner.activate(self.elector.fence())
-        self.notifier.status(f"leader (epoch {term.epoch})")
+    def _changed(self, unit: TargetUnit) -> None:
+        if unit.is_leader:
+            self.spread.elected(unit.name)
+        if not self.multi:
+            self.notifier.status(f"leader ({unit.last_reason})" if unit.is_leader
+                                 else f"follower ({unit.last_reason})")
+        else:
+            self.notifier.status(f"leading {self.spread.leading()} of {len(self.units)} targets")
 
-    def _demoted(self, reason: str) -> None:
-        self.metrics.is_leader.set(0)
-        self.metrics.leadership_changes.inc()
-        self.runner.deactivate()
-        self.notifier.status(f"follower ({reason})")
-
-    def _fenced(self, reason: str, fence: Any) -> None:
-        """The database refused a pass of the current term: give that term up."""
-        self.elector.request_demotion(reason, fence.epoch)
-
-    def _health(self, ok: bool) -> None:
-        self._db_ok = ok
-        self.metrics.up.set(1 if ok else 0)
+    def _count_replicas(self) -> int | None:
+        """R for the spread: the live replicas seen in the first target that answers."""
+        for unit in self.units:
+            if not unit.db_ok:
+                continue
+            try:
+                with unit.engine.connect() as conn:
+                    return int(conn.execute(sql(q_daemons.LIVE_REPLICAS, unit.settings.schema),
+                                            ).scalar_one())
+            except Exception as exc:  # the next target, or keep the last R
+                log.debug("could not count the replicas", extra=kv(target=unit.name, error=describe_db_error(exc)))
+        return None
 
     # -- HTTP -----------------------------------------------------------------------------
     def health_problem(self) -> str | None:
         """None while the process and its loops are alive, else why not (for /healthz; whether
-        the database can be reached is /readyz's business)."""
-        now = time.monotonic()
-        cfg = self.settings.leader
-        stall = (cfg.lease + max(cfg.retry_interval, cfg.renew_interval)).total_seconds()
-        if self._maintenance_stall is not None:
-            return self._maintenance_stall
-        if not self._started:
-            return None  # starting: waiting for the database is alive and well (/readyz says 503)
-        if not self.elector.alive:
+        the database can be reached is /readyz's business). With several targets, one target's
+        stalled loop is that target's problem (/readyz, /status), not the process's."""
+        if not self.multi:
+            problem = self.unit.health_problem()
+            if problem is not None or not self._started:
+                return problem
+        elif any(u.started and not u.elector.alive for u in self.units):
             return "leader election thread not running"
-        if now - self.elector.last_progress > stall:
-            return "leader election loop stalled (database connection hanging?)"
-        if self._last_tick is not None and now - self._last_tick > 10:
+        if self._last_tick is not None and time.monotonic() - self._last_tick > 10:
             return "main loop stalled"
         return None
 
@@ -270,66 +381,54 @@ class Daemon:
         return text_body(503, f"unhealthy: {problem}\n")
 
     def _readyz(self) -> tuple[int, str, bytes]:
-        if self._started and self.elector.healthy:
+        """Ready when every target's lock session works (the body names the targets that do not)."""
+        if not self._started:
+            return text_body(503, "not ready\n")
+        if not self.multi:
+            return text_body(200, "ready\n") if self.unit.ready else text_body(503, "not ready\n")
+        bad = [f"{u.name} ({u.problem or u.health_problem() or 'database unreachable'})"
+               for u in self.units if not u.ready or u.health_problem()]
+        if not bad:
             return text_body(200, "ready\n")
-        return text_body(503, "not ready\n")
+        return text_body(503, f"not ready: {len(bad)} of {len(self.units)} targets: {', '.join(bad)}\n")
 
     def _status(self) -> tuple[int, str, bytes]:
+        if not self.multi:
+            data, status = self._target_status(self.unit)
+            data["this_instance"] = {"instance_id": self.settings.instance_id, "is_leader": self.is_leader,
+                                     "database_ok": self.unit.db_ok, "last_runs": self.runner.last_runs}
+            return as_json(status, data)
+        targets = []
+        for unit in self.units:
+            data, _ = self._target_status(unit)
+            targets.append({"target": unit.name, "schema": unit.settings.schema, **data,
+                            "this_instance": unit.status()})
+        return as_json(200, {"targets": targets, "this_instance": {
+            "instance_id": self.settings.instance_id, "leading": self.spread.leading(),
+            "targets": len(self.units), "replicas": self.spread.replicas, "cap": self.spread.cap}})
+
+    def _target_status(self, unit: TargetUnit) -> tuple[dict[str, Any], int]:
         from .periodic_table import list_entries
         from .status import collect_status
 
         try:
-            data: dict[str, Any] = collect_status(self.engine, self.settings.schema)
-            data["periodic"] = list_entries(self.engine, self.settings)
-            status = 200
+            data: dict[str, Any] = collect_status(unit.engine, unit.settings.schema)
+            data["periodic"] = list_entries(unit.engine, unit.settings)
+            return data, 200
         except Exception as exc:
-            data, status = {"error": describe_db_error(exc)}, 503
-        data["this_instance"] = {"instance_id": self.settings.instance_id, "is_leader": self.is_leader,
-                                 "database_ok": self._db_ok, "last_runs": self.runner.last_runs}
-        return as_json(status, data)
+            return {"error": describe_db_error(exc)}, 503
 
     # -- main loop ------------------------------------------------------------------------
     def tick(self) -> None:
         """Called a few times a second by :meth:`run_forever` (and tests)."""
         self._last_tick = time.monotonic()
-        term = self.elector.term
-        if term is not None and not term.trusted():
-            # The elector thread may be stuck in a network call: stop the passes right now, and
-            # stop saying we lead.
-            self.metrics.is_leader.set(0)
-            self.runner.deactivate()
-            self.elector.request_demotion("lease expired", term.epoch)
-        self._check_progress(term)
-        self._check_election()
+        for unit in self.units:
+            unit.tick()
+        if self.multi and self._started:
+            self.spread.balance()
         if self._reload_requested.is_set():
             self._reload_requested.clear()
             self.reload_from_file()
-
-    def _check_election(self) -> None:
-        """The election loop goes round at least every renew/retry interval; one stuck for a
-        lease in a call to a silent server (frozen primary, partition) has its socket shut down,
-        so it reconnects (with a multi-host URL, to whichever server now accepts writes)."""
-        stuck = time.monotonic() - self.elector.last_progress
-        if self._started and stuck > self.settings.leader.lease.total_seconds() and self.elector.session.open:
-            log.warning("the lock session is not answering, reconnecting", extra=kv(seconds=round(stuck, 1)))
-            self.elector.session.sever()
-            self.elector.last_progress = time.monotonic()
-
-    def _check_progress(self, term: Term | None) -> None:
-        """A leader whose maintenance transactions hang (the server or the network silent while
-        the lock session is fine) gives up the term after a lease without progress."""
-        stalled = self.runner.stalled_for()
-        lease = self.settings.leader.lease.total_seconds()
-        if term is not None and stalled > lease:
-            self._maintenance_stall = (f"maintenance connections made no progress for {stalled:.0f}s: "
-                                       f"gave up epoch {term.epoch}")
-            log.error("maintenance transactions hang, giving up leadership",
-                      extra=kv(epoch=term.epoch, seconds=round(stalled, 1)))
-            self.metrics.is_leader.set(0)
-            self.runner.deactivate()
-            self.runner.sever_stalled(lease)  # a silent server answers no cancel either
-            # Stay a follower for a few leases: a replica whose connections work goes first.
-            self.elector.request_demotion("maintenance connections hang", term.epoch, hold_off=3 * lease)
 
     def run_forever(self) -> int:
         def on_stop(signum: int, frame: Any) -> None:

@@ -64,9 +64,10 @@ class Target:
 
 
 def target_specs(settings: Settings) -> list[tuple[str, str, str, Sequence[PeriodicJob]]]:
-    """(name, schema, dsn, periodic entries) per target. Today one: the configured schema."""
-    return [(settings.schema, settings.schema, settings.database_url.get_secret_value(),
-             settings.periodic_entries)]
+    """(name, schema, dsn, periodic entries) per target: each ``[[targets]]`` entry, or the
+    configured schema alone."""
+    return [(t.target_name, t.schema, t.database_url.get_secret_value(), t.periodic_entries)
+            for t in settings.target_settings()]
 
 
 def dashboard_engine(dsn: str, instance_id: str) -> Engine:

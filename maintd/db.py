@@ -101,6 +101,10 @@ class HostOrder:
             and "hostaddr" not in params else []
         self._lock = threading.Lock()
 
+    @property
+    def multi_host(self) -> bool:
+        return bool(self._servers)
+
     def dsn(self) -> str:
         with self._lock:
             if not self._servers:

@@ -56,15 +56,20 @@ class Metrics:
     Series with a known label set exist from the start at 0 (:meth:`known_series`)."""
 
     def __init__(self, registry: CollectorRegistry | None = None, target: str = "maintd",
-                 max_queues: int = 100):
-        self.registry = registry or CollectorRegistry(auto_describe=True)
+                 max_queues: int = 100, *, shared: "Metrics | None" = None):
+        """``shared``: another target's Metrics whose registry and series families this one
+        uses too (several targets in one process, one /metrics)."""
+        self.registry = shared.registry if shared else (registry or CollectorRegistry(auto_describe=True))
         self.target = target
         self.max_queues = max_queues
         self._queues_seen: set[str] = set()
-        r, t = self.registry, ["target"]
+        self._families: dict[str, Any] = shared._families if shared else {}
+        r, t, families = self.registry, ["target"], self._families
 
         def bound(cls: Any, name: str, doc: str, labels: tuple[str, ...] = (), **kw: Any) -> Bound:
-            return Bound(cls(name, doc, [*t, *labels], registry=r, **kw), target)
+            if name not in families:
+                families[name] = cls(name, doc, [*t, *labels], registry=r, **kw)
+            return Bound(families[name], target)
 
         self.is_leader = bound(Gauge, "maintd_is_leader", "1 while this instance holds the leader lock.")
         self.leadership_changes = bound(Counter, "maintd_leadership_changes",

@@ -35,7 +35,10 @@ class Runner:
 
     def __init__(self, settings: Settings, engine: Engine, metrics: Metrics, *,
                  clock: Clock | None = None, on_fenced: Callable[[str, Fence], None] | None = None,
-                 build: Callable[[Settings], dict[str, Service]] = build_services):
+                 build: Callable[[Settings], dict[str, Service]] = build_services,
+                 timetable: BackgroundScheduler | None = None, prefix: str = ""):
+        """``timetable``, ``prefix``: a scheduler shared by the runners of several targets (one
+        thread and one worker pool for the process), this runner's job ids prefixed."""
         self.settings = settings
         self.engine = engine
         self.metrics = metrics
@@ -45,8 +48,9 @@ class Runner:
         self.build = build
         self.services = build(settings)
         self.gauges = JobGauges(metrics)
-        self.timetable = BackgroundScheduler(timezone=timezone.utc, job_defaults={
-            "max_instances": 1, "coalesce": True, "misfire_grace_time": None})
+        self.timetable = timetable or new_timetable()
+        self._own_timetable = timetable is None
+        self.prefix = prefix
         self._fence: Fence | None = None
         self._stop_event = threading.Event()
         self._active: dict[str, PassContext] = {}
@@ -57,11 +61,16 @@ class Runner:
         self._last_success: dict[str, datetime] = {}
 
     def start(self) -> None:
-        self.timetable.start()
+        if self._own_timetable:
+            self.timetable.start()
 
     def shutdown(self) -> None:
         self.deactivate()
-        self.timetable.shutdown(wait=False)
+        if self._own_timetable:
+            self.timetable.shutdown(wait=False)
+
+    def _jobs(self) -> list[Any]:
+        return [j for j in self.timetable.get_jobs() if j.id.startswith(self.prefix)]
 
     # -- leadership -----------------------------------------------------------------------
     def activate(self, fence: Fence) -> None:
@@ -77,7 +86,7 @@ class Runner:
             was_active = self._fence is not None
             self._fence = None
             self._stop_event.set()
-            for job in self.timetable.get_jobs():
+            for job in self._jobs():
                 job.remove()
             active = list(self._active.values())
         for ctx in active:
@@ -105,12 +114,12 @@ class Runner:
         now = datetime.now(timezone.utc)  # APScheduler's own time base (host clock)
         wanted = {name for name in self.services if self._schedule(name, now, reload)}
         self.metrics.known_series(sorted(wanted))
-        for job in self.timetable.get_jobs():
-            if job.id != GAUGES_JOB and job.id not in wanted:
+        for job in self._jobs():
+            if job.id != self.prefix + GAUGES_JOB and job.id[len(self.prefix):] not in wanted:
                 job.remove()
-        if self.timetable.get_job(GAUGES_JOB) is None:
+        if self.timetable.get_job(self.prefix + GAUGES_JOB) is None:
             self.timetable.add_job(self._refresh_gauges, IntervalTrigger(seconds=JobGauges.INTERVAL),
-                                   id=GAUGES_JOB, next_run_time=now)
+                                   id=self.prefix + GAUGES_JOB, next_run_time=now)
 
     def _schedule(self, name: str, now: datetime, reload: bool) -> bool:
         """(Re)schedule one service; returns whether it is enabled."""
@@ -122,15 +131,15 @@ class Runner:
         except Exception as exc:  # one broken service must not keep the others from running
             log.error("cannot schedule service", extra=kv(service=name, error=str(exc)))
             return False
-        job = self.timetable.get_job(name) if reload else None
+        job = self.timetable.get_job(self.prefix + name) if reload else None
         if job is not None and _trigger_key(job.trigger) == _trigger_key(trigger):
             return True  # same schedule: keep its next run time
         # Interval services run at once when they start; cron ones (reindexer) at their time.
         first = {"next_run_time": now} if isinstance(trigger, IntervalTrigger) and job is None else {}
-        self.timetable.add_job(self._run, trigger=trigger, args=[name], id=name, name=name,
-                               replace_existing=True, **first)
+        self.timetable.add_job(self._run, trigger=trigger, args=[name], id=self.prefix + name,
+                               name=self.prefix + name, replace_existing=True, **first)
         if not isinstance(trigger, IntervalTrigger):
-            job = self.timetable.get_job(name)
+            job = self.timetable.get_job(self.prefix + name)
             log.info("scheduled", extra=kv(service=name, next_run=job.next_run_time if job else None))
         return True
 
@@ -188,6 +197,14 @@ class Runner:
         stop_event = self._stop_event
         self.gauges.refresh(self.engine, self.settings.schema,
                             still_leading=lambda: not stop_event.is_set(), lock=self._lock)
+
+
+def new_timetable(workers: int = 10) -> BackgroundScheduler:
+    """APScheduler for the passes: one pass at a time per job, missed runs coalesced."""
+    from apscheduler.executors.pool import ThreadPoolExecutor
+
+    return BackgroundScheduler(timezone=timezone.utc, executors={"default": ThreadPoolExecutor(workers)},
+                               job_defaults={"max_instances": 1, "coalesce": True, "misfire_grace_time": None})
 
 
 def _trigger_key(trigger: BaseTrigger) -> Any:

@@ -1,0 +1,370 @@
+"""Several targets per daemon (SPEC 7.9): [[targets]] config and overrides, the spread of the
+leaderships over real replicas and its recovery after SIGKILL, per-target service settings, and a
+target whose database is down while the others keep working."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from datetime import timedelta
+
+import psycopg
+import pytest
+from sqlalchemy import text
+
+from maintd import migrate
+from maintd.config import ConfigError, Settings, load_settings
+from maintd.daemon import Daemon, pool_size
+from maintd.db import advisory_key, make_engine, quote_ident
+from maintd.spread import Spread, cap
+
+from .conftest import new_schema_name
+from .procs import DaemonProc, wait_for
+
+QUIET = {"cleaner": {"interval": "1s"}, "rescuer": {"interval": "1s"}, "scheduler": {"interval": "1s"}}
+
+
+@pytest.fixture
+def make_schemas(pg_dsn):
+    made: list[str] = []
+    engine = make_engine(pg_dsn, application_name="maintd-test-migrate", pooled=False)
+
+    def make(n: int) -> list[str]:
+        names = [new_schema_name() for _ in range(n)]
+        with engine.connect() as conn:
+            for name in names:
+                migrate.upgrade(conn, name)
+        made.extend(names)
+        return names
+
+    yield make
+    with engine.connect() as conn:
+        conn.execute(text("SET lock_timeout = '20s'"))
+        for name in made:
+            conn.execute(text(f"DROP SCHEMA IF EXISTS {quote_ident(name)} CASCADE"))
+        conn.commit()
+    engine.dispose()
+
+
+def leaders(dsn: str, schemas: list[str]) -> dict[str, str]:
+    """schema -> instance_id of the session holding its leader lock (the database's view)."""
+    by_key = {advisory_key(s)[1] & 0xFFFFFFFF: s for s in schemas}
+    classid = advisory_key(schemas[0])[0] & 0xFFFFFFFF
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT l.objid::bigint, a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+            "WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 AND l.classid::bigint = %s",
+            (classid,)).fetchall()
+    return {by_key[objid]: app.removeprefix("maintd:") for objid, app in rows if objid in by_key}
+
+
+def spread_ok(dsn: str, schemas: list[str], replicas: list[str]) -> Counter | None:
+    """The leaderships per replica when every target is led by one of ``replicas`` and none leads
+    more than ceil(T/R) + 1."""
+    led = leaders(dsn, schemas)
+    per = Counter(led.values())
+    limit = math.ceil(len(schemas) / len(replicas)) + 1
+    if len(led) == len(schemas) and set(per) <= set(replicas) and max(per.values()) <= limit:
+        return per
+    return None
+
+
+def stable(check, seconds: float, timeout: float, what: str):
+    """Wait until ``check()`` holds without a break for ``seconds``; returns its last value."""
+    deadline = time.monotonic() + timeout
+    since, value = None, None
+    while time.monotonic() < deadline:
+        value = check()
+        now = time.monotonic()
+        since = (since or now) if value else None
+        if since is not None and now - since >= seconds:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+# -- config -------------------------------------------------------------------------------------
+
+
+def write(tmp_path, body: str):
+    p = tmp_path / "maintd.toml"
+    p.write_text(body)
+    return p
+
+
+def test_targets_default_name_database_and_merge_sections(tmp_path):
+    s = load_settings(write(tmp_path, """
+database_url = "postgresql://u@h/db"
+[cleaner]
+completed_retention = "2h"
+batch_size = 50
+[cleaner.queues.q]
+cancelled_retention = "3h"
+[[targets]]
+schema = "a"
+cleaner = { completed_retention = "10m", queues = { q = { discarded_retention = "4m" } } }
+[[targets]]
+name = "bee"
+schema = "b"
+database_url = "postgresql://u@other/db2"
+[targets.rescuer]
+rescue_stuck_jobs_after = "20m"
+"""))
+    a, b = s.target_settings()
+    assert (a.target_name, a.schema, a.database_url.get_secret_value()) == ("a", "a", "postgresql://u@h/db")
+    assert (b.target_name, b.schema, b.database_url.get_secret_value()) == ("bee", "b", "postgresql://u@other/db2")
+    # Merged key by key over the top-level section: unset keys keep the top-level value.
+    assert a.cleaner.retention("completed") == timedelta(minutes=10) and a.cleaner.batch_size == 50
+    assert a.cleaner.retention("cancelled", "q") == timedelta(hours=3)
+    assert a.cleaner.retention("discarded", "q") == timedelta(minutes=4)
+    assert a.cleaner.retention("discarded", "other") == timedelta(days=7)
+    assert b.cleaner.retention("completed") == timedelta(hours=2)
+    assert b.rescuer.rescue_stuck_jobs_after == timedelta(minutes=20)
+    assert a.rescuer.rescue_stuck_jobs_after == timedelta(hours=1)
+    # Without [[targets]]: the one schema, named by itself.
+    one = Settings(schema="solo")
+    assert [(t.target_name, t.schema) for t in one.target_settings()] == [("solo", "solo")]
+
+
+@pytest.mark.parametrize("body, problem", [
+    ('[[targets]]\nschema = "a"\n[[targets]]\nschema = "a"\n', "targets[1].schema: 'a' is also targets[0]'s schema"),
+    ('[[targets]]\nschema = "a"\n[[targets]]\nschema = "b"\nname = "a"\n', "targets[1].name: 'a' is also targets[0]'s name"),
+    ('[[targets]]\nschema = "Bad"\n', "targets[0].schema: invalid schema name 'Bad'"),
+    ('[[targets]]\nschema = "a"\nname = "pg_x"\n', "targets[0].name: invalid target name 'pg_x'"),
+    ('[[targets]]\nschema = "a"\ncleaner = { batch_size = 0 }\n', "targets[0].cleaner.batch_size:"),
+    ('[[targets]]\nschema = "a"\nrescuer = { nope = 1 }\n', "targets[0].rescuer.nope: unknown key"),
+    ('[[targets]]\nschema = "a"\nleader = { lease = "1s" }\n', "targets[0].leader: unknown key"),
+])
+def test_targets_config_errors_name_the_key(tmp_path, body, problem):
+    with pytest.raises(ConfigError) as err:
+        load_settings(write(tmp_path, body))
+    assert any(p.startswith(problem) for p in err.value.problems), err.value.problems
+
+
+def test_same_schema_on_two_databases_is_two_targets(tmp_path):
+    s = load_settings(write(tmp_path, '[[targets]]\nschema = "a"\nname = "one"\n'
+                                      '[[targets]]\nschema = "a"\nname = "two"\ndatabase_url = "postgresql://x/y"\n'))
+    assert [t.target_name for t in s.target_settings()] == ["one", "two"]
+
+
+def test_pool_size_grows_slowly_with_the_targets():
+    assert pool_size(1) == 6 and pool_size(8) == 10 and pool_size(200) == 100 and pool_size(10_000) == 100
+
+
+# -- the spread, without a database ---------------------------------------------------------------
+
+
+class FakeUnit:
+    def __init__(self, name: str, leading: bool = False):
+        self.name, self.leading, self.handed = name, leading, []
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leading
+
+    def hand_over(self, reason: str, hold_off: float) -> None:
+        self.handed.append((reason, hold_off))
+        self.leading = False
+
+
+def test_cap_is_the_share_plus_one():
+    assert cap(12, 3) == 5 and cap(12, 2) == 7 and cap(200, 3) == 68 and cap(5, 0) == 6
+
+
+def test_spread_gate_and_hand_over_with_hysteresis():
+    units = [FakeUnit(f"t{i}", leading=i < 7) for i in range(12)]
+    replicas = [3]
+    spread = Spread(units, retry_interval=0.05, settle=0.3, count_replicas=lambda: replicas[0])
+    spread.refresh()
+    assert spread.cap == 5
+    # At or above the cap, a follower tries only lazily (after 0.5-1.5 retry intervals)...
+    assert not spread.may_try("t9")
+    time.sleep(0.08)
+    assert spread.may_try("t9")
+    # ...and extras are handed over only once the excess has lasted `settle`.
+    assert spread.balance() == 0
+    time.sleep(0.35)
+    assert spread.balance() == 2
+    assert sum(u.leading for u in units) == 5
+    assert all(h[1] == pytest.approx(0.6) for u in units for h in u.handed)
+    # Below the cap, a follower tries at once; granted tries count until elected (no stampede).
+    for unit in [u for u in units if u.leading][:2]:
+        unit.leading = False
+    assert spread.leading() == 3
+    assert spread.may_try("t10") and spread.may_try("t11")
+    assert not spread.may_try("t8")  # 3 led + 2 pending = the cap
+    spread.elected("t10")
+    units[10].leading = True
+    assert not spread.may_try("t8")
+
+
+# -- real daemons ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_three_replicas_spread_twelve_targets_and_recover_after_sigkill(pg_dsn, make_schemas, tmp_path):
+    schemas = make_schemas(12)
+    config = {**QUIET, "targets": [{"schema": s} for s in schemas]}
+    procs = [DaemonProc(pg_dsn, "unused", f"r{i}", config, workdir=str(tmp_path)).start() for i in range(3)]
+    names = [p.instance_id for p in procs]
+    try:
+        per = stable(lambda: spread_ok(pg_dsn, schemas, names), 3, 60, "every target led, <= 5 per replica")
+        assert sum(per.values()) == 12 and max(per.values()) <= 5, per
+        victim = next(p for p in procs if per[p.instance_id] > 0)
+        survivors = [n for n in names if n != victim.instance_id]
+        t0 = time.monotonic()
+        victim.kill()
+        wait_for(lambda: spread_ok(pg_dsn, schemas, survivors), 10, 0.02, "the survivors leading all 12")
+        took = time.monotonic() - t0
+        assert took < 3.0, f"the killed replica's targets were led again after {took:.2f}s"
+        per = stable(lambda: spread_ok(pg_dsn, schemas, survivors), 5, 30, "a stable spread over 2")
+        assert sum(per.values()) == 12 and max(per.values()) <= 7, per
+        for p in procs:
+            if p is not victim:
+                assert p.proc.poll() is None
+    finally:
+        for p in procs:
+            p.stop()
+
+
+# -- in-process daemons with several targets --------------------------------------------------------
+
+FAST = {"lease": "3s", "renew_interval": "1s", "retry_interval": "0.2s"}
+
+
+def multi_settings(dsn: str, targets: list[dict], **top) -> Settings:
+    return Settings(database_url=dsn, instance_id="multi-1", http={"listen": "127.0.0.1:0"},
+                    leader=FAST, targets=targets, **top)
+
+
+def execute(dsn: str, statement: str) -> list:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cur = conn.execute(statement)
+        return cur.fetchall() if cur.description else []
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_per_target_overrides_take_effect(pg_dsn, make_schemas):
+    """Target a keeps completed jobs 1 h, b the top-level 24 h; b's scheduler is off."""
+    a, b = make_schemas(2)
+    rows = {}
+    for s in (a, b):
+        rows[s] = {age: [r[0] for r in execute(pg_dsn, (
+            f'INSERT INTO "{s}".jobs (kind, state, finalized_at) SELECT \'k\', \'completed\', '
+            f"now() - interval '{age}' FROM generate_series(1, {n}) RETURNING id"))]
+            for age, n in (("2 hours", 3), ("30 minutes", 2))}
+        execute(pg_dsn, f'INSERT INTO "{s}".jobs (kind, state, scheduled_at) '
+                        f"SELECT 'due', 'scheduled', now() - interval '1 second' FROM generate_series(1, 4)")
+    daemon = Daemon(multi_settings(pg_dsn, [
+        {"schema": a, "cleaner": {"completed_retention": "1h"}},
+        {"schema": b, "name": "bee", "scheduler": {"enabled": False}},
+    ], cleaner={"interval": "0.5s", "completed_retention": "24h"}, scheduler={"interval": "0.5s"}))
+    daemon.start()
+    try:
+        wait_for(lambda: all("cleaner" in u.runner.last_runs for u in daemon.units), 20, what="cleaner passes")
+        wait_for(lambda: "scheduler" in daemon.units[0].runner.last_runs, 20, what="a scheduler pass")
+        left = {s: {r[0] for r in execute(pg_dsn, f"SELECT id FROM \"{s}\".jobs WHERE state = 'completed'")}
+                for s in (a, b)}
+        assert left[a] == set(rows[a]["30 minutes"])
+        assert left[b] == set(rows[b]["2 hours"] + rows[b]["30 minutes"])
+        states = {s: Counter(r[0] for r in execute(pg_dsn, f"SELECT state FROM \"{s}\".jobs WHERE kind = 'due'"))
+                  for s in (a, b)}
+        assert states == {a: {"available": 4}, b: {"scheduled": 4}}
+        assert "scheduler" not in daemon.units[1].runner.services or \
+            not daemon.units[1].runner.services["scheduler"].enabled()
+        # One registry, one `target` label per target.
+        body = get(daemon.http_port, "/metrics")[1]
+        assert f'maintd_is_leader{{target="{a}"}} 1.0' in body and 'maintd_is_leader{target="bee"} 1.0' in body
+        # /status and the dashboard cover both targets.
+        data = json.loads(get(daemon.http_port, "/status")[1])
+        assert [(t["target"], t["leader"]["instance_id"]) for t in data["targets"]] == [(a, "multi-1"), ("bee", "multi-1")]
+        page = get(daemon.http_port, "/")[1]
+        assert f'data-target="{a}"' in page and 'data-target="bee"' in page
+    finally:
+        daemon.stop()
+
+
+def test_a_target_whose_database_is_down_does_not_stop_the_others(pg_dsn, make_schemas):
+    import socket
+
+    from psycopg.conninfo import make_conninfo
+
+    good = make_schemas(2)
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        closed = sock.getsockname()[1]
+    for s in good:
+        execute(pg_dsn, f'INSERT INTO "{s}".jobs (kind, state, scheduled_at) '
+                        f"SELECT 'due', 'scheduled', now() - interval '1 second' FROM generate_series(1, 3)")
+    daemon = Daemon(multi_settings(pg_dsn, [
+        {"schema": good[0]},
+        {"schema": "down", "database_url": make_conninfo(pg_dsn, host="127.0.0.1", port=str(closed))},
+        {"schema": "gone", "database_url": make_conninfo(pg_dsn, dbname="maintd_no_such_db")},
+        {"schema": good[1]},
+    ], scheduler={"interval": "0.5s"}))
+    daemon.start()
+    try:
+        def promoted():
+            return all(execute(pg_dsn, f"SELECT count(*) FROM \"{s}\".jobs WHERE state = 'available'")[0][0] == 3
+                       for s in good)
+
+        wait_for(promoted, 20, what="due jobs promoted in the working targets")
+        port = daemon.http_port
+        assert get(port, "/healthz") == (200, "ok\n")  # the process is alive
+        status, body = get(port, "/readyz")
+        assert status == 503 and "2 of 4 targets" in body and "down (" in body and "gone (" in body, body
+        assert "maintd_no_such_db" in body
+        metrics = get(port, "/metrics")[1]
+        for name, up in ((good[0], 1), ("down", 0), ("gone", 0), (good[1], 1)):
+            assert f'maintd_database_up{{target="{name}"}} {up}.0' in metrics, name
+        status, body = get(port, "/status")
+        data = {t["target"]: t for t in json.loads(body)["targets"]}
+        assert data[good[0]]["leader"]["instance_id"] == "multi-1"
+        assert "error" in data["down"] and data["down"]["this_instance"]["database_ok"] is False
+        # The others keep working while the broken ones are retried.
+        execute(pg_dsn, f'INSERT INTO "{good[1]}".jobs (kind, state, scheduled_at) '
+                        f"VALUES ('later', 'scheduled', now())")
+        wait_for(lambda: execute(pg_dsn, f"SELECT state FROM \"{good[1]}\".jobs WHERE kind = 'later'")[0][0]
+                 == "available", 10, what="a new job promoted")
+    finally:
+        daemon.stop()
+
+
+def test_migrate_and_status_cover_every_target(pg_dsn, tmp_path, capsys):
+    from maintd.cli import main
+
+    names = [new_schema_name() for _ in range(2)]
+    cfg = write(tmp_path, f'database_url = "{pg_dsn}"\n' + "".join(
+        f'[[targets]]\nschema = "{s}"\nname = "n{i}"\n' for i, s in enumerate(names)))
+    try:
+        assert main(["-c", str(cfg), "migrate"]) == 0
+        out = capsys.readouterr().out
+        assert all(f"schema {s} migrated from base" in out for s in names), out
+        assert main(["-c", str(cfg), "status", "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert [(t["target"], t["schema"]) for t in data["targets"]] == [("n0", names[0]), ("n1", names[1])]
+        assert main(["-c", str(cfg), "status"]) == 0
+        out = capsys.readouterr().out
+        assert "== target n0" in out and "== target n1" in out and f"schema: {names[1]}" in out
+        # --target picks one; commands on one target need it.
+        assert main(["-c", str(cfg), "--target", "n1", "status", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["targets"][0]["schema"] == names[1]
+        assert main(["-c", str(cfg), "jobs", "list"]) == 2
+        assert "choose one with --target NAME (n0, n1)" in capsys.readouterr().err
+        assert main(["-c", str(cfg), "--target", "n0", "jobs", "list", "--json"]) == 0
+        assert main(["-c", str(cfg), "--target", "zz", "status"]) == 2
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            for s in names:
+                conn.execute(f'DROP SCHEMA IF EXISTS "{s}" CASCADE')
