@@ -87,7 +87,7 @@ class Job(Base):
         Index("jobs_finalized_idx", "state", "finalized_at", "id",
               postgresql_where=text("finalized_at IS NOT NULL")),
         # Cleaner (per-queue retention, first expired row per queue) and the dashboard's lists.
-        Index("jobs_finalized_queue_idx", "state", "queue", "finalized_at",
+        Index("jobs_finalized_queue_idx", "state", "queue", "finalized_at", "id",
               postgresql_where=text("finalized_at IS NOT NULL")),
         # Rescuer: running jobs by last sign of life.
         Index("jobs_running_idx", text("coalesce(heartbeat_at, attempted_at)"), "id",

@@ -526,8 +526,8 @@ def _plan_params(state):
 
 
 EXPECTED_INDEX = {None: "jobs_pkey", "available": "jobs_fetch_idx", "scheduled": "jobs_scheduled_idx",
-                  "retryable": "jobs_scheduled_idx", "discarded": "jobs_finalized_idx",
-                  "completed": "jobs_finalized_idx", "cancelled": "jobs_finalized_idx"}
+                  "retryable": "jobs_scheduled_idx", "discarded": "jobs_finalized_queue_idx",
+                  "completed": "jobs_finalized_queue_idx", "cancelled": "jobs_finalized_queue_idx"}
 
 
 def test_filter_batches_are_index_backed(engine, schema):

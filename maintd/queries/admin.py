@@ -59,7 +59,7 @@ KEYSETS: dict[str | None, tuple[tuple[str, str], ...]] = {
     "available": (("j.queue", "text"), ("j.priority", "smallint"),
                   ("j.scheduled_at", "timestamptz"), ("j.id", "bigint")),  # jobs_fetch_idx
     "scheduled": _SCHEDULED, "retryable": _SCHEDULED,  # jobs_scheduled_idx
-    "completed": _FINALIZED, "cancelled": _FINALIZED, "discarded": _FINALIZED,  # jobs_finalized_idx
+    "completed": _FINALIZED, "cancelled": _FINALIZED, "discarded": _FINALIZED,  # jobs_finalized(_queue)_idx
 }
 
 ROW = "j.id, j.kind, j.queue, j.state::text AS state, j.unique_key"

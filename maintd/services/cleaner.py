@@ -23,7 +23,7 @@ Every pass starts at the oldest expired row of each target, so a row whose ``fin
 far in the past when it commits (imported, back-dated, finished by a long transaction) goes with
 the next pass, and ``--dry-run`` counts exactly what a pass deletes. Rows kept by a longer
 per-queue retention are not walked again every pass for that: a per-queue target reads its own
-queue through ``jobs_finalized_queue_idx (state, queue, finalized_at)``, and a default target
+queue through ``jobs_finalized_queue_idx (state, queue, finalized_at, id)``, and a default target
 with overridden queues starts at the first expired row of the queues it covers, found by a loose
 scan of that index (one probe per distinct queue of the state). Rows skipped because another
 session held their lock are looked at again by the next pass.

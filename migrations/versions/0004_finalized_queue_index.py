@@ -1,4 +1,4 @@
-"""jobs_finalized_queue_idx: final jobs by (state, queue, finalized_at), for exact cleaner passes
+"""jobs_finalized_queue_idx: final jobs by (state, queue, finalized_at, id), for exact cleaner passes
 
 Revision ID: 0004
 Revises: 0003
@@ -41,7 +41,7 @@ BEGIN
   END IF;
 END $$""")
         op.execute(f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {INDEX} ON {schema}.jobs"
-                   " (state, queue, finalized_at) WHERE finalized_at IS NOT NULL")
+                   " (state, queue, finalized_at, id) WHERE finalized_at IS NOT NULL")
 
 
 def downgrade() -> None:
