@@ -193,3 +193,18 @@ def test_status_stays_truthful_without_idle_writes(settings, schema):
         daemon.stop()
         engine.dispose()
     assert not collect_status(engine, schema)["daemons"]  # gone: not listed (its row is 2 h old)
+
+
+def test_a_transaction_after_a_probe_is_still_a_transaction(settings, engine, schema):
+    """The probe's autocommit must not leak into the pass's next transaction on the same
+    connection: a write followed by an error there is rolled back."""
+    ctx = PassContext.for_settings(settings, engine, ServerClock())
+    with ctx.session():
+        with ctx.read() as conn:
+            assert conn.execute(text("SELECT 1")).scalar() == 1
+        with pytest.raises(RuntimeError):
+            with ctx.transaction() as conn:
+                conn.execute(sql("INSERT INTO {schema}.jobs (kind) VALUES ('k')", schema))
+                raise RuntimeError("the pass fails after its write")
+        with ctx.read() as conn:
+            assert conn.execute(sql("SELECT count(*) FROM {schema}.jobs", schema)).scalar() == 0

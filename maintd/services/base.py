@@ -280,8 +280,12 @@ class PassContext:
             try:
                 yield conn
             finally:
-                conn.rollback()  # ends SQLAlchemy's autobegun Transaction (nothing is sent)
-                conn.execution_options(isolation_level=conn.default_isolation_level)
+                try:
+                    conn.rollback()  # ends SQLAlchemy's autobegun Transaction (nothing is sent)
+                    conn.execution_options(isolation_level=conn.default_isolation_level)
+                except Exception:  # never let a transaction run on it in autocommit: drop it
+                    conn.invalidate()
+                    self._release()
 
     @contextmanager
     def autocommit(self, *, lock_timeout_ms: int, statement_timeout_ms: int = 0) -> Iterator[Connection]:
