@@ -94,7 +94,8 @@ def test_default_reindexes_every_jobs_index(pg_dsn, schema, settings, engine):
     assert {r.index: r.outcome for r in result.indexes} == {
         "jobs_pkey": "reindexed", "jobs_fetch_idx": "reindexed", "jobs_scheduled_idx": "reindexed",
         "jobs_finalized_idx": "reindexed", "jobs_running_idx": "reindexed",
-        "jobs_unique_key_idx": "reindexed", "jobs_exhausted_idx": "reindexed"}
+        "jobs_unique_key_idx": "reindexed", "jobs_exhausted_idx": "reindexed",
+        "jobs_finalized_queue_idx": "reindexed"}
     assert all(v for v in indexes(pg_dsn, schema).values())
 
 
