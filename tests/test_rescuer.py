@@ -21,6 +21,12 @@ from .conftest import T0, run_concurrently
 from .plans import explain
 
 
+@pytest.fixture(autouse=True)
+def _one_round(settings):
+    """These tests look at one pass's batches: no precise-timing waits (tested below)."""
+    settings.rescuer.precise_timing = False
+
+
 def running(engine, schema, *, seen_ago, heartbeat_ago=None, attempt=1, max_attempts=25, n=1,
             worker="w1"):
     with engine.begin() as conn:
@@ -238,7 +244,7 @@ def test_statements_are_index_backed(settings, engine, schema, clock):
                          "- g * interval '1 second' FROM generate_series(1, 20000) g", schema), {"t0": T0})
         conn.execute(sql("ANALYZE {schema}.jobs", schema))
     params = {**Rescuer(settings.rescuer).horizons(T0), "after_seen": T0 - timedelta(days=999), "after_id": 0,
-              "limit": 100, "now": T0, "instance": "i", "cap": BACKOFF_CAP,
+              "limit": 100, "now": T0, "instance": "i", "cap": BACKOFF_CAP, "events_channel": "e",
               "delays": [backoff(k).total_seconds() for k in range(BACKOFF_CAP + 1)]}
     with engine.connect() as conn:
         for generic in (False, True):

@@ -7,13 +7,20 @@ statement is rendered; each fragment used by more than one statement is defined 
 * ``{final_states}``: the final states as a SQL list (also in the schema's constraints);
 * ``{advisory_lock}``: the ``pg_locks`` row of the leader lock (bound by ``:classid`` and
   ``:objid``, the signed key halves of :func:`maintd.db.advisory_key`, compared as ``oid``);
-* ``{stuck}``: the rescuer's rule for a running job that shows no sign of life (bound by
-  ``:stuck_before`` and ``:hb_before``, NULL without ``heartbeat_timeout``);
+* ``{stuck}``: the rescuer's rule for a running job that shows no sign of life, under the job's
+  own rule ``{rule}`` (bound by ``:stuck_befores`` and ``:hb_befores``, a NULL element without
+  ``heartbeat_timeout``);
+* ``{rule}``: which of the rescuer's rules (1-based) holds for a job: its kind's, else its
+  queue's (``:rule_kinds``/``:rule_queues`` name them, NULL elsewhere), else the default (1);
+* ``{grace}``: how long a running job may show no sign of life under its rule, in seconds
+  (``:afters``, ``:hbs``): its stuck deadline is ``coalesce(heartbeat_at, attempted_at)`` plus it;
 * ``{target_queues}``: the queues one cleaner target covers (``:queue``, or every queue but
   ``:excluded``);
 * ``{enqueue}``: a job's INSERT (the workers' enqueue and the periodic enqueuer's);
 * ``{rescue}``: the rescuer's update of its locked ``candidates`` (``retryable`` after
-  ``:delays[attempt + 1]`` seconds, or ``discarded``), re-checking each row as it is now.
+  ``:delays[attempt + 1]`` seconds, or ``discarded``), re-checking each row as it is now;
+* ``{announce}``: one ``stalled`` event per ``rescued`` row on ``:events_channel`` (sent only if
+  the transaction commits).
 
 :func:`sql` gives a SQLAlchemy ``text()``; :func:`psycopg_sql` the same statement in psycopg's
 ``%(name)s`` style for the raw connections of the leader lock.
@@ -39,8 +46,22 @@ ADVISORY_LOCK = """SELECT 1 FROM pg_locks
                   AND classid = CAST(CAST(:classid AS int4) AS oid)
                   AND objid = CAST(CAST(:objid AS int4) AS oid)"""
 
-STUCK = """(coalesce(heartbeat_at, attempted_at) < :stuck_before
-          OR (heartbeat_at IS NOT NULL AND heartbeat_at < CAST(:hb_before AS timestamptz)))"""
+STUCK = """(coalesce(heartbeat_at, attempted_at) < (CAST(:stuck_befores AS timestamptz[]))[{rule}]
+          OR (heartbeat_at IS NOT NULL
+              AND heartbeat_at < (CAST(:hb_befores AS timestamptz[]))[{rule}]))"""
+
+# Names are data: the rules' kinds and queues are bound arrays, never spliced into the SQL.
+RULE = """coalesce(array_position(CAST(:rule_kinds AS text[]), kind),
+                   array_position(CAST(:rule_queues AS text[]), queue), 1)"""
+
+# With a heartbeat, seen = heartbeat_at, and either rule may end the job's life: the shorter one.
+GRACE = """CASE WHEN heartbeat_at IS NULL THEN (CAST(:afters AS float8[]))[{rule}]
+               ELSE least((CAST(:afters AS float8[]))[{rule}], (CAST(:hbs AS float8[]))[{rule}]) END"""
+
+# The payload stays far below NOTIFY's 8000 bytes: kind and queue hold at most 128 characters.
+ANNOUNCE = """(SELECT count(pg_notify(CAST(:events_channel AS text), json_build_object(
+           'event', 'stalled', 'id', id, 'queue', queue, 'kind', kind, 'attempt', attempt,
+           'outcome', outcome)::text)) FROM rescued)"""
 
 TARGET_QUEUES = """(CAST(:queue AS text) IS NULL OR queue = :queue)
             AND queue <> ALL(CAST(:excluded AS text[]))"""
@@ -69,7 +90,7 @@ RESCUE = """rescued AS (
      AND j.attempt = c.attempt
      AND ({stuck} OR coalesce(heartbeat_at, attempted_at) IS NULL
           OR coalesce(heartbeat_at, attempted_at) < '0001-01-02 00:00:00+00')
-  RETURNING j.id, j.state = 'discarded' AS discarded
+  RETURNING j.id, j.queue, j.kind, j.attempt, j.state::text AS outcome, j.state = 'discarded' AS discarded
 )"""
 
 # A job's INSERT, before its ON CONFLICT: due now ('available') or later ('scheduled').
@@ -83,7 +104,8 @@ VALUES (:kind, :queue, CAST(:args AS jsonb), :priority, :max_attempts,
 
 # Order matters: a fragment may hold the ones after it.
 FRAGMENTS = {"{enqueue}": ENQUEUE, "{rescue}": RESCUE, "{advisory_lock}": ADVISORY_LOCK, "{stuck}": STUCK,
-             "{target_queues}": TARGET_QUEUES, "{final_states}": FINAL_STATES_SQL}
+             "{grace}": GRACE, "{rule}": RULE, "{announce}": ANNOUNCE, "{target_queues}": TARGET_QUEUES,
+             "{final_states}": FINAL_STATES_SQL}
 
 _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 
