@@ -257,7 +257,7 @@ UPDATE {schema}.jobs
 
 def bench_rescuer(engine: Engine, url: str, table: Table, rows: int, repeat: int) -> None:
     sizes = {"total": rows, "stuck": rows // 10}
-    settings = Settings(database_url=url, schema=SCHEMA)
+    settings = Settings(database_url=url, schema=SCHEMA, rescuer={"precise_timing": False})
 
     def unbatched() -> Run:
         now = seed(engine, SEED_RESCUER, sizes)

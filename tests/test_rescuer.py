@@ -233,7 +233,7 @@ def test_two_rescuers_rescue_each_job_once(settings, engine, schema, clock):
 
 def test_statements_are_index_backed(settings, engine, schema, clock):
     """With 20,000 stuck jobs and batches of 100, a batch reads its candidates from
-    jobs_running_idx and updates them through primary-key probes (never by walking every stuck
+    jobs_running_idx and updates the row versions it locked through their ctids (never by walking every stuck
     row, which would make a pass quadratic), with values known or as a generic prepared plan;
     never a Seq Scan."""
     with engine.begin() as conn:
@@ -251,7 +251,7 @@ def test_statements_are_index_backed(settings, engine, schema, clock):
             plan = explain(conn, RESCUER_BATCH, schema, params, generic=generic)
             candidates, update = plan.split("CTE rescued")
             assert "Index Scan using jobs_running_idx" in candidates, plan
-            assert "jobs_pkey" in update and "jobs_running_idx" not in update, plan
+            assert "Tid Scan" in update and "jobs_running_idx" not in update, plan
             assert "Seq Scan" not in plan, plan
             plan = explain(conn, RESCUER_COUNT_STUCK, schema, params, generic=generic)
             assert "jobs_running_idx" in plan and "Seq Scan" not in plan, plan

@@ -84,8 +84,8 @@ RESCUE = """rescued AS (
                              || coalesce(to_jsonb(c.seen) #>> '{}', 'ever (attempted_at and heartbeat_at are NULL)')
                              || ' (rescued by maintd ' || CAST(:instance AS text) || ')'))
     FROM candidates AS c
-   WHERE j.id = ANY(ARRAY(SELECT id FROM candidates))  -- a primary-key path for the candidates
-     AND j.id = c.id                                    -- alone, whatever the planner thinks of c
+   WHERE j.ctid = ANY(ARRAY(SELECT ctid FROM candidates))  -- a TID path to the locked row versions
+     AND j.id = c.id                                        -- alone, whatever the planner thinks of c
      AND j.state = 'running'
      AND j.attempt = c.attempt
      AND ({stuck} OR coalesce(heartbeat_at, attempted_at) IS NULL

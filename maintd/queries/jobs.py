@@ -160,7 +160,7 @@ SELECT count(*) FROM {schema}.jobs
 # attempt and the stuck rule on the row as it is now, and announced by {announce}.
 RESCUER_BATCH = """
 WITH candidates AS MATERIALIZED (
-  SELECT id, attempt, coalesce(heartbeat_at, attempted_at) AS seen
+  SELECT id, ctid, attempt, coalesce(heartbeat_at, attempted_at) AS seen
     FROM {schema}.jobs
    WHERE state = 'running'
      AND coalesce(heartbeat_at, attempted_at) < :scan_until
@@ -185,7 +185,7 @@ SELECT (SELECT count(*) FROM candidates) AS candidates,
 # range is empty and reads the index.
 RESCUER_NO_SIGN_BATCH = """
 WITH candidates AS MATERIALIZED (
-  SELECT id, attempt, coalesce(heartbeat_at, attempted_at) AS seen
+  SELECT id, ctid, attempt, coalesce(heartbeat_at, attempted_at) AS seen
     FROM {schema}.jobs
    WHERE id = ANY(ARRAY(
            (SELECT id FROM {schema}.jobs

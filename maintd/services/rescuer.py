@@ -142,12 +142,14 @@ class Rescuer(Service):
         """The earliest stuck deadline in [now, until): until the next tick, or the shortest grace
         from now (a job claimed or heartbeating from now on cannot fall due earlier), when sooner."""
         graces = self.graces()
-        ahead = min(tick_end - time.monotonic(), graces["graces"][0])
-        if ahead <= 0:
+        to_tick, shortest = tick_end - time.monotonic(), graces["graces"][0]
+        if to_tick <= 0:
             return None
-        until = now + timedelta(seconds=ahead)
+        until = now + timedelta(seconds=min(to_tick, shortest))
         found = conn.execute(ctx.sql(jobs.RESCUER_NEXT_STUCK), {**graces, "since": now, "until": until}).scalar()
-        return found if found is not None else until
+        if found is None and shortest < to_tick:
+            return until  # look again then
+        return found
 
     def _rescue(self, ctx: PassContext, params: dict, result: RescuerResult,
                 tick_end: float) -> datetime | None:
