@@ -126,8 +126,8 @@ def timed(engine: Engine, statement: str, params: dict) -> tuple[float, int]:
     return time.perf_counter() - t0, n
 
 
-def run_pass(engine: Engine, settings: Settings, service, now: datetime):
-    ctx = TimedContext.for_settings(settings, engine, FrozenClock(now))
+def run_pass(engine: Engine, settings: Settings, service, now: datetime, context=None):
+    ctx = (context or TimedContext).for_settings(settings, engine, FrozenClock(now))
     t0 = time.perf_counter()
     with ctx.session():  # as the daemon runs a pass: one pooled connection for its transactions
         result = service.run_once(ctx)

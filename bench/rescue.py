@@ -25,6 +25,7 @@ import os
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -120,16 +121,27 @@ def bench_batch(engine: Engine, url: str, table: Table, rows: int, repeat: int) 
                 after_seen, after_id = batch.last_seen, batch.last_id
         return done, time.perf_counter() - t0, batches
 
-    def after() -> Run:
+    def after(sync: bool = False) -> Run:
         result, t, batches = run_pass(engine, settings, Rescuer(settings.rescuer),
-                                      seed(engine, SEED_RESCUER, sizes))
+                                      seed(engine, SEED_RESCUER, sizes), context=SyncContext if sync else None)
         return result.retried + result.discarded, t, batches
 
-    methods = {"limit": unbatched, "before": before, "after": after}
+    methods = {"limit": unbatched, "before": before, "after": after, "after_sync": lambda: after(sync=True)}
     results = medians(repeat, methods)
     table.row("rescuer", "one unbatched UPDATE (physical limit)", *results["limit"], limit=True)
     table.row("rescuer", f"before (727ec83), batch_size {limit:,}", *results["before"])
     table.row("rescuer", f"after, batch_size {limit:,}", *results["after"])
+    table.row("rescuer", "after, but synchronous_commit on", *results["after_sync"])
+
+
+class SyncContext(TimedContext):
+    """Today's rescuer with every commit waiting for its WAL flush (to show what that costs)."""
+
+    @contextmanager
+    def transaction(self, **kw):
+        kw.pop("settings", None)
+        with super().transaction(**kw) as conn:
+            yield conn
 
 
 # --- load of precise timing ---------------------------------------------------------------------

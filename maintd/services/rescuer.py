@@ -43,6 +43,12 @@ log = logging.getLogger("maintd.rescuer")
 
 # Where the keyset starts; earlier signs of life (and none at all) are RESCUER_NO_SIGN_BATCH's.
 FAR_PAST = datetime(1, 1, 2, tzinfo=timezone.utc)
+# A rescue's commit does not wait for its WAL flush (synchronous_commit = off for that transaction
+# only). Losing the last rescues in a server crash is harmless: those jobs are running and stuck
+# again after recovery and are rescued (and announced) again. Nothing else can build on a lost
+# rescue either: whatever commits after it durably (a worker's claim) flushes the WAL up to its
+# own commit, which holds the rescue's. Saves a WAL flush per batch (~3 ms here).
+RESCUE_TRANSACTION = {"synchronous_commit": "off"}
 # backoff(k) in seconds for k = 0 .. BACKOFF_CAP (the statement indexes it by attempt)
 DELAYS = [backoff(k).total_seconds() for k in range(BACKOFF_CAP + 1)]
 
@@ -160,7 +166,7 @@ class Rescuer(Service):
         while True:
             ctx.check_stop()
             deadline = None
-            with ctx.transaction() as conn:
+            with ctx.transaction(settings=RESCUE_TRANSACTION) as conn:
                 batch = conn.execute(ctx.sql(jobs.RESCUER_BATCH), {
                     **params, "after_seen": after_seen, "after_id": after_id, "limit": limit}).one()
                 if batch.candidates < limit and self.config.precise_timing:
@@ -178,7 +184,7 @@ class Rescuer(Service):
         limit = self.config.batch_size
         while True:
             ctx.check_stop()
-            with ctx.transaction() as conn:
+            with ctx.transaction(settings=RESCUE_TRANSACTION) as conn:
                 batch = conn.execute(ctx.sql(jobs.RESCUER_NO_SIGN_BATCH), {**params, "limit": limit}).one()
             result.discarded += batch.discarded
             result.retried += batch.retried
