@@ -22,7 +22,7 @@ from maintd.config import ConfigError, load_settings
 from maintd.db import events_channel
 from maintd.metrics import Metrics
 from maintd.queries import sql
-from maintd.queries.jobs import RESCUER_BATCH, RESCUER_NEXT_STUCK
+from maintd.queries.jobs import RESCUER_BATCH, RESCUER_NEXT_STUCK, RESCUER_PROBE_PLANNING
 from maintd.runner import Runner
 from maintd.services.base import NoFence, PassContext
 from maintd.services.rescuer import DELAYS, FAR_PAST, Rescuer
@@ -109,6 +109,12 @@ def test_rules_keep_the_statement_batched_and_index_backed(settings, engine, sch
                          "SELECT CASE WHEN g % 3 = 0 THEN 'video' ELSE 'k' END, CASE WHEN g % 2 = 0 THEN 'api' "
                          "ELSE 'default' END, 'running', 1, CAST(:t0 AS timestamptz) - g * interval '1 second' "
                          "FROM generate_series(1, 20000) g", schema), {"t0": T0})
+        # 10,000 jobs heartbeating in the probe's window, of the shortest grace (5m): the probe
+        # must stop at the first, not sort them all
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at, heartbeat_at) "
+                         "SELECT 'video', 'running', 1, CAST(:t0 AS timestamptz) - interval '1 hour', "
+                         "CAST(:t0 AS timestamptz) - interval '5 minutes' + g * interval '1 millisecond' "
+                         "FROM generate_series(1, 10000) g", schema), {"t0": T0})
         conn.execute(sql("ANALYZE {schema}.jobs", schema))
     rescuer = Rescuer(settings.rescuer)
     params = {**rescuer.horizons(T0), "after_seen": FAR_PAST, "after_id": 0, "limit": 100, "now": T0,
@@ -120,8 +126,10 @@ def test_rules_keep_the_statement_batched_and_index_backed(settings, engine, sch
             candidates, update = plan.split("CTE rescued")
             assert "Index Scan using jobs_running_idx" in candidates, plan
             assert "Tid Scan" in update and "Seq Scan" not in plan, plan
+            conn.execute(sql(RESCUER_PROBE_PLANNING, schema))
             plan = explain(conn, RESCUER_NEXT_STUCK, schema, params, generic=generic)
-            assert "jobs_running_idx" in plan and "Seq Scan" not in plan and "Sort" not in plan, plan
+            assert "Index Scan using jobs_running_idx" in plan, plan
+            assert "Seq Scan" not in plan and "Sort" not in plan and "Bitmap" not in plan, plan
         conn.rollback()
 
 
@@ -324,3 +332,20 @@ def test_a_stop_ends_the_wait(settings, engine, schema):
     started = time.monotonic()
     result = Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, ServerClock(), stop_event=stop))
     assert time.monotonic() - started < 2.0 and result.retried == 0
+
+
+def test_the_probe_is_planned_as_an_ordered_index_walk(settings, engine, schema):
+    """The service sets the probe's planner settings in the probe's own transaction, right before it
+    (see RESCUER_PROBE_PLANNING: otherwise a sort of every heartbeating job in the window)."""
+    from sqlalchemy import event
+
+    settings = rules(settings, rescue_stuck_jobs_after="10s", interval="1s")
+    seen: list[str] = []
+    listener = lambda conn, cursor, statement, *a: seen.append(statement)  # noqa: E731
+    event.listen(engine, "before_cursor_execute", listener)
+    try:
+        Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, ServerClock()))
+    finally:
+        event.remove(engine, "before_cursor_execute", listener)
+    probe = next(i for i, s in enumerate(seen) if "AS deadline" in s)
+    assert "enable_bitmapscan" in seen[probe - 1] and "enable_sort" in seen[probe - 1]

@@ -58,7 +58,8 @@ RULE = """coalesce(array_position(CAST(:rule_kinds AS text[]), kind),
 GRACE = """CASE WHEN heartbeat_at IS NULL THEN (CAST(:afters AS float8[]))[{rule}]
                ELSE least((CAST(:afters AS float8[]))[{rule}], (CAST(:hbs AS float8[]))[{rule}]) END"""
 
-# The payload stays far below NOTIFY's 8000 bytes: kind and queue hold at most 128 characters.
+# The payload stays far below NOTIFY's 8000 bytes: kind and queue hold at most 128 characters
+# (at most 6 bytes each once JSON-escaped).
 ANNOUNCE = """(SELECT count(pg_notify(CAST(:events_channel AS text), json_build_object(
            'event', 'stalled', 'id', id, 'queue', queue, 'kind', kind, 'attempt', attempt,
            'outcome', outcome)::text)) FROM rescued)"""

@@ -152,6 +152,7 @@ class Rescuer(Service):
         if to_tick <= 0:
             return None
         until = now + timedelta(seconds=min(to_tick, shortest))
+        conn.execute(ctx.sql(jobs.RESCUER_PROBE_PLANNING))
         found = conn.execute(ctx.sql(jobs.RESCUER_NEXT_STUCK), {**graces, "since": now, "until": until}).scalar()
         if found is None and shortest < to_tick:
             return until  # look again then
