@@ -349,3 +349,17 @@ def test_the_probe_is_planned_as_an_ordered_index_walk(settings, engine, schema)
         event.remove(engine, "before_cursor_execute", listener)
     probe = next(i for i, s in enumerate(seen) if "AS deadline" in s)
     assert "enable_bitmapscan" in seen[probe - 1] and "enable_sort" in seen[probe - 1]
+
+
+def test_each_wake_up_logs_what_it_rescued(settings, engine, schema, caplog):
+    """With precise timing a pass lasts up to its interval: each round logs at once, not at the end."""
+    import logging
+
+    settings = rules(settings, rescue_stuck_jobs_after="10s", interval="4s")
+    add(engine, schema, at=timedelta(seconds=-20), n=2)  # stuck now
+    add(engine, schema, at=timedelta(seconds=-8.5))      # stuck in about 1.5 s
+    with caplog.at_level(logging.INFO, logger="maintd.rescuer"):
+        result = Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, ServerClock()))
+    assert result.retried == 3 and result.wakeups >= 1
+    assert [r.fields for r in caplog.records if r.getMessage() == "released stale running jobs"] == [
+        {"count": 2, "retried": 2, "discarded": 0}, {"count": 1, "retried": 1, "discarded": 0}]

@@ -73,6 +73,13 @@ class RescuerResult(PassResult):
         return f"{verb} retried={self.retried} discarded={self.discarded}"
 
 
+def _log_rescued(retried: int, discarded: int) -> None:
+    """One line per round of batches (a pass with precise timing has several)."""
+    if retried or discarded:
+        log.info("released stale running jobs",
+                 extra=kv(count=retried + discarded, retried=retried, discarded=discarded))
+
+
 class Rescuer(Service):
     config: RescuerConfig
 
@@ -111,22 +118,21 @@ class Rescuer(Service):
             return result
         interval = self.config.interval.total_seconds()
         tick_end = time.monotonic() + interval - min(TICK_MARGIN, interval * 0.1)
-        try:
-            now = ctx.now()
-            self._rescue_without_sign(ctx, self._params(ctx, now), result)
-            while True:
+        now, first = ctx.now(), True
+        while True:
+            done = (result.retried, result.discarded)
+            try:
+                if first:
+                    self._rescue_without_sign(ctx, self._params(ctx, now), result)
                 deadline = self._rescue(ctx, self._params(ctx, now), result, tick_end)
-                if deadline is None or not self._wait(ctx, result, deadline, tick_end):
-                    return result
-                later = ctx.now()
-                if later <= now:  # the clock stands still (a test's FrozenClock): nothing falls due
-                    return result
-                now = later
-        finally:  # also when the pass stops or fails half-way: say what was committed
-            if result.did_something():
-                log.info("released stale running jobs",
-                         extra=kv(count=result.retried + result.discarded, retried=result.retried,
-                                  discarded=result.discarded))
+            finally:  # also when the pass stops or fails half-way: say what was committed
+                _log_rescued(result.retried - done[0], result.discarded - done[1])
+            if deadline is None or not self._wait(ctx, result, deadline, tick_end):
+                return result
+            later, first = ctx.now(), False
+            if later <= now:  # the clock stands still (a test's FrozenClock): nothing falls due
+                return result
+            now = later
 
     def _params(self, ctx: PassContext, now: datetime) -> dict:
         return {**self.horizons(now), "now": now, "instance": ctx.instance_id, "delays": DELAYS,
