@@ -91,18 +91,46 @@ SELECT (SELECT count(*) FROM candidates) AS candidates,
 """
 
 
+def server_cpu(engine: Engine) -> float | None:
+    """CPU seconds of the whole local server so far: the postmaster, its live children (backends,
+    WAL writer, checkpointer...) and the children it has reaped. None when the server is remote."""
+    try:
+        with engine.connect() as conn:
+            datadir = conn.execute(text("SHOW data_directory")).scalar()
+        postmaster = int(Path(datadir, "postmaster.pid").read_text().split()[0])
+        total = 0.0
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            pid, ppid = int(proc.name), int(fields[1])
+            if pid == postmaster:
+                total += sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
+            elif ppid == postmaster:
+                total += int(fields[11]) + int(fields[12])
+        return total / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return None
+
+
+def wal_lsn(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text("SELECT pg_current_wal_lsn() - '0/0'")).scalar())
+
+
 def bench_batch(engine: Engine, url: str, table: Table, rows: int, repeat: int) -> None:
     sizes = {"total": rows, "stuck": rows // 10}
     settings = Settings(database_url=url, schema=SCHEMA, rescuer={"precise_timing": False})
     limit = settings.rescuer.batch_size
 
-    def unbatched() -> Run:
-        now = seed(engine, SEED_RESCUER, sizes)
+    def unbatched(now) -> Run:
         t, n = timed(engine, UNBATCHED_RESCUE, {"now": now, "stuck_before": now - timedelta(hours=1)})
         return n, t, []
 
-    def before() -> Run:
-        now = seed(engine, SEED_RESCUER, sizes)
+    def before(now) -> Run:
         stuck_before = now - settings.rescuer.rescue_stuck_jobs_after
         params = {"now": now, "stuck_before": stuck_before, "hb_before": None, "scan_until": stuck_before,
                   "instance": "bench", "delays": DELAYS, "cap": BACKOFF_CAP, "limit": limit}
@@ -121,17 +149,34 @@ def bench_batch(engine: Engine, url: str, table: Table, rows: int, repeat: int) 
                 after_seen, after_id = batch.last_seen, batch.last_id
         return done, time.perf_counter() - t0, batches
 
-    def after(sync: bool = False) -> Run:
-        result, t, batches = run_pass(engine, settings, Rescuer(settings.rescuer),
-                                      seed(engine, SEED_RESCUER, sizes), context=SyncContext if sync else None)
+    def after(now, sync: bool = False) -> Run:
+        result, t, batches = run_pass(engine, settings, Rescuer(settings.rescuer), now,
+                                      context=SyncContext if sync else None)
         return result.retried + result.discarded, t, batches
 
-    methods = {"limit": unbatched, "before": before, "after": after, "after_sync": lambda: after(sync=True)}
-    results = medians(repeat, methods)
-    table.row("rescuer", "one unbatched UPDATE (physical limit)", *results["limit"], limit=True)
-    table.row("rescuer", f"before (727ec83), batch_size {limit:,}", *results["before"])
-    table.row("rescuer", f"after, batch_size {limit:,}", *results["after"])
-    table.row("rescuer", "after, but synchronous_commit on", *results["after_sync"])
+    methods = {"one unbatched UPDATE (physical limit)": unbatched,
+               f"before (727ec83), batch_size {limit:,}": before,
+               f"after, batch_size {limit:,}": after,
+               "after, but synchronous_commit on": lambda now: after(now, sync=True)}
+    runs: dict[str, list[tuple[Run, float | None, int]]] = {name: [] for name in methods}
+    for _ in range(repeat):  # interleaved, so that a slow spell of the machine hits every method
+        for name, measure in methods.items():
+            now = seed(engine, SEED_RESCUER, sizes)
+            cpu0, wal0 = server_cpu(engine), wal_lsn(engine)
+            run = measure(now)
+            cpu1, wal1 = server_cpu(engine), wal_lsn(engine)
+            runs[name].append((run, None if cpu0 is None else cpu1 - cpu0, wal1 - wal0))
+    cpu_limit = None
+    for i, (name, rs) in enumerate(runs.items()):
+        rs_by_time = sorted(rs, key=lambda r: r[0][1])
+        table.row("rescuer", name, *rs_by_time[len(rs) // 2][0], limit=i == 0)
+        cpus = sorted(c for _, c, _ in rs if c is not None)
+        wal = sorted(w for _, _, w in rs)[len(rs) // 2]
+        if cpus:
+            cpu = cpus[len(cpus) // 2]
+            cpu_limit = cpu_limit or cpu
+            table.note("", "  server CPU s (median) | vs limit | WAL MB",
+                       f"{cpu:6.2f} | {cpu_limit / cpu:4.2f}x | {wal / 1e6:7.1f}")
 
 
 class SyncContext(TimedContext):

@@ -197,7 +197,7 @@ def received(conn, timeout=0.5) -> list[dict]:
 def test_each_rescued_job_is_announced(settings, engine, schema, clock, pg_dsn):
     settings.rescuer.precise_timing = False
     settings.rescuer.batch_size = 2
-    retry = add(engine, schema, seen_ago=timedelta(hours=2), queue="api", kind="mail.send", attempt=3, n=3)
+    retry = add(engine, schema, seen_ago=timedelta(hours=2), queue='a "q"\\ é\n', kind="mail.send", attempt=3, n=3)
     last = add(engine, schema, seen_ago=timedelta(hours=2), kind="x" * 128, attempt=5, max_attempts=5)
     alive = add(engine, schema, seen_ago=timedelta(minutes=5))
     with engine.begin() as conn:  # no sign of life at all: rescued by the other statement, announced too
@@ -207,7 +207,8 @@ def test_each_rescued_job_is_announced(settings, engine, schema, clock, pg_dsn):
         Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, clock))
         events = received(conn)
     assert sorted(events, key=lambda e: e["id"]) == sorted(
-        [{"event": "stalled", "id": i, "queue": "api", "kind": "mail.send", "attempt": 3, "outcome": "retryable"}
+        [{"event": "stalled", "id": i, "queue": 'a "q"\\ é\n', "kind": "mail.send", "attempt": 3,
+          "outcome": "retryable"}
          for i in retry]
         + [{"event": "stalled", "id": last[0], "queue": "default", "kind": "x" * 128, "attempt": 5,
             "outcome": "discarded"},

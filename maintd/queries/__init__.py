@@ -51,18 +51,22 @@ STUCK = """(coalesce(heartbeat_at, attempted_at) < (CAST(:stuck_befores AS times
               AND heartbeat_at < (CAST(:hb_befores AS timestamptz[]))[{rule}]))"""
 
 # Names are data: the rules' kinds and queues are bound arrays, never spliced into the SQL.
-RULE = """coalesce(array_position(CAST(:rule_kinds AS text[]), kind),
-                   array_position(CAST(:rule_queues AS text[]), queue), 1)"""
+# Without overrides (one rule) the planner folds it to 1, and the rule's values to constants.
+RULE = """CASE WHEN cardinality(CAST(:rule_kinds AS text[])) = 1 THEN 1
+            ELSE coalesce(array_position(CAST(:rule_kinds AS text[]), kind),
+                          array_position(CAST(:rule_queues AS text[]), queue), 1) END"""
 
 # With a heartbeat, seen = heartbeat_at, and either rule may end the job's life: the shorter one.
 GRACE = """CASE WHEN heartbeat_at IS NULL THEN (CAST(:afters AS float8[]))[{rule}]
                ELSE least((CAST(:afters AS float8[]))[{rule}], (CAST(:hbs AS float8[]))[{rule}]) END"""
 
 # The payload stays far below NOTIFY's 8000 bytes: kind and queue hold at most 128 characters
-# (at most 6 bytes each once JSON-escaped).
-ANNOUNCE = """(SELECT count(pg_notify(CAST(:events_channel AS text), json_build_object(
-           'event', 'stalled', 'id', id, 'queue', queue, 'kind', kind, 'attempt', attempt,
-           'outcome', outcome)::text)) FROM rescued)"""
+# (at most 6 bytes each once JSON-escaped). Concatenated (to_json escapes the names): half the CPU
+# of json_build_object, which was a fifth of a batch's.
+ANNOUNCE = """(SELECT count(pg_notify(CAST(:events_channel AS text),
+           '{"event": "stalled", "id": ' || id || ', "queue": ' || to_json(queue) || ', "kind": '
+           || to_json(kind) || ', "attempt": ' || attempt || ', "outcome": "' || outcome || '"}'))
+      FROM rescued)"""
 
 TARGET_QUEUES = """(CAST(:queue AS text) IS NULL OR queue = :queue)
             AND queue <> ALL(CAST(:excluded AS text[]))"""
