@@ -193,9 +193,9 @@ class CleanerConfig(ServiceConfig):
 
 class RescueRule(Section):
     """``[rescuer.queues.NAME]`` / ``[rescuer.kinds.NAME]``: the stuck rule for some jobs. Keys not
-    given take the ``[rescuer]`` value (not another section's)."""
+    given (None here) take the ``[rescuer]`` value, not another section's."""
 
-    rescue_stuck_jobs_after: PositiveDuration = timedelta(hours=1)
+    rescue_stuck_jobs_after: OptionalDuration = None
     heartbeat_timeout: OptionalDuration = None
     job_timeout: OptionalDuration = None
 
@@ -205,8 +205,7 @@ def _rescue_rule_check(rule: RescueRule, info: ValidationInfo) -> RescueRule:
     values for the keys it does not set (the error's key is the section's)."""
     defaults = info.data
     given = rule.model_fields_set
-    after = rule.rescue_stuck_jobs_after if "rescue_stuck_jobs_after" in given else defaults.get(
-        "rescue_stuck_jobs_after")
+    after = rule.rescue_stuck_jobs_after or defaults.get("rescue_stuck_jobs_after")
     timeout = rule.job_timeout if "job_timeout" in given else defaults.get("job_timeout")
     if after is not None and timeout is not None and after <= timeout:
         key = "rescue_stuck_jobs_after" if "rescue_stuck_jobs_after" in given else "job_timeout"
@@ -261,6 +260,7 @@ class RescuerConfig(ServiceConfig):
         values = {k: getattr(self, k) for k in RescueRule.model_fields}
         if section is not None:
             values.update({k: getattr(section, k) for k in section.model_fields_set})
+            values["rescue_stuck_jobs_after"] = section.rescue_stuck_jobs_after or self.rescue_stuck_jobs_after
         return RescueRule.model_construct(**values)
 
 
