@@ -121,7 +121,7 @@ def wal_lsn(engine: Engine) -> int:
         return int(conn.execute(text("SELECT pg_current_wal_lsn() - '0/0'")).scalar())
 
 
-def bench_batch(engine: Engine, url: str, table: Table, rows: int, repeat: int) -> None:
+def bench_batch(engine: Engine, url: str, table: Table, rows: int, repeat: int, more_sizes: list[int]) -> None:
     sizes = {"total": rows, "stuck": rows // 10}
     settings = Settings(database_url=url, schema=SCHEMA, rescuer={"precise_timing": False})
     limit = settings.rescuer.batch_size
@@ -149,15 +149,19 @@ def bench_batch(engine: Engine, url: str, table: Table, rows: int, repeat: int) 
                 after_seen, after_id = batch.last_seen, batch.last_id
         return done, time.perf_counter() - t0, batches
 
-    def after(now, sync: bool = False) -> Run:
-        result, t, batches = run_pass(engine, settings, Rescuer(settings.rescuer), now,
+    def after(now, sync: bool = False, size: int | None = None, events: bool = True) -> Run:
+        config = settings.rescuer.model_copy(update={"batch_size": size or limit, "events": events})
+        result, t, batches = run_pass(engine, settings, Rescuer(config), now,
                                       context=SyncContext if sync else None)
         return result.retried + result.discarded, t, batches
 
     methods = {"one unbatched UPDATE (physical limit)": unbatched,
                f"before (727ec83), batch_size {limit:,}": before,
                f"after, batch_size {limit:,}": after,
-               "after, but synchronous_commit on": lambda now: after(now, sync=True)}
+               "after, but synchronous_commit on": lambda now: after(now, sync=True),
+               "after, rescuer.events = false": lambda now: after(now, events=False),
+               **{f"after, batch_size {size:,}": (lambda now, size=size: after(now, size=size))
+                  for size in more_sizes}}
     runs: dict[str, list[tuple[Run, float | None, int]]] = {name: [] for name in methods}
     for _ in range(repeat):  # interleaved, so that a slow spell of the machine hits every method
         for name, measure in methods.items():
@@ -304,6 +308,7 @@ def main() -> int:
     ap.add_argument("--running", type=int, default=10_000)
     ap.add_argument("--seconds", type=float, default=90.0)
     ap.add_argument("--only", choices=["batch", "load"], action="append")
+    ap.add_argument("--batch", type=int, action="append", help="also measure the rescuer with this batch_size")
     args = ap.parse_args()
     url = os.environ.get("MAINTD_BENCH_DATABASE_URL")
     pg = None
@@ -322,7 +327,7 @@ def main() -> int:
         print(f"PostgreSQL {version}, {os.cpu_count()} CPUs\n")
         only = args.only or ["batch", "load"]
         if "batch" in only:
-            bench_batch(engine, url, Table(), args.rows, args.repeat)
+            bench_batch(engine, url, Table(), args.rows, args.repeat, args.batch or [])
         if "load" in only:
             bench_load(engine, url, args.running, args.seconds)
         engine.dispose()

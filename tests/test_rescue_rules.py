@@ -118,7 +118,7 @@ def test_rules_keep_the_statement_batched_and_index_backed(settings, engine, sch
         conn.execute(sql("ANALYZE {schema}.jobs", schema))
     rescuer = Rescuer(settings.rescuer)
     params = {**rescuer.horizons(T0), "after_seen": FAR_PAST, "after_id": 0, "limit": 100, "now": T0,
-              "instance": "i", "cap": len(DELAYS) - 1, "delays": DELAYS, "events_channel": "e",
+              "instance": "i", "cap": len(DELAYS) - 1, "delays": DELAYS, "events_channel": "e", "announce": True,
               **rescuer.graces(), "since": T0, "until": T0 + timedelta(seconds=30)}
     with engine.connect() as conn:
         for generic in (False, True):
@@ -237,6 +237,16 @@ def test_a_rolled_back_rescue_announces_nothing(settings, engine, schema, clock,
         assert {states(engine, schema)[i] for i in ids} == {"running"}
         Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, clock))
         assert sorted(e["id"] for e in received(conn)) == ids
+
+
+def test_events_can_be_turned_off(settings, engine, schema, clock, pg_dsn):
+    settings.rescuer.precise_timing = False
+    settings.rescuer.events = False
+    ids = add(engine, schema, seen_ago=timedelta(hours=2), n=2)
+    with listening(pg_dsn, events_channel(schema)) as conn:
+        result = Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, clock))
+        assert result.retried == 2 and received(conn) == []
+    assert {states(engine, schema)[i] for i in ids} == {"retryable"}
 
 
 def test_events_channel_follows_the_schema():

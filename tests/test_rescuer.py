@@ -244,7 +244,7 @@ def test_statements_are_index_backed(settings, engine, schema, clock):
                          "- g * interval '1 second' FROM generate_series(1, 20000) g", schema), {"t0": T0})
         conn.execute(sql("ANALYZE {schema}.jobs", schema))
     params = {**Rescuer(settings.rescuer).horizons(T0), "after_seen": T0 - timedelta(days=999), "after_id": 0,
-              "limit": 100, "now": T0, "instance": "i", "cap": BACKOFF_CAP, "events_channel": "e",
+              "limit": 100, "now": T0, "instance": "i", "cap": BACKOFF_CAP, "events_channel": "e", "announce": True,
               "delays": [backoff(k).total_seconds() for k in range(BACKOFF_CAP + 1)]}
     with engine.connect() as conn:
         for generic in (False, True):

@@ -174,7 +174,7 @@ SELECT (SELECT count(*) FROM candidates) AS candidates,
        last.seen AS last_seen, last.id AS last_id,
        (SELECT count(*) FROM rescued WHERE discarded) AS discarded,
        (SELECT count(*) FROM rescued WHERE NOT discarded) AS retried,
-       {announce} AS announced
+       CASE WHEN :announce THEN {announce} ELSE 0 END AS announced
   FROM (SELECT 1) AS one
   LEFT JOIN LATERAL (SELECT seen, id FROM candidates ORDER BY seen DESC, id DESC LIMIT 1) AS last ON true
 """
@@ -203,7 +203,7 @@ SELECT (SELECT count(*) FROM candidates) AS candidates,
        (SELECT count(*) FROM rescued WHERE discarded) AS discarded,
        (SELECT count(*) FROM rescued WHERE NOT discarded) AS retried,
        ARRAY(SELECT id FROM rescued) AS ids,
-       {announce} AS announced
+       CASE WHEN :announce THEN {announce} ELSE 0 END AS announced
 """
 
 RESCUER_COUNT_STUCK = """

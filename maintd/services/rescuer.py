@@ -136,7 +136,7 @@ class Rescuer(Service):
 
     def _params(self, ctx: PassContext, now: datetime) -> dict:
         return {**self.horizons(now), "now": now, "instance": ctx.instance_id, "delays": DELAYS,
-                "cap": BACKOFF_CAP, "events_channel": events_channel(ctx.schema)}
+                "cap": BACKOFF_CAP, "events_channel": events_channel(ctx.schema), "announce": self.config.events}
 
     def _wait(self, ctx: PassContext, result: RescuerResult, deadline: datetime, tick_end: float) -> bool:
         """Sleep until just after ``deadline`` (at least MIN_WAKE); False if that is after the
