@@ -126,8 +126,8 @@ def timed(engine: Engine, statement: str, params: dict) -> tuple[float, int]:
     return time.perf_counter() - t0, n
 
 
-def run_pass(engine: Engine, settings: Settings, service, now: datetime):
-    ctx = TimedContext.for_settings(settings, engine, FrozenClock(now))
+def run_pass(engine: Engine, settings: Settings, service, now: datetime, context=None):
+    ctx = (context or TimedContext).for_settings(settings, engine, FrozenClock(now))
     t0 = time.perf_counter()
     with ctx.session():  # as the daemon runs a pass: one pooled connection for its transactions
         result = service.run_once(ctx)
@@ -257,7 +257,7 @@ UPDATE {schema}.jobs
 
 def bench_rescuer(engine: Engine, url: str, table: Table, rows: int, repeat: int) -> None:
     sizes = {"total": rows, "stuck": rows // 10}
-    settings = Settings(database_url=url, schema=SCHEMA)
+    settings = Settings(database_url=url, schema=SCHEMA, rescuer={"precise_timing": False})
 
     def unbatched() -> Run:
         now = seed(engine, SEED_RESCUER, sizes)

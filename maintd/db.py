@@ -196,6 +196,11 @@ def notify_channel(schema: str) -> str:
     return "maintd_jobs" if schema == "maintd" else f"{schema}_maintd_jobs"
 
 
+def events_channel(schema: str) -> str:
+    """``maintd_events`` (the rescuer's ``stalled`` events), prefixed like :func:`notify_channel`."""
+    return "maintd_events" if schema == "maintd" else f"{schema}_maintd_events"
+
+
 def describe_db_error(exc: BaseException) -> str:
     """One line for an operator, without the password."""
     msg = str(getattr(exc, "orig", None) or exc).strip().splitlines()

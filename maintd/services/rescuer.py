@@ -1,15 +1,27 @@
 """Rescuer: gives stuck ``running`` jobs back (``retryable`` after the backoff) or discards them.
 
 A job is stuck when ``coalesce(heartbeat_at, attempted_at) < now - rescue_stuck_jobs_after``, or,
-with ``heartbeat_timeout`` set, when it has heartbeated and ``heartbeat_at < now - heartbeat_timeout``.
+with ``heartbeat_timeout`` set, when it has heartbeated and ``heartbeat_at < now - heartbeat_timeout``,
+with the values of the job's rule: its kind's ``[rescuer.kinds.NAME]``, else its queue's
+``[rescuer.queues.NAME]``, else ``[rescuer]`` (:meth:`RescuerConfig.rule`). The rules go into the
+statements as arrays (names are data), one rule number per row (``{rule}``).
 
 Each batch is one fenced transaction of one statement: up to ``batch_size`` candidates read
-through ``jobs_running_idx`` in keyset order (so rows that cannot be rescued now are passed over
-once, never re-read by every batch), locked ``FOR NO KEY UPDATE SKIP LOCKED`` (a worker finishing
-a job right now holds its row: we skip it rather than wait), and updated. ``scheduled_at = now +
-backoff(attempt)`` uses :func:`maintd.jobs.backoff`, tabulated here and passed as an array. The
-update re-checks ``state = 'running'``, the same attempt and the stuck condition, so a job
-completed or re-claimed in between is never overwritten.
+through ``jobs_running_idx`` in keyset order up to the latest horizon of any rule (so rows that
+cannot be rescued now are passed over once, never re-read by every batch), locked ``FOR NO KEY
+UPDATE SKIP LOCKED`` (a worker finishing a job right now holds its row: we skip it rather than
+wait), and updated. ``scheduled_at = now + backoff(attempt)`` uses :func:`maintd.jobs.backoff`,
+tabulated here and passed as an array. The update re-checks ``state = 'running'``, the same
+attempt and the stuck condition, so a job completed or re-claimed in between is never overwritten.
+Each rescued job is announced on :func:`maintd.db.events_channel` (``stalled``, sent on commit).
+
+Precise timing (SPEC 7.7, ``precise_timing``, default): after its batches, a pass reads the
+earliest stuck deadline from now on (one probe of ``jobs_running_idx`` per distinct grace, see
+``RESCUER_NEXT_STUCK``) and, if it comes before the next tick, sleeps until then and rescues
+again, so a stuck job leaves ``running`` within about ``MIN_WAKE`` of its deadline. A deadline
+that appears later (a claim, a heartbeat) is at least the shortest grace away, so the pass looks
+again at least that often. Wake-ups are at least ``MIN_WAKE`` apart, however many jobs fall due,
+and a job the last batch saw stuck but could not take (locked) is left to the next tick.
 
 Waiting jobs (``available``, ``scheduled``, ``retryable``) with no attempt left (``attempt >=
 max_attempts``), which the workers' claim passes over, are discarded with the reason appended to
@@ -20,19 +32,28 @@ max_attempts``), which the workers' claim passes over, are discarded with the re
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 from ..config import RescuerConfig
+from ..db import events_channel
 from ..jobs import BACKOFF_CAP, backoff
 from ..logs import kv
 from ..queries import jobs
 from .base import PassContext, PassResult, Service
+from .scheduler import MIN_WAKE, TICK_MARGIN
 
 log = logging.getLogger("maintd.rescuer")
 
 # Where the keyset starts; earlier signs of life (and none at all) are RESCUER_NO_SIGN_BATCH's.
 FAR_PAST = datetime(1, 1, 2, tzinfo=timezone.utc)
+# A rescue's commit does not wait for its WAL flush (synchronous_commit = off for that transaction
+# only). Losing the last rescues in a server crash is harmless: those jobs are running and stuck
+# again after recovery and are rescued (and announced) again. Nothing else can build on a lost
+# rescue either: whatever commits after it durably (a worker's claim) flushes the WAL up to its
+# own commit, which holds the rescue's. Saves a WAL flush per batch (~3 ms here).
+RESCUE_TRANSACTION = {"synchronous_commit": "off"}
 # backoff(k) in seconds for k = 0 .. BACKOFF_CAP (the statement indexes it by attempt)
 DELAYS = [backoff(k).total_seconds() for k in range(BACKOFF_CAP + 1)]
 
@@ -43,7 +64,12 @@ class RescuerResult(PassResult):
     discarded: int = 0
     exhausted: int = 0  # waiting jobs with no attempt left, discarded
     batches: int = 0
+    wakeups: int = 0  # precise timing: times the pass slept until a deadline and looked again
+    slept: float = 0.0  # precise timing: seconds spent waiting for deadlines
     dry_run: bool = False
+
+    def waited(self) -> float:
+        return self.slept
 
     def did_something(self) -> bool:
         return self.retried + self.discarded + self.exhausted > 0
@@ -54,53 +80,118 @@ class RescuerResult(PassResult):
             f" exhausted={self.exhausted}" if self.exhausted else "")
 
 
+def _log_rescued(retried: int, discarded: int) -> None:
+    """One line per round of batches (a pass with precise timing has several)."""
+    if retried or discarded:
+        log.info("released stale running jobs",
+                 extra=kv(count=retried + discarded, retried=retried, discarded=discarded))
+
+
 class Rescuer(Service):
     config: RescuerConfig
 
-    def horizons(self, now: datetime) -> dict:
+    def rules(self) -> list[tuple[str | None, str | None, timedelta, timedelta | None]]:
+        """(kind, queue, rescue_stuck_jobs_after, heartbeat_timeout) of each rule, the default
+        first (rule 1 in the SQL), then the kinds', then the queues'."""
         cfg = self.config
-        stuck_before = now - cfg.rescue_stuck_jobs_after
-        hb_before = now - cfg.heartbeat_timeout if cfg.heartbeat_timeout else None
-        scan_until = max(stuck_before, hb_before) if hb_before else stuck_before
-        return {"stuck_before": stuck_before, "hb_before": hb_before, "scan_until": scan_until}
+        rules = [(None, None, cfg.rule())]
+        rules += [(kind, None, cfg.rule(kind=kind)) for kind in cfg.kinds]
+        rules += [(None, queue, cfg.rule(queue=queue)) for queue in cfg.queues]
+        return [(k, q, r.rescue_stuck_jobs_after, r.heartbeat_timeout) for k, q, r in rules]
+
+    def horizons(self, now: datetime) -> dict:
+        rules = self.rules()
+        stuck = [now - after for _, _, after, _ in rules]
+        hb = [now - t if t else None for _, _, _, t in rules]
+        return {"rule_kinds": [k for k, _, _, _ in rules], "rule_queues": [q for _, q, _, _ in rules],
+                "stuck_befores": stuck, "hb_befores": hb,
+                "scan_until": max([*stuck, *(t for t in hb if t is not None)])}
+
+    def graces(self) -> dict:
+        """The rules as seconds (``{grace}``), and their distinct graces (one probe each)."""
+        rules = self.rules()
+        afters = [after.total_seconds() for _, _, after, _ in rules]
+        hbs = [t.total_seconds() if t else None for _, _, _, t in rules]
+        graces = set(afters) | {min(a, h) for a, h in zip(afters, hbs) if h is not None}
+        return {"rule_kinds": [k for k, _, _, _ in rules], "rule_queues": [q for _, q, _, _ in rules],
+                "afters": afters, "hbs": hbs, "graces": sorted(graces)}
 
     def run_once(self, ctx: PassContext) -> RescuerResult:
-        now = ctx.now()
-        params = self.horizons(now)
         result = RescuerResult(dry_run=ctx.dry_run)
         if ctx.dry_run:
             with ctx.transaction() as conn:
-                row = conn.execute(ctx.sql(jobs.RESCUER_COUNT_STUCK), params).one()
+                row = conn.execute(ctx.sql(jobs.RESCUER_COUNT_STUCK), self.horizons(ctx.now())).one()
             result.retried, result.discarded = row.retry, row.discard
             return result
-        try:
-            params = {**params, "now": now, "instance": ctx.instance_id, "delays": DELAYS,
-                      "cap": BACKOFF_CAP}
-            self._rescue_without_sign(ctx, params, result)
-            self._rescue(ctx, params, result)
-            self._discard_exhausted(ctx, params, result)
-        finally:  # also when the pass stops or fails half-way: say what was committed
-            if result.retried + result.discarded:
-                log.info("released stale running jobs",
-                         extra=kv(count=result.retried + result.discarded, retried=result.retried,
-                                  discarded=result.discarded))
-        return result
+        interval = self.config.interval.total_seconds()
+        tick_end = time.monotonic() + interval - min(TICK_MARGIN, interval * 0.1)
+        now, first = ctx.now(), True
+        while True:
+            done = (result.retried, result.discarded)
+            try:
+                if first:
+                    self._rescue_without_sign(ctx, self._params(ctx, now), result)
+                    self._discard_exhausted(ctx, self._params(ctx, now), result)
+                deadline = self._rescue(ctx, self._params(ctx, now), result, tick_end)
+            finally:  # also when the pass stops or fails half-way: say what was committed
+                _log_rescued(result.retried - done[0], result.discarded - done[1])
+            if deadline is None or not self._wait(ctx, result, deadline, tick_end):
+                return result
+            later, first = ctx.now(), False
+            if later <= now:  # the clock stands still (a test's FrozenClock): nothing falls due
+                return result
+            now = later
 
-    def _rescue(self, ctx: PassContext, params: dict, result: RescuerResult) -> None:
-        """Batches in keyset order until one finds fewer than ``batch_size`` candidates."""
+    def _params(self, ctx: PassContext, now: datetime) -> dict:
+        return {**self.horizons(now), "now": now, "instance": ctx.instance_id, "delays": DELAYS,
+                "cap": BACKOFF_CAP, "events_channel": events_channel(ctx.schema), "announce": self.config.events}
+
+    def _wait(self, ctx: PassContext, result: RescuerResult, deadline: datetime, tick_end: float) -> bool:
+        """Sleep until just after ``deadline`` (at least MIN_WAKE); False if that is after the
+        next tick or the pass is stopping."""
+        wait = max((deadline - ctx.now()).total_seconds() + 0.001, MIN_WAKE)
+        if wait > tick_end - time.monotonic():
+            return False
+        started = time.monotonic()
+        stopped = ctx.stop_event.wait(wait)
+        result.slept += time.monotonic() - started
+        result.wakeups += 0 if stopped else 1
+        return not stopped
+
+    def _next_deadline(self, ctx: PassContext, conn, now: datetime, tick_end: float) -> datetime | None:
+        """The earliest stuck deadline in [now, until): until the next tick, or the shortest grace
+        from now (a job claimed or heartbeating from now on cannot fall due earlier), when sooner."""
+        graces = self.graces()
+        to_tick, shortest = tick_end - time.monotonic(), graces["graces"][0]
+        if to_tick <= 0:
+            return None
+        until = now + timedelta(seconds=min(to_tick, shortest))
+        conn.execute(ctx.sql(jobs.RESCUER_PROBE_PLANNING))
+        found = conn.execute(ctx.sql(jobs.RESCUER_NEXT_STUCK), {**graces, "since": now, "until": until}).scalar()
+        if found is None and shortest < to_tick:
+            return until  # look again then
+        return found
+
+    def _rescue(self, ctx: PassContext, params: dict, result: RescuerResult,
+                tick_end: float) -> datetime | None:
+        """Batches in keyset order until one finds fewer than ``batch_size`` candidates; with
+        precise timing, the last one also reads the next time to look again (None: the next tick)."""
         after_seen, after_id = FAR_PAST, 0
         limit = self.config.batch_size
         while True:
             ctx.check_stop()
-            with ctx.transaction() as conn:
+            deadline = None
+            with ctx.transaction(settings=RESCUE_TRANSACTION) as conn:
                 batch = conn.execute(ctx.sql(jobs.RESCUER_BATCH), {
                     **params, "after_seen": after_seen, "after_id": after_id, "limit": limit}).one()
+                if batch.candidates < limit and self.config.precise_timing:
+                    deadline = self._next_deadline(ctx, conn, params["now"], tick_end)
             if batch.retried or batch.discarded:
                 result.batches += 1
             result.discarded += batch.discarded
             result.retried += batch.retried
             if batch.candidates < limit:
-                return
+                return deadline
             after_seen, after_id = batch.last_seen, batch.last_id
 
     def _rescue_without_sign(self, ctx: PassContext, params: dict, result: RescuerResult) -> None:
@@ -108,7 +199,7 @@ class Rescuer(Service):
         limit = self.config.batch_size
         while True:
             ctx.check_stop()
-            with ctx.transaction() as conn:
+            with ctx.transaction(settings=RESCUE_TRANSACTION) as conn:
                 batch = conn.execute(ctx.sql(jobs.RESCUER_NO_SIGN_BATCH), {**params, "limit": limit}).one()
             result.discarded += batch.discarded
             result.retried += batch.retried

@@ -1,0 +1,376 @@
+"""Rescuer, issue 17: stuck rules per queue and per kind, ``stalled`` events, precise timing.
+
+The per-type thresholds follow the guidance of the seed Reaper (../shared/seeds/: about twice the
+p95 duration of the job type); precise timing is its one-timer-per-job visibility timeout, done
+with one index probe (SPEC 7.7).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from contextlib import contextmanager
+from datetime import timedelta
+
+import psycopg
+import pytest
+from sqlalchemy import text
+
+from maintd.clock import ServerClock
+from maintd.config import ConfigError, load_settings
+from maintd.db import events_channel
+from maintd.metrics import Metrics
+from maintd.queries import sql
+from maintd.queries.jobs import RESCUER_BATCH, RESCUER_NEXT_STUCK, RESCUER_PROBE_PLANNING
+from maintd.runner import Runner
+from maintd.services.base import NoFence, PassContext
+from maintd.services.rescuer import DELAYS, FAR_PAST, Rescuer
+from maintd.services.scheduler import MIN_WAKE
+
+from .conftest import T0
+from .plans import explain
+
+S = timedelta(seconds=1)
+
+
+def add(engine, schema, *, seen_ago=None, at=None, heartbeat_ago=None, queue="default", kind="k",
+        attempt=1, max_attempts=25, n=1):
+    """Running jobs whose attempted_at is ``T0 - seen_ago`` (or the server's ``now() + at``)."""
+    with engine.begin() as conn:
+        return [r[0] for r in conn.execute(sql(
+            "INSERT INTO {schema}.jobs (kind, queue, state, attempt, max_attempts, attempted_at, attempted_by, "
+            "heartbeat_at) SELECT :kind, :queue, 'running', :attempt, :max, "
+            "CASE WHEN :rel THEN now() + CAST(:at AS interval) + (g - 1) * interval '1 millisecond' "
+            "     ELSE CAST(:t0 AS timestamptz) - CAST(:seen AS interval) END, 'w1', "
+            "CASE WHEN :hb THEN CAST(:t0 AS timestamptz) - CAST(:hb_ago AS interval) END "
+            "FROM generate_series(1, :n) AS g RETURNING id", schema),
+            {"kind": kind, "queue": queue, "attempt": attempt, "max": max_attempts, "t0": T0,
+             "seen": seen_ago or timedelta(0), "rel": at is not None, "at": at or timedelta(0),
+             "hb": heartbeat_ago is not None, "hb_ago": heartbeat_ago or timedelta(0), "n": n})]
+
+
+def states(engine, schema) -> dict[int, str]:
+    with engine.connect() as conn:
+        return dict(conn.execute(sql("SELECT id, state::text FROM {schema}.jobs", schema)).all())
+
+
+def ctx_for(settings, engine, clock, **kw) -> PassContext:
+    return PassContext.for_settings(settings, engine, clock, **kw)
+
+
+def rules(settings, **rescuer):
+    fresh = load_settings(None, database_url=settings.database_url.get_secret_value(), schema=settings.schema,
+                          instance_id="test-1", rescuer=rescuer)
+    return fresh
+
+
+# -- thresholds per queue and per kind -----------------------------------------------------------
+
+
+def test_kind_over_queue_over_default_at_the_edges(settings, engine, schema, clock):
+    settings = rules(settings, precise_timing=False, rescue_stuck_jobs_after="1h",
+                     queues={"api": {"rescue_stuck_jobs_after": "1m"}, "it's; --": {"rescue_stuck_jobs_after": "5m"}},
+                     kinds={"video": {"rescue_stuck_jobs_after": "2h"},
+                            "ping": {"heartbeat_timeout": "10s"}})
+    h, m = timedelta(hours=1), timedelta(minutes=1)
+    cases = {  # (queue, kind, seen ago, heartbeat ago): rescued?
+        ("default", "k", h + S, None): True, ("default", "k", h - S, None): False,
+        ("api", "k", m + S, None): True, ("api", "k", m - S, None): False,
+        ("default", "video", 2 * h + S, None): True, ("default", "video", 2 * h - S, None): False,
+        # the kind's rule wins over the queue's (1m), both ways
+        ("api", "video", 2 * h - S, None): False, ("api", "video", 2 * h + S, None): True,
+        # a name with quotes and a comment marker is data, not SQL
+        ("it's; --", "k", 5 * m + S, None): True, ("it's; --", "k", 5 * m - S, None): False,
+        # heartbeat_timeout of the kind only; the default has none (1 h from the last heartbeat)
+        ("default", "ping", h - S, 10 * S + S): True, ("default", "ping", h - S, 10 * S - S): False,
+        ("default", "k", h - S, 10 * S + S): False,
+        ("api", "ping", h - S, 10 * S - S): False,  # the kind's section: 1h (from [rescuer]), not api's 1m
+    }
+    ids = {case: add(engine, schema, queue=case[0], kind=case[1], seen_ago=case[2], heartbeat_ago=case[3])[0]
+           for case in cases}
+    dry = Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, clock, dry_run=True))
+    assert dry.retried == sum(cases.values())
+    result = Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, clock))
+    assert result.retried == sum(cases.values())
+    now = states(engine, schema)
+    assert {case: now[i] == "retryable" for case, i in ids.items()} == cases
+
+
+def test_rules_keep_the_statement_batched_and_index_backed(settings, engine, schema):
+    """Overrides are bound arrays in the same statement: the candidates still come from
+    jobs_running_idx and the rows through their ctids, with custom and generic plans."""
+    settings = rules(settings, queues={"api": {"rescue_stuck_jobs_after": "1m"}},
+                     kinds={"video": {"rescue_stuck_jobs_after": "2h", "heartbeat_timeout": "5m"}})
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, finalized_at) "
+                         "SELECT 'k', 'completed', now() FROM generate_series(1, 30000)", schema))
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state, attempt, attempted_at) "
+                         "SELECT CASE WHEN g % 3 = 0 THEN 'video' ELSE 'k' END, CASE WHEN g % 2 = 0 THEN 'api' "
+                         "ELSE 'default' END, 'running', 1, CAST(:t0 AS timestamptz) - g * interval '1 second' "
+                         "FROM generate_series(1, 20000) g", schema), {"t0": T0})
+        # 10,000 jobs heartbeating in the probe's window, of the shortest grace (5m): the probe
+        # must stop at the first, not sort them all
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at, heartbeat_at) "
+                         "SELECT 'video', 'running', 1, CAST(:t0 AS timestamptz) - interval '1 hour', "
+                         "CAST(:t0 AS timestamptz) - interval '5 minutes' + g * interval '1 millisecond' "
+                         "FROM generate_series(1, 10000) g", schema), {"t0": T0})
+        conn.execute(sql("ANALYZE {schema}.jobs", schema))
+    rescuer = Rescuer(settings.rescuer)
+    params = {**rescuer.horizons(T0), "after_seen": FAR_PAST, "after_id": 0, "limit": 100, "now": T0,
+              "instance": "i", "cap": len(DELAYS) - 1, "delays": DELAYS, "events_channel": "e", "announce": True,
+              **rescuer.graces(), "since": T0, "until": T0 + timedelta(seconds=30)}
+    with engine.connect() as conn:
+        for generic in (False, True):
+            plan = explain(conn, RESCUER_BATCH, schema, params, generic=generic)
+            candidates, update = plan.split("CTE rescued")
+            assert "Index Scan using jobs_running_idx" in candidates, plan
+            assert "Tid Scan" in update and "Seq Scan" not in plan, plan
+            conn.execute(sql(RESCUER_PROBE_PLANNING, schema))
+            plan = explain(conn, RESCUER_NEXT_STUCK, schema, params, generic=generic)
+            assert "Index Scan using jobs_running_idx" in plan, plan
+            assert "Seq Scan" not in plan and "Sort" not in plan and "Bitmap" not in plan, plan
+        conn.rollback()
+
+
+@pytest.mark.parametrize("section,values,key", [
+    ("queues", {"api": {"rescue_stuck_jobs_after": "5m"}}, "rescuer.queues.api.rescue_stuck_jobs_after"),
+    ("kinds", {"video": {"job_timeout": "2h"}}, "rescuer.kinds.video.job_timeout"),
+    ("kinds", {"video": {"rescue_stuck_jobs_after": "10m", "job_timeout": "10m"}},
+     "rescuer.kinds.video.rescue_stuck_jobs_after"),
+])
+def test_a_section_must_keep_rescue_after_above_job_timeout(section, values, key):
+    with pytest.raises(ConfigError) as err:
+        load_settings(None, rescuer={"job_timeout": "10m", section: values})
+    assert str(err.value).startswith(f"{key}: rescue_stuck_jobs_after must be greater than job_timeout")
+
+
+def test_a_section_may_lower_job_timeout_with_its_threshold():
+    cfg = load_settings(None, rescuer={"job_timeout": "10m", "queues": {
+        "api": {"rescue_stuck_jobs_after": "1m", "job_timeout": "30s"}}}).rescuer
+    assert cfg.rule(queue="api").rescue_stuck_jobs_after == timedelta(minutes=1)
+    assert cfg.rule(queue="other").rescue_stuck_jobs_after == timedelta(hours=1)
+
+
+@pytest.mark.parametrize("rescuer,problem", [
+    ({"queues": {"": {}}}, "rescuer.queues: invalid queue name ''"),
+    ({"kinds": {"a\nb": {}}}, "rescuer.kinds: invalid kind name 'a\\nb'"),
+    ({"kinds": {"v": {"interval": "5s"}}}, "rescuer.kinds.v.interval: unknown key"),
+    ({"queues": {"q": {"rescue_stuck_jobs_after": "0s"}}},
+     "rescuer.queues.q.rescue_stuck_jobs_after: must be greater than zero"),
+])
+def test_bad_sections_name_their_key(rescuer, problem):
+    with pytest.raises(ConfigError) as err:
+        load_settings(None, rescuer=rescuer)
+    assert problem in str(err.value).splitlines()
+
+
+def test_sections_from_toml_and_environment(tmp_path, monkeypatch):
+    path = tmp_path / "maintd.toml"
+    path.write_text('[rescuer.queues."fast api"]\nrescue_stuck_jobs_after = "2m"\n'
+                    '[rescuer.kinds.video]\nrescue_stuck_jobs_after = "3h"\n')
+    monkeypatch.setenv("MAINTD_RESCUER__KINDS__VIDEO__HEARTBEAT_TIMEOUT", "5m")
+    cfg = load_settings(path).rescuer
+    assert cfg.rule(kind="video", queue="fast api").rescue_stuck_jobs_after == timedelta(hours=3)
+    assert cfg.rule(kind="video").heartbeat_timeout == timedelta(minutes=5)
+    assert cfg.rule(kind="x", queue="fast api").rescue_stuck_jobs_after == timedelta(minutes=2)
+    assert cfg.precise_timing is True
+
+
+# -- stalled events ---------------------------------------------------------------------------------
+
+
+@contextmanager
+def listening(pg_dsn, channel):
+    conn = psycopg.connect(pg_dsn, autocommit=True)
+    try:
+        conn.execute(f'LISTEN "{channel}"')
+        yield conn
+    finally:
+        conn.close()
+
+
+def received(conn, timeout=0.5) -> list[dict]:
+    return [json.loads(n.payload) for n in conn.notifies(timeout=timeout, stop_after=None)]
+
+
+def test_each_rescued_job_is_announced(settings, engine, schema, clock, pg_dsn):
+    settings.rescuer.precise_timing = False
+    settings.rescuer.batch_size = 2
+    retry = add(engine, schema, seen_ago=timedelta(hours=2), queue='a "q"\\ é\n', kind="mail.send", attempt=3, n=3)
+    last = add(engine, schema, seen_ago=timedelta(hours=2), kind="x" * 128, attempt=5, max_attempts=5)
+    alive = add(engine, schema, seen_ago=timedelta(minutes=5))
+    with engine.begin() as conn:  # no sign of life at all: rescued by the other statement, announced too
+        blank = conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt) VALUES ('blank', 'running', 1) "
+                                 "RETURNING id", schema)).scalar()
+    with listening(pg_dsn, events_channel(schema)) as conn:
+        Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, clock))
+        events = received(conn)
+    assert sorted(events, key=lambda e: e["id"]) == sorted(
+        [{"event": "stalled", "id": i, "queue": 'a "q"\\ é\n', "kind": "mail.send", "attempt": 3,
+          "outcome": "retryable"}
+         for i in retry]
+        + [{"event": "stalled", "id": last[0], "queue": "default", "kind": "x" * 128, "attempt": 5,
+            "outcome": "discarded"},
+           {"event": "stalled", "id": blank, "queue": "default", "kind": "blank", "attempt": 1,
+            "outcome": "retryable"}], key=lambda e: e["id"])
+    assert alive[0] not in {e["id"] for e in events}
+
+
+class CrashBeforeCommit(PassContext):
+    """The rescue's statement runs, then the transaction fails before its commit."""
+
+    @contextmanager
+    def transaction(self, **kw):
+        with super().transaction(**kw) as conn:
+            yield conn
+            raise RuntimeError("crash before commit")
+
+
+def test_a_rolled_back_rescue_announces_nothing(settings, engine, schema, clock, pg_dsn):
+    settings.rescuer.precise_timing = False
+    ids = add(engine, schema, seen_ago=timedelta(hours=2), n=3)
+    with listening(pg_dsn, events_channel(schema)) as conn:
+        with pytest.raises(RuntimeError, match="crash before commit"):
+            Rescuer(settings.rescuer).run_once(CrashBeforeCommit.for_settings(settings, engine, clock))
+        assert received(conn) == []
+        assert {states(engine, schema)[i] for i in ids} == {"running"}
+        Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, clock))
+        assert sorted(e["id"] for e in received(conn)) == ids
+
+
+def test_events_can_be_turned_off(settings, engine, schema, clock, pg_dsn):
+    settings.rescuer.precise_timing = False
+    settings.rescuer.events = False
+    ids = add(engine, schema, seen_ago=timedelta(hours=2), n=2)
+    with listening(pg_dsn, events_channel(schema)) as conn:
+        result = Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, clock))
+        assert result.retried == 2 and received(conn) == []
+    assert {states(engine, schema)[i] for i in ids} == {"retryable"}
+
+
+def test_events_channel_follows_the_schema():
+    assert events_channel("maintd") == "maintd_events"
+    assert events_channel("tenant_a") == "tenant_a_maintd_events"
+
+
+# -- precise timing ------------------------------------------------------------------------------
+
+
+def server_now(engine):
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT now()")).scalar()
+
+
+def rescued_at(engine, schema, job_id):
+    with engine.connect() as conn:
+        row = conn.execute(sql("SELECT state::text, CAST(errors -> 0 ->> 'at' AS timestamptz) AS at, "
+                               "attempted_at FROM {schema}.jobs WHERE id = :id", schema), {"id": job_id}).one()
+    return row
+
+
+def test_a_stuck_job_leaves_running_within_a_second_of_its_deadline(settings, engine, schema):
+    """A real Runner, rescuer.interval at its default (30 s): each job is rescued within 1 s after
+    its deadline (attempted_at + rescue_stuck_jobs_after), not at the next tick."""
+    settings = rules(settings, rescue_stuck_jobs_after="10s")
+    assert settings.rescuer.interval == timedelta(seconds=30) and settings.rescuer.precise_timing
+    settings.scheduler.enabled = settings.cleaner.enabled = False
+    first = add(engine, schema, at=timedelta(seconds=-7))[0]    # due in about 3 s
+    second = add(engine, schema, at=timedelta(seconds=-4.5))[0]  # due in about 5.5 s
+    runner = Runner(settings, engine, Metrics(), clock=ServerClock())
+    runner.start()
+    runner.activate(NoFence())
+    try:
+        deadline = time.monotonic() + 12
+        while time.monotonic() < deadline and rescued_at(engine, schema, second).state == "running":
+            time.sleep(0.05)
+    finally:
+        runner.shutdown()
+    for job in (first, second):
+        row = rescued_at(engine, schema, job)
+        assert row.state == "retryable", "not rescued before the next tick: no precise timing"
+        late = row.at - (row.attempted_at + timedelta(seconds=10))
+        assert timedelta(0) < late < timedelta(seconds=1), late
+
+
+def test_many_jobs_falling_due_wake_the_pass_at_most_every_min_wake(settings, engine, schema):
+    """3,000 jobs falling due one millisecond apart over 3 s: the pass wakes at most every
+    MIN_WAKE (here ~60 times, not ~3,000) and still rescues each within a second of its deadline."""
+    settings = rules(settings, rescue_stuck_jobs_after="10s", interval="6s")
+    ids = add(engine, schema, at=timedelta(seconds=-9), n=3000)
+    started = time.monotonic()
+    result = Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, ServerClock()))
+    elapsed = time.monotonic() - started
+    assert result.retried == 3000
+    assert 1 <= result.wakeups <= elapsed / MIN_WAKE + 2, (result.wakeups, elapsed)
+    with engine.connect() as conn:
+        worst = conn.execute(sql("SELECT max(CAST(errors -> 0 ->> 'at' AS timestamptz) - attempted_at) "
+                                 "FROM {schema}.jobs WHERE id = ANY(:ids)", schema), {"ids": ids}).scalar()
+    assert worst < timedelta(seconds=11), worst
+
+
+def test_a_job_the_rescue_cannot_take_does_not_make_it_spin(settings, engine, schema):
+    """A stuck job locked by a worker (finishing it) is skipped; the pass does not wake for its
+    past deadline again and again, it leaves it to the next tick."""
+    settings = rules(settings, rescue_stuck_jobs_after="10s", interval="3s")
+    locked = add(engine, schema, at=timedelta(seconds=-20))
+    holder = engine.connect()
+    holder.execute(sql("SELECT id FROM {schema}.jobs WHERE id = ANY(:ids) FOR UPDATE", schema), {"ids": locked})
+    try:
+        started = time.monotonic()
+        result = Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, ServerClock()))
+    finally:
+        holder.rollback()
+        holder.close()
+    assert (result.retried, result.wakeups) == (0, 0)
+    assert time.monotonic() - started < 1.0
+
+
+def test_without_precise_timing_the_pass_does_not_wait(settings, engine, schema):
+    settings = rules(settings, rescue_stuck_jobs_after="10s", interval="5s", precise_timing=False)
+    job = add(engine, schema, at=timedelta(seconds=-8))[0]
+    started = time.monotonic()
+    result = Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, ServerClock()))
+    assert time.monotonic() - started < 1.0 and result.wakeups == 0
+    assert states(engine, schema)[job] == "running"
+
+
+def test_a_stop_ends_the_wait(settings, engine, schema):
+    settings = rules(settings, rescue_stuck_jobs_after="10s")
+    add(engine, schema, at=timedelta(seconds=-5))  # due in about 5 s
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    started = time.monotonic()
+    result = Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, ServerClock(), stop_event=stop))
+    assert time.monotonic() - started < 2.0 and result.retried == 0
+
+
+def test_the_probe_is_planned_as_an_ordered_index_walk(settings, engine, schema):
+    """The service sets the probe's planner settings in the probe's own transaction, right before it
+    (see RESCUER_PROBE_PLANNING: otherwise a sort of every heartbeating job in the window)."""
+    from sqlalchemy import event
+
+    settings = rules(settings, rescue_stuck_jobs_after="10s", interval="1s")
+    seen: list[str] = []
+    listener = lambda conn, cursor, statement, *a: seen.append(statement)  # noqa: E731
+    event.listen(engine, "before_cursor_execute", listener)
+    try:
+        Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, ServerClock()))
+    finally:
+        event.remove(engine, "before_cursor_execute", listener)
+    probe = next(i for i, s in enumerate(seen) if "AS deadline" in s)
+    assert "enable_bitmapscan" in seen[probe - 1] and "enable_sort" in seen[probe - 1]
+
+
+def test_each_wake_up_logs_what_it_rescued(settings, engine, schema, caplog):
+    """With precise timing a pass lasts up to its interval: each round logs at once, not at the end."""
+    import logging
+
+    settings = rules(settings, rescue_stuck_jobs_after="10s", interval="4s")
+    add(engine, schema, at=timedelta(seconds=-20), n=2)  # stuck now
+    add(engine, schema, at=timedelta(seconds=-8.5))      # stuck in about 1.5 s
+    with caplog.at_level(logging.INFO, logger="maintd.rescuer"):
+        result = Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, ServerClock()))
+    assert result.retried == 3 and result.wakeups >= 1
+    assert [r.fields for r in caplog.records if r.getMessage() == "released stale running jobs"] == [
+        {"count": 2, "retried": 2, "discarded": 0}, {"count": 1, "retried": 1, "discarded": 0}]
