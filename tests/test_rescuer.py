@@ -286,3 +286,16 @@ def test_signs_of_life_at_the_keyset_start_are_rescued(settings, engine, schema,
     result = run(settings, engine, clock)
     assert (result.retried, result.discarded) == (3, 0)
     assert {i: r.state for i, r in rows(engine, schema).items()} == {1: "retryable", 2: "retryable", 3: "retryable"}
+
+
+def test_jobs_without_a_sign_of_life_are_counted_over_several_batches(settings, engine, schema, clock):
+    """Running jobs with no attempted_at nor heartbeat_at, more than a batch of them, some out of
+    attempts: each is rescued once and counted once (retried or discarded) across the batches."""
+    settings.rescuer.batch_size = 2
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt, max_attempts) "
+                         "SELECT 'k', 'running', CASE WHEN g <= 5 THEN 3 ELSE 1 END, 3 "
+                         "FROM generate_series(1, 8) g", schema))
+    result = run(settings, engine, clock)
+    assert (result.retried, result.discarded) == (3, 5), result
+    assert sorted(r.state for r in rows(engine, schema).values()) == ["discarded"] * 5 + ["retryable"] * 3
