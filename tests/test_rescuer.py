@@ -298,3 +298,22 @@ def test_signs_of_life_at_the_keyset_start_are_rescued(settings, engine, schema,
     result = run(settings, engine, clock)
     assert (result.retried, result.discarded) == (3, 0)
     assert {i: r.state for i, r in rows(engine, schema).items()} == {1: "retryable", 2: "retryable", 3: "retryable"}
+
+
+def test_jobs_without_a_sign_of_life_are_counted_over_several_batches(settings, engine, schema, clock, caplog):
+    """Running jobs with no attempted_at nor heartbeat_at, more than a batch of them, some out of
+    attempts: each is rescued once, counted once (retried or discarded) across the batches, and
+    named in a warning."""
+    settings.rescuer.batch_size = 2
+    with engine.begin() as conn:
+        ids = [r[0] for r in conn.execute(sql(
+            "INSERT INTO {schema}.jobs (kind, state, attempt, max_attempts) "
+            "SELECT 'k', 'running', CASE WHEN g <= 5 THEN 3 ELSE 1 END, 3 "
+            "FROM generate_series(1, 8) g RETURNING id", schema))]
+    with caplog.at_level(logging.WARNING, logger="maintd.rescuer"):
+        result = run(settings, engine, clock)
+    warned = [r.fields["job_id"] for r in caplog.records
+              if r.getMessage() == "rescued a running job with no usable attempted_at or heartbeat_at"]
+    assert sorted(warned) == sorted(ids)
+    assert (result.retried, result.discarded) == (3, 5), result
+    assert sorted(r.state for r in rows(engine, schema).values()) == ["discarded"] * 5 + ["retryable"] * 3
