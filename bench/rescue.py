@@ -7,8 +7,8 @@
 
 * batch: the data of ``bench/core.py`` (``--rows`` running/available jobs, a tenth of them stuck).
   The physical limit is one unbatched UPDATE of exactly the stuck rows; "before" is the batch
-  statement of maintd before issue 17 (commit 727ec83, reproduced below) in the same keyset loop;
-  "after" is a pass of today's Rescuer. Each is measured ``--repeat`` times on fresh data,
+  statement of maintd before issue 17 (commit 727ec83, reproduced below) in the same keyset loop,
+  at its default batch size (1,000) and at today's (5,000); "after" is a pass of today's Rescuer. Each is measured ``--repeat`` times on fresh data,
   interleaved, and the median run is reported.
 * load: what ``precise_timing`` adds to the database. The rescuer runs with ServerClock for
   ``--seconds`` with and without it, first with no running job (idle), then with ``--running``
@@ -43,6 +43,7 @@ from maintd.jobs import BACKOFF_CAP  # noqa: E402
 from maintd.queries import jobs, sql  # noqa: E402
 from maintd.services.rescuer import DELAYS, FAR_PAST, Rescuer  # noqa: E402
 
+BEFORE_DEFAULT = 1_000  # rescuer.batch_size before issue 17
 # RESCUER_BATCH of maintd before issue 17 (727ec83), fragments filled in.
 BEFORE_BATCH = """
 WITH candidates AS MATERIALIZED (
@@ -130,7 +131,7 @@ def bench_batch(engine: Engine, url: str, table: Table, rows: int, repeat: int, 
         t, n = timed(engine, UNBATCHED_RESCUE, {"now": now, "stuck_before": now - timedelta(hours=1)})
         return n, t, []
 
-    def before(now) -> Run:
+    def before(now, limit: int = BEFORE_DEFAULT) -> Run:
         stuck_before = now - settings.rescuer.rescue_stuck_jobs_after
         params = {"now": now, "stuck_before": stuck_before, "hb_before": None, "scan_until": stuck_before,
                   "instance": "bench", "delays": DELAYS, "cap": BACKOFF_CAP, "limit": limit}
@@ -156,7 +157,8 @@ def bench_batch(engine: Engine, url: str, table: Table, rows: int, repeat: int, 
         return result.retried + result.discarded, t, batches
 
     methods = {"one unbatched UPDATE (physical limit)": unbatched,
-               f"before (727ec83), batch_size {limit:,}": before,
+               f"before (727ec83), batch_size {BEFORE_DEFAULT:,} (its default)": before,
+               f"before's statement, batch_size {limit:,}": lambda now: before(now, limit),
                f"after, batch_size {limit:,}": after,
                "after, but synchronous_commit on": lambda now: after(now, sync=True),
                "after, rescuer.events = false": lambda now: after(now, events=False),
