@@ -9,8 +9,8 @@ With T targets and R live replicas, a replica's *cap* is ceil(T/R) + 1 leadershi
 * Above its cap for ``settle`` seconds (hysteresis), it hands the extra leaderships over
   gracefully: release, NOTIFY, and a hold-off on those targets so that another replica takes them.
   After a hand-over it waits ``settle`` again before the next one.
-* R is read every ``REFRESH`` seconds from a target's ``daemons`` table (heartbeats) joined with
-  ``pg_stat_activity`` (the replica's sessions still connected), see
+* R is read every ``REFRESH`` seconds from a target's ``daemons`` table: the replicas whose lock
+  session is connected now (``pg_stat_activity``), see
   :data:`maintd.queries.daemons.LIVE_REPLICAS`.
 """
 
@@ -29,7 +29,6 @@ log = logging.getLogger("maintd.spread")
 
 REFRESH = 1.0  # seconds between two reads of R
 PENDING = 1.0  # a granted try counts as a leadership for this long (or until elected)
-LIVE_WINDOW = 30.0  # a heartbeat older than this (3 registry intervals) is not a live replica
 
 
 def cap(targets: int, replicas: int) -> int:
