@@ -445,6 +445,22 @@ def test_later_passes_do_not_reread_rows_kept_by_a_longer_override(pg_dsn, schem
         assert remaining(engine, schema) == set(kept)  # the 3 new rows went, the 1000 billing rows stay
 
 
+def test_a_shorter_per_queue_retention_reads_only_its_queue(pg_dsn, schema, engine, clock):
+    """1,000 rows of other queues, kept by the default retention, lie among the 5 expired rows of a
+    queue with a shorter one: its target reads its own queue's index entries (one batch), not the
+    others' (which a probe of the whole state would walk in batches of batch_size)."""
+    settings = Settings(database_url=pg_dsn, schema=schema, cleaner={
+        "batch_size": 100, "completed_retention": "1h", "cancelled_retention": -1, "discarded_retention": -1,
+        "queues": {"fast": {"completed_retention": "1m"}}})
+    kept = insert(engine, schema, state="completed", queue="default", finalized_ago=30 * MINUTE, n=1000, spread=True)
+    gone = insert(engine, schema, state="completed", queue="fast", finalized_ago=30 * MINUTE + 300 * MS, n=5,
+                  spread=True)
+    ctx = CountingContext.for_settings(settings, engine, clock)
+    result = Cleaner(settings.cleaner).run_once(ctx)
+    assert result.deleted["completed"] == len(gone) and remaining(engine, schema) == set(kept)
+    assert ctx.transactions == 1  # fast: one batch of its 5 rows (default: nothing expired, no batch)
+
+
 def test_back_dated_rows_go_with_the_next_pass_and_dry_run_agrees(pg_dsn, schema, engine, clock):
     """Rows committed long after their finalized_at (imported, back-dated, finished by a long
     transaction), anywhere below the horizon, even deep among rows a longer override keeps: the
