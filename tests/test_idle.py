@@ -157,7 +157,9 @@ def test_which_passes_are_written_to_service_runs():
 def test_status_stays_truthful_without_idle_writes(settings, schema):
     """Idle passes, renewals and the registry write nothing, yet status shows the daemon alive,
     the leader holding the lock, and each service's row (the first pass of the term)."""
-    settings = settings.model_copy(update={"leader": settings.leader.model_copy(
+    # Liveness is "a session named maintd:<instance_id> on this database": the instance id must be
+    # this test's own (another test's daemon on the shared server may be called test-1 too).
+    settings = settings.model_copy(update={"instance_id": f"idle-{schema}", "leader": settings.leader.model_copy(
         update={"renew_interval": timedelta(seconds=0.5), "lease": timedelta(seconds=3)})})
     settings.scheduler.interval = timedelta(seconds=1)
     daemon = Daemon(settings)
