@@ -107,6 +107,32 @@ def _run(conn: Connection, schema: str, target, action) -> tuple[str | None, str
         conn.commit()
 
 
+def build_index_concurrently(op, name: str, definition: str) -> None:
+    """In a migration: ``CREATE INDEX CONCURRENTLY`` of ``name`` on the schema's jobs table
+    (``definition``: the columns and any ``WHERE``), outside a transaction so that workers keep
+    writing while it builds. A build interrupted half-way leaves an invalid index: it is dropped
+    first and built again."""
+    schema = quote_ident(op.get_context().version_table_schema)
+    with op.get_context().autocommit_block():
+        op.execute(f"""
+DO $$
+BEGIN
+  IF EXISTS (SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+              WHERE c.relname = '{name}' AND c.relnamespace = '{schema}'::regnamespace
+                AND NOT i.indisvalid) THEN
+    EXECUTE 'DROP INDEX {schema}.{name}';
+  END IF;
+END $$""")
+        op.execute(f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {schema}.jobs {definition}")
+
+
+def drop_index_concurrently(op, name: str) -> None:
+    """In a migration's downgrade: the index built by :func:`build_index_concurrently`."""
+    schema = quote_ident(op.get_context().version_table_schema)
+    with op.get_context().autocommit_block():
+        op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {schema}.{name}")
+
+
 def _take_lock(conn: Connection, key: int) -> None:
     """Wait for the schema's migrate lock by polling, not in ``pg_advisory_lock``: a session
     blocked in a statement keeps a snapshot open, and ``CREATE INDEX CONCURRENTLY`` in the holder's

@@ -18,7 +18,7 @@ builds again.
 
 from alembic import op
 
-from maintd.db import quote_ident
+from maintd.migrate import build_index_concurrently, drop_index_concurrently
 
 revision = "0004"
 down_revision = "0003"
@@ -29,22 +29,8 @@ INDEX = "jobs_finalized_queue_idx"
 
 
 def upgrade() -> None:
-    schema = quote_ident(op.get_context().version_table_schema)
-    with op.get_context().autocommit_block():
-        op.execute(f"""
-DO $$
-BEGIN
-  IF EXISTS (SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
-              WHERE c.relname = '{INDEX}' AND c.relnamespace = '{schema}'::regnamespace
-                AND NOT i.indisvalid) THEN
-    EXECUTE 'DROP INDEX {schema}.{INDEX}';
-  END IF;
-END $$""")
-        op.execute(f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {INDEX} ON {schema}.jobs"
-                   " (state, queue, finalized_at, id) WHERE finalized_at IS NOT NULL")
+    build_index_concurrently(op, INDEX, "(state, queue, finalized_at, id) WHERE finalized_at IS NOT NULL")
 
 
 def downgrade() -> None:
-    schema = quote_ident(op.get_context().version_table_schema)
-    with op.get_context().autocommit_block():
-        op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {schema}.{INDEX}")
+    drop_index_concurrently(op, INDEX)

@@ -15,7 +15,7 @@ half-way leaves an invalid index, which the next ``migrate`` drops and builds ag
 
 from alembic import op
 
-from maintd.db import quote_ident
+from maintd.migrate import build_index_concurrently, drop_index_concurrently
 
 revision = "0005"
 down_revision = "0004"  # 0004_finalized_queue_index
@@ -27,21 +27,8 @@ WHERE = "state IN ('available', 'scheduled', 'retryable') AND attempt >= max_att
 
 
 def upgrade() -> None:
-    schema = quote_ident(op.get_context().version_table_schema)
-    with op.get_context().autocommit_block():
-        op.execute(f"""
-DO $$
-BEGIN
-  IF EXISTS (SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
-              WHERE c.relname = '{INDEX}' AND c.relnamespace = '{schema}'::regnamespace
-                AND NOT i.indisvalid) THEN
-    EXECUTE 'DROP INDEX {schema}.{INDEX}';
-  END IF;
-END $$""")
-        op.execute(f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {INDEX} ON {schema}.jobs (id) WHERE {WHERE}")
+    build_index_concurrently(op, INDEX, f"(id) WHERE {WHERE}")
 
 
 def downgrade() -> None:
-    schema = quote_ident(op.get_context().version_table_schema)
-    with op.get_context().autocommit_block():
-        op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {schema}.{INDEX}")
+    drop_index_concurrently(op, INDEX)
