@@ -19,6 +19,11 @@ class Clock(Protocol):
         """The current time, timezone-aware (UTC)."""
         ...
 
+    def skew(self) -> timedelta | None:
+        """This clock minus the host's wall clock (for timers that run on the host's: the
+        reindexer's cron trigger); None while unknown."""
+        ...
+
 
 class ServerClock:
     """The server's time, read with ``clock_timestamp()`` and carried forward on the host's
@@ -57,6 +62,12 @@ class ServerClock:
         server, mono = reading
         return server + timedelta(seconds=time.monotonic() - mono)
 
+    def skew(self) -> timedelta | None:
+        try:
+            return self.now() - datetime.now(UTC)
+        except RuntimeError:  # never read yet
+            return None
+
 
 class FrozenClock:
     """A clock that only moves when told to (thread-safe), for tests."""
@@ -68,6 +79,10 @@ class FrozenClock:
     def now(self) -> datetime:
         with self._lock:
             return self._now
+
+    def skew(self) -> timedelta:
+        """Zero: a frozen clock does not move the host's timers."""
+        return timedelta(0)
 
     def set(self, when: datetime) -> None:
         with self._lock:

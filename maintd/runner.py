@@ -8,11 +8,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.base import BaseTrigger
+from apscheduler.triggers.date import DateTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 from sqlalchemy import Engine
 
@@ -21,6 +22,7 @@ from .config import Settings
 from .logs import kv
 from .metrics import JobGauges, Metrics
 from .passes import Outcome, PassRecord, execute_pass, record_pass, worth_recording
+from .schedules import ScheduleTrigger
 from .services import build_services
 from .services.base import Fence, NotLeader, PassContext, PassStopped, Service
 
@@ -131,6 +133,8 @@ class Runner:
         except Exception as exc:  # one broken service must not keep the others from running
             log.error("cannot schedule service", extra=kv(service=name, error=str(exc)))
             return False
+        if isinstance(trigger, ScheduleTrigger) and not self._server_timed(name, trigger, now):
+            return True
         job = self.timetable.get_job(self.prefix + name) if reload else None
         if job is not None and _trigger_key(job.trigger) == _trigger_key(trigger):
             return True  # same schedule: keep its next run time
@@ -151,6 +155,22 @@ class Runner:
         for ctx in active:
             if ctx.query.stalled_for() > seconds:
                 ctx.query.sever()
+
+    def _server_timed(self, name: str, trigger: ScheduleTrigger, now: datetime) -> bool:
+        """A cron trigger's slots are the server's time (the reindexer's 03:00), APScheduler's are
+        the host's: the trigger is given the difference. False when the server's time was never
+        read yet: the service is scheduled again a second later, in its place."""
+        if self.clock.skew() is None:
+            self.timetable.add_job(self._schedule_later, trigger=DateTrigger(now + timedelta(seconds=1)),
+                                   args=[name], id=self.prefix + name, replace_existing=True)
+            return False
+        trigger.skew = lambda: self.clock.skew() or timedelta(0)
+        return True
+
+    def _schedule_later(self, name: str) -> None:
+        with self._lock:
+            if self._fence is not None:
+                self._schedule(name, datetime.now(timezone.utc), reload=False)
 
     def stalled_for(self) -> float:
         """Seconds the longest-waiting transaction of a running pass has been open (0: none)."""

@@ -24,7 +24,7 @@ import calendar
 import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Iterator
+from typing import Callable, Iterator
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from apscheduler.triggers.base import BaseTrigger
@@ -35,6 +35,7 @@ from .durations import parse_duration
 UTC = timezone.utc
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _TINY = timedelta(microseconds=1)
+_HALF = timedelta(milliseconds=500)
 _SECOND = timedelta(seconds=1)
 # cronie treats a forward jump of more than three hours as a clock correction (src/cron.c).
 _CORRECTION = timedelta(hours=3)
@@ -402,12 +403,16 @@ def upcoming(expr: str, timezone: str = "UTC", after: datetime | None = None,
 
 class ScheduleTrigger(BaseTrigger):
     """An APScheduler 3 trigger firing at a ``Schedule``'s slots. Two triggers are equal when
-    their schedules are (``key``), so a reload can keep an unchanged job's next run time."""
+    their schedules are (``key``), so a reload can keep an unchanged job's next run time.
 
-    __slots__ = ("schedule",)
+    ``skew()``: the server's time minus the host's wall clock (APScheduler's ``now``): the slots
+    are the server's, so a host clock minutes off still fires at the server's 03:00."""
 
-    def __init__(self, schedule: Schedule) -> None:
+    __slots__ = ("schedule", "skew")
+
+    def __init__(self, schedule: Schedule, skew: Callable[[], timedelta] | None = None) -> None:
         self.schedule = schedule
+        self.skew = skew
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -416,15 +421,21 @@ class ScheduleTrigger(BaseTrigger):
     def get_next_fire_time(self, previous_fire_time: datetime | None, now: datetime) -> datetime:
         # Like CronTrigger: the first fire time may be ``now`` itself; later ones follow the
         # previous fire time, or ``now`` if the clock went back behind it.
+        off = self.skew() if self.skew is not None else timedelta(0)
         if previous_fire_time is not None and previous_fire_time <= now:
-            return self.schedule.next_after(previous_fire_time)
-        return self.schedule.next_after(now - _TINY)
+            if not off:
+                return self.schedule.next_after(previous_fire_time)
+            # The slot fired, in server time, give or take the skew's jitter since: half a
+            # second past it (slots are whole seconds, a second or more apart) is the next one.
+            return self.schedule.next_after(previous_fire_time + off + _HALF) - off
+        return self.schedule.next_after(now + off - _TINY) - off
 
     def __getstate__(self) -> dict:
         return {"version": 1, "text": self.schedule.text, "timezone": self.schedule.timezone}
 
     def __setstate__(self, state: dict) -> None:
         self.schedule = parse_schedule(state["text"], state["timezone"])
+        self.skew = None
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ScheduleTrigger) and other.key == self.key
@@ -439,6 +450,7 @@ class ScheduleTrigger(BaseTrigger):
         return f"<ScheduleTrigger {self.schedule.text!r} timezone={self.schedule.timezone!r}>"
 
 
-def schedule_trigger(schedule: Schedule) -> ScheduleTrigger:
-    """An APScheduler 3 trigger that fires at ``schedule``'s slots."""
-    return ScheduleTrigger(schedule)
+def schedule_trigger(schedule: Schedule, skew: Callable[[], timedelta] | None = None) -> ScheduleTrigger:
+    """An APScheduler 3 trigger that fires at ``schedule``'s slots (in the server's time, with
+    ``skew``: see :class:`ScheduleTrigger`)."""
+    return ScheduleTrigger(schedule, skew)

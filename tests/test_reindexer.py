@@ -18,6 +18,8 @@ from maintd.db import make_engine
 from maintd.services.base import PassContext
 from maintd.services.reindexer import Reindexer
 
+from .procs import wait_for
+
 UTC = timezone.utc
 
 
@@ -210,10 +212,57 @@ def test_runner_does_not_schedule_it_when_disabled(pg_dsn, schema, settings, eng
     try:
         runner.activate(NoFence())
         assert "reindexer" not in {j.id for j in runner.timetable.get_jobs()}
+        wait_for(lambda: runner.clock.skew() is not None, 10, what="the server's time read by a pass")
         settings.reindexer.enabled = True
         runner.reload(settings)
         job = runner.timetable.get_job("reindexer")
-        assert job is not None and job.next_run_time.hour == 0 and job.next_run_time.minute == 0
+        # At the server's midnight (host and server share a clock here, up to the reading's error).
+        midnight = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0) + timedelta(days=1)
+        assert job is not None and abs(job.next_run_time - midnight) < timedelta(seconds=1), job.next_run_time
     finally:
         runner.shutdown()
     assert index_oids(pg_dsn, schema) == before  # nothing was rebuilt (REINDEX CONCURRENTLY makes new oids)
+
+
+class LateFastClock(ServerClock):
+    """The server's time runs 5 minutes ahead of the host's clock, and is unknown until ``known``
+    is set (a daemon whose first pass has not read it yet)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.known = threading.Event()
+
+    def now(self) -> datetime:
+        return datetime.now(timezone.utc) + timedelta(minutes=5)
+
+    def skew(self) -> timedelta | None:
+        return timedelta(minutes=5) if self.known.is_set() else None
+
+
+def test_its_cron_slots_are_the_server_s_time_not_the_host_s(pg_dsn, schema, settings, engine):
+    """The reindexer's "0 0 * * *" is the server's midnight: with the host's clock 5 minutes slow,
+    APScheduler (on the host's clock) fires at the host's 23:55. Until the server's time is known,
+    the job waits and is scheduled again a second later (it would have fired at the host's
+    midnight, 5 minutes late)."""
+    from apscheduler.triggers.date import DateTrigger
+
+    from maintd.metrics import Metrics
+    from maintd.runner import Runner
+    from maintd.schedules import ScheduleTrigger
+    from maintd.services.base import NoFence
+
+    settings.reindexer.enabled = True
+    clock = LateFastClock()
+    runner = Runner(settings, engine, Metrics(), clock=clock)
+    runner.start()
+    try:
+        runner.activate(NoFence())
+        assert isinstance(runner.timetable.get_job("reindexer").trigger, DateTrigger)
+        clock.known.set()
+        wait_for(lambda: isinstance(runner.timetable.get_job("reindexer").trigger, ScheduleTrigger), 5,
+                 what="the reindexer scheduled on the server's time")
+        job = runner.timetable.get_job("reindexer")
+        server_midnight = (clock.now() + timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
+        assert job.next_run_time == server_midnight - timedelta(minutes=5), job.next_run_time
+    finally:
+        runner.shutdown()

@@ -266,6 +266,26 @@ def test_trigger_fires_like_cron_trigger_and_has_a_stable_key():
     assert copy == trigger and copy.get_next_fire_time(None, now) == now
 
 
+def test_trigger_fires_at_the_server_s_slots_when_the_host_clock_is_off():
+    """skew = server - host. Host 5 min slow (skew +5 min): the server's 03:00 is the host's 02:55;
+    host 2 min fast (skew -2 min): the host's 03:02. A skew that jitters by milliseconds between
+    calls (each reading of the server's time differs a little) never fires one slot twice."""
+    slow = schedule_trigger(parse_schedule("0 3 * * *"), skew=lambda: timedelta(minutes=5))
+    host_now = datetime(2026, 3, 1, 2, 50, tzinfo=UTC)
+    first = slow.get_next_fire_time(None, host_now)
+    assert first == datetime(2026, 3, 1, 2, 55, tzinfo=UTC)
+    assert slow.get_next_fire_time(first, first) == datetime(2026, 3, 2, 2, 55, tzinfo=UTC)
+    fast = schedule_trigger(parse_schedule("0 3 * * *"), skew=lambda: timedelta(minutes=-2))
+    assert fast.get_next_fire_time(None, host_now) == datetime(2026, 3, 1, 3, 2, tzinfo=UTC)
+    for jitter_ms in (-3, 3):
+        skews = iter([timedelta(minutes=5), timedelta(minutes=5, milliseconds=jitter_ms)])
+        jittery = schedule_trigger(parse_schedule("@every 1s"), skew=lambda: next(skews))
+        fired = jittery.get_next_fire_time(None, host_now)
+        later = jittery.get_next_fire_time(fired, fired + timedelta(milliseconds=1))
+        assert timedelta(milliseconds=996) <= later - fired <= timedelta(milliseconds=1004), (jitter_ms, later - fired)
+    assert pickle.loads(pickle.dumps(slow)).skew is None  # the daemon sets it again (the runner)
+
+
 def test_trigger_drives_a_real_apscheduler():
     fired: list[float] = []
     done = threading.Event()
