@@ -173,16 +173,33 @@ class Runner:
                 self._schedule(name, datetime.now(timezone.utc), reload=False)
 
     def stalled_for(self) -> float:
-        """Seconds the longest-waiting transaction of a running pass has been open (0: none)."""
+        """Seconds the longest-waiting transaction of a running pass of the current term has been
+        open (0: none). A pass of an ended term still blocked on a frozen server (its cancel
+        unanswered) does not count against the next term, whose passes use fresh connections."""
         with self._lock:
-            active = list(self._active.values())
+            active = [ctx for ctx in self._active.values() if not ctx.stop_event.is_set()]
         return max((ctx.query.stalled_for() for ctx in active), default=0.0)
+
+    def poke(self) -> None:
+        """A NOTIFY said what the services read changed (a ``periodic_jobs`` row)."""
+        for service in list(self.services.values()):
+            service.poke()
+
+    def _quiet(self, service: Service) -> bool:
+        """Whether the service says a pass now cannot find anything to do (see quiet_until)."""
+        until = service.quiet_until()
+        if until is None:
+            return False
+        try:
+            return self.clock.now() < until
+        except RuntimeError:  # the server's time was never read: run the pass
+            return False
 
     def _run(self, name: str) -> None:
         with self._lock:
             fence, stop_event = self._fence, self._stop_event
             service = self.services.get(name)
-            if fence is None or service is None or stop_event.is_set():
+            if fence is None or service is None or stop_event.is_set() or self._quiet(service):
                 return
             ctx = PassContext.for_settings(self.settings, self.engine, self.clock, fence=fence,
                                            stop_event=stop_event, log=logging.getLogger(f"maintd.{name}"))

@@ -363,3 +363,24 @@ def test_without_precise_timing_a_pass_does_not_wait(settings, engine, schema):
     t0 = time.monotonic()
     result = Scheduler(settings.scheduler).run_once(PassContext.for_settings(settings, engine, ServerClock()))
     assert result.total == 0 and result.wakeups == 0 and time.monotonic() - t0 < 1.0  # a wait would be ~1.5 s
+
+
+def test_a_sleeping_precise_pass_holds_no_pooled_connection(settings, engine, schema):
+    """The passes of many targets share one pool (SPEC 7.9): while a pass sleeps until the next
+    due job (1.2 s away) it has given its connection back, and it still promotes the job in time,
+    within its own session (execute_pass opens one, as the runner does)."""
+    from maintd.passes import execute_pass
+
+    settings.scheduler.interval = timedelta(seconds=3)
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) "
+                         "VALUES ('k', 'scheduled', now() + interval '1.2 seconds')", schema))
+    out: dict = {}
+    ctx = PassContext.for_settings(settings, engine, ServerClock())
+    runner = threading.Thread(target=lambda: out.update(record=execute_pass("scheduler", Scheduler(settings.scheduler), ctx)))
+    runner.start()
+    time.sleep(0.6)  # the pass probed, found the job 0.6 s away, and sleeps
+    assert engine.pool.checkedout() == 0
+    runner.join(5)
+    assert out["record"].result.total == 1 and out["record"].result.wakeups >= 1
+    assert engine.pool.checkedout() == 0

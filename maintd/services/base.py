@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 CANCEL_TIMEOUT = 2.0  # seconds a cancel request may take (it opens its own connection)
 
 
+HOLD_MAX = 0.25  # seconds: a pass sleeping this long gives its pooled connection back meanwhile
+
+
 class NotLeader(Exception):
     """This instance does not (or no longer) hold the leader lock: the transaction was not run."""
 
@@ -177,6 +180,14 @@ class PassContext:
     def check_stop(self) -> None:
         if self.stop_event.is_set():
             raise PassStopped()
+
+    def sleep(self, seconds: float) -> bool:
+        """Wait between transactions (precise timing); True when stopped meanwhile. A sleep of
+        ``HOLD_MAX`` or more gives the session's connection back to the pool first: the passes
+        of many targets share it, and a sleeping pass must not keep one from a working one."""
+        if seconds >= HOLD_MAX:
+            self._release()
+        return self.stop_event.wait(seconds)
 
     def pause(self, seconds: float) -> None:
         """Sleep between transactions; a stop (lost leadership, shutdown) ends it at once."""
@@ -363,6 +374,16 @@ class Service(abc.ABC):
         from apscheduler.triggers.interval import IntervalTrigger
 
         return IntervalTrigger(seconds=self.config.interval.total_seconds())
+
+    def poke(self) -> None:
+        """What the service reads changed (a NOTIFY): the next scheduled pass runs."""
+        return None
+
+    def quiet_until(self) -> datetime | None:
+        """The daemon skips this service's scheduled passes (no connection, no record) until this
+        server time, before which a pass cannot find anything to do; None: never skip. Passes
+        called directly (``run-once``, tests) always run."""
+        return None
 
     @abc.abstractmethod
     def run_once(self, ctx: PassContext) -> PassResult:

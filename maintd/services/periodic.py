@@ -41,6 +41,9 @@ from .periodic_rows import Entry, RowSource
 log = logging.getLogger("maintd.periodic")
 
 PRUNE_EVERY = timedelta(hours=1)
+# Between idle passes, the rows of periodic_jobs are read again this often (their trigger's
+# NOTIFY, passed on by the lock session, makes the next pass read them at once).
+ROWS_EVERY = timedelta(seconds=60)
 KEEP_HISTORY = timedelta(days=7)
 
 
@@ -88,6 +91,7 @@ class PeriodicEnqueuer(Service):
         self._schedules: dict[tuple[str, str], Schedule] = {}
         self._disabled_seen: dict[str, datetime] = {}
         self._last_prune: datetime | None = None
+        self._quiet_until: datetime | None = None
 
     def enabled(self) -> bool:
         return True
@@ -111,12 +115,38 @@ class PeriodicEnqueuer(Service):
     def trigger(self) -> IntervalTrigger:
         return IntervalTrigger(seconds=1)
 
+    def quiet_until(self) -> datetime | None:
+        """After a pass that went well, the daemon skips the ticks before the next slot of any
+        entry, and before ``ROWS_EVERY``, unless a row changed (:meth:`poke`). A missed NOTIFY
+        only delays a change: a new row is baselined or backfilled from its change."""
+        return self._quiet_until
+
+    def poke(self) -> None:
+        self._quiet_until = None
+
+    def _quiet_after(self, now: datetime, entries: list[Entry], result: PeriodicResult) -> None:
+        if result.failed() or result.invalid_rows or result.dry_run:
+            self._quiet_until = None
+            return
+        upcoming = [self.schedule(e.job).next_after(now) for e in entries]
+        self._quiet_until = min([now + ROWS_EVERY, *upcoming])
+
     def run_once(self, ctx: PassContext) -> PeriodicResult:
         now = ctx.now()
         result = PeriodicResult(dry_run=ctx.dry_run)
         entries = self.entries(ctx, result)
+        try:
+            self._run_entries(ctx, entries, now, result)
+        except BaseException:
+            self._quiet_until = None
+            raise
+        self._quiet_after(now, entries, result)
+        return result
+
+    def _run_entries(self, ctx: PassContext, entries: list[Entry], now: datetime,
+                     result: PeriodicResult) -> None:
         if not entries:
-            return result
+            return
         with ctx.transaction(fenced=False) as conn:
             hwms = {r.periodic_id: r.hwm for r in conn.execute(
                 ctx.sql(periodic_slots.HIGH_WATER), {"ids": [e.job.id for e in entries]})}
@@ -133,7 +163,6 @@ class PeriodicEnqueuer(Service):
                                                             error=describe_db_error(exc)))
         if not ctx.dry_run:
             self._prune(ctx, now)
-        return result
 
     def _run_entry(self, ctx: PassContext, entry: Entry, hwm: datetime | None, now: datetime,
                    result: PeriodicResult) -> None:

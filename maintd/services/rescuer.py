@@ -153,7 +153,7 @@ class Rescuer(Service):
         if wait > tick_end - time.monotonic():
             return False
         started = time.monotonic()
-        stopped = ctx.stop_event.wait(wait)
+        stopped = ctx.sleep(wait)
         result.slept += time.monotonic() - started
         result.wakeups += 0 if stopped else 1
         return not stopped

@@ -88,7 +88,7 @@ class Scheduler(Service):
             if max(wait, MIN_WAKE) > deadline - time.monotonic():
                 return result
             started = time.monotonic()
-            stopped = ctx.stop_event.wait(min(max(wait, MIN_WAKE), MAX_SLEEP))
+            stopped = ctx.sleep(min(max(wait, MIN_WAKE), MAX_SLEEP))
             result.slept += time.monotonic() - started
             if stopped:
                 return result
