@@ -23,14 +23,15 @@ from sqlalchemy.exc import OperationalError
 from .clock import Clock, ServerClock
 from .config import ConfigError, Settings, _target_settings, load_settings
 from .dashboard import Dashboard
-from .db import HostOrder, describe_db_error
+from .db import HostOrder, connect, describe_db_error, ms
 from .http import HttpServer, as_json, metrics_body
 from .http import text as text_body
+from .lockconn import LOCK_GROUP, LockConnection
 from .logs import kv, setup_logging
 from .metrics import Metrics
 from .passes import maintenance_engine
 from .queries import daemons as q_daemons
-from .queries import sql
+from .queries import psycopg_sql
 from .sdnotify import SystemdNotifier
 from .runner import new_timetable
 from .services import SERVICES
@@ -62,9 +63,9 @@ def _transient(exc: Exception) -> bool:
 
 
 def pool_size(targets: int) -> int:
-    """Maintenance connections kept per database engine: a pass holds one while it runs (the
-    scheduler's, also while it sleeps until the next due job), so one target needs at most one per
-    service plus the job gauges. Several targets share the pool; a pass waiting for a connection
+    """Maintenance connections kept per database engine: a pass holds one while it works (not
+    while it sleeps until the next due job, see PassContext.sleep), so one target needs at most one
+    per service plus the job gauges. Several targets share the pool; a pass waiting for a connection
     counts as a stalled one (a lease of that gives the term up), so it grows with them, half a
     connection per target (+2 overflow; all opened on demand)."""
     one = len(SERVICES) + 1
@@ -72,8 +73,10 @@ def pool_size(targets: int) -> int:
 
 
 def pass_workers(targets: int) -> int:
-    """Threads running the passes of the targets of one process (started on demand)."""
-    return min(100, 10 + targets // 2)
+    """Threads running the passes of the targets of one process (started on demand): the
+    scheduler's and the rescuer's passes of each leading target sleep until their next due time
+    (without a connection, see PassContext.sleep), so two per target, plus some for the others."""
+    return min(1000, 10 + 2 * targets)
 
 
 def _engine_key(s: Settings) -> tuple:
@@ -91,6 +94,8 @@ class Daemon:
         per_engine = Counter(_engine_key(t) for t in targets)
         self.engines: dict[tuple, Engine] = {}
         self.hosts: dict[tuple, HostOrder] = {}  # multi-host URLs: who answers (engine + lock sessions)
+        self.lock_conns: dict[str, list[LockConnection]] = {}  # per database URL
+        per_database: Counter[str] = Counter()
         self.units: list[TargetUnit] = []
         shared = metrics
         # One scheduler thread and one pool of pass threads for every target of the process.
@@ -100,17 +105,25 @@ class Daemon:
             if key not in self.engines:
                 self.hosts[key] = HostOrder(t.database_url.get_secret_value())
                 self.engines[key] = maintenance_engine(t, pool_size=pool_size(per_engine[key]), hosts=self.hosts[key])
+            # The targets of a database share lock sessions, LOCK_GROUP targets to a session.
+            url = t.database_url.get_secret_value()
+            if per_database[url] % LOCK_GROUP == 0:
+                self.lock_conns.setdefault(url, []).append(LockConnection(t, self.hosts[key]))
+            per_database[url] += 1
             unit_metrics = shared if shared is not None and not self.units else \
                 Metrics(target=t.target_name, max_queues=settings.metrics.max_queues, shared=shared)
             shared = shared or unit_metrics
             self.units.append(TargetUnit(t, self.engines[key], unit_metrics, self.clock, hosts=self.hosts[key],
+                                         lock_conn=self.lock_conns[url][-1],
                                          on_change=self._changed, timetable=self.timetable))
         lead = settings.leader
-        self.spread = Spread(self.units, retry_interval=lead.retry_interval.total_seconds(),
-                             settle=lead.lease.total_seconds(), count_replicas=self._count_replicas)
+        self.spread = Spread(self.units, me=settings.instance_id, retry_interval=lead.retry_interval.total_seconds(),
+                             settle=lead.lease.total_seconds(), lease=lead.lease.total_seconds(),
+                             live_replicas=self._live_replicas)
         if self.multi:
             for unit in self.units:
-                unit.elector.may_try = (lambda name: lambda: self.spread.may_try(name))(unit.name)
+                unit.elector.gate = (lambda name: lambda: self.spread.gate(name))(unit.name)
+                unit.elector.tried = (lambda name: lambda: self.spread.tried(name))(unit.name)
         self.http: HttpServer | None = None
         self.notifier = SystemdNotifier()
         self._stopping = threading.Event()
@@ -118,6 +131,7 @@ class Daemon:
         self._last_tick: float | None = None  # set by tick(); None while nobody ticks
         self._started = False
         self._retry_thread: threading.Thread | None = None
+        self._spread_conns: dict[tuple, Any] = {}  # per database: the spread's reads (several targets)
 
     # -- the first target (the only one without [[targets]]) ------------------------------
     @property
@@ -277,6 +291,8 @@ class Daemon:
             self.http.stop()
         for engine in self.engines.values():
             engine.dispose()
+        for conn in self._spread_conns.values():
+            conn.close()
         log.info("maintd stopped", extra=kv(instance=self.settings.instance_id))
 
     def reload(self, settings: Settings) -> None:
@@ -338,23 +354,27 @@ class Daemon:
 
     # -- callbacks ------------------------------------------------------------------------
     def _changed(self, unit: TargetUnit) -> None:
-        if unit.is_leader:
-            self.spread.elected(unit.name)
         if not self.multi:
             self.notifier.status(f"leader ({unit.last_reason})" if unit.is_leader
                                  else f"follower ({unit.last_reason})")
         else:
             self.notifier.status(f"leading {self.spread.leading()} of {len(self.units)} targets")
 
-    def _count_replicas(self) -> int | None:
-        """R for the spread: the live replicas seen in the first target that answers."""
+    def _live_replicas(self) -> list[str] | None:
+        """The spread's live replicas (instance ids), as the first target that answers sees them,
+        read on a connection of its own (a busy maintenance pool must not delay a failover)."""
         for unit in self.units:
             if not unit.db_ok:
                 continue
+            key = _engine_key(unit.settings)
             try:
-                with unit.engine.connect() as conn:
-                    return int(conn.execute(sql(q_daemons.LIVE_REPLICAS, unit.settings.schema),
-                                            ).scalar_one())
+                conn = self._spread_conns.get(key)
+                if conn is None or conn.closed:
+                    conn = self._spread_conns[key] = connect(
+                        unit.hosts.dsn(), application_name=f"maintd:{self.settings.instance_id}:spread",
+                        answer_timeout=unit.settings.leader.lease.total_seconds() / 2,
+                        settings={"statement_timeout": ms(unit.settings.leader.lease / 4)})
+                return [r[0] for r in conn.execute(psycopg_sql(q_daemons.LIVE_REPLICAS, unit.settings.schema))]
             except Exception as exc:  # the next target, or keep the last R
                 log.debug("could not count the replicas", extra=kv(target=unit.name, error=describe_db_error(exc)))
         return None

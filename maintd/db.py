@@ -7,8 +7,9 @@ from __future__ import annotations
 import re
 import threading
 import zlib
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, Iterator
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -57,6 +58,17 @@ class BoundedConnection(psycopg.Connection):
             self.pgconn.finish()  # mid-protocol: unusable (and SQLAlchemy sees a disconnect)
             raise NoAnswer(f"no answer from the server at {where} within {bound:g}s "
                            "(frozen or cut off?): connection closed") from None
+
+
+@contextmanager
+def bounded_answer(conn: psycopg.Connection, seconds: float) -> Iterator[None]:
+    """A shorter ``answer_timeout`` for the statements inside (a :class:`BoundedConnection`)."""
+    saved = getattr(conn, "answer_timeout", None)
+    conn.answer_timeout = seconds if saved is None else min(saved, seconds)  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        conn.answer_timeout = saved  # type: ignore[attr-defined]
 
 
 class NoAnswer(psycopg.OperationalError):
@@ -194,6 +206,11 @@ def advisory_key(schema: str) -> tuple[int, int]:
 def notify_channel(schema: str) -> str:
     """SPEC: ``maintd_jobs``; prefixed with the schema when the schema is not ``maintd``."""
     return "maintd_jobs" if schema == "maintd" else f"{schema}_maintd_jobs"
+
+
+def periodic_channel(schema: str) -> str:
+    """Where the ``periodic_jobs`` trigger announces a change (as migration 0003 names it)."""
+    return "maintd_periodic" if schema == "maintd" else f"{schema}_maintd_periodic"
 
 
 def events_channel(schema: str) -> str:

@@ -1,9 +1,10 @@
 """Leader election: a session-level advisory lock on a dedicated connection, a lease, and fencing.
 
-* The lock is held by one non-pooled connection, the :class:`LockSession`
-  (``application_name=maintd:<instance>``), with TCP keepalives and ``tcp_user_timeout = lease``.
-  On winning, that session gets ``idle_session_timeout = lease`` (PostgreSQL 14+): if this process
-  freezes or is cut off, the server ends the session (and frees the lock) within the lease.
+* The lock is held by one non-pooled connection, the :class:`~maintd.lockconn.LockConnection`
+  (``application_name=maintd:<instance>``; shared by up to 5 targets of a database, each
+  through its :class:`LockSession`), with TCP keepalives and ``tcp_user_timeout = lease``. That
+  session has ``idle_session_timeout = lease`` (PostgreSQL 14+): if this process freezes or is
+  cut off, the server ends the session (and frees its locks) within the lease.
 * A leadership is a :class:`Term`: the epoch, the server-side pid of the lock session, and until
   when (monotonic) it can be trusted. The leader proves the lock every ``renew_interval``; the term
   is trusted for ``lease - renew_interval`` after the last proof was sent (the server's idle timer
@@ -29,19 +30,19 @@ import dataclasses
 import logging
 import os
 import random
-import secrets
-import select
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable
 
 import psycopg
 from sqlalchemy import Connection
 
 from .config import Settings
-from .db import HostOrder, advisory_key, connect, describe_db_error, ms, sever
+from .db import HostOrder, advisory_key, bounded_answer, describe_db_error, ms, periodic_channel
 from .identifiers import quote_ident
+from .lockconn import POOLER_HINT, LeaderSessionError, LockConnection, SessionClosed
 from .logs import kv
 from .queries import leader as q
 from .queries import psycopg_sql, sql
@@ -51,14 +52,9 @@ from .services.base import NotLeader
 log = logging.getLogger("maintd.leader")
 
 BACKOFF_START, BACKOFF_CAP = 0.2, 5.0
-SESSION_MARKER = "maintd.session"  # a custom setting only our own session carries
-POOLER_HINT = ("(PgBouncer pool_mode=transaction or statement?): connect maintd directly to "
-               "PostgreSQL or through a pooler with pool_mode=session")
-
-
-class LeaderSessionError(RuntimeError):
-    """The lock session is not a real, stable PostgreSQL session (e.g. PgBouncer transaction
-    pooling): leadership cannot be guaranteed, so maintd refuses to lead."""
+BUMP_SLICE = timedelta(milliseconds=100)  # the epoch bump's row-lock wait, per attempt
+MAX_STACKED = 16  # unlock attempts: a session-level advisory lock stacks once per success
+UNLOCK_ANSWER = 1.0  # seconds an unlock on the shared session may take before it is closed
 
 
 def handover_channel(schema: str) -> str:
@@ -116,145 +112,179 @@ class LeaderFence:
 
 
 class LockSession:
-    """The dedicated connection that holds (or tries for) the advisory lock of one schema."""
+    """One target's view of its database's :class:`~maintd.lockconn.LockConnection`: the advisory
+    lock of one schema (held, or tried for), its hand-over and ``periodic_jobs`` channels."""
 
-    def __init__(self, settings: Settings, hosts: HostOrder | None = None):
+    def __init__(self, settings: Settings, hosts: HostOrder | None = None,
+                 shared: LockConnection | None = None):
         self.settings = settings
-        self.hosts = hosts or HostOrder(settings.database_url.get_secret_value())
-        self.server: tuple[str | None, int | None] = (None, None)  # host, port last reached
+        self.shared = shared or LockConnection(settings, hosts)
         self.schema = settings.schema
         self.classid, self.objid = advisory_key(settings.schema)
-        self.conn: psycopg.Connection | None = None
-        self._marker = ""
+        self._generation: int | None = None  # of the shared connection while attached
+        self._handover = threading.Event()  # a hand-over NOTIFY arrived
+        # Called (from the thread that read it) with each NOTIFY on the periodic_jobs channel.
+        self.on_notify: Callable[[str], None] = lambda channel: None
 
     @property
     def open(self) -> bool:
-        return self.conn is not None and not self.conn.closed
+        return self._generation is not None and self._generation == self.shared.generation and self.shared.open
+
+    @property
+    def conn(self) -> psycopg.Connection | None:
+        return self.shared.conn if self.open else None
+
+    @property
+    def server(self) -> tuple[str | None, int | None]:
+        return self.shared.server
+
+    def _channels(self) -> dict[str, Callable[[], None]]:
+        periodic = periodic_channel(self.schema)
+        return {handover_channel(self.schema): self._handover.set,
+                periodic: lambda: self.on_notify(periodic)}
 
     def _key(self, **extra: object) -> dict:
         return {"classid": self.classid, "objid": self.objid, **extra}
 
-    def _run(self, template: str, params: dict | None = None):
-        assert self.conn is not None
-        return self.conn.execute(psycopg_sql(template, self.schema), params or {})
+    def run(self, template: str, params: dict | None = None) -> tuple | None:
+        """One statement of this schema on the shared session; its first row."""
+        if self._generation is None:
+            raise psycopg.OperationalError("the lock session is not connected")
+        with self.shared.using(self._generation) as conn:
+            cur = conn.execute(psycopg_sql(template, self.schema), params or {})
+            return cur.fetchone() if cur.description else None
+
+    def keep_alive(self) -> float:
+        """See :meth:`LockConnection.keep_alive` (a follower that does not try the lock)."""
+        assert self._generation is not None
+        return self.shared.keep_alive(self._generation)
 
     def connect(self, progress: Callable[[], None] = lambda: None) -> psycopg.Connection:
-        """Open and check the session; ``progress`` is called once the server is reached (a
-        multi-host URL may first spend a connect timeout on a silent host)."""
-        cfg = self.settings.leader
-        self._marker = secrets.token_hex(8)
-        self.conn = connect(
-            self.hosts.dsn(),
-            application_name=f"maintd:{self.settings.instance_id}",
-            settings={"statement_timeout": ms(cfg.lease / 2), "lock_timeout": ms(cfg.renew_interval),
-                      # the epoch bump's transaction, frozen half-way, ends within the lease
-                      "idle_in_transaction_session_timeout": ms(cfg.lease),
-                      SESSION_MARKER: self._marker},
-            tcp_user_timeout=ms(cfg.lease),  # a send nobody acknowledges fails within the lease
-            answer_timeout=cfg.lease.total_seconds(),  # a frozen server acknowledges, never answers
-        )
-        progress()
-        self.server = (self.conn.info.host, self.conn.info.port)
-        self.hosts.reached(*self.server)  # the work pool's new connections go there first
-        self.conn.execute(f"LISTEN {quote_ident(handover_channel(self.schema))}")
-        self.verify()
-        if self.conn.info.server_version >= 140000:
-            # Before the first pg_try_advisory_lock: if this process freezes (even right after
-            # winning), the server ends the session and frees the lock within the lease.
-            self.conn.execute(f"SET idle_session_timeout = {ms(cfg.lease)}")
-        return self.conn
-
-    def verify(self) -> None:
-        """Refuse a pooler that does not keep one server session per client (PgBouncer transaction
-        or statement pooling), before any lock is taken: the backend must stay the same across
-        statements, and, behind a pooler, no other client may get it."""
-        pids = {self._run(q.BACKEND_PID).fetchone()[0] for _ in range(3)}
-        if len(pids) != 1:
-            raise LeaderSessionError(f"the lock connection changes backend between statements {POOLER_HINT}")
-        assert self.conn is not None
-        if self.conn.info.backend_pid in pids:
-            return  # a direct connection: the client-side pid is the server's
-        with connect(self.hosts.dsn(), application_name=f"maintd:{self.settings.instance_id}:probe",
-                     answer_timeout=self.settings.leader.lease.total_seconds()) as probe:
-            for _ in range(3):  # a session pooler never hands our backend to another client
-                other = probe.execute(q.BACKEND_PID).fetchone()[0]
-                mine = self._run(q.BACKEND_PID).fetchone()[0]
-                if other in pids or mine not in pids:
-                    raise LeaderSessionError(f"another client got the lock connection's backend {POOLER_HINT}")
+        """Attach to the shared session, opening and checking it if needed; ``progress`` is called
+        once the server is reached (a multi-host URL may first spend a connect timeout on a
+        silent host)."""
+        if self._generation is not None:
+            self.close()
+        conn, self._generation = self.shared.attach(self._channels(), progress)
+        return conn
 
     def try_lock(self) -> bool:
-        return bool(self._run(q.TRY_LOCK, self._key()).fetchone()[0])
+        return bool(self.run(q.TRY_LOCK, self._key())[0])
 
     def holds_lock(self) -> int | None:
         """The server-side pid of this session when it holds the lock, else None; raises
         :class:`LeaderSessionError` when the session is not the one we set up any more."""
-        held, ours, pid = self._run(q.HOLDS_LOCK, self._key(marker=self._marker)).fetchone()
+        held, ours, pid = self.run(q.HOLDS_LOCK, self._key(marker=self.shared.marker))
         if not ours:
             raise LeaderSessionError(f"the lock connection reached a session it did not set up {POOLER_HINT}")
         return pid if held else None
 
     def start_term(self, params: dict, deadline: float, stop: threading.Event,
                    progress: Callable[[], None]) -> tuple[int, int, float]:
-        """Just after winning the lock: check the lock is ours, then bump the epoch, waiting (bounded) for an old leader's in-flight fenced transactions.
+        """Just after winning the lock: check the lock is ours, then bump the epoch, waiting
+        (bounded) for an old leader's in-flight fenced transactions. The wait is cut in slices of
+        ``BUMP_SLICE``, the shared session free in between: the other targets' renewals go on.
         Returns (epoch, lock pid, when the successful attempt was sent)."""
-        assert self.conn is not None
         lock_pid = self.holds_lock()
         if lock_pid is None:
             raise LeaderSessionError(f"the advisory lock is not visible in this backend {POOLER_HINT}")
+        waiting = False
         while True:
             sent = time.monotonic()
             try:
-                with self.conn.transaction():
-                    self._run(q.LOCK_ROW)
-                    return self._run(q.BUMP_EPOCH, params).fetchone()[0], lock_pid, sent
+                assert self._generation is not None
+                with self.shared.using(self._generation) as conn, conn.transaction():
+                    conn.execute(f"SET LOCAL lock_timeout = {ms(self._bump_slice())}")
+                    conn.execute(psycopg_sql(q.LOCK_ROW, self.schema))
+                    epoch = conn.execute(psycopg_sql(q.BUMP_EPOCH, self.schema), params).fetchone()[0]
+                    return epoch, lock_pid, sent
             except psycopg.errors.LockNotAvailable:
                 progress()
                 if time.monotonic() > deadline or stop.is_set():
                     raise
-                log.info("waiting for the previous leader's transactions to end")
+                if not waiting:
+                    log.info("waiting for the previous leader's transactions to end")
+                    waiting = True
+                time.sleep(0.01)  # the other targets' statements first
+
+    def _bump_slice(self) -> timedelta:
+        return min(self.settings.leader.renew_interval, BUMP_SLICE)
 
     def renew(self, term: Term) -> bool:
-        """Prove the lock and the term; False when either is gone."""
-        if self.holds_lock() is None:
-            return False
-        return self._run(q.RENEW, {"epoch": term.epoch, "instance": term.instance_id}).fetchone() is not None
+        """Prove the lock and the term (one statement); False when either is gone."""
+        held, ours, current = self.run(q.RENEW, self._key(marker=self.shared.marker, epoch=term.epoch,
+                                                         instance=term.instance_id))
+        if not ours:
+            raise LeaderSessionError(f"the lock connection reached a session it did not set up {POOLER_HINT}")
+        return bool(held and current)
 
     def release(self, term: Term) -> None:
         """Give the term and the lock back and wake the followers."""
-        self._run(q.RELEASE, {"epoch": term.epoch, "instance": term.instance_id})
-        self._run(q.UNLOCK, self._key())
-        self._run(q.HANDOVER_NOTIFY, {"channel": handover_channel(self.schema), "instance": term.instance_id})
+        self.run(q.RELEASE, {"epoch": term.epoch, "instance": term.instance_id})
+        self.run(q.UNLOCK, self._key())
+        self.run(q.HANDOVER_NOTIFY, {"channel": handover_channel(self.schema), "instance": term.instance_id})
 
-    def wait_for_handover(self, seconds: float, stop: threading.Event) -> None:
-        """Sleep up to ``seconds``, waking early on a hand-over NOTIFY or on stop."""
-        assert self.conn is not None
+    def wait_for_handover(self, seconds: float, stop: threading.Event,
+                          wake: threading.Event | None = None, handover: bool = True) -> None:
+        """Sleep up to ``seconds``, waking early on a hand-over NOTIFY (unless not ``handover``:
+        a leader ignores them), or (within half a second) on stop or when ``wake`` is set.
+        Notifications on the ``periodic_jobs`` channel go to :attr:`on_notify` meanwhile."""
         deadline = time.monotonic() + seconds
-        while not stop.is_set():
-            for _ in self.conn.notifies(timeout=0, stop_after=1):  # one already received
+        if not handover:
+            self._handover.clear()
+        while not stop.is_set() and not (wake is not None and wake.is_set()):
+            if handover and self._handover.is_set():
+                self._handover.clear()
                 return
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 or not self.open:
                 return
-            # Sleep in the kernel until the server sends something: notifies() with a timeout
-            # polls about ten times a second, which adds up over many targets (SPEC 7.9).
-            select.select([self.conn.fileno()], [], [], min(left, 0.5))
+            (self._handover if handover else wake or stop).wait(min(left, 0.5))
 
     def sever(self) -> None:
-        """From another thread: make a call blocked on a silent server fail now."""
-        self.silent()
-        sever(self.conn)
+        """From another thread: make a call blocked on a silent server fail now (every target
+        of the shared session reconnects)."""
+        self.shared.sever()
 
     def silent(self) -> None:
         """The server stopped answering: with a multi-host URL, try the others first."""
-        self.hosts.silent(*self.server)
+        self.shared.silent()
+
+    def stuck_for(self) -> float:
+        """Seconds the shared session's statement in flight has waited for the server (a target
+        waiting for its turn is not stuck)."""
+        return self.shared.stuck_for()
+
+    def discard(self) -> None:
+        """The shared session is broken or not ours: close it (the server frees every lock it
+        held); every target on it reconnects."""
+        if self._generation is not None:  # never someone else's session
+            self.shared.close(self._generation)
+        self.close()
 
     def close(self) -> None:
-        if self.conn is not None:
+        """Give up this target's lock and stop listening: the session is closed if no other
+        target uses it, else the lock is unlocked on it (and the session closed if that fails:
+        a lock is never kept without a term)."""
+        generation, self._generation = self._generation, None
+        if generation is None:
+            return
+        with self.shared.mutex:
+            if generation != self.shared.generation or not self.shared.open:
+                return  # closed already (the server freed the lock), views reattach to a new one
+            if self.shared.detach(list(self._channels())):
+                return
             try:
-                self.conn.close()
-            except Exception:  # pragma: no cover - closing a broken socket
-                pass
-        self.conn = None
+                with self.shared.using(generation) as conn, bounded_answer(conn, UNLOCK_ANSWER):
+                    for _ in range(MAX_STACKED):  # a session-level lock is taken once per success
+                        if not conn.execute(psycopg_sql(q.UNLOCK_HELD, self.schema), self._key()).fetchone()[0]:
+                            break
+                    for channel in self._channels():
+                        conn.execute(f"UNLISTEN {quote_ident(channel)}")
+            except (psycopg.Error, OSError) as exc:
+                log.warning("could not unlock on the shared lock session, closing it",
+                            extra=kv(error=describe_db_error(exc)))
+                self.shared.close()
 
 
 class LeaderElector:
@@ -266,13 +296,14 @@ class LeaderElector:
 
     def __init__(self, settings: Settings, *, on_elected: Callable[[Term], None],
                  on_demoted: Callable[[str], None], on_health: Callable[[bool], None] | None = None,
-                 register: bool = True, keep_trying: bool = True, hosts: HostOrder | None = None):
+                 register: bool = True, keep_trying: bool = True, hosts: HostOrder | None = None,
+                 shared: LockConnection | None = None):
         self.settings = settings
         self.on_elected = on_elected
         self.on_demoted = on_demoted
         self.on_health = on_health or (lambda ok: None)
         self.keep_trying = keep_trying
-        self.session = LockSession(settings, hosts)
+        self.session = LockSession(settings, hosts, shared)
         self.registry = DaemonRegistry(settings.schema, settings.instance_id, enabled=register)
         self.term: Term | None = None
         self.healthy = False
@@ -282,8 +313,10 @@ class LeaderElector:
         self._demote_requested: tuple[str, int | None] | None = None
         self._hold_off_until = 0.0
         # Consulted before each try for the lock (several targets: the spread's gate, see
-        # maintd.spread); False makes the round wait like a hold-off.
-        self.may_try: Callable[[], bool] = lambda: True
+        # maintd.spread): 0 tries now, else the round waits that many seconds (or a hand-over).
+        self.gate: Callable[[], float] = lambda: 0.0
+        self._wake = threading.Event()  # ask the gate again now (see wake())
+        self.tried: Callable[[], None] = lambda: None  # after each try the gate let through
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
 
@@ -311,12 +344,21 @@ class LeaderElector:
         self._thread = threading.Thread(target=self.run, name="maintd-leader", daemon=True)
         self._thread.start()
 
-    def request_demotion(self, reason: str, epoch: int | None = None, hold_off: float = 0.0) -> None:
+    def request_demotion(self, reason: str, epoch: int | None = None, hold_off: float = 0.0,
+                         graceful: bool = False) -> None:
         """Ask the elector thread to give up leadership (e.g. a pass found itself fenced).
         With ``epoch``, only that term is given up (a late report about an old term is ignored).
-        ``hold_off``: seconds not to try for the lock again (a healthier replica goes first)."""
+        ``hold_off``: seconds not to try for the lock again (a healthier replica goes first).
+        ``graceful``: release the lock and wake the followers, keeping the session (a hand-over
+        of a working leadership); else the session is closed, which frees the lock."""
         self._hold_off_until = time.monotonic() + hold_off
-        self._demote_requested = (reason, epoch)
+        self._demote_requested = (reason, epoch, graceful)
+        self._wake.set()  # a leader waiting to renew acts on it now
+
+    def wake(self) -> None:
+        """A follower waiting for its gate asks it again (within half a second): the spread made
+        this replica the target's owner."""
+        self._wake.set()
 
     def update_settings(self, settings: Settings) -> None:
         self.settings = settings
@@ -344,7 +386,7 @@ class LeaderElector:
                             "the lock until its TCP connection dies (fencing still prevents writes)")
         self._ever_connected = True
         self._set_health(True)
-        self.registry.register(conn)
+        self.registry.register(self.session.run)
 
     def acquire(self, wait: float) -> LeaderFence | None:
         """For ``run-once``: take the lock (trying for up to ``wait`` s), then keep renewing it in
@@ -377,8 +419,11 @@ class LeaderElector:
                     self._follow()
                 else:
                     self._lead()
+            except SessionClosed:  # another target found the shared session broken (and said so)
+                self._end_term("the lock session was closed")
             except LeaderSessionError as exc:
                 log.error("%s", exc)
+                self.session.discard()
                 self._end_term(f"unusable lock session: {exc}")
                 self._set_health(False)
                 self._stop.wait(BACKOFF_CAP)
@@ -393,6 +438,7 @@ class LeaderElector:
                 error = describe_db_error(exc)
                 if isinstance(exc, (psycopg.OperationalError, OSError)):
                     self.session.silent()
+                    self.session.discard()  # broken for every target on it
                 self._end_term(f"database error: {error}")
                 self._set_health(False)
                 sleep = min(BACKOFF_CAP, delay) * random.uniform(0.7, 1.3)
@@ -404,15 +450,24 @@ class LeaderElector:
     def _follow(self, wait: bool = True) -> None:
         """One follower round: try the lock; on a win, start a term; else wait for a retry."""
         retry = self.settings.leader.retry_interval.total_seconds()
-        hold_off = self._hold_off_until - time.monotonic()
-        if hold_off > 0 or not self.may_try():  # stepped down for a reason: let others lead
-            self.session.holds_lock()  # a statement a round keeps the idle session alive
-            self.session.wait_for_handover(min(retry, hold_off) if hold_off > 0 else retry, self._stop)
+        pause = self._hold_off_until - time.monotonic()  # stepped down for a reason: others first
+        if pause <= 0:
+            pause = self.gate()
+        if pause > 0:
+            self._wake.clear()
+            self.session.wait_for_handover(min(pause, self.session.keep_alive()), self._stop, self._wake)
             return
+        try:
+            won = self._try_for_term()
+        finally:
+            self.tried()
+        if not won and wait:
+            self.session.wait_for_handover(retry, self._stop)
+
+    def _try_for_term(self) -> bool:
+        """Try the lock; on a win, start a term (and the services). False when the lock is taken."""
         if not self.session.try_lock():
-            if wait:
-                self.session.wait_for_handover(retry, self._stop)
-            return
+            return False
         cfg, s = self.settings.leader, self.settings
         try:
             epoch, lock_pid, sent = self.session.start_term(
@@ -430,6 +485,7 @@ class LeaderElector:
         except Exception as exc:  # never hold the lock without running
             log.error("could not start the services, stepping down", extra=kv(error=str(exc)))
             self._end_term("services failed to start")
+        return True
 
     def _lead(self) -> None:
         """One leader round: give the term up if asked or untrusted, else wait for the next proof
@@ -438,11 +494,16 @@ class LeaderElector:
         assert term is not None
         requested, self._demote_requested = self._demote_requested, None
         if requested and requested[1] in (None, term.epoch):
+            if requested[2]:
+                return self._release(requested[0], close=False)
             return self._end_term(requested[0])
         if not term.trusted():
             return self._end_term("lease expired before it could be renewed")
         last_sent = term.trusted_until - self._trust()
-        self._stop.wait(max(0.0, last_sent + self.settings.leader.renew_interval.total_seconds() - time.monotonic()))
+        due = last_sent + self.settings.leader.renew_interval.total_seconds() - time.monotonic()
+        if due > 0:  # listening meanwhile: a periodic_jobs change is passed on at once
+            self._wake.clear()
+            self.session.wait_for_handover(due, self._stop, self._wake, handover=False)
         if self._stop.is_set() or self.term is not term or self._demote_requested:
             return None
         sent = time.monotonic()
@@ -459,7 +520,7 @@ class LeaderElector:
         self.last_progress = time.monotonic()
 
     def _end_term(self, reason: str) -> None:
-        """Lose the term (if any) and close the session: the server frees the lock with it."""
+        """Lose the term (if any) and give the lock up (see :meth:`LockSession.close`)."""
         with self._lock:
             term, self.term = self.term, None
         if term is not None:
@@ -467,20 +528,23 @@ class LeaderElector:
             self.on_demoted(reason)
         self.session.close()
 
-    def _release(self) -> None:
-        """Graceful stop: give the lock back and wake the followers."""
+    def _release(self, reason: str = "shutdown", close: bool = True) -> None:
+        """Give the lock back and wake the followers: at a graceful stop (and close the session),
+        or at a hand-over (the session stays, unless the release failed)."""
         with self._lock:
             term, self.term = self.term, None
         if term is not None:
-            self.on_demoted("shutdown")
+            self.on_demoted(reason)
         if self.session.open and term is not None:
             try:
                 self.session.release(term)
-                log.info("released leadership", extra=kv(epoch=term.epoch))
+                log.info("released leadership", extra=kv(epoch=term.epoch, reason=reason))
             except psycopg.Error as exc:
                 log.warning("could not release leadership cleanly (the session end frees it)",
                             extra=kv(error=describe_db_error(exc)))
-        self.session.close()
+                close = True
+        if close:
+            self.session.close()
 
     def _set_health(self, ok: bool) -> None:
         self.healthy = ok

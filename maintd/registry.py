@@ -8,10 +8,10 @@ from __future__ import annotations
 import os
 import socket
 
-import psycopg
+from typing import Callable
 
 from . import __version__
-from .queries import daemons, psycopg_sql
+from .queries import daemons
 
 class DaemonRegistry:
     def __init__(self, schema: str, instance_id: str, *, enabled: bool = True):
@@ -20,11 +20,11 @@ class DaemonRegistry:
         self.enabled = enabled
         self.host = socket.gethostname()
 
-    def register(self, conn: psycopg.Connection) -> None:
-        """After the lock session (``conn``) (re)connects: write this process's row, forget
-        stale ones."""
+    def register(self, run: Callable[[str, dict], object]) -> None:
+        """After the lock session (re)connects: write this process's row, forget stale ones;
+        ``run(template, params)`` runs a statement of this schema on it."""
         if not self.enabled:
             return
-        conn.execute(psycopg_sql(daemons.REGISTER, self.schema), {
-            "instance": self.instance_id, "host": self.host, "pid": os.getpid(), "version": __version__})
-        conn.execute(psycopg_sql(daemons.FORGET_STALE, self.schema))
+        run(daemons.REGISTER, {"instance": self.instance_id, "host": self.host, "pid": os.getpid(),
+                               "version": __version__})
+        run(daemons.FORGET_STALE, {})

@@ -2,20 +2,32 @@
 
 With T targets and R live replicas, a replica's *cap* is ceil(T/R) + 1 leaderships.
 
-* Below its cap, a replica tries free locks as usual (every ``retry_interval``, at once on a
-  hand-over NOTIFY). At its cap it still tries, but only every 1.5-2.5 retry intervals
-  (``lazy``): a replica below its cap usually gets a free lock first, and no lock stays free when every replica is at
-  its cap (a dead replica counted live a little longer, for example).
-* Above its cap for ``settle`` seconds (hysteresis), it hands the extra leaderships over
-  gracefully: release, NOTIFY, and a hold-off on those targets so that another replica takes them.
+* **Who should lead what.** Every replica computes the same *assignment* (:func:`assign`) from
+  the same inputs, the target names and the live replicas' instance ids: rendezvous hashing with
+  bounded loads, so no replica is given more than ceil(T/R) targets, and a replica that comes or
+  goes moves few targets besides its own.
+* **The gate** (:meth:`Spread.gate`, asked by each target's follower before it tries the lock):
+  a replica tries its *own* targets at once (every ``retry_interval``, and on a hand-over NOTIFY)
+  while below its cap; it tries the others only lazily, every 2-4 retry intervals (no more than
+  a third of the lease apart), so that a target whose owner cannot take it (its database
+  unreachable from there, a dead replica still counted live) is led anyway. At its cap it tries
+  only every lease or so (a safety net; the excess is handed over).
+* **Hand-over.** Above its cap for ``settle`` seconds (hysteresis), a replica gives the extra
+  leaderships back gracefully (unlock + NOTIFY, the session stays open), the ones owned by another
+  replica first, and stays off them for a few retry intervals so that their owner takes them.
   After a hand-over it waits ``settle`` again before the next one.
-* R is read every ``REFRESH`` seconds from a target's ``daemons`` table: the replicas whose lock
-  session is connected now (``pg_stat_activity``), see
-  :data:`maintd.queries.daemons.LIVE_REPLICAS`.
+* **Start.** For ``JOIN`` seconds after start a replica tries nothing, so that replicas started
+  together see each other before the first tries (else the first one leads everything and hands
+  most of it over a ``settle`` later).
+* **R** is read every ``REFRESH`` seconds from a target's ``daemons`` table: the replicas whose
+  lock session is connected now (``pg_stat_activity``), see
+  :data:`maintd.queries.daemons.LIVE_REPLICAS`. A SIGKILLed replica's sessions end at once, a
+  frozen one's within the lease (``idle_session_timeout``); the others then own its targets.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import random
@@ -27,13 +39,38 @@ from .logs import kv
 
 log = logging.getLogger("maintd.spread")
 
-REFRESH = 1.0  # seconds between two reads of R
-PENDING = 1.0  # a granted try counts as a leadership for this long (or until elected)
+REFRESH = 1.0  # seconds between two reads of the live replicas
+JOIN = 2 * REFRESH  # no tries for this long after start: replicas started together see each other
+PENDING = 30.0  # a granted try counts as a leadership until it is over (or, at worst, this long)
+LAZY = (2.0, 4.0)  # retry intervals between two tries of a target this replica does not own
 
 
 def cap(targets: int, replicas: int) -> int:
     """The most leaderships one replica keeps once stable: ceil(T/R) + 1."""
     return math.ceil(targets / max(1, replicas)) + 1
+
+
+def _rank(target: str, replica: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{target}\0{replica}".encode(), digest_size=8).digest(), "big")
+
+
+def assign(targets: Sequence[str], replicas: Sequence[str]) -> dict[str, str]:
+    """target -> the replica that should lead it: each target, in name order, goes to its
+    highest-ranked replica (a hash of both names) that has fewer than ceil(T/R) targets yet.
+    Deterministic, so every replica that sees the same live replicas computes the same."""
+    live = sorted(set(replicas))
+    if not live:
+        return {}
+    room = math.ceil(len(targets) / len(live))
+    load = dict.fromkeys(live, 0)
+    out: dict[str, str] = {}
+    for target in sorted(targets):
+        for replica in sorted(live, key=lambda r: _rank(target, r), reverse=True):
+            if load[replica] < room:
+                load[replica] += 1
+                out[target] = replica
+                break
+    return out
 
 
 class Unit(Protocol):
@@ -44,25 +81,35 @@ class Unit(Protocol):
 
     def hand_over(self, reason: str, hold_off: float) -> None: ...
 
+    def wake(self) -> None: ...
+
 
 class Spread:
-    """The gate of each target's follower (:meth:`may_try`) and the hand-over decision
-    (:meth:`balance`, from the daemon's main loop). ``count_replicas`` returns R or None when
-    it cannot be read (R is kept)."""
+    """The gate of each target's follower (:meth:`gate`) and the hand-over decision
+    (:meth:`balance`, from the daemon's main loop). ``live_replicas`` returns the instance ids
+    of the live replicas, or None when they cannot be read (the last ones are kept)."""
 
-    def __init__(self, units: Sequence[Unit], *, retry_interval: float, settle: float,
-                 count_replicas: Callable[[], int | None]):
+    def __init__(self, units: Sequence[Unit], *, me: str, retry_interval: float, settle: float,
+                 lease: float, live_replicas: Callable[[], Sequence[str] | None], join: float = JOIN):
         self.units = list(units)
+        self.me = me
         self.retry = retry_interval
         self.settle = settle
-        self.count_replicas = count_replicas
-        self.replicas = 1
+        self.lazy_max = max(retry_interval, lease / 3)  # longest lazy wait below the cap
+        self.live_replicas = live_replicas
+        self.live: tuple[str, ...] = (me,)
+        self.owner: dict[str, str] = assign([u.name for u in self.units], self.live)
         self._read_at = float("-inf")
         self._pending: dict[str, float] = {}
         self._lazy_due: dict[str, float] = {}
         self._over_since: float | None = None
         self._handed_at = float("-inf")
+        self._join_until = time.monotonic() + join
         self._lock = threading.Lock()
+
+    @property
+    def replicas(self) -> int:
+        return len(self.live)
 
     @property
     def cap(self) -> int:
@@ -71,38 +118,69 @@ class Spread:
     def leading(self) -> int:
         return sum(1 for u in self.units if u.is_leader)
 
-    def may_try(self, name: str) -> bool:
-        """Whether target ``name``'s follower tries the lock this round."""
+    def owns(self, name: str) -> bool:
+        return self.owner.get(name, self.me) == self.me
+
+    def gate(self, name: str) -> float:
+        """0: target ``name``'s follower tries the lock now; else the seconds to wait before
+        asking again (a hand-over NOTIFY asks again at once). No database I/O: it runs on the
+        target's elector thread, whose lock session must keep its rhythm."""
         with self._lock:
             now = time.monotonic()
+            if now < self._join_until:
+                return self._join_until - now
             pending = sum(1 for at in self._pending.values() if now - at < PENDING)
-            if self.leading() + pending < self.cap:
+            room = self.leading() + pending < self.cap
+            if room and self.owns(name):
                 self._pending[name] = now
-                return True
-            due = self._lazy_due.setdefault(name, now + random.uniform(0.5, 1.5) * self.retry)
+                self._lazy_due.pop(name, None)
+                return 0.0
+            due = self._lazy_due.setdefault(name, now + self._lazy_interval(room))
             if now < due:
-                return False
+                return min(due - now, self.retry) if self.owns(name) else due - now
             del self._lazy_due[name]
-            return True
+            if room:
+                self._pending[name] = now
+            return 0.0
 
-    def elected(self, name: str) -> None:
+    def _lazy_interval(self, room: bool) -> float:
+        """Below the cap, 2-4 retry intervals (at most a third of the lease); at the cap, a lease
+        or so: a safety net (the replicas see different targets, say), which overshoots the cap
+        and hands over a ``settle`` later."""
+        seconds = random.uniform(*LAZY) * self.retry
+        return min(self.lazy_max, seconds) if room else max(3 * self.lazy_max, seconds)
+
+    def tried(self, name: str) -> None:
+        """Target ``name``'s try is over (won: it counts by ``is_leader`` from now on, or lost)."""
         with self._lock:
             self._pending.pop(name, None)
 
     def refresh(self) -> None:
-        now = time.monotonic()
-        if now - self._read_at < REFRESH:
+        """Read the live replicas (at most every ``REFRESH`` s), from the daemon's main loop."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._read_at < REFRESH:
+                return
+            self._read_at = now
+        found = self.live_replicas()
+        if found is None:
             return
-        self._read_at = now
-        n = self.count_replicas()
-        if n is not None and n != self.replicas:
-            log.info("live replicas changed", extra=kv(replicas=n, was=self.replicas,
-                                                       targets=len(self.units), cap=cap(len(self.units), n)))
-            self.replicas = max(1, n)
+        live = tuple(sorted(set(found) | {self.me}))
+        with self._lock:
+            if live == self.live:
+                return
+            log.info("live replicas changed", extra=kv(replicas=len(live), was=len(self.live),
+                                                       targets=len(self.units), cap=cap(len(self.units), len(live))))
+            self.live = live
+            was, self.owner = self.owner, assign([u.name for u in self.units], live)
+            self._lazy_due.clear()
+        for unit in self.units:  # the targets this replica now owns are tried at once
+            if self.owns(unit.name) and was.get(unit.name) != self.me and not unit.is_leader:
+                unit.wake()
 
     def balance(self) -> int:
-        """Hand over the leaderships above the cap once it has lasted ``settle`` seconds; returns
-        how many were handed over."""
+        """Hand over the leaderships above the cap once it has lasted ``settle`` seconds, those
+        owned by another replica first; returns how many were handed over."""
         self.refresh()
         now = time.monotonic()
         leaders = [u for u in self.units if u.is_leader]
@@ -118,6 +196,8 @@ class Spread:
         reason = f"spreading the targets: leading {len(leaders)}, cap {self.cap} with {self.replicas} replicas"
         log.info("handing leaderships over", extra=kv(count=excess, leading=len(leaders), cap=self.cap,
                                                       replicas=self.replicas))
-        for unit in random.sample(leaders, excess):
-            unit.hand_over(reason, hold_off=2 * self.settle)
+        random.shuffle(leaders)
+        leaders.sort(key=lambda u: self.owns(u.name))  # another replica's targets first
+        for unit in leaders[:excess]:
+            unit.hand_over(reason, hold_off=LAZY[1] * self.retry)
         return excess

@@ -16,6 +16,7 @@ from .config import Settings
 from .db import HostOrder
 from .identifiers import qualified
 from .leader import LeaderElector, Term
+from .lockconn import LockConnection
 from .logs import kv
 from .metrics import Metrics
 from .queries import catalog
@@ -33,11 +34,12 @@ class TargetUnit:
     and the spread's count)."""
 
     def __init__(self, settings: Settings, engine: Engine, metrics: Metrics, clock: Clock, *,
-                 hosts: HostOrder | None = None,
+                 hosts: HostOrder | None = None, lock_conn: LockConnection | None = None,
                  on_change: Callable[["TargetUnit"], None] = lambda unit: None,
                  timetable: Any = None):
         """``timetable``: the process's shared pass scheduler (several targets), else its own;
-        ``hosts``: the host order of the engine's database URL, shared with the lock session."""
+        ``hosts``: the host order of the engine's database URL, shared with the lock session;
+        ``lock_conn``: the lock session shared with the other targets on the database (else its own)."""
         self.settings = settings
         self.name = settings.target_name
         self.engine = engine
@@ -45,9 +47,10 @@ class TargetUnit:
         self.metrics = metrics
         self.on_change = on_change
         self.elector = LeaderElector(settings, on_elected=self._elected, on_demoted=self._demoted,
-                                     on_health=self._health, hosts=self.hosts)
+                                     on_health=self._health, hosts=self.hosts, shared=lock_conn)
         self.runner = Runner(settings, engine, metrics, clock=clock, on_fenced=self._fenced,
                              timetable=timetable, prefix=f"{self.name}:" if timetable is not None else "")
+        self.elector.session.on_notify = lambda channel: self.runner.poke()
         self.started = False
         self.db_ok = False
         self.problem: str | None = None  # why this target is not started (schema missing, ...)
@@ -91,11 +94,15 @@ class TargetUnit:
         self.runner.reload(settings)
 
     def hand_over(self, reason: str, hold_off: float) -> None:
-        """Give this target's leadership up gracefully (released, followers woken) and do not try
-        for it again for ``hold_off`` seconds."""
+        """Give this target's leadership up gracefully (released, followers woken, the lock
+        session kept) and do not try for it again for ``hold_off`` seconds."""
         term = self.elector.term
         if term is not None:
-            self.elector.request_demotion(reason, term.epoch, hold_off=hold_off)
+            self.elector.request_demotion(reason, term.epoch, hold_off=hold_off, graceful=True)
+
+    def wake(self) -> None:
+        """The spread made this replica the target's owner: its follower tries now."""
+        self.elector.wake()
 
     # -- callbacks (from the elector and runner threads) ------------------------------------
     def _elected(self, term: Term) -> None:
@@ -168,7 +175,9 @@ class TargetUnit:
         lease in a call to a silent server (frozen primary, partition) has its socket shut down,
         so it reconnects (with a multi-host URL, to whichever server now accepts writes)."""
         stuck = time.monotonic() - self.elector.last_progress
-        if stuck > self.settings.leader.lease.total_seconds() and self.elector.session.open:
+        lease = self.settings.leader.lease.total_seconds()
+        # Waiting in line for the shared session is not hanging: its statement in flight is.
+        if stuck > lease and self.elector.session.open and self.elector.session.stuck_for() > lease:
             log.warning("the lock session is not answering, reconnecting",
                         extra=kv(target=self.name, seconds=round(stuck, 1)))
             self.elector.session.sever()

@@ -260,6 +260,41 @@ def lock_holders(dsn: str, schema: str) -> list[str]:
             "AND l.objsubid = 2 AND l.granted", (c & 0xFFFFFFFF, o & 0xFFFFFFFF))]
 
 
+def target_locks(dsn: str, schemas: list[str]) -> dict[str, tuple[str, int]]:
+    """schema -> (instance_id, backend pid) of the session holding its leader lock (the
+    database's view), for daemons with several targets (SPEC 7.9)."""
+    from maintd.db import advisory_key
+
+    by_key = {advisory_key(s)[1] & 0xFFFFFFFF: s for s in schemas}
+    classid = advisory_key(schemas[0])[0] & 0xFFFFFFFF
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT l.objid::bigint, a.application_name, l.pid FROM pg_locks l "
+            "JOIN pg_stat_activity a ON a.pid = l.pid "
+            "WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 AND l.classid::bigint = %s",
+            (classid,)).fetchall()
+    return {by_key[objid]: (app.removeprefix("maintd:"), pid) for objid, app, pid in rows if objid in by_key}
+
+
+def target_leaders(dsn: str, schemas: list[str]) -> dict[str, str]:
+    """schema -> instance_id of the session holding its leader lock (see target_locks)."""
+    return {schema: instance for schema, (instance, _) in target_locks(dsn, schemas).items()}
+
+
+def spread_ok(dsn: str, schemas: list[str], replicas: list[str]) -> Any:
+    """The leaderships per replica when every target is led by one of ``replicas`` and none leads
+    more than ceil(T/R) + 1 (SPEC 7.9), else None."""
+    import math
+    from collections import Counter
+
+    led = target_leaders(dsn, schemas)
+    per = Counter(led.values())
+    limit = math.ceil(len(schemas) / len(replicas)) + 1
+    if len(led) == len(schemas) and set(per) <= set(replicas) and max(per.values()) <= limit:
+        return per
+    return None
+
+
 def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.02, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while True:

@@ -316,6 +316,51 @@ def test_daemon_role_runs_every_service_status_and_migrate(pg_dsn, schema, tmp_p
         assert res.returncode == 0 and "nothing to do" in res.stdout, res.stderr
 
 
+def test_daemon_role_runs_a_daemon_with_two_targets(pg_dsn, schema, tmp_path):
+    """``maintd run`` with two [[targets]] (one shared lock session, LISTEN, the daemons registry,
+    the spread's reads) under a role given exactly what ``maintd grants ROLE`` prints for both."""
+    from sqlalchemy import text
+
+    from .conftest import new_schema_name
+    from .procs import wait_for
+
+    other = new_schema_name()
+    engine = make_engine(pg_dsn, application_name="maintd-test-migrate", pooled=False)
+    with engine.connect() as conn:
+        migrate.upgrade(conn, other)
+    cfg = tmp_path / "multi.toml"
+    cfg.write_text('instance_id = "grants-multi"\n[http]\nlisten = "127.0.0.1:0"\n'
+                   '[scheduler]\ninterval = "1s"\n'
+                   f'[[targets]]\nschema = "{schema}"\n[[targets]]\nschema = "{other}"\n')
+    try:
+        for s in (schema, other):
+            seed(pg_dsn, s)
+        with login_role(pg_dsn) as role:
+            apply(pg_dsn, grants.render([schema, other], role))
+            base = {k: v for k, v in os.environ.items() if not k.startswith("MAINTD_")}
+            proc = subprocess.Popen([sys.executable, "-m", "maintd", "--config", str(cfg), "run"],
+                                    env={**base, "MAINTD_DATABASE_URL": role_dsn(pg_dsn, role)},
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            try:
+                wait_for(lambda: all(job_states(pg_dsn, s).get("due") == "available" for s in (schema, other)),
+                         30, 0.1, what="due jobs promoted in both targets by the restricted role")
+                with psycopg.connect(pg_dsn) as conn:
+                    for s in (schema, other):
+                        row = conn.execute(f'SELECT instance_id FROM "{s}".leader').fetchone()
+                        assert row == ("grants-multi",), (s, row)
+                        assert conn.execute(f'SELECT count(*) FROM "{s}".daemons').fetchone()[0] == 1
+            finally:
+                proc.terminate()
+                out, _ = proc.communicate(timeout=30)
+            assert proc.returncode == 0, out
+            assert "permission denied" not in out and "missing privilege" not in out, out
+    finally:
+        with engine.connect() as conn:
+            conn.execute(text(f'DROP SCHEMA IF EXISTS "{other}" CASCADE'))
+            conn.commit()
+        engine.dispose()
+
+
 def test_worker_role_runs_the_worker_sql_and_nothing_else(pg_dsn, schema):
     with login_role(pg_dsn, "app_worker") as role:
         apply(pg_dsn, grants.render([schema], role, worker=True))

@@ -253,3 +253,32 @@ def test_a_session_it_did_not_set_up_is_refused(settings, pg_dsn, schema):
     with pytest.raises(LeaderSessionError, match="PgBouncer"):
         elector._follow(wait=False)
     assert not elector.session.open and lock_holders(pg_dsn, schema) == []
+
+
+def test_graceful_hand_over_unlocks_notifies_and_keeps_the_session(pg_dsn, settings, engine, schema):
+    """A spread hand-over (SPEC 7.9): the lock is released and the followers woken by NOTIFY on the
+    same session (no reconnect), the old term's fence refuses writes, and the elector stays off
+    the lock for its hold-off, then leads again with a new epoch on the same backend. Checked
+    against what PostgreSQL documents: pg_advisory_unlock frees a session-level lock at once while
+    the session lives on (docs, "Advisory Lock Functions"), and a NOTIFY outside a transaction
+    is delivered to every listening session at once (docs, "NOTIFY")."""
+    from maintd.leader import handover_channel
+
+    s = with_leader(settings)
+    rec = Recorder()
+    with psycopg.connect(pg_dsn, autocommit=True) as listener, rec.leading(s) as elector:
+        listener.execute(f'LISTEN "{handover_channel(schema)}"')
+        term, pid = elector.term, elector.session.conn.info.backend_pid
+        fence = elector.fence()
+        elector.request_demotion("spreading the targets", term.epoch, hold_off=1.5, graceful=True)
+        t0 = time.monotonic()
+        notes = list(listener.notifies(timeout=3, stop_after=1))
+        assert [n.payload for n in notes] == [s.instance_id] and time.monotonic() - t0 < 1.0
+        wait_for(lambda: ("demoted", "spreading the targets") in rec.events, 2, what="the demotion")
+        assert lock_holders(pg_dsn, schema) == []  # released, not held by anyone during the hold-off
+        assert elector.session.open and elector.session.conn.info.backend_pid == pid
+        with engine.begin() as conn, pytest.raises(NotLeader):
+            fence.check(conn)
+        wait_for(lambda: elector.is_leader, 5, what="leading again after the hold-off")
+        assert time.monotonic() - t0 >= 1.4
+        assert elector.term.epoch == term.epoch + 1 and elector.session.conn.info.backend_pid == pid

@@ -5,7 +5,6 @@ target whose database is down while the others keep working."""
 from __future__ import annotations
 
 import json
-import math
 import time
 import urllib.error
 import urllib.request
@@ -19,11 +18,11 @@ from sqlalchemy import text
 from maintd import migrate
 from maintd.config import ConfigError, Settings, load_settings
 from maintd.daemon import Daemon, pool_size
-from maintd.db import advisory_key, make_engine, quote_ident
-from maintd.spread import Spread, cap
+from maintd.db import make_engine, quote_ident
+from maintd.spread import Spread, assign, cap
 
 from .conftest import new_schema_name
-from .procs import DaemonProc, wait_for
+from .procs import DaemonProc, lock_holders, spread_ok, target_locks, wait_for
 
 QUIET = {"cleaner": {"interval": "1s"}, "rescuer": {"interval": "1s"}, "scheduler": {"interval": "1s"}}
 
@@ -48,29 +47,6 @@ def make_schemas(pg_dsn):
             conn.execute(text(f"DROP SCHEMA IF EXISTS {quote_ident(name)} CASCADE"))
         conn.commit()
     engine.dispose()
-
-
-def leaders(dsn: str, schemas: list[str]) -> dict[str, str]:
-    """schema -> instance_id of the session holding its leader lock (the database's view)."""
-    by_key = {advisory_key(s)[1] & 0xFFFFFFFF: s for s in schemas}
-    classid = advisory_key(schemas[0])[0] & 0xFFFFFFFF
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        rows = conn.execute(
-            "SELECT l.objid::bigint, a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
-            "WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 AND l.classid::bigint = %s",
-            (classid,)).fetchall()
-    return {by_key[objid]: app.removeprefix("maintd:") for objid, app in rows if objid in by_key}
-
-
-def spread_ok(dsn: str, schemas: list[str], replicas: list[str]) -> Counter | None:
-    """The leaderships per replica when every target is led by one of ``replicas`` and none leads
-    more than ceil(T/R) + 1."""
-    led = leaders(dsn, schemas)
-    per = Counter(led.values())
-    limit = math.ceil(len(schemas) / len(replicas)) + 1
-    if len(led) == len(schemas) and set(per) <= set(replicas) and max(per.values()) <= limit:
-        return per
-    return None
 
 
 def stable(check, seconds: float, timeout: float, what: str):
@@ -160,7 +136,7 @@ def test_pool_size_grows_slowly_with_the_targets():
 
 class FakeUnit:
     def __init__(self, name: str, leading: bool = False):
-        self.name, self.leading, self.handed = name, leading, []
+        self.name, self.leading, self.handed, self.woken = name, leading, [], False
 
     @property
     def is_leader(self) -> bool:
@@ -170,36 +146,98 @@ class FakeUnit:
         self.handed.append((reason, hold_off))
         self.leading = False
 
+    def wake(self) -> None:
+        self.woken = True
+
 
 def test_cap_is_the_share_plus_one():
     assert cap(12, 3) == 5 and cap(12, 2) == 7 and cap(200, 3) == 68 and cap(5, 0) == 6
 
 
-def test_spread_gate_and_hand_over_with_hysteresis():
-    units = [FakeUnit(f"t{i}", leading=i < 7) for i in range(12)]
-    replicas = [3]
-    spread = Spread(units, retry_interval=0.05, settle=0.3, count_replicas=lambda: replicas[0])
+def test_assignment_is_balanced_deterministic_and_moves_little():
+    """The properties that define rendezvous hashing (Thaler & Ravishankar, "Using name-based
+    mappings to increase hit rates", IEEE/ACM ToN 1998: every node computes the same owner from
+    the names alone; a node leaving moves only its own keys) under a load bound (Mirrokni, Thorup,
+    Zadimoghaddam, "Consistent Hashing with Bounded Loads", SODA 2018: no bin above ceil(n/m),
+    few moves when a bin comes or goes)."""
+    targets = [f"tenant_{i:03d}" for i in range(200)]
+    three = assign(targets, ["r0", "r1", "r2"])
+    assert set(three) == set(targets) and max(Counter(three.values()).values()) <= 67  # ceil(200/3)
+    assert assign(list(reversed(targets)), ["r2", "r0", "r1", "r0"]) == three  # same from any order
+    two = assign(targets, ["r0", "r1"])
+    assert sorted(Counter(two.values()).values()) == [100, 100]
+    # When r2 goes, its targets move; of the others' 133, only a few do (bounded loads).
+    moved = [t for t in targets if three[t] != "r2" and two[t] != three[t]]
+    assert len(moved) <= 10, moved
+    four = assign(targets, ["r0", "r1", "r2", "r3"])
+    assert Counter(four.values()) == {"r0": 50, "r1": 50, "r2": 50, "r3": 50}
+    assert sum(four[t] != three[t] for t in targets) <= 70  # about r3's 50
+    assert assign(targets, []) == {} and assign([], ["r0"]) == {}
+
+
+def make_spread(units, live, **kw):
+    found = [list(live)]
+    args = {"me": "r0", "retry_interval": 0.05, "settle": 0.3, "lease": 3.0, "join": 0.0} | kw
+    spread = Spread(units, live_replicas=lambda: found[0], **args)
     spread.refresh()
+    return spread, found
+
+
+def test_gate_tries_own_targets_at_once_and_the_others_lazily():
+    units = [FakeUnit(f"t{i:02d}") for i in range(12)]
+    spread, found = make_spread(units, ["r0", "r1", "r2"])
+    assert spread.replicas == 3 and spread.cap == 5
+    mine = [u.name for u in units if spread.owns(u.name)]
+    theirs = [u.name for u in units if not spread.owns(u.name)]
+    assert len(mine) == 4 and len(theirs) == 8
+    assert all(spread.gate(n) == 0 for n in mine)  # own targets: at once
+    # Another replica's target: after 2-4 retry intervals (its owner goes first).
+    wait = spread.gate(theirs[0])
+    assert 0.1 - 1e-9 <= wait <= 0.2 + 1e-9
+    assert spread.gate(theirs[0]) > 0
+    time.sleep(wait + 0.01)
+    assert spread.gate(theirs[0]) == 0
+    # Granted tries count as leaderships until they are over: with the 4
+    # pending and one won lazily, r0 is at its cap of 5, and even its own targets wait.
+    next(u for u in units if u.name == theirs[0]).leading = True
+    spread.tried(theirs[0])
+    assert 0 < spread.gate(mine[0]) <= 0.05
+    spread.tried(mine[1])  # over: no longer pending (counted by is_leader if it won)
+    assert spread.gate(mine[0]) == 0
+    next(u for u in units if u.name == mine[1]).leading = True
+    # At the cap, another replica's target waits about a lease (a safety net only).
+    assert spread.gate(theirs[3]) >= 3.0 - 1e-9  # (now + 3.0) - now, in floating point
+    # r1 and r2 gone: every target is r0's now, its waiting followers are woken, and they try
+    # at once while below the cap (13).
+    found[0] = ["r0"]
+    spread._read_at = float("-inf")
     assert spread.cap == 5
-    # At or above the cap, a follower tries only lazily (after 0.5-1.5 retry intervals)...
-    assert not spread.may_try("t9")
-    time.sleep(0.08)
-    assert spread.may_try("t9")
-    # ...and extras are handed over only once the excess has lasted `settle`.
-    assert spread.balance() == 0
+    spread.refresh()  # the daemon's main loop does it (never the gate: no I/O on an elector thread)
+    assert spread.gate(theirs[2]) == 0 and spread.cap == 13
+    assert {u.name for u in units if u.woken} == set(theirs) - {theirs[0]}  # theirs[0] leads
+
+
+def test_a_joining_replica_waits_before_its_first_try():
+    units = [FakeUnit("a"), FakeUnit("b")]
+    spread, _ = make_spread(units, ["r0"], join=0.2)
+    assert 0.1 < spread.gate("a") <= 0.2
+    time.sleep(0.21)
+    assert spread.gate("a") == 0
+
+
+def test_hand_over_above_the_cap_after_settle_others_targets_first():
+    units = [FakeUnit(f"t{i:02d}", leading=i < 7) for i in range(12)]
+    spread, _ = make_spread(units, ["r0", "r1", "r2"])
+    assert spread.cap == 5
+    others = {u.name for u in units[:7] if not spread.owns(u.name)}
+    assert spread.balance() == 0  # the excess has not lasted `settle` yet
     time.sleep(0.35)
     assert spread.balance() == 2
-    assert sum(u.leading for u in units) == 5
-    assert all(h[1] == pytest.approx(0.6) for u in units for h in u.handed)
-    # Below the cap, a follower tries at once; granted tries count until elected (no stampede).
-    for unit in [u for u in units if u.leading][:2]:
-        unit.leading = False
-    assert spread.leading() == 3
-    assert spread.may_try("t10") and spread.may_try("t11")
-    assert not spread.may_try("t8")  # 3 led + 2 pending = the cap
-    spread.elected("t10")
-    units[10].leading = True
-    assert not spread.may_try("t8")
+    handed = [u for u in units if u.handed]
+    assert len(handed) == 2 and sum(u.leading for u in units) == 5
+    assert {u.name for u in handed} <= others or len(others) < 2
+    assert all(h[1] == pytest.approx(4 * 0.05) for u in handed for h in u.handed)
+    assert spread.balance() == 0
 
 
 # -- real daemons ---------------------------------------------------------------------------------
@@ -214,6 +252,10 @@ def test_three_replicas_spread_twelve_targets_and_recover_after_sigkill(pg_dsn, 
     try:
         per = stable(lambda: spread_ok(pg_dsn, schemas, names), 3, 60, "every target led, <= 5 per replica")
         assert sum(per.values()) == 12 and max(per.values()) <= 5, per
+        # Lock sessions are shared, 5 targets to one (SPEC 7.9: share what can be shared): 12
+        # targets cost each replica 3 lock sessions, not 12, so the 12 leaderships sit on at most 9.
+        backends = lock_backends(pg_dsn, schemas)
+        assert all(len(backends[n]) <= 3 for n in per) and sum(map(len, backends.values())) <= 9, backends
         victim = next(p for p in procs if per[p.instance_id] > 0)
         survivors = [n for n in names if n != victim.instance_id]
         t0 = time.monotonic()
@@ -229,6 +271,14 @@ def test_three_replicas_spread_twelve_targets_and_recover_after_sigkill(pg_dsn, 
     finally:
         for p in procs:
             p.stop()
+
+
+def lock_backends(dsn: str, schemas: list[str]) -> dict[str, set[int]]:
+    """instance_id -> the backend pids holding its leader locks of ``schemas``."""
+    out: dict[str, set[int]] = {}
+    for instance, pid in target_locks(dsn, schemas).values():
+        out.setdefault(instance, set()).add(pid)
+    return out
 
 
 # -- in-process daemons with several targets --------------------------------------------------------
@@ -339,6 +389,60 @@ def test_a_target_whose_database_is_down_does_not_stop_the_others(pg_dsn, make_s
                  == "available", 10, what="a new job promoted")
     finally:
         daemon.stop()
+
+
+def test_lock_sessions_are_shared_by_groups_of_targets_per_database(pg_dsn):
+    """41 targets on one database: 9 lock sessions (8 x 5 + 1); a target on another database
+    has its own."""
+    from psycopg.conninfo import make_conninfo
+
+    from maintd.lockconn import LOCK_GROUP
+
+    assert LOCK_GROUP == 5
+    other = make_conninfo(pg_dsn, dbname="elsewhere")
+    daemon = Daemon(multi_settings(pg_dsn, [{"schema": f"s{i}"} for i in range(41)] + [
+        {"schema": "far", "database_url": other}]))
+    per_session = Counter(id(u.elector.session.shared) for u in daemon.units)
+    sizes = sorted([per_session[id(conn)] for conn in group] for group in daemon.lock_conns.values())
+    assert sizes == [[1], [5] * 8 + [1]], sizes
+    by_unit = {u.settings.schema: u.elector.session.shared for u in daemon.units}
+    assert by_unit["s0"] is by_unit["s4"] and by_unit["s4"] is not by_unit["s5"]
+    assert by_unit["far"] is not by_unit["s40"]
+
+
+def test_targets_share_one_lock_session_and_one_target_s_new_term_does_not_stall_the_other(
+        pg_dsn, make_schemas):
+    """Both targets' locks on one session (one per database). Target a gives up its term and, to
+    take a new one, waits for a row lock like an old leader's in-flight fenced transaction, two
+    leases long (the bump waits in 0.1 s slices); meanwhile b keeps its term on the same session,
+    and a's give-up released only a's lock."""
+    a, b = make_schemas(2)
+    daemon = Daemon(multi_settings(pg_dsn, [{"schema": a}, {"schema": b}]))
+    daemon.start()
+    unit = {u.settings.schema: u for u in daemon.units}
+    try:
+        wait_for(lambda: unit[a].is_leader and unit[b].is_leader, 15, what="both targets led")
+        assert [len(group) for group in daemon.lock_conns.values()] == [1]
+        backends = lock_backends(pg_dsn, [a, b])
+        assert list(backends) == ["multi-1"] and len(backends["multi-1"]) == 1, backends
+        term_a, term_b = unit[a].elector.term, unit[b].elector.term
+        assert term_a.lock_pid == term_b.lock_pid
+        with psycopg.connect(pg_dsn) as blocker:  # a fenced write of a's old term, in flight
+            blocker.execute(f'SELECT 1 FROM "{a}".leader FOR KEY SHARE')
+            unit[a].elector.request_demotion("test: give a up", term_a.epoch)
+            wait_for(lambda: not unit[a].is_leader and lock_holders(pg_dsn, a) != [], 5,
+                     what="a's lock taken again, its epoch bump waiting")
+            time.sleep(2 * 3.0)  # two leases: b renews every second meanwhile
+            assert not unit[a].is_leader
+            assert unit[b].elector.term is not None and unit[b].elector.term.epoch == term_b.epoch
+            assert lock_holders(pg_dsn, b) == ["maintd:multi-1"]
+        wait_for(lambda: unit[a].is_leader, 5, what="a's new term once the row lock is gone")
+        assert unit[a].elector.term.epoch == term_a.epoch + 1
+        assert unit[b].elector.term.epoch == term_b.epoch
+        assert unit[a].elector.term.lock_pid == term_b.lock_pid  # the same session throughout
+    finally:
+        daemon.stop()
+    assert lock_holders(pg_dsn, a) == [] and lock_holders(pg_dsn, b) == []
 
 
 def test_migrate_and_status_cover_every_target(pg_dsn, tmp_path, capsys):

@@ -32,5 +32,5 @@ SELECT instance_id, host, pid, version, started_at,
 # Replicas alive now (SPEC 7.9's R): those with a lock session connected to this database (a
 # SIGKILLed replica's sessions end at once, a frozen one's within the lease by idle_session_timeout).
 LIVE_REPLICAS = """
-SELECT count(*) FROM {schema}.daemons d WHERE """ + LIVE_SESSION + """
+SELECT instance_id FROM {schema}.daemons d WHERE """ + LIVE_SESSION + """ ORDER BY instance_id
 """

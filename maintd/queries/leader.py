@@ -3,6 +3,12 @@
 
 TRY_LOCK = "SELECT pg_try_advisory_lock(:classid, :objid)"
 UNLOCK = "SELECT pg_advisory_unlock(:classid, :objid)"
+# A target giving its lock up on the shared lock session: unlock only when held (an unlock of a
+# lock not held draws a WARNING in the server's log); true when one level was unlocked.
+UNLOCK_HELD = """
+SELECT CASE WHEN EXISTS ({advisory_lock} AND pid = pg_backend_pid())
+            THEN pg_advisory_unlock(:classid, :objid) ELSE false END
+"""
 
 # Does this very backend hold the lock, and is it still the session we set up (:marker)?
 HOLDS_LOCK = """
@@ -28,12 +34,16 @@ ON CONFLICT (name) DO UPDATE
 RETURNING epoch
 """
 
-# The lease's proof, every renew_interval: the term is still ours (and the server a primary: a
-# standby cannot take a maintenance write). Read-only, so an idle leader writes no WAL;
-# ``renewed_at`` is written when a term starts, liveness is the lock itself (``holds_lock``).
+# The lease's proof, every renew_interval, in one round trip: this backend still holds the lock
+# (HOLDS_LOCK's columns), and the term is still ours on a primary (a standby cannot take a
+# maintenance write). Read-only, so an idle leader writes no WAL; ``renewed_at`` is written when
+# a term starts, liveness is the lock itself.
 RENEW = """
-SELECT epoch FROM {schema}.leader
- WHERE name = 'leader' AND epoch = :epoch AND instance_id = :instance AND NOT pg_is_in_recovery()
+SELECT EXISTS ({advisory_lock} AND pid = pg_backend_pid()) AS held,
+       current_setting('maintd.session', true) = :marker AS ours,
+       EXISTS (SELECT 1 FROM {schema}.leader
+                WHERE name = 'leader' AND epoch = :epoch AND instance_id = :instance
+                  AND NOT pg_is_in_recovery()) AS term
 """
 
 RELEASE = """

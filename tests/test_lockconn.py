@@ -1,0 +1,95 @@
+"""The shared lock session: its turn-taking (maintd.lockconn.FairLock: arrival order, reentrancy,
+how long the holder has held it, so the watchdog severs a session whose statement hangs, not one
+whose queue is long), and giving one target's lock up on it (PostgreSQL's advisory-lock rules)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from maintd.lockconn import FairLock
+
+from .procs import wait_for
+
+
+def test_turns_are_granted_in_arrival_order():
+    lock = FairLock()
+    order: list[int] = []
+    lock.acquire()
+    threads = []
+    for i in range(8):
+        t = threading.Thread(target=lambda i=i: (lock.acquire(), order.append(i), lock.release()))
+        t.start()
+        threads.append(t)
+        wait_for(lambda i=i: len(lock._queue) == i + 1, 5, 0.001, what=f"waiter {i} queued")
+    lock.release()
+    for t in threads:
+        t.join(5)
+    assert order == list(range(8))
+    assert lock.acquire(blocking=False)  # free again
+    lock.release()
+
+
+def test_reentrant_and_non_blocking_try():
+    lock = FairLock()
+    with lock:
+        with lock:  # the same thread again (a view's close() runs statements inside the lock)
+            pass
+        other: list[bool] = []
+        t = threading.Thread(target=lambda: other.append(lock.acquire(blocking=False)))
+        t.start()
+        t.join(5)
+        assert other == [False]  # still held by us after the inner release
+    t = threading.Thread(target=lambda: other.append(lock.acquire(blocking=False)) or lock.release())
+    t.start()
+    t.join(5)
+    assert other == [False, True]
+
+
+def test_held_for_counts_from_each_owner_s_turn():
+    lock = FairLock()
+    assert lock.held_for() == 0.0
+    lock.acquire()
+    time.sleep(0.3)
+    waiter = threading.Thread(target=lambda: (lock.acquire(), time.sleep(0.2), lock.release()))
+    waiter.start()
+    wait_for(lambda: len(lock._queue) == 1, 5, 0.001, what="the waiter queued")
+    assert lock.held_for() >= 0.3
+    lock.release()
+    wait_for(lambda: not lock._queue, 5, 0.001, what="the waiter's turn")
+    assert lock.held_for() < 0.2  # the new owner's time, not the queue's
+    waiter.join(5)
+    assert lock.held_for() == 0.0
+
+
+# -- giving one target's lock up on a shared session, as PostgreSQL documents advisory locks ------
+# https://www.postgresql.org/docs/current/functions-admin.html#FUNCTIONS-ADVISORY-LOCKS:
+# "If a session already holds a given advisory lock, additional requests by it will always
+# succeed ... the lock must be released as many times as it was acquired"; pg_advisory_unlock of a
+# lock not held "returns false, and in addition, an SQL warning will be reported by the server".
+
+
+def test_unlock_held_releases_each_level_and_never_draws_the_warning(pg_dsn):
+    import psycopg
+
+    from maintd.db import advisory_key
+    from maintd.queries import leader as q
+    from maintd.queries import psycopg_sql
+
+    classid, objid = advisory_key("lockconn_doc_case")
+    key = {"classid": classid, "objid": objid}
+    notices: list[str] = []
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.add_notice_handler(lambda diag: notices.append(f"{diag.severity}: {diag.message_primary}"))
+        # The documented behaviour first, on the real server.
+        assert conn.execute(psycopg_sql(q.UNLOCK), key).fetchone()[0] is False
+        assert notices == ["WARNING: you don't own a lock of type ExclusiveLock"], notices
+        notices.clear()
+        # Taken twice (stacked), UNLOCK_HELD releases one level per call, then says false quietly.
+        for _ in range(2):
+            assert conn.execute(psycopg_sql(q.TRY_LOCK), key).fetchone()[0] is True
+        got = [conn.execute(psycopg_sql(q.UNLOCK_HELD), key).fetchone()[0] for _ in range(3)]
+        assert got == [True, True, False]
+        assert notices == []
+        with psycopg.connect(pg_dsn, autocommit=True) as other:  # really free now
+            assert other.execute(psycopg_sql(q.TRY_LOCK), key).fetchone()[0] is True
