@@ -34,8 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sqlalchemy import Engine, event, text  # noqa: E402
 
 from bench.core import (SCHEMA, SEED_RESCUER, UNBATCHED_RESCUE, Run, Table, TimedContext,  # noqa: E402
-                        medians, run_pass, seed, timed)
-from maintd import migrate  # noqa: E402
+                        bench_database, run_pass, seed, timed)
 from maintd.clock import ServerClock  # noqa: E402
 from maintd.config import Settings  # noqa: E402
 from maintd.db import make_engine  # noqa: E402
@@ -312,19 +311,8 @@ def main() -> int:
     ap.add_argument("--only", choices=["batch", "load"], action="append")
     ap.add_argument("--batch", type=int, action="append", help="also measure the rescuer with this batch_size")
     args = ap.parse_args()
-    url = os.environ.get("MAINTD_BENCH_DATABASE_URL")
-    pg = None
-    if not url:
-        from maintd.embedded import EmbeddedPostgres
-
-        pg = EmbeddedPostgres(settings={"shared_buffers": "512MB", "max_wal_size": "4GB", "fsync": "on",
-                                        "synchronous_commit": "on", "full_page_writes": "on"}).start()
-        url = pg.dsn
-    try:
-        engine = make_engine(url, application_name="maintd-bench", pool_size=4)
+    with bench_database(pool_size=4) as (url, engine):
         with engine.connect() as conn:
-            migrate.upgrade(conn, SCHEMA)
-            conn.commit()
             version = conn.execute(text("SHOW server_version")).scalar()
         print(f"PostgreSQL {version}, {os.cpu_count()} CPUs\n")
         only = args.only or ["batch", "load"]
@@ -332,10 +320,6 @@ def main() -> int:
             bench_batch(engine, url, Table(), args.rows, args.repeat, args.batch or [])
         if "load" in only:
             bench_load(engine, url, args.running, args.seconds)
-        engine.dispose()
-    finally:
-        if pg is not None:
-            pg.cleanup()
     return 0
 
 

@@ -15,8 +15,8 @@ service intervals:
   * ``--separate`` single-target processes (one replica each, each leading its own target), CPU,
     RSS and connections each, extrapolated to T targets x R replicas (the deployment the issue
     describes: one maintd deployment per schema).
-The "floor" column is the physical minimum of the design: one lock session per target and
-replica (advisory locks are per session), one process per replica.
+The "floor" column is the physical minimum: one process per replica, and one session per replica
+(a session can hold the advisory locks of every target on its database).
 """
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from maintd import migrate  # noqa: E402
-from maintd.db import advisory_key, make_engine  # noqa: E402
+from maintd.db import make_engine  # noqa: E402
 from maintd.embedded import EmbeddedPostgres  # noqa: E402
-from tests.procs import DaemonProc  # noqa: E402
+from tests.procs import DaemonProc, spread_ok  # noqa: E402
+from tests.procs import target_leaders as leaders  # noqa: E402
 
 from bench.failover import proc_stats  # noqa: E402
 
@@ -62,18 +63,6 @@ def migrate_all(dsn: str, schemas: list[str]) -> float:
     return time.monotonic() - t0
 
 
-def leaders(dsn: str, schemas: list[str]) -> dict[str, str]:
-    """schema -> instance holding its leader lock."""
-    by_key = {advisory_key(s)[1] & 0xFFFFFFFF: s for s in schemas}
-    classid = advisory_key(schemas[0])[0] & 0xFFFFFFFF
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        rows = conn.execute(
-            "SELECT l.objid::bigint, a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
-            "WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 AND l.classid::bigint = %s",
-            (classid,)).fetchall()
-    return {by_key[o]: app.removeprefix("maintd:") for o, app in rows if o in by_key}
-
-
 def connections(dsn: str) -> Counter:
     """Sessions per application_name."""
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -87,22 +76,22 @@ def per_replica_connections(dsn: str, names: list[str]) -> dict[str, tuple[int, 
     return {n: (c.get(f"maintd:{n}", 0), c.get(f"maintd:{n}:work", 0)) for n in names}
 
 
-def spread_ok(dsn: str, schemas: list[str], replicas: list[str]) -> Counter | None:
+def spread_line(dsn: str, schemas: list[str]) -> str:
     led = leaders(dsn, schemas)
-    per = Counter(led.values())
-    limit = math.ceil(len(schemas) / len(replicas)) + 1
-    if len(led) == len(schemas) and set(per) <= set(replicas) and max(per.values()) <= limit:
-        return per
-    return None
+    return f"led {len(led)}/{len(schemas)}: " + ", ".join(f"{n} {c}" for n, c in sorted(Counter(led.values()).items()))
 
 
-def wait_stable(check, timeout: float) -> tuple[float, object]:
-    """(seconds until ``check()`` first held for good, its value), good = held for STABLE s."""
+def wait_stable(check, timeout: float, progress=None) -> tuple[float, object]:
+    """(seconds until ``check()`` first held for good, its value), good = held for STABLE s;
+    ``progress()`` returns a line printed (to stderr) every 5 s meanwhile."""
     t0 = time.monotonic()
-    since, value = None, None
+    since, value, shown = None, None, t0
     while time.monotonic() - t0 < timeout:
         value = check()
         now = time.monotonic()
+        if progress is not None and now - shown >= 5:
+            shown = now
+            print(f"  {now - t0:5.0f}s {progress()}", file=sys.stderr, flush=True)
         since = (since or now) if value else None
         if since is not None and now - since >= STABLE:
             return since - t0, value
@@ -148,7 +137,8 @@ def run_multi(dsn: str, schemas: list[str], args: argparse.Namespace, workdir: s
     names = [f"r{i}" for i in range(args.replicas)]
     procs = start_replicas(dsn, schemas, names, workdir)
     try:
-        out["spread_s"], per = wait_stable(lambda: spread_ok(dsn, schemas, names), 300)
+        out["spread_s"], per = wait_stable(lambda: spread_ok(dsn, schemas, names), 300,
+                                           lambda: spread_line(dsn, schemas))
         out["per_replica"] = [per.get(n, 0) for n in names]
         out["idle"] = cpu_rss(procs, args.window)
         out["conns_idle"] = per_replica_connections(dsn, names)
@@ -181,7 +171,8 @@ def run_multi(dsn: str, schemas: list[str], args: argparse.Namespace, workdir: s
         # A replacement joins; once the spread is stable again, SIGSTOP the busiest replica.
         procs += start_replicas(dsn, schemas, [f"r{args.replicas}"], workdir)
         names = alive + [f"r{args.replicas}"]
-        out["rejoin_s"], per = wait_stable(lambda: spread_ok(dsn, schemas, names), 300)
+        out["rejoin_s"], per = wait_stable(lambda: spread_ok(dsn, schemas, names), 300,
+                                           lambda: spread_line(dsn, schemas))
         frozen = next(p for p in procs if p.instance_id == max(names, key=lambda n: per.get(n, 0)))
         frozen.kill(signal.SIGSTOP)
         out["stop_s"] = wait_all_led(dsn, schemas, [n for n in names if n != frozen.instance_id], 120)
@@ -260,7 +251,7 @@ def report(args: argparse.Namespace, m: dict, s: dict) -> None:
     total_multi = {"cpu": sum(idle_cpu), "rss": sum(r for _, r in m["idle"]),
                    "conns": sum(locks) + sum(v[1] for v in m["conns_idle"].values())}
     total_sep = {"cpu": sep_cpu * T * R, "rss": sep_rss * T * R, "conns": sep_conn * T * R}
-    floor_conns = T * R
+    floor_conns = R
     print(f"\nidle, all replicas of all {T} targets{'':<8}{'multi':>12}{'separate':>12}{'saved':>8}{'floor':>10}")
     print(f"{'processes':<43}{R:>12}{T * R:>12}{T * R / R:>7.0f}x{R:>10}")
     print(f"{'CPU (% of a core)':<43}{total_multi['cpu']:>12.1f}{total_sep['cpu']:>12.1f}"
@@ -271,7 +262,7 @@ def report(args: argparse.Namespace, m: dict, s: dict) -> None:
           f"{total_sep['conns'] / total_multi['conns']:>7.1f}x{floor_conns:>10}")
     print(f"(separate: {args.separate} single-target processes measured, one replica each: CPU "
           f"{sep_cpu:.2f} %, RSS {sep_rss:.1f} MiB, {sep_conn:.0f} connections each; times {T * R})")
-    print(f"connections / floor (one lock session per target and replica): multi "
+    print(f"connections / floor (one session per replica): multi "
           f"{total_multi['conns'] / floor_conns:.2f}x, separate {total_sep['conns'] / floor_conns:.2f}x")
 
 
