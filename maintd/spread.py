@@ -101,7 +101,7 @@ class Spread:
         self.owner: dict[str, str] = assign([u.name for u in self.units], self.live)
         self._read_at = float("-inf")
         self._pending: dict[str, float] = {}
-        self._lazy_due: dict[str, float] = {}
+        self._lazy_due: dict[str, tuple[float, bool]] = {}  # name: (when, set below the cap)
         self._over_since: float | None = None
         self._handed_at = float("-inf")
         self._join_until = time.monotonic() + join
@@ -135,7 +135,14 @@ class Spread:
                 self._pending[name] = now
                 self._lazy_due.pop(name, None)
                 return 0.0
-            due = self._lazy_due.setdefault(name, now + self._lazy_interval(room))
+            due, below = self._lazy_due.get(name) or (None, room)
+            if due is None or (below and not room and now >= due):
+                # (Re)set. A lazy try due below the cap waits the at-cap interval from now if the
+                # cap was reached meanwhile (another lazy try of the same round was granted):
+                # the targets of a dead replica fall due together, and would all be tried past
+                # the cap at once, to be handed over a ``settle`` later.
+                due = now + self._lazy_interval(room)
+                self._lazy_due[name] = (due, room)
             if now < due:
                 return min(due - now, self.retry) if self.owns(name) else due - now
             del self._lazy_due[name]

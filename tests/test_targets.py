@@ -217,6 +217,28 @@ def test_gate_tries_own_targets_at_once_and_the_others_lazily():
     assert {u.name for u in units if u.woken} == set(theirs) - {theirs[0]}  # theirs[0] leads
 
 
+def test_lazy_tries_falling_due_together_stop_at_the_cap():
+    """A replica one below its cap, whose lazy tries of another replica's targets fall due
+    together (that replica was SIGKILLed: its targets' locks are free), tries one and then waits
+    the at-cap interval for the others, instead of trying them all past the cap, to hand them
+    over a ``settle`` later (CI: a survivor led 8 with a cap of 7 for 3.5 s after a SIGKILL)."""
+    units = [FakeUnit(f"t{i:02d}") for i in range(12)]
+    spread, _ = make_spread(units, ["r0", "r1", "r2"])
+    mine = [u for u in units if spread.owns(u.name)]
+    theirs = [u.name for u in units if not spread.owns(u.name)]
+    for u in mine:
+        u.leading = True
+    waits = [spread.gate(n) for n in theirs[:3]]  # lazy tries below the cap (4 of 5)
+    assert all(0 < w <= 0.2 + 1e-9 for w in waits), waits
+    time.sleep(max(waits) + 0.01)
+    assert spread.gate(theirs[0]) == 0  # granted: 4 leading + 1 pending = the cap
+    later = [spread.gate(n) for n in theirs[1:3]]
+    assert all(w >= 3 * spread.lazy_max - 1e-9 for w in later), later  # at the cap: a lease or so
+    next(u for u in units if u.name == theirs[0]).leading = True
+    spread.tried(theirs[0])
+    assert all(spread.gate(n) > 2.5 for n in theirs[1:3])  # still at the cap: no try
+
+
 def test_a_joining_replica_waits_before_its_first_try():
     units = [FakeUnit("a"), FakeUnit("b")]
     spread, _ = make_spread(units, ["r0"], join=0.2)
