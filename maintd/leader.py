@@ -123,6 +123,7 @@ class LockSession:
         self.classid, self.objid = advisory_key(settings.schema)
         self._generation: int | None = None  # of the shared connection while attached
         self._handover = threading.Event()  # a hand-over NOTIFY arrived
+        self._bell = threading.Event()  # wakes wait_for_handover (a NOTIFY, or ring())
         # Called (from the thread that read it) with each NOTIFY on the periodic_jobs channel.
         self.on_notify: Callable[[str], None] = lambda channel: None
 
@@ -140,8 +141,16 @@ class LockSession:
 
     def _channels(self) -> dict[str, Callable[[], None]]:
         periodic = periodic_channel(self.schema)
-        return {handover_channel(self.schema): self._handover.set,
+        return {handover_channel(self.schema): self._handed_over,
                 periodic: lambda: self.on_notify(periodic)}
+
+    def _handed_over(self) -> None:
+        self._handover.set()
+        self._bell.set()
+
+    def ring(self) -> None:
+        """Make a :meth:`wait_for_handover` in progress look at its ``stop`` and ``wake`` now."""
+        self._bell.set()
 
     def _key(self, **extra: object) -> dict:
         return {"classid": self.classid, "objid": self.objid, **extra}
@@ -227,7 +236,8 @@ class LockSession:
     def wait_for_handover(self, seconds: float, stop: threading.Event,
                           wake: threading.Event | None = None, handover: bool = True) -> None:
         """Sleep up to ``seconds``, waking early on a hand-over NOTIFY (unless not ``handover``:
-        a leader ignores them), or (within half a second) on stop or when ``wake`` is set.
+        a leader ignores them), or on stop or when ``wake`` is set (at once after :meth:`ring`,
+        else within half a second).
         Notifications on the ``periodic_jobs`` channel go to :attr:`on_notify` meanwhile."""
         deadline = time.monotonic() + seconds
         if not handover:
@@ -239,7 +249,8 @@ class LockSession:
             left = deadline - time.monotonic()
             if left <= 0 or not self.open:
                 return
-            (self._handover if handover else wake or stop).wait(min(left, 0.5))
+            self._bell.wait(min(left, 0.5))
+            self._bell.clear()  # the loop looks at what rang it
 
     def sever(self) -> None:
         """From another thread: make a call blocked on a silent server fail now (every target
@@ -354,11 +365,13 @@ class LeaderElector:
         self._hold_off_until = time.monotonic() + hold_off
         self._demote_requested = (reason, epoch, graceful)
         self._wake.set()  # a leader waiting to renew acts on it now
+        self.session.ring()
 
     def wake(self) -> None:
-        """A follower waiting for its gate asks it again (within half a second): the spread made
-        this replica the target's owner."""
+        """A follower waiting for its gate asks it again now: the spread made this replica the
+        target's owner."""
         self._wake.set()
+        self.session.ring()
 
     def update_settings(self, settings: Settings) -> None:
         self.settings = settings
@@ -367,6 +380,7 @@ class LeaderElector:
     def stop(self, timeout: float = 5.0) -> None:
         """Graceful: release the lock, tell followers, close the session (done by the thread)."""
         self._stop.set()
+        self.session.ring()
         if self._thread is not None:
             self._thread.join(timeout)
         elif self.session.open:

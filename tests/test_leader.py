@@ -282,3 +282,26 @@ def test_graceful_hand_over_unlocks_notifies_and_keeps_the_session(pg_dsn, setti
         wait_for(lambda: elector.is_leader, 5, what="leading again after the hold-off")
         assert time.monotonic() - t0 >= 1.4
         assert elector.term.epoch == term.epoch + 1 and elector.session.conn.info.backend_pid == pid
+
+
+def test_a_woken_follower_asks_its_gate_again_at_once(settings, schema):
+    """The spread wakes a waiting follower when it becomes the target's owner (a replica died):
+    the follower asks its gate again at once, not at its next half-second look. Each wake comes
+    0.05 s after the follower went back to waiting, so a half-second poll would answer it 0.45 s
+    late; a bound of 0.25 s leaves 0.25 s for a noisy machine."""
+    s = with_leader(settings)
+    asked: list[float] = []
+    elector = Recorder().elector(s)
+    elector.gate = lambda: asked.append(time.monotonic()) or 60.0
+    elector.start()
+    try:
+        wait_for(lambda: asked, 10, what="the first look at the gate")
+        for _ in range(5):
+            time.sleep(0.05)
+            n, t0 = len(asked), time.monotonic()
+            elector.wake()
+            wait_for(lambda: len(asked) > n, 2, 0.005, what="the gate asked again")
+            assert asked[n] - t0 < 0.25, f"asked again {asked[n] - t0:.3f}s after the wake"
+        assert not elector.is_leader
+    finally:
+        elector.stop()
