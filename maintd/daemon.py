@@ -15,6 +15,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from sqlalchemy import Engine
@@ -122,8 +123,8 @@ class Daemon:
                              live_replicas=self._live_replicas)
         if self.multi:
             for unit in self.units:
-                unit.elector.gate = (lambda name: lambda: self.spread.gate(name))(unit.name)
-                unit.elector.tried = (lambda name: lambda: self.spread.tried(name))(unit.name)
+                unit.elector.gate = partial(self.spread.gate, unit.name)
+                unit.elector.tried = partial(self.spread.tried, unit.name)
         self.http: HttpServer | None = None
         self.notifier = SystemdNotifier()
         self._stopping = threading.Event()

@@ -234,10 +234,10 @@ class LockSession:
         self.run(q.HANDOVER_NOTIFY, {"channel": handover_channel(self.schema), "instance": term.instance_id})
 
     def wait_for_handover(self, seconds: float, stop: threading.Event,
-                          wake: threading.Event | None = None, handover: bool = True) -> None:
+                          wake: threading.Event | None = None, handover: bool = True) -> bool:
         """Sleep up to ``seconds``, waking early on a hand-over NOTIFY (unless not ``handover``:
         a leader ignores them), or on stop or when ``wake`` is set (at once after :meth:`ring`,
-        else within half a second).
+        else within half a second); True when a hand-over NOTIFY ended it.
         Notifications on the ``periodic_jobs`` channel go to :attr:`on_notify` meanwhile."""
         deadline = time.monotonic() + seconds
         if not handover:
@@ -245,12 +245,13 @@ class LockSession:
         while not stop.is_set() and not (wake is not None and wake.is_set()):
             if handover and self._handover.is_set():
                 self._handover.clear()
-                return
+                return True
             left = deadline - time.monotonic()
             if left <= 0 or not self.open:
-                return
+                return False
             self._bell.wait(min(left, 0.5))
             self._bell.clear()  # the loop looks at what rang it
+        return False
 
     def sever(self) -> None:
         """From another thread: make a call blocked on a silent server fail now (every target
@@ -324,10 +325,13 @@ class LeaderElector:
         self._demote_requested: tuple[str, int | None] | None = None
         self._hold_off_until = 0.0
         # Consulted before each try for the lock (several targets: the spread's gate, see
-        # maintd.spread): 0 tries now, else the round waits that many seconds (or a hand-over).
-        self.gate: Callable[[], float] = lambda: 0.0
+        # maintd.spread), told whether a hand-over NOTIFY arrived since it was last asked: 0 tries
+        # now, else the round waits that many seconds (or a hand-over).
+        self.gate: Callable[[bool], float] = lambda notified: 0.0
+        self._notified = False  # a hand-over NOTIFY ended the last wait
         self._wake = threading.Event()  # ask the gate again now (see wake())
-        self.tried: Callable[[], None] = lambda: None  # after each try the gate let through
+        # After each try the gate let through, with whether it won.
+        self.tried: Callable[[bool], None] = lambda won: None
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
 
@@ -466,17 +470,19 @@ class LeaderElector:
         retry = self.settings.leader.retry_interval.total_seconds()
         pause = self._hold_off_until - time.monotonic()  # stepped down for a reason: others first
         if pause <= 0:
-            pause = self.gate()
+            pause, self._notified = self.gate(self._notified), False
         if pause > 0:
             self._wake.clear()
-            self.session.wait_for_handover(min(pause, self.session.keep_alive()), self._stop, self._wake)
+            self._notified |= self.session.wait_for_handover(min(pause, self.session.keep_alive()),
+                                                             self._stop, self._wake)
             return
+        won = False
         try:
             won = self._try_for_term()
         finally:
-            self.tried()
+            self.tried(won)
         if not won and wait:
-            self.session.wait_for_handover(retry, self._stop)
+            self._notified |= self.session.wait_for_handover(retry, self._stop)
 
     def _try_for_term(self) -> bool:
         """Try the lock; on a win, start a term (and the services). False when the lock is taken."""

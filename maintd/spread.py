@@ -7,8 +7,10 @@ With T targets and R live replicas, a replica's *cap* is ceil(T/R) + 1 leadershi
   bounded loads, so no replica is given more than ceil(T/R) targets, and a replica that comes or
   goes moves few targets besides its own.
 * **The gate** (:meth:`Spread.gate`, asked by each target's follower before it tries the lock):
-  a replica tries its *own* targets at once (every ``retry_interval``, and on a hand-over NOTIFY)
-  while below its cap; it tries the others only lazily, every 2-4 retry intervals (no more than
+  a replica tries its *own* targets at once while below its cap; after a try lost to another
+  replica it backs off (1, 2, 4 retry intervals, at most a third of the lease): the holder is
+  alive, and a try a second would only queue on the lock session. A hand-over NOTIFY and a change
+  of the live replicas (the holder died) end the back-off at once; it tries the others only lazily, every 2-4 retry intervals (no more than
   a third of the lease apart), so that a target whose owner cannot take it (its database
   unreachable from there, a dead replica still counted live) is led anyway. At its cap it tries
   only every lease or so (a safety net; the excess is handed over).
@@ -102,6 +104,7 @@ class Spread:
         self._read_at = float("-inf")
         self._pending: dict[str, float] = {}
         self._lazy_due: dict[str, tuple[float, bool]] = {}  # name: (when, set below the cap)
+        self._lost: dict[str, tuple[int, float]] = {}  # own targets: (tries lost in a row, next try)
         self._over_since: float | None = None
         self._handed_at = float("-inf")
         self._join_until = time.monotonic() + join
@@ -121,17 +124,22 @@ class Spread:
     def owns(self, name: str) -> bool:
         return self.owner.get(name, self.me) == self.me
 
-    def gate(self, name: str) -> float:
+    def gate(self, name: str, notified: bool = False) -> float:
         """0: target ``name``'s follower tries the lock now; else the seconds to wait before
-        asking again (a hand-over NOTIFY asks again at once). No database I/O: it runs on the
-        target's elector thread, whose lock session must keep its rhythm."""
+        asking again (a hand-over NOTIFY asks again at once, ``notified``). No database I/O: it
+        runs on the target's elector thread, whose lock session must keep its rhythm."""
         with self._lock:
             now = time.monotonic()
             if now < self._join_until:
                 return self._join_until - now
+            if notified:
+                self._lost.pop(name, None)
             pending = sum(1 for at in self._pending.values() if now - at < PENDING)
             room = self.leading() + pending < self.cap
             if room and self.owns(name):
+                backoff = self._lost.get(name, (0, now))[1] - now
+                if backoff > 0:
+                    return backoff
                 self._pending[name] = now
                 self._lazy_due.pop(name, None)
                 return 0.0
@@ -157,10 +165,16 @@ class Spread:
         seconds = random.uniform(*LAZY) * self.retry
         return min(self.lazy_max, seconds) if room else max(3 * self.lazy_max, seconds)
 
-    def tried(self, name: str) -> None:
-        """Target ``name``'s try is over (won: it counts by ``is_leader`` from now on, or lost)."""
+    def tried(self, name: str, won: bool = False) -> None:
+        """Target ``name``'s try is over (won: it counts by ``is_leader`` from now on, or lost:
+        an own target's next try backs off)."""
         with self._lock:
             self._pending.pop(name, None)
+            if won or not self.owns(name):
+                self._lost.pop(name, None)
+                return
+            lost = self._lost.get(name, (0, 0.0))[0] + 1
+            self._lost[name] = (lost, time.monotonic() + min(self.lazy_max, self.retry * 2 ** (lost - 1)))
 
     def refresh(self) -> None:
         """Read the live replicas (at most every ``REFRESH`` s), from the daemon's main loop."""
@@ -179,10 +193,11 @@ class Spread:
             log.info("live replicas changed", extra=kv(replicas=len(live), was=len(self.live),
                                                        targets=len(self.units), cap=cap(len(self.units), len(live))))
             self.live = live
-            was, self.owner = self.owner, assign([u.name for u in self.units], live)
+            self.owner = assign([u.name for u in self.units], live)
             self._lazy_due.clear()
-        for unit in self.units:  # the targets this replica now owns are tried at once
-            if self.owns(unit.name) and was.get(unit.name) != self.me and not unit.is_leader:
+            self._lost.clear()  # a holder may have died
+        for unit in self.units:  # the targets this replica owns now are tried at once
+            if self.owns(unit.name) and not unit.is_leader:
                 unit.wake()
 
     def balance(self) -> int:

@@ -292,7 +292,7 @@ def test_a_woken_follower_asks_its_gate_again_at_once(settings, schema):
     s = with_leader(settings)
     asked: list[float] = []
     elector = Recorder().elector(s)
-    elector.gate = lambda: asked.append(time.monotonic()) or 60.0
+    elector.gate = lambda notified: asked.append(time.monotonic()) or 60.0
     elector.start()
     try:
         wait_for(lambda: asked, 10, what="the first look at the gate")

@@ -212,9 +212,13 @@ def test_gate_tries_own_targets_at_once_and_the_others_lazily():
     found[0] = ["r0"]
     spread._read_at = float("-inf")
     assert spread.cap == 5
+    for u in units:
+        u.woken = False
     spread.refresh()  # the daemon's main loop does it (never the gate: no I/O on an elector thread)
     assert spread.gate(theirs[2]) == 0 and spread.cap == 13
-    assert {u.name for u in units if u.woken} == set(theirs) - {theirs[0]}  # theirs[0] leads
+    # Every target r0 owns and does not lead is woken, its own from before too (their holder may
+    # be the replica that died); theirs[0] and mine[1] are led already.
+    assert {u.name for u in units if u.woken} == {u.name for u in units} - {theirs[0], mine[1]}
 
 
 def test_lazy_tries_falling_due_together_stop_at_the_cap():
@@ -237,6 +241,38 @@ def test_lazy_tries_falling_due_together_stop_at_the_cap():
     next(u for u in units if u.name == theirs[0]).leading = True
     spread.tried(theirs[0])
     assert all(spread.gate(n) > 2.5 for n in theirs[1:3])  # still at the cap: no try
+
+
+def test_an_own_target_held_elsewhere_is_tried_with_back_off_until_a_hand_over_or_a_death():
+    """An own target another replica leads (it took it lazily and is not above its cap) costs a
+    try on the lock session every retry interval, for as long as the holder lives: lost tries back
+    off (1, 2, 4 retry intervals, at most a third of the lease). A hand-over NOTIFY, a won try and
+    a change of the live replicas end the back-off."""
+    units = [FakeUnit(f"t{i:02d}") for i in range(12)]
+    spread, found = make_spread(units, ["r0", "r1", "r2"], retry_interval=0.05, lease=0.6)
+    mine = [u.name for u in units if spread.owns(u.name)]
+    held = mine[0]
+    waits = []
+    for _ in range(4):
+        assert spread.gate(held) == 0
+        spread.tried(held, won=False)
+        waits.append(spread.gate(held))
+        time.sleep(waits[-1] + 0.005)
+    assert [round(w, 2) for w in waits] == [0.05, 0.1, 0.2, 0.2], waits  # lazy_max = lease / 3
+    assert spread.gate(mine[1]) == 0  # another own target is not held back
+    spread.tried(mine[1], won=False)
+    assert spread.gate(held, notified=True) == 0  # the holder handed it over
+    spread.tried(held, won=False)
+    assert 0 < spread.gate(held) <= 0.05 + 1e-9  # lost again: back to the first step
+    for u in units:
+        u.woken = False
+    found[0] = ["r0", "r2"]  # r1 died
+    spread._read_at = float("-inf")
+    spread.refresh()
+    assert spread.gate(held) == 0 and spread.gate(mine[1]) == 0
+    assert {held, mine[1]} <= {u.name for u in units if u.woken}
+    spread.tried(held, won=True)
+    assert spread.gate(held) == 0  # (a leader's gate is not asked; won: no back-off left)
 
 
 def test_a_joining_replica_waits_before_its_first_try():
