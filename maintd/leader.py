@@ -43,7 +43,7 @@ from .config import Settings
 from .db import HostOrder, advisory_key, bounded_answer, describe_db_error, ms, periodic_channel
 from .identifiers import quote_ident
 from .lockconn import POOLER_HINT, LeaderSessionError, LockConnection, SessionClosed
-from .logs import kv
+from .logs import about_target, kv
 from .queries import leader as q
 from .queries import psycopg_sql, sql
 from .registry import DaemonRegistry
@@ -309,12 +309,13 @@ class LeaderElector:
     def __init__(self, settings: Settings, *, on_elected: Callable[[Term], None],
                  on_demoted: Callable[[str], None], on_health: Callable[[bool], None] | None = None,
                  register: bool = True, keep_trying: bool = True, hosts: HostOrder | None = None,
-                 shared: LockConnection | None = None):
+                 shared: LockConnection | None = None, log_target: str | None = None):
         self.settings = settings
         self.on_elected = on_elected
         self.on_demoted = on_demoted
         self.on_health = on_health or (lambda ok: None)
         self.keep_trying = keep_trying
+        self.log_target = log_target  # named in this thread's lines (several targets)
         self.session = LockSession(settings, hosts, shared)
         self.registry = DaemonRegistry(settings.schema, settings.instance_id, enabled=register)
         self.term: Term | None = None
@@ -424,6 +425,10 @@ class LeaderElector:
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
+        with about_target(self.log_target):
+            self._loop()
+
+    def _loop(self) -> None:
         delay = BACKOFF_START
         while not self._stop.is_set():
             self.last_progress = time.monotonic()

@@ -5,6 +5,7 @@ ends. How a pass runs and is recorded is :mod:`maintd.passes`; the job gauges ar
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -19,7 +20,7 @@ from sqlalchemy import Engine
 
 from .clock import Clock, ServerClock
 from .config import Settings
-from .logs import kv
+from .logs import about_target, kv
 from .metrics import JobGauges, Metrics
 from .passes import Outcome, PassRecord, execute_pass, record_pass, worth_recording
 from .schedules import ScheduleTrigger
@@ -27,6 +28,15 @@ from .services import build_services
 from .services.base import Fence, NotLeader, PassContext, PassStopped, Service
 
 log = logging.getLogger("maintd.runner")
+
+
+def _about_target(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A job of the (shared) timetable logs about its runner's target."""
+    @functools.wraps(method)
+    def job(self: "Runner", *args: Any) -> Any:
+        with about_target(self.log_target):
+            return method(self, *args)
+    return job
 
 GAUGES_JOB = "_job_gauges"
 
@@ -38,9 +48,10 @@ class Runner:
     def __init__(self, settings: Settings, engine: Engine, metrics: Metrics, *,
                  clock: Clock | None = None, on_fenced: Callable[[str, Fence], None] | None = None,
                  build: Callable[[Settings], dict[str, Service]] = build_services,
-                 timetable: BackgroundScheduler | None = None, prefix: str = ""):
+                 timetable: BackgroundScheduler | None = None, prefix: str = "", log_target: str | None = None):
         """``timetable``, ``prefix``: a scheduler shared by the runners of several targets (one
-        thread and one worker pool for the process), this runner's job ids prefixed."""
+        thread and one worker pool for the process), this runner's job ids prefixed;
+        ``log_target``: the target named in the lines its passes log (several targets)."""
         self.settings = settings
         self.engine = engine
         self.metrics = metrics
@@ -53,6 +64,7 @@ class Runner:
         self.timetable = timetable or new_timetable()
         self._own_timetable = timetable is None
         self.prefix = prefix
+        self.log_target = log_target
         self._fence: Fence | None = None
         self._stop_event = threading.Event()
         self._active: dict[str, PassContext] = {}
@@ -167,6 +179,7 @@ class Runner:
         trigger.skew = lambda: self.clock.skew() or timedelta(0)
         return True
 
+    @_about_target
     def _schedule_later(self, name: str) -> None:
         with self._lock:
             if self._fence is not None:
@@ -195,6 +208,7 @@ class Runner:
         except RuntimeError:  # the server's time was never read: run the pass
             return False
 
+    @_about_target
     def _run(self, name: str) -> None:
         with self._lock:
             fence, stop_event = self._fence, self._stop_event
@@ -230,6 +244,7 @@ class Runner:
         except PassStopped:
             pass
 
+    @_about_target
     def _refresh_gauges(self) -> None:
         stop_event = self._stop_event
         self.gauges.refresh(self.engine, self.settings.schema,

@@ -46,10 +46,13 @@ class TargetUnit:
         self.hosts = hosts or HostOrder(settings.database_url.get_secret_value())
         self.metrics = metrics
         self.on_change = on_change
+        several = timetable is not None  # a daemon with several targets: lines name theirs
         self.elector = LeaderElector(settings, on_elected=self._elected, on_demoted=self._demoted,
-                                     on_health=self._health, hosts=self.hosts, shared=lock_conn)
+                                     on_health=self._health, hosts=self.hosts, shared=lock_conn,
+                                     log_target=self.name if several else None)
         self.runner = Runner(settings, engine, metrics, clock=clock, on_fenced=self._fenced,
-                             timetable=timetable, prefix=f"{self.name}:" if timetable is not None else "")
+                             timetable=timetable, prefix=f"{self.name}:" if several else "",
+                             log_target=self.name if several else None)
         self.elector.session.on_notify = lambda channel: self.runner.poke()
         self.started = False
         self.db_ok = False

@@ -1,0 +1,109 @@
+"""Log lines an operator reads: the target each line is about (several targets per daemon), and
+APScheduler's own lines in the daemon's format (a raw line breaks a JSON log pipeline)."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import threading
+
+import pytest
+
+from maintd.logs import about_target, kv, setup_logging
+
+
+@pytest.fixture
+def restore_loggers():
+    saved = {name: (list(logging.getLogger(name).handlers), logging.getLogger(name).level,
+                    logging.getLogger(name).propagate) for name in ("maintd", "apscheduler")}
+    yield
+    for name, (handlers, level, propagate) in saved.items():
+        logger = logging.getLogger(name)
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+def lines(stream: io.StringIO) -> list[str]:
+    return stream.getvalue().splitlines()
+
+
+def test_lines_logged_about_a_target_name_it_first(restore_loggers):
+    out = io.StringIO()
+    setup_logging("info", "text", stream=out)
+    log = logging.getLogger("maintd.rescuer")
+    with about_target("tenant_007"):
+        log.info("released stale running jobs", extra=kv(count=3))
+        with about_target(None):  # a single-target daemon: no field
+            log.info("became leader", extra=kv(epoch=2))
+    log.info("http listening")
+    first, single, plain = lines(out)
+    assert first.endswith(" info    released stale running jobs target=tenant_007 count=3"), first
+    assert single.endswith(" info    became leader epoch=2"), single
+    assert plain.endswith(" info    http listening"), plain
+
+
+def test_the_target_belongs_to_the_thread_that_set_it(restore_loggers):
+    """Each target's election thread and each pass set their own; a pool thread reused by another
+    target's pass must not carry the previous one."""
+    out = io.StringIO()
+    setup_logging("info", "json", stream=out)
+    log = logging.getLogger("maintd.leader")
+    barrier = threading.Barrier(2)
+
+    def elector(name: str) -> None:
+        with about_target(name):
+            barrier.wait()
+            log.info("became leader", extra=kv(epoch=1))
+            barrier.wait()
+
+    threads = [threading.Thread(target=elector, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    log.info("after")
+    records = [json.loads(line) for line in lines(out)]
+    assert sorted(r["target"] for r in records[:2]) == ["a", "b"]
+    assert records[2]["msg"] == "after" and "target" not in records[2]
+
+
+def test_an_explicit_target_field_is_kept(restore_loggers):
+    out = io.StringIO()
+    setup_logging("info", "text", stream=out)
+    with about_target("a"):
+        logging.getLogger("maintd.daemon").warning("target not started", extra=kv(target="b"))
+    assert lines(out)[0].endswith("target not started target=b")
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_apscheduler_lines_are_in_the_daemon_s_format(restore_loggers, fmt):
+    out = io.StringIO()
+    setup_logging("info", fmt, stream=out)
+    sched = logging.getLogger("apscheduler.executors.default")
+    with about_target("tenant_001"):
+        sched.warning('Run time of job "tenant_001:cleaner" was missed by 0:00:02')
+    (line,) = lines(out)
+    if fmt == "json":
+        record = json.loads(line)  # a raw line would not parse
+        assert record["level"] == "warning" and record["logger"] == "apscheduler.executors.default"
+        assert record["target"] == "tenant_001" and "was missed" in record["msg"]
+    else:
+        assert line[:4].isdigit() and " warning " in line and line.endswith("target=tenant_001")
+
+
+@pytest.mark.parametrize("level,shown", [("info", False), ("warning", False), ("debug", True)])
+def test_a_pass_outlasting_its_interval_is_not_a_warning(restore_loggers, level, shown):
+    """APScheduler says "skipped: maximum number of running instances reached" each time a pass
+    is still running when the next one falls due (a 1 s periodic tick behind a slow pass): by
+    design one pass at a time, the next coalesced, so it is chatter, kept only when debugging."""
+    out = io.StringIO()
+    setup_logging(level, "text", stream=out)
+    logging.getLogger("apscheduler.scheduler").warning(
+        'Execution of job "tenant_022:periodic (trigger: interval[0:00:01], next run at: '
+        '2026-11-24 21:46:34 UTC)" skipped: maximum number of running instances reached (1)')
+    logging.getLogger("apscheduler.scheduler").error("Error adding job")
+    got = lines(out)
+    assert any("maximum number of running instances" in line for line in got) is shown
+    assert any(line.endswith("error   Error adding job") for line in got)
