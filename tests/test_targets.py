@@ -5,6 +5,7 @@ target whose database is down while the others keep working."""
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -530,3 +531,23 @@ def test_migrate_and_status_cover_every_target(pg_dsn, tmp_path, capsys):
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             for s in names:
                 conn.execute(f'DROP SCHEMA IF EXISTS "{s}" CASCADE')
+
+
+def test_a_daemon_with_several_targets_names_the_target_in_each_line(pg_dsn, make_schemas, tmp_path):
+    """An operator reading one replica's log for 200 targets must see which target lost its
+    leadership or had jobs rescued (its election thread and its passes say so), and no line
+    outside the daemon's format (APScheduler's went raw to stderr)."""
+    schemas = make_schemas(2)
+    execute(pg_dsn, f'INSERT INTO "{schemas[1]}".jobs (kind, state, attempt, attempted_at) '
+                    f"VALUES ('stuck', 'running', 1, now() - interval '1 day')")
+    config = {**QUIET, "targets": [{"schema": s} for s in schemas]}
+    d = DaemonProc(pg_dsn, "unused", "named-1", config, workdir=str(tmp_path)).start()
+    try:
+        for s in schemas:
+            d.wait_log(rf"became leader target={s} epoch=\d+ instance=named-1", 20)
+        d.wait_log(rf"released stale running jobs target={schemas[1]} ", 20)
+    finally:
+        d.stop()
+    stamped = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (debug|info|warning|error) ")
+    assert all(stamped.match(line) for line in d.log().splitlines()), d.log()
+    assert "released stale running jobs target=" + schemas[0] not in d.log()
