@@ -47,6 +47,9 @@ from tests.procs import target_leaders as leaders  # noqa: E402
 from bench.failover import proc_stats  # noqa: E402
 
 STABLE = 5.0
+# The defaults, written out: DaemonProc's config starts from the tests' fast leader settings
+# (lease 3 s), which an empty section would keep.
+DEFAULT_LEADER = {"lease": "10s", "renew_interval": "2s", "retry_interval": "1s"}
 
 
 def schema_names(n: int) -> list[str]:
@@ -128,7 +131,8 @@ def add_work(dsn: str, schemas: list[str], seconds: float, due: int, old: int) -
 
 
 def start_replicas(dsn: str, schemas: list[str], names: list[str], workdir: str) -> list[DaemonProc]:
-    config = {"targets": [{"schema": s} for s in schemas], "leader": {}, "log": {"level": "warning"}}
+    config = {"targets": [{"schema": s} for s in schemas], "leader": DEFAULT_LEADER,
+              "log": {"level": "warning"}}
     return [DaemonProc(dsn, "unused", n, config, workdir=workdir).start() for n in names]
 
 
@@ -185,7 +189,7 @@ def run_multi(dsn: str, schemas: list[str], args: argparse.Namespace, workdir: s
 
 def run_separate(dsn: str, schemas: list[str], args: argparse.Namespace, workdir: str) -> dict:
     """``--separate`` single-target processes, each leading its own target."""
-    procs = [DaemonProc(dsn, s, f"s{i}", {"leader": {}, "log": {"level": "warning"}}, workdir=workdir).start()
+    procs = [DaemonProc(dsn, s, f"s{i}", {"leader": DEFAULT_LEADER, "log": {"level": "warning"}}, workdir=workdir).start()
              for i, s in enumerate(schemas[:args.separate])]
     try:
         deadline = time.monotonic() + 120
