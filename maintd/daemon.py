@@ -227,6 +227,7 @@ class Daemon:
         if self.timetable is not None:
             self.timetable.start()
         waiting = [u for u in self.units if not self._try_start(u)]
+        self.spread.started()
         self._started = True
         if waiting:
             self._retry_thread = threading.Thread(target=self._retry_targets, args=(waiting,),

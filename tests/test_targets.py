@@ -284,6 +284,18 @@ def test_a_joining_replica_waits_before_its_first_try():
     assert spread.gate("a") == 0
 
 
+def test_the_join_wait_counts_from_the_end_of_the_start():
+    """A start-up slower than the wait (200 targets' schema checks on busy cores) must not end
+    it: the replicas started with this one may not be visible yet."""
+    units = [FakeUnit("a"), FakeUnit("b")]
+    spread, _ = make_spread(units, ["r0"], join=0.2)
+    time.sleep(0.25)  # the targets were being started
+    spread.started()
+    assert 0.1 < spread.gate("a") <= 0.2
+    time.sleep(0.21)
+    assert spread.gate("a") == 0
+
+
 def test_hand_over_above_the_cap_after_settle_others_targets_first():
     units = [FakeUnit(f"t{i:02d}", leading=i < 7) for i in range(12)]
     spread, _ = make_spread(units, ["r0", "r1", "r2"])
