@@ -143,9 +143,13 @@ class Spread:
                 return self._join_until - now
             if notified:
                 self._lost.pop(name, None)
-            pending = sum(1 for at in self._pending.values() if now - at < PENDING)
-            room = self.leading() + pending < self.cap
-            if room and self.owns(name):
+            pending = [n for n, at in self._pending.items() if now - at < PENDING]
+            led = [u.name for u in self.units if u.is_leader]
+            room = len(led) + len(pending) < self.cap
+            # Own targets count against the cap by themselves: leaderships of other replicas'
+            # targets taken lazily are what is handed over above it (see balance), so an owner
+            # never waits for its own target behind them.
+            if self.owns(name) and sum(1 for n in led + pending if self.owns(n)) < self.cap:
                 backoff = self._lost.get(name, (0, now))[1] - now
                 if backoff > 0:
                     return backoff

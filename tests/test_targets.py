@@ -198,11 +198,13 @@ def test_gate_tries_own_targets_at_once_and_the_others_lazily():
     assert spread.gate(theirs[0]) > 0
     time.sleep(wait + 0.01)
     assert spread.gate(theirs[0]) == 0
-    # Granted tries count as leaderships until they are over: with the 4
-    # pending and one won lazily, r0 is at its cap of 5, and even its own targets wait.
+    # Granted tries count as leaderships until they are over: with the 4 pending and one won
+    # lazily, r0 is at its cap of 5, and another replica's target waits about a lease; its own
+    # do not wait behind that one (which is what is handed over above the cap).
     next(u for u in units if u.name == theirs[0]).leading = True
     spread.tried(theirs[0])
-    assert 0 < spread.gate(mine[0]) <= 0.05
+    assert spread.gate(theirs[4]) >= 3.0 - 1e-9
+    assert spread.gate(mine[0]) == 0
     spread.tried(mine[1])  # over: no longer pending (counted by is_leader if it won)
     assert spread.gate(mine[0]) == 0
     next(u for u in units if u.name == mine[1]).leading = True
@@ -242,6 +244,34 @@ def test_lazy_tries_falling_due_together_stop_at_the_cap():
     next(u for u in units if u.name == theirs[0]).leading = True
     spread.tried(theirs[0])
     assert all(spread.gate(n) > 2.5 for n in theirs[1:3])  # still at the cap: no try
+
+
+def test_an_owner_at_its_cap_takes_its_own_targets_and_hands_the_others_over():
+    """A survivor at its cap with other replicas' targets taken lazily: when a replica dies, its
+    new own targets are tried at once (own leaderships count against the cap by themselves), and
+    the others' targets are what goes above the cap, handed over a ``settle`` later. Counting
+    them all kept a survivor of a SIGSTOP (200 targets, 3 replicas) from its own targets, left to
+    the other survivor's lazy tries: 14 targets led 1.5-6 s late."""
+    units = [FakeUnit(f"t{i:02d}") for i in range(12)]
+    spread, found = make_spread(units, ["r0", "r1", "r2"])
+    found[0] = ["r0", "r2"]  # r1 died
+    spread._read_at = float("-inf")
+    spread.refresh()
+    assert spread.cap == 7
+    mine = [u for u in units if spread.owns(u.name)]
+    theirs = [u for u in units if not spread.owns(u.name)]
+    assert len(mine) == 6
+    for u in mine[:4] + theirs[:2]:  # 4 own and 2 of r2's led (taken lazily before)
+        u.leading = True
+    assert [spread.gate(u.name) for u in mine[4:]] == [0.0, 0.0]  # 6 led + 2 pending > 7
+    assert spread.gate(theirs[2].name) > 0  # not another one of r2's
+    for u in mine[4:]:
+        u.leading = True
+        spread.tried(u.name, won=True)
+    assert spread.balance() == 0  # 8 > 7 for less than `settle`
+    time.sleep(0.35)
+    assert spread.balance() == 1
+    assert [u.name for u in units if u.handed] in ([theirs[0].name], [theirs[1].name])
 
 
 def test_an_own_target_held_elsewhere_is_tried_with_back_off_until_a_hand_over_or_a_death():
