@@ -226,6 +226,7 @@ class Daemon:
         background (a target's outage or missing schema must not stop the rest)."""
         if self.timetable is not None:
             self.timetable.start()
+        self.spread.hold()  # no tries until every target is started and the replicas are read
         waiting = [u for u in self.units if not self._try_start(u)]
         self.spread.started()
         self._started = True

@@ -111,13 +111,21 @@ class Spread:
         self._join_until = time.monotonic() + join
         self._lock = threading.Lock()
 
+    def hold(self) -> None:
+        """No tries until :meth:`started` (the daemon is starting its targets)."""
+        with self._lock:
+            self._join_until = float("inf")
+
     def started(self) -> None:
         """This replica's targets are started (their lock sessions connecting, which makes it
         live to the others): the join wait counts from now. Started together, 3 replicas of 200
         targets on 2 busy cores took longer than the wait to start, and the first one, seeing
-        only itself, tried every target (124 of 200, handed over a lease later)."""
+        only itself, tried every target (124 of 200, handed over a lease later); see
+        :meth:`hold`: the targets started first must not try before the others are started."""
         with self._lock:
             self._join_until = time.monotonic() + self.join
+        for unit in self.units:  # held followers sleep up to a keep-alive: ask the gate again
+            unit.wake()
 
     @property
     def replicas(self) -> int:

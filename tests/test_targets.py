@@ -319,8 +319,11 @@ def test_the_join_wait_counts_from_the_end_of_the_start():
     it: the replicas started with this one may not be visible yet."""
     units = [FakeUnit("a"), FakeUnit("b")]
     spread, _ = make_spread(units, ["r0"], join=0.2)
-    time.sleep(0.25)  # the targets were being started
+    spread.hold()
+    time.sleep(0.25)  # the targets are being started: no try meanwhile
+    assert spread.gate("a") > 1000
     spread.started()
+    assert all(u.woken for u in units)  # a held follower asks again (the join's end, not later)
     assert 0.1 < spread.gate("a") <= 0.2
     time.sleep(0.21)
     assert spread.gate("a") == 0
