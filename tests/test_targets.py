@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -24,6 +25,7 @@ from maintd.spread import Spread, assign, cap
 
 from .conftest import new_schema_name
 from .procs import DaemonProc, lock_holders, spread_ok, target_locks, wait_for
+from .scenarios import record
 
 QUIET = {"cleaner": {"interval": "1s"}, "rescuer": {"interval": "1s"}, "scheduler": {"interval": "1s"}}
 
@@ -366,6 +368,7 @@ def test_three_replicas_spread_twelve_targets_and_recover_after_sigkill(pg_dsn, 
         victim.kill()
         wait_for(lambda: spread_ok(pg_dsn, schemas, survivors), 10, 0.02, "the survivors leading all 12")
         took = time.monotonic() - t0
+        record("targets_12x3_sigkill", took)
         assert took < 3.0, f"the killed replica's targets were led again after {took:.2f}s"
         per = stable(lambda: spread_ok(pg_dsn, schemas, survivors), 5, 30, "a stable spread over 2")
         assert sum(per.values()) == 12 and max(per.values()) <= 7, per
@@ -373,6 +376,43 @@ def test_three_replicas_spread_twelve_targets_and_recover_after_sigkill(pg_dsn, 
             if p is not victim:
                 assert p.proc.poll() is None
     finally:
+        for p in procs:
+            p.stop()
+
+
+def test_a_frozen_replica_s_targets_are_led_again_about_a_lease_later_and_it_rejoins(
+        pg_dsn, make_schemas, tmp_path):
+    """SPEC 7.9: a frozen replica's targets are led again within the lease. A SIGSTOPped replica
+    sends nothing; its shared lock sessions end `lease` after their last statement
+    (idle_session_timeout, SPEC 3), after which the survivors see two live replicas and take its
+    targets at once. Woken up, it finds its sessions gone, leads nothing it lost, and the spread
+    settles over three again."""
+    schemas = make_schemas(12)
+    config = {**QUIET, "targets": [{"schema": s} for s in schemas]}
+    procs = [DaemonProc(pg_dsn, "unused", f"r{i}", config, workdir=str(tmp_path)).start() for i in range(3)]
+    names = [p.instance_id for p in procs]
+    lease = 3.0  # procs.FAST_LEADER
+    frozen = None
+    try:
+        per = stable(lambda: spread_ok(pg_dsn, schemas, names), 3, 60, "every target led, <= 5 per replica")
+        frozen = max(procs, key=lambda p: per[p.instance_id])
+        assert per[frozen.instance_id] >= 4, per
+        survivors = [n for n in names if n != frozen.instance_id]
+        t0 = time.monotonic()
+        frozen.kill(signal.SIGSTOP)
+        wait_for(lambda: spread_ok(pg_dsn, schemas, survivors), 30, 0.05, "the survivors leading all 12")
+        took = time.monotonic() - t0
+        record("targets_12x3_sigstop", took, lease=lease)
+        # The sessions end between `lease - renew_interval` and `lease` after the freeze; then a
+        # refresh of the live replicas and a try. Generous for a noisy CI machine.
+        assert took < 2 * lease + 3, f"the frozen replica's targets were led again after {took:.2f}s"
+        frozen.signal(signal.SIGCONT)
+        per = stable(lambda: spread_ok(pg_dsn, schemas, names), 5, 60, "a stable spread over 3 again")
+        assert sum(per.values()) == 12 and max(per.values()) <= 5 and per.get(frozen.instance_id), per
+        assert all(p.proc.poll() is None for p in procs)
+    finally:
+        if frozen is not None:
+            frozen.signal(signal.SIGCONT)
         for p in procs:
             p.stop()
 
