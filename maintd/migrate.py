@@ -9,6 +9,7 @@ lacks what the work needs gets one line naming the privilege and the object, che
 
 from __future__ import annotations
 
+import functools
 import io
 import time
 import zlib
@@ -46,8 +47,15 @@ def lock_key(schema: str) -> int:
     return zlib.crc32(f"maintd-migrate:{schema}".encode()) - (1 << 31)
 
 
+@functools.cache
+def _scripts() -> ScriptDirectory:
+    """The migration scripts shipped with this package: read once per process (6 ms a read, paid
+    by every target's schema check at start: 1.3 s for 200 targets)."""
+    return ScriptDirectory.from_config(alembic_config("maintd"))
+
+
 def head_revision() -> str:
-    return ScriptDirectory.from_config(alembic_config("maintd")).get_current_head() or ""
+    return _scripts().get_current_head() or ""
 
 
 class MigratePermissionError(RuntimeError):
@@ -73,7 +81,7 @@ _UNKNOWN = object()  # a target revision that cannot be resolved without running
 def _resolve(revision: str):
     """The single revision id ``revision`` names (``None`` for base), or ``_UNKNOWN``."""
     try:
-        revs = ScriptDirectory.from_config(alembic_config("maintd")).get_revisions(revision)
+        revs = _scripts().get_revisions(revision)
     except Exception:  # relative ("+1") or unknown revisions: Alembic reports them when run
         return _UNKNOWN
     if not revs:
