@@ -5,7 +5,9 @@ leader lock's key, the NOTIFY channel, and password-free error lines. (The SQL i
 from __future__ import annotations
 
 import re
+import select
 import threading
+import time
 import zlib
 from contextlib import contextmanager
 from datetime import timedelta
@@ -14,6 +16,7 @@ from typing import Any, Iterator
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.pool import NullPool, QueuePool
 
 from .config import redact_dsn
@@ -179,12 +182,14 @@ def make_engine(dsn: str, *, application_name: str, session: dict[str, Any] | No
         return connect(hosts.dsn() if hosts is not None else dsn, application_name=application_name,
                        autocommit=False, settings=session, **params)
 
-    kwargs: dict[str, Any] = {"creator": creator, "pool_pre_ping": True}
-    if pooled:
-        kwargs.update(poolclass=QueuePool, pool_size=pool_size, max_overflow=2, pool_recycle=1800)
+    kwargs: dict[str, Any] = {"creator": creator}
+    if pooled:  # LIFO: the connection used last is reused, so it is rarely idle long enough to ping
+        kwargs.update(poolclass=QueuePool, pool_size=pool_size, max_overflow=2, pool_recycle=1800,
+                      pool_use_lifo=True)
     else:
         kwargs.update(poolclass=NullPool)
     engine = create_engine("postgresql+psycopg://", **kwargs)
+    _check_on_checkout(engine)
 
     @event.listens_for(engine, "handle_error")
     def _hide_password(ctx: Any) -> None:  # pragma: no cover - defensive
@@ -193,6 +198,46 @@ def make_engine(dsn: str, *, application_name: str, session: dict[str, Any] | No
             exc.args = (redact_dsn(exc.args[0]),) + tuple(exc.args[1:])
 
     return engine
+
+
+PING_AFTER_IDLE = 30.0  # seconds in the pool after which a checked-out connection is pinged
+
+
+def _check_on_checkout(engine: Engine) -> None:
+    """SQLAlchemy's ``pool_pre_ping`` costs a round trip per checkout: a third of an idle
+    scheduler tick. pgx's pool pings only a connection idle over a second (pgxpool ``ShouldPing``);
+    that would still ping every 5 s scheduler tick. Here a checked-out connection is pinged only
+    when its socket has something to read (the server's goodbye after a restart,
+    ``pg_terminate_backend`` or a timeout: a FATAL message or end of file; a closed peer) or it sat
+    in the pool over ``PING_AFTER_IDLE`` seconds; a failed ping discards it and the pool opens
+    another. A server that vanished without a word (a host reboot answering with a reset) costs
+    the pass that finds it; a silent one is bounded as before by the wait for an answer, which
+    covered the ping too."""
+
+    @event.listens_for(engine, "checkin")
+    def _idle_since(dbapi_conn: Any, record: Any) -> None:
+        record.info["idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _check(dbapi_conn: Any, record: Any, proxy: Any) -> None:
+        since = record.info.get("idle_since")  # None: a new connection
+        if since is None or not (time.monotonic() - since > PING_AFTER_IDLE or _has_input(dbapi_conn)):
+            return
+        try:
+            engine.dialect.do_ping(dbapi_conn)
+        except psycopg.Error as exc:
+            raise DisconnectionError(f"pooled connection lost: {redact_dsn(str(exc))}") from exc
+
+
+def _has_input(conn: psycopg.Connection) -> bool:
+    """The connection is closed or its socket has bytes (or EOF) waiting: an idle session in a
+    transaction-less pool gets nothing from the server but a goodbye. ``poll``, not ``select``:
+    a daemon of many targets may hold more than FD_SETSIZE descriptors."""
+    if conn.closed or conn.broken:
+        return True
+    poller = select.poll()
+    poller.register(conn.pgconn.socket, select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(0))
 
 
 def advisory_key(schema: str) -> tuple[int, int]:
