@@ -148,12 +148,14 @@ def test_observe_counts_promotions_by_queue(settings, engine, schema, clock):
 
 # What a loaded 2-core machine adds to a wake-up on the wall clock: waking up, checking out a
 # connection, the promote transaction and its commit (measured under a parallel load: typically
-# 0.02-0.15 s, once 0.4 s with a load average of 10 on 2 cores). The design's own lag (at most one
+# 0.02-0.15 s, once 0.4 s with a load average of 10 on 2 cores, and 0.38 s in a full run of the
+# suite on 2 workers, load about 3, failing the earlier 0.2 s). The design's own lag (at most one
 # MIN_WAKE) is checked exactly, without this noise, on a simulated clock by
 # test_precise_timing_lag_is_at_most_one_min_wake_on_a_simulated_clock; the wall-clock tests only
-# check that the real thing is nowhere near the tick interval: lag at most MIN_WAKE + NOISE (0.25 s,
-# a quarter of the 1 s interval the pass would otherwise wait).
-NOISE = 0.2
+# check that the real thing is nowhere near the tick interval: lag at most MIN_WAKE + NOISE (0.5 s,
+# half the 1 s interval the pass would otherwise wait, under which 300 jobs due every 3 ms over
+# the interval would be up to a second late).
+NOISE = 0.45
 
 
 def test_precise_timing_promotes_between_ticks(settings, engine, schema):
