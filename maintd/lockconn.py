@@ -238,20 +238,21 @@ class LockConnection:
 
     def _listen(self, conn: psycopg.Connection) -> None:
         """Sleep in the kernel until the server sends something, then read it (the thread of one
-        connection: it ends with it)."""
+        connection: it ends with it). Most often what arrived is the answer to a statement in
+        flight, which its caller reads (and hands on what came with it): the listener then waits
+        for its turn on the session, blocked, and reads only what is still unread. (It used to
+        poll every 5 ms until the caller had read the answer: with 40 sessions per replica on
+        busy cores those polls kept the callers from the GIL they needed to read their answers,
+        and leases ran out.) ``poll``, not ``select``: a process of many targets may hold more
+        than FD_SETSIZE descriptors."""
+        poller = select.poll()
+        poller.register(conn.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
         while self.conn is conn and not conn.closed:
             try:
-                ready, _, _ = select.select([conn.fileno()], [], [], 1.0)
-                if ready:
-                    # Most often the answer to a statement in flight, which its caller reads (and
-                    # hands on what came with it): only an idle session is read here.
-                    if self.mutex.acquire(blocking=False):
-                        try:
-                            if self.conn is conn and not conn.closed:
-                                self._dispatch(conn)
-                        finally:
-                            self.mutex.release()
-                    time.sleep(0.005)
+                if poller.poll(1000):
+                    with self.mutex:
+                        if self.conn is conn and not conn.closed and poller.poll(0):
+                            self._dispatch(conn)
             except (psycopg.Error, OSError, ValueError) as exc:
                 self._lost = describe_db_error(exc) if isinstance(exc, psycopg.Error) else str(exc)
                 log.debug("lock session listener stopped: %s", exc)

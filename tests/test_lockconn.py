@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from maintd.lockconn import FairLock
 
 from .procs import wait_for
@@ -93,3 +95,36 @@ def test_unlock_held_releases_each_level_and_never_draws_the_warning(pg_dsn):
         assert notices == []
         with psycopg.connect(pg_dsn, autocommit=True) as other:  # really free now
             assert other.execute(psycopg_sql(q.TRY_LOCK), key).fetchone()[0] is True
+
+
+def test_an_idle_session_hands_on_notifies_with_descriptors_above_fd_setsize(pg_dsn, tmp_path):
+    """The listener thread reads what an idle lock session receives (a hand-over NOTIFY that
+    wakes a follower, a periodic_jobs change). A process of many targets holds many
+    descriptors: with its socket above FD_SETSIZE (1024), select() raised ValueError, the
+    listener stopped, and NOTIFYs waited for the session's next statement (up to a third of the
+    lease). It also no longer polls every 5 ms while a statement is in flight."""
+    import os
+    import resource
+
+    import psycopg
+
+    from maintd.config import Settings
+    from maintd.lockconn import LockConnection
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if min(soft, hard) < 1200:
+        pytest.skip(f"needs 1200 descriptors, the limit is {soft}")
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    heard = threading.Event()
+    lock_conn = LockConnection(Settings(database_url=pg_dsn, instance_id=f"fd-{os.getpid()}"))
+    try:
+        conn, _ = lock_conn.attach({"maintd_fd_test": heard.set})
+        assert conn.fileno() > 1024
+        time.sleep(0.3)  # the listener is waiting in poll()
+        with psycopg.connect(pg_dsn, autocommit=True) as other:
+            other.execute("NOTIFY maintd_fd_test")
+        assert heard.wait(5), "the NOTIFY was not handed on"
+    finally:
+        lock_conn.close()
+        for fd in filler:
+            os.close(fd)
