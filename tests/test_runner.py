@@ -341,3 +341,58 @@ def test_pause_sleeps_unless_stopped(settings, engine):
     with pytest.raises(PassStopped):
         ctx.pause(5)
     assert time.monotonic() - t0 < 1
+
+
+class CountingLock:
+    """A lock that counts its acquisitions (APScheduler's job store lock, wrapped)."""
+
+    def __init__(self, lock):
+        self.lock, self.taken = lock, 0
+
+    def __enter__(self):
+        self.lock.acquire()
+        self.taken += 1
+        return self
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+    def acquire(self, *a, **kw):
+        got = self.lock.acquire(*a, **kw)
+        self.taken += bool(got)
+        return got
+
+    def release(self):
+        self.lock.release()
+
+
+def test_a_term_on_a_shared_timetable_is_scheduled_by_one_job(settings, engine):
+    """Several targets share one timetable, whose thread holds its job store lock while it submits
+    due jobs: a new term, activated on the election thread, takes that lock once (one job that
+    schedules the services), not once per service and lookup (bench/targets.py: activations of
+    1-10 s at a start of 200 targets, and leases lost before their first renewal). The services
+    then run; a term that ends before that job runs schedules nothing."""
+    from maintd.runner import new_timetable
+
+    timetable = new_timetable(4)
+    timetable.start()
+    ran: list[str] = []
+    build = fakes(cleaner=type("C", (Service,), {"run_once": lambda self, ctx: ran.append("c") or CountResult(0)}),
+                  rescuer=type("R", (Service,), {"run_once": lambda self, ctx: ran.append("r") or CountResult(0)}))
+    runner = Runner(settings, engine, Metrics(), build=build, timetable=timetable, prefix="t1:")
+    counting = CountingLock(timetable._jobstores_lock)
+    timetable._jobstores_lock = counting
+    try:
+        runner.activate(NoFence())
+        assert counting.taken == 1
+        wait_for(lambda: "c" in ran and "r" in ran, 10, what="both services' first passes")
+        runner.deactivate()
+        assert runner._jobs() == []
+        with timetable._jobstores_lock:  # the timetable cannot run the start job meanwhile
+            runner.activate(NoFence())
+            runner.deactivate()
+        time.sleep(0.5)
+        assert runner._jobs() == [] and not runner._active
+    finally:
+        runner.shutdown()
+        timetable.shutdown(wait=False)
