@@ -5,13 +5,15 @@ ends. How a pass runs and is recorded is :mod:`maintd.passes`; the job gauges ar
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
 import time
 from datetime import datetime, timedelta, timezone
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
+from apscheduler.jobstores.base import JobLookupError
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.base import BaseTrigger
 from apscheduler.triggers.date import DateTrigger
@@ -87,6 +89,15 @@ class Runner:
     def _jobs(self) -> list[Any]:
         return [j for j in self.timetable.get_jobs() if j.id.startswith(self.prefix)]
 
+    @staticmethod
+    def _unschedule(jobs: Iterable[Any]) -> None:
+        """Remove ``jobs``. A one-off job (a new term's :meth:`_start_term`, a
+        :meth:`_schedule_later`) listed a moment ago may have fired since, and the timetable's
+        thread removed it: it is gone already, and the rest are still removed."""
+        for job in jobs:
+            with contextlib.suppress(JobLookupError):
+                job.remove()
+
     # -- leadership -----------------------------------------------------------------------
     def activate(self, fence: Fence) -> None:
         """A new term. With a timetable of its own the services are scheduled here; on one
@@ -118,8 +129,7 @@ class Runner:
             was_active = self._fence is not None
             self._fence = None
             self._stop_event.set()
-            for job in self._jobs():
-                job.remove()
+            self._unschedule(self._jobs())
             active = list(self._active.values())
         for ctx in active:
             ctx.query.cancel()
@@ -146,9 +156,8 @@ class Runner:
         now = datetime.now(timezone.utc)  # APScheduler's own time base (host clock)
         wanted = {name for name in self.services if self._schedule(name, now, reload)}
         self.metrics.known_series(sorted(wanted))
-        for job in self._jobs():
-            if job.id != self.prefix + GAUGES_JOB and job.id[len(self.prefix):] not in wanted:
-                job.remove()
+        self._unschedule(job for job in self._jobs()
+                         if job.id != self.prefix + GAUGES_JOB and job.id[len(self.prefix):] not in wanted)
         if self.timetable.get_job(self.prefix + GAUGES_JOB) is None:
             self.timetable.add_job(self._refresh_gauges, IntervalTrigger(seconds=JobGauges.INTERVAL),
                                    id=self.prefix + GAUGES_JOB, next_run_time=now)

@@ -396,3 +396,28 @@ def test_a_term_on_a_shared_timetable_is_scheduled_by_one_job(settings, engine):
     finally:
         runner.shutdown()
         timetable.shutdown(wait=False)
+
+
+def test_deactivate_survives_a_one_off_job_that_fired_since_it_was_listed(settings, engine, monkeypatch):
+    """A new term's start job (a timetable shared by targets) fires at once, and the timetable's
+    thread then removes it. A demotion listing the runner's jobs just before that removal must
+    still remove the others and stop the term, not raise JobLookupError on the election thread."""
+    from maintd.runner import START_JOB, new_timetable
+
+    timetable = new_timetable(2)
+    timetable.start()
+    build = fakes(cleaner=type("C", (Service,), {"run_once": lambda self, ctx: CountResult(0)}))
+    runner = Runner(settings, engine, Metrics(), build=build, timetable=timetable, prefix="t1:")
+    try:
+        with timetable._jobstores_lock:  # the start job cannot fire meanwhile
+            runner.activate(NoFence())
+            listed = runner._jobs()
+            assert [j.id for j in listed] == ["t1:" + START_JOB]
+            timetable.remove_job("t1:" + START_JOB)  # as the timetable's thread does once it fired
+            other = timetable.add_job(lambda: None, "interval", seconds=60, id="t1:other")
+        monkeypatch.setattr(runner, "_jobs", lambda: [*listed, other])
+        runner.deactivate()
+        assert timetable.get_job("t1:other") is None and runner._stop_event.is_set()
+    finally:
+        runner.shutdown()
+        timetable.shutdown(wait=False)
