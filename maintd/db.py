@@ -231,13 +231,17 @@ def _check_on_checkout(engine: Engine) -> None:
 
 def _has_input(conn: psycopg.Connection) -> bool:
     """The connection is closed or its socket has bytes (or EOF) waiting: an idle session in a
-    transaction-less pool gets nothing from the server but a goodbye. ``poll``, not ``select``:
-    a daemon of many targets may hold more than FD_SETSIZE descriptors."""
-    if conn.closed or conn.broken:
-        return True
+    transaction-less pool gets nothing from the server but a goodbye."""
+    return conn.closed or conn.broken or readable(conn.pgconn.socket)
+
+
+def readable(fd: int, timeout: float = 0.0) -> bool:
+    """Whether ``fd`` has bytes, end of file or an error to read, waiting up to ``timeout``
+    seconds. ``poll``, not ``select``: a process of many targets may hold more than FD_SETSIZE
+    descriptors."""
     poller = select.poll()
-    poller.register(conn.pgconn.socket, select.POLLIN | select.POLLERR | select.POLLHUP)
-    return bool(poller.poll(0))
+    poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(timeout * 1000))
 
 
 def advisory_key(schema: str) -> tuple[int, int]:

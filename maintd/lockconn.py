@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import logging
 import secrets
-import select
 import threading
 import time
 from contextlib import contextmanager
@@ -31,7 +30,7 @@ from typing import Callable, Iterator
 import psycopg
 
 from .config import Settings
-from .db import HostOrder, connect, describe_db_error, ms, sever
+from .db import HostOrder, connect, describe_db_error, ms, readable, sever
 from .identifiers import quote_ident
 from .queries import leader as q
 
@@ -243,15 +242,13 @@ class LockConnection:
         for its turn on the session, blocked, and reads only what is still unread. (It used to
         poll every 5 ms until the caller had read the answer: with 40 sessions per replica on
         busy cores those polls kept the callers from the GIL they needed to read their answers,
-        and leases ran out.) ``poll``, not ``select``: a process of many targets may hold more
-        than FD_SETSIZE descriptors."""
-        poller = select.poll()
-        poller.register(conn.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+        and leases ran out.)"""
+        fd = conn.fileno()
         while self.conn is conn and not conn.closed:
             try:
-                if poller.poll(1000):
+                if readable(fd, 1.0):
                     with self.mutex:
-                        if self.conn is conn and not conn.closed and poller.poll(0):
+                        if self.conn is conn and not conn.closed and readable(fd):
                             self._dispatch(conn)
             except (psycopg.Error, OSError, ValueError) as exc:
                 self._lost = describe_db_error(exc) if isinstance(exc, psycopg.Error) else str(exc)
