@@ -102,7 +102,9 @@ def test_an_idle_session_hands_on_notifies_with_descriptors_above_fd_setsize(pg_
     wakes a follower, a periodic_jobs change). A process of many targets holds many
     descriptors: with its socket above FD_SETSIZE (1024), select() raised ValueError, the
     listener stopped, and NOTIFYs waited for the session's next statement (up to a third of the
-    lease). It also no longer polls every 5 ms while a statement is in flight."""
+    lease). It also no longer polls every 5 ms while a statement is in flight. Reference: the
+    select(2) man page, "select() can monitor only file descriptors numbers that are less than
+    FD_SETSIZE (1024)", and Python's select.select raising ValueError for such a descriptor."""
     import os
     import resource
 

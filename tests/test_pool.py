@@ -1,7 +1,14 @@
 """The work pool's checkout check (db._check_on_checkout), seen on the wire through the TCP proxy:
 an idle pass sends one statement (no pre-ping round trip), a connection the server ended (a
 FATAL message and end of file on its socket) or one the network closed is replaced before a pass
-uses it, and a connection idle in the pool longer than PING_AFTER_IDLE is pinged first."""
+uses it, and a connection idle in the pool longer than PING_AFTER_IDLE is pinged first.
+
+Outside references: SQLAlchemy's "Connection Pooling / Disconnect Handling - Pessimistic" (a
+``checkout`` listener that raises DisconnectionError makes the pool discard that connection and
+check out another, up to three times); PostgreSQL's "Server Signaling Functions"
+(``pg_terminate_backend`` ends the session, whose client then reads the FATAL "terminating
+connection due to administrator command"); pgx's pgxpool ``ShouldPing`` default (ping only a
+connection idle over a second), which this goes past."""
 
 from __future__ import annotations
 

@@ -384,7 +384,9 @@ def test_a_frozen_replica_s_targets_are_led_again_about_a_lease_later_and_it_rej
         pg_dsn, make_schemas, tmp_path):
     """SPEC 7.9: a frozen replica's targets are led again within the lease. A SIGSTOPped replica
     sends nothing; its shared lock sessions end `lease` after their last statement
-    (idle_session_timeout, SPEC 3), after which the survivors see two live replicas and take its
+    (idle_session_timeout: PostgreSQL's "Client Connection Defaults" documents that it ends a
+    session idle, outside a transaction, longer than that; SPEC 3; and "Advisory Locks", that a
+    session's locks are released when it ends), after which the survivors see two live replicas and take its
     targets at once. Woken up, it finds its sessions gone, leads nothing it lost, and the spread
     settles over three again."""
     schemas = make_schemas(12)
