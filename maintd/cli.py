@@ -268,7 +268,7 @@ def _migrate_one(settings: Settings, args: argparse.Namespace) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .daemon import Daemon, HttpListenError, SchemaNotReady
+    from .daemon import Daemon, DuplicateInstance, HttpListenError, SchemaNotReady
     from .leader import LeaderSessionError
     from .logs import setup_logging
 
@@ -277,6 +277,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     daemon = Daemon(settings, config_path=args.config or os.environ.get("MAINTD_CONFIG"))
     try:
         return daemon.run_forever()
+    except DuplicateInstance as exc:
+        print(f"maintd: config error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except (SchemaNotReady, HttpListenError, LeaderSessionError) as exc:
         print(f"maintd: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE

@@ -19,6 +19,7 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.pool import NullPool, QueuePool
 
+from . import faults
 from .config import redact_dsn
 from .identifiers import quote_ident  # noqa: F401  (the migrations import it from here)
 from .queries import catalog, psycopg_sql
@@ -84,8 +85,12 @@ def connect(dsn: str, *, application_name: str, autocommit: bool = True,
     """A raw psycopg connection with TCP keepalives and the given session settings; ``params``
     are extra libpq parameters (e.g. ``tcp_user_timeout``); ``answer_timeout``: see
     :class:`BoundedConnection`."""
-    conn = BoundedConnection.connect(libpq_dsn(dsn), autocommit=True,
-                                     application_name=application_name[:63], **{**KEEPALIVES, **params})
+    try:
+        conn = BoundedConnection.connect(libpq_dsn(dsn), autocommit=True,
+                                         application_name=application_name[:63], **{**KEEPALIVES, **params})
+    except psycopg.OperationalError as exc:
+        faults.diagnose(exc, make_conninfo(libpq_dsn(dsn), **{**KEEPALIVES, **params}))
+        raise
     conn.answer_timeout = answer_timeout
     try:
         for key, value in (settings or {}).items():
@@ -102,11 +107,18 @@ class HostOrder:
     read-write``) are tried. libpq tries them in the written order and spends a whole connect
     timeout on a frozen one before the next, for every new connection; so the host the lock
     session last reached goes first (the work pool follows it) and a host that stopped answering
-    goes last. One object per daemon, shared by its lock session and its engine; thread-safe."""
+    goes last. One object per daemon, shared by its lock session and its engine; thread-safe.
+
+    Without ``target_session_attrs``, libpq stops at the first host that answers, a standby or a
+    read-only primary included, and maintd would keep failing there ("cannot execute LISTEN during
+    recovery") however often it retried: maintd's writers ask for ``read-write`` themselves."""
 
     def __init__(self, dsn: str):
         self._dsn = libpq_dsn(dsn)
         params = conninfo_to_dict(self._dsn)
+        if "," in str(params.get("host") or params.get("hostaddr") or "") and "target_session_attrs" not in params:
+            params["target_session_attrs"] = "read-write"
+            self._dsn = make_conninfo("", **params)
         hosts = str(params.get("host") or "").split(",")
         ports = str(params.get("port") or "").split(",")
         if len(ports) == 1:

@@ -103,6 +103,9 @@ class Metrics:
         self.oldest_available_age = bound(Gauge, "maintd_oldest_available_job_age_seconds",
                                           "Age of the oldest available job per queue.", ("queue",))
         self.up = bound(Gauge, "maintd_database_up", "1 while the daemon's database connection is healthy.")
+        self.writable = bound(Gauge, "maintd_database_writable", "1 while the database takes writes "
+                              "(0: a standby, or a primary set read-only; maintenance is paused).")
+        self.writable.set(1)
         for gauge in (self.is_leader, self.leadership_changes, self.up):
             gauge.labels()  # unlabelled series of this target exist from the start
 

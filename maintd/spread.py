@@ -107,8 +107,8 @@ class Spread:
         self._lost: dict[str, tuple[int, float]] = {}  # own targets: (tries lost in a row, next try)
         self._over_since: float | None = None
         self._handed_at = float("-inf")
-        self.join = join
-        self._join_until = time.monotonic() + join
+        self.join = join if len(self.units) > 1 else 0.0  # one target: nothing to spread
+        self._join_until = time.monotonic() + self.join
         self._lock = threading.Lock()
 
     def hold(self) -> None:

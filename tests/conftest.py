@@ -201,3 +201,30 @@ def maintd_log() -> Iterator[list[str]]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+@pytest.fixture
+def make_private_pg(pg_version: int) -> Iterator:
+    """``make_private_pg(settings)``: a started PostgreSQL of this test's own with those server
+    settings (same major version as the suite's), stopped and removed afterwards."""
+    made: list[EmbeddedPostgres] = []
+
+    def make(settings: dict[str, str] | None = None) -> EmbeddedPostgres:
+        embedded = _version_of(_bin_dir())
+        if embedded == pg_version:
+            pg = EmbeddedPostgres(settings=settings)
+        else:
+            bin_dir = server_bin_dir(pg_version)
+            if bin_dir is None:
+                message = f"needs PostgreSQL {pg_version} binaries for a private server (set MAINTD_TEST_PG_BIN)"
+                if os.environ.get("CI", "").lower() == "true":
+                    pytest.fail(message)
+                pytest.skip(message)
+            pg = PostgresOf(bin_dir, settings=settings)
+        made.append(pg)
+        pg.start()
+        return pg
+
+    yield make
+    for pg in made:
+        pg.cleanup()

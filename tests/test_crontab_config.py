@@ -134,11 +134,11 @@ def test_a_failing_entry_does_not_starve_the_others(pg_dsn, schema, engine, sett
 def test_sighup_reloads_the_crontab_file(tmp_path, pg_dsn, schema):
     cfg = write_config(tmp_path, pg_dsn, schema, "0 4 * * * first\n", '[http]\nenabled = false\n')
     daemon = Daemon(load_settings(cfg), config_path=cfg)
-    assert [e.id for e in daemon.runner.services["periodic"].config] == ["first"]
+    assert [e.id for e in daemon.targets[0].runner.services["periodic"].config] == ["first"]
     (tmp_path / "jobs.crontab").write_text("0 4 * * * first\n0 5 * * * second\n")
     assert daemon.reload_from_file()
-    assert [e.id for e in daemon.runner.services["periodic"].config] == ["first", "second"]
+    assert [e.id for e in daemon.targets[0].runner.services["periodic"].config] == ["first", "second"]
     (tmp_path / "jobs.crontab").write_text("0 4 * * * first\n99 5 * * * broken\n")
     assert not daemon.reload_from_file()  # rejected: the old entries stay
-    assert [e.id for e in daemon.runner.services["periodic"].config] == ["first", "second"]
-    daemon.engine.dispose()
+    assert [e.id for e in daemon.targets[0].runner.services["periodic"].config] == ["first", "second"]
+    daemon.stop()

@@ -196,7 +196,7 @@ def start_daemon(settings: Settings, **updates: Any) -> Daemon:
     daemon.start()
     try:
         wait_for(lambda: daemon.is_leader, 15, what="leadership")
-        wait_for(lambda: {"cleaner", "rescuer", "scheduler"} <= set(daemon.runner.last_runs), 15,
+        wait_for(lambda: {"cleaner", "rescuer", "scheduler"} <= set(daemon.targets[0].runner.last_runs), 15,
                  what="a pass of each service")
     except BaseException:
         daemon.stop()
@@ -268,7 +268,7 @@ def test_overview_shows_leader_services_queues_periodic_and_discarded(browser, s
     try:
         follower = Daemon(changed(settings, instance_id="test-2", periodic=PERIODIC))
         follower.start()
-        wait_for(lambda: "periodic" in daemon.runner.last_runs, 15, what="a periodic pass")
+        wait_for(lambda: "periodic" in daemon.targets[0].runner.last_runs, 15, what="a periodic pass")
         wait_for(lambda: _replicas(engine, schema) == 2, 15, what="both replicas registered")
         seed_workload(engine, schema)
         browser.get(f"http://127.0.0.1:{daemon.http_port}/")
@@ -658,7 +658,7 @@ def write_readme_screenshot(path: str, dsn: str) -> None:
     follower.start()
     driver = make_browser()
     try:
-        wait_for(lambda: "periodic" in daemon.runner.last_runs, 15, what="a periodic pass")
+        wait_for(lambda: "periodic" in daemon.targets[0].runner.last_runs, 15, what="a periodic pass")
         seed_workload(engine, schema)
         wait_for(lambda: _replicas(engine, schema) == 2, 15, what="both replicas registered")
         driver.get(f"http://127.0.0.1:{daemon.http_port}/?refresh=0")

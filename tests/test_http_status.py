@@ -35,7 +35,7 @@ def test_http_endpoints_and_metrics(settings, schema):
     try:
         port = daemon.http_port
         wait_for(lambda: daemon.is_leader, 10, what="leadership")
-        wait_for(lambda: "cleaner" in daemon.runner.last_runs, 10, what="a cleaner pass")
+        wait_for(lambda: "cleaner" in daemon.targets[0].runner.last_runs, 10, what="a cleaner pass")
         assert _get(port, "/healthz") == (200, "ok\n")
         assert _get(port, "/readyz")[0] == 200
         status, body = _get(port, "/metrics")
@@ -62,20 +62,22 @@ def test_http_endpoints_and_metrics(settings, schema):
         # An election loop that stops making progress (a hanging connection) is unhealthy.
         # (The election loop itself stamps last_progress on every turn, so set it right before
         # each request until one lands in between.)
+        loop = daemon.loops[0]
+
         def stalled():
-            daemon.elector.last_progress = time.monotonic() - 60
+            loop.last_progress = time.monotonic() - 60
             return _get(port, "/healthz")
 
         status, body = wait_for(lambda: (lambda r: r if r[0] == 503 else None)(stalled()), 5,
                                 what="a stalled /healthz")
         assert "stalled" in body
-        daemon.elector.last_progress = time.monotonic()
-        daemon.elector.healthy = False  # what the elector reports while the database is unreachable
+        loop.last_progress = time.monotonic()
+        daemon.targets[0].db_ok = False  # what the loop reports while the database is unreachable
         # Liveness is the process and its loops; the database is readiness's business (a grant
         # problem or an outage must not make Kubernetes restart the pod).
         assert _get(port, "/healthz") == (200, "ok\n")
         assert _get(port, "/readyz")[0] == 503
-        daemon.elector.healthy = True
+        daemon.targets[0].db_ok = True
     finally:
         daemon.stop()
     assert not daemon.is_leader

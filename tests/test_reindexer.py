@@ -211,6 +211,7 @@ def test_runner_does_not_schedule_it_when_disabled(pg_dsn, schema, settings, eng
     runner.start()
     try:
         runner.activate(NoFence())
+        wait_for(lambda: runner.timetable.get_job("cleaner"), 5, what="the term's services scheduled")
         assert "reindexer" not in {j.id for j in runner.timetable.get_jobs()}
         wait_for(lambda: runner.clock.skew() is not None, 10, what="the server's time read by a pass")
         settings.reindexer.enabled = True
@@ -257,7 +258,8 @@ def test_its_cron_slots_are_the_server_s_time_not_the_host_s(pg_dsn, schema, set
     runner.start()
     try:
         runner.activate(NoFence())
-        assert isinstance(runner.timetable.get_job("reindexer").trigger, DateTrigger)
+        job = wait_for(lambda: runner.timetable.get_job("reindexer"), 5, what="the term's services scheduled")
+        assert isinstance(job.trigger, DateTrigger)
         clock.known.set()
         wait_for(lambda: isinstance(runner.timetable.get_job("reindexer").trigger, ScheduleTrigger), 5,
                  what="the reindexer scheduled on the server's time")

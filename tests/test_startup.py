@@ -59,4 +59,4 @@ def test_a_reload_of_a_restart_only_key_says_it_needs_a_restart(pg_dsn, schema, 
         assert daemon.settings.leader.lease.total_seconds() == 10  # kept
         assert daemon.settings.cleaner.interval.total_seconds() == 7  # applied
     finally:
-        daemon.engine.dispose()
+        daemon.stop()

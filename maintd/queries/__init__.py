@@ -28,7 +28,6 @@ statement is rendered; each fragment used by more than one statement is defined 
 
 from __future__ import annotations
 
-import functools
 import re
 
 from sqlalchemy import TextClause, text
@@ -122,7 +121,6 @@ def for_queue(template: str) -> str:
     return template.replace("{target_queues}", ONE_QUEUE)
 
 
-@functools.lru_cache(maxsize=1024)
 def render(template: str, schema: str) -> str:
     """The statement for one schema, placeholders filled in."""
     for name, fragment in FRAGMENTS.items():
@@ -130,13 +128,34 @@ def render(template: str, schema: str) -> str:
     return template.replace("{schema}", quote_ident(schema))
 
 
-@functools.lru_cache(maxsize=1024)
 def sql(template: str, schema: str) -> TextClause:
-    """A SQLAlchemy ``text()`` for a statement, cached per (statement, schema)."""
+    """A SQLAlchemy ``text()`` for a statement (rendered anew: code that runs often holds a
+    :class:`Statements`)."""
     return text(render(template, schema))
 
 
-@functools.lru_cache(maxsize=256)
 def psycopg_sql(template: str, schema: str = "maintd") -> str:
     """The statement with ``:name`` turned into psycopg's ``%(name)s`` (and ``%`` escaped)."""
     return _PARAM.sub(r"%(\1)s", render(template, schema).replace("%", "%%"))
+
+
+class Statements:
+    """The statements of one schema, each rendered once (a target holds one: no cache is shared
+    by targets, so none thrashes however many there are)."""
+
+    def __init__(self, schema: str):
+        self.schema = schema
+        self._text: dict[str, TextClause] = {}
+        self._psql: dict[str, str] = {}
+
+    def sql(self, template: str) -> TextClause:
+        found = self._text.get(template)
+        if found is None:
+            found = self._text[template] = sql(template, self.schema)
+        return found
+
+    def psql(self, template: str) -> str:
+        found = self._psql.get(template)
+        if found is None:
+            found = self._psql[template] = psycopg_sql(template, self.schema)
+        return found

@@ -34,3 +34,13 @@ SELECT instance_id, host, pid, version, started_at,
 LIVE_REPLICAS = """
 SELECT instance_id FROM {schema}.daemons d WHERE """ + LIVE_SESSION + """ ORDER BY instance_id
 """
+
+# Another live daemon with this instance id on this database (its session named after it), and
+# where it said it runs (its row in this schema, if it registered here).
+DUPLICATE = """
+SELECT d.host, d.pid, host(a.client_addr) AS addr
+  FROM pg_stat_activity a
+  JOIN {schema}.daemons d ON d.instance_id = :instance
+ WHERE a.datname = current_database() AND a.application_name = left('maintd:' || :instance, 63)
+ LIMIT 1
+"""

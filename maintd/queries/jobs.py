@@ -337,6 +337,12 @@ NOTIFY_QUEUES = "SELECT pg_notify(:channel, q) FROM unnest(CAST(:queues AS text[
 
 # The next due time the daemon can wait for: a row due at 'infinity' (or past year 9999) is never
 # due, and one due at '-infinity' is promoted by the batch; neither is a time to wait for.
+# The next due time of a schema, as a column of maintd.probes.DueProbe's statement over many
+# schemas (one probe of jobs_scheduled_idx each).
+NEXT_DUE = """(SELECT min(scheduled_at) FROM {schema}.jobs
+  WHERE state IN ('scheduled', 'retryable')
+    AND scheduled_at >= '0001-01-02 00:00:00+00' AND scheduled_at < '9999-12-31 00:00:00+00')"""
+
 SCHEDULER_NEXT_DUE = """
 SELECT min(scheduled_at) FROM {schema}.jobs
  WHERE state IN ('scheduled', 'retryable')

@@ -121,8 +121,9 @@ class PeriodicEnqueuer(Service):
         only delays a change: a new row is baselined or backfilled from its change."""
         return self._quiet_until
 
-    def poke(self) -> None:
+    def poke(self) -> bool:
         self._quiet_until = None
+        return True
 
     def _quiet_after(self, now: datetime, entries: list[Entry], result: PeriodicResult) -> None:
         if result.failed() or result.invalid_rows or result.dry_run:
