@@ -31,6 +31,7 @@ from .db import advisory_key, describe_db_error, make_engine, quote_ident, sessi
 from .queries import sql
 from .http import HttpError, Request, Response
 from .queries import FINAL_STATES, JOB_STATES
+from .pass_summary import describe
 from .schedules import parse_schedule
 from .queries import daemons as q_daemons
 from .queries import periodic_jobs as q_periodic
@@ -171,14 +172,15 @@ def queue_table(conn: Connection, schema: str, now: datetime, cap: int = CAP) ->
 
 
 def leadership(conn: Connection, schema: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-    """(the leader whose session holds the lock, or None; the live replicas)."""
+    """(the leader whose session holds the lock, or None; the replicas registered in the last hour,
+    each ``alive`` while its lock session is connected: a killed one reads as gone at once)."""
     classid, objid = advisory_key(schema)
     row = conn.execute(sql(q_leader.CURRENT, schema), {"classid": classid, "objid": objid}).mappings().first()
     leader = dict(row) if row and row["instance_id"] and row["released_at"] is None \
         and row["holds_lock"] else None
-    daemons = [dict(r) for r in conn.execute(sql(q_daemons.LIVE, schema)).mappings()]
+    daemons = [dict(r) for r in conn.execute(sql(q_daemons.REGISTERED, schema)).mappings()]
     for d in daemons:
-        d["is_leader"] = bool(leader and leader["instance_id"] == d["instance_id"])
+        d["is_leader"] = bool(d["alive"] and leader and leader["instance_id"] == d["instance_id"])
     return leader, daemons
 
 
@@ -187,8 +189,7 @@ def service_runs(conn: Connection, schema: str) -> list[dict[str, Any]]:
     for r in conn.execute(sql(q_runs.ALL, schema)).mappings():
         run = dict(r)
         run["duration"] = (r["finished_at"] - r["started_at"]).total_seconds()
-        run["summary"] = ", ".join(f"{k} {v}" for k, v in (r["result"] or {}).items()
-                                   if isinstance(v, (int, float, str)) and not isinstance(v, bool))
+        run["summary"] = describe(r["service"], r["result"])
         runs.append(run)
     return runs
 
