@@ -533,6 +533,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_OK
+    except BrokenPipeError:  # `maintd jobs list | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except Exception as exc:  # one clear line, never a stack trace or a password
         from .db import describe_db_error
 

@@ -338,6 +338,57 @@ def test_cli_list_filters_and_prints_a_table_or_json(engine, schema, cli):
     assert cli("list", "--state", "nope")[0] == 2
 
 
+def test_list_reads_keyset_pages_newest_first_without_repeats(engine, schema):
+    ids = add(engine, schema, "available", queue="mail", n=7) + add(engine, schema, "completed", queue="pdf", n=4)
+    mail = sorted(ids[:7], reverse=True)
+    with engine.connect() as conn:
+        for limit in (1, 3, 5, 6, 7, 100):
+            got = [j["id"] for j in admin.iter_jobs(conn, schema, admin.Filter(queue="mail"), limit, page=3)]
+            assert got == mail[:limit], limit
+        everything = [j["id"] for j in admin.iter_jobs(conn, schema, admin.Filter(), 1000, page=2)]
+    assert everything == sorted(ids, reverse=True)
+
+
+STREAM_ROWS = 200_000
+
+
+@pytest.mark.slow
+def test_cli_list_memory_stays_flat_at_any_limit(pg_dsn, engine, schema, cfg):
+    """Issue 28 row 7: `jobs list --limit 100000000` on 200 k rows took 401 MB RSS (650 MB with
+    --json). Each run's peak RSS (ru_maxrss of the process, measured by a parent of its own) at
+    an unbounded limit stays within 40 MB of a run listing 100 jobs."""
+    import subprocess
+    import sys
+
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, args, errors) SELECT 'k.' || (g % 7), 'q', "
+                         "jsonb_build_object('n', g), jsonb_build_array(jsonb_build_object('error', repeat('e', 200)))"
+                         " FROM generate_series(1, :n) g", schema), {"n": STREAM_ROWS})
+    measure = ("import resource, subprocess, sys\n"
+               "out = open(sys.argv[1], 'wb')\n"
+               "rc = subprocess.run(sys.argv[2:], stdout=out).returncode\n"
+               "print(rc, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+
+    def peak(tmp: str, *argv: str) -> tuple[int, str]:
+        res = subprocess.run([sys.executable, "-c", measure, tmp, sys.executable, "-m", "maintd", "--config", cfg,
+                              "jobs", "list", *argv], capture_output=True, text=True, timeout=600)
+        rc, kb = res.stdout.split()
+        assert rc == "0", res.stderr
+        return int(kb) // 1024, open(tmp).read()
+
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        out = f"{d}/out"
+        small, _ = peak(out, "--limit", "100", "--json")
+        for fmt in ((), ("--json",)):
+            big, text_out = peak(out, "--limit", "100000000", *fmt)
+            listed = len(json.loads(text_out)) if fmt else len(text_out.splitlines()) - 1
+            assert listed == STREAM_ROWS
+            print(f"jobs list {' '.join(fmt) or '(text)'}: peak RSS {small} MB at --limit 100, "
+                  f"{big} MB at --limit 100000000 ({STREAM_ROWS:,} rows)")
+            assert big < small + 40, (fmt, small, big)
+
+
 def test_cli_show_prints_args_metadata_errors(engine, schema, cli):
     with engine.begin() as conn:
         job_id = JobQueue(schema).enqueue(conn, "send", {"to": "a@b"}, queue="mail", metadata={"m": 1})
