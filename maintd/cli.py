@@ -437,6 +437,10 @@ def cmd_periodic(args: argparse.Namespace) -> int:
     from .db import make_engine
 
     settings = _load(args)
+    configured = {e.id: e for e in settings.periodic_entries}
+    if args.periodic_action != "list" and args.id in configured:
+        print(f"maintd periodic: error: {_configured_elsewhere(configured[args.id], args)}", file=sys.stderr)
+        return EXIT_USAGE
     if args.periodic_action == "add":
         try:
             job = table.validated(_periodic_values(args))
@@ -461,8 +465,29 @@ def cmd_periodic(args: argparse.Namespace) -> int:
             what = "resumed" if enabled else "paused"
     finally:
         engine.dispose()
-    print(f"periodic {args.id}: {what if done or args.periodic_action == 'add' else 'not found'}")
+    if not done and args.periodic_action != "add":
+        print(f"maintd periodic: error: periodic {args.id}: not found (`maintd periodic list` shows the ids)",
+              file=sys.stderr)
+        return EXIT_FAILURE
+    print(f"periodic {args.id}: {what}")
     return EXIT_OK if done else EXIT_FAILURE
+
+
+def _configured_elsewhere(entry, args: argparse.Namespace) -> str:
+    """Why ``periodic pause|resume|remove|add ID`` cannot act on an entry of the config or the
+    crontab file (rows of periodic_jobs are what it changes; the files win over rows)."""
+    action = args.periodic_action
+    if entry.cron_args:
+        where = f"a line of the crontab file ({entry.line})"
+        how = {"pause": "comment the line out", "resume": "uncomment the line",
+               "remove": "delete the line"}.get(action, "remove the line or choose another id")
+    else:
+        path = args.config or os.environ.get("MAINTD_CONFIG") or "the config file"
+        where = f"a [[periodic]] entry of {path}"
+        how = {"pause": "set enabled = false in it", "resume": "set enabled = true in it",
+               "remove": "delete the entry"}.get(action, "remove the entry or choose another id")
+    return (f"periodic {entry.id} is {where}, not a row of periodic_jobs: {how}, then reload the "
+            "daemons (SIGHUP)")
 
 
 def _periodic_values(args: argparse.Namespace) -> dict:

@@ -61,3 +61,43 @@ def test_a_killed_replica_is_shown_gone_as_soon_as_its_session_is(pg_dsn, schema
         if follower is not None:
             follower.stop()
         leader.stop()
+
+
+# -- row 11: periodic pause on an entry of the config or the crontab file ------------------------
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    """``maintd ...`` in this process, with its exit code, stdout and stderr."""
+    import contextlib
+    import io
+
+    from maintd.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(list(argv))
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_periodic_pause_on_a_file_entry_says_to_edit_that_file(pg_dsn, schema, tmp_path):
+    """The issue: "not found" although `periodic list` shows the entry."""
+    (tmp_path / "maintd.crontab").write_text("# nightly\n0 4 * * * send_report ?id=nightly\n")
+    cfg = tmp_path / "maintd.toml"
+    cfg.write_text(f'database_url = "{pg_dsn}"\nschema = "{schema}"\ncrontab = "maintd.crontab"\n'
+                   '[[periodic]]\nid = "hourly"\nschedule = "@hourly"\nkind = "tick"\n')
+    rc, out, _ = _cli("--config", str(cfg), "periodic", "list")
+    assert rc == 0 and "nightly" in out and "hourly" in out
+    rc, out, err = _cli("--config", str(cfg), "periodic", "pause", "nightly")
+    assert rc == 2 and out == "", err
+    assert f"{tmp_path / 'maintd.crontab'}:2" in err and "comment the line out" in err and "SIGHUP" in err
+    rc, _, err = _cli("--config", str(cfg), "periodic", "remove", "hourly")
+    assert rc == 2 and str(cfg) in err and "delete the entry" in err, err
+    rc, _, err = _cli("--config", str(cfg), "periodic", "pause", "hourly")
+    assert rc == 2 and "enabled = false" in err, err
+    rc, _, err = _cli("--config", str(cfg), "periodic", "add", "nightly", "--schedule", "@daily", "--kind", "k")
+    assert rc == 2 and "not a row of periodic_jobs" in err, err
+    # A row is still paused as before; an unknown id is still "not found".
+    assert _cli("--config", str(cfg), "periodic", "add", "rowly", "--schedule", "@daily", "--kind", "k")[0] == 0
+    assert _cli("--config", str(cfg), "periodic", "pause", "rowly")[:2] == (0, "periodic rowly: paused\n")
+    rc, out, err = _cli("--config", str(cfg), "periodic", "pause", "nope")
+    assert rc == 1 and out == "" and "periodic nope: not found" in err
