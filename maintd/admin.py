@@ -41,6 +41,7 @@ from .queries import FINAL_STATES, JOB_STATES
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 DEFAULT_BATCH = 1000
+MAX_BATCH = 1_000_000  # jobs per transaction at most
 LIST_PAGE = 1000  # jobs per page of `maintd jobs list` (one short transaction each)
 KEEP_LISTED = 10_000  # changed/skipped jobs kept for the output (counts are always exact)
 TEXT_ROWS = 20  # rows per section in the text output; --json lists up to KEEP_LISTED
@@ -64,6 +65,8 @@ class Report:
     dry_run: bool
     changed_count: int = 0
     skipped_count: int = 0
+    not_found: list[int] = field(default_factory=list)  # ids given that no job has (at most KEEP_LISTED)
+    not_found_count: int = 0
     batches: int = 0
     transitions: Counter = field(default_factory=Counter)  # (queue, from, to) -> jobs
     changed: list[dict[str, Any]] = field(default_factory=list)
@@ -86,7 +89,7 @@ class Report:
     def as_json(self) -> dict[str, Any]:
         return {
             "action": self.action, "dry_run": self.dry_run, "changed": self.changed_count,
-            "skipped": self.skipped_count, "batches": self.batches,
+            "skipped": self.skipped_count, "not_found": self.not_found_count, "batches": self.batches,
             "by_queue": [{"queue": q, "from": f, "to": t, "count": n}
                          for (q, f, t), n in sorted(self.transitions.items())],
             "jobs": self.changed, "skipped_jobs": self.skipped,
@@ -147,6 +150,9 @@ def run_ids(conn: Connection, schema: str, action: Action, ids: Iterable[int],
         for job_id in chunk:
             if job_id not in found:
                 report.add_skipped(job_id, None, "not found")
+                report.not_found_count += 1
+                if len(report.not_found) < KEEP_LISTED:
+                    report.not_found.append(job_id)
 
 
 def run_filter(conn: Connection, schema: str, action: Action, flt: Filter,
@@ -387,8 +393,8 @@ def plan_command(args: argparse.Namespace) -> Callable[[Connection, str], int]:
         return functools.partial(_cmd_list, flt=flt, limit=args.limit, as_json=args.json)
     if cmd == "show":
         return functools.partial(_cmd_show, job_id=args.id, as_json=args.json)
-    if args.batch_size < 1:
-        raise UsageError("--batch-size must be at least 1")
+    if not 1 <= args.batch_size <= MAX_BATCH:
+        raise UsageError(f"--batch-size must be between 1 and {MAX_BATCH:,}")
     if bool(args.ids) == bool(flt):
         raise UsageError("give job ids or at least one of --state/--queue/--kind (not both)")
     return functools.partial(_cmd_action, name=cmd, ids=args.ids, flt=flt,
@@ -415,6 +421,14 @@ def _cmd_show(conn: Connection, schema: str, *, job_id: int, as_json: bool) -> i
 
 
 def _cmd_action(conn: Connection, schema: str, *, name: str, as_json: bool, **kw: Any) -> int:
+    """Exit 0 when every job was found (skipped running or locked jobs are reported, not
+    failures), 1 when a job id given does not exist: a typo or a job the cleaner deleted is
+    something the operator must see."""
     report = run_action(conn, schema, name, **kw)
     print(_json(report.as_json()) if as_json else format_report(report))
+    if report.not_found_count:
+        ids = ", ".join(str(i) for i in report.not_found[:TEXT_ROWS])
+        more = f" and {report.not_found_count - TEXT_ROWS} more" if report.not_found_count > TEXT_ROWS else ""
+        print(f"maintd jobs: error: no job {ids}{more} (deleted by the cleaner, or never there)", file=sys.stderr)
+        return EXIT_FAILURE
     return EXIT_OK

@@ -168,7 +168,7 @@ def _add_jobs_parser(sub) -> None:
     filters(lst)
     lst.add_argument("--limit", type=int, default=50, help="at most N jobs (default 50)")
     show = acts.add_parser("show", help="one job with args, metadata and errors")
-    show.add_argument("id", type=int, metavar="ID")
+    show.add_argument("id", type=job_id, metavar="ID")
     show.add_argument("--json", action="store_true", help="print JSON")
     for name, text in (("retry", "make jobs available now (final ones too)"),
                        ("cancel", "cancel available/scheduled/retryable jobs"),
@@ -177,7 +177,7 @@ def _add_jobs_parser(sub) -> None:
                        ("reschedule", "change run time, priority, max attempts of waiting jobs")):
         a = acts.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}: by ids, or "
                             "by filters in batches of --batch-size jobs, one transaction each.")
-        a.add_argument("ids", type=int, nargs="+" if name == "reschedule" else "*", metavar="ID")
+        a.add_argument("ids", type=job_id, nargs="+" if name == "reschedule" else "*", metavar="ID")
         if name == "reschedule":
             a.add_argument("--at", required=True, metavar="TIME",
                            help="ISO 8601 time (UTC if no offset), 'now', or '+30m' from now")
@@ -191,6 +191,17 @@ def _add_jobs_parser(sub) -> None:
         a.add_argument("--dry-run", action="store_true", help="print what would change, change nothing")
         a.add_argument("--batch-size", type=int, default=1000, metavar="N",
                        help="jobs per transaction (default 1000)")
+
+
+def job_id(text: str) -> int:
+    """A job id argument: a bigint above 0 (argparse turns the error into exit 2)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"job id {text!r} is not a whole number") from None
+    if not 1 <= n <= 2**63 - 1:
+        raise argparse.ArgumentTypeError(f"job id {text} is out of range (1 to {2**63 - 1}, a bigint)")
+    return n
 
 
 def _load(args: argparse.Namespace) -> Settings:

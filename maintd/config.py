@@ -390,6 +390,11 @@ with warnings.catch_warnings():
         def _schema(cls, v: str) -> str:
             return validate_identifier(v, "schema name")
 
+        @field_validator("database_url")
+        @classmethod
+        def _dsn(cls, v: SecretStr | None) -> SecretStr | None:
+            return None if v is None else check_dsn(v)
+
         @field_validator("name")
         @classmethod
         def _name(cls, v: str | None) -> str | None:
@@ -451,12 +456,7 @@ with warnings.catch_warnings():
         @field_validator("database_url")
         @classmethod
         def _dsn(cls, v: SecretStr) -> SecretStr:
-            raw = v.get_secret_value()
-            if not raw.strip():
-                raise ValueError("database_url is empty")
-            if "://" in raw and not re.match(r"^postgres(ql)?(\+psycopg)?://", raw):
-                raise ValueError("database_url must be a postgresql:// URL or a libpq key=value string")
-            return v
+            return check_dsn(v)
 
         @model_validator(mode="after")
         def _periodic_ids(self) -> "Settings":
@@ -581,6 +581,27 @@ def _load_crontab(path: str, taken: set[str]) -> list[CrontabJob]:
         except ValidationError as exc:
             raise ValueError(f"crontab: {e.source}:{e.line}: {exc.errors()[0]['msg']}") from None
     return jobs
+
+
+def check_dsn(v: SecretStr) -> SecretStr:
+    """A database_url libpq can parse (``postgresql://`` URL or ``key=value`` string) with numeric
+    ports; the problem never quotes the URL (it holds the password)."""
+    import psycopg.conninfo
+
+    raw = v.get_secret_value()
+    if not raw.strip():
+        raise ValueError("database_url is empty")
+    if "://" in raw and not re.match(r"^postgres(ql)?(\+psycopg2?)?://", raw):
+        raise ValueError("must be a postgresql:// URL or a libpq key=value string")
+    try:
+        params = psycopg.conninfo.conninfo_to_dict(re.sub(r"^postgres(ql)?\+psycopg2?://", "postgresql://", raw))
+    except psycopg.ProgrammingError as exc:
+        reason = re.sub(r'"[^"]*(://|@)[^"]*"', "the URL", str(exc).strip().splitlines()[0])
+        raise ValueError(f"not a postgresql:// URL or libpq key=value string ({reason})") from None
+    for port in str(params.get("port") or "").split(","):
+        if port and not (port.isdigit() and 1 <= int(port) <= 65535):
+            raise ValueError(f"port {port!r} is not a number from 1 to 65535")
+    return v
 
 
 def redact_dsn(dsn: str) -> str:

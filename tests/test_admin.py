@@ -405,8 +405,8 @@ def test_cli_show_prints_args_metadata_errors(engine, schema, cli):
 def test_cli_cancel_by_ids_reports_changed_and_skipped(engine, schema, cli):
     ids = one_of_each(engine, schema)
     before = rows(engine, schema)
-    rc, out, _ = cli("cancel", *map(str, ids.values()), "424242")
-    assert rc == 0
+    rc, out, err = cli("cancel", *map(str, ids.values()), "424242")
+    assert rc == 1 and "no job 424242 (deleted by the cleaner, or never there)" in err  # a missing id fails
     assert out.startswith("3 jobs cancelled:")
     assert f"{ids['scheduled']}" in out and "scheduled -> cancelled" in out
     assert "5 jobs skipped:" in out and "running: maintd never touches a running job" in out
@@ -467,16 +467,35 @@ def test_cli_reschedule(engine, schema, cli):
     ("reschedule", "1", "--at", "tomorrow-ish"),
     ("reschedule", "1", "--at", "now", "--priority", "40000"),
     ("list", "--limit", "0"),
+    ("delete", "--state", "completed", "--batch-size", "1000001"),
 ])
 def test_cli_usage_errors_exit_2(cli, argv):
     rc, out, err = cli(*argv)
     assert rc == 2 and out == "" and "error" in err
 
 
-def test_cli_argparse_errors_exit_2(cli):
+def test_cli_argparse_errors_exit_2(cli, capsys):
     with pytest.raises(SystemExit) as exc:
         cli("reschedule", "1")  # --at is required
     assert exc.value.code == 2
+    # Issue 28 row 12: an id out of bigint's range was "bigint out of range", exit 1.
+    for argv in (("retry", "99999999999999999999"), ("show", "0"), ("cancel", "12a")):
+        with pytest.raises(SystemExit) as exc:
+            cli(*argv)
+        assert exc.value.code == 2, argv
+        err = capsys.readouterr().err
+        assert "argument ID: job id" in err and ("out of range" in err or "not a whole number" in err), err
+
+
+def test_cli_action_on_ids_that_do_not_exist_exits_1_and_names_them(engine, schema, cli):
+    """Issue 28: `jobs retry 999999` (no such job) exited 0; "prints what it changed" (SPEC 7.5)
+    must not hide that nothing was there to change."""
+    (job,) = add(engine, schema, "discarded")
+    rc, out, err = cli("retry", "999999", str(job))
+    assert rc == 1 and "1 job retried" in out and "no job 999999" in err
+    data = json.loads(cli("retry", "999998", "--json")[1])
+    assert data["not_found"] == 1 and data["changed"] == 0
+    assert cli("retry", str(job))[0] == 0  # found (and skipped: nothing to do for an available job)
 
 
 def test_cli_on_a_schema_without_the_functions_exits_1(pg_dsn, schema, cli):

@@ -101,3 +101,42 @@ def test_periodic_pause_on_a_file_entry_says_to_edit_that_file(pg_dsn, schema, t
     assert _cli("--config", str(cfg), "periodic", "pause", "rowly")[:2] == (0, "periodic rowly: paused\n")
     rc, out, err = _cli("--config", str(cfg), "periodic", "pause", "nope")
     assert rc == 1 and out == "" and "periodic nope: not found" in err
+
+
+# -- row 12 and the smaller items: exit codes, and errors that say what fixes them -----------------
+
+
+def _config(tmp_path, dsn: str, schema: str) -> str:
+    cfg = tmp_path / "maintd.toml"
+    cfg.write_text(f'database_url = "{dsn}"\nschema = "{schema}"\ninstance_id = "{unique("truth")}"\n'
+                   '[leader]\nlease = "3s"\nrenew_interval = "1s"\nretry_interval = "0.2s"\n')
+    return str(cfg)
+
+
+def test_a_malformed_database_url_is_a_config_error(monkeypatch):
+    for url in ("not a url", "postgresql://u:hunter2@db:99999/app", "postgresql://u:hunter2@[::1/app"):
+        monkeypatch.setenv("MAINTD_DATABASE_URL", url)
+        for argv in (("check-config",), ("status",), ("jobs", "list")):
+            rc, out, err = _cli(*argv)
+            assert rc == 2 and "database_url" in err and "hunter2" not in err, (url, argv, err)
+
+
+def test_an_unmigrated_schema_says_run_migrate_first_everywhere(pg_dsn, tmp_path):
+    cfg = _config(tmp_path, pg_dsn, f"t_{uuid.uuid4().hex[:12]}")  # no such schema
+    for argv in (("jobs", "list"), ("jobs", "show", "1"), ("jobs", "retry", "1"), ("status",),
+                 ("periodic", "list"), ("run-once", "cleaner", "--dry-run"), ("run-once", "scheduler")):
+        rc, out, err = _cli("--config", cfg, *argv)
+        assert rc == 1 and "run `maintd migrate` first" in out + err, (argv, rc, out, err)
+        assert "Traceback" not in err
+
+
+def test_an_error_a_grant_fixes_names_maintd_grants(pg_dsn, schema, tmp_path):
+    from .test_grants import login_role, role_dsn
+
+    with login_role(pg_dsn, "no_grants") as role:
+        cfg = _config(tmp_path, role_dsn(pg_dsn, role), schema)
+        for argv in (("jobs", "list"), ("status",), ("periodic", "list"), ("jobs", "retry", "1"),
+                     ("run-once", "cleaner", "--dry-run")):
+            rc, out, err = _cli("--config", cfg, *argv)
+            text = out + err
+            assert rc == 1 and "permission denied" in text and "maintd grants ROLE --apply" in text, (argv, text)
