@@ -63,7 +63,9 @@ def _add_daemon_parsers(sub) -> None:
                                "reloads the config file.")
     r = sub.add_parser("run-once", help="run one pass of a service and print what it did",
                        description="Run one pass of SERVICE under the leader lock and print its "
-                                   "result as JSON. With --dry-run nothing is changed (and no lock "
+                                   "result as JSON: outcome, duration_seconds (the work, as "
+                                   "maintd_service_run_seconds measures it), the result, its counts and "
+                                   "a summary line. With --dry-run nothing is changed (and no lock "
                                    "is needed): it prints what the pass would do.")
     r.add_argument("service", metavar="SERVICE", choices=list(SERVICES),
                    help=", ".join(SERVICES))
@@ -299,6 +301,7 @@ def cmd_run_once(args: argparse.Namespace) -> int:
     from .clock import ServerClock
     from .leader import acquire_once
     from .logs import setup_logging
+    from .pass_summary import annotate
     from .passes import Outcome, execute_pass, maintenance_engine
     from .services.base import Fence, NoFence, PassContext
 
@@ -321,7 +324,10 @@ def cmd_run_once(args: argparse.Namespace) -> int:
                                        stop_event=stop_event)
         record = execute_pass(args.service, spec.cls(spec.section(settings)), ctx)
         out = {"service": args.service, "dry_run": args.dry_run, "outcome": record.outcome.value,
-               "result": record.result.as_dict() if record.result is not None else None}
+               # the work, as maintd_service_run_seconds measures it (the scheduler's waits left out)
+               "duration_seconds": round(record.seconds, 3),
+               "result": record.result.as_dict() if record.result is not None else None,
+               **annotate(args.service, record.result.as_dict() if record.result is not None else None)}
         if record.error:
             out["error"] = record.error
         print(json.dumps(out, indent=2, default=str))

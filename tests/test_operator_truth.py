@@ -140,3 +140,32 @@ def test_an_error_a_grant_fixes_names_maintd_grants(pg_dsn, schema, tmp_path):
             rc, out, err = _cli("--config", cfg, *argv)
             text = out + err
             assert rc == 1 and "permission denied" in text and "maintd grants ROLE --apply" in text, (argv, text)
+
+
+# -- run-once prints duration_seconds --------------------------------------------------------------
+
+
+def test_run_once_prints_the_duration_of_the_work(pg_dsn, schema, tmp_path, engine):
+    """duration_seconds is the work, as maintd_service_run_seconds measures it: a scheduler pass
+    with precise timing waits out its interval for due times, which is not work."""
+    import json
+
+    from maintd.queries import sql
+
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) "
+                         "VALUES ('k', 'scheduled', now() - interval '1 minute'),"
+                         "       ('k', 'scheduled', now() + interval '1.2 seconds')", schema))
+    cfg = _config(tmp_path, pg_dsn, schema)
+    with open(cfg, "a") as f:
+        f.write('[scheduler]\ninterval = "3s"\n')
+    started = time.monotonic()
+    rc, out, err = _cli("--config", cfg, "run-once", "scheduler")
+    took = time.monotonic() - started
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["counts"] == {"promoted": 2} and data["summary"].startswith("promoted 2 (default 2)")
+    slept = data["result"]["slept"]  # it waited for the second one to fall due: not work
+    assert 0 < data["duration_seconds"] < 0.5 < slept < took, (data, took)
+    rc, out, _ = _cli("--config", cfg, "run-once", "cleaner", "--dry-run")
+    assert rc == 0 and json.loads(out)["duration_seconds"] > 0
