@@ -637,7 +637,7 @@ def _format_errors(exc: ValidationError, data: dict[str, Any]) -> list[str]:
         if sub:  # a model check naming the precise key
             key = sub.group(1) if key == "config" else f"{key}.{sub.group(1)}"
             msg = msg[sub.end():]
-        problems.append(f"{key}: {msg}")
+        problems += [f"{key}: {line}" for line in msg.splitlines() if line.strip()]  # one per line
     return problems
 
 

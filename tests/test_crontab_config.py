@@ -71,6 +71,16 @@ def test_bad_crontab_lines_are_config_errors_naming_file_and_line(tmp_path, pg_d
     assert main(["--config", cfg, "check-config"]) == 2
 
 
+def test_every_bad_crontab_line_is_a_config_error_of_its_own(tmp_path, pg_dsn, schema):
+    """Issue 28: only the first bad line was reported."""
+    cfg = write_config(tmp_path, pg_dsn, schema, "-90 * * * * a\n0 4 * * * ok\n* * * * * b.c\n* * * * * d {x\n")
+    with pytest.raises(ConfigError) as err:
+        load_settings(cfg)
+    problems = err.value.problems
+    assert [p.split(": ", 2)[1].rsplit(":", 1)[1] for p in problems] == ["1", "3", "4"], problems
+    assert all(p.startswith("crontab: ") for p in problems)
+
+
 def test_crontab_and_periodic_share_one_id_space(tmp_path, pg_dsn, schema):
     cfg = write_config(tmp_path, pg_dsn, schema, "0 4 * * * report\n",
                        '[[periodic]]\nid = "report"\nschedule = "@hourly"\nkind = "r"\n')
