@@ -32,7 +32,15 @@ examples:
   maintd --config maintd.toml run-once cleaner --dry-run
   maintd --config maintd.toml status
 
-exit codes: 0 done, 1 runtime failure (database unreachable, ...), 2 bad configuration or usage
+exit codes: 0 done, 1 runtime failure, 2 bad configuration or usage (a malformed database_url,
+  an unknown option, a job id out of range, ...)
+
+an unreachable database (refused, no route, unknown host, no answer within connect_timeout 5 s):
+  maintd run      waits for it: retries with backoff (0.2 s doubling to 5 s) while /readyz answers
+                  503, and exits 1 only on what waiting cannot fix (a wrong password, a missing
+                  database or schema); once running it keeps retrying (a leader steps down)
+  other commands  try once and exit 1 with the error (status, jobs, periodic, run-once, migrate,
+                  grants --apply)
 """
 
 
@@ -60,7 +68,10 @@ def _add_daemon_parsers(sub) -> None:
                    description="Run the daemon: join the leader election, run the services while "
                                "leading, serve /metrics, /healthz, /readyz and /status. SIGTERM or "
                                "SIGINT stops it gracefully (releasing leadership at once); SIGHUP "
-                               "reloads the config file.")
+                               "reloads the config file. An unreachable database is waited for "
+                               "(retries with backoff, 0.2 s doubling to 5 s, /readyz 503 "
+                               "meanwhile); exit 1 only for what waiting cannot fix (a wrong "
+                               "password, a missing database or schema, the HTTP port taken).")
     r = sub.add_parser("run-once", help="run one pass of a service and print what it did",
                        description="Run one pass of SERVICE under the leader lock and print its "
                                    "result as JSON: outcome, duration_seconds (the work, as "

@@ -169,3 +169,53 @@ def test_run_once_prints_the_duration_of_the_work(pg_dsn, schema, tmp_path, engi
     assert 0 < data["duration_seconds"] < 0.5 < slept < took, (data, took)
     rc, out, _ = _cli("--config", cfg, "run-once", "cleaner", "--dry-run")
     assert rc == 0 and json.loads(out)["duration_seconds"] > 0
+
+
+# -- an unreachable database: one behaviour, and --help says it -------------------------------------
+
+
+@pytest.mark.slow
+def test_an_unreachable_database_is_waited_for_by_the_daemon_and_fails_commands_fast(tmp_path):
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: connections are refused
+    cfg = _config(tmp_path, f"postgresql://postgres@127.0.0.1:{port}/app", "maintd")
+    with open(cfg, "a") as f:
+        f.write('[http]\nlisten = "127.0.0.1:0"\n')
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        from maintd.cli import main
+        main(["--help"])
+    helptext = " ".join(out.getvalue().split())
+    assert "maintd run waits for it: retries with backoff" in helptext
+    assert "other commands try once and exit 1" in helptext
+
+    started = time.monotonic()
+    rc, _, err = _cli("--config", cfg, "status")
+    assert rc == 1 and "Connection refused" in err and time.monotonic() - started < 15
+
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("MAINTD_")}
+    log = tmp_path / "run.log"
+    with open(log, "wb") as out_f:
+        proc = subprocess.Popen([sys.executable, "-m", "maintd", "--config", cfg, "run"], stdout=out_f,
+                                stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_for(lambda: log.read_text().count("database unreachable, retrying") >= 3, 30,
+                 what="three retries")
+        assert proc.poll() is None  # still waiting, not exited
+        http = int(re.search(r"http listening address=\S+:(\d+)", log.read_text()).group(1))
+        with pytest.raises(urllib.error.HTTPError) as ready:
+            urllib.request.urlopen(f"http://127.0.0.1:{http}/readyz", timeout=5)
+        assert ready.value.code == 503
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
