@@ -604,6 +604,16 @@ def check_dsn(v: SecretStr) -> SecretStr:
     return v
 
 
+def periodic_counts(settings: "Settings") -> dict[str, int]:
+    """The periodic entries a config defines, over every target, for the start and reload log
+    lines: ``periodic`` (all), ``periodic_config`` ([[periodic]]) and ``crontab`` (its lines).
+    Rows of periodic_jobs are not config: the leader reads them as they change."""
+    targets = settings.target_settings()
+    crontab = sum(sum(1 for e in t.periodic_entries if e.cron_args) for t in targets)
+    total = sum(len(t.periodic_entries) for t in targets)
+    return {"periodic": total, "periodic_config": total - crontab, "crontab": crontab}
+
+
 def redact_dsn(dsn: str) -> str:
     """Mask the password of a URL or key=value DSN."""
     if "://" in dsn:

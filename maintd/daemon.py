@@ -22,7 +22,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 
 from .clock import Clock, ServerClock
-from .config import ConfigError, Settings, _target_settings, load_settings
+from .config import ConfigError, Settings, _target_settings, load_settings, periodic_counts
 from .dashboard import Dashboard
 from .db import HostOrder, connect, describe_db_error, ms
 from .http import HttpServer, as_json, metrics_body
@@ -314,8 +314,7 @@ class Daemon:
         self._reload_units(settings)
         setup_logging(settings.log.level, settings.log.format)
         enabled = [n for n, s in self.runner.services.items() if s.enabled()]
-        log.info("config reloaded", extra=kv(services=",".join(enabled) or "none",
-                                             periodic=len(settings.periodic)))
+        log.info("config reloaded", extra=kv(services=",".join(enabled) or "none", **periodic_counts(settings)))
 
     def _reload_units(self, settings: Settings) -> None:
         """Each unit gets its target's new sections; adding, removing or moving a target needs a
