@@ -103,7 +103,12 @@ def _add_setup_parsers(sub) -> None:
     m = sub.add_parser("migrate", help="create or upgrade the schema (safe from several replicas)",
                        description="Apply the Alembic migrations to the configured schema under an "
                                    "advisory lock, so replicas starting together migrate once.")
-    m.add_argument("--sql", action="store_true", help="print the SQL instead of applying it")
+    m.add_argument("--sql", action="store_true",
+                   help="print the SQL that would bring the schema from its revision now to --revision "
+                        "(a comment saying 'nothing to do' when it is there) instead of applying it")
+    m.add_argument("--from", dest="start", metavar="REVISION",
+                   help="with --sql: start from REVISION ('base' for a new schema) instead of reading "
+                        "the schema's revision from the database (no connection)")
     m.add_argument("--revision", default="head", help="target revision (default: head)")
     m.add_argument("--downgrade", metavar="REVISION",
                    help="downgrade to REVISION ('base' removes every maintd table)")
@@ -257,7 +262,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     targets = _targets(args)
     if args.sql:
         for settings in targets:
-            sys.stdout.write(migrate.offline_sql(settings.schema, args.revision))
+            start = args.start if args.start is not None else _schema_revision(settings)
+            sys.stdout.write(migrate.offline_sql(settings.schema, args.revision, start))
         return EXIT_OK
     failed = 0
     for settings in targets:
@@ -269,6 +275,21 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             failed += 1
             print(f"maintd: error: target {settings.target_name}: {describe_db_error(exc)}", file=sys.stderr)
     return EXIT_FAILURE if failed else EXIT_OK
+
+
+def _schema_revision(settings: Settings) -> str:
+    """The schema's revision now ('base' when it has none), read from the catalog, for
+    ``migrate --sql``: it prints what is left to do, not the DDL from base."""
+    from . import migrate
+    from .db import make_engine
+
+    engine = make_engine(settings.database_url.get_secret_value(),
+                         application_name=f"maintd:{settings.instance_id}:migrate", pooled=False)
+    try:
+        with engine.connect() as conn:
+            return migrate.current_revision(conn, settings.schema) or "base"
+    finally:
+        engine.dispose()
 
 
 def _migrate_one(settings: Settings, args: argparse.Namespace) -> None:
