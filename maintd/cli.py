@@ -193,8 +193,12 @@ def _add_jobs_parser(sub) -> None:
                        ("discard", "discard available/scheduled/retryable jobs"),
                        ("delete", "delete jobs in any state but running"),
                        ("reschedule", "change run time, priority, max attempts of waiting jobs")):
-        a = acts.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}: by ids, or "
-                            "by filters in batches of --batch-size jobs, one transaction each.")
+        how = ("by ids only (no filters), --batch-size ids per transaction" if name == "reschedule" else
+               "by ids, or by filters (--state, --queue, --kind, combined with AND), --batch-size jobs per "
+               "transaction")
+        a = acts.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}: {how}. Running "
+                            "jobs and rows a worker holds locked are skipped and reported. Exit 1 when a "
+                            "job id given does not exist.")
         a.add_argument("ids", type=job_id, nargs="+" if name == "reschedule" else "*", metavar="ID")
         if name == "reschedule":
             a.add_argument("--at", required=True, metavar="TIME",

@@ -487,6 +487,18 @@ def test_cli_argparse_errors_exit_2(cli, capsys):
         assert "argument ID: job id" in err and ("out of range" in err or "not a whole number" in err), err
 
 
+def test_cli_help_of_each_action_tells_how_it_selects_jobs(capsys):
+    """Issue 28: `jobs reschedule --help` said "by ids, or by filters" but takes ids only."""
+    for action in ("retry", "cancel", "discard", "delete", "reschedule"):
+        with pytest.raises(SystemExit):
+            main(["jobs", action, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        takes_filters = "--state STATE" in text
+        assert takes_filters == (action != "reschedule")
+        assert ("by ids only (no filters)" in text) == (not takes_filters), (action, text)
+        assert ("or by filters (--state, --queue, --kind" in text) == takes_filters, (action, text)
+
+
 def test_cli_action_on_ids_that_do_not_exist_exits_1_and_names_them(engine, schema, cli):
     """Issue 28: `jobs retry 999999` (no such job) exited 0; "prints what it changed" (SPEC 7.5)
     must not hide that nothing was there to change."""
