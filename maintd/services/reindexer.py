@@ -44,7 +44,7 @@ def artifact_pattern(index: str) -> re.Pattern[str]:
 @dataclass
 class IndexReport:
     index: str
-    outcome: str  # reindexed, skipped, missing, timeout, cancelled, error, planned
+    outcome: str  # reindexed, skipped, missing, not_permitted, timeout, cancelled, error, planned
     seconds: float = 0.0
     bytes_before: int | None = None
     bytes_after: int | None = None
@@ -62,7 +62,10 @@ class ReindexerResult(PassResult):
         return bool(self.indexes)
 
     def failed(self) -> bool:
-        return any(r.outcome in ("error", "timeout") for r in self.indexes)
+        """A build that failed, or (not in a dry run, which only reports it) an index this role
+        may not rebuild."""
+        return any(r.outcome in ("error", "timeout") or (r.outcome == "not_permitted" and not self.dry_run)
+                   for r in self.indexes)
 
     def summary(self) -> str:
         return " ".join(f"{r.index}={r.outcome}" for r in self.indexes)
@@ -90,11 +93,22 @@ class Reindexer(Service):
                 log.warning("configured index does not exist, skipping", extra=kv(index=index))
                 continue
             report.bytes_before = catalog_rows[index].bytes
+            if not catalog_rows[index].can_reindex:
+                self._not_permitted(report)
+                continue
             report.bloat_percent = self._bloat(ctx, index, has_pgstattuple)
             artifacts = [n for n, r in catalog_rows.items() if artifact_pattern(index).match(n) and not r.valid]
             if not self._reindex(ctx, report, artifacts):
                 break
         return result
+
+    @staticmethod
+    def _not_permitted(report: IndexReport) -> None:
+        """Not planned, not tried: this role may not rebuild the index."""
+        report.outcome = "not_permitted"
+        report.error = ("this role may not reindex it: REINDEX INDEX CONCURRENTLY needs ownership of the "
+                        "jobs table (or MAINTAIN on it, PostgreSQL 17+): run the reindexer as the owner role")
+        log.warning("cannot reindex", extra=kv(index=report.index, error=report.error))
 
     def _healthy(self, report: IndexReport) -> bool:
         """Below the bloat threshold: not worth a rebuild."""
