@@ -3,18 +3,31 @@ that has no better home; row 1 is tests/test_readme_sql.py, row 3 tests/test_pas
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+import os
 import re
+import signal
+import socket
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 
 import pytest
 
+from maintd.cli import main
 from maintd.config import Settings
 from maintd.dashboard import Dashboard
 from maintd.http import Request
+from maintd.queries import sql
 from maintd.status import collect_status, format_status
 
 from .procs import DaemonProc, wait_for
+from .test_grants import login_role, role_dsn
 
 
 def unique(prefix: str) -> str:
@@ -68,11 +81,6 @@ def test_a_killed_replica_is_shown_gone_as_soon_as_its_session_is(pg_dsn, schema
 
 def _cli(*argv: str) -> tuple[int, str, str]:
     """``maintd ...`` in this process, with its exit code, stdout and stderr."""
-    import contextlib
-    import io
-
-    from maintd.cli import main
-
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         rc = main(list(argv))
@@ -131,8 +139,6 @@ def test_an_unmigrated_schema_says_run_migrate_first_everywhere(pg_dsn, tmp_path
 
 
 def test_an_error_a_grant_fixes_names_maintd_grants(pg_dsn, schema, tmp_path):
-    from .test_grants import login_role, role_dsn
-
     with login_role(pg_dsn, "no_grants") as role:
         cfg = _config(tmp_path, role_dsn(pg_dsn, role), schema)
         for argv in (("jobs", "list"), ("status",), ("periodic", "list"), ("jobs", "retry", "1"),
@@ -148,10 +154,6 @@ def test_an_error_a_grant_fixes_names_maintd_grants(pg_dsn, schema, tmp_path):
 def test_run_once_prints_the_duration_of_the_work(pg_dsn, schema, tmp_path, engine):
     """duration_seconds is the work, as maintd_service_run_seconds measures it: a scheduler pass
     with precise timing waits out its interval for due times, which is not work."""
-    import json
-
-    from maintd.queries import sql
-
     with engine.begin() as conn:
         conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) "
                          "VALUES ('k', 'scheduled', now() - interval '1 minute'),"
@@ -176,24 +178,14 @@ def test_run_once_prints_the_duration_of_the_work(pg_dsn, schema, tmp_path, engi
 
 @pytest.mark.slow
 def test_an_unreachable_database_is_waited_for_by_the_daemon_and_fails_commands_fast(tmp_path):
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import urllib.error
-    import urllib.request
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed once the block ends: connections are refused
     cfg = _config(tmp_path, f"postgresql://postgres@127.0.0.1:{port}/app", "maintd")
     with open(cfg, "a") as f:
         f.write('[http]\nlisten = "127.0.0.1:0"\n')
-    import contextlib
-    import io
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
-        from maintd.cli import main
         main(["--help"])
     helptext = " ".join(out.getvalue().split())
     assert "maintd run waits for it: retries with backoff" in helptext
@@ -203,7 +195,7 @@ def test_an_unreachable_database_is_waited_for_by_the_daemon_and_fails_commands_
     rc, _, err = _cli("--config", cfg, "status")
     assert rc == 1 and "Connection refused" in err and time.monotonic() - started < 15
 
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("MAINTD_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAINTD_")}
     log = tmp_path / "run.log"
     with open(log, "wb") as out_f:
         proc = subprocess.Popen([sys.executable, "-m", "maintd", "--config", cfg, "run"], stdout=out_f,
