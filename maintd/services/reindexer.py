@@ -34,7 +34,9 @@ log = logging.getLogger("maintd.reindexer")
 ARTIFACT_RE = re.compile(r"_cc(new|old)[0-9]*$")
 # SQLSTATE -> outcome of an index whose build failed (anything else: "error")
 OUTCOMES = {"57014": "timeout", "55P03": "timeout"}  # query_canceled, lock_not_available
-NEEDS_OWNER = ("42501",)  # insufficient_privilege ("must be owner of index")
+NEEDS_OWNER = ("42501",)
+NOT_PERMITTED = ("this role may not reindex it: REINDEX INDEX CONCURRENTLY needs ownership of the jobs "
+                 "table (or MAINTAIN on it, PostgreSQL 17+): run the reindexer as the owner role")  # insufficient_privilege ("must be owner of index")
 
 
 def artifact_pattern(index: str) -> re.Pattern[str]:
@@ -100,15 +102,16 @@ class Reindexer(Service):
             artifacts = [n for n, r in catalog_rows.items() if artifact_pattern(index).match(n) and not r.valid]
             if not self._reindex(ctx, report, artifacts):
                 break
+        refused = [r.index for r in result.indexes if r.outcome == "not_permitted"]
+        if refused:  # one line for the pass, not one per index
+            log.warning("cannot reindex", extra=kv(indexes=",".join(refused), error=NOT_PERMITTED))
         return result
 
     @staticmethod
     def _not_permitted(report: IndexReport) -> None:
         """Not planned, not tried: this role may not rebuild the index."""
         report.outcome = "not_permitted"
-        report.error = ("this role may not reindex it: REINDEX INDEX CONCURRENTLY needs ownership of the "
-                        "jobs table (or MAINTAIN on it, PostgreSQL 17+): run the reindexer as the owner role")
-        log.warning("cannot reindex", extra=kv(index=report.index, error=report.error))
+        report.error = NOT_PERMITTED
 
     def _healthy(self, report: IndexReport) -> bool:
         """Below the bloat threshold: not worth a rebuild."""
