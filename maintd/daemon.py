@@ -21,7 +21,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 from sqlalchemy import Engine
 
 from .clock import Clock, ServerClock
-from .config import ConfigError, Settings, _target_settings, load_settings
+from .config import ConfigError, Settings, _target_settings, load_settings, periodic_counts
 from .dashboard import Dashboard
 from .db import HostOrder, describe_db_error
 from .faults import transient
@@ -245,10 +245,8 @@ class Daemon:
         self.settings = settings
         self._reload_targets(settings)
         setup_logging(settings.log.level, settings.log.format)
-        first = self.targets[0].runner.services
-        enabled = [n for n, s in first.items() if s.enabled()]
-        periodic = first["periodic"].config if "periodic" in first else []
-        log.info("config reloaded", extra=kv(services=",".join(enabled) or "none", periodic=len(periodic)))
+        enabled = [n for n, s in self.targets[0].runner.services.items() if s.enabled()]
+        log.info("config reloaded", extra=kv(services=",".join(enabled) or "none", **periodic_counts(settings)))
 
     def _reload_targets(self, settings: Settings) -> None:
         """Each target gets its new sections; adding, removing or moving a target needs a

@@ -279,8 +279,32 @@ def events_channel(schema: str) -> str:
     return "maintd_events" if schema == "maintd" else f"{schema}_maintd_events"
 
 
+# What fixes an error: a missing grant ("permission denied", not "must be owner": a grant cannot
+# give ownership), or a schema `maintd migrate` has not made (an error naming one of maintd's own
+# objects; a missing index named in the reindexer's config is not that).
+GRANT_HINT = ("a grant is missing: as the schema's owner, run `maintd grants ROLE --apply` (or the SQL "
+              "`maintd grants ROLE` prints; `--worker` for a worker's role)")
+MIGRATE_HINT = "the schema is not migrated: run `maintd migrate` first"
+MAINTD_OBJECT = re.compile(
+    r'(relation|type) "(?:[^"]*\.)?(jobs|leader|daemons|service_runs|periodic_slots|periodic_jobs|job_state)"'
+    r'|schema "[^"]*" does not exist'
+    r'|function [^ ]*\b(complete_jobs|permanently_fail_jobs|retry_jobs|cancel_jobs|reschedule_jobs|remove_job'
+    r'|delete_jobs)\(')
+
+
+def _hint(sqlstate: str | None, line: str) -> str | None:
+    if sqlstate == "42501" and line.startswith("permission denied"):
+        return GRANT_HINT
+    if sqlstate in ("42P01", "3F000", "42883", "42704") and MAINTD_OBJECT.search(line):
+        return MIGRATE_HINT
+    return None
+
+
 def describe_db_error(exc: BaseException) -> str:
-    """One line for an operator, without the password."""
-    msg = str(getattr(exc, "orig", None) or exc).strip().splitlines()
-    line = msg[0] if msg else exc.__class__.__name__
-    return redact_dsn(line)
+    """One line for an operator, without the password; an error that a grant or ``maintd
+    migrate`` fixes says so."""
+    orig = getattr(exc, "orig", None) or exc
+    msg = str(orig).strip().splitlines()
+    line = redact_dsn(msg[0] if msg else exc.__class__.__name__)
+    hint = _hint(getattr(orig, "sqlstate", None), line)
+    return f"{line} ({hint})" if hint and hint not in line else line

@@ -195,10 +195,16 @@ def check_privileges(state, schema: str) -> None:
             f"them): {fix}")
 
 
-def offline_sql(schema: str, revision: str = "head") -> str:
-    """The SQL of the migrations for a DBA to review or apply by hand."""
+def offline_sql(schema: str, revision: str = "head", start: str | None = None) -> str:
+    """The SQL of the migrations from ``start`` (None: base) to ``revision``, for a DBA to review
+    or apply by hand; a comment saying so when there is nothing to do."""
+    target = _resolve(revision)
+    begin = None if start in (None, "base") else _resolve(start)
+    if target is not _UNKNOWN and begin is not _UNKNOWN and begin == target:
+        return (f"-- schema {schema} is at revision {target or 'base'}"
+                f"{' (head)' if target == head_revision() else ''}; nothing to do\n")
     buf = io.StringIO()
     cfg = alembic_config(schema)
     cfg.attributes["output_buffer"] = buf
-    command.upgrade(cfg, revision, sql=True)
+    command.upgrade(cfg, f"{start}:{revision}" if begin is not None else revision, sql=True)
     return buf.getvalue()

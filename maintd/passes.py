@@ -25,6 +25,7 @@ from .config import Settings
 from .db import HostOrder, describe_db_error, make_engine, ms, session_settings
 from .logs import kv
 from .metrics import Metrics
+from .pass_summary import annotate
 from .queries import service_runs
 from .services import SERVICES
 from .services.base import NotLeader, PassContext, PassResult, PassStopped, Service
@@ -58,10 +59,11 @@ class PassRecord:
     last_success_at: datetime | None = None
 
     def as_dict(self) -> dict[str, Any]:
+        result = self.result.as_dict() if self.result is not None else {}
         return {"service": self.service, "outcome": self.outcome.value,
                 "started_at": self.started_at.isoformat(), "finished_at": self.finished_at.isoformat(),
-                "seconds": round(self.seconds, 6), "error": self.error,
-                "result": self.result.as_dict() if self.result is not None else {}}
+                "seconds": round(self.seconds, 6), "error": self.error, "result": result,
+                **annotate(self.service, result if self.result is not None else None)}
 
 
 def maintenance_engine(settings: Settings, *, pool_size: int = len(SERVICES) + 1,

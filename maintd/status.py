@@ -3,7 +3,7 @@ by queue and state. Read from the database; all times are the server's."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection, Engine, text
@@ -12,6 +12,7 @@ from sqlalchemy.exc import OperationalError, ProgrammingError
 from .db import advisory_key, describe_db_error
 from .identifiers import qualified
 from .metrics import job_counts, oldest_available
+from .pass_summary import annotate, describe, seconds
 from .queries import catalog, daemons, leader, service_runs, sql
 
 STATUS_TIMEOUT_MS = 5000
@@ -41,12 +42,21 @@ def collect_status(engine: Engine, schema: str) -> dict[str, Any]:
             "schema": schema,
             "time": _iso(now),
             "leader": _leader(lead[0] if lead else None),
-            "daemons": _rows(conn, daemons.LIVE, schema),
-            "services": _rows(conn, service_runs.ALL, schema),
+            **replicas(_rows(conn, daemons.REGISTERED, schema)),
+            "services": [{**r, **annotate(r["service"], r["result"])}
+                         for r in _rows(conn, service_runs.ALL, schema)],
             "oldest_available_age_seconds": oldest_available(conn, schema),
         }
         status.update(_jobs(conn, schema))
     return status
+
+
+def replicas(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """``daemons``: the live ones (lock session connected now); ``gone``: registered within the
+    last hour, session gone (killed, stopped, frozen past the lease)."""
+    return {"daemons": [{k: v for k, v in r.items() if k != "alive"} for r in rows if r["alive"]],
+            "gone": [{k: r[k] for k in ("instance_id", "host", "pid", "version", "started_at")}
+                     for r in rows if not r["alive"]]}
 
 
 def _leader(row: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -71,20 +81,27 @@ def format_status(st: dict[str, Any]) -> str:
     lead = st["leader"]
     if lead:
         lines.append(f"leader: {lead['instance_id']} (host {lead['host']}, pid {lead['pid']}, "
-                     f"epoch {lead['epoch']}, since {lead['since']})")
+                     f"epoch {lead['epoch']}, since {_time(lead['since'])})")
     else:
         lines.append("leader: none")
     if st["daemons"]:
         lines.append("daemons:")
         for d in st["daemons"]:
             lines.append(f"  {d['instance_id']:<24} host {d['host']}  pid {d['pid']}  "
-                         f"v{d['version']}  last seen {d['last_seen_at']}")
+                         f"v{d['version']}  alive (lock session connected)")
+    else:
+        lines.append("daemons: none alive")
+    for d in st.get("gone", []):
+        lines.append(f"  {d['instance_id']:<24} host {d['host']}  pid {d['pid']}  "
+                     f"v{d['version']}  gone (no lock session)")
     lines += ["services:"] + _format_runs(st["services"])
     lines.append("jobs:")
     if not st["jobs"]:
         lines.append("  (none)")
     for j in st["jobs"]:
-        lines.append(f"  {j['queue']:<20} {j['state']:<10} {j['count']}")
+        n = j["count"]
+        lines.append(f"  {j['queue']:<20} {j['state']:<10} {n:,}" if isinstance(n, int) else
+                     f"  {j['queue']:<20} {j['state']:<10} {n}")
     if st.get("jobs_note"):
         lines.append(f"  ({st['jobs_note']})")
     return "\n".join(lines)
@@ -95,9 +112,25 @@ def _format_runs(runs: list[dict[str, Any]]) -> list[str]:
         return ["  (no pass recorded yet)"]
     lines = []
     for r in runs:
-        extra = f"  error: {r['error']}" if r.get("error") else ""
-        result = r.get("result") or {}
-        brief = " ".join(f"{k}={v}" for k, v in result.items() if not isinstance(v, (list, dict)))
-        lines.append(f"  {r['service']:<10} {r['outcome']:<8} at {r['finished_at']} "
-                     f"by {r['instance_id']}  {brief}{extra}")
+        extra = f"; error: {r['error']}" if r.get("error") else ""
+        took = _took(r.get("started_at"), r.get("finished_at"))
+        summary = r.get("summary") or describe(r["service"], r.get("result"))
+        lines.append(f"  {r['service']:<10} {r['outcome']:<8} at {_time(r['finished_at'])} by {r['instance_id']}"
+                     f"{took}: {summary or 'nothing to report'}{extra}")
     return lines
+
+
+def _time(iso: Any) -> Any:
+    """``2026-03-01 12:00:05 UTC`` from an ISO time (text output; JSON keeps the full ISO time)."""
+    try:
+        t = datetime.fromisoformat(iso)
+    except (TypeError, ValueError):
+        return iso
+    return t.strftime("%Y-%m-%d %H:%M:%S ") + ("UTC" if t.utcoffset() == timedelta(0) else t.strftime("%z"))
+
+
+def _took(started: Any, finished: Any) -> str:
+    try:
+        return f" in {seconds((datetime.fromisoformat(finished) - datetime.fromisoformat(started)).total_seconds())}"
+    except (TypeError, ValueError):
+        return ""

@@ -71,6 +71,16 @@ def test_bad_crontab_lines_are_config_errors_naming_file_and_line(tmp_path, pg_d
     assert main(["--config", cfg, "check-config"]) == 2
 
 
+def test_every_bad_crontab_line_is_a_config_error_of_its_own(tmp_path, pg_dsn, schema):
+    """Issue 28: only the first bad line was reported."""
+    cfg = write_config(tmp_path, pg_dsn, schema, "-90 * * * * a\n0 4 * * * ok\n* * * * * b.c\n* * * * * d {x\n")
+    with pytest.raises(ConfigError) as err:
+        load_settings(cfg)
+    problems = err.value.problems
+    assert [p.split(": ", 2)[1].rsplit(":", 1)[1] for p in problems] == ["1", "3", "4"], problems
+    assert all(p.startswith("crontab: ") for p in problems)
+
+
 def test_crontab_and_periodic_share_one_id_space(tmp_path, pg_dsn, schema):
     cfg = write_config(tmp_path, pg_dsn, schema, "0 4 * * * report\n",
                        '[[periodic]]\nid = "report"\nschedule = "@hourly"\nkind = "r"\n')
@@ -131,13 +141,16 @@ def test_a_failing_entry_does_not_starve_the_others(pg_dsn, schema, engine, sett
     assert [j.scheduled_at for j in jobs(engine, schema, "h")] == [T0 + timedelta(seconds=10 * i) for i in range(3)]
 
 
-def test_sighup_reloads_the_crontab_file(tmp_path, pg_dsn, schema):
+def test_sighup_reloads_the_crontab_file(tmp_path, pg_dsn, schema, capsys):
     cfg = write_config(tmp_path, pg_dsn, schema, "0 4 * * * first\n", '[http]\nenabled = false\n')
     daemon = Daemon(load_settings(cfg), config_path=cfg)
     assert [e.id for e in daemon.targets[0].runner.services["periodic"].config] == ["first"]
     (tmp_path / "jobs.crontab").write_text("0 4 * * * first\n0 5 * * * second\n")
     assert daemon.reload_from_file()
     assert [e.id for e in daemon.targets[0].runner.services["periodic"].config] == ["first", "second"]
+    # Issue 28: the line said periodic=0 while crontab entries were active.
+    reloaded = [line for line in capsys.readouterr().err.splitlines() if "config reloaded" in line]
+    assert reloaded and reloaded[-1].endswith("periodic=2 periodic_config=0 crontab=2"), reloaded
     (tmp_path / "jobs.crontab").write_text("0 4 * * * first\n99 5 * * * broken\n")
     assert not daemon.reload_from_file()  # rejected: the old entries stay
     assert [e.id for e in daemon.targets[0].runner.services["periodic"].config] == ["first", "second"]

@@ -99,14 +99,15 @@ RESCUE = """rescued AS (
   RETURNING j.id, j.queue, j.kind, j.attempt, j.state::text AS outcome, j.state = 'discarded' AS discarded
 )"""
 
-# A job's INSERT, before its ON CONFLICT: due now ('available') or later ('scheduled').
+# A job's INSERT, before its ON CONFLICT: due now ('available') or later ('scheduled'). Every
+# parameter is typed in the SQL, so that any driver (psql's \bind, server-side binding) can run it.
 ENQUEUE = """INSERT INTO {schema}.jobs (kind, queue, args, priority, max_attempts, scheduled_at, state,
                            unique_key, metadata)
-VALUES (:kind, :queue, CAST(:args AS jsonb), :priority, :max_attempts,
-        coalesce(CAST(:scheduled_at AS timestamptz), now()),
+VALUES (CAST(:kind AS text), CAST(:queue AS text), CAST(:args AS jsonb), CAST(:priority AS smallint),
+        CAST(:max_attempts AS smallint), coalesce(CAST(:scheduled_at AS timestamptz), now()),
         CASE WHEN coalesce(CAST(:scheduled_at AS timestamptz), now()) <= now()
              THEN 'available' ELSE 'scheduled' END::{schema}.job_state,
-        :unique_key, CAST(:metadata AS jsonb))"""
+        CAST(:unique_key AS text), CAST(:metadata AS jsonb))"""
 
 # Order matters: a fragment may hold the ones after it.
 FRAGMENTS = {"{enqueue}": ENQUEUE, "{rescue}": RESCUE, "{advisory_lock}": ADVISORY_LOCK, "{stuck}": STUCK,

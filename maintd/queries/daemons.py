@@ -20,12 +20,15 @@ FORGET_STALE = """
 DELETE FROM {schema}.daemons d
  WHERE d.last_seen_at < now() - interval '1 hour' AND NOT """ + LIVE_SESSION
 
-# last_seen_at: now for a daemon whose session is connected, else when it last (re)connected.
-LIVE = """
-SELECT instance_id, host, pid, version, started_at,
-       CASE WHEN """ + LIVE_SESSION + """ THEN now() ELSE last_seen_at END AS last_seen_at
-  FROM {schema}.daemons d
- WHERE d.last_seen_at > now() - interval '1 minute' OR """ + LIVE_SESSION + """
+# Every daemon registered within the last hour, with whether it is alive: whether its lock session
+# is connected now (a SIGKILLed replica's session ends with it, so it reads as gone at once; a
+# frozen one's within the lease). last_seen_at: now for a live daemon, else when it last (re)connected
+# (the registry is written only then, so when a gone daemon stopped is not known).
+REGISTERED = """
+SELECT instance_id, host, pid, version, started_at, alive,
+       CASE WHEN alive THEN now() ELSE last_seen_at END AS last_seen_at
+  FROM (SELECT d.*, """ + LIVE_SESSION + """ AS alive FROM {schema}.daemons d) d
+ WHERE alive OR d.last_seen_at > now() - interval '1 hour'
  ORDER BY instance_id
 """
 

@@ -328,11 +328,22 @@ def _set_local(names: tuple[str, ...]) -> str:
     return "SELECT " + ", ".join(f"set_config('{n}', :v{i}, true)" for i, n in enumerate(names))
 
 
+def _rounded(v: Any) -> Any:
+    if isinstance(v, float):
+        return round(v, 3)
+    if isinstance(v, dict):
+        return {k: _rounded(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_rounded(x) for x in v]
+    return v
+
+
 class PassResult:
     """Base for a service's typed one-pass result (a dataclass)."""
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        """The result as JSON-ready data, seconds rounded to the millisecond (no 18.557157819999986)."""
+        return _rounded(dataclasses.asdict(self))  # type: ignore[call-overload]
 
     def did_something(self) -> bool:
         """Whether the pass changed (or in a dry run, would change) anything worth a log line."""
