@@ -88,12 +88,12 @@ def _scheduler(r: Result, verb: str) -> str:
 
 
 def _waits(r: Result) -> str:
-    """The precise-timing sleeps of a pass (not work), when it had any."""
-    wakeups = _int(r.get("wakeups"))
-    slept = r.get("slept")
-    if not wakeups or not isinstance(slept, (int, float)):
+    """The pass asked for the next one before the next tick (precise timing): when (UTC)."""
+    at = r.get("next_pass_at")
+    at = at.isoformat() if hasattr(at, "isoformat") else at
+    if not isinstance(at, str) or len(at) < 19:
         return ""
-    return f"; waited {seconds(slept)} for due times ({num(wakeups)} wake-up{'s' if wakeups > 1 else ''})"
+    return f"; next pass at {at[11:23]}"
 
 
 def _periodic(r: Result, verb: str) -> str:

@@ -27,10 +27,10 @@ def test_each_service_says_what_it_did_in_words_and_counts():
         "cleaner": ({"deleted": {"completed": 1200, "cancelled": 0, "discarded": 3}, "batches": 2,
                      "batch_size": 1000, "timeouts": 0, "overflows": 0, "dry_run": False, "skipped": {}},
                     {"deleted": 1203}, "deleted 1,203 (completed 1,200, discarded 3) in 2 batches"),
-        "rescuer": ({"retried": 2, "discarded": 1, "exhausted": 0, "batches": 1, "wakeups": 4,
-                     "slept": 18.557157819999986, "dry_run": False},
-                    {"rescued": 3}, "rescued 3 (discarded 1, retried 2); waited 18.6 s for due times (4 wake-ups)"),
-        "scheduler": ({"promoted": {"mail": 2, "default": 5}, "batches": 1, "wakeups": 0, "slept": 0.0,
+        "rescuer": ({"retried": 2, "discarded": 1, "exhausted": 0, "batches": 1,
+                     "next_pass_at": "2026-03-01T12:00:01.250193+00:00", "dry_run": False},
+                    {"rescued": 3}, "rescued 3 (discarded 1, retried 2); next pass at 12:00:01.250"),
+        "scheduler": ({"promoted": {"mail": 2, "default": 5}, "batches": 1, "next_pass_at": None,
                        "dry_run": True}, {"promoted": 7}, "would promote 7 (default 5, mail 2)"),
         "periodic": ({"enqueued": [{"periodic_id": "nightly"}, {"periodic_id": "hourly"}],
                       "skipped": {"hourly": {"backfill": 3}}, "baselined": [], "errors": {},
@@ -48,7 +48,10 @@ def test_each_service_says_what_it_did_in_words_and_counts():
     assert counts("cleaner", None) == {} and describe("cleaner", None) == ""
     assert describe("scheduler", {"promoted": {}}) == "promoted 0"
     # The stored result itself is rounded (service_runs.result, /status, run-once).
-    assert SchedulerResult(slept=18.557157819999986, wakeups=3).as_dict()["slept"] == 18.557
+    from maintd.services.reindexer import IndexReport, ReindexerResult
+
+    index = IndexReport(index="i", outcome="reindexed", seconds=18.557157819999986)
+    assert ReindexerResult(indexes=[index]).as_dict()["indexes"][0]["seconds"] == 18.557
 
 
 def _seed(engine, schema) -> None:
