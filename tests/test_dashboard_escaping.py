@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 from maintd.config import Settings
 from maintd.dashboard import Dashboard
-from maintd.db import advisory_key, quote_ident
+from maintd.db import advisory_key
 from maintd.http import Request
 from maintd.queries import sql
 
@@ -52,6 +52,7 @@ def tojson_tail(tag: str) -> str:
 
 @dataclass
 class Env:
+    dsn: str
     engine: Any
     schema: str
     settings: dict[str, Any]  # Settings keyword arguments, filled in by the config fields
@@ -86,8 +87,7 @@ def job_fields(env: Env) -> None:
 
 def leader_fields(env: Env) -> None:
     """A leader row whose session holds the lock (the overview shows only such a leader)."""
-    holder = psycopg.connect(env.engine.url.render_as_string(hide_password=False).replace("+psycopg", ""),
-                             autocommit=True)
+    holder = psycopg.connect(env.dsn, autocommit=True)
     env.holders.append(holder)
     classid, objid = advisory_key(env.schema)
     pid = holder.execute("SELECT pg_backend_pid(), pg_advisory_lock(%s, %s)", (classid, objid)).fetchone()[0]
@@ -239,7 +239,7 @@ def problems_of(html: str, fields: list[Field]) -> list[str]:
 
 
 def test_every_rendered_field_is_escaped_on_every_page(pg_dsn, schema, engine):
-    env = Env(engine, schema, {"database_url": pg_dsn, "schema": schema, "instance_id": "xss-test"})
+    env = Env(pg_dsn, engine, schema, {"database_url": pg_dsn, "schema": schema, "instance_id": "xss-test"})
     try:
         for plant in PLANTS:
             plant(env)
