@@ -12,7 +12,7 @@ from maintd.clock import ServerClock
 from maintd.db import notify_channel
 from maintd.queries import sql
 from maintd.metrics import Metrics
-from maintd.services.base import PassContext
+from maintd.services.base import HOLD_MAX, PassContext
 from maintd.queries.jobs import SCHEDULER_COUNT_DUE, SCHEDULER_NEXT_DUE, SCHEDULER_PROBE, SCHEDULER_PROMOTE
 from maintd.services.scheduler import MIN_WAKE, Scheduler, SchedulerResult
 
@@ -370,19 +370,30 @@ def test_without_precise_timing_a_pass_does_not_wait(settings, engine, schema):
 def test_a_sleeping_precise_pass_holds_no_pooled_connection(settings, engine, schema):
     """The passes of many targets share one pool (SPEC 7.9): while a pass sleeps until the next
     due job (1.2 s away) it has given its connection back, and it still promotes the job in time,
-    within its own session (execute_pass opens one, as the runner does)."""
+    within its own session (execute_pass opens one, as the runner does). The pool is read at the
+    moment each sleep begins (the pass's stop event is where it sleeps), not after a guessed delay;
+    a sleep shorter than HOLD_MAX may keep its connection."""
     from maintd.passes import execute_pass
+
+    class Watched(threading.Event):
+        """The pass's stop event: records (seconds, pooled connections checked out) as each sleep starts."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.sleeps: list[tuple[float, int]] = []
+
+        def wait(self, timeout=None):
+            self.sleeps.append((timeout, engine.pool.checkedout()))
+            return super().wait(timeout)
 
     settings.scheduler.interval = timedelta(seconds=3)
     with engine.begin() as conn:
         conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) "
                          "VALUES ('k', 'scheduled', now() + interval '1.2 seconds')", schema))
-    out: dict = {}
-    ctx = PassContext.for_settings(settings, engine, ServerClock())
-    runner = threading.Thread(target=lambda: out.update(record=execute_pass("scheduler", Scheduler(settings.scheduler), ctx)))
-    runner.start()
-    time.sleep(0.6)  # the pass probed, found the job 0.6 s away, and sleeps
-    assert engine.pool.checkedout() == 0
-    runner.join(5)
-    assert out["record"].result.total == 1 and out["record"].result.wakeups >= 1
+    stop = Watched()
+    ctx = PassContext.for_settings(settings, engine, ServerClock(), stop_event=stop)
+    record = execute_pass("scheduler", Scheduler(settings.scheduler), ctx)
+    assert record.result.total == 1 and record.result.wakeups >= 1
+    long = [held for seconds, held in stop.sleeps if seconds >= HOLD_MAX]
+    assert long and long == [0] * len(long), stop.sleeps  # the wait for the job, 1.2 s away, among them
     assert engine.pool.checkedout() == 0
