@@ -28,6 +28,8 @@ from maintd.db import make_engine, quote_ident
 from maintd.embedded import EmbeddedPostgres, EmbeddedPostgresError, _bin_dir
 from maintd.jobs import JobQueue
 
+from .tools import unavailable
+
 T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=timezone.utc)
 
 # The suite's own setting, read once: maintd's config rejects unknown MAINTD_* variables, so it is
@@ -96,10 +98,7 @@ def private_pg(pg_version: int) -> Iterator[EmbeddedPostgres]:
     else:
         bin_dir = server_bin_dir(pg_version)
         if bin_dir is None:
-            message = f"needs PostgreSQL {pg_version} binaries for a private server (set MAINTD_TEST_PG_BIN)"
-            if os.environ.get("CI", "").lower() == "true":
-                pytest.fail(message)
-            pytest.skip(message)
+            unavailable(f"needs PostgreSQL {pg_version} binaries for a private server (set MAINTD_TEST_PG_BIN)")
         pg = PostgresOf(bin_dir)
     try:
         pg.start()

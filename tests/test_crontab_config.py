@@ -121,6 +121,35 @@ def test_job_key_modes_update_the_waiting_job(tmp_path, pg_dsn, schema, engine, 
     assert job.state == ("scheduled" if keeps_run_at else "available")
 
 
+@pytest.mark.parametrize("mode", ["replace", "preserve_run_at"])
+def test_job_key_modes_leave_a_running_job_holding_the_key_alone(tmp_path, pg_dsn, schema, engine, mode):
+    """A worker runs the job holding the key when the next slot comes: the slot is taken and
+    counted as a duplicate, and the running job is not touched (had it been flipped back to
+    available with the new args, a second worker would claim it while the first still runs it,
+    and the first one's completion would be refused). graphile-worker's job_key_mode "replace"
+    "overwrites the unlocked job" (website/docs/job-key.md); a running job is a locked one."""
+    settings = load_settings(write_config(
+        tmp_path, pg_dsn, schema, f"0 * * * * sync ?jobKey=sync-all&jobKeyMode={mode} {{v: 2}}\n"))
+    q = JobQueue(schema)
+    with engine.begin() as conn:
+        q.enqueue(conn, "sync", {"v": 1}, unique_key="sync-all")
+    with engine.begin() as conn:
+        [running] = q.claim(conn, "default", "worker-1")
+    with engine.connect() as conn:
+        before = conn.execute(sql("SELECT to_jsonb(j) FROM {schema}.jobs j", schema)).scalar_one()
+    _, service = one_pass(settings, engine, T0 - timedelta(minutes=1))  # the baseline
+    result, _ = one_pass(settings, engine, T0, service)
+    assert result.enqueued == [] and result.skipped == {"sync": {"duplicate": 1}}
+    with engine.connect() as conn:
+        after = conn.execute(sql("SELECT to_jsonb(j) FROM {schema}.jobs j", schema)).scalar_one()
+        taken = conn.execute(sql("SELECT slot, job_id FROM {schema}.periodic_slots"
+                                 " WHERE periodic_id = 'sync' ORDER BY slot", schema)).all()
+    assert after == before and after["state"] == "running" and after["args"] == {"v": 1}
+    assert taken[-1] == (T0, None)  # the slot is spent: it does not fire again when the key frees
+    with engine.begin() as conn:
+        assert q.complete(conn, running)  # the worker's completion still counts
+
+
 def test_a_failing_entry_does_not_starve_the_others(pg_dsn, schema, engine, settings):
     s = settings.model_copy(update={"periodic": []})
     s = load_settings(None, database_url=pg_dsn, schema=schema, periodic=[

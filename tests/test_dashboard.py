@@ -33,15 +33,13 @@ from maintd.jobs import JobQueue
 from maintd.schedules import parse_schedule
 
 from .procs import wait_for
+from .tools import path, require
 
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+CHROMIUM, CHROMEDRIVER = path("chromium"), path("chromedriver")
 XSS = "<script>window.__xss=1;alert(1)</script>"
 XSS_IMG = '<img src=x onerror="window.__xss=2">'
 TOKEN = "s3cret-token-0123456789abcdef"
 
-needs_browser = pytest.mark.skipif(
-    not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)),
-    reason="needs Debian's chromium and chromium-driver (/usr/bin/chromium, /usr/bin/chromedriver)")
 
 
 # -- a browser ----------------------------------------------------------------------------------
@@ -51,6 +49,7 @@ def make_browser(javascript: bool = True, width: int = 1280, height: int = 1000)
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
+    require("chromium", "chromedriver")
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
     profile = tempfile.mkdtemp(prefix="maintd-chromium-")
@@ -261,7 +260,6 @@ def seed_workload(engine: Engine, schema: str) -> None:
 # -- the overview -------------------------------------------------------------------------------
 
 
-@needs_browser
 def test_overview_shows_leader_services_queues_periodic_and_discarded(browser, settings, engine, schema):
     follower = None
     daemon = start_daemon(settings, periodic=PERIODIC)
@@ -331,7 +329,6 @@ def _seconds(shown: str) -> float:
 # -- XSS ----------------------------------------------------------------------------------------
 
 
-@needs_browser
 def test_xss_payload_in_error_args_kind_and_queue_is_shown_as_text(browser, settings, engine, schema):
     q = JobQueue(schema)
     with engine.begin() as conn:
@@ -367,7 +364,6 @@ def test_xss_payload_in_error_args_kind_and_queue_is_shown_as_text(browser, sett
 # -- without JavaScript: links, paging, the filter form ------------------------------------------
 
 
-@needs_browser
 def test_pages_work_with_javascript_disabled(browser_nojs, settings, engine, schema):
     drv = browser_nojs
     q = JobQueue(schema)
@@ -439,7 +435,6 @@ def test_auth_token_guards_pages_and_status_but_not_probes(settings, schema):
         daemon.stop()
 
 
-@needs_browser
 def test_token_given_by_link_follows_the_person_through_the_pages(browser, settings, engine, schema):
     q = JobQueue(schema)
     with engine.begin() as conn:

@@ -11,6 +11,7 @@ import json
 import threading
 import time
 from contextlib import contextmanager
+from typing import Iterator
 from datetime import timedelta
 
 import psycopg
@@ -403,3 +404,76 @@ def test_each_pass_logs_what_it_rescued(settings, engine, schema, caplog):
     assert total == 3
     assert [r.fields for r in caplog.records if r.getMessage() == "released stale running jobs"] == [
         {"count": 2, "retried": 2, "discarded": 0}, {"count": 1, "retried": 1, "discarded": 0}]
+
+
+@contextmanager
+def passing(settings, engine) -> Iterator[tuple[threading.Event, dict]]:
+    """A rescuer pass (real clock) in a thread; stopped and joined on the way out. Yields the
+    event set once its first deadline probe has run, and where its result goes."""
+    from sqlalchemy import event
+
+    probed, out, stop = threading.Event(), {}, threading.Event()
+
+    def after(conn, cursor, statement, *a):
+        if "AS deadline" in statement:
+            probed.set()
+
+    event.listen(engine, "after_cursor_execute", after)
+    ctx = ctx_for(settings, engine, ServerClock(), stop_event=stop)
+    thread = threading.Thread(target=lambda: out.update(result=Rescuer(settings.rescuer).run_once(ctx)))
+    thread.start()
+    try:
+        yield probed, out
+    finally:
+        stop.set()
+        thread.join(15)
+        event.remove(engine, "after_cursor_execute", after)
+    assert not thread.is_alive()
+
+
+def wait_rescued(engine, schema, job_id, seconds: float):
+    deadline = time.monotonic() + seconds
+    while rescued_at(engine, schema, job_id).state == "running" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return rescued_at(engine, schema, job_id)
+
+
+def test_a_heartbeat_deadline_is_waited_for_exactly(settings, engine, schema):
+    """heartbeat_timeout 5 s (rescue_stuck_jobs_after 1 h, interval 10 s): a job that heartbeated
+    4.5 s ago falls due in 0.5 s by its heartbeat. The pass's probe finds that deadline (the
+    grace of a heartbeating job is the shorter of its two rules) and rescues it within a second
+    of it. A grace that ignored heartbeat_timeout found nothing, and the look-again fallback (at
+    the shortest grace, 5 s) rescued it 4.5 s late; without the heartbeat grace among the probed
+    ones, at the next tick."""
+    settings = rules(settings, rescue_stuck_jobs_after="1h", heartbeat_timeout="5s", interval="10s")
+    with engine.begin() as conn:
+        job = conn.execute(sql(
+            "INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at, attempted_by, heartbeat_at)"
+            " VALUES ('k', 'running', 1, now() - interval '10 minutes', 'w1', now() - interval '4.5 seconds')"
+            " RETURNING id", schema)).scalar_one()
+        beat = conn.execute(sql("SELECT heartbeat_at FROM {schema}.jobs WHERE id = :id", schema),
+                            {"id": job}).scalar_one()
+    with passing(settings, engine):
+        row = wait_rescued(engine, schema, job, 8)
+    assert row.state == "retryable", "not rescued within the pass"
+    late = row.at - (beat + timedelta(seconds=5))
+    assert timedelta(0) < late < timedelta(seconds=1), late
+
+
+def test_a_job_claimed_after_the_probe_is_rescued_by_the_pass_looking_again(settings, engine, schema):
+    """The probe reads deadlines up to the shortest grace ahead; a job claimed after it (here just
+    after the first probe found nothing) cannot fall due before then. So the pass looks again at
+    the shortest grace and then waits for the new job's deadline: rescued within a second of
+    it, not at the next tick (10 s). Without that fallback the pass ended at once."""
+    settings = rules(settings, rescue_stuck_jobs_after="2s", interval="10s")
+    with passing(settings, engine) as (probed, out):
+        assert probed.wait(10), "the pass did not probe"
+        with engine.begin() as conn:
+            job = conn.execute(sql(
+                "INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at, attempted_by)"
+                " VALUES ('k', 'running', 1, clock_timestamp(), 'w1') RETURNING id", schema)).scalar_one()
+        row = wait_rescued(engine, schema, job, 6)
+        assert "result" not in out, "the pass ended before the job fell due"
+    assert row.state == "retryable", "not rescued within the pass"
+    late = row.at - (row.attempted_at + timedelta(seconds=2))
+    assert timedelta(0) < late < timedelta(seconds=1), late
