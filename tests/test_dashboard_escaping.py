@@ -105,10 +105,16 @@ def daemon_fields(env: Env) -> None:
 
 def service_run_fields(env: Env) -> None:
     p = {f.name: payload(f.tag) for f in FIELDS}
-    env.execute("INSERT INTO {schema}.service_runs (service, instance_id, started_at, finished_at, outcome,"
-                " result, error) VALUES (:service, :instance, now(), now(), :outcome, CAST(:result AS jsonb), :error)",
-                service=p["service"], instance=p["service run instance_id"], outcome=p["service outcome"],
-                result=json.dumps({p["service result key"]: p["service result value"]}), error=p["service error"])
+    insert = ("INSERT INTO {schema}.service_runs (service, instance_id, started_at, finished_at, outcome,"
+              " result, error) VALUES (:service, :instance, now(), now(), :outcome, CAST(:result AS jsonb), :error)")
+    env.execute(insert, service=p["service"], instance=p["service run instance_id"], outcome=p["service outcome"],
+                result="{}", error=p["service error"])
+    # What a pass did is shown in words (maintd.pass_summary): the data in a result is what a
+    # row holds, the queue names a scheduler promoted and the ids a periodic pass enqueued.
+    env.execute(insert, service="scheduler", instance="i", outcome="success", error=None,
+                result=json.dumps({"promoted": {p["service result key"]: 1}}))
+    env.execute(insert, service="periodic", instance="i", outcome="success", error=None,
+                result=json.dumps({"enqueued": [{"periodic_id": p["service result value"]}]}))
 
 
 def periodic_row_fields(env: Env) -> None:

@@ -82,7 +82,7 @@ NOT_MAINTENANCE: dict[str, str] = {
     "daemons.REGISTER": "the registry of running daemons: every replica, leader or not, registers itself",
     "daemons.FORGET_STALE": "the registry of running daemons, pruned by whichever replica (re)connects",
     **{f"leader.{n}": "leadership itself: the election writes the term that the fence checks"
-       for n in ("TRY_LOCK", "UNLOCK", "UNLOCK_HELD", "LOCK_ROW", "BUMP_EPOCH", "RELEASE", "HANDOVER_NOTIFY")},
+       for n in ("ROUND", "LOCK_ROW", "BUMP_EPOCH", "RELEASE", "HANDOVER_NOTIFY")},
     "leader.FENCE_WRITES": "the fence (FOR KEY SHARE of the leader row)",
     "leader.FENCE": "the fence (FOR KEY SHARE of the leader row)",
     "grants.py: GRANT USAGE ON SCHEMA {} TO {};": "`maintd grants` (the owner role)",

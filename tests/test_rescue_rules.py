@@ -407,28 +407,26 @@ def test_each_pass_logs_what_it_rescued(settings, engine, schema, caplog):
 
 
 @contextmanager
-def passing(settings, engine) -> Iterator[tuple[threading.Event, dict]]:
-    """A rescuer pass (real clock) in a thread; stopped and joined on the way out. Yields the
-    event set once its first deadline probe has run, and where its result goes."""
+def passing(settings, engine) -> Iterator[threading.Event]:
+    """The rescuer of a leading runner (real clock, its passes and the ones they ask for);
+    stopped on the way out. Yields the event set once its first deadline probe has run."""
     from sqlalchemy import event
 
-    probed, out, stop = threading.Event(), {}, threading.Event()
+    probed = threading.Event()
 
     def after(conn, cursor, statement, *a):
         if "AS deadline" in statement:
             probed.set()
 
     event.listen(engine, "after_cursor_execute", after)
-    ctx = ctx_for(settings, engine, ServerClock(), stop_event=stop)
-    thread = threading.Thread(target=lambda: out.update(result=Rescuer(settings.rescuer).run_once(ctx)))
-    thread.start()
+    runner = Runner(settings, engine, Metrics(), clock=ServerClock(), build=lambda s: {"rescuer": Rescuer(s.rescuer)})
+    runner.start()
+    runner.activate(NoFence())
     try:
-        yield probed, out
+        yield probed
     finally:
-        stop.set()
-        thread.join(15)
+        runner.shutdown()
         event.remove(engine, "after_cursor_execute", after)
-    assert not thread.is_alive()
 
 
 def wait_rescued(engine, schema, job_id, seconds: float):
@@ -441,10 +439,10 @@ def wait_rescued(engine, schema, job_id, seconds: float):
 def test_a_heartbeat_deadline_is_waited_for_exactly(settings, engine, schema):
     """heartbeat_timeout 5 s (rescue_stuck_jobs_after 1 h, interval 10 s): a job that heartbeated
     4.5 s ago falls due in 0.5 s by its heartbeat. The pass's probe finds that deadline (the
-    grace of a heartbeating job is the shorter of its two rules) and rescues it within a second
-    of it. A grace that ignored heartbeat_timeout found nothing, and the look-again fallback (at
-    the shortest grace, 5 s) rescued it 4.5 s late; without the heartbeat grace among the probed
-    ones, at the next tick."""
+    grace of a heartbeating job is the shorter of its two rules), asks for a pass then, and that
+    one rescues it within a second of it. A grace that ignored heartbeat_timeout found nothing,
+    and the look-again fallback (at the shortest grace, 5 s) rescued it 4.5 s late; without the
+    heartbeat grace among the probed ones, at the next tick."""
     settings = rules(settings, rescue_stuck_jobs_after="1h", heartbeat_timeout="5s", interval="10s")
     with engine.begin() as conn:
         job = conn.execute(sql(
@@ -455,25 +453,24 @@ def test_a_heartbeat_deadline_is_waited_for_exactly(settings, engine, schema):
                             {"id": job}).scalar_one()
     with passing(settings, engine):
         row = wait_rescued(engine, schema, job, 8)
-    assert row.state == "retryable", "not rescued within the pass"
+    assert row.state == "retryable", "not rescued before the next tick"
     late = row.at - (beat + timedelta(seconds=5))
     assert timedelta(0) < late < timedelta(seconds=1), late
 
 
 def test_a_job_claimed_after_the_probe_is_rescued_by_the_pass_looking_again(settings, engine, schema):
     """The probe reads deadlines up to the shortest grace ahead; a job claimed after it (here just
-    after the first probe found nothing) cannot fall due before then. So the pass looks again at
-    the shortest grace and then waits for the new job's deadline: rescued within a second of
-    it, not at the next tick (10 s). Without that fallback the pass ended at once."""
+    after the first probe found nothing) cannot fall due before then. So the pass asks to look
+    again at the shortest grace, and that pass asks for one at the new job's deadline: rescued
+    within a second of it, not at the next tick (10 s). Without that fallback nothing was asked."""
     settings = rules(settings, rescue_stuck_jobs_after="2s", interval="10s")
-    with passing(settings, engine) as (probed, out):
+    with passing(settings, engine) as probed:
         assert probed.wait(10), "the pass did not probe"
         with engine.begin() as conn:
             job = conn.execute(sql(
                 "INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at, attempted_by)"
                 " VALUES ('k', 'running', 1, clock_timestamp(), 'w1') RETURNING id", schema)).scalar_one()
         row = wait_rescued(engine, schema, job, 6)
-        assert "result" not in out, "the pass ended before the job fell due"
-    assert row.state == "retryable", "not rescued within the pass"
+    assert row.state == "retryable", "not rescued before the next tick"
     late = row.at - (row.attempted_at + timedelta(seconds=2))
     assert timedelta(0) < late < timedelta(seconds=1), late
