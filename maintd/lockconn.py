@@ -26,6 +26,7 @@ import psycopg
 from .config import Settings
 from .db import HostOrder, connect, ms, sever
 from .identifiers import quote_ident
+from .queries import catalog
 from .queries import leader as q
 from .queries import psycopg_sql
 
@@ -78,7 +79,7 @@ class LockSession:
             if conn.info.server_version >= 140000:
                 # Before the first try: if this process freezes (even right after winning), the
                 # server ends the session and frees its locks within the lease.
-                conn.execute(f"SET idle_session_timeout = {ms(cfg.lease)}")
+                conn.execute(psycopg_sql(catalog.SET_SESSION), {"name": "idle_session_timeout", "value": str(ms(cfg.lease))})
         except BaseException:
             self.close()
             raise
@@ -130,7 +131,7 @@ class LockSession:
         conn = self._conn()
         sent = time.monotonic()
         with self._in_flight(), conn.transaction():
-            conn.execute(f"SET LOCAL lock_timeout = {int(lock_timeout_ms)}")
+            conn.execute(psycopg_sql(catalog.SET_LOCAL), {"name": "lock_timeout", "value": str(int(lock_timeout_ms))})
             conn.execute(rendered(q.LOCK_ROW))
             epoch = conn.execute(rendered(q.BUMP_EPOCH), params).fetchone()[0]
         return epoch, pid, sent

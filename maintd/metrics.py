@@ -10,11 +10,11 @@ from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the HTTP server)
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 
 from .db import describe_db_error
 from .logs import kv
-from .queries import FINAL_STATES, JOB_STATES, jobs, sql
+from .queries import FINAL_STATES, JOB_STATES, catalog, jobs, sql
 
 __all__ = ["CONTENT_TYPE_LATEST", "JobGauges", "Metrics", "RUN_BUCKETS", "job_counts"]
 
@@ -187,7 +187,7 @@ class JobGauges:
             final = now - self._final_counted_at >= self.FINAL_INTERVAL
         try:
             with engine.connect() as conn:
-                conn.exec_driver_sql(f"SET LOCAL statement_timeout = {self.TIMEOUT_MS}")
+                conn.execute(text(catalog.SET_LOCAL), {"name": "statement_timeout", "value": str(self.TIMEOUT_MS)})
                 counts, oldest = job_counts(conn, schema, final=final), oldest_available(conn, schema)
         except Exception as exc:
             log.debug("could not refresh job gauges", extra=kv(error=describe_db_error(exc)))

@@ -58,6 +58,24 @@ def head_revision() -> str:
     return _scripts().get_current_head() or ""
 
 
+class SchemaNotReady(RuntimeError):
+    """The schema is missing or behind this maintd (one line, naming what to run)."""
+
+
+def check_ready(engine, schema: str) -> None:
+    """Raise :class:`SchemaNotReady` unless the schema has maintd's tables at this maintd's revision."""
+    from .identifiers import qualified
+
+    with engine.connect() as conn:
+        current = current_revision(conn, schema)
+        has_jobs = conn.execute(text(catalog.TABLE_EXISTS), {"qualified": qualified(schema, "jobs")}).scalar()
+    if current is None or not has_jobs:
+        raise SchemaNotReady(f"schema {schema!r} has no maintd tables: run `maintd migrate` first")
+    if current != head_revision():
+        raise SchemaNotReady(f"schema {schema!r} is at revision {current}, this maintd needs "
+                             f"{head_revision()}: run `maintd migrate`")
+
+
 class MigratePermissionError(RuntimeError):
     """The connected role may not do what the migration needs; the message names the privilege,
     the object and the role to use instead."""

@@ -20,7 +20,7 @@ from sqlalchemy import Engine, text
 
 from .db import describe_db_error
 from .logs import kv
-from .queries import jobs, render
+from .queries import catalog, jobs, render
 
 if TYPE_CHECKING:
     from .target import Target
@@ -61,7 +61,7 @@ class DueProbe:
 
     def _probe(self, targets: list["Target"]) -> None:
         with self.engine.connect() as conn:
-            conn.exec_driver_sql(f"SET LOCAL statement_timeout = {self.TIMEOUT_MS}")
+            conn.execute(text(catalog.SET_LOCAL), {"name": "statement_timeout", "value": str(self.TIMEOUT_MS)})
             row = conn.execute(self._compiled(targets)).one()
             conn.rollback()
         now: datetime = row[0]

@@ -33,7 +33,7 @@ def _rows(conn: Connection, template: str, schema: str, params: dict | None = No
 def collect_status(engine: Engine, schema: str) -> dict[str, Any]:
     classid, objid = advisory_key(schema)
     with engine.connect() as conn:
-        conn.exec_driver_sql(f"SET LOCAL statement_timeout = {STATUS_TIMEOUT_MS}")
+        conn.execute(text(catalog.SET_LOCAL), {"name": "statement_timeout", "value": str(STATUS_TIMEOUT_MS)})
         if not conn.execute(text(catalog.TABLE_EXISTS), {"qualified": qualified(schema, "leader")}).scalar():
             raise SchemaMissing(f"schema {schema!r} has no maintd tables: run `maintd migrate` first")
         now = conn.execute(text("SELECT now()")).scalar_one()

@@ -20,7 +20,7 @@ from maintd.db import HostOrder
 from maintd.election import Request
 from maintd.leader import ElectionLoop, LeaderFence, LeaderSessionError, acquire_once
 from maintd.services.base import NotLeader, PassContext
-from maintd.target import Seat
+from maintd.leader import Seat
 
 from .procs import lock_holders, wait_for
 

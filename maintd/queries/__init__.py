@@ -1,4 +1,6 @@
-"""Every SQL statement maintd runs, one module per table (plus ``catalog`` for PostgreSQL's own).
+"""The SQL statements maintd runs, one module per table (plus ``catalog`` for PostgreSQL's own);
+the DDL of the schema is in the Alembic migrations, and utility commands that take an identifier
+(``LISTEN channel``) are built where they run, from a validated and quoted name.
 
 Statements are plain SQL with ``:name`` parameters. Placeholders in braces are filled in when a
 statement is rendered; each fragment used by more than one statement is defined once, here:

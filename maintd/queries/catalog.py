@@ -4,6 +4,8 @@ SERVER_TIME = "SELECT clock_timestamp()"
 
 # A session setting of a new connection (maintd.db.connect).
 SET_SESSION = "SELECT set_config(:name, :value, false)"
+# A setting for the current transaction only (e.g. statement_timeout of a read).
+SET_LOCAL = "SELECT set_config(:name, :value, true)"
 
 # Did the current transaction write anything (has it been given a transaction id)?
 WROTE = "SELECT txid_current_if_assigned() IS NOT NULL"

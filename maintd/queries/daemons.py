@@ -32,6 +32,13 @@ SELECT instance_id, host, pid, version, started_at, alive,
  ORDER BY instance_id
 """
 
+# Every second, in one statement (maintd.leader.ElectionLoop): whether the server takes writes (not
+# a standby, not a primary set read-only) and the live replicas.
+REFRESH = """
+SELECT current_setting('transaction_read_only') = 'off' AS writable,
+       ARRAY(SELECT instance_id FROM {schema}.daemons d WHERE """ + LIVE_SESSION + """ ORDER BY instance_id) AS replicas
+"""
+
 # Replicas alive now (SPEC 7.9's R): those with a lock session connected to this database (a
 # SIGKILLed replica's sessions end at once, a frozen one's within the lease by idle_session_timeout).
 LIVE_REPLICAS = """
