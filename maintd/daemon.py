@@ -305,8 +305,7 @@ class Daemon:
         if "instance_id" in changed and self.config_path is not None:
             changed.remove("instance_id")  # a default derived from the pid, not set in the file
         if changed:
-            log.warning("config reload: %s needs a restart; kept the old value", ", ".join(changed),
-                        extra=kv(keys=",".join(changed)))
+            log.warning("config reload: needs a restart; kept the old value", extra=kv(keys=",".join(changed)))
         keep = {k: getattr(self.settings, k) for k in RESTART_ONLY if k != "http"}
         keep["http"] = self.settings.http.model_copy(update={"auth_token": settings.http.auth_token})
         settings = settings.model_copy(update=keep)
@@ -455,7 +454,7 @@ class Daemon:
 
     def run_forever(self) -> int:
         def on_stop(signum: int, frame: Any) -> None:
-            log.info("received %s, stopping", signal.Signals(signum).name)
+            log.info("stopping on a signal", extra=kv(signal=signal.Signals(signum).name))
             self._stopping.set()
 
         def on_hup(signum: int, frame: Any) -> None:

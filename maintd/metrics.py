@@ -149,6 +149,27 @@ def oldest_available(conn: Any, schema: str) -> dict[str, float]:
 
 
 OTHER = "_other"  # the queues past metrics.max_queues, summed
+RESULT_KEYS = 100  # entries of a per-queue count kept in a recorded pass result (service_runs)
+
+
+def top_with_other(counts: dict[str, Any], keep: int) -> dict[str, Any]:
+    """The ``keep`` largest entries of ``counts`` and, when there were more, the rest summed
+    under ``_other``: bounded size for 100,000 queues, the total unchanged."""
+    if len(counts) <= keep:
+        return dict(counts)
+    ranked = sorted(counts, key=lambda k: (-counts[k], k))
+    out = {k: counts[k] for k in ranked[:keep]}
+    out[OTHER] = out.get(OTHER, 0) + sum(counts[k] for k in ranked[keep:])
+    return out
+
+
+def bounded_result(result: Any, keep: int = RESULT_KEYS) -> Any:
+    """A pass result (``as_dict``) whose per-key counts (``promoted`` by queue) hold at most
+    ``keep`` entries plus ``_other``, for ``service_runs`` and ``/status``."""
+    if not isinstance(result, dict):
+        return result
+    return {k: top_with_other(v, keep) if isinstance(v, dict) and len(v) > keep
+            and all(isinstance(n, (int, float)) for n in v.values()) else v for k, v in result.items()}
 
 
 def finite_age(age: float | None) -> float:

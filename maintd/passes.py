@@ -24,7 +24,7 @@ from sqlalchemy import Engine
 from .config import Settings
 from .db import HostOrder, describe_db_error, make_engine, ms, session_settings
 from .logs import kv
-from .metrics import Metrics
+from .metrics import Metrics, bounded_result
 from .queries import service_runs
 from .services import SERVICES
 from .services.base import NotLeader, PassContext, PassResult, PassStopped, Service
@@ -96,7 +96,8 @@ def execute_pass(name: str, service: Service, ctx: PassContext, metrics: Metrics
     if metrics is not None:
         _observe(metrics, service, record, ctx)
     if result is not None and result.did_something():
-        slog.info("%s: %s", name, result.summary(), extra=kv(seconds=round(record.seconds, 3)))
+        # The service's name is fixed text; what the pass did (queue names) is a field.
+        slog.info(f"{name} pass", extra=kv(result=result.summary(), seconds=round(record.seconds, 3)))
     return record
 
 
@@ -165,7 +166,8 @@ def record_pass(ctx: PassContext, record: PassRecord) -> bool:
             conn.execute(ctx.sql(service_runs.RECORD), {
                 "service": record.service, "instance": ctx.instance_id, "started": record.started_at,
                 "finished": record.finished_at, "outcome": record.outcome.value,
-                "result": json.dumps(record.as_dict()["result"], default=str), "error": record.error,
+                "result": json.dumps(bounded_result(record.as_dict()["result"]), default=str),
+                "error": record.error,
                 "last_success": last_success,
             })
         return True

@@ -42,6 +42,9 @@ MAX_SLEEP = 1.0  # seconds: re-read the next due time at least this often while 
 TICK_MARGIN = 0.25  # seconds (at most 10 % of interval): a pass ends this long before the next tick
 
 
+SUMMARY_QUEUES = 10  # queues named in a pass's summary line (the largest), the rest counted
+
+
 @dataclass
 class SchedulerResult(PassResult):
     promoted: dict[str, int] = field(default_factory=dict)
@@ -62,8 +65,10 @@ class SchedulerResult(PassResult):
 
     def summary(self) -> str:
         verb = "would promote" if self.dry_run else "promoted"
-        queues = " ".join(f"{q}={n}" for q, n in sorted(self.promoted.items()))
-        return f"{verb} {self.total} jobs {queues}".rstrip()
+        shown = sorted(sorted(self.promoted, key=lambda q: (-self.promoted[q], q))[:SUMMARY_QUEUES])
+        queues = " ".join(f"{q}={self.promoted[q]}" for q in shown)
+        more = len(self.promoted) - len(shown)
+        return f"{verb} {self.total} jobs {queues}".rstrip() + (f" (+{more} more queues)" if more else "")
 
 
 class Scheduler(Service):
