@@ -27,6 +27,7 @@ from .dashboard import Dashboard
 from .db import HostOrder, connect, describe_db_error, ms
 from .http import HttpServer, as_json, metrics_body
 from .http import text as text_body
+from .listener import raise_descriptor_limit
 from .lockconn import LOCK_GROUP, LockConnection
 from .logs import kv, setup_logging
 from .metrics import Metrics
@@ -191,6 +192,9 @@ class Daemon:
         if not self.settings.http.enabled or self.http is not None:
             return
         address = self.settings.http.listen
+        was, now = raise_descriptor_limit()
+        if now != was:
+            log.info("raised the open-file limit", extra=kv(soft=now, was=was))
         try:
             self.http = HttpServer(self.settings.http.host, self.settings.http.port, {
                 "/metrics": lambda: metrics_body(self.metrics.render),
@@ -202,7 +206,8 @@ class Daemon:
         except OSError as exc:
             raise HttpListenError(f"http.listen {address}: cannot listen: {exc.strerror or exc}") from None
         self.http.start()
-        log.info("http listening", extra=kv(address=f"{self.settings.http.host}:{self.http.port}"))
+        log.info("http listening", extra=kv(address=f"{self.settings.http.host}:{self.http.port}",
+                                            max_connections=self.http.listener.max_connections))
 
     def start(self) -> bool:
         """HTTP, then the database, then the runner and the elector. False when stopped during
