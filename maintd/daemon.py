@@ -32,6 +32,7 @@ from .lockconn import LOCK_GROUP, LockConnection
 from .logs import kv, setup_logging
 from .metrics import Metrics
 from .passes import maintenance_engine
+from .readers import Readers
 from .queries import daemons as q_daemons
 from .queries import psycopg_sql
 from .sdnotify import SystemdNotifier
@@ -127,6 +128,7 @@ class Daemon:
                 unit.elector.gate = partial(self.spread.gate, unit.name)
                 unit.elector.tried = partial(self.spread.tried, unit.name)
         self.http: HttpServer | None = None
+        self.readers = Readers(lambda: self.settings.instance_id)  # /status and the dashboard
         self.notifier = SystemdNotifier()
         self._stopping = threading.Event()
         self._reload_requested = threading.Event()
@@ -201,7 +203,7 @@ class Daemon:
                 "/healthz": self._healthz,
                 "/readyz": self._readyz,
                 "/status": self._status,
-            }, pages=Dashboard(lambda: self.settings).pages(),  # /, /jobs, /jobs/{id}
+            }, pages=Dashboard(lambda: self.settings, readers=self.readers).pages(),  # /, /jobs, /jobs/{id}
                auth_token=lambda: self.settings.http.auth_token)  # all but the probes and /metrics
         except OSError as exc:
             raise HttpListenError(f"http.listen {address}: cannot listen: {exc.strerror or exc}") from None
@@ -297,6 +299,7 @@ class Daemon:
             self.timetable.shutdown(wait=False)
         if self.http:
             self.http.stop()
+        self.readers.dispose()
         for engine in self.engines.values():
             engine.dispose()
         for conn in self._spread_conns.values():
@@ -435,12 +438,17 @@ class Daemon:
             "targets": len(self.units), "replicas": self.spread.replicas, "cap": self.spread.cap}})
 
     def _target_status(self, unit: TargetUnit) -> tuple[dict[str, Any], int]:
+        """Read through the readers (never the maintenance pool); the jobs are what the leader
+        counted last, from memory (SPEC 8.5)."""
         from .periodic_table import list_entries
-        from .status import collect_status
+        from .status import collect_status, leader_figures
 
+        engine = self.readers.engine(unit.settings.database_url.get_secret_value())
         try:
-            data: dict[str, Any] = collect_status(unit.engine, unit.settings.schema)
-            data["periodic"] = list_entries(unit.engine, unit.settings)
+            data: dict[str, Any] = collect_status(
+                engine, unit.settings.schema, max_queues=self.settings.metrics.max_queues,
+                jobs=leader_figures(unit.runner.gauges.counts, leading=unit.is_leader))
+            data["periodic"] = list_entries(engine, unit.settings)
             return data, 200
         except Exception as exc:
             return {"error": describe_db_error(exc)}, 503

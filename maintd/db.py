@@ -173,7 +173,7 @@ def session_settings(statement_timeout: timedelta, *, lock_timeout: timedelta | 
 
 def make_engine(dsn: str, *, application_name: str, session: dict[str, Any] | None = None,
                 pool_size: int = 4, pooled: bool = True, hosts: HostOrder | None = None,
-                **params: Any) -> Engine:
+                max_overflow: int = 2, pool_timeout: float = 30.0, **params: Any) -> Engine:
     """A SQLAlchemy engine over psycopg 3 whose connections carry ``session`` settings (and extra
     libpq ``params``, e.g. ``tcp_user_timeout``); with ``hosts``, new connections try a multi-host
     URL's hosts in that order."""
@@ -184,8 +184,8 @@ def make_engine(dsn: str, *, application_name: str, session: dict[str, Any] | No
 
     kwargs: dict[str, Any] = {"creator": creator}
     if pooled:  # LIFO: the connection used last is reused, so it is rarely idle long enough to ping
-        kwargs.update(poolclass=QueuePool, pool_size=pool_size, max_overflow=2, pool_recycle=1800,
-                      pool_use_lifo=True)
+        kwargs.update(poolclass=QueuePool, pool_size=pool_size, max_overflow=max_overflow, pool_recycle=1800,
+                      pool_use_lifo=True, pool_timeout=pool_timeout)
     else:
         kwargs.update(poolclass=NullPool)
     engine = create_engine("postgresql+psycopg://", **kwargs)
@@ -267,8 +267,17 @@ def events_channel(schema: str) -> str:
     return "maintd_events" if schema == "maintd" else f"{schema}_maintd_events"
 
 
+# SQLSTATEs of a schema that is missing or behind: undefined_table, invalid_schema_name,
+# undefined_function (the admin functions), undefined_column.
+SCHEMA_NOT_READY = frozenset({"42P01", "3F000", "42883", "42703"})
+
+
 def describe_db_error(exc: BaseException) -> str:
-    """One line for an operator, without the password."""
-    msg = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    """One line for an operator, without the password; a missing schema, table or function
+    (the schema is not migrated, or was dropped) says what to run."""
+    orig = getattr(exc, "orig", None) or exc
+    msg = str(orig).strip().splitlines()
     line = msg[0] if msg else exc.__class__.__name__
+    if getattr(orig, "sqlstate", None) in SCHEMA_NOT_READY:
+        line += ": the schema is missing or not migrated, run `maintd migrate`"
     return redact_dsn(line)

@@ -119,7 +119,7 @@ class HttpServer:
     (``/jobs/{id}``) -> callable taking a :class:`Request`. ``auth_token`` is read on every
     request (a reload may change it); ``None`` leaves everything open. ``lanes``: the worker lane
     of a path (see :mod:`maintd.listener`): the probes are answered on the listener's loop,
-    ``/metrics`` has threads of its own, everything else is a page (four at a time)."""
+    ``/metrics`` has threads of its own, everything else is a page (two at a time)."""
 
     def __init__(self, host: str, port: int, routes: dict[str, Callable[[], Response]], *,
                  pages: dict[str, Callable[[Request], Response]] | None = None,

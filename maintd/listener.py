@@ -14,7 +14,8 @@ descriptor and a little memory, never a thread. What a client of the port can ho
   out);
 * each lane runs at most ``threads`` requests at once with at most ``queue`` more waiting; past
   that the answer is ``503`` with ``Retry-After`` at once. Pages (the dashboard, ``/status``)
-  render four at a time; ``/metrics`` has its own two threads; the probes (``/healthz``,
+  render two at a time (the interpreter runs one thread at a time: more would only slow the
+  probes); ``/metrics`` has its own two threads; the probes (``/healthz``,
   ``/readyz``) read a few attributes and are answered on the loop itself, so no flood of readers
   delays them.
 
@@ -64,7 +65,7 @@ class Limits:
     max_headers: int = 64
     backlog: int = 1024
     max_connections: int = 0  # 0: half the descriptor limit (see connection_cap)
-    lanes: Mapping[str, Lane] = field(default_factory=lambda: {"page": Lane(4), "metrics": Lane(2, 30)})
+    lanes: Mapping[str, Lane] = field(default_factory=lambda: {"page": Lane(2), "metrics": Lane(2, 30)})
 
 
 def connection_cap(limits: Limits) -> int:

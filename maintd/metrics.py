@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -16,7 +17,7 @@ from .db import describe_db_error
 from .logs import kv
 from .queries import FINAL_STATES, JOB_STATES, jobs, sql
 
-__all__ = ["CONTENT_TYPE_LATEST", "JobGauges", "Metrics", "RUN_BUCKETS", "job_counts"]
+__all__ = ["CONTENT_TYPE_LATEST", "JobCounts", "JobGauges", "Metrics", "RUN_BUCKETS", "job_counts"]
 
 log = logging.getLogger("maintd.metrics")
 
@@ -179,10 +180,23 @@ def finite_age(age: float | None) -> float:
     return max(0.0, age)
 
 
+@dataclass(frozen=True)
+class JobCounts:
+    """What the leader counted last, for ``/status``: jobs by queue and state (live states as of
+    ``live_at``, final ones as of ``final_at``, database times) and the oldest available job's
+    age per queue."""
+
+    rows: list[dict[str, Any]]
+    oldest: dict[str, float]
+    live_at: Any
+    final_at: Any = None
+
+
 class JobGauges:
     """``maintd_jobs`` and the backlog age, refreshed by the leader every ``INTERVAL`` seconds.
     Live states are cheap (partial indexes); the per-queue counts of final states read the heap,
-    so they are refreshed every ``FINAL_INTERVAL`` seconds only."""
+    so they are refreshed every ``FINAL_INTERVAL`` seconds only. The last counts stay in memory
+    (:attr:`counts`) for ``/status``, which never counts itself (SPEC 8.5)."""
 
     INTERVAL = 15.0
     FINAL_INTERVAL = 300.0
@@ -191,11 +205,14 @@ class JobGauges:
     def __init__(self, metrics: Metrics):
         self.metrics = metrics
         self._final_counted_at = float("-inf")
+        self.counts: JobCounts | None = None  # None: not leading, or not counted yet
+        self._final_rows: list[dict[str, Any]] = []
 
     def clear(self) -> None:
         self.metrics.jobs.clear()
         self.metrics.oldest_available_age.clear()
         self._final_counted_at = float("-inf")
+        self.counts, self._final_rows = None, []
 
     def refresh(self, engine: Engine, schema: str, *, still_leading: Callable[[], bool] = lambda: True,
                 lock: Any = None, final: bool | None = None) -> None:
@@ -207,6 +224,7 @@ class JobGauges:
             with engine.connect() as conn:
                 conn.exec_driver_sql(f"SET LOCAL statement_timeout = {self.TIMEOUT_MS}")
                 counts, oldest = job_counts(conn, schema, final=final), oldest_available(conn, schema)
+                at = conn.exec_driver_sql("SELECT now()").scalar_one()
         except Exception as exc:
             log.debug("could not refresh job gauges", extra=kv(error=describe_db_error(exc)))
             return
@@ -214,8 +232,17 @@ class JobGauges:
             if not still_leading():  # leadership ended meanwhile: followers export no job gauges
                 return
             self.apply(counts, oldest, final=final)
+            self._remember(counts, oldest, at, final)
         if final:
             self._final_counted_at = now
+
+    def _remember(self, counts: list[dict[str, Any]], oldest: dict[str, float], at: Any, final: bool) -> None:
+        if final:
+            self._final_rows = [r for r in counts if r["state"] in FINAL_STATES]
+        live = [r for r in counts if r["state"] not in FINAL_STATES]
+        rows = sorted(live + self._final_rows, key=lambda r: (r["queue"], JOB_STATES.index(r["state"])))
+        final_at = at if final else (self.counts.final_at if self.counts else None)
+        self.counts = JobCounts(rows, dict(oldest), at, final_at)
 
     def apply(self, counts: list[dict[str, Any]], oldest: dict[str, float], *, final: bool) -> None:
         gauge = self.metrics.jobs

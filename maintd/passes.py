@@ -61,7 +61,7 @@ class PassRecord:
         return {"service": self.service, "outcome": self.outcome.value,
                 "started_at": self.started_at.isoformat(), "finished_at": self.finished_at.isoformat(),
                 "seconds": round(self.seconds, 6), "error": self.error,
-                "result": self.result.as_dict() if self.result is not None else {}}
+                "result": bounded_result(self.result.as_dict()) if self.result is not None else {}}
 
 
 def maintenance_engine(settings: Settings, *, pool_size: int = len(SERVICES) + 1,
@@ -166,8 +166,7 @@ def record_pass(ctx: PassContext, record: PassRecord) -> bool:
             conn.execute(ctx.sql(service_runs.RECORD), {
                 "service": record.service, "instance": ctx.instance_id, "started": record.started_at,
                 "finished": record.finished_at, "outcome": record.outcome.value,
-                "result": json.dumps(bounded_result(record.as_dict()["result"]), default=str),
-                "error": record.error,
+                "result": json.dumps(record.as_dict()["result"], default=str), "error": record.error,
                 "last_success": last_success,
             })
         return True

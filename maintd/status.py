@@ -1,5 +1,11 @@
 """``maintd status`` and ``/status``: who leads, the live daemons, each service's last run, jobs
-by queue and state. Read from the database; all times are the server's."""
+by queue and state. Read from the database; all times are the server's.
+
+The size is bounded whatever the table holds: jobs of the ``max_queues`` largest queues, the
+others summed under ``_other`` (as for the metrics), and recorded pass results likewise. The
+daemon's ``/status`` reads through its readers (:mod:`maintd.readers`) and never counts jobs: it
+shows what the leader counted last (:class:`maintd.metrics.JobCounts`), or says that those are
+the leader's figures; ``maintd status`` counts them itself, bounded by a timeout."""
 
 from __future__ import annotations
 
@@ -11,10 +17,11 @@ from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from .db import advisory_key, describe_db_error
 from .identifiers import qualified
-from .metrics import job_counts, oldest_available
-from .queries import catalog, daemons, leader, service_runs, sql
+from .metrics import OTHER, JobCounts, bounded_result, job_counts, oldest_available
+from .queries import JOB_STATES, catalog, daemons, leader, service_runs, sql
 
 STATUS_TIMEOUT_MS = 5000
+MAX_QUEUES = 100  # metrics.max_queues' default
 
 
 class SchemaMissing(RuntimeError):
@@ -29,7 +36,9 @@ def _rows(conn: Connection, template: str, schema: str, params: dict | None = No
     return [{k: _iso(v) for k, v in r.items()} for r in conn.execute(sql(template, schema), params or {}).mappings()]
 
 
-def collect_status(engine: Engine, schema: str) -> dict[str, Any]:
+def collect_status(engine: Engine, schema: str, *, jobs: dict[str, Any] | None = None,
+                   max_queues: int = MAX_QUEUES) -> dict[str, Any]:
+    """``jobs``: the job figures to show (:func:`leader_figures`); None: count them here."""
     classid, objid = advisory_key(schema)
     with engine.connect() as conn:
         conn.exec_driver_sql(f"SET LOCAL statement_timeout = {STATUS_TIMEOUT_MS}")
@@ -37,15 +46,17 @@ def collect_status(engine: Engine, schema: str) -> dict[str, Any]:
             raise SchemaMissing(f"schema {schema!r} has no maintd tables: run `maintd migrate` first")
         now = conn.execute(text("SELECT now()")).scalar_one()
         lead = _rows(conn, leader.CURRENT, schema, {"classid": classid, "objid": objid})
+        services = _rows(conn, service_runs.ALL, schema)
+        for run in services:
+            run["result"] = bounded_result(run["result"], max_queues)
         status = {
             "schema": schema,
             "time": _iso(now),
             "leader": _leader(lead[0] if lead else None),
             "daemons": _rows(conn, daemons.LIVE, schema),
-            "services": _rows(conn, service_runs.ALL, schema),
-            "oldest_available_age_seconds": oldest_available(conn, schema),
+            "services": services,
         }
-        status.update(_jobs(conn, schema))
+        status.update(bounded_jobs(_count(conn, schema) if jobs is None else jobs, max_queues))
     return status
 
 
@@ -56,14 +67,52 @@ def _leader(row: dict[str, Any] | None) -> dict[str, Any] | None:
             "since": row["elected_at"], "epoch": row["epoch"], "renewed_at": row["renewed_at"]}
 
 
-def _jobs(conn: Connection, schema: str) -> dict[str, Any]:
+def _count(conn: Connection, schema: str) -> dict[str, Any]:
     """Counting finished jobs reads the heap: it may time out, then only live states count."""
+    figures: dict[str, Any] = {"oldest_available_age_seconds": oldest_available(conn, schema)}
     try:
         with conn.begin_nested():
-            return {"jobs": job_counts(conn, schema)}
+            figures["jobs"] = job_counts(conn, schema)
     except (OperationalError, ProgrammingError) as exc:
-        return {"jobs": job_counts(conn, schema, final=False),
-                "jobs_note": f"finished jobs not counted: {describe_db_error(exc)}"}
+        figures["jobs"] = job_counts(conn, schema, final=False)
+        figures["jobs_note"] = f"finished jobs not counted: {describe_db_error(exc)}"
+    return figures
+
+
+def leader_figures(counts: JobCounts | None, *, leading: bool) -> dict[str, Any]:
+    """The job figures of a daemon's ``/status``: the leader's last counts from memory; a
+    follower says where they are."""
+    if counts is not None:
+        return {"jobs": counts.rows, "oldest_available_age_seconds": counts.oldest,
+                "jobs_counted_at": {"live": _iso(counts.live_at), "finished": _iso(counts.final_at)}}
+    note = ("not counted yet: the leader counts jobs every 15 s" if leading else
+            "jobs are counted by the leader: see its /status, or maintd_jobs on its /metrics")
+    return {"jobs": [], "oldest_available_age_seconds": {}, "jobs_note": note}
+
+
+def bounded_jobs(figures: dict[str, Any], keep: int) -> dict[str, Any]:
+    """The rows of the ``keep`` queues with the most jobs, the others summed under ``_other``
+    (per state; their oldest age is the oldest of theirs)."""
+    rows, oldest = figures["jobs"], figures.get("oldest_available_age_seconds", {})
+    totals: dict[str, int] = {q: 0 for q in oldest}
+    for r in rows:
+        totals[r["queue"]] = totals.get(r["queue"], 0) + r["count"]
+    if len(totals) <= keep:
+        return figures
+    kept = set(sorted(totals, key=lambda q: (-totals[q], q))[:keep])
+    summed: dict[tuple[str, str], int] = {}
+    for r in rows:
+        key = (r["queue"] if r["queue"] in kept else OTHER, r["state"])
+        summed[key] = summed.get(key, 0) + r["count"]
+    ages: dict[str, float] = {}
+    for q, age in oldest.items():
+        name = q if q in kept else OTHER
+        ages[name] = age if ages.get(name) is None else max(ages[name], age if age is not None else 0.0)
+    note = f"{len(totals)} queues: the {keep} with the most jobs shown, the other {len(totals) - keep} as {OTHER}"
+    ordered = sorted(summed.items(), key=lambda kv: (kv[0][0], JOB_STATES.index(kv[0][1])))
+    return {**figures, "jobs": [{"queue": q, "state": s, "count": n} for (q, s), n in ordered],
+            "oldest_available_age_seconds": ages,
+            "jobs_note": "; ".join(filter(None, (figures.get("jobs_note"), note)))}
 
 
 def format_status(st: dict[str, Any]) -> str:

@@ -4,14 +4,18 @@ or the database's connections (SPEC 8.5). The "before" figures of each scenario,
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Iterator
 
 import psycopg
@@ -91,4 +95,57 @@ def test_2000_idle_sockets_at_a_limit_of_1024_descriptors_do_not_stop_healthz(pg
     finally:
         for s in socks:
             s.close()
+        d.stop()
+
+
+def flood(port: int, seconds: float, clients: int, *paths: str) -> subprocess.Popen:
+    """The clients in a process of their own at a lower priority (nice 10): an attacker's CPU is
+    not the daemon's, but here both share the test machine's cores."""
+    return subprocess.Popen([sys.executable, "-m", "tests.flood", str(port), str(seconds), str(clients), *paths],
+                            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent,
+                            preexec_fn=lambda: os.nice(10))
+
+
+def connections(dsn: str, instance: str) -> tuple[int, int]:
+    """(this daemon's reader sessions, all its sessions) at the server."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute("SELECT count(*) FILTER (WHERE application_name = %s), count(*) "
+                            "FROM pg_stat_activity WHERE application_name LIKE %s",
+                            (f"maintd:{instance}:read", f"maintd:{instance}:%")).fetchone()
+
+
+@pytest.mark.slow
+def test_a_status_and_dashboard_flood_costs_no_leadership_health_or_connections(pg_dsn, schema):
+    """200 clients on /status, / and /jobs for 20 s while leading a table of 300,000 finished jobs.
+    Before (bench/hostile.py): /status counted finished jobs on the maintenance pool, and 30
+    clients on a table of 2 M cost the term (epoch 1 -> 2, /healthz 503 for 30 s); each page
+    opened a connection of its own (28 at once for 200 clients)."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"""INSERT INTO "{schema}".jobs (kind, queue, state, attempt, finalized_at)
+                         SELECT 'k', 'q' || (i % 20), 'completed', 1, now() - (i % 3600) * interval '1 second'
+                           FROM generate_series(1, 300000) i""")
+        conn.execute(f'INSERT INTO "{schema}".jobs (kind, queue) SELECT \'k\', \'q\' || (i % 20) '
+                     f'FROM generate_series(1, 20000) i')
+        conn.execute(f'ANALYZE "{schema}".jobs')
+    d = DaemonProc(pg_dsn, schema, "flood-1").start()
+    try:
+        d.wait_log(r"became leader epoch=", timeout=20)
+        port, epoch = d.http_port, leader_row(pg_dsn, schema)[0]
+        clients = flood(port, 20, 200, "/status", "/", "/jobs?state=completed")
+        seen, probes = [], []
+        while clients.poll() is None:
+            seen.append(connections(pg_dsn, "flood-1"))
+            probes.append(get(port, "/healthz", timeout=5))
+            time.sleep(0.2)
+        calls = json.loads(clients.stdout.read())
+        print(f"flood: {calls}; readers at most {max(r for r, _ in seen)}, daemon sessions at most "
+              f"{max(a for _, a in seen)}; /healthz max {max(s for _, s, _ in probes):.3f} s")
+        assert calls["by_status"].get("200", 0) > 100, calls  # pages were served all along
+        assert max(r for r, _ in seen) <= 4, seen  # the readers' cap
+        assert max(a for _, a in seen) <= 20, seen  # maintenance + lock + readers
+        assert all(status == 200 for status, _, _ in probes), [p for p in probes if p[0] != 200]
+        assert max(s for _, s, _ in probes) < 1, statistics.quantiles([s for _, s, _ in probes], n=10)
+        assert leader_row(pg_dsn, schema) == (epoch, "flood-1")  # the same term, still held
+        assert "giving up" not in d.log() and "lost leadership" not in d.log()
+    finally:
         d.stop()
