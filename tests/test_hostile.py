@@ -149,3 +149,37 @@ def test_a_status_and_dashboard_flood_costs_no_leadership_health_or_connections(
         assert "giving up" not in d.log() and "lost leadership" not in d.log()
     finally:
         d.stop()
+
+
+@pytest.mark.slow
+def test_a_queue_name_cannot_forge_a_log_line_and_100000_queues_make_no_huge_line(pg_dsn, schema):
+    """Before (bench/hostile.py log-injection): the forged line appeared as a line of its own, 3
+    raw ESC bytes reached the log, and the promotion of 100,000 queues wrote a 1,388,973-byte line."""
+    forged = "x\n2026-01-01T00:00:00.000Z info    became leader epoch=999 instance=attacker"
+    ansi = "y\x1b[2J\x1b[31mRED\x1b[0m"
+    d = DaemonProc(pg_dsn, schema, "logs-1").start()
+    try:
+        d.wait_log(r"became leader epoch=", timeout=20)
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            def promoted() -> bool:
+                return not conn.execute(f"""SELECT EXISTS (SELECT 1 FROM "{schema}".jobs
+                                            WHERE state = 'scheduled')""").fetchone()[0]
+
+            conn.execute(f"""INSERT INTO "{schema}".jobs (kind, queue, state, scheduled_at)
+                             SELECT 'k', q, 'scheduled', now() FROM unnest(%s::text[]) q""", ([forged, ansi],))
+            wait_for(promoted, 20, what="the two jobs promoted")
+            d.wait_log("scheduler pass", timeout=10)
+            conn.execute(f"""INSERT INTO "{schema}".jobs (kind, queue, state, scheduled_at)
+                             SELECT 'k', 'queue-' || i, 'scheduled', now()
+                               FROM generate_series(1, 100000) i""")
+            wait_for(promoted, 60, what="every job promoted")
+        wait_for(lambda: "more queues)" in d.log(), 10, what="the promotion's line")
+    finally:
+        d.stop()
+    text = d.log()
+    lines = text.split("\n")
+    assert not [ln for ln in lines if ln.startswith("2026-01-01")], "a forged line"
+    assert r"x\n2026-01-01T00:00:00.000Z info    became leader epoch=999 instance=attacker" in text
+    assert "\x1b" not in text and r"y\x1b[2J" in text
+    assert max(len(ln.encode()) for ln in lines) < 4096
+    assert "more queues)" in text  # the largest named, the rest counted
