@@ -366,7 +366,11 @@ def cleaner_timeout(args: argparse.Namespace) -> None:
                    passes_ok=metric(body, "maintd_service_runs_total", service="cleaner", outcome="success"),
                    passes_error=metric(body, "maintd_service_runs_total", service="cleaner", outcome="error"),
                    deleted=metric(body, "maintd_jobs_deleted_total"), rows_left=left,
-                   timeout_lines=d.log().count("statement timeout"))
+                   timeout_lines=d.log().count("statement timeout"),
+                   pass_seconds_mean=round(metric(body, "maintd_service_run_seconds_sum", service="cleaner")
+                                           / max(1, metric(body, "maintd_service_run_seconds_count",
+                                                           service="cleaner")), 3),
+                   first_pass=re.findall(r"cleaner pass result=.*", d.log())[:1])
 
 
 def get_body(port: int, path: str) -> str:
