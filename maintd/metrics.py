@@ -164,6 +164,31 @@ def top_with_other(counts: dict[str, Any], keep: int) -> dict[str, Any]:
     return out
 
 
+def bounded_jobs(figures: dict[str, Any], keep: int) -> dict[str, Any]:
+    """The rows of the ``keep`` queues with the most jobs, the others summed under ``_other``
+    (per state; their oldest age is the oldest of theirs)."""
+    rows, oldest = figures["jobs"], figures.get("oldest_available_age_seconds", {})
+    totals: dict[str, int] = {q: 0 for q in oldest}
+    for r in rows:
+        totals[r["queue"]] = totals.get(r["queue"], 0) + r["count"]
+    if len(totals) <= keep:
+        return figures
+    kept = set(sorted(totals, key=lambda q: (-totals[q], q))[:keep])
+    summed: dict[tuple[str, str], int] = {}
+    for r in rows:
+        key = (r["queue"] if r["queue"] in kept else OTHER, r["state"])
+        summed[key] = summed.get(key, 0) + r["count"]
+    ages: dict[str, float] = {}
+    for q, age in oldest.items():
+        name = q if q in kept else OTHER
+        ages[name] = age if ages.get(name) is None else max(ages[name], age if age is not None else 0.0)
+    note = f"{len(totals)} queues: the {keep} with the most jobs shown, the other {len(totals) - keep} as {OTHER}"
+    ordered = sorted(summed.items(), key=lambda kv: (kv[0][0], JOB_STATES.index(kv[0][1])))
+    return {**figures, "jobs": [{"queue": q, "state": s, "count": n} for (q, s), n in ordered],
+            "oldest_available_age_seconds": ages,
+            "jobs_note": "; ".join(filter(None, (figures.get("jobs_note"), note)))}
+
+
 def bounded_result(result: Any, keep: int = RESULT_KEYS) -> Any:
     """A pass result (``as_dict``) whose per-key counts (``promoted`` by queue) hold at most
     ``keep`` entries plus ``_other``, for ``service_runs`` and ``/status``."""
@@ -190,6 +215,7 @@ class JobCounts:
     oldest: dict[str, float]
     live_at: Any
     final_at: Any = None
+    note: str | None = None  # how many queues were summed as _other
 
 
 class JobGauges:
@@ -206,13 +232,13 @@ class JobGauges:
         self.metrics = metrics
         self._final_counted_at = float("-inf")
         self.counts: JobCounts | None = None  # None: not leading, or not counted yet
-        self._final_rows: list[dict[str, Any]] = []
+        self._final_rows: dict[tuple[str, str], int] = {}
 
     def clear(self) -> None:
         self.metrics.jobs.clear()
         self.metrics.oldest_available_age.clear()
         self._final_counted_at = float("-inf")
-        self.counts, self._final_rows = None, []
+        self.counts, self._final_rows = None, {}
 
     def refresh(self, engine: Engine, schema: str, *, still_leading: Callable[[], bool] = lambda: True,
                 lock: Any = None, final: bool | None = None) -> None:
@@ -237,12 +263,16 @@ class JobGauges:
             self._final_counted_at = now
 
     def _remember(self, counts: list[dict[str, Any]], oldest: dict[str, float], at: Any, final: bool) -> None:
-        if final:
-            self._final_rows = [r for r in counts if r["state"] in FINAL_STATES]
+        if final:  # until the next count of final states (compact: 100,000 queues may have rows)
+            self._final_rows = {(r["queue"], r["state"]): r["count"] for r in counts if r["state"] in FINAL_STATES}
         live = [r for r in counts if r["state"] not in FINAL_STATES]
-        rows = sorted(live + self._final_rows, key=lambda r: (r["queue"], JOB_STATES.index(r["state"])))
+        finished = [{"queue": q, "state": s, "count": n} for (q, s), n in self._final_rows.items()]
+        rows = sorted(live + finished, key=lambda r: (r["queue"], JOB_STATES.index(r["state"])))
         final_at = at if final else (self.counts.final_at if self.counts else None)
-        self.counts = JobCounts(rows, dict(oldest), at, final_at)
+        # Kept as /status shows them: the max_queues largest queues and _other (bounded memory).
+        shown = bounded_jobs({"jobs": rows, "oldest_available_age_seconds": oldest}, self.metrics.max_queues)
+        self.counts = JobCounts(shown["jobs"], shown["oldest_available_age_seconds"], at, final_at,
+                                shown.get("jobs_note"))
 
     def apply(self, counts: list[dict[str, Any]], oldest: dict[str, float], *, final: bool) -> None:
         gauge = self.metrics.jobs

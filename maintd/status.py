@@ -17,8 +17,8 @@ from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from .db import advisory_key, describe_db_error
 from .identifiers import qualified
-from .metrics import OTHER, JobCounts, bounded_result, job_counts, oldest_available
-from .queries import JOB_STATES, catalog, daemons, leader, service_runs, sql
+from .metrics import JobCounts, bounded_jobs, bounded_result, job_counts, oldest_available
+from .queries import catalog, daemons, leader, service_runs, sql
 
 STATUS_TIMEOUT_MS = 5000
 MAX_QUEUES = 100  # metrics.max_queues' default
@@ -56,7 +56,8 @@ def collect_status(engine: Engine, schema: str, *, jobs: dict[str, Any] | None =
             "daemons": _rows(conn, daemons.LIVE, schema),
             "services": services,
         }
-        status.update(bounded_jobs(_count(conn, schema) if jobs is None else jobs, max_queues))
+        # The leader's figures are bounded already (JobGauges keeps them as shown).
+        status.update(bounded_jobs(_count(conn, schema), max_queues) if jobs is None else jobs)
     return status
 
 
@@ -83,36 +84,12 @@ def leader_figures(counts: JobCounts | None, *, leading: bool) -> dict[str, Any]
     """The job figures of a daemon's ``/status``: the leader's last counts from memory; a
     follower says where they are."""
     if counts is not None:
-        return {"jobs": counts.rows, "oldest_available_age_seconds": counts.oldest,
-                "jobs_counted_at": {"live": _iso(counts.live_at), "finished": _iso(counts.final_at)}}
+        figures = {"jobs": counts.rows, "oldest_available_age_seconds": counts.oldest,
+                   "jobs_counted_at": {"live": _iso(counts.live_at), "finished": _iso(counts.final_at)}}
+        return {**figures, "jobs_note": counts.note} if counts.note else figures
     note = ("not counted yet: the leader counts jobs every 15 s" if leading else
             "jobs are counted by the leader: see its /status, or maintd_jobs on its /metrics")
     return {"jobs": [], "oldest_available_age_seconds": {}, "jobs_note": note}
-
-
-def bounded_jobs(figures: dict[str, Any], keep: int) -> dict[str, Any]:
-    """The rows of the ``keep`` queues with the most jobs, the others summed under ``_other``
-    (per state; their oldest age is the oldest of theirs)."""
-    rows, oldest = figures["jobs"], figures.get("oldest_available_age_seconds", {})
-    totals: dict[str, int] = {q: 0 for q in oldest}
-    for r in rows:
-        totals[r["queue"]] = totals.get(r["queue"], 0) + r["count"]
-    if len(totals) <= keep:
-        return figures
-    kept = set(sorted(totals, key=lambda q: (-totals[q], q))[:keep])
-    summed: dict[tuple[str, str], int] = {}
-    for r in rows:
-        key = (r["queue"] if r["queue"] in kept else OTHER, r["state"])
-        summed[key] = summed.get(key, 0) + r["count"]
-    ages: dict[str, float] = {}
-    for q, age in oldest.items():
-        name = q if q in kept else OTHER
-        ages[name] = age if ages.get(name) is None else max(ages[name], age if age is not None else 0.0)
-    note = f"{len(totals)} queues: the {keep} with the most jobs shown, the other {len(totals) - keep} as {OTHER}"
-    ordered = sorted(summed.items(), key=lambda kv: (kv[0][0], JOB_STATES.index(kv[0][1])))
-    return {**figures, "jobs": [{"queue": q, "state": s, "count": n} for (q, s), n in ordered],
-            "oldest_available_age_seconds": ages,
-            "jobs_note": "; ".join(filter(None, (figures.get("jobs_note"), note)))}
 
 
 def format_status(st: dict[str, Any]) -> str:

@@ -135,11 +135,11 @@ def test_a_status_and_dashboard_flood_costs_no_leadership_health_or_connections(
         seen, probes = [], []
         while clients.poll() is None:
             seen.append(connections(pg_dsn, "flood-1"))
-            probes.append(get(port, "/healthz", timeout=5))
+            probes.append(get(port, ("/healthz", "/metrics")[len(probes) % 2], timeout=5))
             time.sleep(0.2)
         calls = json.loads(clients.stdout.read())
         print(f"flood: {calls}; readers at most {max(r for r, _ in seen)}, daemon sessions at most "
-              f"{max(a for _, a in seen)}; /healthz max {max(s for _, s, _ in probes):.3f} s")
+              f"{max(a for _, a in seen)}; /healthz and /metrics max {max(s for _, s, _ in probes):.3f} s")
         assert calls["by_status"].get("200", 0) > 100, calls  # pages were served all along
         assert max(r for r, _ in seen) <= 4, seen  # the readers' cap
         assert max(a for _, a in seen) <= 20, seen  # maintenance + lock + readers
@@ -183,3 +183,38 @@ def test_a_queue_name_cannot_forge_a_log_line_and_100000_queues_make_no_huge_lin
     assert "\x1b" not in text and r"y\x1b[2J" in text
     assert max(len(ln.encode()) for ln in lines) < 4096
     assert "more queues)" in text  # the largest named, the rest counted
+
+
+def rss_mb(pid: int, key: str) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith(key + ":"))
+
+
+@pytest.mark.slow
+def test_status_of_100000_queues_is_small_and_16_readers_cost_little_memory(pg_dsn, schema):
+    """Before (bench/hostile.py status-size): one /status of 100,000 queues was 11,781,516 bytes
+    and took 3.5 s; 16 clients for 20 s drove the daemon's RSS from 183 MB to 1,174 MB."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"""INSERT INTO "{schema}".jobs (kind, queue) SELECT 'k', 'queue-' || i
+                           FROM generate_series(1, 100000) i""")
+    d = DaemonProc(pg_dsn, schema, "size-1").start()
+    try:
+        d.wait_log(r"became leader epoch=", timeout=20)
+        port = d.http_port
+
+        def counted() -> dict | None:
+            status, _, body = get(port, "/status")
+            data = json.loads(body) if status == 200 else {}
+            return data if data.get("jobs_counted_at") else None
+
+        data = wait_for(counted, 30, what="the leader's counts")
+        body = json.dumps(data)
+        assert len(body) < 50_000, len(body)
+        assert sum(r["count"] for r in data["jobs"]) == 100_000 and "100000 queues" in data["jobs_note"]
+        before = rss_mb(d.pid, "VmRSS")
+        clients = flood(port, 10, 16, "/status")
+        calls = json.loads(clients.communicate(timeout=60)[0])
+        assert calls["by_status"].get("200", 0) >= 20, calls
+        assert rss_mb(d.pid, "VmHWM") - before < 100, (before, rss_mb(d.pid, "VmHWM"))
+    finally:
+        d.stop()
