@@ -21,6 +21,26 @@ Scenarios (issue 26's numbering):
    promotion of 100,000 queues: forged lines found, escapes written raw, the longest line.
 ``backlog``: the listen backlog (``ss -ltn``). ``cleaner-timeout``: the cleaner at a 20 ms
 statement timeout after a 1.5 M-row delete.
+
+Measured on the 2-core test machine (shared, load 7-12), before and after issue 26's fix:
+
+=================  ==========================================  =========================================
+scenario           before                                      after
+=================  ==========================================  =========================================
+status-flood       epoch 1 -> 2 (gave up: maintenance hung),   epoch 1 -> 1; /healthz 81/81, max 169 ms;
+(2 M rows, 40 s)   /healthz 503 61 of 112 samples              /status p50 0.05 s (the rest 503 at once)
+status-size        11,781,516 bytes, 3.47 s; RSS 183 -> 1,174  15,720 bytes, 0.18 s; RSS 132 -> 148 MB
+(100,000 queues)   MB under 16 clients
+idle-sockets       0/6 /healthz, 88 % CPU, 1,024 fds, 5         30/30, max 122 ms, 1 % CPU, no traceback
+(nofile 1024)      tracebacks
+dashboard-flood    28 reader + 8 other sessions (38 at the      2 reader sessions (9 in all); /healthz
+(200 clients)      server); /healthz max 4.5 s; 55 timeouts     max 0.7 s (this process's own clients
+                                                                slow it: the test floods from another)
+log-injection      1 forged line, 3 raw ESC, a 1,388,973-byte  0 forged, 0 ESC, longest line 243 bytes
+                   line
+backlog            5                                           1,024
+cleaner-timeout    0 ok / 46 error passes, 0 deleted           17 ok / 0 error, 100,000 deleted
+=================  ==========================================  =========================================
 """
 
 from __future__ import annotations

@@ -285,6 +285,7 @@ class Daemon:
             if self.http:
                 self.http.stop()
                 self.http = None
+            self.readers.dispose()
             return
         self._started = False
         self._stopping.set()
