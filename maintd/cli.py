@@ -421,13 +421,13 @@ def format_status_text(st: dict) -> str:
 
 def _status_one(settings: Settings) -> tuple[dict | None, str | None]:
     """(status, None), or (None, the problem) for a schema or database that cannot be read."""
-    from .db import describe_db_error, make_engine
+    from .db import describe_db_error
+    from .readers import reader_engine
     from .status import SchemaMissing, collect_status
 
-    engine = make_engine(settings.database_url.get_secret_value(),
-                         application_name=f"maintd:{settings.instance_id}:status", pooled=False)
+    engine = reader_engine(settings.database_url.get_secret_value(), settings.instance_id, kept=1, most=1)
     try:
-        return collect_status(engine, settings.schema), None
+        return collect_status(engine, settings.schema, max_queues=settings.metrics.max_queues), None
     except SchemaMissing as exc:
         return None, str(exc)
     except Exception as exc:  # one target's outage does not hide the others
@@ -449,15 +449,20 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
     from .admin import LOCK_TIMEOUT, AdminError, UsageError, plan_command
     from .db import make_engine, session_settings
+    from .readers import reader_engine
 
     settings = _load(args)
     try:
         work = plan_command(args)
-        engine = make_engine(
-            settings.database_url.get_secret_value(),
-            application_name=f"maintd:{settings.instance_id}:jobs", pooled=False,
-            session=session_settings(settings.statement_timeout, lock_timeout=LOCK_TIMEOUT,
-                                     idle_in_transaction=timedelta(minutes=1)))
+        dsn = settings.database_url.get_secret_value()
+        if args.jobs_command in ("list", "show"):  # a reader (SPEC 8.5); a long listing streams
+            engine = reader_engine(dsn, settings.instance_id, kept=1, most=1,
+                                   statement_timeout=settings.statement_timeout)
+        else:
+            engine = make_engine(
+                dsn, application_name=f"maintd:{settings.instance_id}:jobs", pooled=False,
+                session=session_settings(settings.statement_timeout, lock_timeout=LOCK_TIMEOUT,
+                                         idle_in_transaction=timedelta(minutes=1)))
         try:
             with engine.connect() as conn:
                 return work(conn, settings.schema)
@@ -491,6 +496,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 def cmd_periodic(args: argparse.Namespace) -> int:
     from . import periodic_table as table
     from .db import make_engine
+    from .readers import reader_engine
 
     settings = _load(args)
     configured = {e.id: e for e in settings.periodic_entries}
@@ -503,8 +509,11 @@ def cmd_periodic(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"maintd periodic: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
-    engine = make_engine(settings.database_url.get_secret_value(),
-                         application_name=f"maintd:{settings.instance_id}:periodic", pooled=False)
+    dsn = settings.database_url.get_secret_value()
+    if args.periodic_action == "list":  # a reader (SPEC 8.5)
+        engine = reader_engine(dsn, settings.instance_id, kept=1, most=1)
+    else:
+        engine = make_engine(dsn, application_name=f"maintd:{settings.instance_id}:periodic", pooled=False)
     try:
         if args.periodic_action == "list":
             entries = table.list_entries(engine, settings)

@@ -28,10 +28,12 @@ from .faults import transient
 from .http import HttpServer, as_json, metrics_body
 from .http import text as text_body
 from .leader import ElectionLoop
+from .listener import raise_descriptor_limit
 from .logs import kv, setup_logging
 from .metrics import Metrics
 from .passes import maintenance_engine
 from .probes import DueProbe
+from .readers import Readers
 from .registry import DuplicateInstance, check_unique_instance
 from .runner import new_timetable
 from .sdnotify import SystemdNotifier
@@ -105,6 +107,7 @@ class Daemon:
                                               if t.settings.database_url.get_secret_value() == url],
                                    hosts, spread=self.spread) for url, hosts in self.hosts.items()]
         self.http: HttpServer | None = None
+        self.readers = Readers(lambda: self.settings.instance_id)  # /status and the dashboard
         self.notifier = SystemdNotifier()
         self._stopping = threading.Event()
         self._reload_requested = threading.Event()
@@ -125,18 +128,22 @@ class Daemon:
         if not self.settings.http.enabled or self.http is not None:
             return
         address = self.settings.http.listen
+        was, now = raise_descriptor_limit()
+        if now != was:
+            log.info("raised the open-file limit", extra=kv(soft=now, was=was))
         try:
             self.http = HttpServer(self.settings.http.host, self.settings.http.port, {
                 "/metrics": lambda: metrics_body(self.metrics.render),
                 "/healthz": self._healthz,
                 "/readyz": self._readyz,
                 "/status": self._status,
-            }, pages=Dashboard(lambda: self.settings).pages(),  # /, /jobs, /jobs/{id}
+            }, pages=Dashboard(lambda: self.settings, readers=self.readers).pages(),  # /, /jobs, /jobs/{id}
                auth_token=lambda: self.settings.http.auth_token)  # all but the probes and /metrics
         except OSError as exc:
             raise HttpListenError(f"http.listen {address}: cannot listen: {exc.strerror or exc}") from None
         self.http.start()
-        log.info("http listening", extra=kv(address=f"{self.settings.http.host}:{self.http.port}"))
+        log.info("http listening", extra=kv(address=f"{self.settings.http.host}:{self.http.port}",
+                                            max_connections=self.http.listener.max_connections))
 
     def start(self) -> bool:
         """HTTP, then the targets and their election loops. Each target whose schema is ready
@@ -225,6 +232,7 @@ class Daemon:
         if self.http:
             self.http.stop()
             self.http = None
+        self.readers.dispose()
         for engine in self.engines.values():
             engine.dispose()
         if stopping_started:
@@ -237,8 +245,7 @@ class Daemon:
         if "instance_id" in changed and self.config_path is not None:
             changed.remove("instance_id")  # a default derived from the pid, not set in the file
         if changed:
-            log.warning("config reload: %s needs a restart; kept the old value", ", ".join(changed),
-                        extra=kv(keys=",".join(changed)))
+            log.warning("config reload: needs a restart; kept the old value", extra=kv(keys=",".join(changed)))
         keep = {k: getattr(self.settings, k) for k in RESTART_ONLY if k != "http"}
         keep["http"] = self.settings.http.model_copy(update={"auth_token": settings.http.auth_token})
         settings = settings.model_copy(update=keep)
@@ -335,12 +342,17 @@ class Daemon:
             "targets": len(self.targets), "replicas": self.spread.replicas, "cap": self.spread.cap}})
 
     def _target_status(self, target: Target) -> tuple[dict[str, Any], int]:
+        """Read through the readers (never the maintenance pool); the jobs are what the leader
+        counted last, from memory (SPEC 8.5)."""
         from .periodic_table import list_entries
-        from .status import collect_status
+        from .status import collect_status, leader_figures
 
         try:
-            data: dict[str, Any] = collect_status(target.engine, target.settings.schema)
-            data["periodic"] = list_entries(target.engine, target.settings)
+            engine = self.readers.engine(target.settings.database_url.get_secret_value())
+            data: dict[str, Any] = collect_status(
+                engine, target.settings.schema, max_queues=self.settings.metrics.max_queues,
+                jobs=leader_figures(target.runner.gauges.counts, leading=target.is_leader))
+            data["periodic"] = list_entries(engine, target.settings)
             return data, 200
         except Exception as exc:
             return {"error": describe_db_error(exc)}, 503
@@ -367,7 +379,7 @@ class Daemon:
 
     def run_forever(self) -> int:
         def on_stop(signum: int, frame: Any) -> None:
-            log.info("received %s, stopping", signal.Signals(signum).name)
+            log.info("stopping on a signal", extra=kv(signal=signal.Signals(signum).name))
             self._stopping.set()
 
         def on_hup(signum: int, frame: Any) -> None:

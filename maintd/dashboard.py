@@ -9,27 +9,28 @@ index and is bounded, so a page stays fast on a table of millions of jobs:
 * lists are keyset-paged in the order of the state's index; a queue filter that no index serves
   searches a bounded window of the state's index and offers to continue past it.
 
-Connections are read-only, REPEATABLE READ (one snapshot per page), with short timeouts, and
-not pooled (a person reloading a page needs no pool; the maintenance pool stays untouched).
+Pages read through the daemon's readers (:mod:`maintd.readers`): a small pool of read-only
+sessions per database, apart from maintenance, one REPEATABLE READ snapshot per page.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any, Callable, Sequence
 from urllib.parse import urlencode
 
 from jinja2 import Environment, PackageLoader, StrictUndefined, pass_context
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import TimeoutError as PoolBusy
 
 from .config import PeriodicJob, Settings
-from .db import advisory_key, describe_db_error, make_engine, quote_ident, session_settings
+from .db import advisory_key, describe_db_error, quote_ident
 from .queries import sql
 from .http import HttpError, Request, Response
+from .readers import Readers
 from .queries import FINAL_STATES, JOB_STATES
 from .pass_summary import describe
 from .schedules import parse_schedule
@@ -47,7 +48,6 @@ WINDOWED = ("scheduled", "retryable", "running")  # states counted in a window o
 MAX_HEADS = 1_000       # (queue, priority) groups of available jobs probed on the overview
 DISCARDED_SHOWN = 10
 REFRESH_SECONDS = 10
-QUERY_TIMEOUT = timedelta(seconds=5)
 TEXT_LIMIT = 65_536     # characters of args, metadata or one error shown on a job's page
 
 # -- targets ------------------------------------------------------------------------------------
@@ -68,14 +68,6 @@ def target_specs(settings: Settings) -> list[tuple[str, str, str, Sequence[Perio
     configured schema alone."""
     return [(t.target_name, t.schema, t.database_url.get_secret_value(), t.periodic_entries)
             for t in settings.target_settings()]
-
-
-def dashboard_engine(dsn: str, instance_id: str) -> Engine:
-    session = session_settings(QUERY_TIMEOUT, lock_timeout=timedelta(seconds=2),
-                               idle_in_transaction=QUERY_TIMEOUT * 2)
-    session["default_transaction_read_only"] = "on"
-    return make_engine(dsn, application_name=f"maintd:{instance_id}:dashboard", session=session,
-                       pooled=False)
 
 
 def begin_snapshot(conn: Connection) -> datetime:
@@ -476,13 +468,14 @@ def refresh_seconds(req: Request, default: int) -> int:
 class Dashboard:
     """The pages on the HTTP listener. ``settings`` is read per request (reloads apply)."""
 
-    def __init__(self, settings: Callable[[], Settings], *, page_size: int = PAGE_SIZE,
-                 scan_window: int = SCAN_WINDOW, cap: int = CAP, refresh: int = REFRESH_SECONDS):
+    def __init__(self, settings: Callable[[], Settings], *, readers: Readers | None = None,
+                 page_size: int = PAGE_SIZE, scan_window: int = SCAN_WINDOW, cap: int = CAP,
+                 refresh: int = REFRESH_SECONDS):
+        """``readers``: the daemon's reader pools (else pools of its own)."""
         self.settings, self.page_size, self.scan_window = settings, page_size, scan_window
         self.cap, self.refresh = cap, refresh
         self.env = make_env()
-        self._engines: dict[str, Engine] = {}
-        self._lock = threading.Lock()
+        self.readers = readers or Readers(lambda: settings().instance_id)
 
     def pages(self) -> dict[str, Callable[[Request], Response]]:
         return {"/": self._guard(self.index), "/jobs": self._guard(self.jobs),
@@ -492,11 +485,7 @@ class Dashboard:
         settings = self.settings()
         out = []
         for name, schema, dsn, periodic in target_specs(settings):
-            with self._lock:
-                engine = self._engines.get(dsn)
-                if engine is None:
-                    engine = self._engines[dsn] = dashboard_engine(dsn, settings.instance_id)
-            out.append(Target(name, schema, engine, periodic))
+            out.append(Target(name, schema, self.readers.engine(dsn), periodic))
         return out
 
     def _target(self, req: Request) -> tuple[Target, Links]:
@@ -522,6 +511,11 @@ class Dashboard:
                 return page(req)
             except HttpError as exc:
                 return self.render("error.html", exc.status, message=exc.message, link=links, now=None)
+            except PoolBusy:  # every reader session is in use (many pages of several targets)
+                status, ctype, body, headers = self.render(
+                    "error.html", 503, link=links, now=None,
+                    message="busy: every reader connection is in use, retry in a second")
+                return status, ctype, body, {**headers, "Retry-After": "1"}
             except SQLAlchemyError as exc:
                 return self.render("error.html", 503, link=links, now=None,
                                    message=f"database error: {describe_db_error(exc)}")

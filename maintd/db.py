@@ -185,7 +185,7 @@ def session_settings(statement_timeout: timedelta, *, lock_timeout: timedelta | 
 
 def make_engine(dsn: str, *, application_name: str, session: dict[str, Any] | None = None,
                 pool_size: int = 4, pooled: bool = True, hosts: HostOrder | None = None,
-                **params: Any) -> Engine:
+                max_overflow: int = 2, pool_timeout: float = 30.0, **params: Any) -> Engine:
     """A SQLAlchemy engine over psycopg 3 whose connections carry ``session`` settings (and extra
     libpq ``params``, e.g. ``tcp_user_timeout``); with ``hosts``, new connections try a multi-host
     URL's hosts in that order."""
@@ -196,8 +196,8 @@ def make_engine(dsn: str, *, application_name: str, session: dict[str, Any] | No
 
     kwargs: dict[str, Any] = {"creator": creator}
     if pooled:  # LIFO: the connection used last is reused, so it is rarely idle long enough to ping
-        kwargs.update(poolclass=QueuePool, pool_size=pool_size, max_overflow=2, pool_recycle=1800,
-                      pool_use_lifo=True)
+        kwargs.update(poolclass=QueuePool, pool_size=pool_size, max_overflow=max_overflow, pool_recycle=1800,
+                      pool_use_lifo=True, pool_timeout=pool_timeout)
     else:
         kwargs.update(poolclass=NullPool)
     engine = create_engine("postgresql+psycopg://", **kwargs)

@@ -1,5 +1,11 @@
 """``maintd status`` and ``/status``: who leads, the live daemons, each service's last run, jobs
-by queue and state. Read from the database; all times are the server's."""
+by queue and state. Read from the database; all times are the server's.
+
+The size is bounded whatever the table holds: jobs of the ``max_queues`` largest queues, the
+others summed under ``_other`` (as for the metrics), and recorded pass results likewise. The
+daemon's ``/status`` reads through its readers (:mod:`maintd.readers`) and never counts jobs: it
+shows what the leader counted last (:class:`maintd.metrics.JobCounts`), or says that those are
+the leader's figures; ``maintd status`` counts them itself, bounded by a timeout."""
 
 from __future__ import annotations
 
@@ -11,11 +17,12 @@ from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from .db import advisory_key, describe_db_error
 from .identifiers import qualified
-from .metrics import job_counts, oldest_available
+from .metrics import JobCounts, bounded_jobs, bounded_result, job_counts, oldest_available
 from .pass_summary import annotate, describe, seconds
 from .queries import catalog, daemons, leader, service_runs, sql
 
 STATUS_TIMEOUT_MS = 5000
+MAX_QUEUES = 100  # metrics.max_queues' default
 
 
 class SchemaMissing(RuntimeError):
@@ -30,7 +37,9 @@ def _rows(conn: Connection, template: str, schema: str, params: dict | None = No
     return [{k: _iso(v) for k, v in r.items()} for r in conn.execute(sql(template, schema), params or {}).mappings()]
 
 
-def collect_status(engine: Engine, schema: str) -> dict[str, Any]:
+def collect_status(engine: Engine, schema: str, *, jobs: dict[str, Any] | None = None,
+                   max_queues: int = MAX_QUEUES) -> dict[str, Any]:
+    """``jobs``: the job figures to show (:func:`leader_figures`); None: count them here."""
     classid, objid = advisory_key(schema)
     with engine.connect() as conn:
         conn.execute(text(catalog.SET_LOCAL), {"name": "statement_timeout", "value": str(STATUS_TIMEOUT_MS)})
@@ -38,16 +47,18 @@ def collect_status(engine: Engine, schema: str) -> dict[str, Any]:
             raise SchemaMissing(f"schema {schema!r} has no maintd tables: run `maintd migrate` first")
         now = conn.execute(text("SELECT now()")).scalar_one()
         lead = _rows(conn, leader.CURRENT, schema, {"classid": classid, "objid": objid})
+        services = _rows(conn, service_runs.ALL, schema)
+        for run in services:
+            run["result"] = bounded_result(run["result"], max_queues)
         status = {
             "schema": schema,
             "time": _iso(now),
             "leader": _leader(lead[0] if lead else None),
             **replicas(_rows(conn, daemons.REGISTERED, schema)),
-            "services": [{**r, **annotate(r["service"], r["result"])}
-                         for r in _rows(conn, service_runs.ALL, schema)],
-            "oldest_available_age_seconds": oldest_available(conn, schema),
+            "services": [{**r, **annotate(r["service"], r["result"])} for r in services],
         }
-        status.update(_jobs(conn, schema))
+        # The leader's figures are bounded already (JobGauges keeps them as shown).
+        status.update(bounded_jobs(_count(conn, schema), max_queues) if jobs is None else jobs)
     return status
 
 
@@ -66,14 +77,28 @@ def _leader(row: dict[str, Any] | None) -> dict[str, Any] | None:
             "since": row["elected_at"], "epoch": row["epoch"], "renewed_at": row["renewed_at"]}
 
 
-def _jobs(conn: Connection, schema: str) -> dict[str, Any]:
+def _count(conn: Connection, schema: str) -> dict[str, Any]:
     """Counting finished jobs reads the heap: it may time out, then only live states count."""
+    figures: dict[str, Any] = {"oldest_available_age_seconds": oldest_available(conn, schema)}
     try:
         with conn.begin_nested():
-            return {"jobs": job_counts(conn, schema)}
+            figures["jobs"] = job_counts(conn, schema)
     except (OperationalError, ProgrammingError) as exc:
-        return {"jobs": job_counts(conn, schema, final=False),
-                "jobs_note": f"finished jobs not counted: {describe_db_error(exc)}"}
+        figures["jobs"] = job_counts(conn, schema, final=False)
+        figures["jobs_note"] = f"finished jobs not counted: {describe_db_error(exc)}"
+    return figures
+
+
+def leader_figures(counts: JobCounts | None, *, leading: bool) -> dict[str, Any]:
+    """The job figures of a daemon's ``/status``: the leader's last counts from memory; a
+    follower says where they are."""
+    if counts is not None:
+        figures = {"jobs": counts.rows, "oldest_available_age_seconds": counts.oldest,
+                   "jobs_counted_at": {"live": _iso(counts.live_at), "finished": _iso(counts.final_at)}}
+        return {**figures, "jobs_note": counts.note} if counts.note else figures
+    note = ("not counted yet: the leader counts jobs every 15 s" if leading else
+            "jobs are counted by the leader: see its /status, or maintd_jobs on its /metrics")
+    return {"jobs": [], "oldest_available_age_seconds": {}, "jobs_note": note}
 
 
 def format_status(st: dict[str, Any]) -> str:

@@ -532,6 +532,9 @@ def test_bad_parameters_get_400_and_an_unknown_job_404(settings, schema):
             "/jobs/99999999999999999999": "job id must be a positive integer",
             "/jobs?target=other": "unknown target 'other'",
             "/?refresh=1": "refresh must be 0 (off) or 2 to 3600 seconds",
+            # PostgreSQL text holds no NUL: a 400 before the database (a 503 before, issue 26)
+            "/jobs?queue=a%00b": "parameter 'queue' holds a NUL byte",
+            "/jobs?state=completed&queue=%00": "parameter 'queue' holds a NUL byte",
         }
         for path, message in cases.items():
             status, body, headers = fetch(port, path)

@@ -75,6 +75,8 @@ def test_systemd_units_verify(tmp_path):
     daemon = (DEPLOY / "systemd" / "maintd.service").read_text()
     assert "Type=notify" in daemon and "DynamicUser=yes" in daemon and "NoNewPrivileges=yes" in daemon
     assert "ExecReload=/bin/kill -HUP $MAINPID" in daemon and "WatchdogSec=" in daemon
+    # systemd's default soft limit (1,024) is about as many idle connections (issue 26)
+    assert int(unit_values(parse_unit(DEPLOY / "systemd" / "maintd.service"), "Service", "LimitNOFILE")[0]) >= 8192
     analyze = require("systemd-analyze")
     copies = []
     for unit in ("maintd.service", "maintd-migrate.service"):

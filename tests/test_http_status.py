@@ -58,7 +58,7 @@ def test_http_endpoints_and_metrics(settings, schema):
         assert data["this_instance"]["is_leader"] is True
         assert _get(port, "/nope")[0] == 404
         # Bound to loopback only.
-        assert daemon.http.server.server_address[0] == "127.0.0.1"
+        assert daemon.http.address[0] == "127.0.0.1"
 
         # An election loop that stops making progress (a hanging connection) is unhealthy.
         # (The election loop itself stamps last_progress on every turn, so set it right before

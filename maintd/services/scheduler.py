@@ -41,6 +41,9 @@ from .base import PassContext, PassResult, Service
 MIN_WAKE = 0.05  # seconds: at most ~20 wake-ups a second, whatever the due times
 
 
+SUMMARY_QUEUES = 10  # queues named in a pass's summary line (the largest), the rest counted
+
+
 @dataclass
 class SchedulerResult(PassResult):
     promoted: dict[str, int] = field(default_factory=dict)
@@ -60,8 +63,10 @@ class SchedulerResult(PassResult):
 
     def summary(self) -> str:
         verb = "would promote" if self.dry_run else "promoted"
-        queues = " ".join(f"{q}={n}" for q, n in sorted(self.promoted.items()))
-        return f"{verb} {self.total} jobs {queues}".rstrip()
+        shown = sorted(sorted(self.promoted, key=lambda q: (-self.promoted[q], q))[:SUMMARY_QUEUES])
+        queues = " ".join(f"{q}={self.promoted[q]}" for q in shown)
+        more = len(self.promoted) - len(shown)
+        return f"{verb} {self.total} jobs {queues}".rstrip() + (f" (+{more} more queues)" if more else "")
 
 
 class Scheduler(Service):
