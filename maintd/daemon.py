@@ -32,7 +32,7 @@ from .listener import raise_descriptor_limit
 from .logs import kv, setup_logging
 from .metrics import Metrics
 from .passes import maintenance_engine
-from .probes import DueProbe
+from .probes import CountProbe, DueProbe
 from .readers import Readers
 from .registry import DuplicateInstance, check_unique_instance
 from .runner import new_timetable
@@ -101,8 +101,8 @@ class Daemon:
         self.spread = Spread(self.targets, me=settings.instance_id, retry_interval=lead.retry_interval.total_seconds(),
                              settle=lead.lease.total_seconds(), lease=lead.lease.total_seconds(),
                              live_replicas=self._live_replicas)
-        self.probes = [DueProbe(engine, [t for t in self.targets if t.engine is engine])
-                       for engine in self.engines.values()]
+        self.probes = [probe(engine, [t for t in self.targets if t.engine is engine])
+                       for engine in self.engines.values() for probe in (DueProbe, CountProbe)]
         self.loops = [ElectionLoop(settings, [t.seat for t in self.targets
                                               if t.settings.database_url.get_secret_value() == url],
                                    hosts, spread=self.spread) for url, hosts in self.hosts.items()]
@@ -152,8 +152,8 @@ class Daemon:
         False when stopped during the start."""
         self.start_http()
         self.timetable.start()
-        for i, probe in enumerate(self.probes):
-            self.timetable.add_job(probe.run, IntervalTrigger(seconds=DueProbe.INTERVAL), id=f"_due_probe:{i}")
+        for i, probe in enumerate(self.probes):  # every second; a probe reads when something is due
+            self.timetable.add_job(probe.run, IntervalTrigger(seconds=1), id=f"_probe:{i}")
         self.spread.hold()  # no tries until every target is started and the replicas are read
         for loop in self.loops:
             self._first_connect(loop)

@@ -243,12 +243,16 @@ class JobGauges:
         self._final_counted_at = float("-inf")
         self.counts, self._final_rows = None, {}
 
+    def final_due(self) -> bool:
+        """Whether the final states are due for a count (never counted in this term, or 5 min ago)."""
+        return time.monotonic() - self._final_counted_at >= self.FINAL_INTERVAL
+
     def refresh(self, engine: Engine, schema: str, *, still_leading: Callable[[], bool] = lambda: True,
                 lock: Any = None, final: bool | None = None) -> None:
-        """Read the counts (final states too when due, or when ``final``) and set the gauges."""
-        now = time.monotonic()
-        if final is None:
-            final = now - self._final_counted_at >= self.FINAL_INTERVAL
+        """Read one target's counts (final states too when due, or when ``final``) and set the
+        gauges (the daemon counts every target of a database in one statement instead:
+        :class:`maintd.probes.CountProbe`)."""
+        final = self.final_due() if final is None else final
         try:
             with engine.connect() as conn:
                 conn.execute(text(catalog.SET_LOCAL), {"name": "statement_timeout", "value": str(self.TIMEOUT_MS)})
@@ -257,13 +261,18 @@ class JobGauges:
         except Exception as exc:
             log.debug("could not refresh job gauges", extra=kv(error=describe_db_error(exc)))
             return
+        self.take(counts, oldest, at, final=final, still_leading=still_leading, lock=lock)
+
+    def take(self, counts: list[dict[str, Any]], oldest: dict[str, float], at: Any, *, final: bool,
+             still_leading: Callable[[], bool] = lambda: True, lock: Any = None) -> None:
+        """Counts read (by :meth:`refresh` or a batched probe): the gauges and the figures kept."""
         with lock or threading.Lock():
             if not still_leading():  # leadership ended meanwhile: followers export no job gauges
                 return
             self.apply(counts, oldest, final=final)
             self._remember(counts, oldest, at, final)
         if final:
-            self._final_counted_at = now
+            self._final_counted_at = time.monotonic()
 
     def _remember(self, counts: list[dict[str, Any]], oldest: dict[str, float], at: Any, final: bool) -> None:
         if final:  # until the next count of final states (compact: 100,000 queues may have rows)

@@ -1,7 +1,7 @@
 """The runner schedules passes: while this instance leads, it runs each enabled service on its
 trigger (APScheduler), one pass at a time per service, and stops them all at once when the term
-ends. How a pass runs and is recorded is :mod:`maintd.passes`; the job gauges are refreshed by
-:class:`maintd.metrics.JobGauges` on a timer of their own."""
+ends. How a pass runs and is recorded is :mod:`maintd.passes`; the job gauges of every target of
+a database are counted together (:class:`maintd.probes.CountProbe`) and handed to each runner."""
 
 from __future__ import annotations
 
@@ -41,7 +41,6 @@ def _about_target(method: Callable[..., Any]) -> Callable[..., Any]:
             return method(self, *args, **kwargs)
     return job
 
-GAUGES_JOB = "_job_gauges"
 WAKE_SUFFIX = ":wake:"  # one-off passes a service asked for (see Runner.wake), numbered
 WAKE_RETRY = 0.01  # seconds: a wake that found the pass which asked for it still finishing
 START_JOB = "_start_term"  # a new term's services are scheduled (a timetable shared by targets)
@@ -161,11 +160,7 @@ class Runner:
         now = datetime.now(timezone.utc)  # APScheduler's own time base (host clock)
         wanted = {name for name in self.services if self._schedule(name, now, reload)}
         self.metrics.known_series(sorted(wanted))
-        self._unschedule(job for job in self._jobs()
-                         if job.id != self.prefix + GAUGES_JOB and job.id[len(self.prefix):] not in wanted)
-        if self.timetable.get_job(self.prefix + GAUGES_JOB) is None:
-            self.timetable.add_job(self._refresh_gauges, IntervalTrigger(seconds=JobGauges.INTERVAL),
-                                   id=self.prefix + GAUGES_JOB, next_run_time=now)
+        self._unschedule(job for job in self._jobs() if job.id[len(self.prefix):] not in wanted)
 
     def _schedule(self, name: str, now: datetime, reload: bool) -> bool:
         """(Re)schedule one service; returns whether it is enabled."""
@@ -235,6 +230,10 @@ class Runner:
     def pause(self, paused: bool) -> None:
         """The database takes no writes (a read-only primary): no pass runs until it does."""
         self._paused = paused
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
 
     def _quiet(self, service: Service) -> bool:
         """Whether the service says a pass now cannot find anything to do (see quiet_until)."""
@@ -352,13 +351,11 @@ class Runner:
         except PassStopped:
             pass
 
-    @_about_target
-    def _refresh_gauges(self) -> None:
+    def take_counts(self, counts: list[dict], oldest: dict[str, float], at: datetime, *, final: bool) -> None:
+        """Job counts read for this target (by the database's :class:`maintd.probes.CountProbe`)."""
         stop_event = self._stop_event
-        if self._paused:
-            return
-        self.gauges.refresh(self.engine, self.settings.schema,
-                            still_leading=lambda: not stop_event.is_set(), lock=self._lock)
+        self.gauges.take(counts, oldest, at, final=final, lock=self._lock,
+                         still_leading=lambda: self._fence is not None and not stop_event.is_set())
 
 
 def new_timetable(workers: int = 10) -> BackgroundScheduler:
