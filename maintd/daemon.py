@@ -66,8 +66,9 @@ def pool_size(targets: int) -> int:
 
 def pass_workers(targets: int) -> int:
     """Threads running the passes of a process's targets (started on demand). A pass holds its
-    thread only while it works: a precise-timing wait holds none."""
-    return min(32, 8 + targets // 8)
+    thread only while it works (a precise-timing wait holds none), and an idle target's scheduler
+    runs no pass at all (the database's due-time probe), so few are needed however many targets."""
+    return min(16, 8 + targets // 50)
 
 
 def _engine_key(s: Settings) -> tuple:

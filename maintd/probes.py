@@ -42,7 +42,7 @@ class _Batched:
         self.targets = list(targets)
         self._aside: dict[str, float] = {}  # schema: until when it is probed alone
 
-    def _each(self, targets: list["Target"], probe) -> None:  # noqa: ANN001 - probe(targets)
+    def _each(self, targets: list["Target"], probe, failed=lambda target: None) -> None:  # noqa: ANN001
         now = time.monotonic()
         shared = [t for t in targets if self._aside.get(t.settings.schema, 0.0) <= now]
         alone = [t for t in targets if t not in shared]
@@ -58,6 +58,7 @@ class _Batched:
             except Exception as exc:
                 self._aside[target.settings.schema] = now + SET_ASIDE
                 log.debug("batched read failed", extra=kv(target=target.name, error=describe_db_error(exc)))
+                failed(target)
 
 
 class CountProbe(_Batched):
@@ -113,8 +114,10 @@ class DueProbe(_Batched):
         self._statement: tuple[tuple[str, ...], object] | None = None
 
     def run(self) -> None:
-        """One probe (a job of the daemon's timetable, every INTERVAL)."""
-        self._each([t for t in self.targets if t.is_leader and t.runner.precise("scheduler")], self._probe)
+        """One probe (a job of the daemon's timetable, every INTERVAL); a target whose probe fails
+        gets a pass of its own (its scheduler says what fails)."""
+        self._each([t for t in self.targets if t.is_leader and t.runner.probed("scheduler")], self._probe,
+                    failed=lambda target: target.runner.wake("scheduler"))
 
     def _probe(self, targets: list["Target"]) -> None:
         with self.engine.connect() as conn:
@@ -126,6 +129,8 @@ class DueProbe(_Batched):
         for target, next_due in zip(targets, row[1:]):
             if next_due is not None and next_due < horizon:
                 target.runner.wake("scheduler", max(next_due, now))
+            else:
+                target.runner.idle("scheduler", now)
 
     def _compiled(self, targets: list["Target"]) -> object:
         schemas = tuple(t.settings.schema for t in targets)

@@ -160,7 +160,8 @@ class Runner:
         now = datetime.now(timezone.utc)  # APScheduler's own time base (host clock)
         wanted = {name for name in self.services if self._schedule(name, now, reload)}
         self.metrics.known_series(sorted(wanted))
-        self._unschedule(job for job in self._jobs() if job.id[len(self.prefix):] not in wanted)
+        self._unschedule(job for job in self._jobs()
+                         if job.id[len(self.prefix):].split(WAKE_SUFFIX)[0] not in wanted)
 
     def _schedule(self, name: str, now: datetime, reload: bool) -> bool:
         """(Re)schedule one service; returns whether it is enabled."""
@@ -172,6 +173,9 @@ class Runner:
         except Exception as exc:  # one broken service must not keep the others from running
             log.error("cannot schedule service", extra=kv(service=name, error=str(exc)))
             return False
+        if trigger is None:  # driven by a probe of the database: its first pass of the term now
+            self._add_wake(name, now)
+            return True
         if isinstance(trigger, ScheduleTrigger) and not self._server_timed(name, trigger, now):
             return True
         job = self.timetable.get_job(self.prefix + name) if reload else None
@@ -307,24 +311,41 @@ class Runner:
         "already running" if its follow-up came due before it returned)."""
         when = (self._host_time(at) if at is not None else None) or datetime.now(timezone.utc)
         with self._lock:
-            if self._fence is None or name not in self.services:
-                return
-            pending = self._wakes.get(name)
-            if pending is not None and self.timetable.get_job(pending[0]) is not None:
-                if pending[1] <= when:
-                    return
-                self._unschedule([self.timetable.get_job(pending[0])])
-            self._wake_seq += 1
-            job_id = f"{self.prefix}{name}{WAKE_SUFFIX}{self._wake_seq}"
-            self.timetable.add_job(self._wake_run, trigger=DateTrigger(when), args=[name, self._stop_event],
-                                   id=job_id)
-            self._wakes[name] = (job_id, when)
+            self._add_wake(name, when)
 
-    def precise(self, name: str) -> bool:
-        """Whether ``name`` runs now with precise timing (leading, enabled, the database writable)."""
+    def _add_wake(self, name: str, when: datetime) -> None:
+        if self._fence is None or name not in self.services:
+            return
+        pending = self._wakes.get(name)
+        if pending is not None and self.timetable.get_job(pending[0]) is not None:
+            if pending[1] <= when:
+                return
+            self._unschedule([self.timetable.get_job(pending[0])])
+        self._wake_seq += 1
+        job_id = f"{self.prefix}{name}{WAKE_SUFFIX}{self._wake_seq}"
+        self.timetable.add_job(self._wake_run, trigger=DateTrigger(when), args=[name, self._stop_event], id=job_id)
+        self._wakes[name] = (job_id, when)
+
+    def idle(self, name: str, at: datetime) -> None:
+        """A probe of the database found nothing for ``name`` to do (a pass it drives, not run):
+        counted as the idle pass it stands for (``maintd_service_runs_total``, the last success)."""
+        with self._lock:
+            if self._fence is None or self._stop_event.is_set():
+                return
+            self._last_success[name] = at
+        self.metrics.service_runs.labels(name, Outcome.SUCCESS.value).inc()
+        self.metrics.service_last_success.labels(name).set(at.timestamp())
+
+    def probed(self, name: str) -> bool:
+        """Whether a probe of the database drives ``name``'s passes now (leading, enabled, the
+        database writable, and the service has no ticks of its own: its trigger is None)."""
         service = self.services.get(name)
-        return (self._fence is not None and not self._paused and service is not None and service.enabled()
-                and bool(getattr(service.config, "precise_timing", False)))
+        if self._fence is None or self._paused or service is None or not service.enabled():
+            return False
+        try:
+            return service.trigger() is None
+        except Exception:
+            return False
 
     @_about_target
     def _wake_run(self, name: str, stop_event: threading.Event) -> None:

@@ -382,8 +382,9 @@ class Service(abc.ABC):
     def enabled(self) -> bool:
         return bool(self.config.enabled)
 
-    def trigger(self) -> "BaseTrigger":
-        """When passes run; by default every ``interval``."""
+    def trigger(self) -> "BaseTrigger | None":
+        """When passes run; by default every ``interval``. None: no ticks of its own, a probe of
+        the database asks for its passes (:class:`maintd.probes.DueProbe`)."""
         from apscheduler.triggers.interval import IntervalTrigger
 
         return IntervalTrigger(seconds=self.config.interval.total_seconds())
