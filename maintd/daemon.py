@@ -32,7 +32,7 @@ from .listener import raise_descriptor_limit
 from .logs import kv, setup_logging
 from .metrics import Metrics
 from .passes import maintenance_engine
-from .probes import CountProbe, DueProbe
+from .probes import TICK, CountProbe, ServiceProbe
 from .readers import Readers
 from .registry import DuplicateInstance, check_unique_instance
 from .runner import new_timetable
@@ -102,8 +102,10 @@ class Daemon:
         self.spread = Spread(self.targets, me=settings.instance_id, retry_interval=lead.retry_interval.total_seconds(),
                              settle=lead.lease.total_seconds(), lease=lead.lease.total_seconds(),
                              live_replicas=self._live_replicas)
-        self.probes = [probe(engine, [t for t in self.targets if t.engine is engine])
-                       for engine in self.engines.values() for probe in (DueProbe, CountProbe)]
+        self.probes: list = []
+        for engine in self.engines.values():
+            mine = [t for t in self.targets if t.engine is engine]
+            self.probes += [CountProbe(engine, mine)] + [ServiceProbe(engine, mine, name) for name in SERVICES]
         self.loops = [ElectionLoop(settings, [t.seat for t in self.targets
                                               if t.settings.database_url.get_secret_value() == url],
                                    hosts, spread=self.spread) for url, hosts in self.hosts.items()]
@@ -154,7 +156,7 @@ class Daemon:
         self.start_http()
         self.timetable.start()
         for i, probe in enumerate(self.probes):  # every second; a probe reads when something is due
-            self.timetable.add_job(probe.run, IntervalTrigger(seconds=1), id=f"_probe:{i}")
+            self.timetable.add_job(probe.run, IntervalTrigger(seconds=TICK), id=f"_probe:{i}")
         self.spread.hold()  # no tries until every target is started and the replicas are read
         for loop in self.loops:
             self._first_connect(loop)

@@ -6,18 +6,19 @@ probe fails (its schema dropped) is probed alone for a while, so that it does no
 job's age, ``/status``'s figures), live states every 15 s, final states (which read the heap)
 every 5 minutes, and a target whose term just began within a second.
 
-:class:`DueProbe`: every second, the next due time of every leading target whose scheduler times
-its passes precisely. A job that falls due before the scheduler's next pass (enqueued, or failed
-with a short backoff, right after a tick: the scheduler only knew the due times of its last pass)
-gets a pass of its own when it is due (:meth:`maintd.runner.Runner.wake`). One index probe per
-target (``jobs_scheduled_idx``), all in one statement.
+:class:`ServiceProbe`: for a service that describes a probe (:meth:`maintd.services.base.Service.
+probe`: the scheduler with precise timing, the cleaner, the rescuer), whether a pass of each leading
+target would find work: one statement of index probes for every target due for a look (every
+``probe_every()``), and per target a pass now, a pass at a time (a job falling due, a stuck
+deadline: :meth:`maintd.runner.Runner.wake`), or an idle pass counted without running
+(:meth:`maintd.runner.Runner.idle`). A target whose probe fails gets a pass of its own, which says
+what fails.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Sequence
 
 from sqlalchemy import Engine, text
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("maintd.probes")
 
 SET_ASIDE = 60.0  # seconds a target whose probe failed is left out of the shared statement
+PROBE_TIMEOUT_MS = 1000
+TICK = 1.0  # seconds between two runs of a probe (a job of the daemon's timetable)
 
 
 class _Batched:
@@ -105,36 +108,47 @@ class CountProbe(_Batched):
             target.runner.take_counts(counts[i], oldest[i], at, final=final)
 
 
-class DueProbe(_Batched):
-    INTERVAL = 1.0  # seconds: the bound on promotion lag for a job due sooner than the last pass saw
-    TIMEOUT_MS = 1000
+class ServiceProbe(_Batched):
+    """The probe of one service over the targets of one database (see the module)."""
 
-    def __init__(self, engine: Engine, targets: Sequence["Target"]):
+    def __init__(self, engine: Engine, targets: Sequence["Target"], service: str):
         super().__init__(engine, targets)
+        self.service = service
+        self._next: dict[str, float] = {}  # target name: when it is looked at next (monotonic)
         self._statement: tuple[tuple[str, ...], object] | None = None
 
     def run(self) -> None:
-        """One probe (a job of the daemon's timetable, every INTERVAL); a target whose probe fails
-        gets a pass of its own (its scheduler says what fails)."""
-        self._each([t for t in self.targets if t.is_leader and t.runner.probed("scheduler")], self._probe,
-                    failed=lambda target: target.runner.wake("scheduler"))
+        """Every second (a job of the daemon's timetable): the targets due for a look."""
+        now, due = time.monotonic(), []
+        for target in self.targets:
+            if not (target.is_leader and target.runner.probed(self.service)):
+                self._next.pop(target.name, None)  # a new term: its first pass runs anyway
+            elif now + TICK / 2 >= self._next.setdefault(target.name, now + self._every(target)):
+                self._next[target.name] = now + self._every(target)
+                due.append(target)
+        self._each(due, self._probe, failed=lambda target: target.runner.wake(self.service))
+
+    def _every(self, target: "Target") -> float:
+        return target.runner.services[self.service].probe_every()
 
     def _probe(self, targets: list["Target"]) -> None:
         with self.engine.connect() as conn:
-            conn.execute(text(catalog.SET_LOCAL), {"name": "statement_timeout", "value": str(self.TIMEOUT_MS)})
-            row = conn.execute(self._compiled(targets)).one()
+            conn.execute(text(catalog.SET_LOCAL), {"name": "statement_timeout", "value": str(PROBE_TIMEOUT_MS)})
+            rows = {r[0]: r[1:] for r in conn.execute(self._compiled(targets)).all()}
+            now = conn.exec_driver_sql("SELECT statement_timestamp()").scalar_one()
             conn.rollback()
-        now: datetime = row[0]
-        horizon = now + timedelta(seconds=self.INTERVAL)
-        for target, next_due in zip(targets, row[1:]):
-            if next_due is not None and next_due < horizon:
-                target.runner.wake("scheduler", max(next_due, now))
+        for i, target in enumerate(targets):
+            verdict = target.runner.services[self.service].after_probe(rows[i], now)
+            if verdict is None:
+                target.runner.idle(self.service, now)
             else:
-                target.runner.idle("scheduler", now)
+                target.runner.wake(self.service, None if verdict is True else verdict)
 
     def _compiled(self, targets: list["Target"]) -> object:
         schemas = tuple(t.settings.schema for t in targets)
         if self._statement is None or self._statement[0] != schemas:
-            columns = ", ".join(f"{render(jobs.NEXT_DUE, s)} AS d{i}" for i, s in enumerate(schemas))
-            self._statement = (schemas, text(f"SELECT statement_timestamp() AS now, {columns}"))
+            fragments = targets[0].runner.services[self.service].probe() or []
+            rows = (f"SELECT {i} AS t, " + ", ".join(f"{render(f, s)} AS c{j}" for j, f in enumerate(fragments))
+                    for i, s in enumerate(schemas))
+            self._statement = (schemas, text(" UNION ALL ".join(rows)))
         return self._statement[1]

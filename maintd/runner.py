@@ -333,19 +333,19 @@ class Runner:
             if self._fence is None or self._stop_event.is_set():
                 return
             self._last_success[name] = at
+            if name not in self._active:
+                self.last_runs[name] = {**PassRecord(name, Outcome.SUCCESS, at, at, 0.0).as_dict(),
+                                        "summary": "nothing to do (the database's probe)"}
         self.metrics.service_runs.labels(name, Outcome.SUCCESS.value).inc()
         self.metrics.service_last_success.labels(name).set(at.timestamp())
 
     def probed(self, name: str) -> bool:
         """Whether a probe of the database drives ``name``'s passes now (leading, enabled, the
-        database writable, and the service has no ticks of its own: its trigger is None)."""
+        database writable, and the service describes a probe: it has no ticks of its own)."""
         service = self.services.get(name)
         if self._fence is None or self._paused or service is None or not service.enabled():
             return False
-        try:
-            return service.trigger() is None
-        except Exception:
-            return False
+        return service.probe() is not None
 
     @_about_target
     def _wake_run(self, name: str, stop_event: threading.Event) -> None:

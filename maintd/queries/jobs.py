@@ -343,11 +343,26 @@ NOTIFY_QUEUES = "SELECT pg_notify(:channel, q) FROM unnest(CAST(:queues AS text[
 
 # The next due time the daemon can wait for: a row due at 'infinity' (or past year 9999) is never
 # due, and one due at '-infinity' is promoted by the batch; neither is a time to wait for.
-# The next due time of a schema, as a column of maintd.probes.DueProbe's statement over many
-# schemas (one probe of jobs_scheduled_idx each).
+# -- the services' probes (maintd.probes.ServiceProbe: scalar subqueries, one statement over the
+# targets of a database; each one index entry) ---------------------------------------------------
+
+# The scheduler's: the next due time (jobs_scheduled_idx).
 NEXT_DUE = """(SELECT min(scheduled_at) FROM {schema}.jobs
   WHERE state IN ('scheduled', 'retryable')
     AND scheduled_at >= '0001-01-02 00:00:00+00' AND scheduled_at < '9999-12-31 00:00:00+00')"""
+
+# The cleaner's: the oldest finalized_at of each final state (jobs_finalized_idx).
+OLDEST_FINALIZED = [f"""(SELECT min(finalized_at) FROM {{schema}}.jobs
+  WHERE state = '{state}' AND finalized_at IS NOT NULL)""" for state in ("completed", "cancelled", "discarded")]
+
+# The rescuer's: the oldest sign of life of a running job (jobs_running_idx), whether one has no
+# usable sign at all, and whether a waiting job has no attempt left (jobs_exhausted_idx).
+RESCUER_PROBE = ["""(SELECT min(coalesce(heartbeat_at, attempted_at)) FROM {schema}.jobs WHERE state = 'running')""",
+                 """(SELECT EXISTS (SELECT 1 FROM {schema}.jobs WHERE state = 'running'
+    AND (coalesce(heartbeat_at, attempted_at) IS NULL
+         OR coalesce(heartbeat_at, attempted_at) < '0001-01-02 00:00:00+00')))""",
+                 """(SELECT EXISTS (SELECT 1 FROM {schema}.jobs
+   WHERE state IN ('available', 'scheduled', 'retryable') AND attempt >= max_attempts))"""]
 
 SCHEDULER_NEXT_DUE = """
 SELECT min(scheduled_at) FROM {schema}.jobs

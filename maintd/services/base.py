@@ -383,11 +383,27 @@ class Service(abc.ABC):
         return bool(self.config.enabled)
 
     def trigger(self) -> "BaseTrigger | None":
-        """When passes run; by default every ``interval``. None: no ticks of its own, a probe of
-        the database asks for its passes (:class:`maintd.probes.DueProbe`)."""
+        """When passes run; by default every ``interval``. None (a service with a :meth:`probe`): no
+        ticks of its own, a probe of the database asks for its passes (:mod:`maintd.probes`)."""
         from apscheduler.triggers.interval import IntervalTrigger
 
+        if self.probe() is not None:
+            return None
         return IntervalTrigger(seconds=self.config.interval.total_seconds())
+
+    def probe(self) -> list[str] | None:
+        """Scalar subqueries of ``{schema}`` (index probes) that tell whether a pass would find
+        work, asked for every target of a database in one statement (:class:`maintd.probes.
+        ServiceProbe`) every :meth:`probe_every` seconds; None: the service ticks by itself."""
+        return None
+
+    def probe_every(self) -> float:
+        return self.config.interval.total_seconds()
+
+    def after_probe(self, values: tuple, now: datetime) -> "bool | datetime | None":
+        """What the probe's ``values`` mean at the server's ``now``: True, a pass now; a time, a
+        pass then; None, nothing to do (an idle pass, counted without running)."""
+        return True
 
     def poke(self) -> bool:
         """What the service reads changed (a NOTIFY); True: run a pass now."""

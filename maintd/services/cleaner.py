@@ -194,6 +194,19 @@ class Cleaner(Service):
                     out.append(Target(state, retention, queue, ()))
         return out
 
+    def probe(self) -> list[str] | None:
+        """No ticks of its own: every ``interval`` the database's probe reads the oldest finished
+        job of each state of every target, and a pass runs only where one is past its retention."""
+        return jobs.OLDEST_FINALIZED
+
+    def after_probe(self, values: tuple, now: datetime) -> bool | None:
+        shortest: dict[str, timedelta] = {}
+        for target in self.targets():
+            shortest[target.state] = min(shortest.get(target.state, target.retention), target.retention)
+        expired = [oldest is not None and state in shortest and oldest < now - shortest[state]
+                   for state, oldest in zip(FINAL_STATES, values)]
+        return True if any(expired) else None
+
     @property
     def batch_size(self) -> int:
         return min(self._batch, self.config.batch_size)

@@ -115,6 +115,26 @@ class Rescuer(Service):
         return {"rule_kinds": [k for k, _, _, _ in rules], "rule_queues": [q for _, q, _, _ in rules],
                 "afters": afters, "hbs": hbs, "graces": sorted(graces)}
 
+    def probe(self) -> list[str] | None:
+        """No ticks of its own: every ``interval`` the database's probe reads, for every target,
+        the oldest sign of life of a running job and whether odd rows wait; a pass runs where a
+        job may be stuck (by the shortest grace of any rule: never late, at worst early), and with
+        precise timing one is asked for at the next such deadline before the next look."""
+        return jobs.RESCUER_PROBE
+
+    def after_probe(self, values: tuple, now: datetime) -> bool | datetime | None:
+        oldest, no_sign, exhausted = values
+        if no_sign or exhausted:
+            return True
+        if oldest is None:
+            return None
+        deadline = oldest + timedelta(seconds=self.graces()["graces"][0])
+        if deadline <= now:
+            return True
+        if self.config.precise_timing and deadline < now + self.config.interval:
+            return deadline + timedelta(milliseconds=1)
+        return None
+
     def run_once(self, ctx: PassContext) -> RescuerResult:
         result = RescuerResult(dry_run=ctx.dry_run)
         if ctx.dry_run:

@@ -39,6 +39,7 @@ from ..queries import jobs
 from .base import PassContext, PassResult, Service
 
 MIN_WAKE = 0.05  # seconds: at most ~20 wake-ups a second, whatever the due times
+PROBE_EVERY = 1.0  # seconds: the due-time probe's period, the lag bound for a job due sooner than known
 
 
 SUMMARY_QUEUES = 10  # queues named in a pass's summary line (the largest), the rest counted
@@ -72,11 +73,20 @@ class SchedulerResult(PassResult):
 class Scheduler(Service):
     config: SchedulerConfig
 
-    def trigger(self):  # noqa: ANN201
-        """With precise timing no ticks of its own: the database's due-time probe (every second,
-        one statement for every target) asks for a pass when a job falls due, and counts an idle
-        pass when none does (SPEC 8.3: an idle target costs nothing of its own)."""
-        return None if self.config.precise_timing else super().trigger()
+    def probe(self) -> list[str] | None:
+        """With precise timing, no ticks of its own: every second the database's probe reads the
+        next due time of every target (SPEC 8.3: an idle target costs nothing of its own), so a job
+        due sooner than the last pass knew (failed with a short backoff) is promoted when due."""
+        return [jobs.NEXT_DUE] if self.config.precise_timing else None
+
+    def probe_every(self) -> float:
+        return min(PROBE_EVERY, self.config.interval.total_seconds())
+
+    def after_probe(self, values: tuple, now: datetime) -> datetime | None:
+        (next_due,) = values
+        if next_due is None or next_due >= now + timedelta(seconds=self.probe_every()):
+            return None
+        return max(next_due, now)
 
     def run_once(self, ctx: PassContext) -> SchedulerResult:
         result = SchedulerResult(dry_run=ctx.dry_run)
