@@ -35,7 +35,7 @@ from .passes import maintenance_engine
 from .probes import TICK, CountProbe, ServiceProbe
 from .readers import Readers
 from .registry import DuplicateInstance, check_unique_instance
-from .runner import new_timetable
+from .runner import Changes, new_timetable
 from .sdnotify import SystemdNotifier
 from .services import SERVICES
 from .spread import Spread
@@ -83,6 +83,7 @@ class Daemon:
         self.clock = clock or ServerClock()
         targets = settings.target_settings()
         self.timetable = new_timetable(pass_workers(len(targets)))
+        self.changes = Changes()  # the timetable changes of terms, off the election loops' threads
         self.hosts: dict[str, HostOrder] = {}  # per database URL: who answers (engine + lock session)
         self.engines: dict[tuple, Engine] = {}
         self.metrics = metrics or Metrics(target=targets[0].target_name, max_queues=settings.metrics.max_queues)
@@ -97,7 +98,7 @@ class Daemon:
             metrics_t = self.metrics if not self.targets else Metrics(
                 target=t.target_name, max_queues=settings.metrics.max_queues, shared=self.metrics)
             self.targets.append(Target(t, self.engines[key], metrics_t, self.clock, self.timetable,
-                                       name_in_logs=len(targets) > 1))
+                                       name_in_logs=len(targets) > 1, changes=self.changes))
         lead = settings.leader
         self.spread = Spread(self.targets, me=settings.instance_id, retry_interval=lead.retry_interval.total_seconds(),
                              settle=lead.lease.total_seconds(), lease=lead.lease.total_seconds(),
@@ -230,6 +231,7 @@ class Daemon:
                 list(pool.map(lambda loop: loop.stop(timeout), self.loops))
         for target in self.targets:
             target.runner.deactivate(timeout=1.0)
+        self.changes.stop()
         if self.timetable.running:
             self.timetable.shutdown(wait=False)
         if self.http:

@@ -68,6 +68,7 @@ State = Union[Following, Leading, Releasing]
 @dataclass(frozen=True)
 class Round:
     gate_open: bool = True  # a follower may try now (the spread's gate)
+    renew_by: float = -INF  # a leader whose proof is due by then sends it now (renewals go together)
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,7 @@ def _leading(state: Leading, event: Event, now: float, timing: Timing) -> Step:
         if not state.term.trusted(now):
             reason = "lease expired before it could be renewed"
             return Step(Releasing(state.term, reason, False, now), "unlock", Demoted(reason))
-        return Step(state, "renew" if now >= state.renew_at else None)
+        return Step(state, "renew" if max(now, event.renew_by) >= state.renew_at else None)
     if isinstance(event, Renewed):
         if event.held:
             term = replace(state.term, trusted_until=event.sent + timing.trust)

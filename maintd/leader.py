@@ -32,7 +32,7 @@ from sqlalchemy import Connection
 
 from .config import Settings
 from .db import HostOrder, advisory_key, describe_db_error, periodic_channel
-from .election import (BumpBlocked, BumpFailed, Bumped, Demoted, Elected, Following, Lost, Notified, Released, Renewed,
+from .election import (BumpBlocked, BumpFailed, Bumped, Demoted, Elected, Following, Leading, Lost, Notified, Released, Renewed,
                        Request, Round, State, Step, Term, Timing, Tried, due, leading_term, step)
 from .faults import transient
 from .lockconn import LeaderSessionError, LockSession
@@ -264,6 +264,8 @@ class ElectionLoop:
                 lambda template, params: self.session.run(s.psql(template), params)), "could not register")
         self._set(healthy=True)
         self._read_at = -math.inf
+        for seat in self.targets:  # NOTIFYs sent while the session was away were not delivered
+            seat.poke()
 
     def round(self) -> None:
         """Requests, then one statement with every try, proof and unlock due, then the bumps and
@@ -284,8 +286,12 @@ class ElectionLoop:
             seat.gate_at = 0.0 if isinstance(event, Notified) else seat.gate_at
             self._apply(seat, event, now)
         sends: dict[str, list[Seat]] = {"try": [], "renew": [], "unlock": [], "bump": [], "release": []}
+        # Renewals go together: when one is due, those due within half an interval are sent with
+        # it (early proofs are sound), so the leases of many targets cost one statement, not one each.
+        due_now = any(isinstance(s.state, Leading) and s.state.renew_at <= now for s in self.targets)
+        renew_by = now + self.timing.renew / 2 if due_now else -math.inf
         for seat in self.targets:
-            send = self._apply(seat, Round(self._gate(seat, now)), now)
+            send = self._apply(seat, Round(self._gate(seat, now), renew_by), now)
             if send is not None:
                 sends[send].append(seat)
         if sends["try"] or sends["renew"] or sends["unlock"]:

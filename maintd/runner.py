@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import queue
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -43,7 +44,6 @@ def _about_target(method: Callable[..., Any]) -> Callable[..., Any]:
 
 WAKE_SUFFIX = ":wake:"  # one-off passes a service asked for (see Runner.wake), numbered
 WAKE_RETRY = 0.01  # seconds: a wake that found the pass which asked for it still finishing
-START_JOB = "_start_term"  # a new term's services are scheduled (a timetable shared by targets)
 
 
 class Runner:
@@ -54,7 +54,7 @@ class Runner:
                  clock: Clock | None = None, on_fenced: Callable[[str, Fence], None] | None = None,
                  build: Callable[[Settings], dict[str, Service]] = build_services,
                  timetable: BackgroundScheduler | None = None, prefix: str = "", log_target: str | None = None,
-                 statements: Statements | None = None):
+                 statements: Statements | None = None, changes: "Changes | None" = None):
         """``timetable``, ``prefix``: the process's scheduler (one thread and one worker pool for
         every target; without one, the runner makes its own), this runner's job ids prefixed;
         ``log_target``: the target named in the lines its passes log; ``statements``: the
@@ -71,6 +71,9 @@ class Runner:
         self.timetable = timetable or new_timetable()
         self._own_timetable = timetable is None
         self.statements = statements or Statements(settings.schema)
+        # Where the timetable changes of a term's start and end (and pokes) are made: the
+        # daemon's Changes thread, so that the election loop never waits; else right away.
+        self.changes: Callable[[Callable[[], None]], None] = changes or (lambda change: change())
         self._paused = False  # the database takes no writes: no pass runs
         self._wakes: dict[str, tuple[str, datetime]] = {}  # service: its asked-for pass (job id, when)
         self._wake_seq = 0
@@ -109,17 +112,15 @@ class Runner:
 
     # -- leadership -----------------------------------------------------------------------
     def activate(self, fence: Fence) -> None:
-        """A new term: its services are scheduled by a job of the timetable (:meth:`_start_term`),
-        not here, on the election loop's thread: adding a target's jobs takes the timetable's lock
-        several times, which its thread holds while it submits due jobs (a replica beginning 67
-        terms at once on 2 busy cores once took 1-10 s per target that way). One job added is one
-        wait for that lock."""
+        """A new term: its services are scheduled by :attr:`changes`, not here: this runs on the
+        election loop's thread, which must never wait for the timetable's lock (its thread holds
+        it while it submits due jobs; 46 of 200 leases once ran out at a start while the loop
+        waited for it)."""
         with self._lock:
             self._fence = fence
             self._stop_event = stop_event = threading.Event()
             self._recorded = {}  # a new term: the first pass of each service is written
-        self.timetable.add_job(self._start_term, trigger=DateTrigger(datetime.now(timezone.utc)),
-                               args=[stop_event], id=self.prefix + START_JOB, replace_existing=True)
+        self.changes(lambda: self._start_term(stop_event))
 
     @_about_target
     def _start_term(self, stop_event: threading.Event) -> None:
@@ -133,8 +134,8 @@ class Runner:
             was_active = self._fence is not None
             self._fence = None
             self._stop_event.set()
-            self._unschedule(self._jobs())
             active = list(self._active.values())
+        self.changes(lambda: self._unschedule(self._jobs()))  # none of them runs a pass any more
         for ctx in active:
             ctx.query.cancel()
         if was_active:
@@ -227,9 +228,12 @@ class Runner:
     def poke(self) -> None:
         """A NOTIFY said what the services read changed (a ``periodic_jobs`` row): those that
         care run now."""
-        for name, service in list(self.services.items()):
-            if service.poke():
-                self.wake(name)
+        def poke() -> None:
+            for name, service in list(self.services.items()):
+                if service.poke():
+                    self.wake(name)
+
+        self.changes(poke)
 
     def pause(self, paused: bool) -> None:
         """The database takes no writes (a read-only primary): no pass runs until it does."""
@@ -377,6 +381,30 @@ class Runner:
         stop_event = self._stop_event
         self.gauges.take(counts, oldest, at, final=final, lock=self._lock,
                          still_leading=lambda: self._fence is not None and not stop_event.is_set())
+
+
+class Changes:
+    """One thread making the timetable changes of terms that begin and end, in order (see
+    :meth:`Runner.activate`); callable with a change."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="maintd-terms", daemon=True)
+        self._thread.start()
+
+    def __call__(self, change: Callable[[], None]) -> None:
+        self._queue.put(change)
+
+    def _run(self) -> None:
+        while (change := self._queue.get()) is not None:
+            try:
+                change()
+            except Exception as exc:  # a change that failed must not stop the next ones
+                log.error("could not change the timetable", extra=kv(error=str(exc)))
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
 
 
 def new_timetable(workers: int = 10) -> BackgroundScheduler:

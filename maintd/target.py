@@ -26,13 +26,14 @@ __all__ = ["SchemaNotReady", "Target"]
 
 class Target:
     def __init__(self, settings: Settings, engine: Engine, metrics: Metrics, clock: Clock, timetable: Any,
-                 *, name_in_logs: bool):
+                 *, name_in_logs: bool, changes: Any = None):
         self.settings, self.name, self.engine, self.metrics = settings, settings.target_name, engine, metrics
         log_name = self.name if name_in_logs else None
         self.seat = Seat(settings, on_elected=self._elected, on_demoted=self._demoted, log_name=log_name)
         self.seat.poke, self.seat.on_health, self.seat.on_writable = self._poke, self._health, self._writable
         self.runner = Runner(settings, engine, metrics, clock=clock, on_fenced=self._fenced, timetable=timetable,
-                             prefix=f"{self.name}:", log_target=log_name, statements=self.seat.statements)
+                             prefix=f"{self.name}:", log_target=log_name, statements=self.seat.statements,
+                             changes=changes)
         self.db_ok, self.writable = False, True
         self.problem: str | None = None  # why this target is not started (schema missing, ...)
         self.maintenance_stall: str | None = None  # why the last term was given up, if stalled

@@ -217,7 +217,7 @@ def test_runner_does_not_schedule_it_when_disabled(pg_dsn, schema, settings, eng
     runner.start()
     try:
         runner.activate(NoFence())
-        wait_for(lambda: runner.timetable.get_job("cleaner"), 5, what="the term's services scheduled")
+        wait_for(lambda: runner.timetable.get_jobs(), 5, what="the term's services scheduled")
         assert "reindexer" not in {j.id for j in runner.timetable.get_jobs()}
         wait_for(lambda: runner.clock.skew() is not None, 10, what="the server's time read by a pass")
         settings.reindexer.enabled = True

@@ -371,58 +371,66 @@ class CountingLock:
         self.lock.release()
 
 
-def test_a_term_on_a_shared_timetable_is_scheduled_by_one_job(settings, engine):
+def test_a_term_begins_and_ends_without_waiting_for_the_timetable(settings, engine):
     """Several targets share one timetable, whose thread holds its job store lock while it submits
-    due jobs: a new term, activated on the election thread, takes that lock once (one job that
-    schedules the services), not once per service and lookup (bench/targets.py: activations of
-    1-10 s at a start of 200 targets, and leases lost before their first renewal). The services
-    then run; a term that ends before that job runs schedules nothing."""
-    from maintd.runner import new_timetable
+    due jobs (at a start of 200 targets, 46 leases once ran out while the election loop waited for
+    it). Activation and demotion, on the election loop's thread, only set the term's state: the
+    timetable changes are made by the daemon's Changes thread, in order. With the lock held, both
+    return at once; once it is free the services run, and a term that ended before its services
+    were scheduled leaves none."""
+    from maintd.runner import Changes, new_timetable
 
     timetable = new_timetable(4)
     timetable.start()
+    changes = Changes()
     ran: list[str] = []
     build = fakes(cleaner=type("C", (Service,), {"run_once": lambda self, ctx: ran.append("c") or CountResult(0)}),
                   rescuer=type("R", (Service,), {"run_once": lambda self, ctx: ran.append("r") or CountResult(0)}))
-    runner = Runner(settings, engine, Metrics(), build=build, timetable=timetable, prefix="t1:")
-    counting = CountingLock(timetable._jobstores_lock)
-    timetable._jobstores_lock = counting
+    runner = Runner(settings, engine, Metrics(), build=build, timetable=timetable, prefix="t1:", changes=changes)
     try:
-        runner.activate(NoFence())
-        assert counting.taken == 1
-        wait_for(lambda: "c" in ran and "r" in ran, 10, what="both services' first passes")
-        runner.deactivate()
-        assert runner._jobs() == []
-        with timetable._jobstores_lock:  # the timetable cannot run the start job meanwhile
+        with timetable._jobstores_lock:  # the timetable's thread busy submitting jobs
+            t0 = time.monotonic()
             runner.activate(NoFence())
-            runner.deactivate()
+            assert time.monotonic() - t0 < 0.1
+        wait_for(lambda: "c" in ran and "r" in ran, 10, what="both services' first passes")
+        with timetable._jobstores_lock:
+            t0 = time.monotonic()
+            runner.deactivate(timeout=0)
+            runner.activate(NoFence())
+            runner.deactivate(timeout=0)
+            assert time.monotonic() - t0 < 0.1
+        wait_for(lambda: runner._jobs() == [], 5, what="the ended terms' jobs removed")
         time.sleep(0.5)
         assert runner._jobs() == [] and not runner._active
     finally:
+        changes.stop()
         runner.shutdown()
         timetable.shutdown(wait=False)
 
 
 def test_deactivate_survives_a_one_off_job_that_fired_since_it_was_listed(settings, engine, monkeypatch):
-    """A new term's start job (a timetable shared by targets) fires at once, and the timetable's
-    thread then removes it. A demotion listing the runner's jobs just before that removal must
-    still remove the others and stop the term, not raise JobLookupError on the election thread."""
-    from maintd.runner import START_JOB, new_timetable
+    """A one-off job (a wake) fires, and the timetable's thread then removes it. A demotion listing
+    the runner's jobs just before that removal must still remove the others and stop the term,
+    not raise JobLookupError."""
+    from maintd.runner import new_timetable
 
     timetable = new_timetable(2)
     timetable.start()
     build = fakes(cleaner=type("C", (Service,), {"run_once": lambda self, ctx: CountResult(0)}))
     runner = Runner(settings, engine, Metrics(), build=build, timetable=timetable, prefix="t1:")
     try:
-        with timetable._jobstores_lock:  # the start job cannot fire meanwhile
+        with timetable._jobstores_lock:  # nothing fires meanwhile
             runner.activate(NoFence())
+            gone = timetable.add_job(lambda: None, "date", id="t1:gone")
             listed = runner._jobs()
-            assert [j.id for j in listed] == ["t1:" + START_JOB]
-            timetable.remove_job("t1:" + START_JOB)  # as the timetable's thread does once it fired
+            timetable.remove_job("t1:gone")  # as the timetable's thread does once it fired
             other = timetable.add_job(lambda: None, "interval", seconds=60, id="t1:other")
+        assert gone in listed or any(j.id == "t1:gone" for j in listed)
         monkeypatch.setattr(runner, "_jobs", lambda: [*listed, other])
         runner.deactivate()
         assert timetable.get_job("t1:other") is None and runner._stop_event.is_set()
     finally:
         runner.shutdown()
         timetable.shutdown(wait=False)
+
+

@@ -41,9 +41,10 @@ from .periodic_rows import Entry, RowSource
 log = logging.getLogger("maintd.periodic")
 
 PRUNE_EVERY = timedelta(hours=1)
-# Between idle passes, the rows of periodic_jobs are read again this often (their trigger's
-# NOTIFY, passed on by the lock session, makes the next pass read them at once).
-ROWS_EVERY = timedelta(seconds=60)
+# Between idle passes, the rows of periodic_jobs are read again this often: a safety net only, as
+# their trigger's NOTIFY, passed on by the lock session, makes the next pass read them at once, and
+# the session pokes every target when it reconnects (NOTIFYs sent meanwhile were not delivered).
+ROWS_EVERY = timedelta(minutes=10)
 KEEP_HISTORY = timedelta(days=7)
 
 
