@@ -235,7 +235,7 @@ def run_one_database(dsn: str, schemas: list[str], counts: list[int], window: fl
         proc = DaemonProc(dsn, "unused", name, config, workdir=workdir).start()
         try:
             wait_all_led(dsn, schemas[:n], [name], 120)
-            time.sleep(10)  # the first passes of every term, and the pools' first connections
+            time.sleep(40)  # the first passes of every term (200 x 5 at once), the pools' first connections
             (cpu, rss), = cpu_rss([proc], window)
             conns = sum(v for k, v in connections(dsn).items() if k == f"maintd:{name}" or k.startswith(f"maintd:{name}:"))
             rows.append((n, threads(proc.pid), cpu, rss, lock_backends(dsn, name), conns))

@@ -38,6 +38,7 @@ from .registry import DuplicateInstance, check_unique_instance
 from .runner import Changes, new_timetable
 from .sdnotify import SystemdNotifier
 from .services import SERVICES
+from .services.base import Service
 from .spread import Spread
 from .target import SchemaNotReady, Target
 
@@ -106,7 +107,8 @@ class Daemon:
         self.probes: list = []
         for engine in self.engines.values():
             mine = [t for t in self.targets if t.engine is engine]
-            self.probes += [CountProbe(engine, mine)] + [ServiceProbe(engine, mine, name) for name in SERVICES]
+            self.probes += [CountProbe(engine, mine)] + [ServiceProbe(engine, mine, name) for name, spec in SERVICES.items()
+                                                         if spec.cls.probe is not Service.probe]
         self.loops = [ElectionLoop(settings, [t.seat for t in self.targets
                                               if t.settings.database_url.get_secret_value() == url],
                                    hosts, spread=self.spread) for url, hosts in self.hosts.items()]
@@ -116,6 +118,7 @@ class Daemon:
         self._stopping = threading.Event()
         self._reload_requested = threading.Event()
         self._last_tick: float | None = None  # set by tick(); None while nobody ticks
+        self._balanced_at = -1.0
         self._started = False
         self._retry_thread: threading.Thread | None = None
 
@@ -374,7 +377,8 @@ class Daemon:
                 log.warning("the lock session is not answering, reconnecting",
                             extra=kv(seconds=round(loop.session.stuck_for(), 1)))
                 loop.session.sever()
-        if self._started:
+        if self._started and time.monotonic() - self._balanced_at >= 1.0:  # about a second is enough
+            self._balanced_at = time.monotonic()
             self.spread.balance()
             leading = self.spread.leading()
             self.notifier.status(f"leading {leading} of {len(self.targets)} targets")

@@ -141,6 +141,8 @@ class Seat:
             self.loop.request(self, req)
 
     def effect(self, effect: Elected | Demoted | None, was: Term | None) -> None:
+        if effect is None:
+            return
         with about_target(self.log_name):
             if isinstance(effect, Elected):
                 self.bump_waiting = False

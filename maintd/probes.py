@@ -18,6 +18,7 @@ what fails.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Sequence
 
@@ -115,6 +116,7 @@ class ServiceProbe(_Batched):
         super().__init__(engine, targets)
         self.service = service
         self._next: dict[str, float] = {}  # target name: when it is looked at next (monotonic)
+        self._idled: dict[str, float] = {}  # target name: when an idle pass was last counted
         self._statement: tuple[tuple[str, ...], object] | None = None
 
     def run(self) -> None:
@@ -138,9 +140,14 @@ class ServiceProbe(_Batched):
             now = conn.exec_driver_sql("SELECT statement_timestamp()").scalar_one()
             conn.rollback()
         for i, target in enumerate(targets):
-            verdict = target.runner.services[self.service].after_probe(rows[i], now)
+            service = target.runner.services[self.service]
+            verdict = service.after_probe(rows[i], now)
             if verdict is None:
-                target.runner.idle(self.service, now)
+                # Counted as the service's idle pass once per its interval (the scheduler's probe
+                # looks every second), as its ticks were.
+                if time.monotonic() - self._idled.get(target.name, -math.inf) >= service.config.interval.total_seconds():
+                    self._idled[target.name] = time.monotonic()
+                    target.runner.idle(self.service, now)
             else:
                 target.runner.wake(self.service, None if verdict is True else verdict)
 

@@ -42,6 +42,7 @@ def _about_target(method: Callable[..., Any]) -> Callable[..., Any]:
             return method(self, *args, **kwargs)
     return job
 
+IDLE_SUMMARY = "nothing to do (the database's probe)"
 WAKE_SUFFIX = ":wake:"  # one-off passes a service asked for (see Runner.wake), numbered
 WAKE_RETRY = 0.01  # seconds: a wake that found the pass which asked for it still finishing
 
@@ -337,9 +338,11 @@ class Runner:
             if self._fence is None or self._stop_event.is_set():
                 return
             self._last_success[name] = at
-            if name not in self._active:
-                self.last_runs[name] = {**PassRecord(name, Outcome.SUCCESS, at, at, 0.0).as_dict(),
-                                        "summary": "nothing to do (the database's probe)"}
+            last = self.last_runs.get(name)
+            if last is None or last.get("summary") != IDLE_SUMMARY:
+                last = {**PassRecord(name, Outcome.SUCCESS, at, at, 0.0).as_dict(), "summary": IDLE_SUMMARY}
+            last["started_at"] = last["finished_at"] = at.isoformat()
+            self.last_runs[name] = last
         self.metrics.service_runs.labels(name, Outcome.SUCCESS.value).inc()
         self.metrics.service_last_success.labels(name).set(at.timestamp())
 
