@@ -371,7 +371,8 @@ def _status_one(settings: Settings) -> tuple[dict | None, str | None]:
     engine = make_engine(settings.database_url.get_secret_value(),
                          application_name=f"maintd:{settings.instance_id}:status", pooled=False)
     try:
-        return collect_status(engine, settings.schema), None
+        return collect_status(engine, settings.schema, health=settings.health.enabled,
+                              show_query=settings.health.show_query), None
     except SchemaMissing as exc:
         return None, str(exc)
     except Exception as exc:  # one target's outage does not hide the others

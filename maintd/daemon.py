@@ -25,6 +25,7 @@ from .clock import Clock, ServerClock
 from .config import ConfigError, Settings, _target_settings, load_settings
 from .dashboard import Dashboard
 from .db import HostOrder, connect, describe_db_error, ms
+from .guardian import HealthMonitor, monitors
 from .http import HttpServer, as_json, metrics_body
 from .http import text as text_body
 from .lockconn import LOCK_GROUP, LockConnection
@@ -117,6 +118,11 @@ class Daemon:
             self.units.append(TargetUnit(t, self.engines[key], unit_metrics, self.clock, hosts=self.hosts[key],
                                          lock_conn=self.lock_conns[url][-1],
                                          on_change=self._changed, timetable=self.timetable))
+        # One table-health monitor per database (SPEC 8.2), for the targets this replica leads there.
+        groups: dict[tuple, tuple[Engine, list[TargetUnit]]] = {}
+        for unit in self.units:
+            groups.setdefault(_engine_key(unit.settings), (unit.engine, []))[1].append(unit)
+        self.health: list[HealthMonitor] = monitors(groups, lambda: self.settings.health)
         lead = settings.leader
         self.spread = Spread(self.units, me=settings.instance_id, retry_interval=lead.retry_interval.total_seconds(),
                              settle=lead.lease.total_seconds(), lease=lead.lease.total_seconds(),
@@ -197,7 +203,7 @@ class Daemon:
                 "/healthz": self._healthz,
                 "/readyz": self._readyz,
                 "/status": self._status,
-            }, pages=Dashboard(lambda: self.settings).pages(),  # /, /jobs, /jobs/{id}
+            }, pages=Dashboard(lambda: self.settings, health=self.health_status).pages(),  # /, /jobs, /jobs/{id}
                auth_token=lambda: self.settings.http.auth_token)  # all but the probes and /metrics
         except OSError as exc:
             raise HttpListenError(f"http.listen {address}: cannot listen: {exc.strerror or exc}") from None
@@ -218,6 +224,8 @@ class Daemon:
         self.elector.start()
         self.unit.started = True
         self._started = True
+        for monitor in self.health:
+            monitor.start()
         log.info("maintd started", extra=kv(instance=self.settings.instance_id, schema=self.settings.schema))
         return True
 
@@ -230,6 +238,8 @@ class Daemon:
         waiting = [u for u in self.units if not self._try_start(u)]
         self.spread.started()
         self._started = True
+        for monitor in self.health:
+            monitor.start()
         if waiting:
             self._retry_thread = threading.Thread(target=self._retry_targets, args=(waiting,),
                                                   name="maintd-targets", daemon=True)
@@ -288,6 +298,8 @@ class Daemon:
         elif started:  # every lock released at once, not one after the other
             with ThreadPoolExecutor(min(32, len(started)), thread_name_prefix="maintd-stop") as pool:
                 list(pool.map(lambda u: u.stop(timeout), started))
+        for monitor in self.health:
+            monitor.stop()
         if self.timetable is not None:
             self.timetable.shutdown(wait=False)
         if self.http:
@@ -420,15 +432,24 @@ class Daemon:
             data, status = self._target_status(self.unit)
             data["this_instance"] = {"instance_id": self.settings.instance_id, "is_leader": self.is_leader,
                                      "database_ok": self.unit.db_ok, "last_runs": self.runner.last_runs}
+            data["health"] = self.health_status(self.unit.name)
             return as_json(status, data)
         targets = []
         for unit in self.units:
             data, _ = self._target_status(unit)
             targets.append({"target": unit.name, "schema": unit.settings.schema, **data,
-                            "this_instance": unit.status()})
+                            "this_instance": unit.status(), "health": self.health_status(unit.name)})
         return as_json(200, {"targets": targets, "this_instance": {
             "instance_id": self.settings.instance_id, "leading": self.spread.leading(),
             "targets": len(self.units), "replicas": self.spread.replicas, "cap": self.spread.cap}})
+
+    def health_status(self, target: str) -> dict[str, Any] | None:
+        """A target's table health from this replica's last read (None: it does not lead it)."""
+        for monitor in self.health:
+            status = monitor.status(target)
+            if status is not None:
+                return status
+        return None
 
     def _target_status(self, unit: TargetUnit) -> tuple[dict[str, Any], int]:
         from .periodic_table import list_entries

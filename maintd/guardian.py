@@ -1,0 +1,187 @@
+"""The guardian: one :class:`HealthMonitor` per database drives the table-health read (SPEC 8.2)
+for the targets of that database that this replica leads: one read per ``health.interval`` for
+all of them, their gauges, the once-per-holder warning, and each target's history row.
+
+A monitor runs in a thread of its own (:meth:`HealthMonitor.start`) or is driven by its owner's
+loop (:meth:`HealthMonitor.run_once` once per interval, :meth:`HealthMonitor.poll` more often). It
+sees the targets through :class:`Member`, so the election's shape stays its own business:
+:class:`UnitMember` adapts today's :class:`maintd.target.TargetUnit`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Protocol, Sequence
+
+from sqlalchemy import Engine
+
+from .clock import ServerClock
+from .config import HealthConfig, Settings
+from .db import describe_db_error
+from .health import HealthReader, HealthReport, HolderWarnings, apply_metrics, clear_metrics
+from .history import HistoryWriter
+from .logs import about_target, kv
+from .metrics import Metrics
+from .services.base import Fence, NotLeader, PassContext, PassStopped
+
+log = logging.getLogger("maintd.health")
+
+POLL = 0.25  # seconds: how soon a new term gets its first read, and a lost one loses its gauges
+
+
+class Member(Protocol):
+    """One target as the monitor sees it."""
+
+    name: str
+    schema: str
+    settings: Settings
+    metrics: Metrics
+
+    def leading(self) -> bool: ...
+
+    def fence(self) -> Fence:
+        """The current term's fence (raises :class:`NotLeader` without one)."""
+        ...
+
+
+class UnitMember:
+    """A :class:`maintd.target.TargetUnit` as a :class:`Member`."""
+
+    def __init__(self, unit: Any):
+        self.unit = unit
+
+    @property
+    def name(self) -> str:
+        return self.unit.name
+
+    @property
+    def schema(self) -> str:
+        return self.unit.settings.schema
+
+    @property
+    def settings(self) -> Settings:
+        return self.unit.settings
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.unit.metrics
+
+    def leading(self) -> bool:
+        return bool(self.unit.is_leader)
+
+    def fence(self) -> Fence:
+        return self.unit.elector.fence()
+
+
+class HealthMonitor:
+    """The health of one database, for the members (targets) on it that lead here."""
+
+    def __init__(self, engine: Engine, members: Sequence[Member], config: Callable[[], HealthConfig], *,
+                 history: Callable[[], HistoryWriter] = HistoryWriter):
+        self.engine, self.members, self.config = engine, list(members), config
+        self.reader = HealthReader()
+        self.warnings = HolderWarnings()
+        self.writers = {m.name: history() for m in self.members}
+        self.clock = ServerClock()
+        self.last: HealthReport | None = None
+        self.error: str | None = None
+        self._led: set[str] = set()  # members whose gauges this monitor set (led at the last look)
+        self._seen: set[str] = set()  # members leading at the last read (a new one is read at once)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- one read -------------------------------------------------------------------------------
+    def poll(self) -> list[Member]:
+        """No database: the members leading now; those that stopped lose their gauges and their
+        history state (a new term reads the last row again)."""
+        leading = [m for m in self.members if m.leading()]
+        names = {m.name for m in leading}
+        for m in self.members:
+            if m.name in self._led and m.name not in names:
+                clear_metrics(m.metrics)
+                self.writers[m.name].reset()
+        self._led &= names
+        self._seen &= names
+        return leading
+
+    def run_once(self) -> HealthReport | None:
+        """Read the health of the database (if this replica leads any of its targets) and apply it."""
+        cfg = self.config()
+        leading = self.poll() if cfg.enabled else []
+        self._seen = {m.name for m in leading}
+        if not leading:
+            for m in self.members if not cfg.enabled else ():
+                clear_metrics(m.metrics)
+            self.last, self._led = None, set()
+            self.warnings.forget()
+            return None
+        self.reader.show_query = cfg.show_query
+        try:
+            with self.engine.connect() as conn:
+                report = self.reader.read(conn, sorted({m.schema for m in leading}))
+        except Exception as exc:  # the next interval tries again; the gauges keep their last value
+            self._failed(exc)
+            return None
+        self.error, self.last = None, report
+        for m in leading:
+            if m.leading():
+                apply_metrics(m.metrics, report, m.schema)
+                self._led.add(m.name)
+                self._history(m, report)
+        self.warnings.check(report.horizon, cfg.xmin_warn_after, [m.name for m in leading])
+        return report
+
+    def _failed(self, exc: Exception) -> None:
+        error = describe_db_error(exc)
+        if error != self.error:
+            log.warning("health read failed", extra=kv(error=error))
+        self.error = error
+
+    def _history(self, member: Member, report: HealthReport) -> None:
+        with about_target(member.name if len(self.members) > 1 else None):
+            try:
+                ctx = PassContext.for_settings(member.settings, self.engine, self.clock, fence=member.fence())
+                self.writers[member.name].step(ctx, report)
+            except (NotLeader, PassStopped):
+                self.writers[member.name].reset()
+            except Exception as exc:  # a history row is not worth more than a debug line
+                log.debug("health history not written", extra=kv(target=member.name, error=describe_db_error(exc)))
+
+    def status(self, name: str) -> dict[str, Any] | None:
+        """The last read as one target's /status shows it (None: this replica does not lead it)."""
+        report = self.last
+        member = next((m for m in self.members if m.name == name), None)
+        if report is None or member is None or name not in self._led:
+            return None
+        return report.status(member.schema)
+
+    # -- a thread of its own --------------------------------------------------------------------
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="maintd-health", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _loop(self) -> None:
+        due = 0.0
+        while not self._stop.wait(POLL):
+            try:
+                leading = {m.name for m in self.poll()}
+                if time.monotonic() >= due or leading - self._seen:
+                    self.run_once()
+                    due = time.monotonic() + self.config().interval.total_seconds()
+            except Exception as exc:  # the loop must outlive anything a read meets
+                log.error("health monitor error", extra=kv(error=describe_db_error(exc)))
+
+
+def monitors(groups: dict[Any, tuple[Engine, Sequence[Any]]], config: Callable[[], HealthConfig]
+             ) -> list[HealthMonitor]:
+    """One monitor per database: ``groups`` maps a database's key to its engine and target units."""
+    return [HealthMonitor(engine, [UnitMember(u) for u in units], config) for engine, units in groups.values()]
