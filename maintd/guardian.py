@@ -168,6 +168,9 @@ class HealthMonitor:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        for m in self.members:  # a stopped daemon leads nothing: no gauge of a read gone stale
+            clear_metrics(m.metrics)
+        self._led, self._seen, self.last = set(), set(), None
 
     def _loop(self) -> None:
         due = 0.0
