@@ -18,8 +18,8 @@ from markupsafe import Markup, escape
 
 from .history import LIVE_STATES, Sample
 
-WIDTH, HEIGHT = 380, 150
-LEFT, RIGHT, TOP, BOTTOM = 52, 10, 24, 20
+WIDTH, HEIGHT = 380, 160
+LEFT, RIGHT, TOP, BOTTOM = 52, 10, 36, 20  # the title and the legend above the plot
 COLORS = ("#2f6fdf", "#e08a00", "#2a9d4b", "#9b59b6", "#c0392b", "#16a5a5", "#7f8c8d")
 MARK = "#d62828"
 QUEUES_SHOWN = 5
@@ -77,6 +77,8 @@ def size(v: float) -> str:
 
 
 def age(v: float) -> str:
+    if v < 10:
+        return f"{v:.1f} s" if v != int(v) else f"{v:.0f} s"
     if v < 120:
         return f"{v:.0f} s"
     return f"{v / 60:.0f} min" if v < 7200 else f"{v / 3600:.1f} h"
@@ -132,12 +134,13 @@ def line_chart(chart: Chart, start: float, end: float) -> Markup:
 
 
 def _legend(series: Sequence[Series]) -> list[str]:
-    out, lx = [], WIDTH - RIGHT
-    for s in reversed(series):
-        label = escape(s.label[:24])
-        lx -= 12 + 6 * len(str(label)) + 8
-        out.append(f'<rect x="{lx:.0f}" y="6" width="9" height="9" fill="{s.color}"/>'
-                   f'<text x="{lx + 12:.0f}" y="14" class="legend">{label}</text>')
+    """One row under the title: a colour square and the name of each series (names cut at 24)."""
+    out, lx = [], float(LEFT)
+    for s in series:
+        label = s.label[:24]
+        out.append(f'<rect x="{lx:.0f}" y="19" width="9" height="9" fill="{s.color}"/>'
+                   f'<text x="{lx + 12:.0f}" y="27" class="legend">{escape(label)}</text>')
+        lx += 12 + 5.5 * len(label) + 12
     return out
 
 
@@ -163,8 +166,12 @@ def target_charts(samples: Sequence[Sample]) -> list[Chart]:
     finished = (Series("completed", tuple((_t(s), per_minute(s, s.completed)) for s in samples), COLORS[2]),
                 Series("discarded", tuple((_t(s), per_minute(s, s.discarded)) for s in samples), COLORS[4]))
     held = [s for s in samples if s.holder]
-    marks = tuple(Mark(_t(s), s.horizon_age_seconds, f"held by {s.holder.get('describe') or s.holder.get('kind')} "
-                       f"({age(s.horizon_age_seconds)})") for s in held)
+    marks = tuple(Mark(_t(s), s.horizon_age_seconds, f"held by {_who(s.holder)} ({age(s.horizon_age_seconds)})")
+                  for s in held)
+    longest: dict[str, float] = {}
+    for s in held:
+        longest[_who(s.holder)] = max(longest.get(_who(s.holder), 0.0), s.horizon_age_seconds)
+    note = "; ".join(f"held by {who}, up to {age(v)}" for who, v in sorted(longest.items(), key=lambda kv: -kv[1]))
     return [
         Chart("depth-state", "Jobs by state (waiting, running)", by_state, count),
         Chart("depth-queue", "Jobs by queue (waiting, running)", by_queue, count),
@@ -177,5 +184,9 @@ def target_charts(samples: Sequence[Sample]) -> list[Chart]:
                       COLORS[1]),), count),
         Chart("horizon", "xmin horizon age (holders marked)",
               (Series("age", tuple((_t(s), s.horizon_age_seconds) for s in samples), COLORS[3]),), age, marks,
-              note="; ".join(sorted({m.label for m in marks}))[:300]),
+              note=note[:400]),
     ]
+
+
+def _who(holder: dict) -> str:
+    return str(holder.get("describe") or holder.get("kind") or "?")
