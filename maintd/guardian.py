@@ -6,6 +6,12 @@ A monitor runs in a thread of its own (:meth:`HealthMonitor.start`) or is driven
 loop (:meth:`HealthMonitor.run_once` once per interval, :meth:`HealthMonitor.poll` more often). It
 sees the targets through :class:`Member`, so the election's shape stays its own business:
 :class:`UnitMember` adapts today's :class:`maintd.target.TargetUnit`.
+
+The read runs on a connection of the monitor's own (``application_name`` ``maintd:<id>:health``,
+autocommit, a 5 s statement timeout, generic plans), open while this replica leads a target of the
+database: its prepared statements must outlive the maintenance pool's rollbacks, which drop a
+psycopg connection's prepared statements (and cost a DEALLOCATE round trip to the pass that rolls
+back). The history rows are written through the maintenance engine, fenced.
 """
 
 from __future__ import annotations
@@ -15,12 +21,13 @@ import threading
 import time
 from typing import Any, Callable, Protocol, Sequence
 
+import psycopg
 from sqlalchemy import Engine
 
 from .clock import ServerClock
 from .config import HealthConfig, Settings
-from .db import describe_db_error
-from .health import HealthReader, HealthReport, HolderWarnings, apply_metrics, clear_metrics
+from .db import connect, describe_db_error
+from .health import READ_TIMEOUT_MS, HealthReader, HealthReport, HolderWarnings, apply_metrics, clear_metrics
 from .history import HistoryWriter
 from .logs import about_target, kv
 from .metrics import Metrics
@@ -43,6 +50,10 @@ class Member(Protocol):
 
     def fence(self) -> Fence:
         """The current term's fence (raises :class:`NotLeader` without one)."""
+        ...
+
+    def connect(self) -> psycopg.Connection:
+        """A new connection to the member's database for the health read."""
         ...
 
 
@@ -74,6 +85,13 @@ class UnitMember:
     def fence(self) -> Fence:
         return self.unit.elector.fence()
 
+    def connect(self) -> psycopg.Connection:
+        s = self.unit.settings
+        return connect(self.unit.hosts.dsn(), application_name=f"maintd:{s.instance_id}:health",
+                       answer_timeout=READ_TIMEOUT_MS / 1000 + s.leader.lease.total_seconds(),
+                       settings={"statement_timeout": READ_TIMEOUT_MS, "plan_cache_mode": "force_generic_plan",
+                                 "lock_timeout": READ_TIMEOUT_MS})
+
 
 class HealthMonitor:
     """The health of one database, for the members (targets) on it that lead here."""
@@ -87,6 +105,7 @@ class HealthMonitor:
         self.clock = ServerClock()
         self.last: HealthReport | None = None
         self.error: str | None = None
+        self._conn: psycopg.Connection | None = None
         self._led: set[str] = set()  # members whose gauges this monitor set (led at the last look)
         self._seen: set[str] = set()  # members leading at the last read (a new one is read at once)
         self._stop = threading.Event()
@@ -116,13 +135,16 @@ class HealthMonitor:
                 clear_metrics(m.metrics)
             self.last, self._led = None, set()
             self.warnings.forget()
+            self._close()
             return None
         self.reader.show_query = cfg.show_query
         try:
-            with self.engine.connect() as conn:
-                report = self.reader.read(conn, sorted({m.schema for m in leading}))
+            if self._conn is None or self._conn.closed:
+                self._conn = leading[0].connect()
+            report = self.reader.read(self._conn, sorted({m.schema for m in leading}))
         except Exception as exc:  # the next interval tries again; the gauges keep their last value
             self._failed(exc)
+            self._close()
             return None
         self.error, self.last = None, report
         for m in leading:
@@ -132,6 +154,14 @@ class HealthMonitor:
                 self._history(m, report)
         self.warnings.check(report.horizon, cfg.xmin_warn_after, [m.name for m in leading])
         return report
+
+    def _close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:  # pragma: no cover - gone already
+                pass
 
     def _failed(self, exc: Exception) -> None:
         error = describe_db_error(exc)
@@ -171,6 +201,7 @@ class HealthMonitor:
         for m in self.members:  # a stopped daemon leads nothing: no gauge of a read gone stale
             clear_metrics(m.metrics)
         self._led, self._seen, self.last = set(), set(), None
+        self._close()
 
     def _loop(self) -> None:
         due = 0.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
+import psycopg
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
@@ -49,7 +50,7 @@ def collect_status(engine: Engine, schema: str, *, health: bool = False,
             "oldest_available_age_seconds": oldest_available(conn, schema),
         }
         status.update(_jobs(conn, schema))
-        if health:  # last: the read ends the transaction
+        if health:  # last: a failed read ends the transaction
             status["health"] = _health(conn, schema, show_query)
     return status
 
@@ -59,7 +60,7 @@ def _health(conn: Connection, schema: str, show_query: bool) -> dict[str, Any]:
 
     try:
         return read_once(conn, schema, show_query=show_query).status(schema)
-    except (OperationalError, ProgrammingError) as exc:
+    except (psycopg.Error, OperationalError, ProgrammingError) as exc:
         conn.rollback()
         return {"error": describe_db_error(exc)}
 

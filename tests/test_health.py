@@ -54,7 +54,7 @@ def health_engine(health_pg: str) -> Iterator[Engine]:
 
 def read(engine: Engine, reader: HealthReader | None = None, schemas=("maintd",)):
     with engine.connect() as conn:
-        return (reader or HealthReader()).read(conn, list(schemas))
+        return (reader or HealthReader()).read(conn.connection.dbapi_connection, list(schemas))
 
 
 def consume_xids(dsn: str, n: int = 3) -> None:
@@ -278,6 +278,29 @@ def test_tables_report_rows_size_and_vacuum_of_the_jobs_table_and_maintds_own(he
         vacuumed = read(health_engine).table("maintd")
         assert vacuumed.dead == 0 and abs(vacuumed.last_vacuum - time.time()) < 60
         conn.execute("DELETE FROM maintd.jobs WHERE kind = 'k'")
+
+
+def test_sizes_and_maintds_own_tables_are_read_once_a_minute_the_jobs_rows_every_read(health_pg, health_engine):
+    """Sizes are most of a read's cost (a stat() per file of every table and index): a reader
+    reads the jobs table's rows every time, its size and maintd's own tables once every
+    FULL_EVERY, and their sizes once every SIZES_EVERY."""
+    import maintd.health as health
+
+    reader = HealthReader()
+    first = read(health_engine, reader)
+    with psycopg.connect(health_pg, autocommit=True) as conn:
+        conn.execute("INSERT INTO maintd.jobs (kind) SELECT 'size' FROM generate_series(1, 2000)")
+        conn.execute("DELETE FROM maintd.jobs WHERE kind = 'size'")
+        conn.execute("SELECT pg_stat_force_next_flush()")
+        again = read(health_engine, reader)
+        assert again.table("maintd").dead >= first.table("maintd").dead + 2000  # read now
+        assert again.table("maintd").bytes == first.table("maintd").bytes  # the last full read's
+        assert [t.table for t in again.tables["maintd"]] == [t.table for t in first.tables["maintd"]]
+        reader._full_at -= health.FULL_EVERY
+        full = read(health_engine, reader)
+        assert full.table("maintd").bytes > first.table("maintd").bytes
+        assert full.table("maintd", "leader").bytes == first.table("maintd", "leader").bytes > 0
+        conn.execute("DELETE FROM maintd.jobs WHERE kind = 'size'")
 
 
 def test_a_partitioned_jobs_table_is_summed_over_its_leaves_and_gets_the_autovacuum_settings(health_pg,

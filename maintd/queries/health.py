@@ -68,33 +68,38 @@ SELECT 'replication_slot', 'catalog', active_pid, usename, application_name, cli
   FROM slots WHERE catalog_xmin IS NOT NULL
 """
 
-# The server's time, read in the same statement as nothing else: the ages are counted from it.
-NOW = "SELECT now() AS now, extract(epoch FROM now())::float8 AS epoch"
+# The server's time: the ages count from it.
+NOW = "SELECT now() AS now"
 
 # Per table of the given schemas (plain tables, and partitioned ones with the leaves of their
-# partition tree summed: pg_partition_tree() lists nothing for a plain table), from the statistics functions (the pg_stat_user_tables view
-# computes every column of every table of the database first). The last vacuum of a partitioned
-# table is that of its least recently vacuumed leaf that has dead rows (where vacuum is owed),
-# else of its most recently vacuumed leaf; -infinity: never.
+# partition tree summed: pg_partition_tree() lists nothing for a plain table), from the statistics
+# functions (the pg_stat_user_tables view computes every column of every table of the database).
+# Without :all_tables only the jobs tables are read. :sizes says whose sizes are read ('all',
+# 'jobs' or 'none'): a size is a stat() per file of the table and each of its indexes, most of
+# the read's cost, so the reader asks for the jobs tables' once a minute and the rest less often. The last vacuum of a partitioned table is that of its least recently vacuumed leaf
+# that has dead rows (where vacuum is owed), else of its most recently vacuumed leaf; -infinity:
+# never.
 TABLES = """
 SELECT n.nspname AS schema, t.relname AS "table",
-       sum(pg_stat_get_live_tuples(l.relid))::bigint AS live,
-       sum(pg_stat_get_dead_tuples(l.relid))::bigint AS dead,
-       sum(pg_total_relation_size(l.relid))::bigint AS bytes,
+       sum(l.live)::bigint AS live, sum(l.dead)::bigint AS dead,
+       sum(CASE WHEN CAST(:sizes AS text) = 'all' OR (CAST(:sizes AS text) = 'jobs' AND t.relname = 'jobs')
+                THEN pg_total_relation_size(l.relid) END)::bigint AS bytes,  -- (inside: called only then)
        extract(epoch FROM CASE
-         WHEN bool_or(pg_stat_get_dead_tuples(l.relid) > 0)
-         THEN min(coalesce(greatest(pg_stat_get_last_vacuum_time(l.relid),
-                                    pg_stat_get_last_autovacuum_time(l.relid)), '-infinity'))
-                FILTER (WHERE pg_stat_get_dead_tuples(l.relid) > 0)
-         ELSE coalesce(max(greatest(pg_stat_get_last_vacuum_time(l.relid),
-                                    pg_stat_get_last_autovacuum_time(l.relid))), '-infinity')
+         WHEN bool_or(l.dead > 0) THEN min(coalesce(l.vacuumed, '-infinity')) FILTER (WHERE l.dead > 0)
+         ELSE coalesce(max(l.vacuumed), '-infinity')
        END)::float8 AS last_vacuum
   FROM pg_class t
   JOIN pg_namespace n ON n.oid = t.relnamespace
- CROSS JOIN LATERAL (SELECT p.relid FROM pg_partition_tree(t.oid) p WHERE p.isleaf AND t.relkind = 'p'
-                     UNION ALL SELECT t.oid WHERE t.relkind = 'r') l
+ CROSS JOIN LATERAL (
+       SELECT leaf.relid, pg_stat_get_live_tuples(leaf.relid) AS live,
+              pg_stat_get_dead_tuples(leaf.relid) AS dead,
+              greatest(pg_stat_get_last_vacuum_time(leaf.relid),
+                       pg_stat_get_last_autovacuum_time(leaf.relid)) AS vacuumed
+         FROM (SELECT p.relid FROM pg_partition_tree(t.oid) p WHERE p.isleaf AND t.relkind = 'p'
+               UNION ALL SELECT t.oid WHERE t.relkind = 'r') leaf) l
  WHERE n.nspname = ANY(CAST(:schemas AS text[]))
    AND t.relkind IN ('r', 'p') AND NOT t.relispartition
+   AND (CAST(:all_tables AS boolean) OR t.relname = 'jobs')
  GROUP BY n.nspname, t.relname
 """
 
