@@ -15,7 +15,6 @@ import zlib
 from datetime import datetime, timedelta
 from typing import Any
 
-import pytest
 from sqlalchemy import Engine, text
 
 from maintd.charts import BOTTOM, HEIGHT, LEFT, RIGHT, TOP, WIDTH, Chart, Mark, Series, count, line_chart

@@ -24,7 +24,9 @@ from maintd import migrate
 from maintd.config import Settings
 from maintd.daemon import Daemon
 from maintd.db import make_engine
-from maintd.health import HealthReader, HolderWarnings, Horizon, Holder, read_once
+from maintd.health import HealthReader, HolderWarnings, Horizon, Holder
+from maintd.queries import health as q
+from maintd.queries import psycopg_sql
 
 from .conftest import private_server
 from .procs import wait_for
@@ -88,6 +90,9 @@ def test_a_repeatable_read_snapshot_is_named_without_its_query(health_pg, health
         assert "secret@example.com" not in status and '"query"' not in status
         shown = held_by(read(health_engine, HealthReader(show_query=True)), pid)
         assert "secret@example.com" in shown.query
+        with psycopg.connect(health_pg, autocommit=True) as conn:  # not even read off the server
+            texts = conn.execute(psycopg_sql(q.HOLDERS), {"show_query": False}).fetchall()
+        assert texts and all(r[-1] is None for r in texts)
 
 
 def test_an_idle_in_transaction_session_holding_a_transaction_id_is_named(health_pg, health_engine):

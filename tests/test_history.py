@@ -132,6 +132,9 @@ def test_the_cleaner_prunes_history_older_than_two_days(settings, ctx, engine, s
     assert all(r.at >= first_kept for r in rows(engine, schema))
     again = Cleaner(settings.cleaner).run_once(PassContext.for_settings(settings, engine, FrozenClock(now)))
     assert again.history_pruned == 0 and not again.did_something()
+    from maintd.dashboard import CHART_RANGES
+
+    assert KEEP >= max(back for _, back, _ in CHART_RANGES) + timedelta(hours=1)  # the day chart stays whole
 
 
 def test_the_charts_series_has_one_point_per_bucket_with_the_finished_jobs_summed(ctx, engine, schema):
