@@ -136,7 +136,7 @@ def measure(dsn: str, n: int, reads: int) -> dict[str, float]:
     for s in schemas:
         ctx = PassContext.for_settings(settings.model_copy(update={"schema": s}), engine, ServerClock())
         writer = HistoryWriter(idle_every=timedelta(0))
-        writer.step(ctx, report)
+        writer.step(ctx, report, lambda: [("q0", "available", 1000)])  # the job gauges' counts, as in the daemon
         steps += 1
     history_ms = table(f"{n} target(s): the history step of each target (once a minute at most)",
                        statements(dsn, ["health_history", "count(*) FILTER", "GROUP BY queue, state"]), steps)

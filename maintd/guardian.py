@@ -36,6 +36,7 @@ from .services.base import Fence, NotLeader, PassContext, PassStopped
 log = logging.getLogger("maintd.health")
 
 POLL = 0.25  # seconds: how soon a new term gets its first read, and a lost one loses its gauges
+LIVE_MAX_AGE = 60.0  # seconds: the job gauges' counts reused for a history sample
 
 
 class Member(Protocol):
@@ -54,6 +55,10 @@ class Member(Protocol):
 
     def connect(self) -> psycopg.Connection:
         """A new connection to the member's database for the health read."""
+        ...
+
+    def live_counts(self) -> list[tuple[str, str, int]] | None:
+        """Recent (queue, state, n) of waiting and running jobs, if the leader counted them."""
         ...
 
 
@@ -84,6 +89,10 @@ class UnitMember:
 
     def fence(self) -> Fence:
         return self.unit.elector.fence()
+
+    def live_counts(self) -> list[tuple[str, str, int]] | None:
+        live = self.unit.runner.gauges.live  # refreshed every 15 s while leading
+        return live[0] if live is not None and time.monotonic() - live[1] < LIVE_MAX_AGE else None
 
     def connect(self) -> psycopg.Connection:
         s = self.unit.settings
@@ -173,7 +182,7 @@ class HealthMonitor:
         with about_target(member.name if len(self.members) > 1 else None):
             try:
                 ctx = PassContext.for_settings(member.settings, self.engine, self.clock, fence=member.fence())
-                self.writers[member.name].step(ctx, report)
+                self.writers[member.name].step(ctx, report, member.live_counts)
             except (NotLeader, PassStopped):
                 self.writers[member.name].reset()
             except Exception as exc:  # a history row is not worth more than a debug line

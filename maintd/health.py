@@ -114,9 +114,12 @@ class TableHealth:
     dead: int
     bytes: int | None  # None: not read yet (see HealthReader._plan)
     last_vacuum: float | None  # Unix time; None: never
+    writes: int = 0  # rows inserted, updated, deleted since the statistics' reset (not shown)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        del out["writes"]
+        return out
 
 
 @dataclass(frozen=True)
@@ -230,7 +233,7 @@ def _tables(rows: Iterable[Any]) -> dict[str, tuple[TableHealth, ...]]:
         last = r["last_vacuum"]
         finite = last is not None and last not in (float("inf"), float("-inf")) and last == last
         out.setdefault(r["schema"], []).append(TableHealth(
-            table=r["table"], live=int(r["live"] or 0), dead=int(r["dead"] or 0),
+            table=r["table"], live=int(r["live"] or 0), dead=int(r["dead"] or 0), writes=int(r["writes"] or 0),
             bytes=None if r["bytes"] is None else int(r["bytes"]),
             last_vacuum=float(last) if finite else None))
     return {s: tuple(sorted(ts, key=lambda t: t.table)) for s, ts in out.items()}

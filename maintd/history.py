@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from sqlalchemy import Connection
 
@@ -72,14 +72,14 @@ class Sample:
                    horizon_age_xids=r.horizon_age_xids or 0, holder=r.holder)
 
 
-def depth_of(rows: Any, top: int = TOP_QUEUES) -> tuple[dict[str, int], dict[str, int]]:
+def depth_of(rows: Iterable[tuple[str, str, int]], top: int = TOP_QUEUES) -> tuple[dict[str, int], dict[str, int]]:
     """(jobs by state, jobs by queue: the ``top`` largest, the rest summed as ``_other``) from
-    ``jobs.COUNT_LIVE`` rows."""
+    (queue, state, count) rows (``jobs.COUNT_LIVE``'s)."""
     states = {s: 0 for s in LIVE_STATES}
     queues: dict[str, int] = {}
-    for r in rows:
-        states[r.state] = states.get(r.state, 0) + r.n
-        queues[r.queue] = queues.get(r.queue, 0) + r.n
+    for queue, state, n in rows:
+        states[state] = states.get(state, 0) + n
+        queues[queue] = queues.get(queue, 0) + n
     kept = sorted(queues, key=lambda k: (-queues[k], k))[:top]
     out = {k: queues[k] for k in kept}
     rest = sum(n for k, n in queues.items() if k not in out)
@@ -106,38 +106,52 @@ class HistoryWriter:
         self._last: Sample | None = None
         self._loaded = False
         self._checked_at: datetime | None = None
+        self._seen: tuple | None = None  # what the health read showed at the last check
 
     def reset(self) -> None:
-        self._last, self._loaded, self._checked_at = None, False, None
+        self._last, self._loaded, self._checked_at, self._seen = None, False, None, None
 
-    def step(self, ctx: PassContext, report: HealthReport) -> Sample | None:
-        """Write a sample if one is due; returns it (None: nothing written)."""
+    def step(self, ctx: PassContext, report: HealthReport,
+             live: Callable[[], list[tuple[str, str, int]] | None] = lambda: None) -> Sample | None:
+        """Write a sample if one is due; returns it (None: nothing written). ``live``: recent
+        counts of waiting and running jobs (the leader's job gauges count them every 15 s), else
+        they are counted here."""
         at = report.at
-        if self._checked_at is not None and at - self._checked_at < self.change_every:
-            return None
         if not self._loaded:
             with ctx.read() as conn:
                 row = conn.execute(ctx.sql(q.LAST)).first()
             self._last, self._loaded = (Sample.from_row(row) if row else None), True
-        last = self._last
-        if last is not None and at - last.at < self.change_every:
+        last, seen = self._last, self._what_read(ctx.schema, report)
+        due = last is None or at - last.at >= self.idle_every
+        if not due and (at - last.at < self.change_every  # at most one a minute
+                        or (self._checked_at is not None and at - self._checked_at < self.change_every)
+                        or seen == self._seen):  # the jobs table unwritten since the last look: no query
             return None
-        self._checked_at = at
-        sample = self._sample(ctx, report, last)
-        idle = last is not None and at - last.at < self.idle_every
-        if idle and sample.state() == last.state() and not sample.finished_any():
+        self._checked_at, self._seen = at, seen
+        sample = self._sample(ctx, report, last, live())
+        if not due and sample.state() == last.state() and not sample.finished_any():
             return None
         with ctx.transaction() as conn:
             conn.execute(ctx.sql(q.INSERT), sample.params())
         self._last = sample
         return sample
 
-    def _sample(self, ctx: PassContext, report: HealthReport, last: Sample | None) -> Sample:
+    @staticmethod
+    def _what_read(schema: str, report: HealthReport) -> tuple:
+        """The jobs table's writes, dead rows and size, and the holder, as the health read saw them."""
+        jobs, holder = report.table(schema), holder_mark(report) or {}
+        return ((jobs.writes, jobs.dead, jobs.bytes) if jobs else None,
+                tuple(holder.get(k) for k in ("kind", "pid", "name", "xmin")))
+
+    def _sample(self, ctx: PassContext, report: HealthReport, last: Sample | None,
+                live: list[tuple[str, str, int]] | None) -> Sample:
         at = report.at
         since = last.at if last is not None and at - last.at < KEEP else at - self.change_every
         with ctx.read() as conn:
             finished = conn.execute(ctx.sql(q.FINISHED), {"since": since, "until": at}).one()
-            states, queues = depth_of(conn.execute(ctx.sql(q_jobs.COUNT_LIVE)))
+            if live is None:
+                live = [(r.queue, r.state, r.n) for r in conn.execute(ctx.sql(q_jobs.COUNT_LIVE))]
+        states, queues = depth_of(live)
         jobs = report.table(ctx.schema)
         return Sample(at=at, since=since, completed=finished.completed, discarded=finished.discarded,
                       depth=states, queues=queues, jobs_bytes=jobs.bytes if jobs else None,

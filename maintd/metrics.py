@@ -193,11 +193,15 @@ class JobGauges:
     def __init__(self, metrics: Metrics):
         self.metrics = metrics
         self._final_counted_at = float("-inf")
+        # The last counts of waiting and running jobs, (queue, state, n), and when (monotonic):
+        # the health history's depth (maintd.history) reuses them instead of counting again.
+        self.live: tuple[list[tuple[str, str, int]], float] | None = None
 
     def clear(self) -> None:
         self.metrics.jobs.clear()
         self.metrics.oldest_available_age.clear()
         self._final_counted_at = float("-inf")
+        self.live = None
 
     def refresh(self, engine: Engine, schema: str, *, still_leading: Callable[[], bool] = lambda: True,
                 lock: Any = None, final: bool | None = None) -> None:
@@ -220,6 +224,8 @@ class JobGauges:
             self._final_counted_at = now
 
     def apply(self, counts: list[dict[str, Any]], oldest: dict[str, float], *, final: bool) -> None:
+        self.live = ([(r["queue"], r["state"], r["count"]) for r in counts if r["state"] not in FINAL_STATES],
+                     time.monotonic())
         gauge = self.metrics.jobs
         for queue, state in gauge.children():
             if state not in FINAL_STATES or final:

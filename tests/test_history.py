@@ -21,10 +21,13 @@ from maintd.services.cleaner import Cleaner
 from .conftest import T0
 
 
-def report(at, *, bytes_: int = 8192, dead: int = 0, holder: Holder | None = None, schema: str = "") -> HealthReport:
+def report(at, *, bytes_: int = 8192, dead: int = 0, holder: Holder | None = None, schema: str = "",
+           writes: int = 0) -> HealthReport:
+    """A health read as the writer sees it; ``writes``: the jobs table's rows written so far."""
     horizon = Horizon(age_seconds=holder.age_seconds if holder else 0.0, age_xids=holder.age_xids if holder else 0,
                       holders=(holder,) if holder else ())
-    return HealthReport(at=at, horizon=horizon, tables={schema: (TableHealth("jobs", 10, dead, bytes_, None),)})
+    return HealthReport(at=at, horizon=horizon,
+                        tables={schema: (TableHealth("jobs", 10, dead, bytes_, None, writes),)})
 
 
 def snapshot(pid: int, age: float) -> Holder:
@@ -51,6 +54,7 @@ def test_written_on_change_at_most_once_a_minute_and_every_ten_minutes_when_idle
         assert writer.step(ctx, report(at + timedelta(seconds=seconds), dead=seconds, schema=schema)) is None
     for minutes in range(1, 10):  # a minute on, nothing changed since the last row: nothing written
         assert writer.step(ctx, report(at + timedelta(minutes=minutes), schema=schema)) is None
+    assert writer.step(ctx, report(at + timedelta(minutes=9, seconds=30), schema=schema, writes=2)) is None
     idle = writer.step(ctx, report(at + timedelta(minutes=10), schema=schema))
     assert idle is not None and idle.since == at
     changed = writer.step(ctx, report(at + timedelta(minutes=11), dead=500, schema=schema))
@@ -71,13 +75,23 @@ def test_a_sample_counts_the_jobs_finished_in_its_window_and_the_depth_by_state_
             {"t0": T0})
         conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state) SELECT 'k', q, 'available' "
                          "FROM unnest(ARRAY['mail', 'mail', 'sms']) q", schema))
-    sample = writer.step(ctx, report(T0 + timedelta(minutes=1), schema=schema))
+    sample = writer.step(ctx, report(T0 + timedelta(minutes=1), schema=schema, writes=35))
     assert (sample.completed, sample.discarded, sample.since) == (30, 1, T0)
     assert sample.depth == {"available": 3, "scheduled": 0, "running": 0, "retryable": 0}
     assert sample.queues == {"mail": 2, "sms": 1}
-    assert writer.step(ctx, report(T0 + timedelta(minutes=2), schema=schema)) is None  # nothing finished since
-    later = writer.step(ctx, report(T0 + timedelta(minutes=6), schema=schema))
+    assert writer.step(ctx, report(T0 + timedelta(minutes=2), schema=schema, writes=35)) is None  # nothing since
+    later = writer.step(ctx, report(T0 + timedelta(minutes=6), schema=schema, writes=36))
     assert (later.completed, later.since) == (1, T0 + timedelta(minutes=1))
+
+
+def test_a_sample_takes_the_leaders_recent_job_counts_instead_of_counting_again(ctx, engine, schema):
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue) VALUES ('k', 'sms')", schema))
+    sample = HistoryWriter().step(ctx, report(T0, schema=schema), lambda: [("mail", "available", 7),
+                                                                           ("mail", "running", 2)])
+    assert sample.depth["available"] == 7 and sample.queues == {"mail": 9}  # the gauges', not a count
+    counted = HistoryWriter().step(ctx, report(T0 + timedelta(minutes=11), schema=schema))
+    assert counted.queues == {"sms": 1}
 
 
 def test_a_holder_is_marked_once_held_a_minute_and_its_coming_and_going_are_changes(ctx, schema):

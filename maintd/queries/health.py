@@ -78,10 +78,11 @@ NOW = "SELECT now() AS now"
 # 'jobs' or 'none'): a size is a stat() per file of the table and each of its indexes, most of
 # the read's cost, so the reader asks for the jobs tables' once a minute and the rest less often. The last vacuum of a partitioned table is that of its least recently vacuumed leaf
 # that has dead rows (where vacuum is owed), else of its most recently vacuumed leaf; -infinity:
-# never.
+# never. ``writes``: rows inserted, updated and deleted since the statistics were reset (the
+# history's test of whether anything happened).
 TABLES = """
 SELECT n.nspname AS schema, t.relname AS "table",
-       sum(l.live)::bigint AS live, sum(l.dead)::bigint AS dead,
+       sum(l.live)::bigint AS live, sum(l.dead)::bigint AS dead, sum(l.writes)::bigint AS writes,
        sum(CASE WHEN CAST(:sizes AS text) = 'all' OR (CAST(:sizes AS text) = 'jobs' AND t.relname = 'jobs')
                 THEN pg_total_relation_size(l.relid) END)::bigint AS bytes,  -- (inside: called only then)
        extract(epoch FROM CASE
@@ -93,6 +94,8 @@ SELECT n.nspname AS schema, t.relname AS "table",
  CROSS JOIN LATERAL (
        SELECT leaf.relid, pg_stat_get_live_tuples(leaf.relid) AS live,
               pg_stat_get_dead_tuples(leaf.relid) AS dead,
+              pg_stat_get_tuples_inserted(leaf.relid) + pg_stat_get_tuples_updated(leaf.relid)
+                + pg_stat_get_tuples_deleted(leaf.relid) AS writes,
               greatest(pg_stat_get_last_vacuum_time(leaf.relid),
                        pg_stat_get_last_autovacuum_time(leaf.relid)) AS vacuumed
          FROM (SELECT p.relid FROM pg_partition_tree(t.oid) p WHERE p.isleaf AND t.relkind = 'p'
