@@ -36,8 +36,8 @@ log = logging.getLogger("maintd.health")
 SHOWN_AFTER = 1.0  # seconds: younger holders (every worker's transaction) are not named
 SHOWN = 5  # holders listed per scope, oldest horizon first
 READ_TIMEOUT_MS = 5000  # the statement timeout of the monitor's connection
-FULL_EVERY = timedelta(minutes=1)  # maintd's own tables' rows, the jobs tables' sizes
-SIZES_EVERY = timedelta(minutes=10)  # the sizes of maintd's own tables
+FULL_EVERY = timedelta(minutes=1)  # the jobs tables' sizes
+SIZES_EVERY = timedelta(minutes=10)  # maintd's own tables (rows and sizes)
 
 
 @dataclass(frozen=True)
@@ -165,9 +165,10 @@ class HealthReader:
         return HealthReport(at=now, horizon=self.horizon(rows, now), tables=self._tables(tables, full, schemas))
 
     def _plan(self, now: datetime, schemas: Sequence[str]) -> tuple[bool, str]:
-        """(read every table, whose sizes): the jobs tables' rows every read; every table's rows
-        and the jobs tables' sizes every FULL_EVERY; every size every SIZES_EVERY (and all of it
-        for a schema not read yet)."""
+        """(read every table, whose sizes): the jobs tables' rows every read, their sizes every
+        FULL_EVERY; maintd's own tables (rows and sizes) every SIZES_EVERY, and everything for a
+        schema not read yet. Measured on 40 schemas (bench/health.py, PostgreSQL 18, a busy
+        machine): the jobs tables' rows 0.7 ms, with their sizes 10-14 ms, everything 35-65 ms."""
         new = not set(schemas) <= self._full_schemas
         if new or self._sizes_at is None or now - self._sizes_at >= SIZES_EVERY:
             self._full_at = self._sizes_at = now
@@ -175,12 +176,12 @@ class HealthReader:
             return True, "all"
         if self._full_at is None or now - self._full_at >= FULL_EVERY:
             self._full_at = now
-            return True, "jobs"
+            return False, "jobs"
         return False, "none"
 
     def _tables(self, rows: Iterable[Any], full: bool, schemas: Sequence[str]) -> dict[str, tuple[TableHealth, ...]]:
         """The tables of ``schemas``: from this read, or (sizes, maintd's own tables) from the
-        last full one."""
+        last read that read them."""
         fresh = _tables(rows)
         out = {}
         for schema in schemas:

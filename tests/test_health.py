@@ -287,8 +287,8 @@ def test_tables_report_rows_size_and_vacuum_of_the_jobs_table_and_maintds_own(he
 
 def test_sizes_and_maintds_own_tables_are_read_once_a_minute_the_jobs_rows_every_read(health_pg, health_engine):
     """Sizes are most of a read's cost (a stat() per file of every table and index): a reader
-    reads the jobs table's rows every time, its size and maintd's own tables once every
-    FULL_EVERY, and their sizes once every SIZES_EVERY."""
+    reads the jobs table's rows every time, its size once every FULL_EVERY, and maintd's own
+    tables (rows and sizes) once every SIZES_EVERY."""
     import maintd.health as health
 
     reader = HealthReader()
@@ -305,6 +305,9 @@ def test_sizes_and_maintds_own_tables_are_read_once_a_minute_the_jobs_rows_every
         full = read(health_engine, reader)
         assert full.table("maintd").bytes > first.table("maintd").bytes
         assert full.table("maintd", "leader").bytes == first.table("maintd", "leader").bytes > 0
+        assert [t.table for t in full.tables["maintd"]] == [t.table for t in first.tables["maintd"]]
+        reader._sizes_at -= health.SIZES_EVERY
+        assert read(health_engine, reader).table("maintd", "leader").bytes > 0
         conn.execute("DELETE FROM maintd.jobs WHERE kind = 'size'")
 
 
