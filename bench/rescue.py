@@ -238,12 +238,17 @@ def measure_load(url: str, seconds: float, precise: bool) -> tuple[float, float,
     clock = ServerClock()
     wakeups = 0
     t0 = time.monotonic()
+    tick = t0
     while time.monotonic() - t0 < seconds:
         ctx = TimedContext.for_settings(settings, engine, clock, stop_event=stop)
-        tick = time.monotonic()
         with ctx.session():
-            wakeups += rescuer.run_once(ctx).wakeups
-        rest = settings.rescuer.interval.total_seconds() - (time.monotonic() - tick)
+            wake = rescuer.run_once(ctx).wake_at()  # as the runner does: a pass then, or the next tick
+        if wake is None or (wake - clock.now()).total_seconds() > tick + settings.rescuer.interval.total_seconds() - time.monotonic():
+            tick += settings.rescuer.interval.total_seconds()
+            rest = tick - time.monotonic()
+        else:
+            wakeups += 1
+            rest = (wake - clock.now()).total_seconds()
         time.sleep(max(0.0, min(rest, seconds - (time.monotonic() - t0))))
     elapsed = time.monotonic() - t0
     engine.dispose()

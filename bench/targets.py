@@ -2,6 +2,12 @@
 separate single-target processes. Not a test: a person runs it and reads the table.
 
     python bench/targets.py [--targets 200] [--replicas 3] [--separate 20] [--window 20]
+    python bench/targets.py --one-database [--counts 1,40,200] [--window 60]
+
+``--one-database`` (SPEC 8.3): one replica on one database, with 1, 40 and 200 targets side by
+side in one run: its threads, idle CPU (and the ratio to one target's), the backends holding its
+advisory locks, and its client connections. Goals: one backend holds every lock, at most 10
+threads more than one target, idle CPU at most 5x one target's.
 
 Measures, with the default leader settings (lease 10 s, renew 2 s, retry 1 s) and default
 service intervals:
@@ -205,6 +211,44 @@ def run_separate(dsn: str, schemas: list[str], args: argparse.Namespace, workdir
     return {"idle": idle, "conns": conns}
 
 
+def threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+def lock_backends(dsn: str, instance: str) -> int:
+    """Backends of this replica holding advisory locks."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute("SELECT count(DISTINCT l.pid) FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+                            "WHERE l.locktype = 'advisory' AND a.application_name = %s",
+                            (f"maintd:{instance}",)).fetchone()[0]
+
+
+def run_one_database(dsn: str, schemas: list[str], counts: list[int], window: float, workdir: str) -> None:
+    """One replica per count, one after the other on the same server; each measured once all its
+    targets are led and it has settled."""
+    rows = []
+    for n in counts:
+        name = f"one{n}"
+        config = {"targets": [{"schema": s} for s in schemas[:n]], "leader": DEFAULT_LEADER,
+                  "log": {"level": "warning"}}
+        proc = DaemonProc(dsn, "unused", name, config, workdir=workdir).start()
+        try:
+            wait_all_led(dsn, schemas[:n], [name], 120)
+            time.sleep(10)  # the first passes of every term, and the pools' first connections
+            (cpu, rss), = cpu_rss([proc], window)
+            conns = sum(v for k, v in connections(dsn).items() if k == f"maintd:{name}" or k.startswith(f"maintd:{name}:"))
+            rows.append((n, threads(proc.pid), cpu, rss, lock_backends(dsn, name), conns))
+        finally:
+            proc.stop()
+    base = rows[0]
+    print(f"\none replica, one database, idle ({window:.0f} s windows, default settings)")
+    print(f"{'targets':>8}{'threads':>9}{'+threads':>10}{'CPU %':>8}{'x one':>7}{'RSS MiB':>9}{'lock backends':>15}{'connections':>13}")
+    for n, th, cpu, rss, backends, conns in rows:
+        print(f"{n:>8}{th:>9}{th - base[1]:>10}{cpu:>8.2f}{cpu / max(base[2], 1e-9):>7.1f}{rss:>9.0f}"
+              f"{backends:>15}{conns:>13}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--targets", type=int, default=200)
@@ -214,7 +258,11 @@ def main() -> int:
     ap.add_argument("--due", type=int, default=50, help="jobs coming due per target in the work window")
     ap.add_argument("--old", type=int, default=200, help="old finished jobs per target for the cleaner")
     ap.add_argument("--max-connections", type=int, default=1000)
+    ap.add_argument("--one-database", action="store_true", help="one replica with 1, 40, 200 targets (SPEC 8.3)")
+    ap.add_argument("--counts", default="1,40,200", help="target counts of --one-database")
     args = ap.parse_args()
+    if args.one_database:
+        args.targets = max(int(c) for c in args.counts.split(","))
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(1))  # stop the replicas on the way out
     schemas = schema_names(args.targets)
     workdir = tempfile.mkdtemp(prefix="bench-targets-")
@@ -224,6 +272,9 @@ def main() -> int:
         took = migrate_all(pg.dsn, schemas)
         print(f"PostgreSQL {version}, max_connections={args.max_connections}; {args.targets} targets migrated "
               f"in {took:.1f}s; {os.cpu_count()} cores", flush=True)
+        if args.one_database:
+            run_one_database(pg.dsn, schemas, [int(c) for c in args.counts.split(",")], args.window, workdir)
+            return 0
         multi = run_multi(pg.dsn, schemas, args, workdir)
         sep = run_separate(pg.dsn, schemas, args, workdir)
     report(args, multi, sep)

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import re
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from sqlalchemy import Connection, text
 
@@ -40,6 +41,8 @@ from .queries import FINAL_STATES, JOB_STATES
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 DEFAULT_BATCH = 1000
+MAX_BATCH = 1_000_000  # jobs per transaction at most
+LIST_PAGE = 1000  # jobs per page of `maintd jobs list` (one short transaction each)
 KEEP_LISTED = 10_000  # changed/skipped jobs kept for the output (counts are always exact)
 TEXT_ROWS = 20  # rows per section in the text output; --json lists up to KEEP_LISTED
 CELL_WIDTH = 48
@@ -62,6 +65,8 @@ class Report:
     dry_run: bool
     changed_count: int = 0
     skipped_count: int = 0
+    not_found: list[int] = field(default_factory=list)  # ids given that no job has (at most KEEP_LISTED)
+    not_found_count: int = 0
     batches: int = 0
     transitions: Counter = field(default_factory=Counter)  # (queue, from, to) -> jobs
     changed: list[dict[str, Any]] = field(default_factory=list)
@@ -84,7 +89,7 @@ class Report:
     def as_json(self) -> dict[str, Any]:
         return {
             "action": self.action, "dry_run": self.dry_run, "changed": self.changed_count,
-            "skipped": self.skipped_count, "batches": self.batches,
+            "skipped": self.skipped_count, "not_found": self.not_found_count, "batches": self.batches,
             "by_queue": [{"queue": q, "from": f, "to": t, "count": n}
                          for (q, f, t), n in sorted(self.transitions.items())],
             "jobs": self.changed, "skipped_jobs": self.skipped,
@@ -145,6 +150,9 @@ def run_ids(conn: Connection, schema: str, action: Action, ids: Iterable[int],
         for job_id in chunk:
             if job_id not in found:
                 report.add_skipped(job_id, None, "not found")
+                report.not_found_count += 1
+                if len(report.not_found) < KEEP_LISTED:
+                    report.not_found.append(job_id)
 
 
 def run_filter(conn: Connection, schema: str, action: Action, flt: Filter,
@@ -200,14 +208,29 @@ def check_migrated(conn: Connection, schema: str) -> None:
 
 # ---------------------------------------------------------------- list and show
 
-def list_jobs(conn: Connection, schema: str, flt: Filter, limit: int) -> list[dict[str, Any]]:
+def iter_jobs(conn: Connection, schema: str, flt: Filter, limit: int,
+              page: int = LIST_PAGE) -> Iterator[dict[str, Any]]:
+    """Newest first, at most ``limit``, read in keyset pages of ``page`` jobs (``id < the last
+    one seen``), one short transaction each: memory holds one page, whatever ``limit`` is."""
     if flt.state is not None and flt.state not in JOB_STATES:
         raise UsageError(f"unknown state {flt.state!r}: one of {', '.join(JOB_STATES)}")
-    clauses = flt.clauses()
-    where = ("WHERE " + " AND ".join(clauses)) if clauses else ""
-    with conn.begin():
-        rows = conn.execute(sql(LIST.format(where=where), schema), {**flt.params(), "limit": limit})
-        return [dict(r._mapping) for r in rows]
+    before: int | None = None
+    while limit > 0:
+        clauses = flt.clauses() + (["j.id < :before"] if before is not None else [])
+        where = ("WHERE " + " AND ".join(clauses)) if clauses else ""
+        n = min(page, limit)
+        with conn.begin():
+            rows = [dict(r._mapping) for r in conn.execute(sql(LIST.format(where=where), schema),
+                                                           {**flt.params(), "limit": n, "before": before})]
+        yield from rows
+        if len(rows) < n:
+            return
+        limit -= n
+        before = rows[-1]["id"]
+
+
+def list_jobs(conn: Connection, schema: str, flt: Filter, limit: int) -> list[dict[str, Any]]:
+    return list(iter_jobs(conn, schema, flt, limit))
 
 
 def show_job(conn: Connection, schema: str, job_id: int) -> dict[str, Any] | None:
@@ -267,12 +290,41 @@ def _more(total: int, shown: int) -> list[str]:
     return [f"  ... and {total - shown} more (--json lists up to {KEEP_LISTED:,})"] if total > shown else []
 
 
+LIST_HEADERS = ("ID", "STATE", "QUEUE", "KIND", "ATTEMPT", "PRIO", "SCHEDULED_AT", "LAST_ERROR")
+
+
+def _list_row(j: dict[str, Any]) -> list[str]:
+    return [_cell(v) for v in (j["id"], j["state"], j["queue"], j["kind"], f"{j['attempt']}/{j['max_attempts']}",
+                               j["priority"], j["scheduled_at"], j["last_error"])]
+
+
 def format_list(jobs: list[dict[str, Any]]) -> str:
-    if not jobs:
-        return "(no jobs)"
-    return table(("ID", "STATE", "QUEUE", "KIND", "ATTEMPT", "PRIO", "SCHEDULED_AT", "LAST_ERROR"),
-                 [(j["id"], j["state"], j["queue"], j["kind"], f"{j['attempt']}/{j['max_attempts']}",
-                   j["priority"], j["scheduled_at"], j["last_error"]) for j in jobs], indent="")
+    return "\n".join(stream_list(iter(jobs)))
+
+
+def stream_list(jobs: Iterator[dict[str, Any]]) -> Iterator[str]:
+    """The table's lines as the jobs come: column widths are set by the first page (a later
+    wider cell widens its own line only), so nothing waits for the last job."""
+    first = [_list_row(j) for j in itertools.islice(jobs, LIST_PAGE)]
+    if not first:
+        yield "(no jobs)"
+        return
+    widths = [max([len(h)] + [len(r[i]) for r in first]) for i, h in enumerate(LIST_HEADERS)]
+    for cells in itertools.chain([list(LIST_HEADERS)], first, (_list_row(j) for j in jobs)):
+        yield "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+
+def stream_json(items: Iterator[Any]) -> Iterator[str]:
+    """A JSON array written element by element (the same document as ``_json(list(items))``)."""
+    yield "["
+    previous = None
+    for item in items:
+        if previous is not None:
+            yield previous + ","
+        previous = "\n".join("  " + line for line in _json(item).splitlines())
+    if previous is not None:
+        yield previous
+    yield "]"
 
 
 def format_job(job: dict[str, Any]) -> str:
@@ -341,8 +393,8 @@ def plan_command(args: argparse.Namespace) -> Callable[[Connection, str], int]:
         return functools.partial(_cmd_list, flt=flt, limit=args.limit, as_json=args.json)
     if cmd == "show":
         return functools.partial(_cmd_show, job_id=args.id, as_json=args.json)
-    if args.batch_size < 1:
-        raise UsageError("--batch-size must be at least 1")
+    if not 1 <= args.batch_size <= MAX_BATCH:
+        raise UsageError(f"--batch-size must be between 1 and {MAX_BATCH:,}")
     if bool(args.ids) == bool(flt):
         raise UsageError("give job ids or at least one of --state/--queue/--kind (not both)")
     return functools.partial(_cmd_action, name=cmd, ids=args.ids, flt=flt,
@@ -351,8 +403,11 @@ def plan_command(args: argparse.Namespace) -> Callable[[Connection, str], int]:
 
 
 def _cmd_list(conn: Connection, schema: str, *, flt: Filter, limit: int, as_json: bool) -> int:
-    jobs = list_jobs(conn, schema, flt, limit)
-    print(_json(jobs) if as_json else format_list(jobs))
+    """Streams: each page is printed before the next is read."""
+    jobs = iter_jobs(conn, schema, flt, limit)
+    lines = stream_json(jobs) if as_json else stream_list(jobs)
+    for line in lines:
+        sys.stdout.write(line + "\n")
     return EXIT_OK
 
 
@@ -366,6 +421,14 @@ def _cmd_show(conn: Connection, schema: str, *, job_id: int, as_json: bool) -> i
 
 
 def _cmd_action(conn: Connection, schema: str, *, name: str, as_json: bool, **kw: Any) -> int:
+    """Exit 0 when every job was found (skipped running or locked jobs are reported, not
+    failures), 1 when a job id given does not exist: a typo or a job the cleaner deleted is
+    something the operator must see."""
     report = run_action(conn, schema, name, **kw)
     print(_json(report.as_json()) if as_json else format_report(report))
+    if report.not_found_count:
+        ids = ", ".join(str(i) for i in report.not_found[:TEXT_ROWS])
+        more = f" and {report.not_found_count - TEXT_ROWS} more" if report.not_found_count > TEXT_ROWS else ""
+        print(f"maintd jobs: error: no job {ids}{more} (deleted by the cleaner, or never there)", file=sys.stderr)
+        return EXIT_FAILURE
     return EXIT_OK

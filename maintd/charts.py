@@ -117,7 +117,8 @@ def line_chart(chart: Chart, start: float, end: float) -> Markup:
     for s in chart.series:
         pts = [(x(t), y(v)) for t, v in s.points if start <= t <= end]
         if len(pts) == 1:
-            out.append(f'<circle cx="{pts[0][0]:.1f}" cy="{pts[0][1]:.1f}" r="2" fill="{s.color}"/>')
+            out.append(f'<circle cx="{pts[0][0]:.1f}" cy="{pts[0][1]:.1f}" r="2" fill="{s.color}">'
+                       f'<title>{escape(s.label)}</title></circle>')
         elif pts:
             path = " ".join(f"{px:.1f},{py:.1f}" for px, py in pts)
             out.append(f'<polyline points="{path}" fill="none" stroke="{s.color}" stroke-width="1.6">'

@@ -32,7 +32,15 @@ examples:
   maintd --config maintd.toml run-once cleaner --dry-run
   maintd --config maintd.toml status
 
-exit codes: 0 done, 1 runtime failure (database unreachable, ...), 2 bad configuration or usage
+exit codes: 0 done, 1 runtime failure, 2 bad configuration or usage (a malformed database_url,
+  an unknown option, a job id out of range, ...)
+
+an unreachable database (refused, no route, unknown host, no answer within connect_timeout 5 s):
+  maintd run      waits for it: retries with backoff (0.2 s doubling to 5 s) while /readyz answers
+                  503, and exits 1 only on what waiting cannot fix (a wrong password, a missing
+                  database or schema); once running it keeps retrying (a leader steps down)
+  other commands  try once and exit 1 with the error (status, jobs, periodic, run-once, migrate,
+                  grants --apply)
 """
 
 
@@ -60,10 +68,15 @@ def _add_daemon_parsers(sub) -> None:
                    description="Run the daemon: join the leader election, run the services while "
                                "leading, serve /metrics, /healthz, /readyz and /status. SIGTERM or "
                                "SIGINT stops it gracefully (releasing leadership at once); SIGHUP "
-                               "reloads the config file.")
+                               "reloads the config file. An unreachable database is waited for "
+                               "(retries with backoff, 0.2 s doubling to 5 s, /readyz 503 "
+                               "meanwhile); exit 1 only for what waiting cannot fix (a wrong "
+                               "password, a missing database or schema, the HTTP port taken).")
     r = sub.add_parser("run-once", help="run one pass of a service and print what it did",
                        description="Run one pass of SERVICE under the leader lock and print its "
-                                   "result as JSON. With --dry-run nothing is changed (and no lock "
+                                   "result as JSON: outcome, duration_seconds (the work, as "
+                                   "maintd_service_run_seconds measures it), the result, its counts and "
+                                   "a summary line. With --dry-run nothing is changed (and no lock "
                                    "is needed): it prints what the pass would do.")
     r.add_argument("service", metavar="SERVICE", choices=list(SERVICES),
                    help=", ".join(SERVICES))
@@ -90,7 +103,12 @@ def _add_setup_parsers(sub) -> None:
     m = sub.add_parser("migrate", help="create or upgrade the schema (safe from several replicas)",
                        description="Apply the Alembic migrations to the configured schema under an "
                                    "advisory lock, so replicas starting together migrate once.")
-    m.add_argument("--sql", action="store_true", help="print the SQL instead of applying it")
+    m.add_argument("--sql", action="store_true",
+                   help="print the SQL that would bring the schema from its revision now to --revision "
+                        "(a comment saying 'nothing to do' when it is there) instead of applying it")
+    m.add_argument("--from", dest="start", metavar="REVISION",
+                   help="with --sql: start from REVISION ('base' for a new schema) instead of reading "
+                        "the schema's revision from the database (no connection)")
     m.add_argument("--revision", default="head", help="target revision (default: head)")
     m.add_argument("--downgrade", metavar="REVISION",
                    help="downgrade to REVISION ('base' removes every maintd table)")
@@ -168,16 +186,20 @@ def _add_jobs_parser(sub) -> None:
     filters(lst)
     lst.add_argument("--limit", type=int, default=50, help="at most N jobs (default 50)")
     show = acts.add_parser("show", help="one job with args, metadata and errors")
-    show.add_argument("id", type=int, metavar="ID")
+    show.add_argument("id", type=job_id, metavar="ID")
     show.add_argument("--json", action="store_true", help="print JSON")
     for name, text in (("retry", "make jobs available now (final ones too)"),
                        ("cancel", "cancel available/scheduled/retryable jobs"),
                        ("discard", "discard available/scheduled/retryable jobs"),
                        ("delete", "delete jobs in any state but running"),
                        ("reschedule", "change run time, priority, max attempts of waiting jobs")):
-        a = acts.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}: by ids, or "
-                            "by filters in batches of --batch-size jobs, one transaction each.")
-        a.add_argument("ids", type=int, nargs="+" if name == "reschedule" else "*", metavar="ID")
+        how = ("by ids only (no filters), --batch-size ids per transaction" if name == "reschedule" else
+               "by ids, or by filters (--state, --queue, --kind, combined with AND), --batch-size jobs per "
+               "transaction")
+        a = acts.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}: {how}. Running "
+                            "jobs and rows a worker holds locked are skipped and reported. Exit 1 when a "
+                            "job id given does not exist.")
+        a.add_argument("ids", type=job_id, nargs="+" if name == "reschedule" else "*", metavar="ID")
         if name == "reschedule":
             a.add_argument("--at", required=True, metavar="TIME",
                            help="ISO 8601 time (UTC if no offset), 'now', or '+30m' from now")
@@ -191,6 +213,17 @@ def _add_jobs_parser(sub) -> None:
         a.add_argument("--dry-run", action="store_true", help="print what would change, change nothing")
         a.add_argument("--batch-size", type=int, default=1000, metavar="N",
                        help="jobs per transaction (default 1000)")
+
+
+def job_id(text: str) -> int:
+    """A job id argument: a bigint above 0 (argparse turns the error into exit 2)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"job id {text!r} is not a whole number") from None
+    if not 1 <= n <= 2**63 - 1:
+        raise argparse.ArgumentTypeError(f"job id {text} is out of range (1 to {2**63 - 1}, a bigint)")
+    return n
 
 
 def _load(args: argparse.Namespace) -> Settings:
@@ -233,7 +266,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     targets = _targets(args)
     if args.sql:
         for settings in targets:
-            sys.stdout.write(migrate.offline_sql(settings.schema, args.revision))
+            start = args.start if args.start is not None else _schema_revision(settings)
+            sys.stdout.write(migrate.offline_sql(settings.schema, args.revision, start))
         return EXIT_OK
     failed = 0
     for settings in targets:
@@ -245,6 +279,21 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             failed += 1
             print(f"maintd: error: target {settings.target_name}: {describe_db_error(exc)}", file=sys.stderr)
     return EXIT_FAILURE if failed else EXIT_OK
+
+
+def _schema_revision(settings: Settings) -> str:
+    """The schema's revision now ('base' when it has none), read from the catalog, for
+    ``migrate --sql``: it prints what is left to do, not the DDL from base."""
+    from . import migrate
+    from .db import make_engine
+
+    engine = make_engine(settings.database_url.get_secret_value(),
+                         application_name=f"maintd:{settings.instance_id}:migrate", pooled=False)
+    try:
+        with engine.connect() as conn:
+            return migrate.current_revision(conn, settings.schema) or "base"
+    finally:
+        engine.dispose()
 
 
 def _migrate_one(settings: Settings, args: argparse.Namespace) -> None:
@@ -268,7 +317,7 @@ def _migrate_one(settings: Settings, args: argparse.Namespace) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .daemon import Daemon, HttpListenError, SchemaNotReady
+    from .daemon import Daemon, DuplicateInstance, HttpListenError, SchemaNotReady
     from .leader import LeaderSessionError
     from .logs import setup_logging
 
@@ -277,6 +326,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     daemon = Daemon(settings, config_path=args.config or os.environ.get("MAINTD_CONFIG"))
     try:
         return daemon.run_forever()
+    except DuplicateInstance as exc:
+        print(f"maintd: config error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except (SchemaNotReady, HttpListenError, LeaderSessionError) as exc:
         print(f"maintd: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE
@@ -288,6 +340,7 @@ def cmd_run_once(args: argparse.Namespace) -> int:
     from .clock import ServerClock
     from .leader import acquire_once
     from .logs import setup_logging
+    from .pass_summary import annotate
     from .passes import Outcome, execute_pass, maintenance_engine
     from .services.base import Fence, NoFence, PassContext
 
@@ -310,7 +363,10 @@ def cmd_run_once(args: argparse.Namespace) -> int:
                                        stop_event=stop_event)
         record = execute_pass(args.service, spec.cls(spec.section(settings)), ctx)
         out = {"service": args.service, "dry_run": args.dry_run, "outcome": record.outcome.value,
-               "result": record.result.as_dict() if record.result is not None else None}
+               # the work, as maintd_service_run_seconds measures it (the scheduler's waits left out)
+               "duration_seconds": round(record.seconds, 3),
+               "result": record.result.as_dict() if record.result is not None else None,
+               **annotate(args.service, record.result.as_dict() if record.result is not None else None)}
         if record.error:
             out["error"] = record.error
         print(json.dumps(out, indent=2, default=str))
@@ -365,14 +421,14 @@ def format_status_text(st: dict) -> str:
 
 def _status_one(settings: Settings) -> tuple[dict | None, str | None]:
     """(status, None), or (None, the problem) for a schema or database that cannot be read."""
-    from .db import describe_db_error, make_engine
+    from .db import describe_db_error
+    from .readers import reader_engine
     from .status import SchemaMissing, collect_status
 
-    engine = make_engine(settings.database_url.get_secret_value(),
-                         application_name=f"maintd:{settings.instance_id}:status", pooled=False)
+    engine = reader_engine(settings.database_url.get_secret_value(), settings.instance_id, kept=1, most=1)
     try:
-        return collect_status(engine, settings.schema, health=settings.health.enabled,
-                              show_query=settings.health.show_query), None
+        return collect_status(engine, settings.schema, max_queues=settings.metrics.max_queues,
+                              health=settings.health.enabled, show_query=settings.health.show_query), None
     except SchemaMissing as exc:
         return None, str(exc)
     except Exception as exc:  # one target's outage does not hide the others
@@ -394,15 +450,20 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
     from .admin import LOCK_TIMEOUT, AdminError, UsageError, plan_command
     from .db import make_engine, session_settings
+    from .readers import reader_engine
 
     settings = _load(args)
     try:
         work = plan_command(args)
-        engine = make_engine(
-            settings.database_url.get_secret_value(),
-            application_name=f"maintd:{settings.instance_id}:jobs", pooled=False,
-            session=session_settings(settings.statement_timeout, lock_timeout=LOCK_TIMEOUT,
-                                     idle_in_transaction=timedelta(minutes=1)))
+        dsn = settings.database_url.get_secret_value()
+        if args.jobs_command in ("list", "show"):  # a reader (SPEC 8.5); a long listing streams
+            engine = reader_engine(dsn, settings.instance_id, kept=1, most=1,
+                                   statement_timeout=settings.statement_timeout)
+        else:
+            engine = make_engine(
+                dsn, application_name=f"maintd:{settings.instance_id}:jobs", pooled=False,
+                session=session_settings(settings.statement_timeout, lock_timeout=LOCK_TIMEOUT,
+                                         idle_in_transaction=timedelta(minutes=1)))
         try:
             with engine.connect() as conn:
                 return work(conn, settings.schema)
@@ -436,16 +497,24 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 def cmd_periodic(args: argparse.Namespace) -> int:
     from . import periodic_table as table
     from .db import make_engine
+    from .readers import reader_engine
 
     settings = _load(args)
+    configured = {e.id: e for e in settings.periodic_entries}
+    if args.periodic_action != "list" and args.id in configured:
+        print(f"maintd periodic: error: {_configured_elsewhere(configured[args.id], args)}", file=sys.stderr)
+        return EXIT_USAGE
     if args.periodic_action == "add":
         try:
             job = table.validated(_periodic_values(args))
         except ValueError as exc:
             print(f"maintd periodic: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
-    engine = make_engine(settings.database_url.get_secret_value(),
-                         application_name=f"maintd:{settings.instance_id}:periodic", pooled=False)
+    dsn = settings.database_url.get_secret_value()
+    if args.periodic_action == "list":  # a reader (SPEC 8.5)
+        engine = reader_engine(dsn, settings.instance_id, kept=1, most=1)
+    else:
+        engine = make_engine(dsn, application_name=f"maintd:{settings.instance_id}:periodic", pooled=False)
     try:
         if args.periodic_action == "list":
             entries = table.list_entries(engine, settings)
@@ -462,8 +531,29 @@ def cmd_periodic(args: argparse.Namespace) -> int:
             what = "resumed" if enabled else "paused"
     finally:
         engine.dispose()
-    print(f"periodic {args.id}: {what if done or args.periodic_action == 'add' else 'not found'}")
+    if not done and args.periodic_action != "add":
+        print(f"maintd periodic: error: periodic {args.id}: not found (`maintd periodic list` shows the ids)",
+              file=sys.stderr)
+        return EXIT_FAILURE
+    print(f"periodic {args.id}: {what}")
     return EXIT_OK if done else EXIT_FAILURE
+
+
+def _configured_elsewhere(entry, args: argparse.Namespace) -> str:
+    """Why ``periodic pause|resume|remove|add ID`` cannot act on an entry of the config or the
+    crontab file (rows of periodic_jobs are what it changes; the files win over rows)."""
+    action = args.periodic_action
+    if entry.cron_args:
+        where = f"a line of the crontab file ({entry.line})"
+        how = {"pause": "comment the line out", "resume": "uncomment the line",
+               "remove": "delete the line"}.get(action, "remove the line or choose another id")
+    else:
+        path = args.config or os.environ.get("MAINTD_CONFIG") or "the config file"
+        where = f"a [[periodic]] entry of {path}"
+        how = {"pause": "set enabled = false in it", "resume": "set enabled = true in it",
+               "remove": "delete the entry"}.get(action, "remove the entry or choose another id")
+    return (f"periodic {entry.id} is {where}, not a row of periodic_jobs: {how}, then reload the "
+            "daemons (SIGHUP)")
 
 
 def _periodic_values(args: argparse.Namespace) -> dict:
@@ -533,6 +623,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"maintd: config error: {line}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
+        return EXIT_OK
+    except BrokenPipeError:  # `maintd jobs list | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
     except Exception as exc:  # one clear line, never a stack trace or a password
         from .db import describe_db_error

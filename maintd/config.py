@@ -409,6 +409,11 @@ with warnings.catch_warnings():
         def _schema(cls, v: str) -> str:
             return validate_identifier(v, "schema name")
 
+        @field_validator("database_url")
+        @classmethod
+        def _dsn(cls, v: SecretStr | None) -> SecretStr | None:
+            return None if v is None else check_dsn(v)
+
         @field_validator("name")
         @classmethod
         def _name(cls, v: str | None) -> str | None:
@@ -471,12 +476,7 @@ with warnings.catch_warnings():
         @field_validator("database_url")
         @classmethod
         def _dsn(cls, v: SecretStr) -> SecretStr:
-            raw = v.get_secret_value()
-            if not raw.strip():
-                raise ValueError("database_url is empty")
-            if "://" in raw and not re.match(r"^postgres(ql)?(\+psycopg)?://", raw):
-                raise ValueError("database_url must be a postgresql:// URL or a libpq key=value string")
-            return v
+            return check_dsn(v)
 
         @model_validator(mode="after")
         def _periodic_ids(self) -> "Settings":
@@ -603,6 +603,37 @@ def _load_crontab(path: str, taken: set[str]) -> list[CrontabJob]:
     return jobs
 
 
+def check_dsn(v: SecretStr) -> SecretStr:
+    """A database_url libpq can parse (``postgresql://`` URL or ``key=value`` string) with numeric
+    ports; the problem never quotes the URL (it holds the password)."""
+    import psycopg.conninfo
+
+    raw = v.get_secret_value()
+    if not raw.strip():
+        raise ValueError("database_url is empty")
+    if "://" in raw and not re.match(r"^postgres(ql)?(\+psycopg2?)?://", raw):
+        raise ValueError("must be a postgresql:// URL or a libpq key=value string")
+    try:
+        params = psycopg.conninfo.conninfo_to_dict(re.sub(r"^postgres(ql)?\+psycopg2?://", "postgresql://", raw))
+    except psycopg.ProgrammingError as exc:
+        reason = re.sub(r'"[^"]*(://|@)[^"]*"', "the URL", str(exc).strip().splitlines()[0])
+        raise ValueError(f"not a postgresql:// URL or libpq key=value string ({reason})") from None
+    for port in str(params.get("port") or "").split(","):
+        if port and not (port.isdigit() and 1 <= int(port) <= 65535):
+            raise ValueError(f"port {port!r} is not a number from 1 to 65535")
+    return v
+
+
+def periodic_counts(settings: "Settings") -> dict[str, int]:
+    """The periodic entries a config defines, over every target, for the start and reload log
+    lines: ``periodic`` (all), ``periodic_config`` ([[periodic]]) and ``crontab`` (its lines).
+    Rows of periodic_jobs are not config: the leader reads them as they change."""
+    targets = settings.target_settings()
+    crontab = sum(sum(1 for e in t.periodic_entries if e.cron_args) for t in targets)
+    total = sum(len(t.periodic_entries) for t in targets)
+    return {"periodic": total, "periodic_config": total - crontab, "crontab": crontab}
+
+
 def redact_dsn(dsn: str) -> str:
     """Mask the password of a URL or key=value DSN."""
     if "://" in dsn:
@@ -636,7 +667,7 @@ def _format_errors(exc: ValidationError, data: dict[str, Any]) -> list[str]:
         if sub:  # a model check naming the precise key
             key = sub.group(1) if key == "config" else f"{key}.{sub.group(1)}"
             msg = msg[sub.end():]
-        problems.append(f"{key}: {msg}")
+        problems += [f"{key}: {line}" for line in msg.splitlines() if line.strip()]  # one per line
     return problems
 
 

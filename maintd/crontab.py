@@ -31,6 +31,7 @@ UTC = timezone.utc
 # the five time fields are any non-blank words here: the cron parser checks them.
 _LINE = re.compile(r"^(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(.*)$")
 _COMMAND = re.compile(r"^([_a-zA-Z][_a-zA-Z0-9:/_-]*)(?:\s+\?([^\s]+))?(?:\s+(\{.*\}))?$")
+_TASK = re.compile(r"^[_a-zA-Z][_a-zA-Z0-9:/_-]*$")
 _ID = re.compile(r"^[_a-zA-Z][-_a-zA-Z0-9]*$")
 _FILL = re.compile(r"^(?:[0-9]+[smhdw])+$")
 _FILL_PART = re.compile(r"([0-9]+)([smhdw])")
@@ -65,9 +66,10 @@ class CrontabEntry:
 
 
 def parse_crontab(text: str, source: str = "crontab") -> list[CrontabEntry]:
-    """The entries of a crontab file's text; ``ValueError("SOURCE:LINE: ...")`` on any error,
-    including two lines with the same id."""
+    """The entries of a crontab file's text; ``ValueError`` naming every bad line (one
+    ``SOURCE:LINE: ...`` per line of its message), two lines with the same id included."""
     entries: list[CrontabEntry] = []
+    errors: list[str] = []
     first_line: dict[str, int] = {}
     for number, raw in enumerate(re.split(r"\r?\n", text), start=1):
         line = raw.strip()
@@ -76,12 +78,16 @@ def parse_crontab(text: str, source: str = "crontab") -> list[CrontabEntry]:
         try:
             entry = _parse_line(line, source, number)
         except ValueError as exc:
-            raise ValueError(f"{source}:{number}: {exc}") from None
+            errors.append(f"{source}:{number}: {exc}")
+            continue
         if entry.id in first_line:
-            raise ValueError(f"{source}:{number}: duplicate id {entry.id!r} (also on line "
-                             f"{first_line[entry.id]}); give one of them ?id=...")
+            errors.append(f"{source}:{number}: duplicate id {entry.id!r} (also on line "
+                          f"{first_line[entry.id]}); give one of them ?id=...")
+            continue
         first_line[entry.id] = number
         entries.append(entry)
+    if errors:
+        raise ValueError("\n".join(errors))
     return entries
 
 
@@ -103,15 +109,35 @@ def _parse_line(line: str, source: str, number: int) -> CrontabEntry:
         raise ValueError("expected 'MIN HOUR DOM MON DOW TASK [?OPTS] [{PAYLOAD}]'")
     schedule = " ".join(m.group(i) for i in range(1, 6))
     parse_cron_fields(schedule)
-    command = _COMMAND.match(m.group(6))
-    if not command:
-        raise ValueError(f"invalid command {m.group(6)!r}: expected 'TASK [?OPTS] [{{PAYLOAD}}]' "
-                         "with TASK of letters, digits, '_', ':', '/' or '-'")
-    task, opts, payload = command.groups()
+    task, opts, payload = _split_command(m.group(6))
     _check_length("task", task)
     options = _parse_options(opts or "")
     return CrontabEntry(id=options.pop("id", task), schedule=schedule, kind=task,
                         payload=_parse_payload(payload), source=source, line=number, **options)
+
+
+def _split_command(command: str) -> tuple[str, str | None, str | None]:
+    """(TASK, OPTS, PAYLOAD) as graphile-worker's CRONTAB_COMMAND splits them; a payload that is
+    not valid JSON5 is left for :func:`_parse_payload` to name (graphile says "invalid command")."""
+    m = _COMMAND.match(command)
+    if m:
+        return m.group(1), m.group(2), m.group(3)
+    task, _, rest = command.partition(" ")
+    rest = rest.strip()
+    if not _TASK.match(task):
+        why = ("has a '.': crontab task names follow graphile-worker's rule ([_a-zA-Z][_a-zA-Z0-9:/_-]*, "
+               "no dots; a [[periodic]] entry's kind may have them)" if "." in task and _TASK.match(
+                   task.replace(".", "_")) else "must start with a letter or '_', then letters, digits, "
+               "'_', ':', '/' or '-'")
+        raise ValueError(f"invalid command {command!r}: task {task!r} {why}")
+    opts = None
+    if rest.startswith("?"):
+        opts, _, rest = rest.partition(" ")
+        opts, rest = opts[1:], rest.strip()
+    if rest.startswith("{"):
+        return task, opts, rest  # not an object that ends the line: _parse_payload says why
+    raise ValueError(f"invalid command {command!r}: expected 'TASK [?OPTS] [{{PAYLOAD}}]' "
+                     "(options after '?' without spaces, then a JSON5 object)")
 
 
 def _parse_options(text: str) -> dict[str, Any]:

@@ -9,14 +9,13 @@ index and is bounded, so a page stays fast on a table of millions of jobs:
 * lists are keyset-paged in the order of the state's index; a queue filter that no index serves
   searches a bounded window of the state's index and offers to continue past it.
 
-Connections are read-only, REPEATABLE READ (one snapshot per page), with short timeouts, and
-not pooled (a person reloading a page needs no pool; the maintenance pool stays untouched).
+Pages read through the daemon's readers (:mod:`maintd.readers`): a small pool of read-only
+sessions per database, apart from maintenance, one REPEATABLE READ snapshot per page.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Sequence
@@ -25,30 +24,31 @@ from urllib.parse import urlencode
 from jinja2 import Environment, PackageLoader, StrictUndefined, pass_context
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import TimeoutError as PoolBusy
 
 from . import charts, history
 from .config import PeriodicJob, Settings
-from .db import advisory_key, describe_db_error, make_engine, quote_ident, session_settings
+from .db import advisory_key, describe_db_error, quote_ident
 from .queries import sql
 from .http import HttpError, Request, Response
+from .readers import Readers
 from .queries import FINAL_STATES, JOB_STATES
+from .pass_summary import describe
 from .schedules import parse_schedule
 from .queries import daemons as q_daemons
 from .queries import periodic_jobs as q_periodic
 from .queries import leader as q_leader
 from .queries import service_runs as q_runs
-from .queries.dashboard import (AVAILABLE_COUNTS, DISCARDED, ESTIMATES, HEADS, INDEX, JOB, LAST_SLOTS, LIST,
-                                LIST_AVAILABLE, LIST_COLUMNS, WINDOW, WINDOW_END)
+from .queries.dashboard import (AVAILABLE_COUNTS, DISCARDED, ESTIMATES, FINAL_COUNTS, FINAL_QUEUES, HEADS, INDEX,
+                                JOB, LAST_SLOTS, LIST, LIST_AVAILABLE, LIST_COLUMNS, WINDOW, WINDOW_END)
 
-CAP = 10_000            # index entries an available count reads per queue before it says "at least"
-# The other states' counts read the heap too (their indexes do not hold the queue): a fifth of CAP.
-WINDOW_SHARE = 5
+CAP = 10_000            # index entries a count reads (per queue and state, or per window) before it says "at least"
 PAGE_SIZE = 50
 SCAN_WINDOW = 100_000   # jobs of a state searched per page for a queue no index leads with
+WINDOWED = ("scheduled", "retryable", "running")  # states counted in a window of their index
 MAX_HEADS = 1_000       # (queue, priority) groups of available jobs probed on the overview
 DISCARDED_SHOWN = 10
 REFRESH_SECONDS = 10
-QUERY_TIMEOUT = timedelta(seconds=5)
 TEXT_LIMIT = 65_536     # characters of args, metadata or one error shown on a job's page
 
 # -- targets ------------------------------------------------------------------------------------
@@ -71,14 +71,6 @@ def target_specs(settings: Settings) -> list[tuple[str, str, str, Sequence[Perio
             for t in settings.target_settings()]
 
 
-def dashboard_engine(dsn: str, instance_id: str) -> Engine:
-    session = session_settings(QUERY_TIMEOUT, lock_timeout=timedelta(seconds=2),
-                               idle_in_transaction=QUERY_TIMEOUT * 2)
-    session["default_transaction_read_only"] = "on"
-    return make_engine(dsn, application_name=f"maintd:{instance_id}:dashboard", session=session,
-                       pooled=False)
-
-
 def begin_snapshot(conn: Connection) -> datetime:
     """One read-only snapshot for the whole page; returns the database's ``now()``."""
     conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
@@ -90,7 +82,8 @@ def begin_snapshot(conn: Connection) -> datetime:
 
 @dataclass(frozen=True)
 class Count:
-    """A job count: ``exact``, ``atleast`` (a bounded count hit its cap) or ``estimate``."""
+    """A job count: ``exact``, ``atleast`` (a bounded count hit its cap), ``estimate`` (the
+    statistics) or ``unknown`` (a full window held none of this queue)."""
 
     value: int
     kind: str = "exact"
@@ -107,9 +100,10 @@ def estimates(conn: Connection, schema: str) -> dict[str, int]:
 def windowed_counts(conn: Connection, schema: str, cap: int
                     ) -> tuple[dict[str, dict[str, int]], dict[str, bool]]:
     """(state -> queue -> jobs among the first ``cap`` entries of the state's index, state ->
-    whether that window was full) for every state but available."""
-    windows = sorted({INDEX[s] for s in JOB_STATES if s != "available"})
-    out: dict[str, dict[str, int]] = {s: {} for s in JOB_STATES if s != "available"}
+    whether that window was full) for scheduled, retryable and running: their indexes do not
+    hold the queue, so a queue's count is what the window shows of it."""
+    windows = sorted({INDEX[s] for s in WINDOWED})
+    out: dict[str, dict[str, int]] = {s: {} for s in WINDOWED}
     seen: dict[tuple[str, str], int] = {w: 0 for w in windows}
     for where, order in windows:
         for row in conn.execute(sql(WINDOW.replace("{where}", where).replace("{order}", order), schema),
@@ -117,6 +111,18 @@ def windowed_counts(conn: Connection, schema: str, cap: int
             out[row.state][row.queue] = row.n
             seen[(where, order)] += row.n
     return out, {s: seen[INDEX[s]] >= cap for s in out}
+
+
+def final_counts(conn: Connection, schema: str, cap: int) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+    """(state -> queue -> final jobs, each count reading at most the per-queue bound of
+    jobs_finalized_queue_idx; state -> that bound) for completed, cancelled and discarded."""
+    out, bounds = {}, {}
+    for state in FINAL_STATES:
+        queues = [r.queue for r in conn.execute(sql(FINAL_QUEUES, schema), {"state": state, "max_queues": MAX_HEADS})]
+        bounds[state] = per_queue_cap(cap, len(queues))
+        out[state] = {r.queue: r.n for r in conn.execute(
+            sql(FINAL_COUNTS, schema), {"state": state, "queues": queues, "cap": bounds[state]})} if queues else {}
+    return out, bounds
 
 
 def available_counts(conn: Connection, schema: str, cap: int
@@ -139,28 +145,38 @@ def per_queue_cap(cap: int, queues: int) -> int:
 
 
 def queue_table(conn: Connection, schema: str, now: datetime, cap: int = CAP) -> dict[str, Any]:
-    """Jobs by queue and state (bounded counts), per-state totals, the oldest available age."""
+    """Jobs by queue and state (bounded counts), per-state totals, the oldest available age.
+
+    available and the final states are counted per queue through an index that leads with the
+    queue, at most ``cap`` entries each (shared out when queues are many): a cell is exact, or
+    "at least" at its bound. scheduled, retryable and running are counted in a window of the
+    ``cap`` first entries of their index: when it is full, a queue's cell is "at least" what the
+    window holds of it, or unknown (``?``) when it holds none of it."""
     avail, oldest, cut, limit = available_counts(conn, schema, cap)
-    others, full = windowed_counts(conn, schema, max(1, cap // WINDOW_SHARE))
-    windows = {"available": avail, **others}
-    full["available"] = cut or any(n >= limit for n in avail.values())
-    queues = sorted(set().union(*(set(w) for w in windows.values())))
+    windowed, full = windowed_counts(conn, schema, cap)
+    finals, bounds = final_counts(conn, schema, cap)
+    counted = {"available": avail, **windowed, **finals}
+    bound = {"available": limit, **bounds}
+    queues = sorted(set().union(*(set(w) for w in counted.values())))
     rows = []
     for q in queues:
         counts = {}
         for s in JOB_STATES:
-            n = windows[s].get(q, 0)
-            capped = (n >= limit) if s == "available" else full[s]
-            counts[s] = Count(n, "atleast" if capped else "exact")
+            n = counted[s].get(q, 0)
+            capped = (n >= bound[s]) if s in bound else full[s]
+            counts[s] = Count(n, "exact" if not capped else "atleast" if n else "unknown")
         age = (now - oldest[q]).total_seconds() if q in oldest else None
         rows.append({"queue": q, "counts": counts, "oldest_age": None if age is None else max(0.0, age)})
-    guess = estimates(conn, schema) if any(full.values()) else {}
+    capped_state = {s: (any(n >= bound[s] for n in counted[s].values()) if s in bound else full[s])
+                    for s in JOB_STATES}
+    capped_state["available"] = capped_state["available"] or cut
+    guess = estimates(conn, schema) if any(capped_state.values()) else {}
     totals = {}
     for s in JOB_STATES:
-        n = sum(windows[s].values())
-        if not full[s]:
+        n = sum(counted[s].values())
+        if not capped_state[s]:
             totals[s] = Count(n)
-        else:  # past the cap: the statistics, or the lower bound if they know less
+        else:  # past the bound: the statistics, or the lower bound if they know less
             totals[s] = Count(guess[s], "estimate") if guess.get(s, 0) > n else Count(n, "atleast")
     return {"rows": rows, "totals": totals, "cut": cut,
             "oldest_age": max((r["oldest_age"] for r in rows if r["oldest_age"] is not None),
@@ -172,14 +188,15 @@ def queue_table(conn: Connection, schema: str, now: datetime, cap: int = CAP) ->
 
 
 def leadership(conn: Connection, schema: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-    """(the leader whose session holds the lock, or None; the live replicas)."""
+    """(the leader whose session holds the lock, or None; the replicas registered in the last hour,
+    each ``alive`` while its lock session is connected: a killed one reads as gone at once)."""
     classid, objid = advisory_key(schema)
     row = conn.execute(sql(q_leader.CURRENT, schema), {"classid": classid, "objid": objid}).mappings().first()
     leader = dict(row) if row and row["instance_id"] and row["released_at"] is None \
         and row["holds_lock"] else None
-    daemons = [dict(r) for r in conn.execute(sql(q_daemons.LIVE, schema)).mappings()]
+    daemons = [dict(r) for r in conn.execute(sql(q_daemons.REGISTERED, schema)).mappings()]
     for d in daemons:
-        d["is_leader"] = bool(leader and leader["instance_id"] == d["instance_id"])
+        d["is_leader"] = bool(d["alive"] and leader and leader["instance_id"] == d["instance_id"])
     return leader, daemons
 
 
@@ -188,8 +205,7 @@ def service_runs(conn: Connection, schema: str) -> list[dict[str, Any]]:
     for r in conn.execute(sql(q_runs.ALL, schema)).mappings():
         run = dict(r)
         run["duration"] = (r["finished_at"] - r["started_at"]).total_seconds()
-        run["summary"] = ", ".join(f"{k} {v}" for k, v in (r["result"] or {}).items()
-                                   if isinstance(v, (int, float, str)) and not isinstance(v, bool))
+        run["summary"] = describe(r["service"], r["result"])
         runs.append(run)
     return runs
 
@@ -431,8 +447,11 @@ def _iso(ts: datetime | None) -> str:
 
 
 def _count(c: Count) -> str:
+    """``1,234`` exact, ``≥ 10,000`` at least, ``≈ 200,000`` estimated, ``?`` not counted."""
     if c.kind == "atleast":
-        return f"≥ {c.value:,}" if c.value else "?"
+        return f"≥ {c.value:,}"
+    if c.kind == "unknown":
+        return "?"
     return f"≈ {c.value:,}" if c.kind == "estimate" else f"{c.value:,}"
 
 
@@ -450,6 +469,7 @@ class Links:
 
     def __init__(self, req: Request, target: str | None):
         self.token = (req.query.get("token") or [None])[0]
+        self.refresh = (req.query.get("refresh") or [None])[0]  # kept from page to page once given
         self.target = target
 
     def __call__(self, path: str, **params: Any) -> str:
@@ -458,25 +478,38 @@ class Links:
             q.setdefault("target", self.target)
         if self.token:
             q["token"] = self.token
+        if self.refresh is not None:
+            q.setdefault("refresh", self.refresh)
         return path + ("?" + urlencode(q) if q else "")
 
 
 # -- the pages ----------------------------------------------------------------------------------
 
 
+def refresh_seconds(req: Request, default: int) -> int:
+    """``?refresh=N`` on any page: 0 turns refreshing off, 2 to 3600 sets it (the overview
+    refreshes every 10 s by default, the job pages not at all)."""
+    raw = req.arg("refresh")
+    if raw is None:
+        return default
+    if not (raw.isdigit() and (raw == "0" or 2 <= int(raw) <= 3600)):
+        raise HttpError(400, f"refresh must be 0 (off) or 2 to 3600 seconds, not {raw!r}")
+    return int(raw)
+
+
 class Dashboard:
     """The pages on the HTTP listener. ``settings`` is read per request (reloads apply)."""
 
-    def __init__(self, settings: Callable[[], Settings], *, page_size: int = PAGE_SIZE,
-                 scan_window: int = SCAN_WINDOW, cap: int = CAP, refresh: int = REFRESH_SECONDS,
-                 health: Callable[[str], dict[str, Any] | None] | None = None):
-        """``health``: a target's table health as the daemon read it last (None: not read here)."""
+    def __init__(self, settings: Callable[[], Settings], *, readers: Readers | None = None,
+                 page_size: int = PAGE_SIZE, scan_window: int = SCAN_WINDOW, cap: int = CAP,
+                 refresh: int = REFRESH_SECONDS, health: Callable[[str], dict[str, Any] | None] | None = None):
+        """``readers``: the daemon's reader pools (else pools of its own); ``health``: a target's
+        table health as the daemon read it last (None: not read here)."""
         self.health = health
         self.settings, self.page_size, self.scan_window = settings, page_size, scan_window
         self.cap, self.refresh = cap, refresh
         self.env = make_env()
-        self._engines: dict[str, Engine] = {}
-        self._lock = threading.Lock()
+        self.readers = readers or Readers(lambda: settings().instance_id)
 
     def pages(self) -> dict[str, Callable[[Request], Response]]:
         return {"/": self._guard(self.index), "/jobs": self._guard(self.jobs),
@@ -486,11 +519,7 @@ class Dashboard:
         settings = self.settings()
         out = []
         for name, schema, dsn, periodic in target_specs(settings):
-            with self._lock:
-                engine = self._engines.get(dsn)
-                if engine is None:
-                    engine = self._engines[dsn] = dashboard_engine(dsn, settings.instance_id)
-            out.append(Target(name, schema, engine, periodic))
+            out.append(Target(name, schema, self.readers.engine(dsn), periodic))
         return out
 
     def _target(self, req: Request) -> tuple[Target, Links]:
@@ -516,6 +545,11 @@ class Dashboard:
                 return page(req)
             except HttpError as exc:
                 return self.render("error.html", exc.status, message=exc.message, link=links, now=None)
+            except PoolBusy:  # every reader session is in use (many pages of several targets)
+                status, ctype, body, headers = self.render(
+                    "error.html", 503, link=links, now=None,
+                    message="busy: every reader connection is in use, retry in a second")
+                return status, ctype, body, {**headers, "Retry-After": "1"}
             except SQLAlchemyError as exc:
                 return self.render("error.html", 503, link=links, now=None,
                                    message=f"database error: {describe_db_error(exc)}")
@@ -523,21 +557,19 @@ class Dashboard:
 
     def index(self, req: Request) -> Response:
         req.only({"refresh"})
-        raw = req.arg("refresh")
-        if raw is not None and not (raw.isdigit() and (raw == "0" or 2 <= int(raw) <= 3600)):
-            raise HttpError(400, f"refresh must be 0 (off) or 2 to 3600 seconds, not {raw!r}")
+        refresh = refresh_seconds(req, self.refresh)
         targets = self.targets()
         data = overview(targets, cap=self.cap, health=self.health)
         now = next((d["now"] for d in data if "now" in d), None)
         multi = len(targets) > 1
         return self.render("index.html", 503 if any("error" in d for d in data) else 200,
-                           targets=data, now=now, refresh=self.refresh if raw is None else int(raw),
+                           targets=data, now=now, refresh=refresh, cap=self.cap,
                            warn_after=self.settings().health.xmin_warn_after.total_seconds(),
                            link=Links(req, None), links={d["name"]: Links(req, d["name"] if multi else None)
                                                          for d in data})
 
     def _filter(self, req: Request) -> JobFilter:
-        req.only({"state", "queue", "after", "target"})
+        req.only({"state", "queue", "after", "target", "refresh"})
         state = req.arg("state") or None
         if state is not None and state not in JOB_STATES:
             raise HttpError(400, f"unknown state {state!r} (one of: {', '.join(JOB_STATES)})")
@@ -551,16 +583,19 @@ class Dashboard:
 
     def jobs(self, req: Request) -> Response:
         f = self._filter(req)
+        refresh = refresh_seconds(req, 0)
         target, links = self._target(req)
         with target.engine.connect() as conn:
             now = begin_snapshot(conn)
             page = list_jobs(conn, target.schema, f, page_size=self.page_size, scan_window=self.scan_window)
             conn.rollback()
         page.now = now
-        return self.render("jobs.html", page=page, f=f, target=target.name, now=now, link=links)
+        return self.render("jobs.html", page=page, f=f, target=target.name, now=now, link=links,
+                           refresh=refresh)
 
     def job(self, req: Request) -> Response:
-        req.only({"target"})
+        req.only({"target", "refresh"})
+        refresh = refresh_seconds(req, 0)
         raw = req.params["id"]
         if not raw.isdigit() or int(raw) > 2**63 - 1 or int(raw) == 0:
             raise HttpError(400, f"job id must be a positive integer, not {raw[:40]!r}")
@@ -571,4 +606,4 @@ class Dashboard:
             conn.rollback()
         if job is None:
             raise HttpError(404, f"no job {raw} in {target.name} (deleted by the cleaner, or never there)")
-        return self.render("job.html", job=job, target=target.name, now=now, link=links)
+        return self.render("job.html", job=job, target=target.name, now=now, link=links, refresh=refresh)

@@ -19,6 +19,7 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.pool import NullPool, QueuePool
 
+from . import faults
 from .config import redact_dsn
 from .identifiers import quote_ident  # noqa: F401  (the migrations import it from here)
 from .queries import catalog, psycopg_sql
@@ -84,8 +85,12 @@ def connect(dsn: str, *, application_name: str, autocommit: bool = True,
     """A raw psycopg connection with TCP keepalives and the given session settings; ``params``
     are extra libpq parameters (e.g. ``tcp_user_timeout``); ``answer_timeout``: see
     :class:`BoundedConnection`."""
-    conn = BoundedConnection.connect(libpq_dsn(dsn), autocommit=True,
-                                     application_name=application_name[:63], **{**KEEPALIVES, **params})
+    try:
+        conn = BoundedConnection.connect(libpq_dsn(dsn), autocommit=True,
+                                         application_name=application_name[:63], **{**KEEPALIVES, **params})
+    except psycopg.OperationalError as exc:
+        faults.diagnose(exc, make_conninfo(libpq_dsn(dsn), **{**KEEPALIVES, **params}))
+        raise
     conn.answer_timeout = answer_timeout
     try:
         for key, value in (settings or {}).items():
@@ -102,11 +107,18 @@ class HostOrder:
     read-write``) are tried. libpq tries them in the written order and spends a whole connect
     timeout on a frozen one before the next, for every new connection; so the host the lock
     session last reached goes first (the work pool follows it) and a host that stopped answering
-    goes last. One object per daemon, shared by its lock session and its engine; thread-safe."""
+    goes last. One object per daemon, shared by its lock session and its engine; thread-safe.
+
+    Without ``target_session_attrs``, libpq stops at the first host that answers, a standby or a
+    read-only primary included, and maintd would keep failing there ("cannot execute LISTEN during
+    recovery") however often it retried: maintd's writers ask for ``read-write`` themselves."""
 
     def __init__(self, dsn: str):
         self._dsn = libpq_dsn(dsn)
         params = conninfo_to_dict(self._dsn)
+        if "," in str(params.get("host") or params.get("hostaddr") or "") and "target_session_attrs" not in params:
+            params["target_session_attrs"] = "read-write"
+            self._dsn = make_conninfo("", **params)
         hosts = str(params.get("host") or "").split(",")
         ports = str(params.get("port") or "").split(",")
         if len(ports) == 1:
@@ -173,7 +185,7 @@ def session_settings(statement_timeout: timedelta, *, lock_timeout: timedelta | 
 
 def make_engine(dsn: str, *, application_name: str, session: dict[str, Any] | None = None,
                 pool_size: int = 4, pooled: bool = True, hosts: HostOrder | None = None,
-                **params: Any) -> Engine:
+                max_overflow: int = 2, pool_timeout: float = 30.0, **params: Any) -> Engine:
     """A SQLAlchemy engine over psycopg 3 whose connections carry ``session`` settings (and extra
     libpq ``params``, e.g. ``tcp_user_timeout``); with ``hosts``, new connections try a multi-host
     URL's hosts in that order."""
@@ -184,8 +196,8 @@ def make_engine(dsn: str, *, application_name: str, session: dict[str, Any] | No
 
     kwargs: dict[str, Any] = {"creator": creator}
     if pooled:  # LIFO: the connection used last is reused, so it is rarely idle long enough to ping
-        kwargs.update(poolclass=QueuePool, pool_size=pool_size, max_overflow=2, pool_recycle=1800,
-                      pool_use_lifo=True)
+        kwargs.update(poolclass=QueuePool, pool_size=pool_size, max_overflow=max_overflow, pool_recycle=1800,
+                      pool_use_lifo=True, pool_timeout=pool_timeout)
     else:
         kwargs.update(poolclass=NullPool)
     engine = create_engine("postgresql+psycopg://", **kwargs)
@@ -267,8 +279,32 @@ def events_channel(schema: str) -> str:
     return "maintd_events" if schema == "maintd" else f"{schema}_maintd_events"
 
 
+# What fixes an error: a missing grant ("permission denied", not "must be owner": a grant cannot
+# give ownership), or a schema `maintd migrate` has not made (an error naming one of maintd's own
+# objects; a missing index named in the reindexer's config is not that).
+GRANT_HINT = ("a grant is missing: as the schema's owner, run `maintd grants ROLE --apply` (or the SQL "
+              "`maintd grants ROLE` prints; `--worker` for a worker's role)")
+MIGRATE_HINT = "the schema is not migrated: run `maintd migrate` first"
+MAINTD_OBJECT = re.compile(
+    r'(relation|type) "(?:[^"]*\.)?(jobs|leader|daemons|service_runs|periodic_slots|periodic_jobs|job_state)"'
+    r'|schema "[^"]*" does not exist'
+    r'|function [^ ]*\b(complete_jobs|permanently_fail_jobs|retry_jobs|cancel_jobs|reschedule_jobs|remove_job'
+    r'|delete_jobs)\(')
+
+
+def _hint(sqlstate: str | None, line: str) -> str | None:
+    if sqlstate == "42501" and line.startswith("permission denied"):
+        return GRANT_HINT
+    if sqlstate in ("42P01", "3F000", "42883", "42704") and MAINTD_OBJECT.search(line):
+        return MIGRATE_HINT
+    return None
+
+
 def describe_db_error(exc: BaseException) -> str:
-    """One line for an operator, without the password."""
-    msg = str(getattr(exc, "orig", None) or exc).strip().splitlines()
-    line = msg[0] if msg else exc.__class__.__name__
-    return redact_dsn(line)
+    """One line for an operator, without the password; an error that a grant or ``maintd
+    migrate`` fixes says so."""
+    orig = getattr(exc, "orig", None) or exc
+    msg = str(orig).strip().splitlines()
+    line = redact_dsn(msg[0] if msg else exc.__class__.__name__)
+    hint = _hint(getattr(orig, "sqlstate", None), line)
+    return f"{line} ({hint})" if hint and hint not in line else line

@@ -2,13 +2,24 @@
 intervals, and a live workload in which every service has something to do. Midway the leader is
 killed with SIGKILL and the other daemon takes over; around it a "report" holds a snapshot open
 for 20 s, and the daemons' guardian names it (their warning line is printed). Prints a summary
-every few seconds."""
+every few seconds.
+
+No process outlives the demo, whatever fails: the daemons and the server get a parent-death
+signal (``PR_SET_PDEATHSIG``: SIGKILL for the daemons, PostgreSQL's immediate shutdown for the
+server), each daemon runs in a process group of its own that the demo kills as a whole, and every
+exit path (a daemon that cannot start, Ctrl-C, SIGTERM, SIGHUP, an error) stops what was started.
+The daemons run in the demo's own temporary directory, so a ``maintd/`` folder in the directory the
+demo is started from cannot shadow the installed package (``python -m`` puts the working
+directory first on ``sys.path``)."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +36,7 @@ from .db import make_engine
 from .jobs import JobQueue
 from .queries import JOB_STATES, jobs, sql
 
+PR_SET_PDEATHSIG = 1
 QUEUES = ("default", "mail")
 NAMES = ("demo-a", "demo-b")
 FIRST_KILL = 30.0  # seconds: when the leader is killed if the demo runs until Ctrl-C
@@ -149,7 +161,15 @@ class DemoDaemon:
         env = {**os.environ, "MAINTD_INSTANCE_ID": self.name}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "maintd", "--config", str(config), "run"],
-                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+                                         stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         cwd=self.log_path.parent,
+                                         preexec_fn=functools.partial(_bound_to_parent, os.getpid()))
+
+    def error(self) -> str:
+        """Why the daemon did not start: its ``maintd: error`` line, else its log's last lines."""
+        text = self.log_path.read_text(errors="replace")
+        found = re.findall(r"^maintd: (?:config )?error: .*$", text, re.M)
+        return found[-1] if found else "its log:\n" + "\n".join(text.splitlines()[-20:])
 
     def wait_http(self, timeout: float = 30.0) -> int:
         deadline = time.monotonic() + timeout
@@ -161,7 +181,7 @@ class DemoDaemon:
             if self.proc and self.proc.poll() is not None:
                 break
             time.sleep(0.1)
-        raise RuntimeError(f"{self.name} did not start; its log:\n{self.log_path.read_text(errors='replace')}")
+        raise RuntimeError(f"daemon {self.name} did not start: {self.error()}")
 
     @property
     def alive(self) -> bool:
@@ -182,8 +202,12 @@ class DemoDaemon:
                      for label, family in COUNTERS.items()}
 
     def kill(self) -> None:
-        if self.alive:
-            self.proc.send_signal(signal.SIGKILL)
+        """SIGKILL to the daemon's whole process group (it leads one of its own)."""
+        if self.proc is not None and self.proc.returncode is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             self.proc.wait()
         self.leading = False
 
@@ -194,6 +218,14 @@ class DemoDaemon:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+def _bound_to_parent(demo_pid: int) -> None:
+    """In a daemon, before exec: a process group of its own, and SIGKILL when the demo dies."""
+    os.setpgid(0, 0)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != demo_pid:  # the demo died before prctl: nobody would send the signal
+        os._exit(1)
 
 
 def summary(daemons: list[DemoDaemon], engine: Engine, work: Workload, started: float) -> str:
@@ -276,7 +308,6 @@ def _watch(daemons: list[DemoDaemon], engine: Engine, work: Workload, duration: 
     deadline = started + duration if duration else None
     kill_at = started + (duration / 2 if duration else FIRST_KILL)
     hold_at = started + (duration / 5 if duration else HOLD_AT) if report is not None else None
-    signal.signal(signal.SIGTERM, lambda *a: stop.set())
     line, warned = None, set()
     try:
         while not stop.wait(3.0):
@@ -298,39 +329,82 @@ def _watch(daemons: list[DemoDaemon], engine: Engine, work: Workload, duration: 
         print(summary(daemons, engine, work, started), flush=True)
 
 
-def _start_daemons(dsn: str, listen: str, workdir: Path) -> list[DemoDaemon]:
-    """Two daemons on one config; the second listens on the next port (any free one with port 0)."""
+def _start_daemons(dsn: str, listen: str, workdir: Path, daemons: list[DemoDaemon]) -> None:
+    """Two daemons on one config, added to ``daemons`` as each starts (so that a failure stops the
+    ones already running); the second listens on the next port (any free one with port 0)."""
     host, _, port = listen.rpartition(":")
-    daemons = []
     for i, name in enumerate(NAMES):
         config = workdir / f"{name}.toml"
         config.write_text(CONFIG.format(dsn=dsn, listen=f"{host}:{int(port) + i if int(port) else 0}"))
         daemon = DemoDaemon(name, workdir)
-        daemon.start(config)
         daemons.append(daemon)
+        daemon.start(config)
     for daemon in daemons:
         daemon.wait_http()
-    return daemons
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM and SIGHUP end the demo as Ctrl-C does: through every ``finally``."""
+    raise KeyboardInterrupt
+
+
+def _stop_all(daemons: list[DemoDaemon]) -> None:
+    """SIGTERM to every daemon at once (a graceful stop each), SIGKILL to the group of any that
+    has not stopped 15 s later."""
+    for d in daemons:
+        if d.alive:
+            d.proc.terminate()
+    deadline = time.monotonic() + 15
+    for d in daemons:
+        if d.proc is None:
+            continue
+        try:
+            d.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        d.kill()  # the whole group, even when the daemon itself has exited
 
 
 def run_demo(duration: float | None = None, data_dir: str | None = None, listen: str = "127.0.0.1:9464") -> int:
     """``maintd demo``: a throwaway PostgreSQL, two daemons, a live workload and a failover."""
-    from . import migrate
     from .embedded import EmbeddedPostgres, EmbeddedPostgresError
 
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)
+    daemons: list[DemoDaemon] = []
+    workdir = Path(tempfile.mkdtemp(prefix="maintd-demo-"))
+    pg = None
     try:
-        pg = EmbeddedPostgres(data_dir=data_dir).start()
-    except EmbeddedPostgresError as exc:
+        pg = EmbeddedPostgres(data_dir=data_dir)
+        pg.start()
+        return _run(pg, data_dir, listen, duration, workdir, daemons)
+    except (EmbeddedPostgresError, RuntimeError) as exc:
         print(f"maintd: error: {exc}", file=sys.stderr)
         return 1
-    stop, daemons = threading.Event(), []
+    finally:
+        for s in previous:  # a second Ctrl-C must not cut the clean-up short
+            signal.signal(s, signal.SIG_IGN)
+        _stop_all(daemons)
+        if pg is not None:
+            pg.cleanup() if not data_dir else pg.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _run(pg, data_dir: str | None, listen: str, duration: float | None, workdir: Path,
+         daemons: list[DemoDaemon]) -> int:
+    from . import migrate
+
+    stop = threading.Event()
     engine = make_engine(pg.dsn, application_name="maintd-demo-workload", pool_size=6)
-    workdir = Path(tempfile.mkdtemp(prefix="maintd-demo-"))
+    threads: list[threading.Thread] = []
     try:
         with engine.connect() as conn:
             migrate.upgrade(conn, "maintd")
         _seed(engine)
-        daemons = _start_daemons(pg.dsn, listen, workdir)
+        _start_daemons(pg.dsn, listen, workdir, daemons)
         print(f"maintd demo: PostgreSQL {pg.dsn} (throwaway)" + (f", data in {data_dir}" if data_dir else ""))
         print("maintd demo: daemons " + ", ".join(f"{d.name} on http://127.0.0.1:{d.port}/metrics" for d in daemons)
               + " (/status, / for the dashboard); Ctrl-C to stop")
@@ -340,20 +414,10 @@ def run_demo(duration: float | None = None, data_dir: str | None = None, listen:
         for t in threads:
             t.start()
         _watch(daemons, engine, work, duration, stop, Report(pg.dsn, stop))
+        print("maintd demo: done")
+        return 0
+    finally:
         stop.set()
         for t in threads:
             t.join(5)
-        print("maintd demo: done")
-        return 0
-    except RuntimeError as exc:
-        print(f"maintd: error: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        stop.set()
-        for daemon in daemons:
-            daemon.stop()
         engine.dispose()
-        pg.cleanup() if not data_dir else pg.stop()
-        for f in workdir.iterdir():
-            f.unlink()
-        workdir.rmdir()

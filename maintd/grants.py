@@ -133,10 +133,3 @@ def apply(conn: Connection, schemas: list[str], role: str, *, worker: bool = Fal
                 conn.execute(text(statement))
                 count += 1
     return count
-
-
-def target_schemas(settings) -> list[str]:
-    """Every configured schema (one per target when ``[[targets]]`` exist), in order, once."""
-    targets = getattr(settings, "targets", None) or []
-    schemas = [t.schema for t in targets] or [settings.schema]
-    return list(dict.fromkeys(schemas))

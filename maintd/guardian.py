@@ -5,7 +5,7 @@ all of them, their gauges, the once-per-holder warning, and each target's histor
 A monitor runs in a thread of its own (:meth:`HealthMonitor.start`) or is driven by its owner's
 loop (:meth:`HealthMonitor.run_once` once per interval, :meth:`HealthMonitor.poll` more often). It
 sees the targets through :class:`Member`, so the election's shape stays its own business:
-:class:`UnitMember` adapts today's :class:`maintd.target.TargetUnit`.
+:class:`TargetMember` adapts :class:`maintd.target.Target`.
 
 The read runs on a connection of the monitor's own (``application_name`` ``maintd:<id>:health``,
 autocommit, a 5 s statement timeout, generic plans), open while this replica leads a target of the
@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from datetime import datetime
 from typing import Any, Callable, Protocol, Sequence
 
 import psycopg
@@ -26,11 +27,12 @@ from sqlalchemy import Engine
 
 from .clock import ServerClock
 from .config import HealthConfig, Settings
-from .db import connect, describe_db_error
+from .db import HostOrder, connect, describe_db_error
 from .health import READ_TIMEOUT_MS, HealthReader, HealthReport, HolderWarnings, apply_metrics, clear_metrics
 from .history import HistoryWriter
 from .logs import about_target, kv
 from .metrics import Metrics
+from .queries import FINAL_STATES
 from .services.base import Fence, NotLeader, PassContext, PassStopped
 
 log = logging.getLogger("maintd.health")
@@ -46,6 +48,7 @@ class Member(Protocol):
     schema: str
     settings: Settings
     metrics: Metrics
+    engine: Engine  # its maintenance engine (the history rows are written through it, fenced)
 
     def leading(self) -> bool: ...
 
@@ -57,46 +60,54 @@ class Member(Protocol):
         """A new connection to the member's database for the health read."""
         ...
 
-    def live_counts(self) -> list[tuple[str, str, int]] | None:
-        """Recent (queue, state, n) of waiting and running jobs, if the leader counted them."""
+    def live_counts(self, at: datetime) -> list[tuple[str, str, int]] | None:
+        """(queue, state, n) of waiting and running jobs if the leader counted them shortly
+        before the server time ``at``."""
         ...
 
 
-class UnitMember:
-    """A :class:`maintd.target.TargetUnit` as a :class:`Member`."""
+class TargetMember:
+    """A :class:`maintd.target.Target` (its seat in the election loop of its database) as a
+    :class:`Member`; ``hosts``: its database's host order (shared with the lock session)."""
 
-    def __init__(self, unit: Any):
-        self.unit = unit
+    def __init__(self, target: Any, hosts: HostOrder):
+        self.target, self.hosts = target, hosts
 
     @property
     def name(self) -> str:
-        return self.unit.name
+        return self.target.name
 
     @property
     def schema(self) -> str:
-        return self.unit.settings.schema
+        return self.target.settings.schema
 
     @property
     def settings(self) -> Settings:
-        return self.unit.settings
+        return self.target.settings
 
     @property
     def metrics(self) -> Metrics:
-        return self.unit.metrics
+        return self.target.metrics
 
     def leading(self) -> bool:
-        return bool(self.unit.is_leader)
+        return bool(self.target.is_leader)
 
     def fence(self) -> Fence:
-        return self.unit.elector.fence()
+        return self.target.seat.fence()
 
-    def live_counts(self) -> list[tuple[str, str, int]] | None:
-        live = self.unit.runner.gauges.live  # refreshed every 15 s while leading
-        return live[0] if live is not None and time.monotonic() - live[1] < LIVE_MAX_AGE else None
+    @property
+    def engine(self) -> Engine:
+        return self.target.engine
+
+    def live_counts(self, at: datetime) -> list[tuple[str, str, int]] | None:
+        counts = self.target.runner.gauges.counts  # the job gauges' last count (every 15 s)
+        if counts is None or counts.live_at is None or (at - counts.live_at).total_seconds() > LIVE_MAX_AGE:
+            return None
+        return [(r["queue"], r["state"], r["count"]) for r in counts.rows if r["state"] not in FINAL_STATES]
 
     def connect(self) -> psycopg.Connection:
-        s = self.unit.settings
-        return connect(self.unit.hosts.dsn(), application_name=f"maintd:{s.instance_id}:health",
+        s = self.target.settings
+        return connect(self.hosts.dsn(), application_name=f"maintd:{s.instance_id}:health",
                        answer_timeout=READ_TIMEOUT_MS / 1000 + s.leader.lease.total_seconds(),
                        settings={"statement_timeout": READ_TIMEOUT_MS, "plan_cache_mode": "force_generic_plan",
                                  "lock_timeout": READ_TIMEOUT_MS})
@@ -105,9 +116,9 @@ class UnitMember:
 class HealthMonitor:
     """The health of one database, for the members (targets) on it that lead here."""
 
-    def __init__(self, engine: Engine, members: Sequence[Member], config: Callable[[], HealthConfig], *,
+    def __init__(self, members: Sequence[Member], config: Callable[[], HealthConfig], *,
                  history: Callable[[], HistoryWriter] = HistoryWriter):
-        self.engine, self.members, self.config = engine, list(members), config
+        self.members, self.config = list(members), config
         self.reader = HealthReader()
         self.warnings = HolderWarnings()
         self.writers = {m.name: history() for m in self.members}
@@ -181,8 +192,8 @@ class HealthMonitor:
     def _history(self, member: Member, report: HealthReport) -> None:
         with about_target(member.name if len(self.members) > 1 else None):
             try:
-                ctx = PassContext.for_settings(member.settings, self.engine, self.clock, fence=member.fence())
-                self.writers[member.name].step(ctx, report, member.live_counts)
+                ctx = PassContext.for_settings(member.settings, member.engine, self.clock, fence=member.fence())
+                self.writers[member.name].step(ctx, report, lambda: member.live_counts(report.at))
             except (NotLeader, PassStopped):
                 self.writers[member.name].reset()
             except Exception as exc:  # a history row is not worth more than a debug line
@@ -224,7 +235,8 @@ class HealthMonitor:
                 log.error("health monitor error", extra=kv(error=describe_db_error(exc)))
 
 
-def monitors(groups: dict[Any, tuple[Engine, Sequence[Any]]], config: Callable[[], HealthConfig]
+def monitors(groups: dict[Any, tuple[HostOrder, Sequence[Any]]], config: Callable[[], HealthConfig]
              ) -> list[HealthMonitor]:
-    """One monitor per database: ``groups`` maps a database's key to its engine and target units."""
-    return [HealthMonitor(engine, [UnitMember(u) for u in units], config) for engine, units in groups.values()]
+    """One monitor per database: ``groups`` maps a database to its host order and its targets."""
+    return [HealthMonitor([TargetMember(t, hosts) for t in targets], config)
+            for hosts, targets in groups.values() if targets]

@@ -1,4 +1,5 @@
-"""HTTP endpoints: /metrics, /healthz, /readyz, /status and the dashboard (stdlib server in a thread).
+"""HTTP endpoints: /metrics, /healthz, /readyz, /status and the dashboard, on the bounded
+listener of :mod:`maintd.listener`.
 
 Two kinds of handlers share one listener: ``routes`` take no argument (the probes and metrics),
 ``pages`` take a :class:`Request` (query string, path parameters such as ``/jobs/{id}``, headers).
@@ -11,12 +12,11 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import threading
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Collection, Mapping
 from urllib.parse import parse_qs, unquote
 
+from .listener import INLINE, Limits, Listener
 from .metrics import CONTENT_TYPE_LATEST
 
 log = logging.getLogger("maintd.http")
@@ -24,6 +24,8 @@ log = logging.getLogger("maintd.http")
 # (status, content type, body) and optionally extra headers.
 Response = tuple[int, str, bytes] | tuple[int, str, bytes, dict[str, str]]
 MAX_QUERY_FIELDS = 32
+# The lane of each path that is not a page (see maintd.listener).
+LANES = {"/healthz": INLINE, "/readyz": INLINE, "/metrics": "metrics"}
 COMMON_HEADERS = {"X-Content-Type-Options": "nosniff", "Cache-Control": "no-store",
                   "Referrer-Policy": "no-referrer"}
 
@@ -50,6 +52,8 @@ class Request:
             return None
         if len(values) > 1:
             raise HttpError(400, f"parameter {name!r} is given {len(values)} times; give it once")
+        if "\0" in values[0]:  # PostgreSQL text cannot hold it: a 400, not a database error
+            raise HttpError(400, f"parameter {name!r} holds a NUL byte (%00)")
         return values[0]
 
     def only(self, allowed: Collection[str]) -> None:
@@ -113,33 +117,20 @@ def _secret(value: Any) -> str | None:
 class HttpServer:
     """``routes``: path -> callable returning a :data:`Response`; ``pages``: path or pattern
     (``/jobs/{id}``) -> callable taking a :class:`Request`. ``auth_token`` is read on every
-    request (a reload may change it); ``None`` leaves everything open."""
+    request (a reload may change it); ``None`` leaves everything open. ``lanes``: the worker lane
+    of a path (see :mod:`maintd.listener`): the probes are answered on the listener's loop,
+    ``/metrics`` has threads of its own, everything else is a page (two at a time)."""
 
     def __init__(self, host: str, port: int, routes: dict[str, Callable[[], Response]], *,
                  pages: dict[str, Callable[[Request], Response]] | None = None,
                  auth_token: Callable[[], Any] | None = None,
-                 open_paths: Collection[str] = ("/metrics", "/healthz", "/readyz")):
+                 open_paths: Collection[str] = ("/metrics", "/healthz", "/readyz"),
+                 lanes: Mapping[str, str] | None = None, limits: Limits = Limits()):
         self.routes, self.pages = routes, dict(pages or {})
         self.auth_token, self.open_paths = auth_token, frozenset(open_paths)
-        server_self = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
-                status, ctype, body, headers = server_self.respond(self.path, self.headers)
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                for name, value in {**COMMON_HEADERS, **headers}.items():
-                    self.send_header(name, value)
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                return None
-
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, name="maintd-http", daemon=True)
+        self.lanes = dict(LANES if lanes is None else lanes)
+        self.listener = Listener(host, port, lambda method, target, headers: self.respond(target, headers),
+                                 lambda path: self.lanes.get(path, "page"), limits)
 
     def respond(self, raw_path: str, headers: Mapping[str, str]) -> tuple[int, str, bytes, dict[str, str]]:
         try:
@@ -148,7 +139,7 @@ class HttpServer:
             if token and req.path not in self.open_paths and not authorized(req, token):
                 return (401, "text/plain; charset=utf-8",
                         b"unauthorized: send the http.auth_token as 'Authorization: Bearer TOKEN' "
-                        b"or as ?token=TOKEN\n", {"WWW-Authenticate": 'Bearer realm="maintd"'})
+                        b"or as ?token=TOKEN\n", {**COMMON_HEADERS, "WWW-Authenticate": 'Bearer realm="maintd"'})
             result = self._dispatch(req)
         except HttpError as exc:
             result = text(exc.status, exc.message + "\n")
@@ -157,7 +148,7 @@ class HttpServer:
                                                                   "error": type(exc).__name__}})
             result = text(500, "internal error\n")
         status, ctype, body, *extra = result
-        return status, ctype, body, (extra[0] if extra else {})
+        return status, ctype, body, {**COMMON_HEADERS, **(extra[0] if extra else {})}
 
     def _dispatch(self, req: Request) -> Response:
         route = self.routes.get(req.path)
@@ -170,15 +161,18 @@ class HttpServer:
         return page(Request(path=req.path, query=req.query, headers=req.headers, params=params))
 
     @property
+    def address(self) -> tuple[str, int]:
+        return self.listener.address
+
+    @property
     def port(self) -> int:
-        return self.server.server_address[1]
+        return self.listener.address[1]
 
     def start(self) -> None:
-        self.thread.start()
+        self.listener.start()
 
     def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.listener.stop()
 
 
 def text(status: int, body: str) -> tuple[int, str, bytes]:

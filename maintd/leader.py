@@ -1,94 +1,78 @@
-"""Leader election: a session-level advisory lock on a dedicated connection, a lease, and fencing.
+"""Leader election: one loop per database (SPEC 3, 7.2, 8.3), a lease per target, and fencing.
 
-* The lock is held by one non-pooled connection, the :class:`~maintd.lockconn.LockConnection`
-  (``application_name=maintd:<instance>``; shared by up to 5 targets of a database, each
-  through its :class:`LockSession`), with TCP keepalives and ``tcp_user_timeout = lease``. That
-  session has ``idle_session_timeout = lease`` (PostgreSQL 14+): if this process freezes or is
-  cut off, the server ends the session (and frees its locks) within the lease.
-* A leadership is a :class:`Term`: the epoch, the server-side pid of the lock session, and until
-  when (monotonic) it can be trusted. The leader proves the lock every ``renew_interval``; the term
-  is trusted for ``lease - renew_interval`` after the last proof was sent (the server's idle timer
-  cannot have started earlier); on any failure, or when that runs out, it demotes itself.
-* Winning the lock bumps ``leader.epoch`` after locking the leader row ``FOR UPDATE``. Every
-  maintenance transaction that wrote anything runs :meth:`LeaderFence.check_writes` last, right
+* :class:`ElectionLoop` is one thread per database URL, the only user of that database's
+  :class:`~maintd.lockconn.LockSession`. Each round it advances every target's :class:`Seat`
+  (:func:`maintd.election.step`), sends the tries, proofs and unlocks of all of them in one
+  statement, then the rare epoch bumps and releases, and sleeps until something is due, a NOTIFY
+  arrives or a request comes in (fenced, stalled, hand-over, stop: :meth:`Seat.request`).
+* Winning a lock bumps ``leader.epoch`` after locking the leader row ``FOR UPDATE`` under a short
+  ``lock_timeout``: a bump that meets an old leader's in-flight fenced transaction is sent again
+  the next round, never waited for, so no target holds up another's renewal.
+* Every maintenance transaction that wrote anything runs :meth:`LeaderFence.check_writes` right
   before COMMIT: it locks the leader row ``FOR KEY SHARE`` and commits only while the epoch is
   ours and our lock session (by its ``pg_backend_pid()``, which a session pooler does not change)
-  still holds the lock; otherwise the transaction rolls back. A new leader's epoch bump waits for
-  such in-flight transactions; once it commits, a stale ex-leader's writes never commit. A
-  transaction that wrote nothing (an idle pass) takes no lock and writes no WAL. (KEY SHARE, not
-  SHARE: it must not conflict with updates of the row's other columns.)
-* Renewing the lease is read-only (the lock is still held by this session, the term is still
-  ours, the server is a primary): an idle leader writes no WAL.
-* The elector thread is a follower (:meth:`LeaderElector._follow`: try the lock every
-  ``retry_interval``, waking early on the hand-over NOTIFY a leader sends when it stops
-  gracefully) or a leader (:meth:`LeaderElector._lead`: renew, or demote).
+  still holds the target's lock. A transaction that wrote nothing takes no lock and writes no WAL.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+import math
 import os
+import queue
 import random
+import select
+import socket
 import threading
 import time
-from dataclasses import dataclass
-from datetime import timedelta
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import psycopg
 from sqlalchemy import Connection
 
 from .config import Settings
-from .db import HostOrder, advisory_key, bounded_answer, describe_db_error, ms, periodic_channel
-from .identifiers import quote_ident
-from .lockconn import POOLER_HINT, LeaderSessionError, LockConnection, SessionClosed
+from .db import HostOrder, advisory_key, describe_db_error, periodic_channel
+from .election import (BumpBlocked, BumpFailed, Bumped, Demoted, Elected, Following, Lost, Notified, Released, Renewed,
+                       Request, Round, State, Step, Term, Timing, Tried, due, leading_term, step)
+from .faults import transient
+from .lockconn import LeaderSessionError, LockSession
 from .logs import about_target, kv
+from .queries import Statements
+from .queries import daemons as q_daemons
 from .queries import leader as q
-from .queries import psycopg_sql, sql
 from .registry import DaemonRegistry
 from .services.base import NotLeader
 
+if TYPE_CHECKING:
+    from .spread import Spread
+
 log = logging.getLogger("maintd.leader")
 
+__all__ = ["ElectionLoop", "Held", "LeaderFence", "LeaderSessionError", "Seat", "Term", "acquire_once",
+           "handover_channel"]
+
 BACKOFF_START, BACKOFF_CAP = 0.2, 5.0
-BUMP_SLICE = timedelta(milliseconds=100)  # the epoch bump's row-lock wait, per attempt
-MAX_STACKED = 16  # unlock attempts: a session-level advisory lock stacks once per success
-UNLOCK_ANSWER = 1.0  # seconds an unlock on the shared session may take before it is closed
+BUMP_SLICE_MS = 100  # the epoch bump's row-lock wait per round
+REFRESH = 1.0  # seconds between two reads of the live replicas (and whether the server takes writes)
 
 
 def handover_channel(schema: str) -> str:
     return f"{schema}_maintd_leader"
 
 
-@dataclass(frozen=True)
-class Term:
-    epoch: int
-    lock_pid: int  # pg_backend_pid() of the lock session: the server's pid, not a pooler's key
-    instance_id: str
-    trusted_until: float  # monotonic time after which the lease may have run out
-
-    def trusted(self) -> bool:
-        return time.monotonic() < self.trusted_until
-
-
 class LeaderFence:
-    """The :class:`maintd.services.base.Fence` of one term. ``current`` returns the elector's
-    term now (None when it has none)."""
+    """The :class:`maintd.services.base.Fence` of one term; ``current()`` is the target's term now."""
 
-    def __init__(self, schema: str, term: Term, current: Callable[[], Term | None]):
-        self.schema = schema
-        self.term = term
-        self._current = current
-        self._key = advisory_key(schema)
+    def __init__(self, schema: str, term: Term, current: Callable[[], Term | None],
+                 sql: Callable[[str], object] | None = None):
+        self.term, self._current, self._sql = term, current, sql or Statements(schema).sql
+        classid, objid = advisory_key(schema)
+        self._params = {"epoch": term.epoch, "instance": term.instance_id, "lock_pid": term.lock_pid,
+                        "classid": classid, "objid": objid}
 
     @property
     def epoch(self) -> int:
         return self.term.epoch
-
-    def _params(self) -> dict:
-        return {"epoch": self.term.epoch, "instance": self.term.instance_id, "lock_pid": self.term.lock_pid,
-                "classid": self._key[0], "objid": self._key[1]}
 
     def _check_term(self) -> None:
         now = self._current()
@@ -97,492 +81,379 @@ class LeaderFence:
 
     def check(self, conn: Connection) -> None:
         self._check_term()
-        if conn.execute(sql(q.FENCE, self.schema), self._params()).first() is None:
+        if conn.execute(self._sql(q.FENCE), self._params).first() is None:
             raise NotLeader(f"epoch {self.term.epoch} is no longer the leader's")
 
     def check_writes(self, conn: Connection) -> None:
-        """Right before COMMIT: if the transaction wrote anything, prove the term (one statement;
-        none of it when nothing was written)."""
-        wrote, leads = conn.execute(sql(q.FENCE_WRITES, self.schema), self._params()).one()
-        if not wrote:
-            return
-        self._check_term()
-        if not leads:
-            raise NotLeader(f"epoch {self.term.epoch} is no longer the leader's")
+        """Right before COMMIT: if the transaction wrote anything, prove the term (one statement)."""
+        wrote, leads = conn.execute(self._sql(q.FENCE_WRITES), self._params).one()
+        if wrote:
+            self._check_term()
+            if not leads:
+                raise NotLeader(f"epoch {self.term.epoch} is no longer the leader's")
 
 
-class LockSession:
-    """One target's view of its database's :class:`~maintd.lockconn.LockConnection`: the advisory
-    lock of one schema (held, or tried for), its hand-over and ``periodic_jobs`` channels."""
+class Seat:
+    """A target's place in its database's election: the state its loop advances, the spread's
+    bookkeeping, and what the loop calls (``on_elected``, ``on_demoted``, ``poke``, ``on_health``,
+    ``on_writable``)."""
 
-    def __init__(self, settings: Settings, hosts: HostOrder | None = None,
-                 shared: LockConnection | None = None):
-        self.settings = settings
-        self.shared = shared or LockConnection(settings, hosts)
-        self.schema = settings.schema
-        self.classid, self.objid = advisory_key(settings.schema)
-        self._generation: int | None = None  # of the shared connection while attached
-        self._handover = threading.Event()  # a hand-over NOTIFY arrived
-        self._bell = threading.Event()  # wakes wait_for_handover (a NOTIFY, or ring())
-        # Called (from the thread that read it) with each NOTIFY on the periodic_jobs channel.
-        self.on_notify: Callable[[str], None] = lambda channel: None
-
-    @property
-    def open(self) -> bool:
-        return self._generation is not None and self._generation == self.shared.generation and self.shared.open
-
-    @property
-    def conn(self) -> psycopg.Connection | None:
-        return self.shared.conn if self.open else None
+    def __init__(self, settings: Settings, *, on_elected: Callable[[Term], None] = lambda term: None,
+                 on_demoted: Callable[[str], None] = lambda reason: None, log_name: str | None = None):
+        self.settings, self.name, self.schema = settings, settings.target_name, settings.schema
+        self.log_name, self.key = log_name, advisory_key(settings.schema)
+        self.statements = Statements(settings.schema)
+        self.psql = self.statements.psql
+        self.channels = {handover_channel(self.schema): True, periodic_channel(self.schema): False}
+        self.on_elected, self.on_demoted = on_elected, on_demoted
+        self.poke: Callable[[], None] = lambda: None
+        self.on_health: Callable[[bool], None] = lambda ok: None
+        self.on_writable: Callable[[bool], None] = lambda writable: None
+        self.state: State = Following()
+        self.loop: ElectionLoop | None = None
+        self.started = False  # the loop tries for it only once started (its schema checked)
+        self.keep_trying = True  # run-once: a term lost is not taken again
+        self.gate_at, self.notified, self.bump_waiting = 0.0, False, False
 
     @property
-    def server(self) -> tuple[str | None, int | None]:
-        return self.shared.server
+    def term(self) -> Term | None:
+        return leading_term(self.state)
 
-    def _channels(self) -> dict[str, Callable[[], None]]:
-        periodic = periodic_channel(self.schema)
-        return {handover_channel(self.schema): self._handed_over,
-                periodic: lambda: self.on_notify(periodic)}
-
-    def _handed_over(self) -> None:
-        self._handover.set()
-        self._bell.set()
-
-    def ring(self) -> None:
-        """Make a :meth:`wait_for_handover` in progress look at its ``stop`` and ``wake`` now."""
-        self._bell.set()
-
-    def _key(self, **extra: object) -> dict:
-        return {"classid": self.classid, "objid": self.objid, **extra}
-
-    def run(self, template: str, params: dict | None = None) -> tuple | None:
-        """One statement of this schema on the shared session; its first row."""
-        if self._generation is None:
-            raise psycopg.OperationalError("the lock session is not connected")
-        with self.shared.using(self._generation) as conn:
-            cur = conn.execute(psycopg_sql(template, self.schema), params or {})
-            return cur.fetchone() if cur.description else None
-
-    def keep_alive(self) -> float:
-        """See :meth:`LockConnection.keep_alive` (a follower that does not try the lock)."""
-        assert self._generation is not None
-        return self.shared.keep_alive(self._generation)
-
-    def connect(self, progress: Callable[[], None] = lambda: None) -> psycopg.Connection:
-        """Attach to the shared session, opening and checking it if needed; ``progress`` is called
-        once the server is reached (a multi-host URL may first spend a connect timeout on a
-        silent host)."""
-        if self._generation is not None:
-            self.close()
-        conn, self._generation = self.shared.attach(self._channels(), progress)
-        return conn
-
-    def try_lock(self) -> bool:
-        return bool(self.run(q.TRY_LOCK, self._key())[0])
-
-    def holds_lock(self) -> int | None:
-        """The server-side pid of this session when it holds the lock, else None; raises
-        :class:`LeaderSessionError` when the session is not the one we set up any more."""
-        held, ours, pid = self.run(q.HOLDS_LOCK, self._key(marker=self.shared.marker))
-        if not ours:
-            raise LeaderSessionError(f"the lock connection reached a session it did not set up {POOLER_HINT}")
-        return pid if held else None
-
-    def start_term(self, params: dict, deadline: float, stop: threading.Event,
-                   progress: Callable[[], None]) -> tuple[int, int, float]:
-        """Just after winning the lock: check the lock is ours, then bump the epoch, waiting
-        (bounded) for an old leader's in-flight fenced transactions. The wait is cut in slices of
-        ``BUMP_SLICE``, the shared session free in between: the other targets' renewals go on.
-        Returns (epoch, lock pid, when the successful attempt was sent)."""
-        lock_pid = self.holds_lock()
-        if lock_pid is None:
-            raise LeaderSessionError(f"the advisory lock is not visible in this backend {POOLER_HINT}")
-        waiting = False
-        while True:
-            sent = time.monotonic()
-            try:
-                assert self._generation is not None
-                with self.shared.using(self._generation) as conn, conn.transaction():
-                    conn.execute(f"SET LOCAL lock_timeout = {ms(self._bump_slice())}")
-                    conn.execute(psycopg_sql(q.LOCK_ROW, self.schema))
-                    epoch = conn.execute(psycopg_sql(q.BUMP_EPOCH, self.schema), params).fetchone()[0]
-                    return epoch, lock_pid, sent
-            except psycopg.errors.LockNotAvailable:
-                progress()
-                if time.monotonic() > deadline or stop.is_set():
-                    raise
-                if not waiting:
-                    log.info("waiting for the previous leader's transactions to end")
-                    waiting = True
-                time.sleep(0.01)  # the other targets' statements first
-
-    def _bump_slice(self) -> timedelta:
-        return min(self.settings.leader.renew_interval, BUMP_SLICE)
-
-    def renew(self, term: Term) -> bool:
-        """Prove the lock and the term (one statement); False when either is gone."""
-        held, ours, current = self.run(q.RENEW, self._key(marker=self.shared.marker, epoch=term.epoch,
-                                                         instance=term.instance_id))
-        if not ours:
-            raise LeaderSessionError(f"the lock connection reached a session it did not set up {POOLER_HINT}")
-        return bool(held and current)
-
-    def release(self, term: Term) -> None:
-        """Give the term and the lock back and wake the followers."""
-        self.run(q.RELEASE, {"epoch": term.epoch, "instance": term.instance_id})
-        self.run(q.UNLOCK, self._key())
-        self.run(q.HANDOVER_NOTIFY, {"channel": handover_channel(self.schema), "instance": term.instance_id})
-
-    def wait_for_handover(self, seconds: float, stop: threading.Event,
-                          wake: threading.Event | None = None, handover: bool = True) -> bool:
-        """Sleep up to ``seconds``, waking early on a hand-over NOTIFY (unless not ``handover``:
-        a leader ignores them), or on stop or when ``wake`` is set (at once after :meth:`ring`,
-        else within half a second); True when a hand-over NOTIFY ended it.
-        Notifications on the ``periodic_jobs`` channel go to :attr:`on_notify` meanwhile."""
-        deadline = time.monotonic() + seconds
-        if not handover:
-            self._handover.clear()
-        while not stop.is_set() and not (wake is not None and wake.is_set()):
-            if handover and self._handover.is_set():
-                self._handover.clear()
-                return True
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.open:
-                return False
-            self._bell.wait(min(left, 0.5))
-            self._bell.clear()  # the loop looks at what rang it
-        return False
-
-    def sever(self) -> None:
-        """From another thread: make a call blocked on a silent server fail now (every target
-        of the shared session reconnects)."""
-        self.shared.sever()
-
-    def silent(self) -> None:
-        """The server stopped answering: with a multi-host URL, try the others first."""
-        self.shared.silent()
-
-    def stuck_for(self) -> float:
-        """Seconds the shared session's statement in flight has waited for the server (a target
-        waiting for its turn is not stuck)."""
-        return self.shared.stuck_for()
-
-    def discard(self) -> None:
-        """The shared session is broken or not ours: close it (the server frees every lock it
-        held); every target on it reconnects."""
-        if self._generation is not None:  # never someone else's session
-            self.shared.close(self._generation)
-        self.close()
-
-    def close(self) -> None:
-        """Give up this target's lock and stop listening: the session is closed if no other
-        target uses it, else the lock is unlocked on it (and the session closed if that fails:
-        a lock is never kept without a term)."""
-        generation, self._generation = self._generation, None
-        if generation is None:
-            return
-        with self.shared.mutex:
-            if generation != self.shared.generation or not self.shared.open:
-                return  # closed already (the server freed the lock), views reattach to a new one
-            if self.shared.detach(list(self._channels())):
-                return
-            try:
-                with self.shared.using(generation) as conn, bounded_answer(conn, UNLOCK_ANSWER):
-                    for _ in range(MAX_STACKED):  # a session-level lock is taken once per success
-                        if not conn.execute(psycopg_sql(q.UNLOCK_HELD, self.schema), self._key()).fetchone()[0]:
-                            break
-                    for channel in self._channels():
-                        conn.execute(f"UNLISTEN {quote_ident(channel)}")
-            except (psycopg.Error, OSError) as exc:
-                log.warning("could not unlock on the shared lock session, closing it",
-                            extra=kv(error=describe_db_error(exc)))
-                self.shared.close()
-
-
-class LeaderElector:
-    """Runs in its own thread; calls ``on_elected(term)`` / ``on_demoted(reason)`` from it.
-
-    ``register``: keep this process's row in ``<schema>.daemons`` fresh (daemons do; ``run-once``
-    does not). ``keep_trying``: take a new term after losing one (daemons do; ``run-once`` not).
-    """
-
-    def __init__(self, settings: Settings, *, on_elected: Callable[[Term], None],
-                 on_demoted: Callable[[str], None], on_health: Callable[[bool], None] | None = None,
-                 register: bool = True, keep_trying: bool = True, hosts: HostOrder | None = None,
-                 shared: LockConnection | None = None, log_target: str | None = None):
-        self.settings = settings
-        self.on_elected = on_elected
-        self.on_demoted = on_demoted
-        self.on_health = on_health or (lambda ok: None)
-        self.keep_trying = keep_trying
-        self.log_target = log_target  # named in this thread's lines (several targets)
-        self.session = LockSession(settings, hosts, shared)
-        self.registry = DaemonRegistry(settings.schema, settings.instance_id, enabled=register)
-        self.term: Term | None = None
-        self.healthy = False
-        self.last_progress = time.monotonic()  # when the loop last went round (for /healthz)
-        self._ever_connected = False
-        self._stop = threading.Event()
-        self._demote_requested: tuple[str, int | None] | None = None
-        self._hold_off_until = 0.0
-        # Consulted before each try for the lock (several targets: the spread's gate, see
-        # maintd.spread), told whether a hand-over NOTIFY arrived since it was last asked: 0 tries
-        # now, else the round waits that many seconds (or a hand-over).
-        self.gate: Callable[[bool], float] = lambda notified: 0.0
-        self._notified = False  # a hand-over NOTIFY ended the last wait
-        self._wake = threading.Event()  # ask the gate again now (see wake())
-        # After each try the gate let through, with whether it won.
-        self.tried: Callable[[bool], None] = lambda won: None
-        self._lock = threading.RLock()
-        self._thread: threading.Thread | None = None
-
-    # -- public API -------------------------------------------------------------------------
     @property
     def is_leader(self) -> bool:
         return self.term is not None
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def lease_valid(self) -> bool:
-        """Whether our lease can still be trusted (checked before and inside every pass)."""
-        term = self.term
-        return term is not None and term.trusted()
 
     def fence(self) -> LeaderFence:
         term = self.term
         if term is None:
             raise NotLeader("not the leader")
-        return LeaderFence(self.settings.schema, term, lambda: self.term)
+        return LeaderFence(self.schema, term, lambda: self.term, self.statements.sql)
 
+    def next_due(self) -> float:
+        """When the loop must look at this target again (monotonic)."""
+        waiting = isinstance(self.state, Following) and self.state.won_at is None
+        if waiting and not self.started:
+            return math.inf
+        return max(due(self.state), self.gate_at) if waiting else due(self.state)
+
+    def request(self, req: Request) -> None:
+        if self.loop is not None:
+            self.loop.request(self, req)
+
+    def effect(self, effect: Elected | Demoted | None, was: Term | None) -> None:
+        with about_target(self.log_name):
+            if isinstance(effect, Elected):
+                self.bump_waiting = False
+                log.info("became leader", extra=kv(epoch=effect.term.epoch, instance=effect.term.instance_id))
+                self.on_elected(effect.term)
+            elif isinstance(effect, Demoted):
+                if effect.reason != "shutdown":
+                    log.warning("lost leadership", extra=kv(reason=effect.reason, epoch=was and was.epoch))
+                self.started = self.started and self.keep_trying
+                self.on_demoted(effect.reason)
+
+
+class ElectionLoop:
+    """The elections of every target of one database, in one thread. ``register``: write each
+    target's ``daemons`` row at connect (daemons do; ``run-once`` does not)."""
+
+    def __init__(self, settings: Settings, seats: Sequence[Seat], hosts: HostOrder, *,
+                 spread: "Spread | None" = None, register: bool = True):
+        self.settings, self.targets, self.spread, self.register = settings, list(seats), spread, register
+        self.session = LockSession(settings, hosts, self._notified)
+        self.healthy, self.writable = False, True
+        self.replicas: tuple[str, ...] | None = None  # the live replicas, as last read
+        self.last_progress = time.monotonic()  # when the loop last went round (for /healthz)
+        self._by_channel = {channel: (seat, handover) for seat in self.targets
+                            for channel, handover in seat.channels.items()}
+        for seat in self.targets:
+            seat.loop = self
+        self._requests: queue.SimpleQueue[tuple[Seat, Request | Notified]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._stopping = self._ever_connected = False
+        self._read_at = -math.inf
+        self._thread: threading.Thread | None = None
+        cfg = settings.leader
+        self.timing = Timing(renew=cfg.renew_interval.total_seconds(), trust=(cfg.lease - cfg.renew_interval).total_seconds(),
+                             bump_deadline=3 * cfg.lease.total_seconds(), retry=cfg.retry_interval.total_seconds())
+
+    # -- from other threads ------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self.run, name="maintd-leader", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="maintd-election", daemon=True)
         self._thread.start()
 
-    def request_demotion(self, reason: str, epoch: int | None = None, hold_off: float = 0.0,
-                         graceful: bool = False) -> None:
-        """Ask the elector thread to give up leadership (e.g. a pass found itself fenced).
-        With ``epoch``, only that term is given up (a late report about an old term is ignored).
-        ``hold_off``: seconds not to try for the lock again (a healthier replica goes first).
-        ``graceful``: release the lock and wake the followers, keeping the session (a hand-over
-        of a working leadership); else the session is closed, which frees the lock."""
-        self._hold_off_until = time.monotonic() + hold_off
-        self._demote_requested = (reason, epoch, graceful)
-        self._wake.set()  # a leader waiting to renew acts on it now
-        self.session.ring()
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def request(self, seat: Seat, event: Request | Notified) -> None:
+        self._requests.put((seat, event))
+        self.wake()
 
     def wake(self) -> None:
-        """A follower waiting for its gate asks it again now: the spread made this replica the
-        target's owner."""
-        self._wake.set()
-        self.session.ring()
-
-    def update_settings(self, settings: Settings) -> None:
-        self.settings = settings
-        self.session.settings = settings
+        try:
+            os.write(self._wake_w, b".")
+        except OSError:  # pragma: no cover - a full pipe is awake already
+            pass
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Graceful: release the lock, tell followers, close the session (done by the thread)."""
-        self._stop.set()
-        self.session.ring()
+        """Graceful: every lock released, the followers woken, the session closed (by the thread)."""
+        self._stopping = True
+        for seat in self.targets:
+            self.request(seat, Request("stop", "shutdown"))
         if self._thread is not None:
             self._thread.join(timeout)
-        elif self.session.open:
-            self._release()
-
-    def connect(self) -> None:
-        """Open (and check) the lock session; raises :class:`LeaderSessionError` for a pooler
-        that cannot keep a session, database errors otherwise."""
-        conn = self.session.connect(progress=self._progress)
-        server = conn.info.server_version
-        if self._ever_connected:
-            log.info("reconnected to database")
-        else:
-            log.info("connected to database", extra=kv(server_version=server))
-            if server < 140000:
-                log.warning("PostgreSQL before 14 has no idle_session_timeout: a frozen leader keeps "
-                            "the lock until its TCP connection dies (fencing still prevents writes)")
-        self._ever_connected = True
-        self._set_health(True)
-        self.registry.register(self.session.run)
-
-    def acquire(self, wait: float) -> LeaderFence | None:
-        """For ``run-once``: take the lock (trying for up to ``wait`` s), then keep renewing it in
-        the thread until :meth:`stop`. None if another instance holds it."""
-        deadline = time.monotonic() + wait
-        self.connect()
-        while True:
-            self._follow(wait=False)
-            if self.term is not None:
-                fence = self.fence()
-                self.start()
-                return fence
-            if time.monotonic() >= deadline:
-                self.session.close()
-                return None
-            self._stop.wait(min(0.2, max(0.0, deadline - time.monotonic())))
-
-    # -- the loop ---------------------------------------------------------------------------
-    def run(self) -> None:
-        with about_target(self.log_target):
-            self._loop()
-
-    def _loop(self) -> None:
-        delay = BACKOFF_START
-        while not self._stop.is_set():
-            self.last_progress = time.monotonic()
-            if self.term is None and not self.keep_trying:
-                break  # run-once: the term ended, do not take another one
+        elif self.session.open:  # run-once's, without a thread
             try:
-                if not self.session.open:
-                    self.connect()
-                    delay = BACKOFF_START
-                if self.term is None:
-                    self._follow()
-                else:
-                    self._lead()
-            except SessionClosed:  # another target found the shared session broken (and said so)
-                self._end_term("the lock session was closed")
-            except LeaderSessionError as exc:
-                log.error("%s", exc)
-                self.session.discard()
-                self._end_term(f"unusable lock session: {exc}")
-                self._set_health(False)
-                self._stop.wait(BACKOFF_CAP)
-            except psycopg.errors.InsufficientPrivilege as exc:  # a grant problem, not an outage
-                error = describe_db_error(exc)
-                log.error("missing privilege: %s (grant what `maintd grants ROLE` prints, as the "
-                          "owner role)", error, extra=kv(error=error))
-                self._end_term(f"missing privilege: {error}")
-                self._set_health(False)
-                self._stop.wait(BACKOFF_CAP)
-            except (psycopg.Error, OSError) as exc:
-                error = describe_db_error(exc)
-                if isinstance(exc, (psycopg.OperationalError, OSError)):
-                    self.session.silent()
-                    self.session.discard()  # broken for every target on it
-                self._end_term(f"database error: {error}")
-                self._set_health(False)
-                sleep = min(BACKOFF_CAP, delay) * random.uniform(0.7, 1.3)
-                log.warning("database unreachable, retrying in %.1fs", sleep, extra=kv(error=error))
-                self._stop.wait(sleep)
-                delay = min(BACKOFF_CAP, delay * 2)
-        self._release()
-
-    def _follow(self, wait: bool = True) -> None:
-        """One follower round: try the lock; on a win, start a term; else wait for a retry."""
-        retry = self.settings.leader.retry_interval.total_seconds()
-        pause = self._hold_off_until - time.monotonic()  # stepped down for a reason: others first
-        if pause <= 0:
-            pause, self._notified = self.gate(self._notified), False
-        if pause > 0:
-            self._wake.clear()
-            self._notified |= self.session.wait_for_handover(min(pause, self.session.keep_alive()),
-                                                             self._stop, self._wake)
-            return
-        won = False
-        try:
-            won = self._try_for_term()
-        finally:
-            self.tried(won)
-        if not won and wait:
-            self._notified |= self.session.wait_for_handover(retry, self._stop)
-
-    def _try_for_term(self) -> bool:
-        """Try the lock; on a win, start a term (and the services). False when the lock is taken."""
-        if not self.session.try_lock():
-            return False
-        cfg, s = self.settings.leader, self.settings
-        try:
-            epoch, lock_pid, sent = self.session.start_term(
-                {"instance": s.instance_id, "host": self.registry.host, "pid": os.getpid()},
-                deadline=time.monotonic() + cfg.lease.total_seconds() * 3, stop=self._stop,
-                progress=self._progress)
-        except BaseException:
-            self.session.close()  # never keep the lock without a term
-            raise
-        self._demote_requested = None
-        self.term = Term(epoch, lock_pid, s.instance_id, sent + self._trust())
-        log.info("became leader", extra=kv(epoch=epoch, instance=s.instance_id))
-        try:
-            self.on_elected(self.term)
-        except Exception as exc:  # never hold the lock without running
-            log.error("could not start the services, stepping down", extra=kv(error=str(exc)))
-            self._end_term("services failed to start")
-        return True
-
-    def _lead(self) -> None:
-        """One leader round: give the term up if asked or untrusted, else wait for the next proof
-        (``renew_interval`` after the previous one was sent, however long that took) and send it."""
-        term = self.term
-        assert term is not None
-        requested, self._demote_requested = self._demote_requested, None
-        if requested and requested[1] in (None, term.epoch):
-            if requested[2]:
-                return self._release(requested[0], close=False)
-            return self._end_term(requested[0])
-        if not term.trusted():
-            return self._end_term("lease expired before it could be renewed")
-        last_sent = term.trusted_until - self._trust()
-        due = last_sent + self.settings.leader.renew_interval.total_seconds() - time.monotonic()
-        if due > 0:  # listening meanwhile: a periodic_jobs change is passed on at once
-            self._wake.clear()
-            self.session.wait_for_handover(due, self._stop, self._wake, handover=False)
-        if self._stop.is_set() or self.term is not term or self._demote_requested:
-            return None
-        sent = time.monotonic()
-        if not self.session.renew(term):
-            return self._end_term("advisory lock no longer held or another instance took a newer term")
-        self.term = dataclasses.replace(term, trusted_until=sent + self._trust())
-        return None
-
-    def _trust(self) -> float:
-        cfg = self.settings.leader
-        return (cfg.lease - cfg.renew_interval).total_seconds()
-
-    def _progress(self) -> None:
-        self.last_progress = time.monotonic()
-
-    def _end_term(self, reason: str) -> None:
-        """Lose the term (if any) and give the lock up (see :meth:`LockSession.close`)."""
-        with self._lock:
-            term, self.term = self.term, None
-        if term is not None:
-            log.warning("lost leadership", extra=kv(reason=reason, epoch=term.epoch))
-            self.on_demoted(reason)
+                self.round()
+            except (psycopg.Error, OSError):
+                pass
         self.session.close()
 
-    def _release(self, reason: str = "shutdown", close: bool = True) -> None:
-        """Give the lock back and wake the followers: at a graceful stop (and close the session),
-        or at a hand-over (the session stays, unless the release failed)."""
-        with self._lock:
-            term, self.term = self.term, None
-        if term is not None:
-            self.on_demoted(reason)
-        if self.session.open and term is not None:
+    # -- the loop ------------------------------------------------------------------------------------
+    def run(self) -> None:
+        delay = BACKOFF_START
+        while not (self._stopping and all(isinstance(t.state, Following) and t.state.won_at is None
+                                          for t in self.targets)):
+            self.last_progress = time.monotonic()
             try:
-                self.session.release(term)
-                log.info("released leadership", extra=kv(epoch=term.epoch, reason=reason))
-            except psycopg.Error as exc:
-                log.warning("could not release leadership cleanly (the session end frees it)",
-                            extra=kv(error=describe_db_error(exc)))
-                close = True
-        if close:
-            self.session.close()
+                if not self.session.open:
+                    if self._stopping:
+                        break
+                    self.connect()
+                    delay = BACKOFF_START
+                self.round()
+                self._sleep(min([self._read_at + REFRESH] + [t.next_due() for t in self.targets]))
+            except Exception as exc:  # the loop survives anything a round meets
+                delay = self._failed(exc, delay)
+        self.session.close()
 
-    def _set_health(self, ok: bool) -> None:
-        self.healthy = ok
-        self.on_health(ok)
+    def _failed(self, exc: Exception, delay: float) -> float:
+        """Every lock is gone with the session; say why, and wait before reconnecting."""
+        error = describe_db_error(exc)
+        self.session.close()
+        self._lose(f"database error: {error}" if isinstance(exc, psycopg.Error) else str(exc))
+        self._set(healthy=False)
+        sleep = BACKOFF_CAP
+        if isinstance(exc, LeaderSessionError):
+            log.error("unusable lock session", extra=kv(error=error))
+        elif isinstance(exc, psycopg.errors.InsufficientPrivilege):
+            log.error("missing privilege: grant what `maintd grants ROLE` prints, as the owner role", extra=kv(error=error))
+        elif isinstance(exc, (psycopg.Error, OSError)):
+            sleep = min(BACKOFF_CAP, delay) * random.uniform(0.7, 1.3)
+            what = "database unreachable" if transient(exc) else "database refused the lock session"
+            log.warning(f"{what}, retrying", extra=kv(seconds=round(sleep, 1), error=error))
+        else:
+            log.exception("election loop error", extra=kv(error=error))
+        self._sleep(time.monotonic() + sleep, session=False)
+        return min(BACKOFF_CAP, delay * 2)
+
+    def connect(self) -> None:
+        """Open (and check) the lock session, LISTEN on every target's channels, register."""
+        conn = self.session.connect(list(self._by_channel))
+        version = conn.info.server_version
+        log.info("reconnected to database" if self._ever_connected else "connected to database",
+                 extra=kv(server_version=version))
+        if version < 140000 and not self._ever_connected:
+            log.warning("PostgreSQL before 14 has no idle_session_timeout: a frozen leader keeps "
+                        "the lock until its TCP connection dies (fencing still prevents writes)")
+        self._ever_connected = True
+        for seat in self.targets if self.register else []:
+            self._try(seat, lambda s: DaemonRegistry(s.schema, self.settings.instance_id).register(
+                lambda template, params: self.session.run(s.psql(template), params)), "could not register")
+        self._set(healthy=True)
+        self._read_at = -math.inf
+
+    def round(self) -> None:
+        """Requests, then one statement with every try, proof and unlock due, then the bumps and
+        releases; again at once while a won lock waits for its bump. A round that fails closes
+        the session (the server frees its locks): no lock is kept in an unknown state."""
+        try:
+            while self._round():
+                pass
+        except BaseException:
+            self.session.close()
+            raise
+
+    def _round(self) -> bool:
+        now = time.monotonic()
+        while not self._requests.empty():
+            seat, event = self._requests.get_nowait()
+            seat.notified = seat.notified or isinstance(event, Notified)
+            seat.gate_at = 0.0 if isinstance(event, Notified) else seat.gate_at
+            self._apply(seat, event, now)
+        sends: dict[str, list[Seat]] = {"try": [], "renew": [], "unlock": [], "bump": [], "release": []}
+        for seat in self.targets:
+            send = self._apply(seat, Round(self._gate(seat, now)), now)
+            if send is not None:
+                sends[send].append(seat)
+        if sends["try"] or sends["renew"] or sends["unlock"]:
+            won, held, sent = self.session.round_trip(*([s.key for s in sends[k]] for k in ("try", "renew", "unlock")))
+            for seat, event in [*((s, Tried(w)) for s, w in zip(sends["try"], won)),
+                                *((s, Renewed(h, sent)) for s, h in zip(sends["renew"], held)),
+                                *((s, Released()) for s in sends["unlock"])]:
+                if isinstance(event, Tried) and not event.won and self.spread is not None:
+                    self.spread.tried(seat.name, False)
+                self._apply(seat, event, time.monotonic())
+        for seat in sends["bump"]:
+            self._bump(seat)
+        for seat in sends["release"]:
+            self._release(seat)
+        self._refresh()
+        return any(isinstance(s.state, Following) and s.state.won_at is not None for s in sends["try"])
+
+    def _apply(self, seat: Seat, event: object, now: float) -> str | None:
+        was = seat.term
+        result: Step = step(seat.state, event, now, self.timing, self.settings.instance_id)
+        seat.state = result.state
+        seat.effect(result.effect, was)
+        return result.send
+
+    def _gate(self, seat: Seat, now: float) -> bool:
+        """Whether a follower may try now: its state would, and so does the spread."""
+        s = seat.state
+        if not (seat.started and isinstance(s, Following) and s.won_at is None and now >= max(due(s), seat.gate_at)):
+            return False
+        wait = 0.0 if self.spread is None else self.spread.gate(seat.name, seat.notified)
+        seat.notified, seat.gate_at = False, now + wait
+        return wait <= 0
+
+    def _bump(self, seat: Seat) -> None:
+        params = {"instance": self.settings.instance_id, "host": socket.gethostname(), "pid": os.getpid()}
+        try:
+            event: object = Bumped(*self.session.bump(seat.key, seat.psql, params, BUMP_SLICE_MS))
+        except psycopg.errors.LockNotAvailable:
+            if not seat.bump_waiting:
+                with about_target(seat.log_name):
+                    log.info("waiting for the previous leader's transactions to end")
+            seat.bump_waiting, event = True, BumpBlocked()
+        except psycopg.Error as exc:
+            if isinstance(exc, psycopg.OperationalError):
+                raise
+            with about_target(seat.log_name):
+                log.error("could not start a term", extra=kv(error=describe_db_error(exc)))
+            event = BumpFailed(describe_db_error(exc))
+        if self.spread is not None and not isinstance(event, BumpBlocked):
+            self.spread.tried(seat.name, isinstance(event, Bumped))
+        self._apply(seat, event, time.monotonic())
+
+    def _release(self, seat: Seat) -> None:
+        """A graceful release: the term ended in ``leader`` (if the row can still be written), the
+        lock given back, the followers woken."""
+        term, reason = seat.state.term, seat.state.reason
+        self._try(seat, lambda s: self.session.run(s.psql(q.RELEASE), {"epoch": term.epoch, "instance": term.instance_id}),
+                  "could not record the release")
+        self.session.round_trip([], [], [seat.key])
+        self.session.run(seat.psql(q.HANDOVER_NOTIFY), {"channel": handover_channel(seat.schema), "instance": term.instance_id})
+        with about_target(seat.log_name):
+            log.info("released leadership", extra=kv(epoch=term.epoch, reason=reason))
+        self._apply(seat, Released(), time.monotonic())
+
+    def _try(self, seat: Seat, statement: Callable[[Seat], object], failed: str) -> bool:
+        """A statement on one target's tables: its failure (a schema gone) is that target's."""
+        try:
+            statement(seat)
+            return True
+        except psycopg.Error as exc:
+            if isinstance(exc, psycopg.OperationalError):
+                raise
+            with about_target(seat.log_name):
+                log.debug(failed, extra=kv(error=describe_db_error(exc)))
+            return False
+
+    def _lose(self, reason: str) -> None:
+        for seat in self.targets:
+            self._apply(seat, Lost(reason), time.monotonic())
+
+    def _refresh(self) -> None:
+        """Every REFRESH s, one statement: the live replicas (the spread's R, from the first target
+        whose schema answers) and whether the server takes writes. It also keeps the session from
+        looking idle, so ``idle_session_timeout`` ends it only when this process is frozen or cut off."""
+        if time.monotonic() - self._read_at < REFRESH:
+            return
+        self._read_at = time.monotonic()
+        for seat in self.targets:
+            rows: list = []
+            if self._try(seat, lambda s: rows.extend(self.session.run(s.psql(q_daemons.REFRESH))), "could not read"):
+                self.replicas = tuple(rows[0][1])
+                break
+        else:
+            rows = self.session.run(q.WRITABLE)
+        self._set(writable=bool(rows[0][0]))
+        if self.spread is not None:
+            self.spread.refresh()
+
+    def _sleep(self, until: float, session: bool = True) -> None:
+        """Until ``until`` (monotonic), a request, or (``session``) what the server sends: NOTIFYs
+        read at once, or its goodbye (raises)."""
+        if not self._requests.empty():
+            return
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        if session and self.session.open:
+            poller.register(self.session.conn.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+        for fd, _ in poller.poll(max(0.0, min(until - time.monotonic(), 60.0)) * 1000):
+            if fd == self._wake_r:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            else:
+                self.session.drain()
+
+    def _notified(self, channel: str) -> None:
+        seat, handover = self._by_channel.get(channel, (None, False))
+        if seat is not None and handover:  # applied at the next round's start, not amid this one
+            self._requests.put((seat, Notified()))
+        elif seat is not None:
+            seat.poke()
+
+    def _set(self, *, healthy: bool | None = None, writable: bool | None = None) -> None:
+        if writable is not None and writable != self.writable:
+            log.warning("database takes writes again: maintenance resumed" if writable
+                        else "database is read-only: maintenance paused")
+        for seat in self.targets:
+            if healthy is not None:
+                seat.on_health(healthy)
+            if writable is not None:
+                seat.on_writable(writable)
+        self.healthy = self.healthy if healthy is None else healthy
+        self.writable = self.writable if writable is None else writable
+
+
+class Held:
+    """``run-once``'s hold on one target's lock, renewed by a loop thread until :meth:`stop`
+    releases it; a term lost is not taken again."""
+
+    def __init__(self, loop: ElectionLoop, seat: Seat):
+        self.loop, self.seat = loop, seat
+
+    @property
+    def is_leader(self) -> bool:
+        return self.seat.is_leader
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.loop.stop(timeout)
 
 
 def acquire_once(settings: Settings, wait: float = 0.0, *,
-                 on_demoted: Callable[[str], None] | None = None) -> tuple[LeaderElector, LeaderFence] | None:
-    """For ``run-once``: the lock (waiting up to ``wait`` s), renewed in a thread until
-    ``elector.stop()`` releases it; a lost term is never re-taken. None if another instance holds
-    it. Database errors while connecting propagate."""
-    elector = LeaderElector(settings, on_elected=lambda term: None,
-                            on_demoted=on_demoted or (lambda reason: None), register=False,
-                            keep_trying=False)
-    fence = elector.acquire(wait)
-    return None if fence is None else (elector, fence)
+                 on_demoted: Callable[[str], None] | None = None) -> tuple[Held, LeaderFence] | None:
+    """For ``run-once``: the lock (trying for up to ``wait`` s), renewed in a thread until
+    ``held.stop()``. None if another instance holds it. Database errors while connecting propagate."""
+    seat = Seat(settings, on_demoted=on_demoted or (lambda reason: None))
+    seat.keep_trying = False
+    loop = ElectionLoop(settings, [seat], HostOrder(settings.database_url.get_secret_value()), register=False)
+    loop.connect()
+    seat.started = True
+    deadline = time.monotonic() + wait
+    loop.round()
+    while seat.term is None and time.monotonic() < deadline:
+        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        loop.round()
+    if seat.term is None:
+        loop.stop()
+        return None
+    loop.start()
+    return Held(loop, seat), seat.fence()

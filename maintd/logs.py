@@ -1,6 +1,12 @@
-"""Logging: ``text`` (``ts level logger message key=value``) or ``json`` lines, password-safe.
+r"""Logging: ``text`` (``ts level logger message key=value``) or ``json`` lines, password-safe.
 
 Structured fields go through ``extra={"fields": {...}}`` and are rendered as ``key=value``.
+Messages are fixed text; data (a queue name, an error from the server) goes in fields. In text
+format every value is escaped: a control character (newline, ESC, a C1 code such as CSI, a line
+separator) is written as ``\n`` or ``\x1b``, a value with a space, ``=``, ``"`` or ``\`` is
+quoted, so no value can forge a line or drive a terminal; messages get the same escapes (without
+the quotes). Long values are cut (:data:`MAX_VALUE` characters, lists :data:`MAX_ITEMS` items)
+with a count of what was left out, in both formats.
 """
 
 from __future__ import annotations
@@ -8,12 +14,16 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import unicodedata
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import datetime, timezone
 
 from .config import redact_dsn
+
+MAX_VALUE = 1000  # characters of one field value (or a message) written
+MAX_ITEMS = 20  # items of a list (tuple, set) field written
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
@@ -60,17 +70,49 @@ class _TargetFilter(logging.Filter):
         return True
 
 
+def _escape_char(c: str) -> str:
+    if c in "\\\"":
+        return "\\" + c
+    if c in "\n\r\t":
+        return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}[c]
+    if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp"):  # controls, bidi overrides, separators
+        return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+    return c
+
+
+def escape(s: str) -> str:
+    """``s`` with every control or format character escaped (for a message: quotes and
+    backslashes stay as they are)."""
+    if s.isprintable():
+        return s
+    return "".join(c if c in "\\\"" else _escape_char(c) for c in s)
+
+
+def clip(v: object) -> object:
+    """A value cut to :data:`MAX_VALUE` characters or :data:`MAX_ITEMS` items, saying how much
+    was left out (a list of 100,000 queues must not make a megabyte line)."""
+    if isinstance(v, (list, tuple, set, frozenset)):
+        items = sorted(v, key=str) if isinstance(v, (set, frozenset)) else list(v)
+        shown = ",".join(str(x) for x in items[:MAX_ITEMS])
+        v = shown + (f",... (+{len(items) - MAX_ITEMS} more)" if len(items) > MAX_ITEMS else "")
+    if isinstance(v, str) and len(v) > MAX_VALUE:
+        return v[:MAX_VALUE] + f"... (+{len(v) - MAX_VALUE} characters)"
+    return v
+
+
 def _fmt_value(v: object) -> str:
-    s = str(v)
-    return json.dumps(s) if (not s or any(c in s for c in ' ="')) else s
+    s = str(clip(v))
+    if s and s.isprintable() and not any(c in s for c in ' ="\\'):
+        return s
+    return '"' + "".join(_escape_char(c) if c != " " else c for c in s) + '"'
 
 
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ts = datetime.fromtimestamp(record.created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         ts = ts[:-4] + "Z"
-        msg = record.getMessage()
-        extra = " ".join(f"{k}={_fmt_value(v)}" for k, v in _fields(record).items())
+        msg = escape(str(clip(record.getMessage())))
+        extra = " ".join(f"{escape(str(k))}={_fmt_value(v)}" for k, v in _fields(record).items())
         line = f"{ts} {record.levelname.lower():<7} {msg}" + (f" {extra}" if extra else "")
         if record.exc_info and record.levelno >= logging.ERROR and logging.getLogger("maintd").isEnabledFor(logging.DEBUG):
             line += "\n" + self.formatException(record.exc_info)
@@ -83,10 +125,10 @@ class JsonFormatter(logging.Formatter):
             "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": clip(record.getMessage()),
         }
         for k, v in _fields(record).items():
-            out.setdefault(k, v if isinstance(v, (int, float, bool)) or v is None else str(v))
+            out.setdefault(k, v if isinstance(v, (int, float, bool)) or v is None else str(clip(v)))
         if record.exc_info and logging.getLogger("maintd").isEnabledFor(logging.DEBUG):
             out["exception"] = self.formatException(record.exc_info)
         return redact_dsn(json.dumps(out, default=str))

@@ -6,17 +6,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the HTTP server)
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 
 from .db import describe_db_error
 from .logs import kv
-from .queries import FINAL_STATES, JOB_STATES, jobs, sql
+from .queries import FINAL_STATES, JOB_STATES, catalog, jobs, sql
 
-__all__ = ["CONTENT_TYPE_LATEST", "JobGauges", "Metrics", "RUN_BUCKETS", "job_counts"]
+__all__ = ["CONTENT_TYPE_LATEST", "JobCounts", "JobGauges", "Metrics", "RUN_BUCKETS", "job_counts"]
 
 log = logging.getLogger("maintd.metrics")
 
@@ -103,6 +104,9 @@ class Metrics:
         self.oldest_available_age = bound(Gauge, "maintd_oldest_available_job_age_seconds",
                                           "Age of the oldest available job per queue.", ("queue",))
         self.up = bound(Gauge, "maintd_database_up", "1 while the daemon's database connection is healthy.")
+        self.writable = bound(Gauge, "maintd_database_writable", "1 while the database takes writes "
+                              "(0: a standby, or a primary set read-only; maintenance is paused).")
+        self.writable.set(1)
         # Table health (SPEC 8.2), set by the leader from maintd.health's read of its database.
         self.xmin_horizon_age_seconds = bound(
             Gauge, "maintd_xmin_horizon_age_seconds", "Age of the oldest holder of the xmin horizon of the "
@@ -172,6 +176,52 @@ def oldest_available(conn: Any, schema: str) -> dict[str, float]:
 
 
 OTHER = "_other"  # the queues past metrics.max_queues, summed
+RESULT_KEYS = 100  # entries of a per-queue count kept in a recorded pass result (service_runs)
+
+
+def top_with_other(counts: dict[str, Any], keep: int) -> dict[str, Any]:
+    """The ``keep`` largest entries of ``counts`` and, when there were more, the rest summed
+    under ``_other``: bounded size for 100,000 queues, the total unchanged."""
+    if len(counts) <= keep:
+        return dict(counts)
+    ranked = sorted(counts, key=lambda k: (-counts[k], k))
+    out = {k: counts[k] for k in ranked[:keep]}
+    out[OTHER] = out.get(OTHER, 0) + sum(counts[k] for k in ranked[keep:])
+    return out
+
+
+def bounded_jobs(figures: dict[str, Any], keep: int) -> dict[str, Any]:
+    """The rows of the ``keep`` queues with the most jobs, the others summed under ``_other``
+    (per state; their oldest age is the oldest of theirs)."""
+    rows, oldest = figures["jobs"], figures.get("oldest_available_age_seconds", {})
+    totals: dict[str, int] = {q: 0 for q in oldest}
+    for r in rows:
+        totals[r["queue"]] = totals.get(r["queue"], 0) + r["count"]
+    if len(totals) <= keep:
+        return figures
+    kept = set(sorted(totals, key=lambda q: (-totals[q], q))[:keep])
+    summed: dict[tuple[str, str], int] = {}
+    for r in rows:
+        key = (r["queue"] if r["queue"] in kept else OTHER, r["state"])
+        summed[key] = summed.get(key, 0) + r["count"]
+    ages: dict[str, float] = {}
+    for q, age in oldest.items():
+        name = q if q in kept else OTHER
+        ages[name] = age if ages.get(name) is None else max(ages[name], age if age is not None else 0.0)
+    note = f"{len(totals)} queues: the {keep} with the most jobs shown, the other {len(totals) - keep} as {OTHER}"
+    ordered = sorted(summed.items(), key=lambda kv: (kv[0][0], JOB_STATES.index(kv[0][1])))
+    return {**figures, "jobs": [{"queue": q, "state": s, "count": n} for (q, s), n in ordered],
+            "oldest_available_age_seconds": ages,
+            "jobs_note": "; ".join(filter(None, (figures.get("jobs_note"), note)))}
+
+
+def bounded_result(result: Any, keep: int = RESULT_KEYS) -> Any:
+    """A pass result (``as_dict``) whose per-key counts (``promoted`` by queue) hold at most
+    ``keep`` entries plus ``_other``, for ``service_runs`` and ``/status``."""
+    if not isinstance(result, dict):
+        return result
+    return {k: top_with_other(v, keep) if isinstance(v, dict) and len(v) > keep
+            and all(isinstance(n, (int, float)) for n in v.values()) else v for k, v in result.items()}
 
 
 def finite_age(age: float | None) -> float:
@@ -181,10 +231,24 @@ def finite_age(age: float | None) -> float:
     return max(0.0, age)
 
 
+@dataclass(frozen=True)
+class JobCounts:
+    """What the leader counted last, for ``/status``: jobs by queue and state (live states as of
+    ``live_at``, final ones as of ``final_at``, database times) and the oldest available job's
+    age per queue."""
+
+    rows: list[dict[str, Any]]
+    oldest: dict[str, float]
+    live_at: Any
+    final_at: Any = None
+    note: str | None = None  # how many queues were summed as _other
+
+
 class JobGauges:
     """``maintd_jobs`` and the backlog age, refreshed by the leader every ``INTERVAL`` seconds.
     Live states are cheap (partial indexes); the per-queue counts of final states read the heap,
-    so they are refreshed every ``FINAL_INTERVAL`` seconds only."""
+    so they are refreshed every ``FINAL_INTERVAL`` seconds only. The last counts stay in memory
+    (:attr:`counts`) for ``/status``, which never counts itself (SPEC 8.5)."""
 
     INTERVAL = 15.0
     FINAL_INTERVAL = 300.0
@@ -193,15 +257,14 @@ class JobGauges:
     def __init__(self, metrics: Metrics):
         self.metrics = metrics
         self._final_counted_at = float("-inf")
-        # The last counts of waiting and running jobs, (queue, state, n), and when (monotonic):
-        # the health history's depth (maintd.history) reuses them instead of counting again.
-        self.live: tuple[list[tuple[str, str, int]], float] | None = None
+        self.counts: JobCounts | None = None  # None: not leading, or not counted yet
+        self._final_rows: dict[tuple[str, str], int] = {}
 
     def clear(self) -> None:
         self.metrics.jobs.clear()
         self.metrics.oldest_available_age.clear()
         self._final_counted_at = float("-inf")
-        self.live = None
+        self.counts, self._final_rows = None, {}
 
     def refresh(self, engine: Engine, schema: str, *, still_leading: Callable[[], bool] = lambda: True,
                 lock: Any = None, final: bool | None = None) -> None:
@@ -211,8 +274,9 @@ class JobGauges:
             final = now - self._final_counted_at >= self.FINAL_INTERVAL
         try:
             with engine.connect() as conn:
-                conn.exec_driver_sql(f"SET LOCAL statement_timeout = {self.TIMEOUT_MS}")
+                conn.execute(text(catalog.SET_LOCAL), {"name": "statement_timeout", "value": str(self.TIMEOUT_MS)})
                 counts, oldest = job_counts(conn, schema, final=final), oldest_available(conn, schema)
+                at = conn.exec_driver_sql("SELECT now()").scalar_one()
         except Exception as exc:
             log.debug("could not refresh job gauges", extra=kv(error=describe_db_error(exc)))
             return
@@ -220,12 +284,23 @@ class JobGauges:
             if not still_leading():  # leadership ended meanwhile: followers export no job gauges
                 return
             self.apply(counts, oldest, final=final)
+            self._remember(counts, oldest, at, final)
         if final:
             self._final_counted_at = now
 
+    def _remember(self, counts: list[dict[str, Any]], oldest: dict[str, float], at: Any, final: bool) -> None:
+        if final:  # until the next count of final states (compact: 100,000 queues may have rows)
+            self._final_rows = {(r["queue"], r["state"]): r["count"] for r in counts if r["state"] in FINAL_STATES}
+        live = [r for r in counts if r["state"] not in FINAL_STATES]
+        finished = [{"queue": q, "state": s, "count": n} for (q, s), n in self._final_rows.items()]
+        rows = sorted(live + finished, key=lambda r: (r["queue"], JOB_STATES.index(r["state"])))
+        final_at = at if final else (self.counts.final_at if self.counts else None)
+        # Kept as /status shows them: the max_queues largest queues and _other (bounded memory).
+        shown = bounded_jobs({"jobs": rows, "oldest_available_age_seconds": oldest}, self.metrics.max_queues)
+        self.counts = JobCounts(shown["jobs"], shown["oldest_available_age_seconds"], at, final_at,
+                                shown.get("jobs_note"))
+
     def apply(self, counts: list[dict[str, Any]], oldest: dict[str, float], *, final: bool) -> None:
-        self.live = ([(r["queue"], r["state"], r["count"]) for r in counts if r["state"] not in FINAL_STATES],
-                     time.monotonic())
         gauge = self.metrics.jobs
         for queue, state in gauge.children():
             if state not in FINAL_STATES or final:

@@ -58,6 +58,24 @@ def head_revision() -> str:
     return _scripts().get_current_head() or ""
 
 
+class SchemaNotReady(RuntimeError):
+    """The schema is missing or behind this maintd (one line, naming what to run)."""
+
+
+def check_ready(engine, schema: str) -> None:
+    """Raise :class:`SchemaNotReady` unless the schema has maintd's tables at this maintd's revision."""
+    from .identifiers import qualified
+
+    with engine.connect() as conn:
+        current = current_revision(conn, schema)
+        has_jobs = conn.execute(text(catalog.TABLE_EXISTS), {"qualified": qualified(schema, "jobs")}).scalar()
+    if current is None or not has_jobs:
+        raise SchemaNotReady(f"schema {schema!r} has no maintd tables: run `maintd migrate` first")
+    if current != head_revision():
+        raise SchemaNotReady(f"schema {schema!r} is at revision {current}, this maintd needs "
+                             f"{head_revision()}: run `maintd migrate`")
+
+
 class MigratePermissionError(RuntimeError):
     """The connected role may not do what the migration needs; the message names the privilege,
     the object and the role to use instead."""
@@ -238,10 +256,16 @@ def check_privileges(state, schema: str) -> None:
             f"them): {fix}")
 
 
-def offline_sql(schema: str, revision: str = "head") -> str:
-    """The SQL of the migrations for a DBA to review or apply by hand."""
+def offline_sql(schema: str, revision: str = "head", start: str | None = None) -> str:
+    """The SQL of the migrations from ``start`` (None: base) to ``revision``, for a DBA to review
+    or apply by hand; a comment saying so when there is nothing to do."""
+    target = _resolve(revision)
+    begin = None if start in (None, "base") else _resolve(start)
+    if target is not _UNKNOWN and begin is not _UNKNOWN and begin == target:
+        return (f"-- schema {schema} is at revision {target or 'base'}"
+                f"{' (head)' if target == head_revision() else ''}; nothing to do\n")
     buf = io.StringIO()
     cfg = alembic_config(schema)
     cfg.attributes["output_buffer"] = buf
-    command.upgrade(cfg, revision, sql=True)
+    command.upgrade(cfg, f"{start}:{revision}" if begin is not None else revision, sql=True)
     return buf.getvalue()

@@ -24,7 +24,8 @@ from sqlalchemy import Engine
 from .config import Settings
 from .db import HostOrder, describe_db_error, make_engine, ms, session_settings
 from .logs import kv
-from .metrics import Metrics
+from .metrics import Metrics, bounded_result
+from .pass_summary import annotate
 from .queries import service_runs
 from .services import SERVICES
 from .services.base import NotLeader, PassContext, PassResult, PassStopped, Service
@@ -58,10 +59,11 @@ class PassRecord:
     last_success_at: datetime | None = None
 
     def as_dict(self) -> dict[str, Any]:
+        result = bounded_result(self.result.as_dict()) if self.result is not None else {}
         return {"service": self.service, "outcome": self.outcome.value,
                 "started_at": self.started_at.isoformat(), "finished_at": self.finished_at.isoformat(),
-                "seconds": round(self.seconds, 6), "error": self.error,
-                "result": self.result.as_dict() if self.result is not None else {}}
+                "seconds": round(self.seconds, 6), "error": self.error, "result": result,
+                **annotate(self.service, result if self.result is not None else None)}
 
 
 def maintenance_engine(settings: Settings, *, pool_size: int = len(SERVICES) + 1,
@@ -96,7 +98,8 @@ def execute_pass(name: str, service: Service, ctx: PassContext, metrics: Metrics
     if metrics is not None:
         _observe(metrics, service, record, ctx)
     if result is not None and result.did_something():
-        slog.info("%s: %s", name, result.summary(), extra=kv(seconds=round(record.seconds, 3)))
+        # The service's name is fixed text; what the pass did (queue names) is a field.
+        slog.info(f"{name} pass", extra=kv(result=result.summary(), seconds=round(record.seconds, 3)))
     return record
 
 

@@ -27,6 +27,7 @@ from .metrics import JobGauges, Metrics
 from .passes import Outcome, PassRecord, execute_pass, record_pass, worth_recording
 from .schedules import ScheduleTrigger
 from .services import build_services
+from .queries import Statements
 from .services.base import Fence, NotLeader, PassContext, PassStopped, Service
 
 log = logging.getLogger("maintd.runner")
@@ -35,12 +36,14 @@ log = logging.getLogger("maintd.runner")
 def _about_target(method: Callable[..., Any]) -> Callable[..., Any]:
     """A job of the (shared) timetable logs about its runner's target."""
     @functools.wraps(method)
-    def job(self: "Runner", *args: Any) -> Any:
+    def job(self: "Runner", *args: Any, **kwargs: Any) -> Any:
         with about_target(self.log_target):
-            return method(self, *args)
+            return method(self, *args, **kwargs)
     return job
 
 GAUGES_JOB = "_job_gauges"
+WAKE_SUFFIX = ":wake:"  # one-off passes a service asked for (see Runner.wake), numbered
+WAKE_RETRY = 0.01  # seconds: a wake that found the pass which asked for it still finishing
 START_JOB = "_start_term"  # a new term's services are scheduled (a timetable shared by targets)
 
 
@@ -51,10 +54,12 @@ class Runner:
     def __init__(self, settings: Settings, engine: Engine, metrics: Metrics, *,
                  clock: Clock | None = None, on_fenced: Callable[[str, Fence], None] | None = None,
                  build: Callable[[Settings], dict[str, Service]] = build_services,
-                 timetable: BackgroundScheduler | None = None, prefix: str = "", log_target: str | None = None):
-        """``timetable``, ``prefix``: a scheduler shared by the runners of several targets (one
-        thread and one worker pool for the process), this runner's job ids prefixed;
-        ``log_target``: the target named in the lines its passes log (several targets)."""
+                 timetable: BackgroundScheduler | None = None, prefix: str = "", log_target: str | None = None,
+                 statements: Statements | None = None):
+        """``timetable``, ``prefix``: the process's scheduler (one thread and one worker pool for
+        every target; without one, the runner makes its own), this runner's job ids prefixed;
+        ``log_target``: the target named in the lines its passes log; ``statements``: the
+        target's SQL, rendered once for its schema."""
         self.settings = settings
         self.engine = engine
         self.metrics = metrics
@@ -66,6 +71,11 @@ class Runner:
         self.gauges = JobGauges(metrics)
         self.timetable = timetable or new_timetable()
         self._own_timetable = timetable is None
+        self.statements = statements or Statements(settings.schema)
+        self._paused = False  # the database takes no writes: no pass runs
+        self._wakes: dict[str, tuple[str, datetime]] = {}  # service: its asked-for pass (job id, when)
+        self._wake_seq = 0
+        self._pushed: set[str] = set()  # services whose next tick was put off (quiet_until)
         self.prefix = prefix
         self.log_target = log_target
         self._fence: Fence | None = None
@@ -100,20 +110,15 @@ class Runner:
 
     # -- leadership -----------------------------------------------------------------------
     def activate(self, fence: Fence) -> None:
-        """A new term. With a timetable of its own the services are scheduled here; on one
-        shared by a process's targets, by a job of that timetable (:meth:`_start_term`): this
-        runs on the election thread, and adding a target's jobs takes the timetable's lock
-        several times, which its thread holds while it submits due jobs. When a replica's 67
-        targets began their terms together on 2 busy cores, that took 1-10 s per target, the
-        first renewals were late and 20-95 of 200 leases ran out at each start of
-        bench/targets.py. One job added is one wait for that lock."""
+        """A new term: its services are scheduled by a job of the timetable (:meth:`_start_term`),
+        not here, on the election loop's thread: adding a target's jobs takes the timetable's lock
+        several times, which its thread holds while it submits due jobs (a replica beginning 67
+        terms at once on 2 busy cores once took 1-10 s per target that way). One job added is one
+        wait for that lock."""
         with self._lock:
             self._fence = fence
             self._stop_event = stop_event = threading.Event()
             self._recorded = {}  # a new term: the first pass of each service is written
-            if self._own_timetable:
-                self._schedule_all()
-                return
         self.timetable.add_job(self._start_term, trigger=DateTrigger(datetime.now(timezone.utc)),
                                args=[stop_event], id=self.prefix + START_JOB, replace_existing=True)
 
@@ -221,9 +226,15 @@ class Runner:
         return max((ctx.query.stalled_for() for ctx in active), default=0.0)
 
     def poke(self) -> None:
-        """A NOTIFY said what the services read changed (a ``periodic_jobs`` row)."""
-        for service in list(self.services.values()):
-            service.poke()
+        """A NOTIFY said what the services read changed (a ``periodic_jobs`` row): those that
+        care run now."""
+        for name, service in list(self.services.items()):
+            if service.poke():
+                self.wake(name)
+
+    def pause(self, paused: bool) -> None:
+        """The database takes no writes (a read-only primary): no pass runs until it does."""
+        self._paused = paused
 
     def _quiet(self, service: Service) -> bool:
         """Whether the service says a pass now cannot find anything to do (see quiet_until)."""
@@ -236,14 +247,16 @@ class Runner:
             return False
 
     @_about_target
-    def _run(self, name: str) -> None:
+    def _run(self, name: str, wake: bool = False) -> None:
         with self._lock:
             fence, stop_event = self._fence, self._stop_event
             service = self.services.get(name)
-            if fence is None or service is None or stop_event.is_set() or self._quiet(service):
+            if fence is None or service is None or stop_event.is_set() or self._paused or name in self._active \
+                    or (not wake and self._quiet(service)):
                 return
             ctx = PassContext.for_settings(self.settings, self.engine, self.clock, fence=fence,
-                                           stop_event=stop_event, log=logging.getLogger(f"maintd.{name}"))
+                                           stop_event=stop_event, log=logging.getLogger(f"maintd.{name}"),
+                                           statements=self.statements)
             self._active[name] = ctx
         try:
             record = execute_pass(name, service, ctx, self.metrics)
@@ -259,6 +272,74 @@ class Runner:
                 self.on_fenced(record.error or "fenced", fence)
         elif record.outcome is not Outcome.STOPPED and worth_recording(self._recorded.get(name), record):
             self._record(ctx, record)
+        self._follow_up(name, service, record, stop_event)
+
+    def _follow_up(self, name: str, service: Service, record: PassRecord, stop_event: threading.Event) -> None:
+        """What the pass said about the next one: run again at ``wake_at`` (a job falling due
+        before the next tick: a one-off job, so the pass holds no thread while it waits), or
+        nothing to do before ``quiet_until`` (the regular ticks until then are skipped)."""
+        wake = record.result.wake_at() if record.result is not None else None
+        if wake is not None and not stop_event.is_set():
+            self.wake(name, wake)
+            return
+        quiet = service.quiet_until()
+        host = self._host_time(quiet) if quiet is not None else None
+        if stop_event.is_set() or (host is None and name not in self._pushed):
+            return
+        with contextlib.suppress(JobLookupError):
+            job = self.timetable.get_job(self.prefix + name)
+            if job is None or job.next_run_time is None:
+                return
+            now = datetime.now(timezone.utc)
+            regular = job.trigger.get_next_fire_time(None, now) or now
+            # Past the ticks that cannot find work (none: back to the regular ticks).
+            wanted = regular if host is None else max(regular, host)
+            if wanted != job.next_run_time:
+                job.modify(next_run_time=wanted)
+            if wanted == regular:
+                self._pushed.discard(name)
+            else:
+                self._pushed.add(name)
+
+    def wake(self, name: str, at: datetime | None = None) -> None:
+        """Run a pass of ``name`` at ``at`` (the server's time; None: now) if this runner leads,
+        besides its regular ticks; an earlier one asked for already stands. Each is a one-off job
+        of its own id: a pass that asks for the next one never waits for itself (one id would be
+        "already running" if its follow-up came due before it returned)."""
+        when = (self._host_time(at) if at is not None else None) or datetime.now(timezone.utc)
+        with self._lock:
+            if self._fence is None or name not in self.services:
+                return
+            pending = self._wakes.get(name)
+            if pending is not None and self.timetable.get_job(pending[0]) is not None:
+                if pending[1] <= when:
+                    return
+                self._unschedule([self.timetable.get_job(pending[0])])
+            self._wake_seq += 1
+            job_id = f"{self.prefix}{name}{WAKE_SUFFIX}{self._wake_seq}"
+            self.timetable.add_job(self._wake_run, trigger=DateTrigger(when), args=[name, self._stop_event],
+                                   id=job_id)
+            self._wakes[name] = (job_id, when)
+
+    def precise(self, name: str) -> bool:
+        """Whether ``name`` runs now with precise timing (leading, enabled, the database writable)."""
+        service = self.services.get(name)
+        return (self._fence is not None and not self._paused and service is not None and service.enabled()
+                and bool(getattr(service.config, "precise_timing", False)))
+
+    @_about_target
+    def _wake_run(self, name: str, stop_event: threading.Event) -> None:
+        if stop_event is not self._stop_event or stop_event.is_set():
+            return
+        if name in self._active:  # the pass that asked is still finishing: a little later
+            self.wake(name, self.clock.now() + timedelta(seconds=WAKE_RETRY))
+            return
+        self._run(name, wake=True)
+
+    def _host_time(self, server_time: datetime) -> datetime | None:
+        """A server time as APScheduler's (the host's) clock reads it."""
+        skew = self.clock.skew()
+        return None if skew is None else server_time - skew
 
     def _record(self, ctx: PassContext, record: PassRecord) -> None:
         recorded = self._recorded
@@ -274,6 +355,8 @@ class Runner:
     @_about_target
     def _refresh_gauges(self) -> None:
         stop_event = self._stop_event
+        if self._paused:
+            return
         self.gauges.refresh(self.engine, self.settings.schema,
                             still_leading=lambda: not stop_event.is_set(), lock=self._lock)
 

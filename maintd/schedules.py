@@ -229,10 +229,24 @@ def _parse_field(spec: _Spec, text: str) -> tuple[frozenset[int], str]:
     for term in text.split(","):
         if not term:
             raise ValueError(f"{spec.name} field {text!r} has an empty list item")
+        _check_tokens(spec, text, term)
         term_values, term_text = _parse_term(spec, term)
         values |= term_values
         canonical.append(term_text)
     return frozenset(values), ",".join(canonical)
+
+
+def _check_tokens(spec: _Spec, field: str, term: str) -> None:
+    """An empty part of a term (``-90``, ``0-10/``) is named with the field as written, not as
+    ``minute ''``."""
+    base, slash, step = term.partition("/")
+    lo, dash, hi = base.partition("-")
+    missing = ("nothing before '/' (e.g. */5 or 0-30/5)" if slash and not base else
+               "nothing after '/' (a step, e.g. */5)" if slash and not step else
+               "nothing before '-' (a range is a-b, e.g. 0-30)" if dash and not lo else
+               "nothing after '-' (a range is a-b, e.g. 0-30)" if dash and not hi else None)
+    if missing:
+        raise ValueError(f"{spec.name} field {field!r}: {missing}")
 
 
 def _parse_term(spec: _Spec, term: str) -> tuple[set[int], str]:

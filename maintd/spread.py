@@ -1,30 +1,18 @@
-"""Spreading the leaderships of several targets over the replicas (SPEC 7.9).
+"""Spreading the leaderships of several targets over the replicas (SPEC 7.9): with T targets and R
+live replicas, a replica's *cap* is ceil(T/R) + 1 leaderships once stable.
 
-With T targets and R live replicas, a replica's *cap* is ceil(T/R) + 1 leaderships.
-
-* **Who should lead what.** Every replica computes the same *assignment* (:func:`assign`) from
-  the same inputs, the target names and the live replicas' instance ids: rendezvous hashing with
-  bounded loads, so no replica is given more than ceil(T/R) targets, and a replica that comes or
-  goes moves few targets besides its own.
-* **The gate** (:meth:`Spread.gate`, asked by each target's follower before it tries the lock):
-  a replica tries its *own* targets at once while below its cap; after a try lost to another
-  replica it backs off (1, 2, 4 retry intervals, at most a third of the lease): the holder is
-  alive, and a try a second would only queue on the lock session. A hand-over NOTIFY and a change
-  of the live replicas (the holder died) end the back-off at once; it tries the others only lazily, every 2-4 retry intervals (no more than
-  a third of the lease apart), so that a target whose owner cannot take it (its database
-  unreachable from there, a dead replica still counted live) is led anyway. At its cap it tries
-  only every lease or so (a safety net; the excess is handed over).
-* **Hand-over.** Above its cap for ``settle`` seconds (hysteresis), a replica gives the extra
-  leaderships back gracefully (unlock + NOTIFY, the session stays open), the ones owned by another
-  replica first, and stays off them for a few retry intervals so that their owner takes them.
-  After a hand-over it waits ``settle`` again before the next one.
-* **Start.** For ``JOIN`` seconds after start a replica tries nothing, so that replicas started
-  together see each other before the first tries (else the first one leads everything and hands
-  most of it over a ``settle`` later).
-* **R** is read every ``REFRESH`` seconds from a target's ``daemons`` table: the replicas whose
-  lock session is connected now (``pg_stat_activity``), see
-  :data:`maintd.queries.daemons.LIVE_REPLICAS`. A SIGKILLed replica's sessions end at once, a
-  frozen one's within the lease (``idle_session_timeout``); the others then own its targets.
+* **Assignment** (:func:`assign`): every replica computes the same owner of each target from the
+  target names and the live replicas' ids (rendezvous hashing with bounded loads: at most
+  ceil(T/R) each; a replica that comes or goes moves few targets besides its own).
+* **Gate** (:meth:`Spread.gate`, asked by the election loop before a follower tries): own targets
+  at once while below the cap (after a lost try, back off 1, 2, 4 retry intervals, at most a third
+  of the lease, until a hand-over NOTIFY or a change of R); other replicas' lazily, every 2-4
+  retry intervals (at the cap, every lease or so), so a target its owner cannot lead is led.
+* **Hand-over** (:meth:`Spread.balance`): above the cap for ``settle`` s, the extra leaderships
+  are released gracefully, other replicas' targets first.
+* **Start**: no tries for ``JOIN`` s after the targets are started, so replicas started together
+  see each other. R is what the election loops read every second: the replicas with a lock
+  session connected (a SIGKILLed replica's ends at once, a frozen one's within the lease).
 """
 
 from __future__ import annotations
@@ -35,7 +23,7 @@ import math
 import random
 import threading
 import time
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 from .logs import kv
 
@@ -75,56 +63,37 @@ def assign(targets: Sequence[str], replicas: Sequence[str]) -> dict[str, str]:
     return out
 
 
-class Unit(Protocol):
-    name: str
-
-    @property
-    def is_leader(self) -> bool: ...
-
-    def hand_over(self, reason: str, hold_off: float) -> None: ...
-
-    def wake(self) -> None: ...
-
-
 class Spread:
-    """The gate of each target's follower (:meth:`gate`) and the hand-over decision
-    (:meth:`balance`, from the daemon's main loop). ``live_replicas`` returns the instance ids
-    of the live replicas, or None when they cannot be read (the last ones are kept)."""
+    """``units``: the targets (``name``, ``is_leader``, ``hand_over()``, ``wake()``);
+    ``live_replicas()``: the live replicas' ids, or None when unknown (the last ones are kept)."""
 
-    def __init__(self, units: Sequence[Unit], *, me: str, retry_interval: float, settle: float,
+    def __init__(self, units: Sequence[Any], *, me: str, retry_interval: float, settle: float,
                  lease: float, live_replicas: Callable[[], Sequence[str] | None], join: float = JOIN):
-        self.units = list(units)
-        self.me = me
-        self.retry = retry_interval
-        self.settle = settle
+        self.units, self.me, self.retry, self.settle = list(units), me, retry_interval, settle
         self.lazy_max = max(retry_interval, lease / 3)  # longest lazy wait below the cap
         self.live_replicas = live_replicas
         self.live: tuple[str, ...] = (me,)
         self.owner: dict[str, str] = assign([u.name for u in self.units], self.live)
-        self._read_at = float("-inf")
+        self._read_at = self._handed_at = float("-inf")
         self._pending: dict[str, float] = {}
         self._lazy_due: dict[str, tuple[float, bool]] = {}  # name: (when, set below the cap)
         self._lost: dict[str, tuple[int, float]] = {}  # own targets: (tries lost in a row, next try)
         self._over_since: float | None = None
-        self._handed_at = float("-inf")
-        self.join = join
-        self._join_until = time.monotonic() + join
+        self.join = join if len(self.units) > 1 else 0.0  # one target: nothing to spread
+        self._join_until = time.monotonic() + self.join
         self._lock = threading.Lock()
 
     def hold(self) -> None:
-        """No tries until :meth:`started` (the daemon is starting its targets)."""
+        """No tries until :meth:`started`: the targets started first must not try before the
+        others are, and before the replicas started with this one are seen."""
         with self._lock:
             self._join_until = float("inf")
 
     def started(self) -> None:
-        """This replica's targets are started (their lock sessions connecting, which makes it
-        live to the others): the join wait counts from now. Started together, 3 replicas of 200
-        targets on 2 busy cores took longer than the wait to start, and the first one, seeing
-        only itself, tried every target (124 of 200, handed over a lease later); see
-        :meth:`hold`: the targets started first must not try before the others are started."""
+        """Every target is started: the join wait counts from now."""
         with self._lock:
             self._join_until = time.monotonic() + self.join
-        for unit in self.units:  # held followers sleep up to a keep-alive: ask the gate again
+        for unit in self.units:
             unit.wake()
 
     @property
@@ -142,9 +111,8 @@ class Spread:
         return self.owner.get(name, self.me) == self.me
 
     def gate(self, name: str, notified: bool = False) -> float:
-        """0: target ``name``'s follower tries the lock now; else the seconds to wait before
-        asking again (a hand-over NOTIFY asks again at once, ``notified``). No database I/O: it
-        runs on the target's elector thread, whose lock session must keep its rhythm."""
+        """0: target ``name``'s follower tries the lock now; else the seconds to wait before asking
+        again (``notified``: a hand-over NOTIFY arrived). No database I/O (the loop's thread)."""
         with self._lock:
             now = time.monotonic()
             if now < self._join_until:
@@ -166,10 +134,8 @@ class Spread:
                 return 0.0
             due, below = self._lazy_due.get(name) or (None, room)
             if due is None or (below and not room and now >= due):
-                # (Re)set. A lazy try due below the cap waits the at-cap interval from now if the
-                # cap was reached meanwhile (another lazy try of the same round was granted):
-                # the targets of a dead replica fall due together, and would all be tried past
-                # the cap at once, to be handed over a ``settle`` later.
+                # (Re)set; one due below the cap waits the at-cap interval if the cap was reached
+                # meanwhile (a dead replica's targets fall due together: not all past the cap).
                 due = now + self._lazy_interval(room)
                 self._lazy_due[name] = (due, room)
             if now < due:
@@ -181,14 +147,12 @@ class Spread:
 
     def _lazy_interval(self, room: bool) -> float:
         """Below the cap, 2-4 retry intervals (at most a third of the lease); at the cap, a lease
-        or so: a safety net (the replicas see different targets, say), which overshoots the cap
-        and hands over a ``settle`` later."""
+        or so (a safety net, handed over a ``settle`` later)."""
         seconds = random.uniform(*LAZY) * self.retry
         return min(self.lazy_max, seconds) if room else max(3 * self.lazy_max, seconds)
 
     def tried(self, name: str, won: bool = False) -> None:
-        """Target ``name``'s try is over (won: it counts by ``is_leader`` from now on, or lost:
-        an own target's next try backs off)."""
+        """Target ``name``'s try is over (lost: an own target's next try backs off)."""
         with self._lock:
             self._pending.pop(name, None)
             if won or not self.owns(name):
@@ -198,7 +162,7 @@ class Spread:
             self._lost[name] = (lost, time.monotonic() + min(self.lazy_max, self.retry * 2 ** (lost - 1)))
 
     def refresh(self) -> None:
-        """Read the live replicas (at most every ``REFRESH`` s), from the daemon's main loop."""
+        """Take the live replicas in (at most every ``REFRESH`` s); the targets this replica owns now are tried at once."""
         with self._lock:
             now = time.monotonic()
             if now - self._read_at < REFRESH:
@@ -217,7 +181,7 @@ class Spread:
             self.owner = assign([u.name for u in self.units], live)
             self._lazy_due.clear()
             self._lost.clear()  # a holder may have died
-        for unit in self.units:  # the targets this replica owns now are tried at once
+        for unit in self.units:
             if self.owns(unit.name) and not unit.is_leader:
                 unit.wake()
 

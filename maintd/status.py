@@ -1,9 +1,15 @@
 """``maintd status`` and ``/status``: who leads, the live daemons, each service's last run, jobs
-by queue and state. Read from the database; all times are the server's."""
+by queue and state. Read from the database; all times are the server's.
+
+The size is bounded whatever the table holds: jobs of the ``max_queues`` largest queues, the
+others summed under ``_other`` (as for the metrics), and recorded pass results likewise. The
+daemon's ``/status`` reads through its readers (:mod:`maintd.readers`) and never counts jobs: it
+shows what the leader counted last (:class:`maintd.metrics.JobCounts`), or says that those are
+the leader's figures; ``maintd status`` counts them itself, bounded by a timeout."""
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import psycopg
@@ -12,10 +18,12 @@ from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from .db import advisory_key, describe_db_error
 from .identifiers import qualified
-from .metrics import job_counts, oldest_available
+from .metrics import JobCounts, bounded_jobs, bounded_result, job_counts, oldest_available
+from .pass_summary import annotate, describe, seconds
 from .queries import catalog, daemons, leader, service_runs, sql
 
 STATUS_TIMEOUT_MS = 5000
+MAX_QUEUES = 100  # metrics.max_queues' default
 
 
 class SchemaMissing(RuntimeError):
@@ -30,26 +38,30 @@ def _rows(conn: Connection, template: str, schema: str, params: dict | None = No
     return [{k: _iso(v) for k, v in r.items()} for r in conn.execute(sql(template, schema), params or {}).mappings()]
 
 
-def collect_status(engine: Engine, schema: str, *, health: bool = False,
-                   show_query: bool = False) -> dict[str, Any]:
-    """``health``: read the table health too (``maintd status``; the daemon's /status serves
-    its leader's last read from memory instead)."""
+def collect_status(engine: Engine, schema: str, *, jobs: dict[str, Any] | None = None,
+                   max_queues: int = MAX_QUEUES, health: bool = False, show_query: bool = False) -> dict[str, Any]:
+    """``jobs``: the job figures to show (:func:`leader_figures`); None: count them here.
+    ``health``: read the table health too (``maintd status``; the daemon's /status serves its
+    leader's last read from memory instead)."""
     classid, objid = advisory_key(schema)
     with engine.connect() as conn:
-        conn.exec_driver_sql(f"SET LOCAL statement_timeout = {STATUS_TIMEOUT_MS}")
+        conn.execute(text(catalog.SET_LOCAL), {"name": "statement_timeout", "value": str(STATUS_TIMEOUT_MS)})
         if not conn.execute(text(catalog.TABLE_EXISTS), {"qualified": qualified(schema, "leader")}).scalar():
             raise SchemaMissing(f"schema {schema!r} has no maintd tables: run `maintd migrate` first")
         now = conn.execute(text("SELECT now()")).scalar_one()
         lead = _rows(conn, leader.CURRENT, schema, {"classid": classid, "objid": objid})
+        services = _rows(conn, service_runs.ALL, schema)
+        for run in services:
+            run["result"] = bounded_result(run["result"], max_queues)
         status = {
             "schema": schema,
             "time": _iso(now),
             "leader": _leader(lead[0] if lead else None),
-            "daemons": _rows(conn, daemons.LIVE, schema),
-            "services": _rows(conn, service_runs.ALL, schema),
-            "oldest_available_age_seconds": oldest_available(conn, schema),
+            **replicas(_rows(conn, daemons.REGISTERED, schema)),
+            "services": [{**r, **annotate(r["service"], r["result"])} for r in services],
         }
-        status.update(_jobs(conn, schema))
+        # The leader's figures are bounded already (JobGauges keeps them as shown).
+        status.update(bounded_jobs(_count(conn, schema), max_queues) if jobs is None else jobs)
         if health:  # last: a failed read ends the transaction
             status["health"] = _health(conn, schema, show_query)
     return status
@@ -65,6 +77,14 @@ def _health(conn: Connection, schema: str, show_query: bool) -> dict[str, Any]:
         return {"error": describe_db_error(exc)}
 
 
+def replicas(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """``daemons``: the live ones (lock session connected now); ``gone``: registered within the
+    last hour, session gone (killed, stopped, frozen past the lease)."""
+    return {"daemons": [{k: v for k, v in r.items() if k != "alive"} for r in rows if r["alive"]],
+            "gone": [{k: r[k] for k in ("instance_id", "host", "pid", "version", "started_at")}
+                     for r in rows if not r["alive"]]}
+
+
 def _leader(row: dict[str, Any] | None) -> dict[str, Any] | None:
     if not row or not row["instance_id"] or row["released_at"] is not None or not row["holds_lock"]:
         return None
@@ -72,14 +92,28 @@ def _leader(row: dict[str, Any] | None) -> dict[str, Any] | None:
             "since": row["elected_at"], "epoch": row["epoch"], "renewed_at": row["renewed_at"]}
 
 
-def _jobs(conn: Connection, schema: str) -> dict[str, Any]:
+def _count(conn: Connection, schema: str) -> dict[str, Any]:
     """Counting finished jobs reads the heap: it may time out, then only live states count."""
+    figures: dict[str, Any] = {"oldest_available_age_seconds": oldest_available(conn, schema)}
     try:
         with conn.begin_nested():
-            return {"jobs": job_counts(conn, schema)}
+            figures["jobs"] = job_counts(conn, schema)
     except (OperationalError, ProgrammingError) as exc:
-        return {"jobs": job_counts(conn, schema, final=False),
-                "jobs_note": f"finished jobs not counted: {describe_db_error(exc)}"}
+        figures["jobs"] = job_counts(conn, schema, final=False)
+        figures["jobs_note"] = f"finished jobs not counted: {describe_db_error(exc)}"
+    return figures
+
+
+def leader_figures(counts: JobCounts | None, *, leading: bool) -> dict[str, Any]:
+    """The job figures of a daemon's ``/status``: the leader's last counts from memory; a
+    follower says where they are."""
+    if counts is not None:
+        figures = {"jobs": counts.rows, "oldest_available_age_seconds": counts.oldest,
+                   "jobs_counted_at": {"live": _iso(counts.live_at), "finished": _iso(counts.final_at)}}
+        return {**figures, "jobs_note": counts.note} if counts.note else figures
+    note = ("not counted yet: the leader counts jobs every 15 s" if leading else
+            "jobs are counted by the leader: see its /status, or maintd_jobs on its /metrics")
+    return {"jobs": [], "oldest_available_age_seconds": {}, "jobs_note": note}
 
 
 def format_status(st: dict[str, Any]) -> str:
@@ -87,20 +121,27 @@ def format_status(st: dict[str, Any]) -> str:
     lead = st["leader"]
     if lead:
         lines.append(f"leader: {lead['instance_id']} (host {lead['host']}, pid {lead['pid']}, "
-                     f"epoch {lead['epoch']}, since {lead['since']})")
+                     f"epoch {lead['epoch']}, since {_time(lead['since'])})")
     else:
         lines.append("leader: none")
     if st["daemons"]:
         lines.append("daemons:")
         for d in st["daemons"]:
             lines.append(f"  {d['instance_id']:<24} host {d['host']}  pid {d['pid']}  "
-                         f"v{d['version']}  last seen {d['last_seen_at']}")
+                         f"v{d['version']}  alive (lock session connected)")
+    else:
+        lines.append("daemons: none alive")
+    for d in st.get("gone", []):
+        lines.append(f"  {d['instance_id']:<24} host {d['host']}  pid {d['pid']}  "
+                     f"v{d['version']}  gone (no lock session)")
     lines += ["services:"] + _format_runs(st["services"])
     lines.append("jobs:")
     if not st["jobs"]:
         lines.append("  (none)")
     for j in st["jobs"]:
-        lines.append(f"  {j['queue']:<20} {j['state']:<10} {j['count']}")
+        n = j["count"]
+        lines.append(f"  {j['queue']:<20} {j['state']:<10} {n:,}" if isinstance(n, int) else
+                     f"  {j['queue']:<20} {j['state']:<10} {n}")
     if st.get("jobs_note"):
         lines.append(f"  ({st['jobs_note']})")
     if st.get("health"):
@@ -172,9 +213,25 @@ def _format_runs(runs: list[dict[str, Any]]) -> list[str]:
         return ["  (no pass recorded yet)"]
     lines = []
     for r in runs:
-        extra = f"  error: {r['error']}" if r.get("error") else ""
-        result = r.get("result") or {}
-        brief = " ".join(f"{k}={v}" for k, v in result.items() if not isinstance(v, (list, dict)))
-        lines.append(f"  {r['service']:<10} {r['outcome']:<8} at {r['finished_at']} "
-                     f"by {r['instance_id']}  {brief}{extra}")
+        extra = f"; error: {r['error']}" if r.get("error") else ""
+        took = _took(r.get("started_at"), r.get("finished_at"))
+        summary = r.get("summary") or describe(r["service"], r.get("result"))
+        lines.append(f"  {r['service']:<10} {r['outcome']:<8} at {_time(r['finished_at'])} by {r['instance_id']}"
+                     f"{took}: {summary or 'nothing to report'}{extra}")
     return lines
+
+
+def _time(iso: Any) -> Any:
+    """``2026-03-01 12:00:05 UTC`` from an ISO time (text output; JSON keeps the full ISO time)."""
+    try:
+        t = datetime.fromisoformat(iso)
+    except (TypeError, ValueError):
+        return iso
+    return t.strftime("%Y-%m-%d %H:%M:%S ") + ("UTC" if t.utcoffset() == timedelta(0) else t.strftime("%z"))
+
+
+def _took(started: Any, finished: Any) -> str:
+    try:
+        return f" in {seconds((datetime.fromisoformat(finished) - datetime.fromisoformat(started)).total_seconds())}"
+    except (TypeError, ValueError):
+        return ""

@@ -29,6 +29,8 @@ from maintd.db import make_engine, quote_ident
 from maintd.embedded import EmbeddedPostgres, EmbeddedPostgresError, _bin_dir
 from maintd.jobs import JobQueue
 
+from .tools import unavailable
+
 T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=timezone.utc)
 
 # The suite's own setting, read once: maintd's config rejects unknown MAINTD_* variables, so it is
@@ -105,10 +107,7 @@ def private_server(pg_version: int, settings: dict[str, str] | None = None) -> I
     else:
         bin_dir = server_bin_dir(pg_version)
         if bin_dir is None:
-            message = f"needs PostgreSQL {pg_version} binaries for a private server (set MAINTD_TEST_PG_BIN)"
-            if os.environ.get("CI", "").lower() == "true":
-                pytest.fail(message)
-            pytest.skip(message)
+            unavailable(f"needs PostgreSQL {pg_version} binaries for a private server (set MAINTD_TEST_PG_BIN)")
         pg = PostgresOf(bin_dir, settings=settings)
     try:
         pg.start()
@@ -210,3 +209,27 @@ def maintd_log() -> Iterator[list[str]]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+@pytest.fixture
+def make_private_pg(pg_version: int) -> Iterator:
+    """``make_private_pg(settings)``: a started PostgreSQL of this test's own with those server
+    settings (same major version as the suite's), stopped and removed afterwards."""
+    made: list[EmbeddedPostgres] = []
+
+    def make(settings: dict[str, str] | None = None) -> EmbeddedPostgres:
+        embedded = _version_of(_bin_dir())
+        if embedded == pg_version:
+            pg = EmbeddedPostgres(settings=settings)
+        else:
+            bin_dir = server_bin_dir(pg_version)
+            if bin_dir is None:
+                unavailable(f"needs PostgreSQL {pg_version} binaries for a private server (set MAINTD_TEST_PG_BIN)")
+            pg = PostgresOf(bin_dir, settings=settings)
+        made.append(pg)
+        pg.start()
+        return pg
+
+    yield make
+    for pg in made:
+        pg.cleanup()

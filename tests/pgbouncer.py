@@ -22,18 +22,18 @@ from pathlib import Path
 
 import psycopg
 import psycopg.conninfo
-import pytest
 
 from maintd.embedded import _drop_privileges, _service_user, free_port
 
-PGBOUNCER = "/usr/sbin/pgbouncer"
+from .tools import path, require
+
+PGBOUNCER = path("pgbouncer")
 
 
 class PgBouncer:
     def __init__(self, server_dsn: str, *, pool_mode: str = "session", pool_size: int = 20,
                  settings: dict[str, str] | None = None):
-        if not os.path.exists(PGBOUNCER):
-            pytest.skip(f"needs PgBouncer ({PGBOUNCER}; Debian package pgbouncer)")
+        require("pgbouncer")
         self.server = psycopg.conninfo.conninfo_to_dict(server_dsn)
         self.user = _service_user()
         self.port = free_port()

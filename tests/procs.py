@@ -70,8 +70,11 @@ class DaemonProc:
     """One ``maintd run`` process with its own config file and log."""
 
     def __init__(self, dsn: str, schema: str, instance_id: str, extra_config: dict | None = None,
-                 workdir: str | None = None, env: dict[str, str] | None = None):
+                 workdir: str | None = None, env: dict[str, str] | None = None,
+                 prefix: list[str] | None = None):
+        """``prefix``: a command the daemon runs under, e.g. ``["prlimit", "--nofile=1024:1024", "--"]``."""
         self.dsn, self.schema, self.instance_id = dsn, schema, instance_id
+        self.prefix = list(prefix or [])
         self.extra_env = env or {}
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="maintd-d-"))
         config = merge({
@@ -98,7 +101,7 @@ class DaemonProc:
             self._gate = LogGate(self._log)
             out = self._gate.write_fd
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "maintd", "--config", str(self.config_path), "run"],
+            [*self.prefix, sys.executable, "-m", "maintd", "--config", str(self.config_path), "run"],
             stdout=out, stderr=subprocess.STDOUT, env=env)
         return self
 

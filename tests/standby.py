@@ -22,11 +22,12 @@ import time
 from pathlib import Path
 
 import psycopg
-import pytest
 
 from maintd.embedded import _drop_privileges, _service_user, free_port
 
-PG15_BIN = Path("/usr/lib/postgresql/15/bin")
+from .tools import path, require
+
+PG15_BIN = Path(path("postgres-15")).parent
 
 SETTINGS = {
     "listen_addresses": "127.0.0.1",
@@ -190,8 +191,7 @@ class PgNode:
 
 class StandbyPair:
     def __init__(self) -> None:
-        if not (PG15_BIN / "pg_basebackup").exists():
-            pytest.skip(f"needs the PostgreSQL 15 binaries in {PG15_BIN}")
+        require("postgres-15", "pg_basebackup-15")
         self.base = Path(tempfile.mkdtemp(prefix="msb", dir="/tmp"))
         os.chmod(self.base, 0o755)
         self.primary = PgNode(self.base, "p")

@@ -24,7 +24,7 @@ from maintd.db import make_engine
 from maintd.queries import sql
 
 from .procs import wait_for
-from .test_dashboard import _unfilter, close_browser, make_browser, needs_browser, png_colors
+from .test_dashboard import _unfilter, close_browser, make_browser, png_colors
 
 HOLDER = {"kind": "snapshot", "pid": 48213, "user": "bi_reader", "application_name": "metabase",
           "client_addr": "10.20.0.14", "state": "idle in transaction", "name": None, "xmin": "9184451",
@@ -122,7 +122,6 @@ def test_a_chart_escapes_its_texts_and_scales_to_a_round_maximum():
 
 # -- in Chromium -----------------------------------------------------------------------------------
 
-@needs_browser
 def test_the_dashboard_draws_the_last_hour_and_day_with_the_holder_marked(settings, engine, schema):
     seed_history(engine, schema)
     daemon = Daemon(Settings(**{**dict(settings), "health": {"interval": "1s"}}))

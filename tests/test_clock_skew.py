@@ -8,7 +8,6 @@ comments say what the skewed host clock would have done if maintd trusted it.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -17,17 +16,15 @@ import pytest
 from maintd.queries import sql
 
 from .procs import DaemonProc, wait_for
+from .tools import path, require
 
-FAKETIME_LIB = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+FAKETIME_LIB = Path(path("libfaketime"))
 
 pytestmark = pytest.mark.slow
 
 
 def skewed(offset: str) -> dict[str, str]:
-    if not FAKETIME_LIB.exists():
-        if os.environ.get("CI"):
-            pytest.fail("libfaketime is missing: .ci/run installs Debian's faketime package")
-        pytest.skip("needs Debian's faketime package (apt-get install faketime)")
+    require("libfaketime")
     # Both spellings: libfaketime renamed DONT_FAKE_MONOTONIC in 0.9.9 (Debian 12 ships 0.9.10).
     return {"LD_PRELOAD": str(FAKETIME_LIB), "FAKETIME": offset, "FAKETIME_DONT_FAKE_MONOTONIC": "1",
             "DONT_FAKE_MONOTONIC": "1"}

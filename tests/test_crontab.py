@@ -122,11 +122,33 @@ def test_graphile_example_schedules_fire_like_graphile():
     ("0 0 30 2 * t\n", "crontab:1: never fires"),
     ("0 0 1 jan/error * t\n", "crontab:1: month step 'error'"),
     ("@daily t\n", "crontab:1: expected 'MIN HOUR DOM MON DOW TASK"),
+    # issue 28: a payload that does not parse is a payload error, not "invalid command"
+    ('* * * * * t {"a": 1\n', "crontab:1: invalid JSON5 payload"),
+    ('* * * * * t ?id=x {"a": [1, }\n', "crontab:1: invalid JSON5 payload"),
+    # issue 28: an empty token is named with the field as written, not as minute ''
+    ("-90 * * * * t\n", "crontab:1: minute field '-90': nothing before '-'"),
+    ("0-10/ * * * * t\n", "crontab:1: minute field '0-10/': nothing after '/'"),
+    ("* 5- * * * t\n", "crontab:1: hour field '5-': nothing after '-'"),
+    # graphile's task pattern has no dots: said so (the README says so too)
+    ("* * * * * email.send\n", "task 'email.send' has a '.': crontab task names follow graphile-worker's rule"),
 ])
 def test_errors_name_the_file_and_line(text, message):
     with pytest.raises(ValueError) as err:
         parse_crontab(text)
     assert message in str(err.value)
+
+
+def test_every_bad_line_is_reported_not_just_the_first():
+    text = ("# nightly jobs\n0 4 * * * ok\n61 * * * * a\n* * * * * b ?nope=1\n0 5 * * * fine\n"
+            "* * * * * c {x: \n0 4 * * * ok\n")
+    with pytest.raises(ValueError) as err:
+        parse_crontab(text, "jobs.crontab")
+    assert str(err.value).splitlines() == [
+        "jobs.crontab:3: minute 61 out of range 0-59",
+        "jobs.crontab:4: unknown option 'nope' (supported: id, fill, max, queue, priority, jobKey, jobKeyMode)",
+        "jobs.crontab:6: invalid JSON5 payload: <string>:1 Unexpected end of input at column 4",
+        "jobs.crontab:7: duplicate id 'ok' (also on line 2); give one of them ?id=...",
+    ]
 
 
 def test_task_identifiers_follow_graphile():

@@ -71,6 +71,16 @@ def test_bad_crontab_lines_are_config_errors_naming_file_and_line(tmp_path, pg_d
     assert main(["--config", cfg, "check-config"]) == 2
 
 
+def test_every_bad_crontab_line_is_a_config_error_of_its_own(tmp_path, pg_dsn, schema):
+    """Issue 28: only the first bad line was reported."""
+    cfg = write_config(tmp_path, pg_dsn, schema, "-90 * * * * a\n0 4 * * * ok\n* * * * * b.c\n* * * * * d {x\n")
+    with pytest.raises(ConfigError) as err:
+        load_settings(cfg)
+    problems = err.value.problems
+    assert [p.split(": ", 2)[1].rsplit(":", 1)[1] for p in problems] == ["1", "3", "4"], problems
+    assert all(p.startswith("crontab: ") for p in problems)
+
+
 def test_crontab_and_periodic_share_one_id_space(tmp_path, pg_dsn, schema):
     cfg = write_config(tmp_path, pg_dsn, schema, "0 4 * * * report\n",
                        '[[periodic]]\nid = "report"\nschedule = "@hourly"\nkind = "r"\n')
@@ -111,6 +121,35 @@ def test_job_key_modes_update_the_waiting_job(tmp_path, pg_dsn, schema, engine, 
     assert job.state == ("scheduled" if keeps_run_at else "available")
 
 
+@pytest.mark.parametrize("mode", ["replace", "preserve_run_at"])
+def test_job_key_modes_leave_a_running_job_holding_the_key_alone(tmp_path, pg_dsn, schema, engine, mode):
+    """A worker runs the job holding the key when the next slot comes: the slot is taken and
+    counted as a duplicate, and the running job is not touched (had it been flipped back to
+    available with the new args, a second worker would claim it while the first still runs it,
+    and the first one's completion would be refused). graphile-worker's job_key_mode "replace"
+    "overwrites the unlocked job" (website/docs/job-key.md); a running job is a locked one."""
+    settings = load_settings(write_config(
+        tmp_path, pg_dsn, schema, f"0 * * * * sync ?jobKey=sync-all&jobKeyMode={mode} {{v: 2}}\n"))
+    q = JobQueue(schema)
+    with engine.begin() as conn:
+        q.enqueue(conn, "sync", {"v": 1}, unique_key="sync-all")
+    with engine.begin() as conn:
+        [running] = q.claim(conn, "default", "worker-1")
+    with engine.connect() as conn:
+        before = conn.execute(sql("SELECT to_jsonb(j) FROM {schema}.jobs j", schema)).scalar_one()
+    _, service = one_pass(settings, engine, T0 - timedelta(minutes=1))  # the baseline
+    result, _ = one_pass(settings, engine, T0, service)
+    assert result.enqueued == [] and result.skipped == {"sync": {"duplicate": 1}}
+    with engine.connect() as conn:
+        after = conn.execute(sql("SELECT to_jsonb(j) FROM {schema}.jobs j", schema)).scalar_one()
+        taken = conn.execute(sql("SELECT slot, job_id FROM {schema}.periodic_slots"
+                                 " WHERE periodic_id = 'sync' ORDER BY slot", schema)).all()
+    assert after == before and after["state"] == "running" and after["args"] == {"v": 1}
+    assert taken[-1] == (T0, None)  # the slot is spent: it does not fire again when the key frees
+    with engine.begin() as conn:
+        assert q.complete(conn, running)  # the worker's completion still counts
+
+
 def test_a_failing_entry_does_not_starve_the_others(pg_dsn, schema, engine, settings):
     s = settings.model_copy(update={"periodic": []})
     s = load_settings(None, database_url=pg_dsn, schema=schema, periodic=[
@@ -131,14 +170,17 @@ def test_a_failing_entry_does_not_starve_the_others(pg_dsn, schema, engine, sett
     assert [j.scheduled_at for j in jobs(engine, schema, "h")] == [T0 + timedelta(seconds=10 * i) for i in range(3)]
 
 
-def test_sighup_reloads_the_crontab_file(tmp_path, pg_dsn, schema):
+def test_sighup_reloads_the_crontab_file(tmp_path, pg_dsn, schema, capsys):
     cfg = write_config(tmp_path, pg_dsn, schema, "0 4 * * * first\n", '[http]\nenabled = false\n')
     daemon = Daemon(load_settings(cfg), config_path=cfg)
-    assert [e.id for e in daemon.runner.services["periodic"].config] == ["first"]
+    assert [e.id for e in daemon.targets[0].runner.services["periodic"].config] == ["first"]
     (tmp_path / "jobs.crontab").write_text("0 4 * * * first\n0 5 * * * second\n")
     assert daemon.reload_from_file()
-    assert [e.id for e in daemon.runner.services["periodic"].config] == ["first", "second"]
+    assert [e.id for e in daemon.targets[0].runner.services["periodic"].config] == ["first", "second"]
+    # Issue 28: the line said periodic=0 while crontab entries were active.
+    reloaded = [line for line in capsys.readouterr().err.splitlines() if "config reloaded" in line]
+    assert reloaded and reloaded[-1].endswith("periodic=2 periodic_config=0 crontab=2"), reloaded
     (tmp_path / "jobs.crontab").write_text("0 4 * * * first\n99 5 * * * broken\n")
     assert not daemon.reload_from_file()  # rejected: the old entries stay
-    assert [e.id for e in daemon.runner.services["periodic"].config] == ["first", "second"]
-    daemon.engine.dispose()
+    assert [e.id for e in daemon.targets[0].runner.services["periodic"].config] == ["first", "second"]
+    daemon.stop()

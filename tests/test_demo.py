@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+import uuid
+from pathlib import Path
 
 import pytest
 
@@ -65,3 +69,90 @@ def test_demo_runs_two_daemons_fails_over_and_every_service_acts():
     guardian = re.findall(r"^maintd demo: guardian of demo-[ab]: vacuum is held back.*$", out, re.M)
     assert guardian and all(f"pid={report.group(1)}" in g and "application_name=demo-report" in g
                             and "kind=snapshot" in g for g in guardian), out[-2000:]
+
+
+# -- no process left behind, from any directory (issue 28 rows 5 and 6) --------------------------
+
+MAINTD = str(Path(sys.executable).parent / "maintd")  # the console script a user runs
+
+
+def marked_env() -> tuple[dict[str, str], str]:
+    """The environment with a mark that every process the demo starts inherits (its daemons and
+    its PostgreSQL), so that any left behind can be found in /proc, orphaned or not."""
+    mark = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAINTD_")}
+    return {**env, "DEMO_TEST_MARK": mark}, mark
+
+
+def marked(mark: str) -> list[str]:
+    """``pid cmdline`` of the live processes carrying ``mark`` (zombies have no environment)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if f"DEMO_TEST_MARK={mark}".encode() in (d / "environ").read_bytes():
+                cmdline = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{d.name} {cmdline}")
+        except OSError:
+            continue
+    return found
+
+
+def busy_port_pair() -> tuple[socket.socket, int]:
+    """A socket holding port 9464 (the default) when it can, else some port P with P + 1 free."""
+    for port in [9464] + list(range(20000, 20400, 2)):
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen(1)
+        except OSError:
+            s.close()
+            if port == 9464:
+                return None, 9464  # already busy: that is the case at hand
+            continue
+        return s, port
+    raise AssertionError("no free port")
+
+
+def test_demo_with_its_port_busy_fails_clearly_and_leaves_no_process():
+    """The issue: exit 1 and an orphan `maintd run` (demo-b) holding :9465, retrying for ever."""
+    holder, port = busy_port_pair()
+    env, mark = marked_env()
+    try:
+        res = subprocess.run([MAINTD, "demo", "--listen", f"127.0.0.1:{port}", "--duration", "30"],
+                             capture_output=True, text=True, env=env, timeout=120)
+    finally:
+        if holder is not None:
+            holder.close()
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert f"127.0.0.1:{port}" in res.stderr and "cannot listen" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    wait_for(lambda: not marked(mark), 10, what=f"no process left (left: {marked(mark)})")
+
+
+def test_demo_from_a_folder_holding_maintd_killed_leaves_no_process(tmp_path):
+    """A ``maintd/`` folder in the working directory (a checkout's parent, a project of that
+    name) must not shadow the package in the daemons; and a SIGKILLed demo takes them (and its
+    PostgreSQL) along."""
+    (tmp_path / "maintd").mkdir()
+    (tmp_path / "maintd" / "__init__.py").write_text("")  # no __version__: the issue's ImportError
+    env, mark = marked_env()
+    proc = subprocess.Popen([MAINTD, "demo", "--listen", "127.0.0.1:0"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+        reader.start()
+        ports = wait_for(lambda: re.findall(r"on http://127\.0\.0\.1:(\d+)/metrics", "".join(lines)) or
+                         (proc.poll() is not None and pytest.fail("".join(lines))), 90, what="the daemons")
+        assert len(ports) == 2
+        for port in ports:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+                assert r.status == 200
+        assert len(marked(mark)) >= 4  # the demo, two daemons, PostgreSQL (and its processes)
+    finally:
+        proc.kill()  # SIGKILL: no clean-up code runs in the demo
+        proc.wait()
+    wait_for(lambda: not marked(mark), 15, what=f"no process left (left: {marked(mark)})")
+    assert "ImportError" not in "".join(lines)

@@ -427,3 +427,109 @@ def test_migrate_work_on_tables_of_another_owner_names_the_owner(pg_dsn, tmp_pat
         assert f"does not own the tables of schema '{schema}'" in line and f"('{owner}')" in line
         with psycopg.connect(pg_dsn) as conn:  # nothing was touched
             assert conn.execute(f'SELECT version_num FROM "{schema}".alembic_version').fetchone()[0] == migrate.head_revision()
+
+
+# -- `maintd grants ROLE [--worker] --apply` against real roles ------------------------------------
+
+TABLE_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
+
+
+def effective_privileges(pg_dsn: str, schema: str, role: str) -> dict[str, set[str]]:
+    """Every privilege the role has on every table of the schema, however it got it."""
+    with psycopg.connect(pg_dsn) as conn:
+        tables = [r[0] for r in conn.execute(
+            "SELECT c.oid::regclass::text FROM pg_class c WHERE c.relnamespace = to_regnamespace(%s)"
+            " AND c.relkind IN ('r', 'p', 'v', 'm')", (f'"{schema}"',))]
+        out = {}
+        for table in tables:
+            held = {p for p in TABLE_PRIVILEGES
+                    if conn.execute("SELECT has_table_privilege(%s, %s, %s)", (role, table, p)).fetchone()[0]}
+            if held:
+                out[table.rsplit(".", 1)[-1].strip('"')] = held
+    return out
+
+
+def apply_by_cli(pg_dsn: str, tmp_path, schema: str, role: str, worker: bool) -> None:
+    res = cli("--config", write_config(tmp_path, schema), "grants", role, *(["--worker"] if worker else []),
+              "--apply", env={"MAINTD_DATABASE_URL": pg_dsn})
+    who = "a worker" if worker else "the daemon"
+    assert res.returncode == 0 and f"granted role {role} what {who} needs on schema {schema}" in res.stdout, \
+        res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("worker", [False, True], ids=["daemon", "worker"])
+def test_grants_apply_gives_a_role_exactly_the_declared_privileges(pg_dsn, schema, tmp_path, worker):
+    with login_role(pg_dsn) as role:
+        apply_by_cli(pg_dsn, tmp_path, schema, role, worker)
+        assert effective_privileges(pg_dsn, schema, role) == declared(grants.WORKER if worker else grants.DAEMON)
+
+
+def readme_worker_sql(schema: str) -> list[str]:
+    """The worker statements of the README, verbatim, in psycopg's parameter style, for ``schema``."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.search(r"Workers in other languages run\s+the same statements.*?```sql\n(.*?)```", readme, re.S)
+    assert block, "no worker SQL in the README"
+    text = re.sub(r"--[^\n]*", "", block.group(1)).replace("maintd.", f'"{schema}".')
+    text = re.sub(r"(?<![:\w]):(\w+)", r"%(\1)s", text)
+    return [s.strip() for s in text.split(";") if s.strip()]
+
+
+def test_a_worker_role_applied_by_the_cli_runs_the_worker_sql_and_admin_functions_and_nothing_else(
+        pg_dsn, schema, tmp_path):
+    """`maintd grants ROLE --worker --apply`: the role runs the README's worker SQL as written and
+    the admin functions that change jobs, and nothing else: no DELETE (the cleaner's job, so
+    delete_jobs and remove_job are refused too), no maintenance writes (the leader row, service
+    runs, periodic slots and rows, the replicas' registry), no DDL, no maintd function that runs
+    with its owner's rights."""
+    with login_role(pg_dsn, "app_worker") as role:
+        apply_by_cli(pg_dsn, tmp_path, schema, role, worker=True)
+        enqueue, claim, heartbeat, complete, fail, cancel = readme_worker_sql(schema)
+        job = {"kind": "w", "queue": "w", "args": "{}", "priority": 0, "max_attempts": 3, "scheduled_at": None,
+               "metadata": "{}"}
+        with psycopg.connect(role_dsn(pg_dsn, role), autocommit=True) as conn:
+            # Strings bound as text: the README's fail statement passes :error to
+            # jsonb_build_object uncast, whose type psycopg's default (unknown) leaves undetermined.
+            conn.adapters.register_dumper(str, psycopg.types.string.StrDumper)
+            ids = [conn.execute(enqueue, {**job, "unique_key": k}).fetchone()[0] for k in ("a", "b", "c")]
+            assert conn.execute(enqueue, {**job, "unique_key": "a"}).fetchone() is None  # a live job holds it
+            claimed = conn.execute(claim, {"worker": "w1", "queue": "w", "limit": 3}).fetchall()
+            assert sorted(r[0] for r in claimed) == ids
+            mine = {"worker": "w1", "attempt": 1}
+            assert conn.execute(heartbeat, {"id": ids[0], **mine}).fetchone() == (ids[0],)
+            assert conn.execute(complete, {"id": ids[0], **mine}).fetchone() == (ids[0],)
+            assert conn.execute(fail, {"id": ids[1], **mine, "discard": False, "backoff": 1.5,
+                                       "error": "boom"}).fetchone() == ("retryable",)
+            assert conn.execute(cancel, {"id": ids[2]}).fetchone() == (ids[2],)
+            for call in ("retry_jobs(%(ids)s)", "reschedule_jobs(%(ids)s, run_at => now())",
+                         "permanently_fail_jobs(%(ids)s, 'r')", "retry_jobs(%(ids)s)", "cancel_jobs(%(ids)s)",
+                         "retry_jobs(%(ids)s)", "complete_jobs(%(ids)s)"):
+                assert conn.execute(f'SELECT id FROM "{schema}".{call}', {"ids": [ids[1]]}).fetchall() == [(ids[1],)], call
+            refused = [
+                f'DELETE FROM "{schema}".jobs',
+                f'SELECT * FROM "{schema}".delete_jobs(ARRAY[{ids[0]}]::bigint[])',
+                f'SELECT * FROM "{schema}".remove_job(\'a\')',
+                f'TRUNCATE "{schema}".jobs',
+                f'SELECT * FROM "{schema}".leader',
+                f'UPDATE "{schema}".leader SET epoch = epoch + 1',
+                f'INSERT INTO "{schema}".service_runs (service, instance_id, started_at, finished_at, outcome)'
+                " VALUES ('cleaner', 'x', now(), now(), 'success')",
+                f'INSERT INTO "{schema}".periodic_slots (periodic_id, slot) VALUES (\'p\', now())',
+                f'DELETE FROM "{schema}".periodic_slots',
+                f'UPDATE "{schema}".periodic_jobs SET error = \'x\'',
+                f'INSERT INTO "{schema}".daemons (instance_id, host, pid, version, started_at, last_seen_at)'
+                " VALUES ('x', 'h', 1, 'v', now(), now())",
+                f'CREATE TABLE "{schema}".x ()',
+                f'CREATE INDEX ON "{schema}".jobs (kind)',
+            ]
+            for statement in refused:
+                with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                    conn.execute(statement)
+            # Functions that run with their owner's rights (the partition functions of SPEC 8.1)
+            # must not be executable by a worker; PostgreSQL grants EXECUTE to PUBLIC by default.
+            definer = conn.execute(
+                "SELECT p.oid::regprocedure::text FROM pg_proc p WHERE p.pronamespace = to_regnamespace(%s)"
+                " AND p.prosecdef AND has_function_privilege(p.oid, 'EXECUTE')", (f'"{schema}"',)).fetchall()
+            assert definer == []
+        assert effective_privileges(pg_dsn, schema, role) == declared(grants.WORKER)

@@ -8,6 +8,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from datetime import datetime, timezone
 
 from maintd.config import Settings
 from maintd.daemon import Daemon
@@ -35,7 +36,7 @@ def test_http_endpoints_and_metrics(settings, schema):
     try:
         port = daemon.http_port
         wait_for(lambda: daemon.is_leader, 10, what="leadership")
-        wait_for(lambda: "cleaner" in daemon.runner.last_runs, 10, what="a cleaner pass")
+        wait_for(lambda: "cleaner" in daemon.targets[0].runner.last_runs, 10, what="a cleaner pass")
         assert _get(port, "/healthz") == (200, "ok\n")
         assert _get(port, "/readyz")[0] == 200
         status, body = _get(port, "/metrics")
@@ -57,25 +58,27 @@ def test_http_endpoints_and_metrics(settings, schema):
         assert data["this_instance"]["is_leader"] is True
         assert _get(port, "/nope")[0] == 404
         # Bound to loopback only.
-        assert daemon.http.server.server_address[0] == "127.0.0.1"
+        assert daemon.http.address[0] == "127.0.0.1"
 
         # An election loop that stops making progress (a hanging connection) is unhealthy.
         # (The election loop itself stamps last_progress on every turn, so set it right before
         # each request until one lands in between.)
+        loop = daemon.loops[0]
+
         def stalled():
-            daemon.elector.last_progress = time.monotonic() - 60
+            loop.last_progress = time.monotonic() - 60
             return _get(port, "/healthz")
 
         status, body = wait_for(lambda: (lambda r: r if r[0] == 503 else None)(stalled()), 5,
                                 what="a stalled /healthz")
         assert "stalled" in body
-        daemon.elector.last_progress = time.monotonic()
-        daemon.elector.healthy = False  # what the elector reports while the database is unreachable
+        loop.last_progress = time.monotonic()
+        daemon.targets[0].db_ok = False  # what the loop reports while the database is unreachable
         # Liveness is the process and its loops; the database is readiness's business (a grant
         # problem or an outage must not make Kubernetes restart the pod).
         assert _get(port, "/healthz") == (200, "ok\n")
         assert _get(port, "/readyz")[0] == 503
-        daemon.elector.healthy = True
+        daemon.targets[0].db_ok = True
     finally:
         daemon.stop()
     assert not daemon.is_leader
@@ -165,3 +168,39 @@ def test_job_gauges_refresh_live_often_and_final_counts_when_asked(settings, eng
     assert get("maintd_jobs", {"queue": "mail", "state": "completed"}) == 1  # not recounted yet
     gauges.refresh(engine, settings.schema, final=True)
     assert get("maintd_jobs", {"queue": "mail", "state": "completed"}) == 2
+
+
+def test_metrics_max_queues_keeps_that_many_queue_labels_and_sums_the_rest_as_other(settings, engine, schema):
+    """metrics.max_queues = 3 with 5 queues: /metrics shows exactly 3 queues by name and the
+    rest summed under queue="_other", for the job gauges (the largest queues keep their name)
+    and for the per-queue promotion counter (the first queues seen keep theirs). One label too
+    many per family is the unbounded cardinality the setting exists to prevent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from maintd.clock import FrozenClock
+    from maintd.services.base import PassContext
+    from maintd.services.scheduler import Scheduler
+
+    sizes = {"q5": 5, "q4": 4, "q3": 3, "q2": 2, "q1": 1}
+    with engine.begin() as conn:
+        for name, n in sizes.items():
+            conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state, scheduled_at) SELECT 'k', :q,"
+                             " 'scheduled', now() - interval '1 minute' FROM generate_series(1, :n)", schema),
+                         {"q": name, "n": n})
+    metrics = Metrics(max_queues=Settings(metrics={"max_queues": 3}).metrics.max_queues)
+    settings.scheduler.precise_timing = False
+    scheduler = Scheduler(settings.scheduler)
+    ctx = PassContext.for_settings(settings, engine, FrozenClock(datetime.now(timezone.utc)))
+    scheduler.observe(metrics, scheduler.run_once(ctx))  # all 15 promoted to available
+    JobGauges(metrics).refresh(engine, schema, final=True)
+
+    samples: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            if "queue" in s.labels and not s.name.endswith("_created"):
+                samples.setdefault(s.name, {})[s.labels["queue"]] = s.value
+    assert samples["maintd_jobs"] == {"q5": 5, "q4": 4, "q3": 3, "_other": 3}
+    assert set(samples["maintd_oldest_available_job_age_seconds"]) == {"q5", "q4", "q3", "_other"}
+    promoted = samples["maintd_jobs_promoted_total"]
+    assert len(promoted) == 4 and "_other" in promoted and sum(promoted.values()) == 15
+    assert promoted["_other"] == sum(sizes[q] for q in sizes if q not in promoted)

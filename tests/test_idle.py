@@ -83,12 +83,12 @@ def test_idle_leader_writes_no_wal_and_a_due_job_still_gets_promoted(quiet_pg):
         with psycopg.connect(quiet_pg.dsn, autocommit=True) as conn:
             assert {r[0] for r in conn.execute("SELECT service FROM maintd.service_runs")} == set(SERVICES)
         before = {s: passes(daemon, s) for s in SERVICES}
-        term = daemon.elector.term
+        term = daemon.targets[0].term
         start = wal_lsn(quiet_pg.dsn)
         time.sleep(WINDOW)
         written = wal_since(quiet_pg.dsn, start)
-        assert daemon.is_leader and daemon.elector.term.epoch == term.epoch
-        assert daemon.elector.term.trusted_until > term.trusted_until + WINDOW / 2, "no lease renewal"
+        assert daemon.is_leader and daemon.targets[0].term.epoch == term.epoch
+        assert daemon.targets[0].term.trusted_until > term.trusted_until + WINDOW / 2, "no lease renewal"
         ran = {s: passes(daemon, s) - before[s] for s in SERVICES}
         assert ran.pop("periodic") == 0, "an idle periodic tick that cannot find a due slot was run"
         assert all(n >= WINDOW / 3 for n in ran.values()), ran
@@ -194,7 +194,7 @@ def test_status_stays_truthful_without_idle_writes(settings, schema):
         assert {r["service"] for r in status["services"]} >= {"scheduler", "cleaner", "rescuer"}
         assert status["daemons"][0]["last_seen_at"] == status["time"]  # alive: seen now
         # /status of the leader has every pass, idle ones included.
-        assert daemon.runner.last_runs["scheduler"]["outcome"] == "success"
+        assert daemon.targets[0].runner.last_runs["scheduler"]["outcome"] == "success"
     finally:
         daemon.stop()
         engine.dispose()

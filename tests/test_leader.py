@@ -16,8 +16,11 @@ import pytest
 from maintd.config import Settings
 from maintd.daemon import Daemon
 from maintd.queries import sql
-from maintd.leader import LeaderElector, LeaderFence, LeaderSessionError, acquire_once
+from maintd.db import HostOrder
+from maintd.election import Request
+from maintd.leader import ElectionLoop, LeaderFence, LeaderSessionError, acquire_once
 from maintd.services.base import NotLeader, PassContext
+from maintd.leader import Seat
 
 from .procs import lock_holders, wait_for
 
@@ -44,6 +47,36 @@ def kinds(engine, schema):
         return [r[0] for r in conn.execute(sql("SELECT kind FROM {schema}.jobs ORDER BY id", schema))]
 
 
+class Elector:
+    """One target's election on a loop of its own (a daemon's, minus its runner)."""
+
+    def __init__(self, settings: Settings, rec: "Recorder", spread=None):
+        self.seat = Seat(settings, on_elected=rec.elected, on_demoted=rec.demoted)
+        self.seat.started = True
+        self.loop = ElectionLoop(settings, [self.seat], HostOrder(settings.database_url.get_secret_value()),
+                                 spread=spread)
+        self.session = self.loop.session
+
+    is_leader = property(lambda self: self.seat.is_leader)
+    term = property(lambda self: self.seat.term)
+
+    def fence(self):
+        return self.seat.fence()
+
+    def start(self):
+        self.loop.start()
+
+    def stop(self):
+        self.loop.stop()
+
+    def request_demotion(self, reason, epoch=None, hold_off=0.0, graceful=False):
+        self.seat.request(Request("handover" if graceful else "fenced", reason, epoch, hold_off))
+
+    def wake(self):
+        self.seat.gate_at = 0.0
+        self.loop.wake()
+
+
 class Recorder:
     def __init__(self):
         self.events: list[tuple[str, object]] = []
@@ -54,11 +87,11 @@ class Recorder:
     def demoted(self, reason):
         self.events.append(("demoted", reason))
 
-    def elector(self, settings: Settings) -> LeaderElector:
-        return LeaderElector(settings, on_elected=self.elected, on_demoted=self.demoted)
+    def elector(self, settings: Settings, spread=None) -> Elector:
+        return Elector(settings, self, spread)
 
     @contextmanager
-    def leading(self, settings: Settings) -> Iterator[LeaderElector]:
+    def leading(self, settings: Settings) -> Iterator[Elector]:
         """A started elector that has won the lock; stopped afterwards."""
         elector = self.elector(settings)
         elector.start()
@@ -206,7 +239,7 @@ def test_killed_lock_session_demotes_then_reconnects_and_leads_again(pg_dsn, set
         # demotion itself, not for it being the last event.
         wait_for(lambda: ("demoted", "fenced") in rec.events, 5, what="requested demotion")
     text = "\n".join(maintd_log)
-    assert "database unreachable, retrying in" in text and "reconnected to database" in text
+    assert "database unreachable, retrying" in text and "reconnected to database" in text
     assert f"became leader epoch={epoch + 1}" in text and "lost leadership reason=fenced" in text
     demoted = [e[1] for e in rec.events if e[0] == "demoted"]
     assert demoted[0].startswith("database error") and demoted[1] == "fenced"
@@ -217,13 +250,15 @@ def test_lease_expiry_stops_passes_at_once_and_gives_up_the_term(settings):
     daemon = Daemon(with_leader(settings))
     daemon.start()
     try:
-        wait_for(lambda: daemon.is_leader and daemon.runner.timetable.get_jobs(), 10, what="leadership")
-        epoch = daemon.elector.term.epoch
-        term = daemon.elector.term  # the lease could have run out:
-        daemon.elector.term = dataclasses.replace(term, trusted_until=time.monotonic() - 1)
+        target = daemon.targets[0]
+        wait_for(lambda: daemon.is_leader and target.runner._jobs(), 10, what="leadership")
+        epoch = target.term.epoch
+        state = target.seat.state  # the lease could have run out:
+        target.seat.state = dataclasses.replace(state, term=dataclasses.replace(
+            state.term, trusted_until=time.monotonic() - 1), renew_at=float("inf"))
         daemon.tick()
-        assert daemon.runner._fence is None and daemon.runner.timetable.get_jobs() == []
-        wait_for(lambda: daemon.is_leader and daemon.elector.term.epoch == epoch + 1, 10,
+        assert target.runner._fence is None and target.runner._jobs() == []
+        wait_for(lambda: daemon.is_leader and target.term.epoch == epoch + 1, 10,
                  what="a fresh term")
     finally:
         daemon.stop()
@@ -248,10 +283,10 @@ def test_a_session_it_did_not_set_up_is_refused(settings, pg_dsn, schema):
     """What transaction pooling looks like from the client: the statement reaches a backend
     without our session state. The elector refuses to lead from it and keeps no lock."""
     elector = Recorder().elector(settings)
-    elector.connect()
+    elector.loop.connect()
     elector.session.conn.execute("SELECT set_config('maintd.session', 'someone-else', false)")
     with pytest.raises(LeaderSessionError, match="PgBouncer"):
-        elector._follow(wait=False)
+        elector.loop.round()
     assert not elector.session.open and lock_holders(pg_dsn, schema) == []
 
 
@@ -291,8 +326,19 @@ def test_a_woken_follower_asks_its_gate_again_at_once(settings, schema):
     late; a bound of 0.25 s leaves 0.25 s for a noisy machine."""
     s = with_leader(settings)
     asked: list[float] = []
-    elector = Recorder().elector(s)
-    elector.gate = lambda notified: asked.append(time.monotonic()) or 60.0
+
+    class Gate:  # a spread that never lets it try, and notes each time it is asked
+        def gate(self, name, notified):
+            asked.append(time.monotonic())
+            return 60.0
+
+        def tried(self, name, won):
+            pass
+
+        def refresh(self):
+            pass
+
+    elector = Recorder().elector(s, spread=Gate())
     elector.start()
     try:
         wait_for(lambda: asked, 10, what="the first look at the gate")

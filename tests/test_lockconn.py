@@ -1,132 +1,116 @@
-"""The shared lock session: its turn-taking (maintd.lockconn.FairLock: arrival order, reentrancy,
-how long the holder has held it, so the watchdog severs a session whose statement hangs, not one
-whose queue is long), and giving one target's lock up on it (PostgreSQL's advisory-lock rules)."""
+"""The lock session of a database (maintd.lockconn, SPEC 8.3): the batched statements against what
+PostgreSQL documents about advisory locks, and its reading of NOTIFYs between rounds."""
 
 from __future__ import annotations
 
+import os
+import resource
 import threading
-import time
 
-import pytest
+import psycopg
 
-from maintd.lockconn import FairLock
+from maintd.config import Settings
+from maintd.db import HostOrder, advisory_key
+from maintd.lockconn import LockSession
+from maintd.queries import leader as q
+from maintd.queries import psycopg_sql
 
 from .procs import wait_for
+from .tools import unavailable
 
-
-def test_turns_are_granted_in_arrival_order():
-    lock = FairLock()
-    order: list[int] = []
-    lock.acquire()
-    threads = []
-    for i in range(8):
-        t = threading.Thread(target=lambda i=i: (lock.acquire(), order.append(i), lock.release()))
-        t.start()
-        threads.append(t)
-        wait_for(lambda i=i: len(lock._queue) == i + 1, 5, 0.001, what=f"waiter {i} queued")
-    lock.release()
-    for t in threads:
-        t.join(5)
-    assert order == list(range(8))
-    assert lock.acquire(blocking=False)  # free again
-    lock.release()
-
-
-def test_reentrant_and_non_blocking_try():
-    lock = FairLock()
-    with lock:
-        with lock:  # the same thread again (a view's close() runs statements inside the lock)
-            pass
-        other: list[bool] = []
-        t = threading.Thread(target=lambda: other.append(lock.acquire(blocking=False)))
-        t.start()
-        t.join(5)
-        assert other == [False]  # still held by us after the inner release
-    t = threading.Thread(target=lambda: other.append(lock.acquire(blocking=False)) or lock.release())
-    t.start()
-    t.join(5)
-    assert other == [False, True]
-
-
-def test_held_for_counts_from_each_owner_s_turn():
-    lock = FairLock()
-    assert lock.held_for() == 0.0
-    lock.acquire()
-    time.sleep(0.3)
-    waiter = threading.Thread(target=lambda: (lock.acquire(), time.sleep(0.2), lock.release()))
-    waiter.start()
-    wait_for(lambda: len(lock._queue) == 1, 5, 0.001, what="the waiter queued")
-    assert lock.held_for() >= 0.3
-    lock.release()
-    wait_for(lambda: not lock._queue, 5, 0.001, what="the waiter's turn")
-    assert lock.held_for() < 0.2  # the new owner's time, not the queue's
-    waiter.join(5)
-    assert lock.held_for() == 0.0
-
-
-# -- giving one target's lock up on a shared session, as PostgreSQL documents advisory locks ------
 # https://www.postgresql.org/docs/current/functions-admin.html#FUNCTIONS-ADVISORY-LOCKS:
 # "If a session already holds a given advisory lock, additional requests by it will always
 # succeed ... the lock must be released as many times as it was acquired"; pg_advisory_unlock of a
 # lock not held "returns false, and in addition, an SQL warning will be reported by the server".
 
 
-def test_unlock_held_releases_each_level_and_never_draws_the_warning(pg_dsn):
-    import psycopg
+def keys(tries=(), renewals=(), unlocks=()) -> dict:
+    out = {"marker": "m"}
+    for kind, names in (("try", tries), ("renew", renewals), ("unlock", unlocks)):
+        pairs = [advisory_key(n) for n in names]
+        out |= {f"{kind}_c": [p[0] for p in pairs], f"{kind}_o": [p[1] for p in pairs]}
+    return out
 
-    from maintd.db import advisory_key
-    from maintd.queries import leader as q
-    from maintd.queries import psycopg_sql
 
-    classid, objid = advisory_key("lockconn_doc_case")
-    key = {"classid": classid, "objid": objid}
+def round_(conn, **kw) -> list[tuple]:
+    return conn.execute(psycopg_sql(q.ROUND), keys(**kw)).fetchall()
+
+
+def test_one_round_tries_proves_and_unlocks_as_postgresql_documents(pg_dsn):
     notices: list[str] = []
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn, psycopg.connect(pg_dsn, autocommit=True) as other:
         conn.add_notice_handler(lambda diag: notices.append(f"{diag.severity}: {diag.message_primary}"))
+        conn.execute("SELECT set_config('maintd.session', 'm', false)")
         # The documented behaviour first, on the real server.
-        assert conn.execute(psycopg_sql(q.UNLOCK), key).fetchone()[0] is False
+        c, o = advisory_key("lockconn_a")
+        assert conn.execute("SELECT pg_advisory_unlock(%s, %s)", (c, o)).fetchone()[0] is False
         assert notices == ["WARNING: you don't own a lock of type ExclusiveLock"], notices
         notices.clear()
-        # Taken twice (stacked), UNLOCK_HELD releases one level per call, then says false quietly.
-        for _ in range(2):
-            assert conn.execute(psycopg_sql(q.TRY_LOCK), key).fetchone()[0] is True
-        got = [conn.execute(psycopg_sql(q.UNLOCK_HELD), key).fetchone()[0] for _ in range(3)]
-        assert got == [True, True, False]
-        assert notices == []
-        with psycopg.connect(pg_dsn, autocommit=True) as other:  # really free now
-            assert other.execute(psycopg_sql(q.TRY_LOCK), key).fetchone()[0] is True
+        pid = conn.info.backend_pid
+        # Tries answered in order; another session's lock is not won.
+        round_(other, tries=["lockconn_c"])
+        assert round_(conn, tries=["lockconn_a", "lockconn_b", "lockconn_c"]) == [
+            (1, 1, True, True, True, pid), (1, 2, True, True, True, pid), (1, 3, False, True, True, pid)]
+        # Proofs: held by this very backend; another session does not hold it, and is not ours.
+        assert [r[:3] for r in round_(conn, renewals=["lockconn_a", "lockconn_c"])] == [(2, 1, True), (2, 2, False)]
+        assert [r[2:4] for r in round_(other, renewals=["lockconn_a"])] == [(False, False)]
+        # Unlocks only of what is held: no warning for c, which the other session holds.
+        got = round_(conn, unlocks=["lockconn_a", "lockconn_c", "lockconn_b"])
+        assert [r[2] for r in got] == [True, False, True] and notices == []
+        # All three kinds in one statement, each answered in its place.
+        got = round_(conn, tries=["lockconn_a"], renewals=["lockconn_b"], unlocks=["lockconn_d"])
+        assert [r[:3] for r in got] == [(1, 1, True), (2, 1, False), (3, 1, False)]
+        assert [r[2] for r in round_(other, tries=["lockconn_b", "lockconn_a"])] == [True, False]
 
 
-def test_an_idle_session_hands_on_notifies_with_descriptors_above_fd_setsize(pg_dsn, tmp_path):
-    """The listener thread reads what an idle lock session receives (a hand-over NOTIFY that
-    wakes a follower, a periodic_jobs change). A process of many targets holds many
-    descriptors: with its socket above FD_SETSIZE (1024), select() raised ValueError, the
-    listener stopped, and NOTIFYs waited for the session's next statement (up to a third of the
-    lease). It also no longer polls every 5 ms while a statement is in flight. Reference: the
-    select(2) man page, "select() can monitor only file descriptors numbers that are less than
-    FD_SETSIZE (1024)", and Python's select.select raising ValueError for such a descriptor."""
-    import os
-    import resource
+def test_a_frozen_sessions_idle_timeout_stays_armed_after_a_round(pg_dsn):
+    """SPEC 3: the server ends a frozen leader's session within the lease (idle_session_timeout,
+    PostgreSQL 14+). A round must leave that timer armed: it did not after a psycopg pipeline."""
+    settings = Settings(database_url=pg_dsn, instance_id=f"idle-{os.getpid()}",
+                        leader={"lease": "1s", "renew_interval": "0.3s", "retry_interval": "0.2s"})
+    session = LockSession(settings, HostOrder(pg_dsn), lambda channel: None)
+    conn = session.connect([])
+    if conn.info.server_version < 140000:
+        session.close()
+        return
+    try:
+        session.round_trip([advisory_key("idle_a")], [], [])
+        session.round_trip([], [advisory_key("idle_a")], [])
+        pid = conn.info.backend_pid
+        with psycopg.connect(pg_dsn, autocommit=True) as watcher:
+            wait_for(lambda: not watcher.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchall(),
+                     5, what="the idle session ended by the server")
+    finally:
+        session.close()
 
-    import psycopg
 
-    from maintd.config import Settings
-    from maintd.lockconn import LockConnection
-
+def test_a_waiting_loop_reads_notifies_with_descriptors_above_fd_setsize(pg_dsn):
+    """Between rounds the loop waits in poll() on its session's socket and reads what arrives (a
+    hand-over NOTIFY that wakes a follower, a periodic_jobs change). A process of many targets
+    holds many descriptors: with the socket above FD_SETSIZE (1024), select() would raise
+    ValueError (select(2): "select() can monitor only file descriptors numbers that are less than
+    FD_SETSIZE"). The test raises its own soft limit to get there."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if min(soft, hard) < 1200:
-        pytest.skip(f"needs 1200 descriptors, the limit is {soft}")
+    if hard < 1300:
+        unavailable(f"needs 1300 descriptors, the hard limit is {hard}")
+    if soft < 1300:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
     filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
     heard = threading.Event()
-    lock_conn = LockConnection(Settings(database_url=pg_dsn, instance_id=f"fd-{os.getpid()}"))
+    settings = Settings(database_url=pg_dsn, instance_id=f"fd-{os.getpid()}")
+    session = LockSession(settings, HostOrder(pg_dsn), lambda channel: channel == "maintd_fd_test" and heard.set())
     try:
-        conn, _ = lock_conn.attach({"maintd_fd_test": heard.set})
+        conn = session.connect(["maintd_fd_test"])
         assert conn.fileno() > 1024
-        time.sleep(0.3)  # the listener is waiting in poll()
+        import select
+
+        poller = select.poll()
+        poller.register(conn.fileno(), select.POLLIN)
         with psycopg.connect(pg_dsn, autocommit=True) as other:
             other.execute("NOTIFY maintd_fd_test")
-        assert heard.wait(5), "the NOTIFY was not handed on"
+        wait_for(lambda: poller.poll(100) and (session.drain() or heard.is_set()), 5, what="the NOTIFY")
     finally:
-        lock_conn.close()
+        session.close()
         for fd in filler:
             os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -107,3 +107,45 @@ def test_a_pass_outlasting_its_interval_is_not_a_warning(restore_loggers, level,
     got = lines(out)
     assert any("maximum number of running instances" in line for line in got) is shown
     assert any(line.endswith("error   Error adding job") for line in got)
+
+
+# -- hostile values (issue 26, scenario 6) -------------------------------------------------------
+
+FORGED = "x\n2026-01-01T00:00:00.000Z info    became leader epoch=999 instance=attacker"
+ANSI = "y\x1b[2J\x1b[31mRED\x1b[0m\x9b1m"  # clear screen, colours, a C1 CSI
+
+
+@pytest.mark.parametrize("value,written", [
+    (FORGED, r'"x\n2026-01-01T00:00:00.000Z info    became leader epoch=999 instance=attacker"'),
+    (ANSI, r'"y\x1b[2J\x1b[31mRED\x1b[0m\x9b1m"'),
+    ("a\rb\tc\x00d\x7f", r'"a\rb\tc\x00d\x7f"'),
+    ("right\u202eto-left\u2028line", r'"right\u202eto-left\u2028line"'),  # bidi override, separator
+    ('say "hi" \\ bye', r'"say \"hi\" \\ bye"'),
+    ("k=v", '"k=v"'), ("", '""'), ("plain", "plain"), ("héllo", "héllo"),
+])
+def test_text_values_are_escaped(restore_loggers, value, written):
+    """Every control character (C0, DEL, C1), bidi override and line separator is written as an
+    escape, inside quotes; a value with a space, '=', a quote or a backslash is quoted too, so it
+    stays one field."""
+    out = io.StringIO()
+    setup_logging("info", "text", stream=out)
+    logging.getLogger("maintd.scheduler").info("scheduler pass", extra=kv(queue=value, n=1))
+    (line,) = out.getvalue().split("\n")[:-1]  # one line, whatever the value holds
+    assert line.endswith(f" info    scheduler pass queue={written} n=1"), line
+    assert line.isprintable()
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_messages_cannot_forge_lines_and_long_values_are_cut_with_a_count(restore_loggers, fmt):
+    out = io.StringIO()
+    setup_logging("info", fmt, stream=out)
+    log = logging.getLogger("maintd.daemon")
+    log.warning("could not read " + FORGED + ANSI)  # data that slipped into a message
+    log.info("promoted", extra=kv(queues=[f"q{i}" for i in range(100_000)], error="e" * 100_000))
+    first, second = out.getvalue().split("\n")[:-1]
+    assert "\x1b" not in out.getvalue() and "\x9b" not in out.getvalue()
+    if fmt == "json":
+        first, second = json.loads(first)["msg"], json.dumps(json.loads(second))
+    assert r"\n2026-01-01" in first and r"\x1b[2J" in first or fmt == "json"
+    assert len(second) < 2_500, len(second)
+    assert "q19,... (+99980 more)" in second and "(+99000 characters)" in second

@@ -92,6 +92,31 @@ def test_offline_sql_is_schema_qualified():
     assert out.strip().endswith("COMMIT;")
 
 
+def test_migrate_sql_prints_what_is_left_to_do(pg_dsn, schema, tmp_path, capsys):
+    """Issue 28: `migrate --sql` on a current schema printed the whole DDL from base."""
+    from maintd.cli import main
+
+    cfg = tmp_path / "maintd.toml"
+    cfg.write_text(f'database_url = "{pg_dsn}"\nschema = "{schema}"\n')
+    assert main(["--config", str(cfg), "migrate", "--sql"]) == 0
+    out = capsys.readouterr().out
+    assert out == f"-- schema {schema} is at revision {migrate.head_revision()} (head); nothing to do\n"
+    engine = make_engine(pg_dsn, application_name="t", pooled=False)
+    with engine.connect() as conn:
+        migrate.downgrade(conn, schema, "0003")
+    engine.dispose()
+    assert main(["--config", str(cfg), "migrate", "--sql"]) == 0
+    out = capsys.readouterr().out
+    assert "Running upgrade 0003 -> 0004" in out and "Running upgrade  -> 0001" not in out  # from where it is
+    assert f"CREATE TABLE {schema}.jobs" not in out  # (later revisions may create tables of their own)
+    # --from base: the whole DDL without a connection (a new schema, a DBA's review)
+    cfg.write_text(f'database_url = "postgresql://nobody@127.0.0.1:1/none"\nschema = "{schema}"\n')
+    assert main(["--config", str(cfg), "migrate", "--sql", "--from", "base"]) == 0
+    assert f"CREATE TABLE {schema}.jobs" in capsys.readouterr().out
+    assert main(["--config", str(cfg), "migrate", "--sql"]) == 1  # it must read the revision
+    assert "Connection refused" in capsys.readouterr().err
+
+
 def test_indexes_exist_per_access_path(pg_dsn, schema):
     engine = make_engine(pg_dsn, application_name="t", pooled=False)
     with engine.connect() as conn:

@@ -241,7 +241,9 @@ def test_blackholed_leader_demotes_itself_within_the_lease_and_keeps_answering(p
 @pytest.mark.slow
 def test_leader_with_hung_maintenance_connections_gives_up_the_term(pg_dsn, audited, tmp_path):
     """Only the work pool (application_name ``maintd:<id>:work``) is cut; the lock session renews
-    fine. After a lease without progress the leader must step down and /healthz must say so."""
+    fine. After a lease without progress the leader must step down, say so, and (SPEC 8.5) be
+    healthy again once it follows: a liveness probe must not restart a replica for a stall it
+    has already handled, nor keep it 503 until some later election."""
     schema = audited
     with NetProxy.for_dsn(pg_dsn) as proxy:
         cut, direct = proxied_pair(pg_dsn, schema, tmp_path, proxy)
@@ -249,22 +251,18 @@ def test_leader_with_hung_maintenance_connections_gives_up_the_term(pg_dsn, audi
             start_leader_then_follower(cut, direct, pg_dsn, schema)
             t0 = time.monotonic()
             proxy.blackhole(lambda link: link.app.endswith(":work"))
-            unhealthy_after = None
-            try:
-                seconds = working_leader_after(pg_dsn, schema, t0, timeout=4 * LEASE)
-            finally:
-                healthz = http(cut, "/healthz")
-                if healthz[0] == 503:
-                    unhealthy_after = time.monotonic() - t0
-                holders = lock_holders(pg_dsn, schema)
+            seconds = working_leader_after(pg_dsn, schema, t0, timeout=4 * LEASE)
+            holders = lock_holders(pg_dsn, schema)
             record("hung_maintenance_connections", seconds)
+            wait_for(lambda: http(cut, "/healthz")[0] == 200, 2 * LEASE, what="the ex-leader healthy as a follower")
+            gave_up = "maintenance transactions hang, giving up leadership" in cut.log()
         finally:
             proxy.heal()
             cut.stop()
             direct.stop()
     assert holders == ["maintd:direct"]
     assert seconds < 4 * LEASE
-    assert unhealthy_after is not None, f"/healthz still says {healthz}"
+    assert gave_up, cut.log()
     rows = audit_rows(pg_dsn, schema)
     assert not foreign_writes(rows), foreign_writes(rows)[:5]
 

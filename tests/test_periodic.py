@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
+from zoneinfo import ZoneInfo
 
 import pytest
 
@@ -200,3 +201,59 @@ def test_bad_entries_are_config_errors_naming_the_entry():
     with pytest.raises(ConfigError, match=r"periodic\[1\] \(id='b'\)\.schedule"):
         load_settings(None, periodic=[{"id": "a", "schedule": "@hourly", "kind": "k"},
                                       {"id": "b", "schedule": "61 * * * *", "kind": "k"}])
+
+
+def enqueued_over(settings, engine, schema, start: datetime, end: datetime, step: timedelta) -> dict[str, list[str]]:
+    """Run the enqueuer every ``step`` from ``start`` to ``end`` (one service, as a daemon
+    would); the jobs it enqueued, per periodic id, as local ISO times of their slots."""
+    service, t = PeriodicEnqueuer(settings.periodic), start
+    while t <= end:
+        run(settings, engine, FrozenClock(t), service)
+        t += step
+    zones = {e.id: ZoneInfo(e.timezone) for e in settings.periodic}
+    out: dict[str, list[str]] = {e.id: [] for e in settings.periodic}
+    for job in jobs(engine, schema):
+        pid = job.metadata["periodic_id"]
+        out[pid].append(job.scheduled_at.astimezone(zones[pid]).isoformat())
+    return out
+
+
+def test_through_a_dst_fold_fixed_time_jobs_run_once_and_others_follow_the_clock(pg_dsn, schema, engine):
+    """America/New_York, 2026-11-01: 01:00-02:00 happens twice. cronie (man/cron.8): a job at a
+    fixed time runs once ("if time was adjusted backward, running the same job twice is
+    avoided"); jobs whose minute or hour field starts with '*' are "scheduled normally", in both
+    passes. Through the enqueuer, a pass every 10 minutes across the fold."""
+    ny = "America/New_York"
+    settings = Settings(database_url=pg_dsn, schema=schema, periodic=[
+        {"id": "fixed", "schedule": "30 1 * * *", "timezone": ny, "kind": "k"},
+        {"id": "minutes", "schedule": "*/30 1 * * *", "timezone": ny, "kind": "k"},
+        {"id": "hourly", "schedule": "30 * * * *", "timezone": ny, "kind": "k"}])
+    got = enqueued_over(settings, engine, schema, datetime(2026, 11, 1, 3, 50, tzinfo=UTC),
+                        datetime(2026, 11, 1, 8, 0, tzinfo=UTC), timedelta(minutes=10))
+    assert got == {
+        "fixed": ["2026-11-01T01:30:00-04:00"],
+        "minutes": ["2026-11-01T01:00:00-04:00", "2026-11-01T01:30:00-04:00",
+                    "2026-11-01T01:00:00-05:00", "2026-11-01T01:30:00-05:00"],
+        "hourly": ["2026-11-01T00:30:00-04:00", "2026-11-01T01:30:00-04:00", "2026-11-01T01:30:00-05:00",
+                   "2026-11-01T02:30:00-05:00"],
+    }
+
+
+def test_a_clock_correction_skips_fixed_time_jobs_of_the_skipped_day(pg_dsn, schema, engine):
+    """Samoa (Pacific/Apia) skipped 2011-12-30: 23:59:59 on the 29th (UTC-10) was followed by
+    00:00 on the 31st (UTC+14). cronie (man/cron.8): "time changes of more than 3 hours are
+    considered to be corrections to the clock or the timezone, and the new time is used
+    immediately", so the fixed-time job of the skipped day does not run at the end of the gap
+    (as it would after a one-hour change); an hourly job goes on with the new time. Depends on
+    which jobs are fixed-time (cronie's MIN_STAR/HR_STAR flags)."""
+    apia = "Pacific/Apia"
+    settings = Settings(database_url=pg_dsn, schema=schema, periodic=[
+        {"id": "noon", "schedule": "0 12 * * *", "timezone": apia, "kind": "k"},
+        {"id": "hourly", "schedule": "0 * * * *", "timezone": apia, "kind": "k"}])
+    got = enqueued_over(settings, engine, schema, datetime(2011, 12, 29, 21, 30, tzinfo=UTC),
+                        datetime(2011, 12, 30, 22, 30, tzinfo=UTC), timedelta(minutes=30))
+    assert got["noon"] == ["2011-12-29T12:00:00-10:00", "2011-12-31T12:00:00+14:00"]
+    assert got["hourly"][:3] == ["2011-12-29T12:00:00-10:00", "2011-12-29T13:00:00-10:00",
+                                 "2011-12-29T14:00:00-10:00"]
+    assert "2011-12-29T23:00:00-10:00" in got["hourly"] and "2011-12-31T00:00:00+14:00" in got["hourly"]
+    assert len(got["hourly"]) == 25  # 21:00Z (the baseline) to 22:30Z on the 30th: 25 more hours

@@ -11,6 +11,7 @@ import json
 import threading
 import time
 from contextlib import contextmanager
+from typing import Iterator
 from datetime import timedelta
 
 import psycopg
@@ -28,6 +29,7 @@ from maintd.services.base import NoFence, PassContext
 from maintd.services.rescuer import DELAYS, FAR_PAST, Rescuer
 from maintd.services.scheduler import MIN_WAKE
 
+from .procs import wait_for
 from .conftest import T0
 from .plans import explain
 
@@ -293,16 +295,30 @@ def test_a_stuck_job_leaves_running_within_a_second_of_its_deadline(settings, en
         assert timedelta(0) < late < timedelta(seconds=1), late
 
 
-def test_many_jobs_falling_due_wake_the_pass_at_most_every_min_wake(settings, engine, schema):
-    """3,000 jobs falling due one millisecond apart over 3 s: the pass wakes at most every
-    MIN_WAKE (here ~60 times, not ~3,000) and still rescues each within a second of its deadline."""
-    settings = rules(settings, rescue_stuck_jobs_after="10s", interval="6s")
+def rescuer_passes(metrics) -> float:
+    return sum(metrics.registry.get_sample_value("maintd_service_runs_total", {
+        "target": "maintd", "service": "rescuer", "outcome": o}) or 0 for o in ("success", "error"))
+
+
+def test_many_jobs_falling_due_get_a_pass_at_most_every_min_wake(settings, engine, schema):
+    """3,000 jobs falling due one millisecond apart over 3 s: the rescuer runs at most one pass
+    per MIN_WAKE (here ~60, not ~3,000) and still rescues each within a second of its deadline."""
+    settings = rules(settings, rescue_stuck_jobs_after="10s", interval="30s")
+    settings.scheduler.enabled = settings.cleaner.enabled = False
     ids = add(engine, schema, at=timedelta(seconds=-9), n=3000)
+    metrics = Metrics()
+    runner = Runner(settings, engine, metrics, clock=ServerClock())
+    runner.start()
     started = time.monotonic()
-    result = Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, ServerClock()))
-    elapsed = time.monotonic() - started
-    assert result.retried == 3000
-    assert 1 <= result.wakeups <= elapsed / MIN_WAKE + 2, (result.wakeups, elapsed)
+    runner.activate(NoFence())
+    try:
+        wait_for(lambda: states(engine, schema) and "running" not in states(engine, schema).values(), 10,
+                 what="every job rescued")
+        elapsed = time.monotonic() - started
+        passes = rescuer_passes(metrics)
+    finally:
+        runner.shutdown()
+    assert 2 <= passes <= elapsed / MIN_WAKE + 2, (passes, elapsed)
     with engine.connect() as conn:
         worst = conn.execute(sql("SELECT max(CAST(errors -> 0 ->> 'at' AS timestamptz) - attempted_at) "
                                  "FROM {schema}.jobs WHERE id = ANY(:ids)", schema), {"ids": ids}).scalar()
@@ -310,39 +326,47 @@ def test_many_jobs_falling_due_wake_the_pass_at_most_every_min_wake(settings, en
 
 
 def test_a_job_the_rescue_cannot_take_does_not_make_it_spin(settings, engine, schema):
-    """A stuck job locked by a worker (finishing it) is skipped; the pass does not wake for its
-    past deadline again and again, it leaves it to the next tick."""
+    """A stuck job locked by a worker (finishing it) is skipped; the pass does not ask for another
+    at its past deadline, again and again: it leaves it to the next tick."""
     settings = rules(settings, rescue_stuck_jobs_after="10s", interval="3s")
     locked = add(engine, schema, at=timedelta(seconds=-20))
     holder = engine.connect()
     holder.execute(sql("SELECT id FROM {schema}.jobs WHERE id = ANY(:ids) FOR UPDATE", schema), {"ids": locked})
     try:
-        started = time.monotonic()
         result = Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, ServerClock()))
     finally:
         holder.rollback()
         holder.close()
-    assert (result.retried, result.wakeups) == (0, 0)
-    assert time.monotonic() - started < 1.0
+    assert (result.retried, result.wake_at()) == (0, None)
 
 
-def test_without_precise_timing_the_pass_does_not_wait(settings, engine, schema):
+def test_without_precise_timing_the_pass_asks_for_no_pass(settings, engine, schema):
     settings = rules(settings, rescue_stuck_jobs_after="10s", interval="5s", precise_timing=False)
     job = add(engine, schema, at=timedelta(seconds=-8))[0]
-    started = time.monotonic()
     result = Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, ServerClock()))
-    assert time.monotonic() - started < 1.0 and result.wakeups == 0
-    assert states(engine, schema)[job] == "running"
+    assert result.wake_at() is None and states(engine, schema)[job] == "running"
 
 
-def test_a_stop_ends_the_wait(settings, engine, schema):
+def test_a_pass_asks_for_one_just_after_the_next_deadline(settings, engine, schema):
+    """A job stuck in about 5 s (within the 30 s interval): the pass asks for a pass just after
+    its deadline; after the term ends, none is left waiting."""
     settings = rules(settings, rescue_stuck_jobs_after="10s")
-    add(engine, schema, at=timedelta(seconds=-5))  # due in about 5 s
-    stop = threading.Event()
-    threading.Timer(0.5, stop.set).start()
-    started = time.monotonic()
-    result = Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, ServerClock(), stop_event=stop))
-    assert time.monotonic() - started < 2.0 and result.retried == 0
+    settings.scheduler.enabled = settings.cleaner.enabled = False
+    [job] = add(engine, schema, at=timedelta(seconds=-5))
+    with engine.connect() as conn:
+        deadline = conn.execute(sql("SELECT attempted_at + interval '10 seconds' FROM {schema}.jobs "
+                                    "WHERE id = :id", schema), {"id": job}).scalar()
+    result = Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, ServerClock()))
+    assert timedelta(0) < result.wake_at() - deadline <= timedelta(milliseconds=1)
+    runner = Runner(settings, engine, Metrics(), clock=ServerClock())
+    runner.start()
+    runner.activate(NoFence())
+    try:
+        wait_for(lambda: "rescuer" in runner._wakes, 5, what="the pass asked for")
+        runner.deactivate()
+        assert runner.timetable.get_jobs() == []
+    finally:
+        runner.shutdown()
 
 
 def test_the_probe_is_planned_as_an_ordered_index_walk(settings, engine, schema):
@@ -362,15 +386,91 @@ def test_the_probe_is_planned_as_an_ordered_index_walk(settings, engine, schema)
     assert "enable_bitmapscan" in seen[probe - 1] and "enable_sort" in seen[probe - 1]
 
 
-def test_each_wake_up_logs_what_it_rescued(settings, engine, schema, caplog):
-    """With precise timing a pass lasts up to its interval: each round logs at once, not at the end."""
+def test_each_pass_logs_what_it_rescued(settings, engine, schema, caplog):
+    """Each pass says what it rescued, as it happens: two stuck now, one 1.5 s later."""
     import logging
 
     settings = rules(settings, rescue_stuck_jobs_after="10s", interval="4s")
     add(engine, schema, at=timedelta(seconds=-20), n=2)  # stuck now
     add(engine, schema, at=timedelta(seconds=-8.5))      # stuck in about 1.5 s
+    clock, total = ServerClock(), 0
     with caplog.at_level(logging.INFO, logger="maintd.rescuer"):
-        result = Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, ServerClock()))
-    assert result.retried == 3 and result.wakeups >= 1
+        for _ in range(10):
+            result = Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, clock))
+            total += result.retried
+            if result.wake_at() is None or total == 3:
+                break
+            time.sleep(max(0.0, (result.wake_at() - clock.now()).total_seconds()))
+    assert total == 3
     assert [r.fields for r in caplog.records if r.getMessage() == "released stale running jobs"] == [
         {"count": 2, "retried": 2, "discarded": 0}, {"count": 1, "retried": 1, "discarded": 0}]
+
+
+@contextmanager
+def passing(settings, engine) -> Iterator[threading.Event]:
+    """The rescuer of a leading runner (real clock, its passes and the ones they ask for);
+    stopped on the way out. Yields the event set once its first deadline probe has run."""
+    from sqlalchemy import event
+
+    probed = threading.Event()
+
+    def after(conn, cursor, statement, *a):
+        if "AS deadline" in statement:
+            probed.set()
+
+    event.listen(engine, "after_cursor_execute", after)
+    runner = Runner(settings, engine, Metrics(), clock=ServerClock(), build=lambda s: {"rescuer": Rescuer(s.rescuer)})
+    runner.start()
+    runner.activate(NoFence())
+    try:
+        yield probed
+    finally:
+        runner.shutdown()
+        event.remove(engine, "after_cursor_execute", after)
+
+
+def wait_rescued(engine, schema, job_id, seconds: float):
+    deadline = time.monotonic() + seconds
+    while rescued_at(engine, schema, job_id).state == "running" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return rescued_at(engine, schema, job_id)
+
+
+def test_a_heartbeat_deadline_is_waited_for_exactly(settings, engine, schema):
+    """heartbeat_timeout 5 s (rescue_stuck_jobs_after 1 h, interval 10 s): a job that heartbeated
+    4.5 s ago falls due in 0.5 s by its heartbeat. The pass's probe finds that deadline (the
+    grace of a heartbeating job is the shorter of its two rules), asks for a pass then, and that
+    one rescues it within a second of it. A grace that ignored heartbeat_timeout found nothing,
+    and the look-again fallback (at the shortest grace, 5 s) rescued it 4.5 s late; without the
+    heartbeat grace among the probed ones, at the next tick."""
+    settings = rules(settings, rescue_stuck_jobs_after="1h", heartbeat_timeout="5s", interval="10s")
+    with engine.begin() as conn:
+        job = conn.execute(sql(
+            "INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at, attempted_by, heartbeat_at)"
+            " VALUES ('k', 'running', 1, now() - interval '10 minutes', 'w1', now() - interval '4.5 seconds')"
+            " RETURNING id", schema)).scalar_one()
+        beat = conn.execute(sql("SELECT heartbeat_at FROM {schema}.jobs WHERE id = :id", schema),
+                            {"id": job}).scalar_one()
+    with passing(settings, engine):
+        row = wait_rescued(engine, schema, job, 8)
+    assert row.state == "retryable", "not rescued before the next tick"
+    late = row.at - (beat + timedelta(seconds=5))
+    assert timedelta(0) < late < timedelta(seconds=1), late
+
+
+def test_a_job_claimed_after_the_probe_is_rescued_by_the_pass_looking_again(settings, engine, schema):
+    """The probe reads deadlines up to the shortest grace ahead; a job claimed after it (here just
+    after the first probe found nothing) cannot fall due before then. So the pass asks to look
+    again at the shortest grace, and that pass asks for one at the new job's deadline: rescued
+    within a second of it, not at the next tick (10 s). Without that fallback nothing was asked."""
+    settings = rules(settings, rescue_stuck_jobs_after="2s", interval="10s")
+    with passing(settings, engine) as probed:
+        assert probed.wait(10), "the pass did not probe"
+        with engine.begin() as conn:
+            job = conn.execute(sql(
+                "INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at, attempted_by)"
+                " VALUES ('k', 'running', 1, clock_timestamp(), 'w1') RETURNING id", schema)).scalar_one()
+        row = wait_rescued(engine, schema, job, 6)
+    assert row.state == "retryable", "not rescued before the next tick"
+    late = row.at - (row.attempted_at + timedelta(seconds=2))
+    assert timedelta(0) < late < timedelta(seconds=1), late

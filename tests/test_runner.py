@@ -179,7 +179,7 @@ def test_pass_is_recorded_logged_and_measured(settings, engine, schema, monkeypa
     assert failed.error == "disk full" and failed.last_success_at > first.last_success_at
     # One line for the pass that did something, none for the idle one.
     touched = [m for m in maintd_log if "touched" in m]
-    assert len(touched) == 1 and touched[0].startswith("maintd.cleaner: cleaner: touched n=3 seconds=")
+    assert len(touched) == 1 and touched[0].startswith("maintd.cleaner: cleaner pass result=touched n=3 seconds=")
     assert sample(metrics, "maintd_service_run_seconds_count", {"target": TARGET, "service": "cleaner"}) >= 3
     assert sample(metrics, "maintd_service_last_success_timestamp_seconds", {"target": TARGET, "service": "cleaner"}) > 0
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import threading
 import time
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 
 import psycopg
@@ -18,6 +18,7 @@ from maintd.services.scheduler import MIN_WAKE, Scheduler, SchedulerResult
 
 from .conftest import T0, run_concurrently
 from .plans import explain
+from .procs import wait_for
 
 
 def add(engine, schema, *, state, due_in, queue="default", n=1):
@@ -146,45 +147,57 @@ def test_observe_counts_promotions_by_queue(settings, engine, schema, clock):
     assert value("maintd_jobs_promoted_total", {"queue": "b"}) == 1
 
 
-# What a loaded 2-core machine adds to a wake-up on the wall clock: waking up, checking out a
-# connection, the promote transaction and its commit (measured under a parallel load: typically
-# 0.02-0.15 s, once 0.4 s with a load average of 10 on 2 cores, and 0.38 s in a full run of the
-# suite on 2 workers, load about 3, failing the earlier 0.2 s). The design's own lag (at most one
-# MIN_WAKE) is checked exactly, without this noise, on a simulated clock by
+# What a loaded 2-core machine adds to a wake-up on the wall clock: the timetable's thread waking,
+# a pass thread, a connection, the promote transaction and its commit (measured under a parallel
+# load: typically 0.02-0.15 s, once 0.4 s with a load average of 10 on 2 cores, and 0.38 s in a
+# full run of the suite on 2 workers). The design's own lag (at most one MIN_WAKE) is checked
+# exactly, without this noise, on a simulated clock by
 # test_precise_timing_lag_is_at_most_one_min_wake_on_a_simulated_clock; the wall-clock tests only
-# check that the real thing is nowhere near the tick interval: lag at most MIN_WAKE + NOISE (0.5 s,
-# half the 1 s interval the pass would otherwise wait, under which 300 jobs due every 3 ms over
-# the interval would be up to a second late).
+# check that the real thing is nowhere near the tick interval.
 NOISE = 0.45
 
 
+@contextmanager
+def leading_runner(settings, engine, metrics=None):
+    """A runner of this target's services (the daemon's, minus the election), active."""
+    from maintd.runner import Runner
+    from maintd.services.base import NoFence
+
+    runner = Runner(settings, engine, metrics or Metrics(target=settings.schema), clock=ServerClock(),
+                    build=lambda s: {"scheduler": Scheduler(s.scheduler)})
+    runner.start()
+    runner.activate(NoFence())
+    try:
+        yield runner
+    finally:
+        runner.shutdown()
+
+
+def scheduler_passes(metrics, schema) -> float:
+    return sum(metrics.registry.get_sample_value("maintd_service_runs_total", {
+        "target": schema, "service": "scheduler", "outcome": o}) or 0 for o in ("success", "error"))
+
+
 def test_precise_timing_promotes_between_ticks(settings, engine, schema):
-    """A job due 0.4 s after the tick is promoted at its time (the pass sleeps until then: on the
+    """A job due 0.4 s after a tick is promoted at its time (the pass asks for a pass then: on the
     wall clock, within MIN_WAKE + NOISE), not at the next tick 2 s later."""
     settings.scheduler.interval = timedelta(seconds=2)
-    now = datetime.now(timezone.utc)
-    with engine.begin() as conn:
-        [jid] = [r[0] for r in conn.execute(sql(
-            "INSERT INTO {schema}.jobs (kind, state, scheduled_at) VALUES ('k', 'scheduled', :t) RETURNING id",
-            schema), {"t": now + timedelta(milliseconds=400)})]
-    seen: dict[str, float] = {}
+    record_promotions(engine, schema)
+    with leading_runner(settings, engine) as runner:
+        wait_for(lambda: "scheduler" in runner.last_runs, 5, what="the first tick")
+        with engine.begin() as conn:
+            due = conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) VALUES "
+                                   "('k', 'scheduled', clock_timestamp() + interval '0.4 seconds') "
+                                   "RETURNING scheduled_at", schema)).scalar()
+        runner.wake("scheduler")  # a pass now (as a tick would) learns the due time
+        wait_for(lambda: promotions(engine, schema), 3, what="the promotion")
+    [(_, at)] = promotions(engine, schema)
+    assert 0 <= (at - due).total_seconds() <= MIN_WAKE + NOISE, at - due
 
-    def watch():
-        deadline = time.monotonic() + 3
-        while time.monotonic() < deadline:
-            if states(engine, schema)[jid] == "available":
-                seen["at"] = time.time()
-                return
-            time.sleep(0.005)
 
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    sched = Scheduler(settings.scheduler)
-    result = sched.run_once(PassContext.for_settings(settings, engine, ServerClock()))
-    watcher.join()
-    assert result.total == 1 and result.wakeups >= 1
-    lag = seen["at"] - (now + timedelta(milliseconds=400)).timestamp()
-    assert lag <= MIN_WAKE + NOISE, f"promotion lag {lag:.3f}s"
+def promotions(engine, schema):
+    with engine.connect() as conn:
+        return conn.execute(sql("SELECT id, at FROM {schema}.promotions", schema)).all()
 
 
 def record_promotions(engine, schema):
@@ -202,33 +215,29 @@ def record_promotions(engine, schema):
 
 
 def test_precise_timing_wakes_at_most_every_min_wake(settings, engine, schema):
-    """A dense stream of due times (one every 3 ms) does not turn the pass into a busy loop, and
-    each job due during the pass is promoted at most one MIN_WAKE (plus NOISE) late, never early."""
-    settings.scheduler.interval = timedelta(seconds=1)
+    """A dense stream of due times (one every 3 ms for 0.9 s) does not turn the scheduler into a
+    busy loop (at most one pass per MIN_WAKE, plus the tick), and each job is promoted at most
+    one MIN_WAKE (plus NOISE) late, never early."""
+    settings.scheduler.interval = timedelta(seconds=30)
     record_promotions(engine, schema)
-    start = datetime.now(timezone.utc)
-    with engine.begin() as conn:
-        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) "
-                         "SELECT 'k', 'scheduled', CAST(:t AS timestamptz) + g * interval '3 milliseconds' "
-                         "FROM generate_series(1, 300) g", schema), {"t": start})
-    result = Scheduler(settings.scheduler).run_once(PassContext.for_settings(settings, engine, ServerClock()))
-    ended = datetime.now(timezone.utc)
-    assert 5 <= result.wakeups <= 1 / MIN_WAKE + 2, result
+    metrics = Metrics(target=schema)
+    with leading_runner(settings, engine, metrics) as runner:
+        wait_for(lambda: "scheduler" in runner.last_runs, 5, what="the first tick")
+        before = scheduler_passes(metrics, schema)
+        with engine.begin() as conn:
+            conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) SELECT 'k', 'scheduled', "
+                             "clock_timestamp() + interval '0.1 seconds' + g * interval '3 milliseconds' "
+                             "FROM generate_series(1, 300) g", schema))
+        runner.wake("scheduler")
+        wait_for(lambda: len(promotions(engine, schema)) == 300, 5, what="every job promoted")
+        passes = scheduler_passes(metrics, schema) - before
+    assert passes <= 1.0 / MIN_WAKE + 2, passes  # 1 s of due times: about 20 passes, not 300
     with engine.connect() as conn:
-        rows = conn.execute(sql("SELECT j.id, j.state::text AS state, j.scheduled_at, p.at FROM {schema}.jobs j "
-                                "LEFT JOIN {schema}.promotions p USING (id) ORDER BY j.scheduled_at", schema)).all()
-    promoted = [r for r in rows if r.state == "available"]
-    assert len(promoted) == result.total >= 100, result
-    assert all(r.at is not None for r in promoted)
-    lags = [(r.at - r.scheduled_at).total_seconds() for r in promoted]
+        rows = conn.execute(sql("SELECT j.scheduled_at, p.at FROM {schema}.jobs j "
+                                "JOIN {schema}.promotions p USING (id)", schema)).all()
+    lags = [(r.at - r.scheduled_at).total_seconds() for r in rows]
     assert min(lags) >= 0, "promoted before it was due"
     assert max(lags) <= MIN_WAKE + NOISE, f"promotion lag up to {max(lags):.3f}s"
-    # The pass ends (about TICK_MARGIN before the next tick) right after a promotion: what is
-    # still scheduled fell due after that last promotion, or is at most noise earlier.
-    last = max(r.at for r in promoted)
-    pending = [r.scheduled_at for r in rows if r.state == "scheduled"]
-    assert not pending or min(pending) > last - timedelta(seconds=NOISE)
-    assert last <= ended
 
 
 class AheadClock(ServerClock):
@@ -257,7 +266,10 @@ def test_a_job_is_never_promoted_before_the_servers_clock_reaches_it(settings, e
     clock, total = AheadClock(0.030), 0
     deadline = time.monotonic() + 3.5
     while time.monotonic() < deadline and total < 200:
-        total += Scheduler(settings.scheduler).run_once(PassContext.for_settings(settings, engine, clock)).total
+        result = Scheduler(settings.scheduler).run_once(PassContext.for_settings(settings, engine, clock))
+        total += result.total
+        if result.wake_at() is not None:  # as the runner does, on the wall clock
+            time.sleep(max(0.0, (result.wake_at() - clock.now()).total_seconds()))
     with engine.connect() as conn:
         rows = conn.execute(sql("SELECT j.id, j.scheduled_at, p.at FROM {schema}.jobs j "
                                 "JOIN {schema}.promotions p USING (id)", schema)).all()
@@ -268,28 +280,27 @@ def test_a_job_is_never_promoted_before_the_servers_clock_reaches_it(settings, e
     assert max(lags) <= MIN_WAKE + NOISE, f"promotion lag up to {max(lags):.3f}s"
 
 
-class SimulatedSleep(threading.Event):
-    """A pass's stop flag whose waits take no time: each moves a FrozenClock on by its timeout
-    instead, and records the time it wakes at."""
-
-    def __init__(self, clock):
-        super().__init__()
-        self.clock = clock
-        self.wakes: list[datetime] = []
-
-    def wait(self, timeout=None):
-        if self.is_set():
-            return True
-        self.wakes.append(self.clock.advance(timeout))
-        return False
+def drive(service, settings, engine, clock, until: datetime) -> list[datetime]:
+    """What the runner does with a service's precise-timing passes, on a simulated clock: run a
+    pass, and when it asks for another at ``wake_at``, move the clock there and run it; the times
+    of the passes."""
+    passes = []
+    while clock.now() <= until:
+        passes.append(clock.now())
+        result = service.run_once(PassContext.for_settings(settings, engine, clock))
+        if result.wake_at() is None:
+            break
+        assert result.wake_at() > clock.now()
+        clock.advance((result.wake_at() - clock.now()).total_seconds())
+    return passes
 
 
 def test_precise_timing_lag_is_at_most_one_min_wake_on_a_simulated_clock(settings, engine, schema, clock):
-    """The module's promise, without the machine's noise: every job is promoted at the first
-    wake-up at or after its due time, and that wake-up comes at most MIN_WAKE after it, for a
-    dense stream (every 3 ms) and for sparse due times (the pass sleeps until each exactly, at
-    most MAX_SLEEP at a time); wake-ups are at least MIN_WAKE apart."""
-    settings.scheduler.interval = timedelta(seconds=60)  # the pass's real-time deadline is never near
+    """The module's promise, without the machine's noise: every job is promoted by the first pass
+    at or after its due time, and that pass comes at most MIN_WAKE after it, for a dense stream
+    (every 3 ms) and for sparse due times (a pass exactly at each); passes are at least MIN_WAKE
+    apart."""
+    settings.scheduler.interval = timedelta(seconds=60)
     with engine.begin() as conn:
         conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) "
                          "SELECT 'k', 'scheduled', CAST(:t AS timestamptz) + g * interval '3 milliseconds' "
@@ -297,37 +308,36 @@ def test_precise_timing_lag_is_at_most_one_min_wake_on_a_simulated_clock(setting
     sparse = [timedelta(seconds=s) for s in (1.2, 1.45, 2.0, 3.7)]
     for due in sparse:
         add(engine, schema, state="retryable", due_in=due)
-    stop = SimulatedSleep(clock)
-    result = Scheduler(settings.scheduler).run_once(
-        PassContext.for_settings(settings, engine, clock, stop_event=stop))
-    assert result.total == 304 and set(states(engine, schema).values()) == {"available"}, result
-    wakes = [T0] + stop.wakes
+    wakes = drive(Scheduler(settings.scheduler), settings, engine, clock, T0 + timedelta(seconds=10))
+    assert set(states(engine, schema).values()) == {"available"}
     assert all(b - a >= timedelta(seconds=MIN_WAKE) for a, b in zip(wakes, wakes[1:])), wakes
     with engine.connect() as conn:
         due_times = [r[0] for r in conn.execute(sql("SELECT scheduled_at FROM {schema}.jobs", schema))]
     for due in due_times:
         woke = min(w for w in wakes if w >= due)
         assert woke - due <= timedelta(seconds=MIN_WAKE), (due, woke)
-    for due in sparse:  # nothing else due near them: the pass wakes exactly at their time
+    for due in sparse:  # nothing else due near them: a pass exactly at their time
         assert T0 + due in wakes, (due, wakes)
 
 
-def test_run_seconds_measure_work_not_the_precise_timing_sleeps(settings, engine, schema):
-    """SPEC 7.4: a pass that sleeps until a job falls due reports its work, not its wait."""
+def test_a_precise_pass_asks_for_the_next_one_and_reports_only_its_work(settings, engine, schema):
+    """SPEC 7.4 and 8.3: a pass does not wait for a job 1.5 s away: it returns at once, asking for
+    a pass at its due time; its duration is its work."""
     from maintd.metrics import Metrics
     from maintd.passes import execute_pass
 
     settings.scheduler.interval = timedelta(seconds=3)
     with engine.begin() as conn:
-        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) "
-                         "VALUES ('k', 'scheduled', clock_timestamp() + interval '1.5 seconds')", schema))
+        due = conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) VALUES "
+                               "('k', 'scheduled', clock_timestamp() + interval '1.5 seconds') "
+                               "RETURNING scheduled_at", schema)).scalar()
     metrics = Metrics()
     t0 = time.monotonic()
     record = execute_pass("scheduler", Scheduler(settings.scheduler),
                           PassContext.for_settings(settings, engine, ServerClock()), metrics)
     took = time.monotonic() - t0
-    assert record.result.total == 1 and record.result.slept >= 1.0 and took >= 1.4
-    assert record.seconds < took - 1.0  # the wait is left out
+    assert record.result.total == 0 and record.result.wake_at() == due and took < 1.0
+    assert record.seconds <= took
     assert metrics.registry.get_sample_value(
         "maintd_service_run_seconds_sum", {"target": "maintd", "service": "scheduler"}) == record.seconds
 
@@ -338,51 +348,56 @@ def test_result_summary_and_whether_a_pass_did_something():
     assert SchedulerResult(promoted={"b": 2, "a": 1}).summary() == "promoted 3 jobs a=1 b=2"
 
 
-def test_precise_pass_ends_before_the_next_tick(settings, engine, schema):
-    """interval 1 s: the pass ends TICK_MARGIN (0.1 s here) before the next tick; a job due at
-    0.85 s is promoted by this pass, one due at 0.97 s is left to the next tick's pass."""
+def test_a_precise_pass_asks_for_a_pass_only_before_the_next_tick(settings, engine, schema):
+    """interval 1 s: a job due in 0.85 s gets a pass of its own; one due in 1.5 s is left to the
+    ticks (no wake asked)."""
     settings.scheduler.interval = timedelta(seconds=1)
-    with engine.begin() as conn:
-        ids = [r[0] for r in conn.execute(sql(
-            "INSERT INTO {schema}.jobs (kind, state, scheduled_at) SELECT 'k', 'scheduled', now() + interval '1 day' "
-            "FROM generate_series(1, 2) RETURNING id", schema))]
-    with engine.begin() as conn:  # due times set right before the pass starts
-        conn.execute(sql("UPDATE {schema}.jobs SET scheduled_at = clock_timestamp() + CASE WHEN id = :a "
-                         "THEN interval '850 milliseconds' ELSE interval '970 milliseconds' END", schema),
-                     {"a": ids[0]})
-    result = Scheduler(settings.scheduler).run_once(PassContext.for_settings(settings, engine, ServerClock()))
-    assert result.total == 1 and states(engine, schema) == {ids[0]: "available", ids[1]: "scheduled"}
+    for offset, asked in ((0.85, True), (1.5, False)):
+        with engine.begin() as conn:
+            conn.execute(sql("DELETE FROM {schema}.jobs", schema))
+            due = conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) VALUES ('k', 'scheduled', "
+                                   "clock_timestamp() + make_interval(secs => :s)) RETURNING scheduled_at", schema),
+                               {"s": offset}).scalar()
+        result = Scheduler(settings.scheduler).run_once(PassContext.for_settings(settings, engine, ServerClock()))
+        assert result.total == 0 and result.wake_at() == (due if asked else None), offset
 
 
-def test_without_precise_timing_a_pass_does_not_wait(settings, engine, schema):
+def test_without_precise_timing_a_pass_asks_for_no_pass(settings, engine, schema):
     settings.scheduler.interval = timedelta(seconds=2)
     settings.scheduler.precise_timing = False
-    now = datetime.now(timezone.utc)
-    add_at = now + timedelta(seconds=1.5)  # before the next tick; far enough that setup under load is not late
+    add_at = datetime.now(timezone.utc) + timedelta(seconds=1.5)  # before the next tick
     with engine.begin() as conn:
         conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) VALUES ('k', 'scheduled', :t)",
                          schema), {"t": add_at})
-    t0 = time.monotonic()
     result = Scheduler(settings.scheduler).run_once(PassContext.for_settings(settings, engine, ServerClock()))
-    assert result.total == 0 and result.wakeups == 0 and time.monotonic() - t0 < 1.0  # a wait would be ~1.5 s
+    assert result.total == 0 and result.wake_at() is None
 
 
-def test_a_sleeping_precise_pass_holds_no_pooled_connection(settings, engine, schema):
-    """The passes of many targets share one pool (SPEC 7.9): while a pass sleeps until the next
-    due job (1.2 s away) it has given its connection back, and it still promotes the job in time,
-    within its own session (execute_pass opens one, as the runner does)."""
-    from maintd.passes import execute_pass
+def test_a_waiting_precise_scheduler_holds_no_thread_and_no_connection(settings, engine, schema):
+    """The passes of many targets share one pool and one set of pass threads (SPEC 8.3): while
+    the scheduler waits for the next due job (1.2 s away) no pass runs (no thread, no pooled
+    connection held), a one-off pass is scheduled at its due time, and it promotes the job then."""
+    settings.scheduler.interval = timedelta(seconds=30)
+    with leading_runner(settings, engine) as runner:
+        wait_for(lambda: "scheduler" in runner.last_runs, 5, what="the first tick")
+        with engine.begin() as conn:
+            due = conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) VALUES "
+                                   "('k', 'scheduled', clock_timestamp() + interval '1.2 seconds') "
+                                   "RETURNING scheduled_at", schema)).scalar()
+        runner.wake("scheduler")
+        at = due - runner.clock.skew()  # the due time on the timetable's (the host's) clock
 
-    settings.scheduler.interval = timedelta(seconds=3)
-    with engine.begin() as conn:
-        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) "
-                         "VALUES ('k', 'scheduled', now() + interval '1.2 seconds')", schema))
-    out: dict = {}
-    ctx = PassContext.for_settings(settings, engine, ServerClock())
-    runner = threading.Thread(target=lambda: out.update(record=execute_pass("scheduler", Scheduler(settings.scheduler), ctx)))
-    runner.start()
-    time.sleep(0.6)  # the pass probed, found the job 0.6 s away, and sleeps
-    assert engine.pool.checkedout() == 0
-    runner.join(5)
-    assert out["record"].result.total == 1 and out["record"].result.wakeups >= 1
+        def asked():
+            job_id, when = runner._wakes.get("scheduler", (None, None))
+            job = runner.timetable.get_job(job_id) if job_id else None
+            return job if job is not None and abs((job.next_run_time - at).total_seconds()) < 0.01 else None
+
+        wait_for(asked, 2, what="a pass asked for at the due time")
+        # Meanwhile no pass runs and no connection is held (the job gauges' refresh at the
+        # term's start may still hold one for a moment: waited for, before the due time).
+        wait_for(lambda: not runner._active and engine.pool.checkedout() == 0, 0.8,
+                 what="no pass and no connection while waiting")
+        assert states(engine, schema) and set(states(engine, schema).values()) == {"scheduled"}
+        wait_for(lambda: states(engine, schema) and set(states(engine, schema).values()) == {"available"}, 3,
+                 what="the promotion")
     assert engine.pool.checkedout() == 0

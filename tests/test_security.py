@@ -167,7 +167,8 @@ def test_least_privilege_role_runs_every_service(pg_dsn, schema, role, tmp_path)
     res = cli("--config", str(cfg), "run-once", "reindexer")
     out = json.loads(res.stdout)
     [report] = out["result"]["indexes"]
-    assert report["outcome"] == "error" and "needs ownership" in report["error"]
+    assert report["outcome"] == "not_permitted" and "needs ownership" in report["error"]
+    assert res.returncode == 1  # a pass in which anything failed
     assert SECRET not in d.log() + res.stdout + res.stderr
 
 

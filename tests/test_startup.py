@@ -55,8 +55,8 @@ def test_a_reload_of_a_restart_only_key_says_it_needs_a_restart(pg_dsn, schema, 
     try:
         cfg.write_text(base + '[leader]\nlease = "30s"\n[cleaner]\ninterval = "7s"\n')
         assert daemon.reload_from_file()
-        assert any("leader needs a restart" in line for line in maintd_log), maintd_log
+        assert any("needs a restart" in line and "keys=leader" in line for line in maintd_log), maintd_log
         assert daemon.settings.leader.lease.total_seconds() == 10  # kept
         assert daemon.settings.cleaner.interval.total_seconds() == 7  # applied
     finally:
-        daemon.engine.dispose()
+        daemon.stop()

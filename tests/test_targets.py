@@ -21,6 +21,7 @@ from maintd import migrate
 from maintd.config import ConfigError, Settings, load_settings
 from maintd.daemon import Daemon, pool_size
 from maintd.db import make_engine, quote_ident
+from maintd.election import Request
 from maintd.spread import Spread, assign, cap
 
 from .conftest import new_schema_name
@@ -468,8 +469,8 @@ def test_per_target_overrides_take_effect(pg_dsn, make_schemas):
     ], cleaner={"interval": "0.5s", "completed_retention": "24h"}, scheduler={"interval": "0.5s"}))
     daemon.start()
     try:
-        wait_for(lambda: all("cleaner" in u.runner.last_runs for u in daemon.units), 20, what="cleaner passes")
-        wait_for(lambda: "scheduler" in daemon.units[0].runner.last_runs, 20, what="a scheduler pass")
+        wait_for(lambda: all("cleaner" in u.runner.last_runs for u in daemon.targets), 20, what="cleaner passes")
+        wait_for(lambda: "scheduler" in daemon.targets[0].runner.last_runs, 20, what="a scheduler pass")
         left = {s: {r[0] for r in execute(pg_dsn, f"SELECT id FROM \"{s}\".jobs WHERE state = 'completed'")}
                 for s in (a, b)}
         assert left[a] == set(rows[a]["30 minutes"])
@@ -477,8 +478,8 @@ def test_per_target_overrides_take_effect(pg_dsn, make_schemas):
         states = {s: Counter(r[0] for r in execute(pg_dsn, f"SELECT state FROM \"{s}\".jobs WHERE kind = 'due'"))
                   for s in (a, b)}
         assert states == {a: {"available": 4}, b: {"scheduled": 4}}
-        assert "scheduler" not in daemon.units[1].runner.services or \
-            not daemon.units[1].runner.services["scheduler"].enabled()
+        assert "scheduler" not in daemon.targets[1].runner.services or \
+            not daemon.targets[1].runner.services["scheduler"].enabled()
         # One registry, one `target` label per target.
         body = get(daemon.http_port, "/metrics")[1]
         assert f'maintd_is_leader{{target="{a}"}} 1.0' in body and 'maintd_is_leader{target="bee"} 1.0' in body
@@ -537,55 +538,52 @@ def test_a_target_whose_database_is_down_does_not_stop_the_others(pg_dsn, make_s
         daemon.stop()
 
 
-def test_lock_sessions_are_shared_by_groups_of_targets_per_database(pg_dsn):
-    """41 targets on one database: 9 lock sessions (8 x 5 + 1); a target on another database
-    has its own."""
+def test_one_election_loop_and_lock_session_per_database(pg_dsn):
+    """SPEC 8.3: 41 targets on one database share one loop (one lock session); a target on
+    another database has its own."""
     from psycopg.conninfo import make_conninfo
 
-    from maintd.lockconn import LOCK_GROUP
-
-    assert LOCK_GROUP == 5
     other = make_conninfo(pg_dsn, dbname="elsewhere")
     daemon = Daemon(multi_settings(pg_dsn, [{"schema": f"s{i}"} for i in range(41)] + [
         {"schema": "far", "database_url": other}]))
-    per_session = Counter(id(u.elector.session.shared) for u in daemon.units)
-    sizes = sorted([per_session[id(conn)] for conn in group] for group in daemon.lock_conns.values())
-    assert sizes == [[1], [5] * 8 + [1]], sizes
-    by_unit = {u.settings.schema: u.elector.session.shared for u in daemon.units}
-    assert by_unit["s0"] is by_unit["s4"] and by_unit["s4"] is not by_unit["s5"]
-    assert by_unit["far"] is not by_unit["s40"]
+    try:
+        assert sorted(len(loop.targets) for loop in daemon.loops) == [1, 41]
+        loop_of = {seat.schema: loop for loop in daemon.loops for seat in loop.targets}
+        assert loop_of["s0"] is loop_of["s40"] and loop_of["far"] is not loop_of["s40"]
+    finally:
+        daemon.stop()
 
 
 def test_targets_share_one_lock_session_and_one_target_s_new_term_does_not_stall_the_other(
         pg_dsn, make_schemas):
     """Both targets' locks on one session (one per database). Target a gives up its term and, to
     take a new one, waits for a row lock like an old leader's in-flight fenced transaction, two
-    leases long (the bump waits in 0.1 s slices); meanwhile b keeps its term on the same session,
-    and a's give-up released only a's lock."""
+    leases long (each round's bump waits 0.1 s at most, and is sent again the next round);
+    meanwhile b keeps its term on the same session, and a's give-up released only a's lock."""
     a, b = make_schemas(2)
     daemon = Daemon(multi_settings(pg_dsn, [{"schema": a}, {"schema": b}]))
     daemon.start()
-    unit = {u.settings.schema: u for u in daemon.units}
+    unit = {u.settings.schema: u for u in daemon.targets}
     try:
         wait_for(lambda: unit[a].is_leader and unit[b].is_leader, 15, what="both targets led")
-        assert [len(group) for group in daemon.lock_conns.values()] == [1]
+        assert len(daemon.loops) == 1
         backends = lock_backends(pg_dsn, [a, b])
         assert list(backends) == ["multi-1"] and len(backends["multi-1"]) == 1, backends
-        term_a, term_b = unit[a].elector.term, unit[b].elector.term
+        term_a, term_b = unit[a].term, unit[b].term
         assert term_a.lock_pid == term_b.lock_pid
         with psycopg.connect(pg_dsn) as blocker:  # a fenced write of a's old term, in flight
             blocker.execute(f'SELECT 1 FROM "{a}".leader FOR KEY SHARE')
-            unit[a].elector.request_demotion("test: give a up", term_a.epoch)
+            unit[a].seat.request(Request("fenced", "test: give a up", term_a.epoch))
             wait_for(lambda: not unit[a].is_leader and lock_holders(pg_dsn, a) != [], 5,
                      what="a's lock taken again, its epoch bump waiting")
             time.sleep(2 * 3.0)  # two leases: b renews every second meanwhile
             assert not unit[a].is_leader
-            assert unit[b].elector.term is not None and unit[b].elector.term.epoch == term_b.epoch
+            assert unit[b].term is not None and unit[b].term.epoch == term_b.epoch
             assert lock_holders(pg_dsn, b) == ["maintd:multi-1"]
         wait_for(lambda: unit[a].is_leader, 5, what="a's new term once the row lock is gone")
-        assert unit[a].elector.term.epoch == term_a.epoch + 1
-        assert unit[b].elector.term.epoch == term_b.epoch
-        assert unit[a].elector.term.lock_pid == term_b.lock_pid  # the same session throughout
+        assert unit[a].term.epoch == term_a.epoch + 1
+        assert unit[b].term.epoch == term_b.epoch
+        assert unit[a].term.lock_pid == term_b.lock_pid  # the same session throughout
     finally:
         daemon.stop()
     assert lock_holders(pg_dsn, a) == [] and lock_holders(pg_dsn, b) == []

@@ -1,4 +1,6 @@
-"""Every SQL statement maintd runs, one module per table (plus ``catalog`` for PostgreSQL's own).
+"""The SQL statements maintd runs, one module per table (plus ``catalog`` for PostgreSQL's own);
+the DDL of the schema is in the Alembic migrations, and utility commands that take an identifier
+(``LISTEN channel``) are built where they run, from a validated and quoted name.
 
 Statements are plain SQL with ``:name`` parameters. Placeholders in braces are filled in when a
 statement is rendered; each fragment used by more than one statement is defined once, here:
@@ -28,7 +30,6 @@ statement is rendered; each fragment used by more than one statement is defined 
 
 from __future__ import annotations
 
-import functools
 import re
 
 from sqlalchemy import TextClause, text
@@ -100,14 +101,15 @@ RESCUE = """rescued AS (
   RETURNING j.id, j.queue, j.kind, j.attempt, j.state::text AS outcome, j.state = 'discarded' AS discarded
 )"""
 
-# A job's INSERT, before its ON CONFLICT: due now ('available') or later ('scheduled').
+# A job's INSERT, before its ON CONFLICT: due now ('available') or later ('scheduled'). Every
+# parameter is typed in the SQL, so that any driver (psql's \bind, server-side binding) can run it.
 ENQUEUE = """INSERT INTO {schema}.jobs (kind, queue, args, priority, max_attempts, scheduled_at, state,
                            unique_key, metadata)
-VALUES (:kind, :queue, CAST(:args AS jsonb), :priority, :max_attempts,
-        coalesce(CAST(:scheduled_at AS timestamptz), now()),
+VALUES (CAST(:kind AS text), CAST(:queue AS text), CAST(:args AS jsonb), CAST(:priority AS smallint),
+        CAST(:max_attempts AS smallint), coalesce(CAST(:scheduled_at AS timestamptz), now()),
         CASE WHEN coalesce(CAST(:scheduled_at AS timestamptz), now()) <= now()
              THEN 'available' ELSE 'scheduled' END::{schema}.job_state,
-        :unique_key, CAST(:metadata AS jsonb))"""
+        CAST(:unique_key AS text), CAST(:metadata AS jsonb))"""
 
 # Order matters: a fragment may hold the ones after it.
 FRAGMENTS = {"{enqueue}": ENQUEUE, "{rescue}": RESCUE, "{advisory_lock}": ADVISORY_LOCK, "{stuck}": STUCK,
@@ -122,7 +124,6 @@ def for_queue(template: str) -> str:
     return template.replace("{target_queues}", ONE_QUEUE)
 
 
-@functools.lru_cache(maxsize=1024)
 def render(template: str, schema: str) -> str:
     """The statement for one schema, placeholders filled in."""
     for name, fragment in FRAGMENTS.items():
@@ -130,13 +131,34 @@ def render(template: str, schema: str) -> str:
     return template.replace("{schema}", quote_ident(schema))
 
 
-@functools.lru_cache(maxsize=1024)
 def sql(template: str, schema: str) -> TextClause:
-    """A SQLAlchemy ``text()`` for a statement, cached per (statement, schema)."""
+    """A SQLAlchemy ``text()`` for a statement (rendered anew: code that runs often holds a
+    :class:`Statements`)."""
     return text(render(template, schema))
 
 
-@functools.lru_cache(maxsize=256)
 def psycopg_sql(template: str, schema: str = "maintd") -> str:
     """The statement with ``:name`` turned into psycopg's ``%(name)s`` (and ``%`` escaped)."""
     return _PARAM.sub(r"%(\1)s", render(template, schema).replace("%", "%%"))
+
+
+class Statements:
+    """The statements of one schema, each rendered once (a target holds one: no cache is shared
+    by targets, so none thrashes however many there are)."""
+
+    def __init__(self, schema: str):
+        self.schema = schema
+        self._text: dict[str, TextClause] = {}
+        self._psql: dict[str, str] = {}
+
+    def sql(self, template: str) -> TextClause:
+        found = self._text.get(template)
+        if found is None:
+            found = self._text[template] = sql(template, self.schema)
+        return found
+
+    def psql(self, template: str) -> str:
+        found = self._psql.get(template)
+        if found is None:
+            found = self._psql[template] = psycopg_sql(template, self.schema)
+        return found

@@ -4,14 +4,22 @@ SERVER_TIME = "SELECT clock_timestamp()"
 
 # A session setting of a new connection (maintd.db.connect).
 SET_SESSION = "SELECT set_config(:name, :value, false)"
+# A setting for the current transaction only (e.g. statement_timeout of a read).
+SET_LOCAL = "SELECT set_config(:name, :value, true)"
 
 # Did the current transaction write anything (has it been given a transaction id)?
 WROTE = "SELECT txid_current_if_assigned() IS NOT NULL"
 
 TABLE_EXISTS = "SELECT to_regclass(:qualified) IS NOT NULL"
 
+# can_reindex: whether this role may REINDEX (and DROP) the index: a superuser, a member of the
+# table's owner role, or (PostgreSQL 17+) a holder of MAINTAIN on the table.
 JOBS_INDEXES = """
-SELECT c.relname AS name, i.indisvalid AS valid, pg_relation_size(c.oid) AS bytes
+SELECT c.relname AS name, i.indisvalid AS valid, pg_relation_size(c.oid) AS bytes,
+       (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
+       OR pg_has_role(current_user, t.relowner, 'USAGE')
+       OR CASE WHEN current_setting('server_version_num')::int >= 170000
+               THEN has_table_privilege(t.oid, 'MAINTAIN') ELSE false END AS can_reindex
   FROM pg_index i
   JOIN pg_class c ON c.oid = i.indexrelid
   JOIN pg_class t ON t.oid = i.indrelid

@@ -20,17 +20,37 @@ FORGET_STALE = """
 DELETE FROM {schema}.daemons d
  WHERE d.last_seen_at < now() - interval '1 hour' AND NOT """ + LIVE_SESSION
 
-# last_seen_at: now for a daemon whose session is connected, else when it last (re)connected.
-LIVE = """
-SELECT instance_id, host, pid, version, started_at,
-       CASE WHEN """ + LIVE_SESSION + """ THEN now() ELSE last_seen_at END AS last_seen_at
-  FROM {schema}.daemons d
- WHERE d.last_seen_at > now() - interval '1 minute' OR """ + LIVE_SESSION + """
+# Every daemon registered within the last hour, with whether it is alive: whether its lock session
+# is connected now (a SIGKILLed replica's session ends with it, so it reads as gone at once; a
+# frozen one's within the lease). last_seen_at: now for a live daemon, else when it last (re)connected
+# (the registry is written only then, so when a gone daemon stopped is not known).
+REGISTERED = """
+SELECT instance_id, host, pid, version, started_at, alive,
+       CASE WHEN alive THEN now() ELSE last_seen_at END AS last_seen_at
+  FROM (SELECT d.*, """ + LIVE_SESSION + """ AS alive FROM {schema}.daemons d) d
+ WHERE alive OR d.last_seen_at > now() - interval '1 hour'
  ORDER BY instance_id
+"""
+
+# Every second, in one statement (maintd.leader.ElectionLoop): whether the server takes writes (not
+# a standby, not a primary set read-only) and the live replicas.
+REFRESH = """
+SELECT current_setting('transaction_read_only') = 'off' AS writable,
+       ARRAY(SELECT instance_id FROM {schema}.daemons d WHERE """ + LIVE_SESSION + """ ORDER BY instance_id) AS replicas
 """
 
 # Replicas alive now (SPEC 7.9's R): those with a lock session connected to this database (a
 # SIGKILLed replica's sessions end at once, a frozen one's within the lease by idle_session_timeout).
 LIVE_REPLICAS = """
 SELECT instance_id FROM {schema}.daemons d WHERE """ + LIVE_SESSION + """ ORDER BY instance_id
+"""
+
+# Another live daemon with this instance id on this database (its session named after it), and
+# where it said it runs (its row in this schema, if it registered here).
+DUPLICATE = """
+SELECT d.host, d.pid, host(a.client_addr) AS addr
+  FROM pg_stat_activity a
+  JOIN {schema}.daemons d ON d.instance_id = :instance
+ WHERE a.datname = current_database() AND a.application_name = left('maintd:' || :instance, 63)
+ LIMIT 1
 """

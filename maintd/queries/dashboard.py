@@ -18,7 +18,8 @@ INDEX = {
        for s in FINAL_STATES},
 }
 
-# Counts of every state but available: (state, queue) among the first `cap` entries of the index.
+# Counts of scheduled, retryable and running (whose indexes do not hold the queue): (state, queue)
+# among the first `cap` entries of the state's index (the soonest due, the longest running).
 WINDOW = """
 SELECT state::text AS state, queue, count(*) AS n
   FROM (SELECT state, queue FROM {schema}.jobs WHERE {where} ORDER BY {order} LIMIT :cap) w
@@ -46,6 +47,30 @@ AVAILABLE_COUNTS = """
 SELECT q.queue, (SELECT count(*) FROM (SELECT 1 FROM {schema}.jobs j
                                         WHERE j.state = 'available' AND j.queue = q.queue
                                         ORDER BY j.priority, j.scheduled_at, j.id
+                                        LIMIT :cap) s) AS n
+  FROM unnest(CAST(:queues AS text[])) AS q(queue)
+"""
+
+# The queues holding final jobs of a state: a loose index scan of jobs_finalized_queue_idx (one
+# probe per distinct queue).
+FINAL_QUEUES = """
+WITH RECURSIVE q AS (
+  (SELECT queue FROM {schema}.jobs
+    WHERE state = CAST(:state AS {schema}.job_state) AND finalized_at IS NOT NULL ORDER BY queue LIMIT 1)
+  UNION ALL
+  SELECT (SELECT j.queue FROM {schema}.jobs j
+           WHERE j.state = CAST(:state AS {schema}.job_state) AND j.finalized_at IS NOT NULL
+             AND j.queue > q.queue ORDER BY j.queue LIMIT 1)
+    FROM q WHERE q.queue IS NOT NULL
+)
+SELECT queue FROM q WHERE queue IS NOT NULL LIMIT :max_queues
+"""
+
+# Final jobs of a state per queue, at most :cap index entries of jobs_finalized_queue_idx each.
+FINAL_COUNTS = """
+SELECT q.queue, (SELECT count(*) FROM (SELECT 1 FROM {schema}.jobs j
+                                        WHERE j.state = CAST(:state AS {schema}.job_state)
+                                          AND j.queue = q.queue AND j.finalized_at IS NOT NULL
                                         LIMIT :cap) s) AS n
   FROM unnest(CAST(:queues AS text[])) AS q(queue)
 """

@@ -34,49 +34,55 @@ ON CONFLICT (unique_key)
 RETURNING id
 """
 
+# Every parameter of the workers' statements is typed in the SQL (CAST), so that any driver runs
+# them as they are, whatever types it sends (psql's \bind sends text of unknown type).
 CLAIM = """
 UPDATE {schema}.jobs
    SET state = 'running', attempt = attempt + 1, attempted_at = now(),
-       attempted_by = :worker, heartbeat_at = NULL
+       attempted_by = CAST(:worker AS text), heartbeat_at = NULL
  WHERE id = ANY(ARRAY(
          SELECT id FROM {schema}.jobs
-          WHERE state = 'available' AND queue = :queue AND scheduled_at <= now()
+          WHERE state = 'available' AND queue = CAST(:queue AS text) AND scheduled_at <= now()
             AND attempt < max_attempts
           ORDER BY priority, scheduled_at, id
-          LIMIT :limit
+          LIMIT CAST(:limit AS integer)
             FOR UPDATE SKIP LOCKED))
    AND state = 'available'
 RETURNING id, kind, queue, args, attempt, max_attempts, attempted_by, metadata
 """
 
+# The guard of a worker's own running job (heartbeat, complete, fail).
+_MINE = """id = CAST(:id AS bigint) AND state = 'running'
+   AND attempted_by = CAST(:worker AS text) AND attempt = CAST(:attempt AS smallint)"""
+
 HEARTBEAT = """
 UPDATE {schema}.jobs SET heartbeat_at = now()
- WHERE id = :id AND state = 'running' AND attempted_by = :worker AND attempt = :attempt
+ WHERE """ + _MINE + """
 RETURNING id
 """
 
 COMPLETE = """
 UPDATE {schema}.jobs SET state = 'completed', finalized_at = now()
- WHERE id = :id AND state = 'running' AND attempted_by = :worker AND attempt = :attempt
+ WHERE """ + _MINE + """
 RETURNING id
 """
 
 FAIL = """
 UPDATE {schema}.jobs
-   SET state = CASE WHEN attempt >= max_attempts OR :discard
+   SET state = CASE WHEN attempt >= max_attempts OR CAST(:discard AS boolean)
                     THEN 'discarded' ELSE 'retryable' END::{schema}.job_state,
-       scheduled_at = CASE WHEN attempt >= max_attempts OR :discard
-                           THEN scheduled_at ELSE now() + make_interval(secs => :backoff) END,
-       finalized_at = CASE WHEN attempt >= max_attempts OR :discard THEN now() END,
+       scheduled_at = CASE WHEN attempt >= max_attempts OR CAST(:discard AS boolean) THEN scheduled_at
+                           ELSE now() + make_interval(secs => CAST(:backoff AS float8)) END,
+       finalized_at = CASE WHEN attempt >= max_attempts OR CAST(:discard AS boolean) THEN now() END,
        errors = errors || jsonb_build_array(jsonb_build_object(
                    'at', now(), 'attempt', attempt, 'error', CAST(:error AS text)))
- WHERE id = :id AND state = 'running' AND attempted_by = :worker AND attempt = :attempt
+ WHERE """ + _MINE + """
 RETURNING state::text
 """
 
 CANCEL = """
 UPDATE {schema}.jobs SET state = 'cancelled', finalized_at = now()
- WHERE id = :id AND state NOT IN {final_states}
+ WHERE id = CAST(:id AS bigint) AND state NOT IN {final_states}
 RETURNING id
 """
 
@@ -337,6 +343,12 @@ NOTIFY_QUEUES = "SELECT pg_notify(:channel, q) FROM unnest(CAST(:queues AS text[
 
 # The next due time the daemon can wait for: a row due at 'infinity' (or past year 9999) is never
 # due, and one due at '-infinity' is promoted by the batch; neither is a time to wait for.
+# The next due time of a schema, as a column of maintd.probes.DueProbe's statement over many
+# schemas (one probe of jobs_scheduled_idx each).
+NEXT_DUE = """(SELECT min(scheduled_at) FROM {schema}.jobs
+  WHERE state IN ('scheduled', 'retryable')
+    AND scheduled_at >= '0001-01-02 00:00:00+00' AND scheduled_at < '9999-12-31 00:00:00+00')"""
+
 SCHEDULER_NEXT_DUE = """
 SELECT min(scheduled_at) FROM {schema}.jobs
  WHERE state IN ('scheduled', 'retryable')

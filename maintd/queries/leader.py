@@ -1,23 +1,43 @@
 """Statements of the leadership: the advisory lock (on the lock session, psycopg style via
 :func:`maintd.queries.psycopg_sql`) and the fencing record ``{schema}.leader``."""
 
-TRY_LOCK = "SELECT pg_try_advisory_lock(:classid, :objid)"
-UNLOCK = "SELECT pg_advisory_unlock(:classid, :objid)"
-# A target giving its lock up on the shared lock session: unlock only when held (an unlock of a
-# lock not held draws a WARNING in the server's log); true when one level was unlocked.
-UNLOCK_HELD = """
-SELECT CASE WHEN EXISTS ({advisory_lock} AND pid = pg_backend_pid())
-            THEN pg_advisory_unlock(:classid, :objid) ELSE false END
-"""
-
-# Does this very backend hold the lock, and is it still the session we set up (:marker)?
-HOLDS_LOCK = """
-SELECT EXISTS ({advisory_lock} AND pid = pg_backend_pid()) AS held,
-       current_setting('maintd.session', true) = :marker AS ours,
-       pg_backend_pid() AS backend_pid
-"""
+# A round of the loop of a database (:class:`maintd.lockconn.LockSession`): the tries, the lease
+# proofs and the unlocks of all of its targets, in one statement (one round trip). Each kind's keys
+# are bound arrays (the signed halves of maintd.db.advisory_key); each row answers one key: its
+# kind (1 try, 2 proof, 3 unlock), its position, and whether it won / is held / was unlocked. It
+# reads only pg_locks and the session, so a target's dropped schema cannot fail the others'.
+# * A proof: this very backend holds the lock, on a primary. The lock alone proves the term: an
+#   epoch is bumped only by whoever holds the lock, so while this session has held it since its
+#   bump, its epoch is the current one. Read-only: an idle leader writes no WAL.
+# * ``ours``: this is still the session we set up (:marker; a transaction pooler would hand us
+#   another backend).
+# * An unlock only of what is held (an unlock of a lock not held draws a WARNING in the server's
+#   log). The loop never tries for a lock it holds, so none is taken twice.
+# * pg_locks shows a two-key lock's halves as unsigned oids (the int4 -> oid cast maps the signed
+#   halves onto them); read once, in ``mine``.
+# (One statement, not a pipeline of three: after psycopg's pipeline the server did not re-arm
+# idle_session_timeout, measured on PostgreSQL 15 and 18, so a frozen leader's session outlived
+# the lease.)
+_KEYS = "unnest(CAST(:{k}_c AS int4[]), CAST(:{k}_o AS int4[])) WITH ORDINALITY AS k(c, o, ord)"
+_HELD = "EXISTS (SELECT 1 FROM mine WHERE mine.classid = CAST(k.c AS oid) AND mine.objid = CAST(k.o AS oid))"
+ROUND = f"""
+WITH mine AS (SELECT classid, objid FROM pg_locks
+               WHERE locktype = 'advisory' AND objsubid = 2 AND granted AND pid = pg_backend_pid()),
+     tried AS (SELECT 1 AS kind, k.ord, pg_try_advisory_lock(k.c, k.o) AS ok FROM {_KEYS.format(k="try")}),
+     proven AS (SELECT 2 AS kind, k.ord, {_HELD} AS ok FROM {_KEYS.format(k="renew")}),
+     unlocked AS (SELECT 3 AS kind, k.ord,
+                         CASE WHEN {_HELD} THEN pg_advisory_unlock(k.c, k.o) ELSE false END AS ok
+                    FROM {_KEYS.format(k="unlock")}),
+     answers AS (SELECT * FROM tried UNION ALL SELECT * FROM proven UNION ALL SELECT * FROM unlocked)
+SELECT a.kind, a.ord, a.ok, coalesce(current_setting('maintd.session', true) = :marker, false) AS ours,
+       NOT pg_is_in_recovery() AS primary_, pg_backend_pid() AS backend_pid
+  FROM answers a ORDER BY a.kind, a.ord"""
 
 BACKEND_PID = "SELECT pg_backend_pid()"
+
+# Whether a transaction started now may write: false on a standby, and on a primary set read-only
+# (default_transaction_read_only = on): maintenance then pauses instead of failing every write.
+WRITABLE = "SELECT current_setting('transaction_read_only') = 'off'"
 
 # FOR UPDATE conflicts with the fences' FOR KEY SHARE: the bump waits for in-flight fenced
 # transactions of an old leader (bounded by their statement/idle-in-transaction timeouts).
@@ -34,17 +54,6 @@ ON CONFLICT (name) DO UPDATE
 RETURNING epoch
 """
 
-# The lease's proof, every renew_interval, in one round trip: this backend still holds the lock
-# (HOLDS_LOCK's columns), and the term is still ours on a primary (a standby cannot take a
-# maintenance write). Read-only, so an idle leader writes no WAL; ``renewed_at`` is written when
-# a term starts, liveness is the lock itself.
-RENEW = """
-SELECT EXISTS ({advisory_lock} AND pid = pg_backend_pid()) AS held,
-       current_setting('maintd.session', true) = :marker AS ours,
-       EXISTS (SELECT 1 FROM {schema}.leader
-                WHERE name = 'leader' AND epoch = :epoch AND instance_id = :instance
-                  AND NOT pg_is_in_recovery()) AS term
-"""
 
 RELEASE = """
 UPDATE {schema}.leader SET released_at = now()

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol
 from sqlalchemy import Connection, Engine, TextClause
 
 from ..clock import Clock
-from ..queries import catalog, sql
+from ..queries import Statements, catalog
 
 if TYPE_CHECKING:
     from apscheduler.triggers.base import BaseTrigger
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 CANCEL_TIMEOUT = 2.0  # seconds a cancel request may take (it opens its own connection)
 
 
-HOLD_MAX = 0.25  # seconds: a pass sleeping this long gives its pooled connection back meanwhile
 
 
 class NotLeader(Exception):
@@ -152,6 +151,7 @@ class PassContext:
     stop_event: threading.Event = field(default_factory=threading.Event)
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("maintd"))
     query: RunningQuery = field(default_factory=RunningQuery)
+    statements: Statements | None = None  # the target's SQL, rendered once (else rendered here)
     _conn: Any = field(default=None, repr=False)
     _in_session: bool = field(default=False, repr=False)
 
@@ -161,7 +161,9 @@ class PassContext:
                    statement_timeout=settings.statement_timeout, **kw)
 
     def sql(self, template: str) -> TextClause:
-        return sql(template, self.schema)
+        if self.statements is None:
+            self.statements = Statements(self.schema)
+        return self.statements.sql(template)
 
     def now(self) -> datetime:
         """The server's time (a test's frozen time), read again on this pass's connection when the
@@ -180,14 +182,6 @@ class PassContext:
     def check_stop(self) -> None:
         if self.stop_event.is_set():
             raise PassStopped()
-
-    def sleep(self, seconds: float) -> bool:
-        """Wait between transactions (precise timing); True when stopped meanwhile. A sleep of
-        ``HOLD_MAX`` or more gives the session's connection back to the pool first: the passes
-        of many targets share it, and a sleeping pass must not keep one from a working one."""
-        if seconds >= HOLD_MAX:
-            self._release()
-        return self.stop_event.wait(seconds)
 
     def pause(self, seconds: float) -> None:
         """Sleep between transactions; a stop (lost leadership, shutdown) ends it at once."""
@@ -264,7 +258,7 @@ class PassContext:
         check_writes = getattr(self.fence, "check_writes", None)
         if check_writes is not None:
             check_writes(conn)
-        elif conn.execute(sql(catalog.WROTE, self.schema)).scalar():
+        elif conn.execute(self.sql(catalog.WROTE)).scalar():
             self.fence.check(conn)
 
     def prove_leader(self) -> None:
@@ -334,11 +328,22 @@ def _set_local(names: tuple[str, ...]) -> str:
     return "SELECT " + ", ".join(f"set_config('{n}', :v{i}, true)" for i, n in enumerate(names))
 
 
+def _rounded(v: Any) -> Any:
+    if isinstance(v, float):
+        return round(v, 3)
+    if isinstance(v, dict):
+        return {k: _rounded(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_rounded(x) for x in v]
+    return v
+
+
 class PassResult:
     """Base for a service's typed one-pass result (a dataclass)."""
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        """The result as JSON-ready data, seconds rounded to the millisecond (no 18.557157819999986)."""
+        return _rounded(dataclasses.asdict(self))  # type: ignore[call-overload]
 
     def did_something(self) -> bool:
         """Whether the pass changed (or in a dry run, would change) anything worth a log line."""
@@ -351,6 +356,11 @@ class PassResult:
     def waited(self) -> float:
         """Seconds the pass spent waiting on purpose (not work: left out of its duration)."""
         return 0.0
+
+    def wake_at(self) -> datetime | None:
+        """When (the server's time) the service wants its next pass, if before its next tick
+        (precise timing: a job falls due); None: at the next tick."""
+        return None
 
     def skipped_rows(self) -> dict[str, int]:
         """Rows the pass passed over, by reason (each also logged with its id): fed to
@@ -378,9 +388,9 @@ class Service(abc.ABC):
 
         return IntervalTrigger(seconds=self.config.interval.total_seconds())
 
-    def poke(self) -> None:
-        """What the service reads changed (a NOTIFY): the next scheduled pass runs."""
-        return None
+    def poke(self) -> bool:
+        """What the service reads changed (a NOTIFY); True: run a pass now."""
+        return False
 
     def quiet_until(self) -> datetime | None:
         """The daemon skips this service's scheduled passes (no connection, no record) until this

@@ -29,7 +29,14 @@ scan of that index (one probe per distinct queue of the state). Rows skipped bec
 session held their lock are looked at again by the next pass.
 
 A batch that hits its statement timeout halves the batch size (down to ``MIN_BATCH``); three
-successes in a row double it again, up to ``batch_size``. The size lives on the service
+successes in a row double it again, up to ``batch_size``. A *probe* that hits it is walking
+entries that cost without counting: the dead index entries a large delete leaves until vacuum
+removes them (an index-only scan cannot mark them dead as a plain scan does), by the million
+under a statement timeout of milliseconds. Then the walk goes on *stepping*: every batch is a
+predicted range, no probe; a range that times out or holds too many rows is halved, an empty one
+doubles. Each range walks only its own entries, and its DELETE (a plain index scan) marks the
+dead ones it meets so later scans skip them. Predicted ranges aim at half the statement timeout
+when that is shorter than ``BATCH_TARGET``. The size lives on the service
 instance, so it carries over from pass to pass. A final row locked by someone else makes the
 range DELETE give up after ``LOCK_WAIT_MS`` and redo that batch with ``SKIP LOCKED``.
 
@@ -68,6 +75,7 @@ GROW_AFTER = 3  # successful batches in a row before the batch size doubles agai
 BATCH_TIMEOUT = timedelta(seconds=5)  # statement timeout of one batch (at most statement_timeout)
 LOCK_WAIT_MS = 500
 TINY = timedelta(microseconds=1)
+STEP_START = timedelta(minutes=1)  # the first range of a walk that steps (it doubles while empty)
 LOCK_NOT_AVAILABLE, QUERY_CANCELED = "55P03", "57014"  # SQLSTATEs
 
 
@@ -129,6 +137,8 @@ class RangePlan:
     width: timedelta | None = None
     at_boundary: bool = False  # lo is where a probed batch ended (so a probe measures density)
     skip_locked: bool = False  # redo the range skipping a row someone else holds
+    stepping: bool = False  # a probe timed out: every batch is predicted, widths adapt (no probe)
+    target: float = 0.2  # seconds a predicted batch aims at (BATCH_TARGET, or less under a short timeout)
 
     @property
     def predicted(self) -> bool:
@@ -136,6 +146,19 @@ class RangePlan:
 
     def skip_lock_holders(self) -> None:
         self.skip_locked = True  # the rows skipped are looked at again by the next pass
+
+    def step(self) -> None:
+        """The probe from ``lo`` timed out: walk on in predicted ranges from here."""
+        self.stepping, self.at_boundary = True, False
+        self.width = STEP_START if self.width is None else max(TINY, self.width / 2)
+
+    def narrow(self) -> bool:
+        """A stepped range timed out or held too many rows: halve it. False when it cannot be
+        narrower (a tie: more rows at one instant than a batch holds)."""
+        if self.width is None or self.width <= TINY:
+            return False
+        self.width = max(TINY, self.width / 2)
+        return True
 
     def advance(self, hi: datetime, n: int, limit: int, seconds: float, predicted: bool) -> None:
         """After a committed batch ``[lo, hi)`` that deleted ``n`` rows in ``seconds``."""
@@ -146,10 +169,11 @@ class RangePlan:
                 self.at_boundary = False
             self.width = None
             return
-        if predicted:  # an empty range says nothing of what follows (a gap): probe it
-            self.width = next_width(hi - self.lo, n, limit, seconds) if n else None
+        if predicted:  # an empty range says nothing of what follows (a gap): probe it, unless stepping
+            self.width = next_width(hi - self.lo, n, limit, seconds, self.target) \
+                if n or self.stepping else None
         elif self.at_boundary:  # [lo, hi) held exactly ``limit`` rows of the state
-            self.width = next_width(hi - self.lo, limit, limit, seconds)
+            self.width = next_width(hi - self.lo, limit, limit, seconds, self.target)
         self.at_boundary = not predicted
         self.lo = hi
 
@@ -192,7 +216,8 @@ class Cleaner(Service):
             self._delete_ancient(ctx, target, result)
             lo = self._start(ctx, target, horizon)
             if lo is not None:
-                self._clean(ctx, target, RangePlan(lo, horizon), result)
+                aim = min(BATCH_TARGET, self._timeout_ms(ctx) / 2000)
+                self._clean(ctx, target, RangePlan(lo, horizon, target=aim), result)
         result.batch_size = self.batch_size
         if self._history_pruned_at is None or now - self._history_pruned_at >= HISTORY_PRUNE_EVERY:
             result.history_pruned = history.prune(ctx, now)
@@ -205,8 +230,13 @@ class Cleaner(Service):
         queues it covers (None: there is none)."""
         if target.queue is not None or not target.excluded:
             return FAR_PAST
-        with ctx.transaction(fenced=False) as conn:
-            first = conn.execute(ctx.sql(jobs.CLEANER_FIRST_EXPIRED), target.params(horizon)).scalar()
+        try:
+            with ctx.transaction(fenced=False) as conn:
+                first = conn.execute(ctx.sql(jobs.CLEANER_FIRST_EXPIRED), target.params(horizon)).scalar()
+        except OperationalError as exc:  # dead entries in the way: the walk steps past them
+            if getattr(exc.orig, "sqlstate", None) != QUERY_CANCELED or ctx.should_stop():
+                raise
+            return FAR_PAST
         return None if first is None else max(first, FAR_PAST)
 
     def _count(self, ctx: PassContext, now: datetime, result: CleanerResult) -> CleanerResult:
@@ -229,7 +259,17 @@ class Cleaner(Service):
                 hi, last, n = self._delete_batch(ctx, target, plan, limit, result)
             except _Overflow:  # only a prediction can overshoot: it was rolled back; probe instead
                 result.overflows += 1
-                plan.width = None
+                if not (plan.stepping and plan.narrow()):
+                    plan.stepping, plan.width = False, None
+                continue
+            except _ProbeTimeout as exc:
+                if ctx.should_stop():
+                    raise exc.error from None
+                result.timeouts += 1
+                if not plan.stepping:
+                    log.warning("probe hit the statement timeout (dead index entries?): stepping "
+                                "through the range", extra=kv(state=target.state, timeout_ms=self._timeout_ms(ctx)))
+                plan.step()
                 continue
             except OperationalError as exc:
                 self._recover(exc, ctx, plan, predicted, limit, target, result)
@@ -274,8 +314,14 @@ class Cleaner(Service):
                 last = hi >= plan.horizon
             else:
                 probe = jobs.CLEANER_PROBE if target.queue is None else jobs.CLEANER_PROBE_QUEUE
-                probed = conn.execute(ctx.sql(probe), {"state": target.state, "queue": target.queue, "lo": plan.lo,
-                                                       "horizon": plan.horizon, "limit": limit}).scalar()
+                try:
+                    probed = conn.execute(ctx.sql(probe), {"state": target.state, "queue": target.queue,
+                                                           "lo": plan.lo, "horizon": plan.horizon,
+                                                           "limit": limit}).scalar()
+                except OperationalError as exc:
+                    if getattr(exc.orig, "sqlstate", None) == QUERY_CANCELED:
+                        raise _ProbeTimeout(exc) from exc
+                    raise
                 last = probed is None
                 hi = plan.horizon if probed is None else probed
             args = {**target.params(plan.horizon), "lo": plan.lo, "hi": hi, "limit": limit}
@@ -310,6 +356,10 @@ class Cleaner(Service):
         if sqlstate != QUERY_CANCELED or ctx.should_stop():
             raise exc
         result.timeouts += 1
+        if plan.stepping:  # too many entries (dead or alive) in the range: halve it
+            if not plan.narrow():
+                raise exc
+            return
         if predicted:  # the prediction was too wide: probe, keep the batch size
             plan.width = None
             return
@@ -350,9 +400,18 @@ class _Overflow(Exception):
     """A predicted batch held more than ``batch_size`` rows (its transaction is rolled back)."""
 
 
-def next_width(width: timedelta, rows: int, limit: int, seconds: float) -> timedelta:
+class _ProbeTimeout(Exception):
+    """The probe of a batch hit the statement timeout (its transaction is rolled back)."""
+
+    def __init__(self, error: OperationalError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def next_width(width: timedelta, rows: int, limit: int, seconds: float,
+               target: float = BATCH_TARGET) -> timedelta:
     """The width of the next predicted range, from the last range: ``rows`` deleted (of at most
-    ``limit``) in ``seconds``. Aims at ``FILL * limit`` rows and at most ``BATCH_TARGET`` seconds,
+    ``limit``) in ``seconds``. Aims at ``FILL * limit`` rows and at most ``target`` seconds,
     growing at most ``GROWTH`` times."""
-    factor = min(GROWTH, FILL * limit / max(rows, 1), BATCH_TARGET / max(seconds, 1e-6))
+    factor = min(GROWTH, FILL * limit / max(rows, 1), target / max(seconds, 1e-6))
     return max(TINY, width * factor)

@@ -32,7 +32,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 from ..config import PeriodicJob
 from ..crontab import cron_args
 from ..db import describe_db_error
-from ..logs import kv
+from ..logs import clip, kv
 from ..queries import jobs, periodic_slots
 from ..schedules import Schedule, parse_schedule
 from .base import NotLeader, PassContext, PassResult, PassStopped, Service
@@ -73,7 +73,7 @@ class PeriodicResult(PassResult):
 
     def summary(self) -> str:
         verb = "would enqueue" if self.dry_run else "enqueued"
-        ids = ",".join(sorted({e["periodic_id"] for e in self.enqueued})) or "-"
+        ids = clip(sorted({e["periodic_id"] for e in self.enqueued})) or "-"
         skipped = sum(n for reasons in self.skipped.values() for n in reasons.values())
         return f"{verb} {len(self.enqueued)} jobs ids={ids} skipped={skipped}"
 
@@ -121,8 +121,9 @@ class PeriodicEnqueuer(Service):
         only delays a change: a new row is baselined or backfilled from its change."""
         return self._quiet_until
 
-    def poke(self) -> None:
+    def poke(self) -> bool:
         self._quiet_until = None
+        return True
 
     def _quiet_after(self, now: datetime, entries: list[Entry], result: PeriodicResult) -> None:
         if result.failed() or result.invalid_rows or result.dry_run:

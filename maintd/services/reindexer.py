@@ -34,7 +34,9 @@ log = logging.getLogger("maintd.reindexer")
 ARTIFACT_RE = re.compile(r"_cc(new|old)[0-9]*$")
 # SQLSTATE -> outcome of an index whose build failed (anything else: "error")
 OUTCOMES = {"57014": "timeout", "55P03": "timeout"}  # query_canceled, lock_not_available
-NEEDS_OWNER = ("42501",)  # insufficient_privilege ("must be owner of index")
+NEEDS_OWNER = ("42501",)
+NOT_PERMITTED = ("this role may not reindex it: REINDEX INDEX CONCURRENTLY needs ownership of the jobs "
+                 "table (or MAINTAIN on it, PostgreSQL 17+): run the reindexer as the owner role")  # insufficient_privilege ("must be owner of index")
 
 
 def artifact_pattern(index: str) -> re.Pattern[str]:
@@ -44,7 +46,7 @@ def artifact_pattern(index: str) -> re.Pattern[str]:
 @dataclass
 class IndexReport:
     index: str
-    outcome: str  # reindexed, skipped, missing, timeout, cancelled, error, planned
+    outcome: str  # reindexed, skipped, missing, not_permitted, timeout, cancelled, error, planned
     seconds: float = 0.0
     bytes_before: int | None = None
     bytes_after: int | None = None
@@ -62,7 +64,10 @@ class ReindexerResult(PassResult):
         return bool(self.indexes)
 
     def failed(self) -> bool:
-        return any(r.outcome in ("error", "timeout") for r in self.indexes)
+        """A build that failed, or (not in a dry run, which only reports it) an index this role
+        may not rebuild."""
+        return any(r.outcome in ("error", "timeout") or (r.outcome == "not_permitted" and not self.dry_run)
+                   for r in self.indexes)
 
     def summary(self) -> str:
         return " ".join(f"{r.index}={r.outcome}" for r in self.indexes)
@@ -90,11 +95,23 @@ class Reindexer(Service):
                 log.warning("configured index does not exist, skipping", extra=kv(index=index))
                 continue
             report.bytes_before = catalog_rows[index].bytes
+            if not catalog_rows[index].can_reindex:
+                self._not_permitted(report)
+                continue
             report.bloat_percent = self._bloat(ctx, index, has_pgstattuple)
             artifacts = [n for n, r in catalog_rows.items() if artifact_pattern(index).match(n) and not r.valid]
             if not self._reindex(ctx, report, artifacts):
                 break
+        refused = [r.index for r in result.indexes if r.outcome == "not_permitted"]
+        if refused:  # one line for the pass, not one per index
+            log.warning("cannot reindex", extra=kv(indexes=",".join(refused), error=NOT_PERMITTED))
         return result
+
+    @staticmethod
+    def _not_permitted(report: IndexReport) -> None:
+        """Not planned, not tried: this role may not rebuild the index."""
+        report.outcome = "not_permitted"
+        report.error = NOT_PERMITTED
 
     def _healthy(self, report: IndexReport) -> bool:
         """Below the bloat threshold: not worth a rebuild."""

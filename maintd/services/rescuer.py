@@ -17,11 +17,12 @@ Each rescued job is announced on :func:`maintd.db.events_channel` (``stalled``, 
 
 Precise timing (SPEC 7.7, ``precise_timing``, default): after its batches, a pass reads the
 earliest stuck deadline from now on (one probe of ``jobs_running_idx`` per distinct grace, see
-``RESCUER_NEXT_STUCK``) and, if it comes before the next tick, sleeps until then and rescues
-again, so a stuck job leaves ``running`` within about ``MIN_WAKE`` of its deadline. A deadline
-that appears later (a claim, a heartbeat) is at least the shortest grace away, so the pass looks
-again at least that often. Wake-ups are at least ``MIN_WAKE`` apart, however many jobs fall due,
-and a job the last batch saw stuck but could not take (locked) is left to the next tick.
+``RESCUER_NEXT_STUCK``) and, if it comes before the next tick, asks the runner for another pass
+just after it (:meth:`RescuerResult.wake_at`; the pass holds no thread while it waits), so a
+stuck job leaves ``running`` within about ``MIN_WAKE`` of its deadline. A deadline that appears
+later (a claim, a heartbeat) is at least the shortest grace away, so the pass asks to look again
+at least that often ("look again"). Passes are at least ``MIN_WAKE`` apart, however many jobs fall
+due, and a job the last batch saw stuck but could not take (locked) is left to the next tick.
 
 Waiting jobs (``available``, ``scheduled``, ``retryable``) with no attempt left (``attempt >=
 max_attempts``), which the workers' claim passes over, are discarded with the reason appended to
@@ -32,7 +33,6 @@ max_attempts``), which the workers' claim passes over, are discarded with the re
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
@@ -42,7 +42,7 @@ from ..jobs import BACKOFF_CAP, backoff
 from ..logs import kv
 from ..queries import jobs
 from .base import PassContext, PassResult, Service
-from .scheduler import MIN_WAKE, TICK_MARGIN
+from .scheduler import MIN_WAKE
 
 log = logging.getLogger("maintd.rescuer")
 
@@ -64,12 +64,11 @@ class RescuerResult(PassResult):
     discarded: int = 0
     exhausted: int = 0  # waiting jobs with no attempt left, discarded
     batches: int = 0
-    wakeups: int = 0  # precise timing: times the pass slept until a deadline and looked again
-    slept: float = 0.0  # precise timing: seconds spent waiting for deadlines
+    next_pass_at: datetime | None = None  # precise timing: the next deadline, before the next tick
     dry_run: bool = False
 
-    def waited(self) -> float:
-        return self.slept
+    def wake_at(self) -> datetime | None:
+        return self.next_pass_at
 
     def did_something(self) -> bool:
         return self.retried + self.discarded + self.exhausted > 0
@@ -123,48 +122,27 @@ class Rescuer(Service):
                 row = conn.execute(ctx.sql(jobs.RESCUER_COUNT_STUCK), self.horizons(ctx.now())).one()
             result.retried, result.discarded = row.retry, row.discard
             return result
-        interval = self.config.interval.total_seconds()
-        tick_end = time.monotonic() + interval - min(TICK_MARGIN, interval * 0.1)
-        now, first = ctx.now(), True
-        while True:
-            done = (result.retried, result.discarded)
-            try:
-                if first:
-                    self._rescue_without_sign(ctx, self._params(ctx, now), result)
-                    self._discard_exhausted(ctx, self._params(ctx, now), result)
-                deadline = self._rescue(ctx, self._params(ctx, now), result, tick_end)
-            finally:  # also when the pass stops or fails half-way: say what was committed
-                _log_rescued(result.retried - done[0], result.discarded - done[1])
-            if deadline is None or not self._wait(ctx, result, deadline, tick_end):
-                return result
-            later, first = ctx.now(), False
-            if later <= now:  # the clock stands still (a test's FrozenClock): nothing falls due
-                return result
-            now = later
+        now = ctx.now()
+        done = (result.retried, result.discarded)
+        try:
+            self._rescue_without_sign(ctx, self._params(ctx, now), result)
+            self._discard_exhausted(ctx, self._params(ctx, now), result)
+            deadline = self._rescue(ctx, self._params(ctx, now), result)
+        finally:  # also when the pass stops or fails half-way: say what was committed
+            _log_rescued(result.retried - done[0], result.discarded - done[1])
+        if deadline is not None:
+            result.next_pass_at = max(deadline + timedelta(milliseconds=1), now + timedelta(seconds=MIN_WAKE))
+        return result
 
     def _params(self, ctx: PassContext, now: datetime) -> dict:
         return {**self.horizons(now), "now": now, "instance": ctx.instance_id, "delays": DELAYS,
                 "cap": BACKOFF_CAP, "events_channel": events_channel(ctx.schema), "announce": self.config.events}
 
-    def _wait(self, ctx: PassContext, result: RescuerResult, deadline: datetime, tick_end: float) -> bool:
-        """Sleep until just after ``deadline`` (at least MIN_WAKE); False if that is after the
-        next tick or the pass is stopping."""
-        wait = max((deadline - ctx.now()).total_seconds() + 0.001, MIN_WAKE)
-        if wait > tick_end - time.monotonic():
-            return False
-        started = time.monotonic()
-        stopped = ctx.sleep(wait)
-        result.slept += time.monotonic() - started
-        result.wakeups += 0 if stopped else 1
-        return not stopped
-
-    def _next_deadline(self, ctx: PassContext, conn, now: datetime, tick_end: float) -> datetime | None:
+    def _next_deadline(self, ctx: PassContext, conn, now: datetime) -> datetime | None:
         """The earliest stuck deadline in [now, until): until the next tick, or the shortest grace
         from now (a job claimed or heartbeating from now on cannot fall due earlier), when sooner."""
         graces = self.graces()
-        to_tick, shortest = tick_end - time.monotonic(), graces["graces"][0]
-        if to_tick <= 0:
-            return None
+        to_tick, shortest = self.config.interval.total_seconds(), graces["graces"][0]
         until = now + timedelta(seconds=min(to_tick, shortest))
         conn.execute(ctx.sql(jobs.RESCUER_PROBE_PLANNING))
         found = conn.execute(ctx.sql(jobs.RESCUER_NEXT_STUCK), {**graces, "since": now, "until": until}).scalar()
@@ -172,8 +150,7 @@ class Rescuer(Service):
             return until  # look again then
         return found
 
-    def _rescue(self, ctx: PassContext, params: dict, result: RescuerResult,
-                tick_end: float) -> datetime | None:
+    def _rescue(self, ctx: PassContext, params: dict, result: RescuerResult) -> datetime | None:
         """Batches in keyset order until one finds fewer than ``batch_size`` candidates; with
         precise timing, the last one also reads the next time to look again (None: the next tick)."""
         after_seen, after_id = FAR_PAST, 0
@@ -185,7 +162,7 @@ class Rescuer(Service):
                 batch = conn.execute(ctx.sql(jobs.RESCUER_BATCH), {
                     **params, "after_seen": after_seen, "after_id": after_id, "limit": limit}).one()
                 if batch.candidates < limit and self.config.precise_timing:
-                    deadline = self._next_deadline(ctx, conn, params["now"], tick_end)
+                    deadline = self._next_deadline(ctx, conn, params["now"])
             if batch.retried or batch.discarded:
                 result.batches += 1
             result.discarded += batch.discarded

@@ -9,11 +9,13 @@ before it is due would be harmless to workers using that SQL, but it would make 
 (status, ``maintd_jobs``, oldest-available age), and the NOTIFY would wake the workers before
 the job can be claimed, so they would find nothing and the job would wait for their next poll.
 Instead, with ``precise_timing`` (default), a pass that finds the next job due before the next
-tick sleeps until that moment and promotes it then (waking at most every ``MIN_WAKE`` under a
-dense stream of due times, re-reading the next due time at least every ``MAX_SLEEP`` so a job
-enqueued meanwhile is not missed, and ending ``TICK_MARGIN`` before the next tick): a job due
-before the next tick is promoted, and its queue notified, within about ``MIN_WAKE`` of
-``scheduled_at``. Without it, lag is up to ``interval``.
+tick asks the runner for another pass then (:meth:`SchedulerResult.wake_at`; at least
+``MIN_WAKE`` after this one, so a dense stream of due times wakes it at most every ``MIN_WAKE``):
+a job due before the next tick is promoted, and its queue notified, within about ``MIN_WAKE`` of
+``scheduled_at``. The pass holds no thread and no connection while it waits. A job that becomes
+due sooner than anything the last pass saw (enqueued or failed with a short delay right after a
+tick) is found by the database's due-time probe (:mod:`maintd.probes`, one statement a second
+for every target of a database). Without precise timing, lag is up to ``interval``.
 
 An idle tick is one read-only statement in autocommit (:data:`maintd.queries.jobs.SCHEDULER_PROBE`,
 two probes of ``jobs_scheduled_idx``): no transaction, no fence, no WAL. Only when something is
@@ -28,9 +30,8 @@ wake-up, within ``MIN_WAKE``). A test's FrozenClock in the server's past still d
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from ..config import SchedulerConfig
 from ..db import notify_channel
@@ -38,20 +39,20 @@ from ..queries import jobs
 from .base import PassContext, PassResult, Service
 
 MIN_WAKE = 0.05  # seconds: at most ~20 wake-ups a second, whatever the due times
-MAX_SLEEP = 1.0  # seconds: re-read the next due time at least this often while waiting
-TICK_MARGIN = 0.25  # seconds (at most 10 % of interval): a pass ends this long before the next tick
+
+
+SUMMARY_QUEUES = 10  # queues named in a pass's summary line (the largest), the rest counted
 
 
 @dataclass
 class SchedulerResult(PassResult):
     promoted: dict[str, int] = field(default_factory=dict)
     batches: int = 0  # transactions that promoted at least one job
-    wakeups: int = 0  # precise timing: times the pass slept and looked again
-    slept: float = 0.0  # precise timing: seconds spent waiting for due times
+    next_pass_at: datetime | None = None  # precise timing: the next job's due time, before the next tick
     dry_run: bool = False
 
-    def waited(self) -> float:
-        return self.slept
+    def wake_at(self) -> datetime | None:
+        return self.next_pass_at
 
     @property
     def total(self) -> int:
@@ -62,8 +63,10 @@ class SchedulerResult(PassResult):
 
     def summary(self) -> str:
         verb = "would promote" if self.dry_run else "promoted"
-        queues = " ".join(f"{q}={n}" for q, n in sorted(self.promoted.items()))
-        return f"{verb} {self.total} jobs {queues}".rstrip()
+        shown = sorted(sorted(self.promoted, key=lambda q: (-self.promoted[q], q))[:SUMMARY_QUEUES])
+        queues = " ".join(f"{q}={self.promoted[q]}" for q in shown)
+        more = len(self.promoted) - len(shown)
+        return f"{verb} {self.total} jobs {queues}".rstrip() + (f" (+{more} more queues)" if more else "")
 
 
 class Scheduler(Service):
@@ -76,23 +79,12 @@ class Scheduler(Service):
                 for row in conn.execute(ctx.sql(jobs.SCHEDULER_COUNT_DUE), {"now": ctx.now()}):
                     result.promoted[row.queue] = row.n
             return result
-        interval = self.config.interval.total_seconds()
-        deadline = time.monotonic() + interval - min(TICK_MARGIN, interval * 0.1)
-        precise = self.config.precise_timing
-        while True:
-            next_due = self._promote_due(ctx, result)
-            if next_due is None or not precise:
-                return result
-            # Sleep until the next job falls due, if that is before the next tick.
-            wait = (next_due - ctx.now()).total_seconds()
-            if max(wait, MIN_WAKE) > deadline - time.monotonic():
-                return result
-            started = time.monotonic()
-            stopped = ctx.sleep(min(max(wait, MIN_WAKE), MAX_SLEEP))
-            result.slept += time.monotonic() - started
-            if stopped:
-                return result
-            result.wakeups += 1
+        next_due = self._promote_due(ctx, result)
+        if next_due is not None and self.config.precise_timing:
+            now = ctx.now()
+            if next_due < now + self.config.interval:
+                result.next_pass_at = max(next_due, now + timedelta(seconds=MIN_WAKE))
+        return result
 
     def _promote_due(self, ctx: PassContext, result: SchedulerResult) -> datetime | None:
         """Probe (read-only); if anything is due, promote it, one batch per transaction. Returns

@@ -1,0 +1,64 @@
+"""Run pytest as CI must: green only when tests ran and none was skipped.
+
+``python .ci/strict_pytest.py [pytest arguments]`` runs ``python -m pytest -rs --junitxml=...``
+with the arguments, prints how many tests ran and how many were skipped (each skip with its
+reason), and exits non-zero when pytest failed, when it collected no tests (pytest's exit code 5,
+which a plain ``pytest || exit 1`` takes for success), or when any test was skipped: under
+``CI=true`` a missing tool or server fails its test (tests/tools.py), so a skip in CI means a
+test that found a way around that, not a reason to pass.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+
+NO_TESTS = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
+
+
+def summary(junit: str) -> tuple[int, list[str]]:
+    """(tests run, one line per skipped test) from pytest's JUnit XML."""
+    root = ET.parse(junit).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    tests = sum(int(s.get("tests", 0)) for s in suites)
+    skipped = []
+    for case in root.iter("testcase"):
+        for skip in case.findall("skipped"):
+            skipped.append(f"{case.get('classname')}::{case.get('name')}: {skip.get('message', '')}")
+    return tests, skipped
+
+
+def main(args: list[str]) -> int:
+    fd, junit = tempfile.mkstemp(prefix="maintd-junit-", suffix=".xml")
+    os.close(fd)
+    try:
+        rc = subprocess.call([sys.executable, "-m", "pytest", "-rs", f"--junitxml={junit}", *args])
+        if rc == NO_TESTS:
+            print("strict_pytest: pytest collected no tests: failing the run")
+            return 1
+        try:
+            tests, skipped = summary(junit)
+        except (OSError, ET.ParseError) as exc:
+            print(f"strict_pytest: no test report ({exc}): failing the run")
+            return rc or 1
+        print(f"strict_pytest: {tests} tests, {len(skipped)} skipped")
+        for line in skipped:
+            print(f"strict_pytest: skipped {line}")
+        if rc != 0:
+            return rc
+        if tests == 0:
+            print("strict_pytest: no test ran: failing the run")
+            return 1
+        if skipped:
+            print("strict_pytest: skipped tests fail the CI run (install what they need; tests/tools.py)")
+            return 1
+        return 0
+    finally:
+        os.unlink(junit)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

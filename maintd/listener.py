@@ -1,0 +1,346 @@
+"""The HTTP listener: connections, timeouts and bounded workers (SPEC 8.5).
+
+One asyncio loop, on a thread of its own, owns every connection: it accepts, reads each request's
+head, hands the request to a worker *lane* and writes the answer back, so a connection costs a
+descriptor and a little memory, never a thread. What a client of the port can hold is bounded:
+
+* a connection that sends nothing is closed after ``idle_timeout`` (a new one, or a kept-alive
+  one between requests); a request head must be complete ``header_timeout`` after its first
+  byte and at most ``max_head`` bytes; an answer the client does not read is dropped after
+  ``write_timeout``;
+* at most ``max_connections`` connections are open, by default half the process's descriptor
+  limit (the other half is for the database and the rest); at that cap the connection idle the
+  longest is closed to make room (2,000 idle sockets against a limit of 1,024 do not keep a probe
+  out);
+* each lane runs at most ``threads`` requests at once with at most ``queue`` more waiting; past
+  that the answer is ``503`` with ``Retry-After`` at once. Pages (the dashboard, ``/status``)
+  render two at a time (the interpreter runs one thread at a time: more would only slow the
+  probes); ``/metrics`` has its own two threads; the probes (``/healthz``,
+  ``/readyz``) read a few attributes and are answered on the loop itself, so no flood of readers
+  delays them.
+
+The listen backlog is ``backlog`` (the kernel caps it at ``net.core.somaxconn``). A client that
+goes away mid-request is a debug line, never a traceback. Requests are HTTP/1.0 or 1.1 ``GET`` or
+``HEAD`` without a body; an HTTP/1.1 connection is kept alive unless the client says otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import resource
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import Callable, Mapping
+
+from .logs import kv
+
+log = logging.getLogger("maintd.http")
+
+INLINE = "inline"  # the lane of requests answered on the loop itself (cheap, never blocking)
+# (status, content type, body, extra headers)
+Answer = tuple[int, str, bytes, dict[str, str]]
+# (method, request target, headers) -> answer; runs on a lane's thread (or the loop, INLINE)
+Handle = Callable[[str, str, "Headers"], Answer]
+OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+@dataclass(frozen=True)
+class Lane:
+    threads: int
+    queue: int = 0
+
+
+@dataclass(frozen=True)
+class Limits:
+    idle_timeout: float = 5.0
+    header_timeout: float = 10.0
+    write_timeout: float = 10.0
+    max_head: int = 16 * 1024
+    max_headers: int = 64
+    backlog: int = 1024
+    max_connections: int = 0  # 0: half the descriptor limit (see connection_cap)
+    lanes: Mapping[str, Lane] = field(default_factory=lambda: {"page": Lane(2), "metrics": Lane(2, 30)})
+
+
+def connection_cap(limits: Limits) -> int:
+    """The most connections held open: ``max_connections``, or half the soft descriptor limit
+    (at least 16, at most 10,000)."""
+    if limits.max_connections:
+        return limits.max_connections
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(16, min(10_000, (soft if soft != resource.RLIM_INFINITY else 20_000) // 2))
+
+
+def raise_descriptor_limit(wanted: int = 65_536) -> tuple[int, int]:
+    """Raise the soft limit on open files towards the hard one (as Go programs do at start): a
+    container runtime or a login shell often leaves it at 1,024 under a far higher hard limit.
+    Returns (before, after); a sandbox that forbids it (seccomp) leaves it as it was."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (OSError, ValueError):
+            return soft, soft
+        return soft, target
+    return soft, soft
+
+
+class Headers(dict):
+    """Request headers by lower-case name (``get`` takes any case)."""
+
+    def get(self, name: str, default: str | None = None) -> str | None:  # type: ignore[override]
+        return super().get(name.lower(), default)
+
+    def __getitem__(self, name: str) -> str:
+        return super().__getitem__(name.lower())
+
+    def __contains__(self, name: object) -> bool:
+        return super().__contains__(str(name).lower())
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def parse_head(head: bytes, max_headers: int) -> tuple[str, str, str, Headers]:
+    """(method, target, version, headers) of a request head (without its final empty line)."""
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[0].isalpha() or not parts[0].isupper():
+        raise BadRequest(400, "malformed request line")
+    method, target, version = parts
+    if version not in ("HTTP/1.0", "HTTP/1.1"):
+        raise BadRequest(505, "HTTP/1.0 or HTTP/1.1 only")
+    if not target.startswith("/"):
+        raise BadRequest(400, "the request target must be a path")
+    if len(lines) - 1 > max_headers:
+        raise BadRequest(431, f"more than {max_headers} header fields")
+    headers = Headers()
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep or not name or name != name.strip() or any(c in name for c in " \t"):
+            raise BadRequest(400, "malformed header field")
+        headers[name.lower()] = value.strip(" \t")
+    return method, target, version, headers
+
+
+def keep_alive(version: str, headers: Headers) -> bool:
+    tokens = {t.strip().lower() for t in (headers.get("connection") or "").split(",")}
+    if headers.get("content-length", "0") != "0" or "transfer-encoding" in headers:
+        return False  # a body we do not read: the connection cannot carry another request
+    return "keep-alive" in tokens if version == "HTTP/1.0" else "close" not in tokens
+
+
+def encode(answer: Answer, *, keep: bool, head_only: bool) -> bytes:
+    status, ctype, body, headers = answer
+    try:
+        reason = HTTPStatus(status).phrase
+    except ValueError:
+        reason = "Unknown"
+    lines = [f"HTTP/1.1 {status} {reason}", f"Date: {formatdate(usegmt=True)}", "Server: maintd",
+             f"Content-Type: {ctype}", f"Content-Length: {len(body)}",
+             *(f"{k}: {v}" for k, v in headers.items()), f"Connection: {'keep-alive' if keep else 'close'}"]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (b"" if head_only else body)
+
+
+def plain(status: int, message: str, **headers: str) -> Answer:
+    return status, "text/plain; charset=utf-8", (message + "\n").encode(), dict(headers)
+
+
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    writer: asyncio.StreamWriter | None = None
+    task: asyncio.Task | None = None
+    reading: bool = True  # waiting for (or reading) a request head: may be closed for room
+
+
+class _Pool:
+    """A lane's threads and how many of its requests are in flight (touched on the loop only)."""
+
+    def __init__(self, name: str, lane: Lane):
+        self.executor = ThreadPoolExecutor(lane.threads, thread_name_prefix=f"maintd-http-{name}")
+        self.cap, self.busy, self.threads = lane.threads + lane.queue, 0, lane.threads
+
+
+class Listener:
+    """Binds at once (an ``OSError`` names what is wrong); serves from :meth:`start` on."""
+
+    def __init__(self, host: str, port: int, handle: Handle, lane_of: Callable[[str], str],
+                 limits: Limits = Limits()):
+        self.handle, self.lane_of, self.limits = handle, lane_of, limits
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        self.sock = socket.create_server((host, port), family=family, backlog=limits.backlog)
+        self.sock.setblocking(False)
+        self.max_connections = connection_cap(limits)
+        self._pools = {name: _Pool(name, lane) for name, lane in limits.lanes.items()}
+        self._conns: dict[_Conn, None] = {}  # insertion order: the oldest first
+        self._loop = asyncio.new_event_loop()
+        self._accepting: asyncio.Task | None = None
+        self._warned_at = float("-inf")
+        self.thread = threading.Thread(target=self._run, name="maintd-http", daemon=True)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.sock.getsockname()[:2]
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.thread.is_alive():
+            self._loop.call_soon_threadsafe(self._shutdown)
+            self.thread.join(timeout)
+        elif not self._loop.is_closed():
+            self._loop.close()
+        self.sock.close()
+        for pool in self._pools.values():
+            pool.executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- the loop -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.set_exception_handler(self._loop_error)
+        self._accepting = self._loop.create_task(self._accept())
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.close()
+
+    @staticmethod
+    def _loop_error(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        exc = context.get("exception")
+        log.warning("http: unexpected error", extra=kv(error=repr(exc) if exc else context.get("message")))
+
+    def _shutdown(self) -> None:
+        async def close_all() -> None:
+            tasks = [t for t in (self._accepting, *(c.task for c in self._conns)) if t is not None]
+            for conn in list(self._conns):
+                self._close(conn, cancel=True)
+            if self._accepting is not None:
+                self._accepting.cancel()
+            await asyncio.wait(tasks, timeout=1.0) if tasks else None
+            self._loop.stop()
+
+        self._loop.create_task(close_all())
+
+    async def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = await self._loop.sock_accept(self.sock)
+            except OSError as exc:
+                if exc.errno in OUT_OF_DESCRIPTORS:
+                    self._out_of_descriptors(exc)
+                    if not self._make_room():
+                        await asyncio.sleep(0.05)
+                continue
+            if len(self._conns) >= self.max_connections and not self._make_room():
+                sock.close()  # every connection is busy: this one is refused, not queued
+                continue
+            conn = _Conn(sock)
+            self._conns[conn] = None
+            conn.task = self._loop.create_task(self._serve(conn))
+
+    def _out_of_descriptors(self, exc: OSError) -> None:
+        now = self._loop.time()
+        if now - self._warned_at >= 60:
+            self._warned_at = now
+            log.warning("http: out of file descriptors, closing idle connections (raise the "
+                        "limit: LimitNOFILE)", extra=kv(connections=len(self._conns), error=exc.strerror))
+
+    def _make_room(self) -> bool:
+        """Close the connection waiting for a request the longest; False if none is."""
+        for conn in self._conns:
+            if conn.reading:
+                log.debug("http: connection closed to make room", extra=kv(connections=len(self._conns)))
+                self._close(conn, cancel=True)
+                return True
+        return False
+
+    def _close(self, conn: _Conn, cancel: bool = False) -> None:
+        self._conns.pop(conn, None)
+        if conn.writer is not None:
+            conn.writer.close()
+        else:
+            conn.sock.close()
+        if cancel and conn.task is not None and conn.task is not asyncio.current_task():
+            conn.task.cancel()
+
+    async def _serve(self, conn: _Conn) -> None:
+        try:
+            reader, conn.writer = await asyncio.open_connection(sock=conn.sock, limit=self.limits.max_head)
+            while await self._exchange(conn, reader):
+                pass
+        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, OSError) as exc:
+            log.debug("http: client went away", extra=kv(error=type(exc).__name__))
+        finally:
+            self._close(conn)
+
+    async def _exchange(self, conn: _Conn, reader: asyncio.StreamReader) -> bool:
+        """One request and its answer; whether the connection carries another."""
+        conn.reading = True
+        self._conns.pop(conn, None)
+        self._conns[conn] = None  # to the end of the line: the longest idle stays first
+        try:
+            head = await self._read_head(reader)
+            if head is None:
+                return False
+            conn.reading = False
+            method, target, version, headers = parse_head(head, self.limits.max_headers)
+        except BadRequest as exc:
+            await self._send(conn, plain(exc.status, exc.message), keep=False, head_only=False)
+            return False
+        keep = keep_alive(version, headers)
+        answer = await self._answer(method, target, headers)
+        keep = keep and answer[0] not in (405, 503)  # a body may follow an odd method; busy: go
+        await self._send(conn, answer, keep=keep, head_only=method == "HEAD")
+        return keep
+
+    async def _read_head(self, reader: asyncio.StreamReader) -> bytes | None:
+        """A request's head, or None when the client closed or stayed silent."""
+        try:
+            first = await asyncio.wait_for(reader.read(1), self.limits.idle_timeout)
+        except TimeoutError:
+            return None
+        if not first:
+            return None
+        try:
+            rest = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.limits.header_timeout)
+        except TimeoutError:
+            raise BadRequest(408, f"the request head took over {self.limits.header_timeout:g}s") from None
+        except asyncio.LimitOverrunError:
+            raise BadRequest(431, f"the request head is over {self.limits.max_head} bytes") from None
+        return (first + rest)[:-4].lstrip(b"\r\n")
+
+    async def _answer(self, method: str, target: str, headers: Headers) -> Answer:
+        if method not in ("GET", "HEAD"):
+            return plain(405, f"method {method} not allowed", Allow="GET, HEAD")
+        lane = self.lane_of(target.partition("?")[0])
+        if lane == INLINE:
+            return self.handle(method, target, headers)
+        pool = self._pools[lane]
+        if pool.busy >= pool.cap:
+            return plain(503, f"busy: {pool.threads} requests of this kind are being answered; "
+                              f"retry in a second", **{"Retry-After": "1"})
+        pool.busy += 1
+        try:
+            return await self._loop.run_in_executor(pool.executor, self.handle, method, target, headers)
+        except Exception as exc:  # the handler answers its own errors; this is a bug
+            log.warning("http: handler failed", extra=kv(error=repr(exc)))
+            return plain(500, "internal error")
+        finally:
+            pool.busy -= 1
+
+    async def _send(self, conn: _Conn, answer: Answer, *, keep: bool, head_only: bool) -> None:
+        assert conn.writer is not None
+        conn.writer.write(encode(answer, keep=keep, head_only=head_only))
+        await asyncio.wait_for(conn.writer.drain(), self.limits.write_timeout)

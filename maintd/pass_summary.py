@@ -1,0 +1,147 @@
+"""What a pass did, from its result as stored (``service_runs.result``, ``/status``'s
+``last_runs``): its counts (deleted, rescued, promoted, enqueued, reindexed) and one readable
+line for ``maintd status``, ``/status`` and the dashboard.
+
+Works on the stored JSON (a plain dict), so records written by an older version (keys missing)
+still read; numbers are whole counts with thousands separators and durations in s/ms, never raw
+floats.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+Result = Mapping[str, Any]
+
+# The count each service's pass is about (SPEC 8.4: deleted, rescued, promoted, enqueued).
+COUNT_NAMES = {"cleaner": "deleted", "rescuer": "rescued", "scheduler": "promoted",
+               "periodic": "enqueued", "reindexer": "reindexed"}
+
+
+def _int(v: Any) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+
+def _sum(v: Any) -> int:
+    return sum(_int(n) for n in v.values()) if isinstance(v, Mapping) else 0
+
+
+def num(n: int) -> str:
+    return f"{n:,}"
+
+
+def seconds(s: float) -> str:
+    """A duration for people: ``850 ms``, ``18.6 s``, ``12 min``."""
+    s = abs(float(s))
+    if s < 1:
+        return f"{s * 1000:.0f} ms"
+    if s < 120:
+        return f"{s:.1f} s"
+    return f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+def _parts(by: Any) -> str:
+    """``(a 3, b 2)`` for the non-zero entries of a name -> count mapping."""
+    items = [f"{k} {num(_int(n))}" for k, n in sorted(by.items()) if _int(n)] if isinstance(by, Mapping) else []
+    return f" ({', '.join(items)})" if items else ""
+
+
+def counts(service: str, result: Result | None) -> dict[str, int]:
+    """``{"deleted": 12}`` and the like; empty for a pass without a result (failed, stopped)."""
+    if not isinstance(result, Mapping):
+        return {}
+    if service == "cleaner":
+        return {"deleted": _sum(result.get("deleted"))}
+    if service == "rescuer":
+        return {"rescued": _int(result.get("retried")) + _int(result.get("discarded"))
+                + _int(result.get("exhausted"))}
+    if service == "scheduler":
+        return {"promoted": _sum(result.get("promoted"))}
+    if service == "periodic":
+        enqueued = result.get("enqueued")
+        return {"enqueued": len(enqueued) if isinstance(enqueued, list) else 0}
+    if service == "reindexer":
+        indexes = result.get("indexes") or []
+        return {"reindexed": sum(1 for i in indexes if isinstance(i, Mapping) and i.get("outcome") == "reindexed")}
+    return {}
+
+
+def _cleaner(r: Result, verb: str) -> str:
+    line = f"{verb('deleted', 'would delete')} {num(_sum(r.get('deleted')))}{_parts(r.get('deleted'))}"
+    if _int(r.get("batches")):
+        line += f" in {num(_int(r['batches']))} batch{'es' if _int(r['batches']) > 1 else ''}"
+    if _int(r.get("timeouts")):
+        line += f", {num(_int(r['timeouts']))} timed out"
+    if _sum(r.get("skipped")):
+        line += f", skipped {num(_sum(r['skipped']))}{_parts(r['skipped'])}"
+    return line
+
+
+def _rescuer(r: Result, verb: str) -> str:
+    n = _int(r.get("retried")) + _int(r.get("discarded")) + _int(r.get("exhausted"))
+    parts = {k: r.get(k) for k in ("retried", "discarded", "exhausted")}
+    return f"{verb('rescued', 'would rescue')} {num(n)}{_parts(parts)}" + _waits(r)
+
+
+def _scheduler(r: Result, verb: str) -> str:
+    return f"{verb('promoted', 'would promote')} {num(_sum(r.get('promoted')))}{_parts(r.get('promoted'))}" + _waits(r)
+
+
+def _waits(r: Result) -> str:
+    """The pass asked for the next one before the next tick (precise timing): when (UTC)."""
+    at = r.get("next_pass_at")
+    at = at.isoformat() if hasattr(at, "isoformat") else at
+    if not isinstance(at, str) or len(at) < 19:
+        return ""
+    return f"; next pass at {at[11:23]}"
+
+
+def _periodic(r: Result, verb: str) -> str:
+    enqueued = [e for e in r.get("enqueued") or [] if isinstance(e, Mapping)]
+    ids = sorted({str(e.get("periodic_id")) for e in enqueued})
+    line = f"{verb('enqueued', 'would enqueue')} {num(len(enqueued))}" + (f" ({', '.join(ids)})" if ids else "")
+    skipped = r.get("skipped")
+    n = sum(_sum(v) for v in skipped.values()) if isinstance(skipped, Mapping) else 0
+    if n:
+        line += f", skipped {num(n)}"
+    if isinstance(r.get("errors"), Mapping) and r["errors"]:
+        line += f", failed {', '.join(sorted(r['errors']))}"
+    return line
+
+
+def _reindexer(r: Result, verb: str) -> str:
+    indexes = [i for i in r.get("indexes") or [] if isinstance(i, Mapping)]
+    if not indexes:
+        return "no index to reindex"
+    out = []
+    for i in indexes:
+        took = f" in {seconds(i['seconds'])}" if i.get("outcome") == "reindexed" and i.get("seconds") else ""
+        out.append(f"{i.get('index')} {i.get('outcome')}{took}")
+    return ", ".join(out)
+
+
+DESCRIBE: dict[str, Callable[[Result, Callable[[str, str], str]], str]] = {
+    "cleaner": _cleaner, "rescuer": _rescuer, "scheduler": _scheduler, "periodic": _periodic,
+    "reindexer": _reindexer,
+}
+
+
+def describe(service: str, result: Result | None) -> str:
+    """One line: ``deleted 1,200 (completed 1,000, discarded 200) in 2 batches``; empty for a
+    pass without a result."""
+    if not isinstance(result, Mapping):
+        return ""
+    dry = bool(result.get("dry_run"))
+
+    def verb(done: str, would: str) -> str:
+        return would if dry else done
+
+    how = DESCRIBE.get(service)
+    if how is None:  # a service this version does not know: its whole numbers
+        return ", ".join(f"{k} {num(v)}" for k, v in result.items() if _int(v))
+    return how(result, verb)
+
+
+def annotate(service: str, result: Result | None) -> dict[str, Any]:
+    """``{"counts": ..., "summary": ...}`` to add to a pass's record."""
+    return {"counts": counts(service, result), "summary": describe(service, result)}

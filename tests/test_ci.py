@@ -1,0 +1,101 @@
+"""CI cannot go green without running the tests (issue 29).
+
+* Every skip of the suite goes through :func:`tests.tools.unavailable`: a skip locally, a failure
+  under ``CI=true``, which ``.ci/run`` exports itself.
+* ``.ci/strict_pytest.py`` (how ``.ci/run`` runs pytest) fails when no test was collected, when
+  a test was skipped, and when one failed, and prints the counts.
+* The tools are looked for at the paths ``.ci/run`` installs them to (``tests/tools.py``, read by
+  both), not on ``PATH``.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from . import tools
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
+SKIPS = {"skip", "skipif", "importorskip", "xfail"}
+
+
+def _skip_calls(path: Path) -> list[str]:
+    """``pytest.skip(...)``, ``pytest.mark.skipif``, ``pytest.importorskip`` ... in a module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr in SKIPS:
+            base = node.value
+            names = []
+            while isinstance(base, ast.Attribute):
+                names.append(base.attr)
+                base = base.value
+            if isinstance(base, ast.Name) and base.id == "pytest":
+                found.append(f"{path.name}:{node.lineno}: pytest.{'.'.join(reversed(names + [node.attr]))}")
+        if isinstance(node, ast.ImportFrom) and node.module == "pytest":
+            found += [f"{path.name}:{node.lineno}: from pytest import {a.name}" for a in node.names if a.name in SKIPS]
+    return found
+
+
+def test_every_skip_goes_through_tools_unavailable():
+    """A new ``pytest.skip`` would pass CI silently where the tool is missing: it must be
+    ``tools.unavailable`` (a failure under CI=true) or ``tools.require``."""
+    found = [hit for path in sorted(TESTS.glob("*.py")) if path.name != "tools.py" for hit in _skip_calls(path)]
+    assert found == [], "skips outside tests/tools.py:\n" + "\n".join(found)
+
+
+def _pytest(tmp_path: Path, *args: str, ci: bool | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
+    if ci:
+        env["CI"] = "true"
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run([sys.executable, *args, "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                           str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_unavailable_skips_locally_and_fails_under_ci(tmp_path):
+    (tmp_path / "test_needs_a_tool.py").write_text(
+        "from tests.tools import unavailable\n\n"
+        "def test_x():\n    unavailable('needs /nowhere/tool')\n")
+    local = _pytest(tmp_path, "-m", "pytest", "-rs")
+    assert local.returncode == 0 and "SKIPPED" in local.stdout and "needs /nowhere/tool" in local.stdout, local.stdout
+    ci = _pytest(tmp_path, "-m", "pytest", "-rs", ci=True)
+    assert ci.returncode == 1 and "1 failed" in ci.stdout, ci.stdout
+    assert "needs /nowhere/tool (CI=true: a missing tool or server fails the run)" in ci.stdout
+
+
+@pytest.mark.parametrize("tests,rc,said", [
+    ("def test_ok():\n    pass\n", 0, "strict_pytest: 1 tests, 0 skipped"),
+    ("import pytest\n\ndef test_ok():\n    pass\n\ndef test_s():\n    pytest.skip('no chromium')\n", 1,
+     "strict_pytest: skipped test_t::test_s: no chromium"),
+    ("def test_bad():\n    assert False\n", 1, "strict_pytest: 1 tests, 0 skipped"),
+    (None, 1, "strict_pytest: pytest collected no tests: failing the run"),
+], ids=["passes", "a-skip-fails", "a-failure-fails", "no-tests-fail"])
+def test_strict_pytest_fails_on_skips_on_failures_and_on_no_tests(tmp_path, tests, rc, said):
+    if tests is not None:
+        (tmp_path / "test_t.py").write_text(tests)
+    res = _pytest(tmp_path, str(ROOT / ".ci" / "strict_pytest.py"))
+    assert res.returncode == rc and said in res.stdout, res.stdout + res.stderr
+
+
+def test_ci_run_exports_ci_and_finds_tools_where_the_tests_do():
+    run = (ROOT / ".ci" / "run").read_text()
+    code = [line for line in run.splitlines() if not line.lstrip().startswith("#")]
+    first_pytest = next(i for i, line in enumerate(code) if "run_pytest" in line and "()" not in line)
+    assert "export CI=true" in code[:first_pytest]
+    assert any("tests/tools.py missing" in line for line in code)  # what to install
+    assert any("tests/tools.py check" in line for line in code)  # and that it is there
+    assert not any("command -v" in line or "which " in line for line in code), "a tool found on PATH"
+    assert any("strict_pytest.py" in line for line in code)
+
+
+def test_every_tool_is_where_ci_installs_it():
+    """Here (and in CI: a failure) each tool the tests start is at its Debian path."""
+    for tool in tools.missing():
+        tools.unavailable(f"needs {tool.path} (Debian package {tool.package})")
+    assert subprocess.run([sys.executable, str(TESTS / "tools.py"), "check"]).returncode == 0

@@ -1,0 +1,177 @@
+"""Routine faults of the database, classified by SQLSTATE (SPEC 8.5, issue 26): a full server, a
+standby listed first in a multi-host URL, a primary set read-only, a copied instance id.
+
+Each against a real PostgreSQL with the settings the fault needs (a private server per test), and
+SQLSTATEs as PostgreSQL's "Appendix A. PostgreSQL Error Codes" lists them: 53300
+too_many_connections, 57P01 admin_shutdown, 3D000 invalid_catalog_name, 28000
+invalid_authorization_specification.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+
+import psycopg
+import pytest
+
+from maintd import migrate
+from maintd.db import HostOrder, connect, make_engine
+from maintd.faults import sqlstate, transient
+
+from .procs import DaemonProc, lock_holders, wait_for
+from .standby import StandbyPair
+
+
+def fill(dsn: str, n: int) -> list[psycopg.Connection]:
+    return [psycopg.connect(dsn, autocommit=True) for _ in range(n)]
+
+
+def migrated(dsn: str, schema: str = "maintd") -> None:
+    engine = make_engine(dsn, application_name="maintd-test-migrate", pooled=False)
+    with engine.connect() as conn:
+        migrate.upgrade(conn, schema)
+    engine.dispose()
+
+
+def connect_error(dsn: str) -> psycopg.Error:
+    with pytest.raises(psycopg.Error) as info:
+        connect(dsn, application_name="maintd-test")
+    return info.value
+
+
+def test_connect_failures_are_classified_by_sqlstate(make_private_pg, pg_version):
+    """A refused connect carries no SQLSTATE in libpq's message; maintd learns it anyway (the
+    server's own code, whatever its lc_messages), and waits only for what waiting can fix."""
+    pg = make_private_pg({"max_connections": "4", "superuser_reserved_connections": "1"})
+    with psycopg.connect(pg.dsn, autocommit=True) as admin:
+        admin.execute("CREATE ROLE plain LOGIN")
+    plain = pg.dsn.replace("postgres@", "plain@", 1)
+    held = fill(pg.dsn, 3)  # the last slot is a superuser's
+    try:
+        reserved = connect_error(plain)  # "remaining connection slots are reserved ..."
+        assert sqlstate(reserved) == "53300" and transient(reserved), reserved
+        held += fill(pg.dsn, 1)
+        full = connect_error(pg.dsn)  # "sorry, too many clients already"
+        assert sqlstate(full) == "53300" and transient(full), full
+    finally:
+        for conn in held:
+            conn.close()
+    no_db = connect_error(pg.dsn.rsplit("/", 1)[0] + "/maintd_no_such_db")
+    assert sqlstate(no_db) == "3D000" and not transient(no_db)
+    no_role = connect_error(pg.dsn.replace("postgres@", "maintd_no_such_role@", 1))
+    assert sqlstate(no_role) == "28000" and not transient(no_role)
+    with socket.socket() as sock:  # nobody listens: no server said anything
+        sock.bind(("127.0.0.1", 0))
+        refused = connect_error(f"postgresql://postgres@127.0.0.1:{sock.getsockname()[1]}/postgres")
+    assert sqlstate(refused) is None and transient(refused)
+    with psycopg.connect(pg.dsn, autocommit=True) as victim, psycopg.connect(pg.dsn, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (victim.info.backend_pid,))
+        with pytest.raises(psycopg.Error) as info:
+            victim.execute("SELECT 1")
+    assert sqlstate(info.value) == "57P01" and transient(info.value)
+
+
+@pytest.mark.slow
+def test_a_full_server_at_start_is_waited_for_then_led(make_private_pg, tmp_path):
+    """53300 at start is an outage, not a configuration error: the daemon keeps retrying (under
+    systemd an exit would soon hit StartLimitBurst) and leads once a slot is free."""
+    pg = make_private_pg({"max_connections": "5", "superuser_reserved_connections": "0"})
+    migrated(pg.dsn)
+    held = fill(pg.dsn, 5)
+    d = DaemonProc(pg.dsn, "maintd", "full-1", workdir=str(tmp_path)).start()
+    try:
+        d.wait_log(r"too many clients|database unreachable", 15)
+        time.sleep(3)
+        assert d.proc.poll() is None, d.log()
+        assert "53300" in d.log() or "too many clients" in d.log()
+        for conn in held:
+            conn.close()
+        held = []
+        wait_for(lambda: lock_holders(pg.dsn, "maintd") == ["maintd:full-1"], 20, what="leadership once slots are free")
+    finally:
+        for conn in held:
+            conn.close()
+        d.stop()
+
+
+def test_a_multi_host_url_without_target_session_attrs_skips_a_standby():
+    """libpq tries the hosts in order; with no target_session_attrs it stops at the first that
+    answers, a standby included. maintd's writers ask for read-write themselves."""
+    order = HostOrder("host=a,b port=1,2 user=u dbname=d")
+    assert "target_session_attrs=read-write" in order.dsn()
+    assert "target_session_attrs=any" in HostOrder("host=a,b port=1,2 target_session_attrs=any").dsn()
+    assert "target_session_attrs" not in HostOrder("host=a port=1 user=u").dsn()
+
+
+@pytest.mark.slow
+def test_a_streaming_standby_listed_first_is_skipped_for_the_primary(tmp_path):
+    with StandbyPair() as pair:
+        migrated(pair.primary.dsn)
+        pair.wait_replayed()
+        url = (f"host=127.0.0.1,127.0.0.1 port={pair.standby.port},{pair.primary.port} user=postgres "
+               f"dbname=postgres connect_timeout=3")
+        d = DaemonProc(url, "maintd", "sb-1", workdir=str(tmp_path)).start()
+        try:
+            wait_for(lambda: lock_holders(pair.primary.dsn, "maintd") == ["maintd:sb-1"], 20,
+                     what="leading on the primary")
+            assert d.http_get("/readyz")[0] == 200
+            assert "cannot execute" not in d.log(), d.log()
+        finally:
+            d.stop()
+
+
+def metric(body: str, name: str) -> float | None:
+    found = re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", body, re.M)
+    return float(found.group(1)) if found else None
+
+
+@pytest.mark.slow
+def test_a_read_only_primary_is_reported_and_maintenance_pauses(make_private_pg, tmp_path):
+    """default_transaction_read_only = on: /readyz 503 naming it, maintd_database_writable 0,
+    the leader's passes stop instead of failing one by one; back to normal when it is lifted."""
+    pg = make_private_pg()
+    migrated(pg.dsn)
+    d = DaemonProc(pg.dsn, "maintd", "ro-1", workdir=str(tmp_path)).start()
+    try:
+        wait_for(lambda: d.http_get("/readyz")[0] == 200, 15, what="ready")
+        with psycopg.connect(pg.dsn, autocommit=True) as admin:
+            admin.execute("ALTER SYSTEM SET default_transaction_read_only = on")
+            admin.execute("SELECT pg_reload_conf()")
+        wait_for(lambda: d.http_get("/readyz")[0] == 503, 10, what="not ready")
+        assert "database is read-only" in d.http_get("/readyz")[1]
+        body = d.http_get("/metrics")[1]
+        assert metric(body, "maintd_database_writable") == 0.0
+        errors = metric(body, 'maintd_service_runs_total{outcome="error",service="cleaner"') or 0.0
+        time.sleep(3)  # cleaner interval 1 s (DaemonProc's fast settings): no error passes meanwhile
+        after = d.http_get("/metrics")[1]
+        assert (metric(after, 'maintd_service_runs_total{outcome="error",service="cleaner"') or 0.0) == errors
+        with psycopg.connect(pg.dsn, autocommit=True) as admin:
+            admin.execute("SET default_transaction_read_only = off")
+            admin.execute("ALTER SYSTEM RESET default_transaction_read_only")
+            admin.execute("SELECT pg_reload_conf()")
+        wait_for(lambda: d.http_get("/readyz")[0] == 200, 10, what="ready again")
+        assert metric(d.http_get("/metrics")[1], "maintd_database_writable") == 1.0
+        assert "database is read-only: maintenance paused" in d.log()
+    finally:
+        d.stop()
+
+
+@pytest.mark.slow
+def test_a_second_daemon_with_a_live_instance_id_is_refused(pg_dsn, schema, tmp_path):
+    """SPEC 8.4: exit 2, naming the other's host and pid; the first keeps its row and its lead."""
+    first = DaemonProc(pg_dsn, schema, f"dup-{os.getpid()}", workdir=str(tmp_path)).start()
+    try:
+        wait_for(lambda: lock_holders(pg_dsn, schema) == [f"maintd:{first.instance_id}"], 15, what="the first leads")
+        (tmp_path / "b").mkdir()
+        second = DaemonProc(pg_dsn, schema, first.instance_id, workdir=str(tmp_path / "b")).start()
+        try:
+            assert second.proc.wait(30) == 2, second.log()
+        finally:
+            second.stop()
+        assert f"pid {first.pid}" in second.log() and socket.gethostname() in second.log(), second.log()
+        assert lock_holders(pg_dsn, schema) == [f"maintd:{first.instance_id}"]
+    finally:
+        first.stop()

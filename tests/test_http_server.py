@@ -1,0 +1,242 @@
+"""The HTTP listener against hostile and clumsy clients (issue 26, SPEC 8.5): idle and slow
+connections are closed, pages render a few at a time and the rest get 503 at once, the probes
+answer whatever the pages do, a connection cap makes room by closing the longest idle one, and a
+client that hangs up is a debug line.
+
+The timeouts follow what production servers do: Go's ``net/http`` ``Server.ReadHeaderTimeout``
+and ``IdleTimeout``, nginx's ``client_header_timeout`` (408) and ``keepalive_timeout``."""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import re
+import resource
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Iterator
+
+import pytest
+
+from maintd.http import HttpServer, Request, text
+from maintd.listener import Lane, Limits
+
+from .procs import wait_for
+
+FAST = Limits(idle_timeout=0.5, header_timeout=0.5, write_timeout=2,
+              lanes={"page": Lane(4), "metrics": Lane(2, 30)})
+
+
+class Gate:
+    """A page that waits until opened: a render that takes as long as the test wants."""
+
+    def __init__(self) -> None:
+        self.opened = threading.Event()
+        self.entered = threading.Semaphore(0)
+
+    def page(self, req: Request):
+        self.entered.release()
+        self.opened.wait(10)
+        return text(200, "slow page\n")
+
+
+@pytest.fixture
+def gate() -> Iterator[Gate]:
+    g = Gate()
+    yield g
+    g.opened.set()
+
+
+def serve(gate: Gate, limits: Limits = FAST) -> HttpServer:
+    server = HttpServer("127.0.0.1", 0, {"/healthz": lambda: text(200, "ok\n"),
+                                         "/metrics": lambda: text(200, "# metrics\n")},
+                        pages={"/slow": gate.page, "/": lambda req: text(200, "page\n")}, limits=limits)
+    server.start()
+    return server
+
+
+@pytest.fixture
+def server(gate: Gate) -> Iterator[HttpServer]:
+    s = serve(gate)
+    yield s
+    gate.opened.set()
+    s.stop()
+
+
+def get(port: int, path: str, timeout: float = 5, method: str = "GET") -> tuple[int, bytes, dict, float]:
+    started = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(method, path)
+        r = conn.getresponse()
+        return r.status, r.read(), dict(r.getheaders()), time.monotonic() - started
+    finally:
+        conn.close()
+
+
+def closed_by_server(sock: socket.socket, within: float) -> float:
+    """Seconds until the server closed ``sock`` (end of file), failing after ``within``."""
+    started = time.monotonic()
+    sock.settimeout(within)
+    data = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return time.monotonic() - started
+        data += chunk
+
+
+def test_idle_connection_is_closed_after_the_idle_timeout(server):
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        assert closed_by_server(s, 5) < 2.5
+
+
+def test_a_head_sent_slowly_gets_408_after_the_header_timeout(server):
+    """Slowloris: a request head trickling in byte by byte is cut off, whatever the trickle."""
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")
+        started = time.monotonic()
+        reply = b""
+        s.settimeout(5)
+        while chunk := s.recv(4096):
+            reply += chunk
+            if time.monotonic() - started < 0.3:
+                s.sendall(b"X")
+        assert reply.startswith(b"HTTP/1.1 408 ") and time.monotonic() - started < 3
+
+
+@pytest.mark.parametrize("raw,status", [
+    (b"GET / HTTP/1.1\r\n" + b"X-Pad: " + b"a" * 20_000 + b"\r\n\r\n", 431),
+    (b"POST / HTTP/1.1\r\nContent-Length: 0\r\n\r\n", 405),
+    (b"GET / HTTP/2.0\r\n\r\n", 505),
+    (b"GET http://evil/ HTTP/1.1\r\n\r\n", 400),
+    (b"GARBAGE\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\r\nNo colon here\r\n\r\n", 400),
+])
+def test_malformed_requests_get_a_4xx_and_the_connection_closed(server, raw, status):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+        s.sendall(raw)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    assert reply.startswith(f"HTTP/1.1 {status} ".encode()), reply[:80]
+    assert b"Connection: close" in reply
+
+
+def test_keep_alive_head_and_the_common_headers(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+    try:
+        for _ in range(3):  # three requests on one connection
+            conn.request("GET", "/")
+            r = conn.getresponse()
+            assert (r.status, r.read()) == (200, b"page\n")
+            assert r.getheader("Connection") == "keep-alive" and r.getheader("X-Content-Type-Options") == "nosniff"
+        conn.request("HEAD", "/healthz")
+        r = conn.getresponse()
+        assert r.status == 200 and r.getheader("Content-Length") == "3" and r.read() == b""
+    finally:
+        conn.close()
+    assert get(server.port, "/nope")[0] == 404
+
+
+def test_pages_beyond_the_cap_get_503_at_once_and_the_probes_still_answer(server, gate):
+    results: list[int] = []
+    threads = [threading.Thread(target=lambda: results.append(get(server.port, "/slow", 15)[0]))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for _ in range(4):
+        assert gate.entered.acquire(timeout=5)  # four renders under way
+    status, body, headers, seconds = get(server.port, "/")
+    assert status == 503 and headers["Retry-After"] == "1" and seconds < 0.5, (status, seconds)
+    assert b"busy" in body
+    for path in ("/healthz", "/metrics"):
+        status, _, _, seconds = get(server.port, path)
+        assert status == 200 and seconds < 1, (path, status, seconds)
+    gate.opened.set()
+    for t in threads:
+        t.join(10)
+    assert results == [200] * 4
+    assert get(server.port, "/")[0] == 200  # the slots are free again
+
+
+def established(port: int) -> int:
+    out = subprocess.run(["ss", "-tnH", "state", "established", f"( sport = :{port} )"],
+                         capture_output=True, text=True, check=True).stdout
+    return len(out.splitlines())
+
+
+def test_at_the_connection_cap_the_longest_idle_connection_makes_room(gate):
+    server = serve(gate, Limits(idle_timeout=30, header_timeout=30, max_connections=20))
+    idle = []
+    try:
+        for _ in range(100):
+            idle.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
+        for _ in range(10):
+            status, _, _, seconds = get(server.port, "/healthz")
+            assert status == 200 and seconds < 1, seconds
+        wait_for(lambda: established(server.port) <= 20, 5, what="at most 20 connections held")
+    finally:
+        for s in idle:
+            s.close()
+        server.stop()
+
+
+def test_the_listen_backlog_is_at_least_128(server):
+    out = subprocess.run(["ss", "-ltnH", f"( sport = :{server.port} )"], capture_output=True, text=True,
+                         check=True).stdout
+    backlog = int(re.search(r"LISTEN\s+\d+\s+(\d+)", out).group(1))
+    assert backlog >= 128, out  # Send-Q of a listening socket: its backlog (it was 5)
+
+
+@pytest.fixture
+def http_log() -> Iterator[list[logging.LogRecord]]:
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger("maintd")
+    handler, level = Keep(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def test_a_client_that_hangs_up_is_a_debug_line_not_a_traceback(server, gate, http_log, capfd):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+        s.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert gate.entered.acquire(timeout=5)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = reset
+    gate.opened.set()
+    wait_for(lambda: any(r.getMessage() == "http: client went away" for r in http_log), 5,
+             what="the debug line")
+    assert all(r.levelno == logging.DEBUG for r in http_log if r.name == "maintd.http"), \
+        [(r.levelname, r.getMessage()) for r in http_log]
+    assert get(server.port, "/healthz")[0] == 200
+    assert "Traceback" not in capfd.readouterr().err
+
+
+HARD = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+
+
+@pytest.mark.parametrize("limit,after", [("1024:4096", 4096), ("1024:1024", 1024),
+                                         (f"2048:{HARD}", min(HARD, 65536))])
+def test_the_daemon_raises_its_soft_descriptor_limit_towards_the_hard_one(limit, after):
+    """What a pod gets from the container runtime (soft 1,024 under a high hard limit) is raised
+    at start, as Go programs do (Go 1.19 release notes, "os": RLIMIT_NOFILE); where the hard limit
+    is the soft one, the listener's connection cap keeps to half of it."""
+    code = ("from maintd.listener import raise_descriptor_limit, connection_cap, Limits; "
+            "print(raise_descriptor_limit()[1], connection_cap(Limits()))")
+    out = subprocess.run(["prlimit", f"--nofile={limit}", "--", sys.executable, "-c", code],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(after), str(after // 2)]

@@ -1,0 +1,213 @@
+"""What maintd tells operators is so (SPEC 8.4, issue 28). One test (or more) per row of the issue
+that has no better home; row 1 is tests/test_readme_sql.py, row 3 tests/test_pass_summary.py."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+
+from maintd.cli import main
+from maintd.config import Settings
+from maintd.dashboard import Dashboard
+from maintd.http import Request
+from maintd.queries import sql
+from maintd.status import collect_status, format_status
+
+from .procs import DaemonProc, wait_for
+from .test_grants import login_role, role_dsn
+
+
+def unique(prefix: str) -> str:
+    """Instance ids are unique on the shared server (tests run at once)."""
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+# -- row 4: a SIGKILLed replica is gone at once ----------------------------------------------------
+
+
+def _overview_html(settings: Settings) -> str:
+    status, _, body, _ = Dashboard(lambda: settings).index(Request("/", {"refresh": ["0"]}))
+    assert status == 200
+    return body.decode()
+
+
+@pytest.mark.slow
+def test_a_killed_replica_is_shown_gone_as_soon_as_its_session_is(pg_dsn, schema, engine):
+    """The issue saw it counted alive, as a follower, for up to a minute."""
+    settings = Settings(database_url=pg_dsn, schema=schema, instance_id="reader")
+    a, b = unique("a"), unique("b")
+    leader = DaemonProc(pg_dsn, schema, a).start()
+    follower = None
+    try:
+        leader.wait_log(r"became leader", timeout=20)
+        follower = DaemonProc(pg_dsn, schema, b).start()
+        wait_for(lambda: {d["instance_id"] for d in collect_status(engine, schema)["daemons"]} == {a, b},
+                 20, what="both replicas alive")
+        html = _overview_html(settings)
+        assert re.search(r'id="replicas-alive">2<', html)
+        follower.kill()  # SIGKILL: its lock session ends with it
+        killed = time.monotonic()
+        st = wait_for(lambda: (lambda s: s if [d["instance_id"] for d in s["gone"]] == [b] else None)(
+            collect_status(engine, schema)), 10, interval=0.05, what="the killed replica shown gone")
+        took = time.monotonic() - killed
+        assert took < 3, took  # the session's end, not a minute
+        assert [d["instance_id"] for d in st["daemons"]] == [a]
+        assert re.search(rf"{b}\s.*gone \(no lock session\)", format_status(st))
+        html = _overview_html(settings)
+        assert re.search(r'id="replicas-alive">1<', html)
+        row = re.search(rf'<tr data-instance="{b}">(.*?)</tr>', html, re.S).group(1)
+        assert "gone" in row and "follower" not in row
+    finally:
+        if follower is not None:
+            follower.stop()
+        leader.stop()
+
+
+# -- row 11: periodic pause on an entry of the config or the crontab file ------------------------
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    """``maintd ...`` in this process, with its exit code, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(list(argv))
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_periodic_pause_on_a_file_entry_says_to_edit_that_file(pg_dsn, schema, tmp_path):
+    """The issue: "not found" although `periodic list` shows the entry."""
+    (tmp_path / "maintd.crontab").write_text("# nightly\n0 4 * * * send_report ?id=nightly\n")
+    cfg = tmp_path / "maintd.toml"
+    cfg.write_text(f'database_url = "{pg_dsn}"\nschema = "{schema}"\ncrontab = "maintd.crontab"\n'
+                   '[[periodic]]\nid = "hourly"\nschedule = "@hourly"\nkind = "tick"\n')
+    rc, out, _ = _cli("--config", str(cfg), "periodic", "list")
+    assert rc == 0 and "nightly" in out and "hourly" in out
+    rc, out, err = _cli("--config", str(cfg), "periodic", "pause", "nightly")
+    assert rc == 2 and out == "", err
+    assert f"{tmp_path / 'maintd.crontab'}:2" in err and "comment the line out" in err and "SIGHUP" in err
+    rc, _, err = _cli("--config", str(cfg), "periodic", "remove", "hourly")
+    assert rc == 2 and str(cfg) in err and "delete the entry" in err, err
+    rc, _, err = _cli("--config", str(cfg), "periodic", "pause", "hourly")
+    assert rc == 2 and "enabled = false" in err, err
+    rc, _, err = _cli("--config", str(cfg), "periodic", "add", "nightly", "--schedule", "@daily", "--kind", "k")
+    assert rc == 2 and "not a row of periodic_jobs" in err, err
+    # A row is still paused as before; an unknown id is still "not found".
+    assert _cli("--config", str(cfg), "periodic", "add", "rowly", "--schedule", "@daily", "--kind", "k")[0] == 0
+    assert _cli("--config", str(cfg), "periodic", "pause", "rowly")[:2] == (0, "periodic rowly: paused\n")
+    rc, out, err = _cli("--config", str(cfg), "periodic", "pause", "nope")
+    assert rc == 1 and out == "" and "periodic nope: not found" in err
+
+
+# -- row 12 and the smaller items: exit codes, and errors that say what fixes them -----------------
+
+
+def _config(tmp_path, dsn: str, schema: str) -> str:
+    cfg = tmp_path / "maintd.toml"
+    cfg.write_text(f'database_url = "{dsn}"\nschema = "{schema}"\ninstance_id = "{unique("truth")}"\n'
+                   '[leader]\nlease = "3s"\nrenew_interval = "1s"\nretry_interval = "0.2s"\n')
+    return str(cfg)
+
+
+def test_a_malformed_database_url_is_a_config_error(monkeypatch):
+    for url in ("not a url", "postgresql://u:hunter2@db:99999/app", "postgresql://u:hunter2@[::1/app"):
+        monkeypatch.setenv("MAINTD_DATABASE_URL", url)
+        for argv in (("check-config",), ("status",), ("jobs", "list")):
+            rc, out, err = _cli(*argv)
+            assert rc == 2 and "database_url" in err and "hunter2" not in err, (url, argv, err)
+
+
+def test_an_unmigrated_schema_says_run_migrate_first_everywhere(pg_dsn, tmp_path):
+    cfg = _config(tmp_path, pg_dsn, f"t_{uuid.uuid4().hex[:12]}")  # no such schema
+    for argv in (("jobs", "list"), ("jobs", "show", "1"), ("jobs", "retry", "1"), ("status",),
+                 ("periodic", "list"), ("run-once", "cleaner", "--dry-run"), ("run-once", "scheduler")):
+        rc, out, err = _cli("--config", cfg, *argv)
+        assert rc == 1 and "run `maintd migrate` first" in out + err, (argv, rc, out, err)
+        assert "Traceback" not in err
+
+
+def test_an_error_a_grant_fixes_names_maintd_grants(pg_dsn, schema, tmp_path):
+    with login_role(pg_dsn, "no_grants") as role:
+        cfg = _config(tmp_path, role_dsn(pg_dsn, role), schema)
+        for argv in (("jobs", "list"), ("status",), ("periodic", "list"), ("jobs", "retry", "1"),
+                     ("run-once", "cleaner", "--dry-run")):
+            rc, out, err = _cli("--config", cfg, *argv)
+            text = out + err
+            assert rc == 1 and "permission denied" in text and "maintd grants ROLE --apply" in text, (argv, text)
+
+
+# -- run-once prints duration_seconds --------------------------------------------------------------
+
+
+def test_run_once_prints_the_duration_of_the_work(pg_dsn, schema, tmp_path, engine):
+    """duration_seconds is the work, as maintd_service_run_seconds measures it: a scheduler pass
+    does not wait for the next due job (1.2 s away), it says when it wants the next pass."""
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) "
+                         "VALUES ('k', 'scheduled', now() - interval '1 minute'),"
+                         "       ('k', 'scheduled', now() + interval '1.2 seconds')", schema))
+    cfg = _config(tmp_path, pg_dsn, schema)
+    with open(cfg, "a") as f:
+        f.write('[scheduler]\ninterval = "3s"\n')
+    started = time.monotonic()
+    rc, out, err = _cli("--config", cfg, "run-once", "scheduler")
+    took = time.monotonic() - started
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["counts"] == {"promoted": 1} and data["summary"].startswith("promoted 1 (default 1); next pass at")
+    assert data["result"]["next_pass_at"] is not None
+    assert 0 < data["duration_seconds"] < took, (data, took)
+    rc, out, _ = _cli("--config", cfg, "run-once", "cleaner", "--dry-run")
+    assert rc == 0 and json.loads(out)["duration_seconds"] > 0
+
+
+# -- an unreachable database: one behaviour, and --help says it -------------------------------------
+
+
+@pytest.mark.slow
+def test_an_unreachable_database_is_waited_for_by_the_daemon_and_fails_commands_fast(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: connections are refused
+    cfg = _config(tmp_path, f"postgresql://postgres@127.0.0.1:{port}/app", "maintd")
+    with open(cfg, "a") as f:
+        f.write('[http]\nlisten = "127.0.0.1:0"\n')
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        main(["--help"])
+    helptext = " ".join(out.getvalue().split())
+    assert "maintd run waits for it: retries with backoff" in helptext
+    assert "other commands try once and exit 1" in helptext
+
+    started = time.monotonic()
+    rc, _, err = _cli("--config", cfg, "status")
+    assert rc == 1 and "Connection refused" in err and time.monotonic() - started < 15
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAINTD_")}
+    log = tmp_path / "run.log"
+    with open(log, "wb") as out_f:
+        proc = subprocess.Popen([sys.executable, "-m", "maintd", "--config", cfg, "run"], stdout=out_f,
+                                stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_for(lambda: log.read_text().count("database unreachable, retrying") >= 3, 30,
+                 what="three retries")
+        assert proc.poll() is None  # still waiting, not exited
+        http = int(re.search(r"http listening address=\S+:(\d+)", log.read_text()).group(1))
+        with pytest.raises(urllib.error.HTTPError) as ready:
+            urllib.request.urlopen(f"http://127.0.0.1:{http}/readyz", timeout=5)
+        assert ready.value.code == 503
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0

@@ -1,0 +1,108 @@
+"""What each pass did, as ``maintd status`` (text and JSON), ``/status`` and the dashboard show it
+(SPEC 8.4, issue 28 row 3): counts (deleted, rescued, promoted, enqueued) and a readable line,
+never a raw float such as ``slept 18.557157819999986``."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from maintd.clock import ServerClock
+from maintd.config import Settings
+from maintd.dashboard import Dashboard
+from maintd.http import Request
+from maintd.pass_summary import counts, describe
+from maintd.passes import execute_pass, record_pass
+from maintd.queries import sql
+from maintd.services import SERVICES
+from maintd.services.base import PassContext
+from maintd.services.scheduler import SchedulerResult
+from maintd.status import collect_status, format_status
+
+RAW_FLOAT = re.compile(r"\d\.\d{4,}")
+
+
+def test_each_service_says_what_it_did_in_words_and_counts():
+    cases = {
+        "cleaner": ({"deleted": {"completed": 1200, "cancelled": 0, "discarded": 3}, "batches": 2,
+                     "batch_size": 1000, "timeouts": 0, "overflows": 0, "dry_run": False, "skipped": {}},
+                    {"deleted": 1203}, "deleted 1,203 (completed 1,200, discarded 3) in 2 batches"),
+        "rescuer": ({"retried": 2, "discarded": 1, "exhausted": 0, "batches": 1,
+                     "next_pass_at": "2026-03-01T12:00:01.250193+00:00", "dry_run": False},
+                    {"rescued": 3}, "rescued 3 (discarded 1, retried 2); next pass at 12:00:01.250"),
+        "scheduler": ({"promoted": {"mail": 2, "default": 5}, "batches": 1, "next_pass_at": None,
+                       "dry_run": True}, {"promoted": 7}, "would promote 7 (default 5, mail 2)"),
+        "periodic": ({"enqueued": [{"periodic_id": "nightly"}, {"periodic_id": "hourly"}],
+                      "skipped": {"hourly": {"backfill": 3}}, "baselined": [], "errors": {},
+                      "invalid_rows": {}, "dry_run": False},
+                     {"enqueued": 2}, "enqueued 2 (hourly, nightly), skipped 3"),
+        "reindexer": ({"indexes": [{"index": "jobs_pkey", "outcome": "reindexed", "seconds": 1.23456},
+                                   {"index": "jobs_fetch_idx", "outcome": "skipped", "seconds": 0.0}],
+                       "dry_run": False}, {"reindexed": 1},
+                      "jobs_pkey reindexed in 1.2 s, jobs_fetch_idx skipped"),
+    }
+    for service, (result, expected_counts, line) in cases.items():
+        assert counts(service, result) == expected_counts, service
+        assert describe(service, result) == line, service
+    # A failed pass has no result; an older record missing keys still reads.
+    assert counts("cleaner", None) == {} and describe("cleaner", None) == ""
+    assert describe("scheduler", {"promoted": {}}) == "promoted 0"
+    # The stored result itself is rounded (service_runs.result, /status, run-once).
+    from maintd.services.reindexer import IndexReport, ReindexerResult
+
+    index = IndexReport(index="i", outcome="reindexed", seconds=18.557157819999986)
+    assert ReindexerResult(indexes=[index]).as_dict()["indexes"][0]["seconds"] == 18.557
+
+
+def _seed(engine, schema) -> None:
+    with engine.begin() as conn:
+        conn.execute(sql("""
+            INSERT INTO {schema}.jobs (kind, queue, state, attempt, attempted_at, attempted_by, finalized_at,
+                                       scheduled_at)
+            VALUES ('k', 'default', 'completed', 1, now() - interval '3 days', 'w', now() - interval '3 days', now()),
+                   ('k', 'default', 'completed', 1, now() - interval '3 days', 'w', now() - interval '3 days', now()),
+                   ('k', 'mail', 'running', 1, now() - interval '2 hours', 'w', NULL, now()),
+                   ('k', 'mail', 'scheduled', 0, NULL, NULL, NULL, now() - interval '1 minute'),
+                   ('k', 'default', 'scheduled', 0, NULL, NULL, NULL, now() - interval '1 minute'),
+                   ('k', 'default', 'retryable', 1, NULL, NULL, NULL, now() - interval '1 minute')""", schema))
+
+
+def test_status_text_json_and_dashboard_show_what_each_pass_did(pg_dsn, schema, engine):
+    settings = Settings(database_url=pg_dsn, schema=schema, instance_id="test-1",
+                        scheduler={"precise_timing": False}, rescuer={"precise_timing": False},
+                        periodic=[{"id": "nightly", "schedule": "0 3 * * *", "kind": "report",
+                                   "run_on_start": True}])
+    _seed(engine, schema)
+    ctx = PassContext.for_settings(settings, engine, ServerClock())
+    live = {}
+    for name in ("cleaner", "rescuer", "scheduler", "periodic"):
+        spec = SERVICES[name]
+        record = execute_pass(name, spec.cls(spec.section(settings)), ctx)
+        assert record.outcome.value == "success", record.error
+        assert record_pass(ctx, record)
+        live[name] = record.as_dict()  # what /status's this_instance.last_runs holds
+    assert {n: r["counts"] for n, r in live.items()} == {
+        "cleaner": {"deleted": 2}, "rescuer": {"rescued": 1}, "scheduler": {"promoted": 3},
+        "periodic": {"enqueued": 1}}
+
+    st = collect_status(engine, schema)
+    by = {r["service"]: r for r in st["services"]}
+    assert {n: by[n]["counts"] for n in live} == {n: r["counts"] for n, r in live.items()}
+    assert by["scheduler"]["summary"] == "promoted 3 (default 2, mail 1)"
+    json.dumps(st, default=str)  # what --json prints
+
+    text = format_status(st)
+    for line in ("deleted 2 (completed 2) in 1 batch", "rescued 1 (retried 1)", "promoted 3 (default 2, mail 1)",
+                 "enqueued 1 (nightly)"):
+        assert line in text, text
+    assert not RAW_FLOAT.search(text), text
+
+    status, _, body, _ = Dashboard(lambda: settings).index(Request("/", {}))
+    html = body.decode()
+    assert status == 200
+    services = dict(re.findall(r'<tr data-service="(\w+)">(.*?)</tr>', html, re.S))
+    assert "deleted 2 (completed 2) in 1 batch" in services["cleaner"]
+    assert "rescued 1 (retried 1)" in services["rescuer"]
+    assert "promoted 3 (default 2, mail 1)" in services["scheduler"]
+    assert "enqueued 1 (nightly)" in services["periodic"]
+    assert not any(RAW_FLOAT.search(re.sub(r'title="[^"]*"', "", row)) for row in services.values())
