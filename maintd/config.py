@@ -145,6 +145,25 @@ class MetricsConfig(Section):
     max_queues: int = Field(default=100, ge=1, le=100_000)
 
 
+class HealthConfig(Section):
+    """``[health]`` (SPEC 8.2): the table-health read, once per database per ``interval``."""
+
+    enabled: bool = True
+    interval: PositiveDuration = timedelta(seconds=15)
+    # A holder of the xmin horizon older than this gets one warning line (once per holder).
+    xmin_warn_after: PositiveDuration = timedelta(minutes=5)
+    # Show a holder's query text in /status, `maintd status` and the dashboard (it may carry
+    # personal data; off by default).
+    show_query: bool = False
+
+    @field_validator("interval")
+    @classmethod
+    def _interval(cls, v: timedelta) -> timedelta:
+        if v < timedelta(seconds=1):
+            raise ValueError("must be at least 1s")
+        return v
+
+
 class ServiceConfig(Section):
     enabled: bool = True
     interval: PositiveDuration = timedelta(seconds=30)
@@ -428,6 +447,7 @@ with warnings.catch_warnings():
         http: HttpConfig = Field(default_factory=HttpConfig)
         log: LogConfig = Field(default_factory=LogConfig)
         metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+        health: HealthConfig = Field(default_factory=HealthConfig)
         cleaner: CleanerConfig = Field(default_factory=CleanerConfig)
         rescuer: RescuerConfig = Field(default_factory=RescuerConfig)
         scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
@@ -692,6 +712,7 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
 
 
 _TOP_KEYS = {"database_url", "schema", "instance_id", "statement_timeout", "leader", "http", "log",
-             "cleaner", "rescuer", "scheduler", "reindexer", "periodic", "crontab", "metrics", "targets"}
+             "cleaner", "rescuer", "scheduler", "reindexer", "periodic", "crontab", "metrics", "targets",
+             "health"}
 # Variables of the maintd environment that are not settings.
 _KNOWN_ENV = {"MAINTD_CONFIG"}

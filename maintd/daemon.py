@@ -24,6 +24,7 @@ from .clock import Clock, ServerClock
 from .config import ConfigError, Settings, _target_settings, load_settings, periodic_counts
 from .dashboard import Dashboard
 from .db import HostOrder, describe_db_error
+from .guardian import HealthMonitor, monitors
 from .faults import transient
 from .http import HttpServer, as_json, metrics_body
 from .http import text as text_body
@@ -112,6 +113,10 @@ class Daemon:
         self.loops = [ElectionLoop(settings, [t.seat for t in self.targets
                                               if t.settings.database_url.get_secret_value() == url],
                                    hosts, spread=self.spread) for url, hosts in self.hosts.items()]
+        # One table-health monitor per database (SPEC 8.2), for the targets this replica leads there.
+        self.health: list[HealthMonitor] = monitors(
+            {url: (hosts, [t for t in self.targets if t.settings.database_url.get_secret_value() == url])
+             for url, hosts in self.hosts.items()}, lambda: self.settings.health)
         self.http: HttpServer | None = None
         self.readers = Readers(lambda: self.settings.instance_id)  # /status and the dashboard
         self.notifier = SystemdNotifier()
@@ -144,7 +149,8 @@ class Daemon:
                 "/healthz": self._healthz,
                 "/readyz": self._readyz,
                 "/status": self._status,
-            }, pages=Dashboard(lambda: self.settings, readers=self.readers).pages(),  # /, /jobs, /jobs/{id}
+            }, pages=Dashboard(lambda: self.settings, readers=self.readers,
+                               health=self.health_status).pages(),  # /, /jobs, /jobs/{id}
                auth_token=lambda: self.settings.http.auth_token)  # all but the probes and /metrics
         except OSError as exc:
             raise HttpListenError(f"http.listen {address}: cannot listen: {exc.strerror or exc}") from None
@@ -171,6 +177,8 @@ class Daemon:
             raise failures[0] if isinstance(failures[0], SchemaNotReady) else SchemaNotReady(describe_db_error(failures[0]))
         for loop in self.loops:
             loop.start()
+        for monitor in self.health:
+            monitor.start()
         self.spread.started()
         self._started = True
         if waiting:
@@ -234,6 +242,8 @@ class Daemon:
                 list(pool.map(lambda loop: loop.stop(timeout), self.loops))
         for target in self.targets:
             target.runner.deactivate(timeout=1.0)
+        for monitor in self.health:
+            monitor.stop()
         self.changes.stop()
         if self.timetable.running:
             self.timetable.shutdown(wait=False)
@@ -339,15 +349,24 @@ class Daemon:
             target = self.targets[0]
             data, status = self._target_status(target)
             data["this_instance"] = {"instance_id": self.settings.instance_id, **target.status()}
+            data["health"] = self.health_status(target.name)
             return as_json(status, data)
         targets = []
         for target in self.targets:
             data, _ = self._target_status(target)
             targets.append({"target": target.name, "schema": target.settings.schema, **data,
-                            "this_instance": target.status()})
+                            "this_instance": target.status(), "health": self.health_status(target.name)})
         return as_json(200, {"targets": targets, "this_instance": {
             "instance_id": self.settings.instance_id, "leading": self.spread.leading(),
             "targets": len(self.targets), "replicas": self.spread.replicas, "cap": self.spread.cap}})
+
+    def health_status(self, target: str) -> dict[str, Any] | None:
+        """A target's table health from this replica's last read (None: it does not lead it)."""
+        for monitor in self.health:
+            status = monitor.status(target)
+            if status is not None:
+                return status
+        return None
 
     def _target_status(self, target: Target) -> tuple[dict[str, Any], int]:
         """Read through the readers (never the maintenance pool); the jobs are what the leader

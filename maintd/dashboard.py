@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Sequence
 from urllib.parse import urlencode
 
@@ -26,6 +26,7 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.exc import TimeoutError as PoolBusy
 
+from . import charts, history
 from .config import PeriodicJob, Settings
 from .db import advisory_key, describe_db_error, quote_ident
 from .queries import sql
@@ -232,8 +233,31 @@ def periodic_rows(conn: Connection, schema: str, entries: Sequence[PeriodicJob],
     return rows
 
 
-def target_overview(target: Target, *, cap: int = CAP) -> dict[str, Any]:
-    """Everything ``GET /`` shows for one target, read in one snapshot."""
+# The charts' ranges (SPEC 8.2): (name, how far back, one point per bucket).
+CHART_RANGES = (("last hour", timedelta(hours=1), timedelta(minutes=1)),
+                ("last day", timedelta(days=1), timedelta(minutes=10)))
+
+
+def health_charts(conn: Connection, schema: str, now: datetime) -> dict[str, Any]:
+    """The charts of each range from the target's history (``health_history``), and its latest
+    sample; ``{"error": ...}`` when it cannot be read (the snapshot stays usable)."""
+    out: dict[str, Any] = {"ranges": [], "last": None}
+    try:
+        with conn.begin_nested():
+            for name, back, bucket in CHART_RANGES:
+                samples = history.series(conn, schema, now - back, bucket)
+                out["ranges"].append({"name": name, "start": (now - back).timestamp(), "end": now.timestamp(),
+                                      "charts": charts.target_charts(samples)})
+                out["last"] = out["last"] or (samples[-1] if samples else None)
+    except SQLAlchemyError as exc:
+        return {"error": describe_db_error(exc), "ranges": [], "last": None}
+    return out
+
+
+def target_overview(target: Target, *, cap: int = CAP,
+                    health: Callable[[str], dict[str, Any] | None] | None = None) -> dict[str, Any]:
+    """Everything ``GET /`` shows for one target, read in one snapshot. ``health``: the table
+    health this replica read last for a target (None where it does not lead it)."""
     schema = target.schema
     with target.engine.connect() as conn:
         now = begin_snapshot(conn)
@@ -244,17 +268,20 @@ def target_overview(target: Target, *, cap: int = CAP) -> dict[str, Any]:
             "periodic": periodic_rows(conn, schema, target.periodic, now),
             "discarded": [dict(r) for r in conn.execute(sql(DISCARDED, schema),
                                                         {"n": DISCARDED_SHOWN}).mappings()],
+            "health": health(target.name) if health else None,
+            "history": health_charts(conn, schema, now),
         }
         conn.rollback()
     return data
 
 
-def overview(targets: Sequence[Target], *, cap: int = CAP) -> list[dict[str, Any]]:
+def overview(targets: Sequence[Target], *, cap: int = CAP,
+             health: Callable[[str], dict[str, Any] | None] | None = None) -> list[dict[str, Any]]:
     """Per target its overview, or ``{"name", "schema", "error"}`` when it cannot be read."""
     out = []
     for t in targets:
         try:
-            out.append(target_overview(t, cap=cap))
+            out.append(target_overview(t, cap=cap, health=health))
         except SQLAlchemyError as exc:
             out.append({"name": t.name, "schema": t.schema, "error": describe_db_error(exc)})
     return out
@@ -410,6 +437,11 @@ def _ago(ctx: Any, ts: datetime | None) -> str:
     return f"in {_fmt_seconds(delta)}" if delta < 0 else f"{_fmt_seconds(delta)} ago"
 
 
+@pass_context
+def _unix_ago(ctx: Any, ts: float | None) -> str:
+    return _ago(ctx, None if ts is None else datetime.fromtimestamp(ts, timezone.utc))
+
+
 def _iso(ts: datetime | None) -> str:
     return "" if ts is None else ts.isoformat(sep=" ", timespec="seconds")
 
@@ -427,7 +459,7 @@ def make_env() -> Environment:
     env = Environment(loader=PackageLoader("maintd", "templates"), autoescape=True,
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.filters.update(ago=_ago, iso=_iso, seconds=lambda s: "" if s is None else _fmt_seconds(s),
-                       count=_count, num=lambda n: f"{n:,}")
+                       count=_count, num=lambda n: f"{n:,}", bytes=charts.size, unixago=_unix_ago)
     env.globals.update(states=JOB_STATES, final_states=FINAL_STATES)
     return env
 
@@ -470,8 +502,10 @@ class Dashboard:
 
     def __init__(self, settings: Callable[[], Settings], *, readers: Readers | None = None,
                  page_size: int = PAGE_SIZE, scan_window: int = SCAN_WINDOW, cap: int = CAP,
-                 refresh: int = REFRESH_SECONDS):
-        """``readers``: the daemon's reader pools (else pools of its own)."""
+                 refresh: int = REFRESH_SECONDS, health: Callable[[str], dict[str, Any] | None] | None = None):
+        """``readers``: the daemon's reader pools (else pools of its own); ``health``: a target's
+        table health as the daemon read it last (None: not read here)."""
+        self.health = health
         self.settings, self.page_size, self.scan_window = settings, page_size, scan_window
         self.cap, self.refresh = cap, refresh
         self.env = make_env()
@@ -525,11 +559,12 @@ class Dashboard:
         req.only({"refresh"})
         refresh = refresh_seconds(req, self.refresh)
         targets = self.targets()
-        data = overview(targets, cap=self.cap)
+        data = overview(targets, cap=self.cap, health=self.health)
         now = next((d["now"] for d in data if "now" in d), None)
         multi = len(targets) > 1
         return self.render("index.html", 503 if any("error" in d for d in data) else 200,
                            targets=data, now=now, refresh=refresh, cap=self.cap,
+                           warn_after=self.settings().health.xmin_warn_after.total_seconds(),
                            link=Links(req, None), links={d["name"]: Links(req, d["name"] if multi else None)
                                                          for d in data})
 

@@ -1,6 +1,8 @@
 """``maintd demo``: an embedded PostgreSQL, two daemons (real ``maintd run`` processes) with short
 intervals, and a live workload in which every service has something to do. Midway the leader is
-killed with SIGKILL and the other daemon takes over. Prints a summary every few seconds.
+killed with SIGKILL and the other daemon takes over; around it a "report" holds a snapshot open
+for 20 s, and the daemons' guardian names it (their warning line is printed). Prints a summary
+every few seconds.
 
 No process outlives the demo, whatever fails: the daemons and the server get a parent-death
 signal (``PR_SET_PDEATHSIG``: SIGKILL for the daemons, PostgreSQL's immediate shutdown for the
@@ -38,6 +40,9 @@ PR_SET_PDEATHSIG = 1
 QUEUES = ("default", "mail")
 NAMES = ("demo-a", "demo-b")
 FIRST_KILL = 30.0  # seconds: when the leader is killed if the demo runs until Ctrl-C
+HOLD_AT = 45.0  # seconds: when the report's snapshot is taken if the demo runs until Ctrl-C
+HOLD_FOR = 20.0  # seconds the report holds its snapshot (the horizon) open
+GUARDIAN = re.compile(r"vacuum is held back.*$", re.M)
 CONFIG = """\
 database_url = "{dsn}"
 schema = "maintd"
@@ -65,6 +70,10 @@ rescue_stuck_jobs_after = "8s"
 
 [scheduler]
 interval = "1s"
+
+[health]
+interval = "2s"
+xmin_warn_after = "8s"
 
 [[periodic]]
 id = "demo-heartbeat"
@@ -240,6 +249,46 @@ def _seed(engine: Engine) -> None:
             conn.execute(sql(jobs.DEMO_SEED_OLD, "maintd"), {"state": state, "age": age, "n": n})
 
 
+class Report:
+    """An analytics query that keeps a REPEATABLE READ snapshot open for ``HOLD_FOR`` seconds:
+    while it does, vacuum cannot remove the jobs the workload finishes."""
+
+    def __init__(self, dsn: str, stop: threading.Event):
+        self.dsn, self.stop = dsn, stop
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._hold, name="demo-report", daemon=True)
+        self.thread.start()
+
+    def _hold(self) -> None:
+        import psycopg
+
+        with psycopg.connect(self.dsn, application_name="demo-report") as conn:
+            conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            conn.execute("SELECT count(*) FROM maintd.jobs")
+            print(f"maintd demo: a report (pid {conn.info.backend_pid}, application demo-report) holds a "
+                  f"snapshot open for {HOLD_FOR:.0f} s: vacuum cannot remove finished jobs meanwhile", flush=True)
+            self.stop.wait(HOLD_FOR)
+            conn.rollback()
+        print("maintd demo: the report ended its snapshot", flush=True)
+
+
+def _guardian_lines(daemons: list[DemoDaemon], seen: set[str]) -> list[str]:
+    """The daemons' warning lines about a holder of the horizon not printed yet."""
+    out = []
+    for d in daemons:
+        try:
+            text = d.log_path.read_text(errors="replace")
+        except OSError:
+            continue
+        for m in GUARDIAN.finditer(text):
+            if m.group(0) not in seen:
+                seen.add(m.group(0))
+                out.append(f"maintd demo: guardian of {d.name}: {m.group(0)}")
+    return out
+
+
 def _kill_leader(daemons: list[DemoDaemon]) -> None:
     leader = next((d for d in daemons if d.leading and d.alive), None)
     if leader is None:
@@ -252,14 +301,21 @@ def _kill_leader(daemons: list[DemoDaemon]) -> None:
 
 
 def _watch(daemons: list[DemoDaemon], engine: Engine, work: Workload, duration: float | None,
-           stop: threading.Event) -> None:
-    """Print a summary every 3 s until ``duration`` ends, Ctrl-C or SIGTERM; kill the leader midway."""
+           stop: threading.Event, report: Report | None = None) -> None:
+    """Print a summary every 3 s until ``duration`` ends, Ctrl-C or SIGTERM; kill the leader midway,
+    and start the report's snapshot a fifth of the way (printing the guardian's lines)."""
     started = time.monotonic()
     deadline = started + duration if duration else None
     kill_at = started + (duration / 2 if duration else FIRST_KILL)
-    line = None
+    hold_at = started + (duration / 5 if duration else HOLD_AT) if report is not None else None
+    line, warned = None, set()
     try:
         while not stop.wait(3.0):
+            if hold_at is not None and time.monotonic() >= hold_at:
+                report.start()
+                hold_at = None
+            for warning in _guardian_lines(daemons, warned):
+                print(warning, flush=True)
             if kill_at is not None and time.monotonic() >= kill_at:
                 _kill_leader(daemons)
                 kill_at = None
@@ -357,7 +413,7 @@ def _run(pg, data_dir: str | None, listen: str, duration: float | None, workdir:
         threads += [threading.Thread(target=work.worker, args=(f"worker-{i}",), daemon=True) for i in range(3)]
         for t in threads:
             t.start()
-        _watch(daemons, engine, work, duration, stop)
+        _watch(daemons, engine, work, duration, stop, Report(pg.dsn, stop))
         print("maintd demo: done")
         return 0
     finally:

@@ -59,6 +59,9 @@ DAEMON: tuple[TableGrant, ...] = (
     TableGrant("periodic_jobs", ("SELECT", "UPDATE"),
                "periodic schedules kept as rows; UPDATE writes the daemon's error note on a bad row "
                "(applications that add schedules need INSERT/UPDATE/DELETE of their own)"),
+    TableGrant("health_history", ("SELECT", "INSERT", "DELETE"),
+               "the dashboard's charts: the leader's samples (INSERT ... ON CONFLICT needs SELECT); "
+               "DELETE: the cleaner prunes old ones"),
 )
 
 # The README's worker SQL: enqueue, claim, heartbeat, complete, fail, cancel.
@@ -109,6 +112,11 @@ def render(schemas: list[str], role: str, *, worker: bool = False) -> str:
             "-- Not granted: the reindexer (off by default) needs ownership of the jobs table's indexes",
             "-- (REINDEX INDEX CONCURRENTLY, dropping a failed build's leftover index). Keep",
             "-- reindexer.enabled = false for this role; let the owner role reindex on a schedule instead.",
+            "-- Optional, as a superuser (not applied by --apply): the table-health read names other",
+            "-- roles' sessions holding back vacuum by pid, user and application_name; with",
+            f"--   GRANT pg_read_all_stats TO {quote_ident(role)};",
+            "-- it also shows their state, client address and transaction start (the age in seconds),",
+            "-- and, with health.show_query = true, their query text.",
         ]
     lines.append("COMMIT;")
     return "\n".join(lines) + "\n"

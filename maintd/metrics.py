@@ -107,6 +107,24 @@ class Metrics:
         self.writable = bound(Gauge, "maintd_database_writable", "1 while the database takes writes "
                               "(0: a standby, or a primary set read-only; maintenance is paused).")
         self.writable.set(1)
+        # Table health (SPEC 8.2), set by the leader from maintd.health's read of its database.
+        self.xmin_horizon_age_seconds = bound(
+            Gauge, "maintd_xmin_horizon_age_seconds", "Age of the oldest holder of the xmin horizon of the "
+            "jobs table's database (a transaction, snapshot, prepared transaction, replication slot or "
+            "standby): dead rows newer than it cannot be vacuumed.")
+        self.xmin_horizon_age_xids = bound(
+            Gauge, "maintd_xmin_horizon_age_xids", "Transaction ids assigned since the xmin horizon of the "
+            "jobs table's database.")
+        self.table_dead_tuples = bound(Gauge, "maintd_table_dead_tuples", "Dead rows of a maintd table "
+                                       "(partitions summed; the statistics' estimate).", ("table",))
+        self.table_live_tuples = bound(Gauge, "maintd_table_live_tuples", "Live rows of a maintd table "
+                                       "(partitions summed; the statistics' estimate).", ("table",))
+        self.table_bytes = bound(Gauge, "maintd_table_bytes", "Size of a maintd table with its indexes and "
+                                 "TOAST (partitions summed).", ("table",))
+        self.table_last_vacuum = bound(
+            Gauge, "maintd_table_last_vacuum_timestamp_seconds", "Unix time of the last vacuum (auto or "
+            "manual) of a maintd table; for a partitioned one, of its least recently vacuumed partition that "
+            "has dead rows; 0: never.", ("table",))
         for gauge in (self.is_leader, self.leadership_changes, self.up):
             gauge.labels()  # unlabelled series of this target exist from the start
 
@@ -125,6 +143,11 @@ class Metrics:
             for outcome in ("success", "error", "fenced", "stopped"):
                 self.service_runs.labels(service, outcome)
             self.service_run_seconds.labels(service)
+
+    def health_series(self) -> list[Bound]:
+        """The table-health gauges (cleared together when this replica stops leading)."""
+        return [self.xmin_horizon_age_seconds, self.xmin_horizon_age_xids, self.table_dead_tuples,
+                self.table_live_tuples, self.table_bytes, self.table_last_vacuum]
 
     def queue_label(self, queue: str) -> str:
         """A queue's label on a per-queue counter: the first ``max_queues`` queues seen keep their

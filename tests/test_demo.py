@@ -63,6 +63,12 @@ def test_demo_runs_two_daemons_fails_over_and_every_service_acts():
                                                r"|periodic enqueued)=(\d+)", last)}
     assert all(n > 0 for n in totals.values()) and len(totals) == 4, last
     assert stats["completed"] > 0 and stats["cancelled"] > 0 and stats["discarded"] > 0, last
+    # A report held a snapshot 20 s midway; a daemon's guardian named it (issue 27).
+    report = re.search(r"a report \(pid (\d+), application demo-report\) holds a snapshot", out)
+    assert report, out[-2000:]
+    guardian = re.findall(r"^maintd demo: guardian of demo-[ab]: vacuum is held back.*$", out, re.M)
+    assert guardian and all(f"pid={report.group(1)}" in g and "application_name=demo-report" in g
+                            and "kind=snapshot" in g for g in guardian), out[-2000:]
 
 
 # -- no process left behind, from any directory (issue 28 rows 5 and 6) --------------------------

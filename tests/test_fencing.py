@@ -353,6 +353,20 @@ def service_run(env: Env, ctx: PassContext) -> Any:
     return record_pass(ctx, PassRecord("cleaner", Outcome.SUCCESS, T0, T0, 0.01))
 
 
+def health_sample(env: Env, ctx: PassContext) -> Any:
+    """The leader's history row of the dashboard's charts (maintd.history, SPEC 8.2)."""
+    from maintd.health import HealthReport, Horizon, TableHealth
+    from maintd.history import HistoryWriter
+
+    report = HealthReport(at=T0, horizon=Horizon(), tables={env.schema: (TableHealth("jobs", 1, 0, 8192, None),)})
+    return HistoryWriter().step(ctx, report)
+
+
+def history_rows(env: Env) -> None:
+    env.execute("INSERT INTO {schema}.health_history (at, since) VALUES (CAST(:t0 AS timestamptz) - interval '3 days',"
+                " CAST(:t0 AS timestamptz) - interval '3 days 1 minute')", t0=T0)
+
+
 OLD = "CAST(:t0 AS timestamptz) - interval '2 days'"
 STUCK = "CAST(:t0 AS timestamptz) - interval '2 hours'"
 HOURLY = {"schedule": "@every 1h", "kind": "tick"}
@@ -396,6 +410,8 @@ CASES = [
     Case("reindexer", (DROP_INDEX, REINDEX), invalid_index, reindexer, ddl=True,
          settings={"reindexer": {"enabled": True, "indexes": ["jobs_fetch_idx"]}}),
     Case("service-run-record", ("service_runs.RECORD",), lambda env: None, service_run),
+    Case("health-history-sample", ("health.INSERT",), lambda env: None, health_sample),
+    Case("cleaner-history-prune", ("health.PRUNE",), history_rows, cleaner),
 ]
 
 

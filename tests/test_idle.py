@@ -214,3 +214,41 @@ def test_a_transaction_after_a_probe_is_still_a_transaction(settings, engine, sc
                 raise RuntimeError("the pass fails after its write")
         with ctx.read() as conn:
             assert conn.execute(sql("SELECT count(*) FROM {schema}.jobs", schema)).scalar() == 0
+
+
+@pytest.mark.slow
+def test_an_idle_leaders_health_reads_and_history_stay_under_2_kib_of_wal_a_minute(quiet_pg):
+    """Issue 27: the health read every interval (here every second) writes nothing; the history's
+    idle row (every ten minutes; here every 10 s, to see several) is the only WAL. Measured: 4 rows,
+    1,848 bytes in 40 s, 462 bytes a row, so 46 bytes a minute at the real cadence."""
+    from maintd.history import HistoryWriter
+
+    settings = Settings(database_url=quiet_pg.dsn, schema="maintd", instance_id="idle-health",
+                        http={"listen": "127.0.0.1:0"}, leader={"lease": "3s", "renew_interval": "0.5s"},
+                        health={"interval": "1s"})
+    daemon = Daemon(settings)
+    idle_every = timedelta(seconds=10)
+    for monitor in daemon.health:
+        monitor.writers = {name: HistoryWriter(idle_every=idle_every, change_every=timedelta(seconds=1))
+                           for name in monitor.writers}
+
+    def history_rows() -> int:
+        with psycopg.connect(quiet_pg.dsn, autocommit=True) as conn:
+            return conn.execute("SELECT count(*) FROM maintd.health_history").fetchone()[0]
+
+    daemon.start()
+    try:
+        wait_for(lambda: daemon.is_leader and history_rows() >= 1, 15, what="leadership and a first history row")
+        time.sleep(3)  # the first passes' own writes (service_runs, the registry) are done
+        before, start = history_rows(), wal_lsn(quiet_pg.dsn)
+        window = 40.0
+        time.sleep(window)
+        written, rows = wal_since(quiet_pg.dsn, start), history_rows() - before
+    finally:
+        daemon.stop()
+    per_row = written / max(rows, 1)
+    print(f"MEASURE idle health history: {rows} rows, {written} bytes of WAL in {window:.0f} s, "
+          f"{per_row:.0f} bytes a row")
+    assert rows >= window / idle_every.total_seconds() - 1, rows
+    assert per_row < 1024, (written, rows)  # 40 reads and the idle rows: no other WAL
+    assert per_row * 60 / 600 < 2048  # a minute at the real cadence (one idle row per 10 min)

@@ -42,6 +42,9 @@ range DELETE give up after ``LOCK_WAIT_MS`` and redo that batch with ``SKIP LOCK
 
 ``batch_pause`` (default 0) idles after each batch that deleted rows, except the one that reached
 the horizon, to leave the database to the workers while a large backlog is worked through.
+
+The cleaner also prunes the dashboard's history (``health_history``, :mod:`maintd.history`): at
+most once every ``HISTORY_PRUNE_EVERY``, after a read-only probe.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from sqlalchemy.exc import OperationalError
 from ..config import CleanerConfig
 from ..logs import kv
 from ..queries import FINAL_STATES, for_queue, jobs
+from .. import history
 from .base import PassContext, PassResult, Service
 
 log = logging.getLogger("maintd.cleaner")
@@ -63,6 +67,7 @@ log = logging.getLogger("maintd.cleaner")
 # Where a full scan starts: rows finalized earlier (BC, '-infinity') go first, in id batches.
 FAR_PAST = datetime(1, 1, 2, tzinfo=timezone.utc)
 MIN_BATCH = 100
+HISTORY_PRUNE_EVERY = timedelta(hours=1)
 FILL = 0.9  # a predicted batch aims at this fraction of batch_size rows
 GROWTH = 2.0  # a predicted range is at most this many times wider than the previous one
 BATCH_TARGET = 0.2  # seconds: a predicted range narrows when a batch took longer than this
@@ -83,6 +88,7 @@ class CleanerResult(PassResult):
     overflows: int = 0  # predicted batches rolled back because they held more than batch_size rows
     dry_run: bool = False
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> rows passed over
+    history_pruned: int = 0  # health_history rows deleted (older than maintd.history.KEEP)
 
     @property
     def total(self) -> int:
@@ -92,14 +98,15 @@ class CleanerResult(PassResult):
         return self.skipped
 
     def did_something(self) -> bool:
-        return self.total > 0 or self.timeouts > 0
+        return self.total > 0 or self.timeouts > 0 or self.history_pruned > 0
 
     def summary(self) -> str:
         verb = "would delete" if self.dry_run else "deleted"
         states = " ".join(f"{s}={n}" for s, n in self.deleted.items())
         return f"{verb} {states} batches={self.batches} batch_size={self.batch_size}" + (
             f" timeouts={self.timeouts}" if self.timeouts else "") + (
-            f" overflows={self.overflows}" if self.overflows else "")
+            f" overflows={self.overflows}" if self.overflows else "") + (
+            f" history_pruned={self.history_pruned}" if self.history_pruned else "")
 
 
 @dataclass(frozen=True)
@@ -178,6 +185,7 @@ class Cleaner(Service):
         super().__init__(config)
         self._batch = config.batch_size
         self._successes = 0
+        self._history_pruned_at: datetime | None = None
 
     def targets(self) -> list[Target]:
         cfg = self.config
@@ -224,6 +232,9 @@ class Cleaner(Service):
                 aim = min(BATCH_TARGET, self._timeout_ms(ctx) / 2000)
                 self._clean(ctx, target, RangePlan(lo, horizon, target=aim), result)
         result.batch_size = self.batch_size
+        if self._history_pruned_at is None or now - self._history_pruned_at >= HISTORY_PRUNE_EVERY:
+            result.history_pruned = history.prune(ctx, now)
+            self._history_pruned_at = now
         return result
 
     def _start(self, ctx: PassContext, target: Target, horizon: datetime) -> datetime | None:

@@ -1,0 +1,190 @@
+"""The dashboard's history (SPEC 8.2): one row of ``{schema}.health_history`` per sample, written
+by the leader of the target only when something changed (at most one a minute) or every ten
+minutes when nothing did, so an idle daemon's WAL stays far under 2 KiB a minute; the cleaner
+deletes rows older than :data:`KEEP`.
+
+A sample holds jobs by state and by queue (waiting and running ones), the jobs finished in its
+window (completed, discarded), the jobs table's size and dead rows, and the xmin horizon's age
+with its holder when held over :data:`HOLDER_AFTER`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Callable, Iterable
+
+from sqlalchemy import Connection
+
+from .health import HealthReport
+from .metrics import OTHER
+from .queries import health as q
+from .queries import jobs as q_jobs
+from .queries import sql
+from .services.base import PassContext
+
+KEEP = timedelta(days=2)  # the day chart, and a margin
+IDLE_EVERY = timedelta(minutes=10)
+CHANGE_EVERY = timedelta(minutes=1)
+HOLDER_AFTER = 60.0  # seconds: a younger holder is not marked on the chart
+TOP_QUEUES = 10
+LIVE_STATES = ("available", "scheduled", "running", "retryable")
+
+
+@dataclass(frozen=True)
+class Sample:
+    at: datetime
+    since: datetime
+    completed: int = 0
+    discarded: int = 0
+    depth: dict[str, int] = field(default_factory=dict)
+    queues: dict[str, int] = field(default_factory=dict)
+    jobs_bytes: int | None = None
+    dead_tuples: int | None = None
+    live_tuples: int | None = None
+    horizon_age_seconds: float = 0.0
+    horizon_age_xids: int = 0
+    holder: dict[str, Any] | None = None
+
+    def state(self) -> tuple:
+        """What a new sample must differ in to be written before IDLE_EVERY (the horizon's age
+        grows by itself while held: its holder, not its age, is the change)."""
+        holder = self.holder or {}
+        return (sorted(self.depth.items()), sorted(self.queues.items()), self.jobs_bytes, self.dead_tuples,
+                tuple(holder.get(k) for k in ("kind", "pid", "name", "xmin")))
+
+    def finished_any(self) -> bool:
+        return self.completed > 0 or self.discarded > 0
+
+    def params(self) -> dict[str, Any]:
+        return {"at": self.at, "since": self.since, "completed": self.completed, "discarded": self.discarded,
+                "depth": json.dumps(self.depth), "queues": json.dumps(self.queues),
+                "jobs_bytes": self.jobs_bytes, "dead_tuples": self.dead_tuples, "live_tuples": self.live_tuples,
+                "horizon_age_seconds": self.horizon_age_seconds, "horizon_age_xids": self.horizon_age_xids,
+                "holder": None if self.holder is None else json.dumps(self.holder)}
+
+    @classmethod
+    def from_row(cls, r: Any) -> "Sample":
+        return cls(at=r.at, since=r.since, completed=r.completed, discarded=r.discarded, depth=dict(r.depth),
+                   queues=dict(r.queues), jobs_bytes=r.jobs_bytes, dead_tuples=r.dead_tuples,
+                   live_tuples=r.live_tuples, horizon_age_seconds=r.horizon_age_seconds or 0.0,
+                   horizon_age_xids=r.horizon_age_xids or 0, holder=r.holder)
+
+
+def depth_of(rows: Iterable[tuple[str, str, int]], top: int = TOP_QUEUES) -> tuple[dict[str, int], dict[str, int]]:
+    """(jobs by state, jobs by queue: the ``top`` largest, the rest summed as ``_other``) from
+    (queue, state, count) rows (``jobs.COUNT_LIVE``'s)."""
+    states = {s: 0 for s in LIVE_STATES}
+    queues: dict[str, int] = {}
+    for queue, state, n in rows:
+        states[state] = states.get(state, 0) + n
+        queues[queue] = queues.get(queue, 0) + n
+    kept = sorted(queues, key=lambda k: (-queues[k], k))[:top]
+    out = {k: queues[k] for k in kept}
+    rest = sum(n for k, n in queues.items() if k not in out)
+    if rest:
+        out[OTHER] = out.get(OTHER, 0) + rest
+    return states, out
+
+
+def holder_mark(report: HealthReport) -> dict[str, Any] | None:
+    h = report.horizon.holder
+    if h is None or h.age_seconds < HOLDER_AFTER:
+        return None
+    return {"kind": h.kind, "pid": h.pid, "user": h.user, "application_name": h.application_name,
+            "client_addr": h.client_addr, "state": h.state, "name": h.name, "xmin": h.xmin,
+            "age_seconds": round(h.age_seconds), "exact": h.exact, "describe": h.describe()}
+
+
+class HistoryWriter:
+    """One target's history rows. :meth:`step` runs after each health read while the target is
+    led here; :meth:`reset` at a new term (the last row is read again from the table)."""
+
+    def __init__(self, idle_every: timedelta = IDLE_EVERY, change_every: timedelta = CHANGE_EVERY):
+        self.idle_every, self.change_every = idle_every, change_every
+        self._last: Sample | None = None
+        self._loaded = False
+        self._checked_at: datetime | None = None
+        self._seen: tuple | None = None  # what the health read showed at the last check
+
+    def reset(self) -> None:
+        self._last, self._loaded, self._checked_at, self._seen = None, False, None, None
+
+    def step(self, ctx: PassContext, report: HealthReport,
+             live: Callable[[], list[tuple[str, str, int]] | None] = lambda: None) -> Sample | None:
+        """Write a sample if one is due; returns it (None: nothing written). ``live``: recent
+        counts of waiting and running jobs (the leader's job gauges count them every 15 s), else
+        they are counted here."""
+        at = report.at
+        if not self._loaded:
+            with ctx.read() as conn:
+                row = conn.execute(ctx.sql(q.LAST)).first()
+            self._last, self._loaded = (Sample.from_row(row) if row else None), True
+        last, seen = self._last, self._what_read(ctx.schema, report)
+        due = last is None or at - last.at >= self.idle_every
+        if not due and (at - last.at < self.change_every  # at most one a minute
+                        or (self._checked_at is not None and at - self._checked_at < self.change_every)
+                        or seen == self._seen):  # the jobs table unwritten since the last look: no query
+            return None
+        self._checked_at, self._seen = at, seen
+        sample = self._sample(ctx, report, last, live())
+        if not due and sample.state() == last.state() and not sample.finished_any():
+            return None
+        with ctx.transaction() as conn:
+            conn.execute(ctx.sql(q.INSERT), sample.params())
+        self._last = sample
+        return sample
+
+    @staticmethod
+    def _what_read(schema: str, report: HealthReport) -> tuple:
+        """The jobs table's writes, dead rows and size, and the holder, as the health read saw them."""
+        jobs, holder = report.table(schema), holder_mark(report) or {}
+        return ((jobs.writes, jobs.dead, jobs.bytes) if jobs else None,
+                tuple(holder.get(k) for k in ("kind", "pid", "name", "xmin")))
+
+    def _sample(self, ctx: PassContext, report: HealthReport, last: Sample | None,
+                live: list[tuple[str, str, int]] | None) -> Sample:
+        at = report.at
+        since = last.at if last is not None and at - last.at < KEEP else at - self.change_every
+        with ctx.read() as conn:
+            finished = conn.execute(ctx.sql(q.FINISHED), {"since": since, "until": at}).one()
+            if live is None:
+                live = [(r.queue, r.state, r.n) for r in conn.execute(ctx.sql(q_jobs.COUNT_LIVE))]
+        states, queues = depth_of(live)
+        jobs = report.table(ctx.schema)
+        return Sample(at=at, since=since, completed=finished.completed, discarded=finished.discarded,
+                      depth=states, queues=queues, jobs_bytes=jobs.bytes if jobs else None,
+                      dead_tuples=jobs.dead if jobs else None, live_tuples=jobs.live if jobs else None,
+                      horizon_age_seconds=round(report.horizon.age_seconds, 1),
+                      horizon_age_xids=report.horizon.age_xids, holder=holder_mark(report))
+
+
+# -- reading it back (the dashboard) ---------------------------------------------------------------
+
+
+def series(conn: Connection, schema: str, start: datetime, bucket: timedelta) -> list[Sample]:
+    """The samples from ``start`` on, one per ``bucket`` (its last; finished jobs summed over it)."""
+    rows = conn.execute(sql(q.SERIES, schema), {"start": start, "bucket": bucket})
+    return [Sample(at=r.at, since=r.since, completed=r.completed, discarded=r.discarded, depth=dict(r.depth),
+                   queues=dict(r.queues), jobs_bytes=r.jobs_bytes, dead_tuples=r.dead_tuples,
+                   horizon_age_seconds=r.horizon_age_seconds or 0.0, holder=r.holder) for r in rows]
+
+
+# -- pruning (the cleaner) --------------------------------------------------------------------------
+
+
+def prune(ctx: PassContext, now: datetime, *, batch: int = 10_000) -> int:
+    """Delete rows older than KEEP, in batches; a probe first, so an idle cleaner writes nothing."""
+    before = now - KEEP
+    with ctx.read() as conn:
+        if not conn.execute(ctx.sql(q.PRUNE_PROBE), {"before": before}).scalar():
+            return 0
+    deleted = 0
+    while True:
+        with ctx.transaction() as conn:
+            n = conn.execute(ctx.sql(q.PRUNE), {"before": before, "limit": batch}).rowcount
+        deleted += n
+        if n < batch:
+            return deleted
+        ctx.check_stop()

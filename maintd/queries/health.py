@@ -1,0 +1,158 @@
+"""Statements of the table-health read (SPEC 8.2) and its history (``{schema}.health_history``).
+
+``HOLDERS`` and ``TABLES`` read PostgreSQL's own views and statistics functions only (no table of
+maintd's, no lock, no transaction id): one round trip each, per database, per ``health.interval``.
+"""
+
+# Everything that holds back the xmin horizon of this database, one row per holder:
+#
+# * a backend's transaction (``backend_xid``) or snapshot (``backend_xmin``), in this database or
+#   in none (a physical walsender holds the feedback of a standby that streams without a slot:
+#   PostgreSQL marks it PROC_AFFECTS_ALL_HORIZONS). Backends of other databases hold back only
+#   shared catalogs. Autovacuum workers and this read's own backend are left out (a lazy VACUUM's
+#   snapshot is ignored by other vacuums);
+# * a prepared transaction of this database (``pg_prepared_xacts``);
+# * a replication slot's ``xmin`` (a physical slot fed by hot_standby_feedback, or a logical one
+#   while it exports its snapshot) for the data, and its ``catalog_xmin`` (logical slots), which
+#   holds back the system catalogs only: PostgreSQL's ComputeXidHorizons() applies
+#   replication_slot_catalog_xmin to catalog relations, never to user tables such as jobs.
+#
+# ``xmin`` is the holder's oldest transaction id as text (an identity, not compared here),
+# ``age_xids`` how many ids were assigned since (``age()``: 0 while nothing newer was assigned),
+# ``since`` when the holder began where PostgreSQL says so (a backend's transaction start, a
+# prepared transaction's PREPARE, an inactive slot's ``inactive_since`` on PostgreSQL 17+); the
+# columns other roles' backends hide without pg_read_all_stats (state, client, start, query) are
+# NULL then. ``to_jsonb(s) ->> 'inactive_since'`` reads a column that PostgreSQL 15 lacks.
+HOLDERS = """
+WITH backends AS (
+  SELECT CASE WHEN a.backend_type = 'walsender' AND a.datid IS NULL THEN 'standby_feedback'
+              WHEN a.backend_xid IS NOT NULL THEN 'transaction'
+              ELSE 'snapshot' END AS kind,
+         a.pid, CAST(a.usename AS text) AS usename, a.application_name,
+         host(coalesce(r.client_addr, a.client_addr)) AS client_addr,
+         coalesce(r.state, a.state) AS state,
+         CASE WHEN coalesce(age(a.backend_xid), -1) >= coalesce(age(a.backend_xmin), -1)
+              THEN a.backend_xid ELSE a.backend_xmin END AS oldest,
+         CASE WHEN a.backend_type = 'walsender' THEN NULL ELSE a.xact_start END AS since,
+         a.backend_type, CASE WHEN :show_query THEN a.query END AS query
+    FROM pg_stat_activity a
+    LEFT JOIN pg_stat_replication r ON r.pid = a.pid
+   WHERE a.pid <> pg_backend_pid()
+     AND (a.backend_xid IS NOT NULL OR a.backend_xmin IS NOT NULL)
+     AND (a.datid IS NULL OR a.datname = current_database())
+     AND a.backend_type IS DISTINCT FROM 'autovacuum worker'
+), slots AS (
+  SELECT s.slot_name, s.slot_type, s.active_pid, s.xmin, s.catalog_xmin,
+         CAST(to_jsonb(s) ->> 'inactive_since' AS timestamptz) AS inactive_since,
+         CAST(r.usename AS text) AS usename, r.application_name, host(r.client_addr) AS client_addr, r.state
+    FROM pg_replication_slots s
+    LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid
+   WHERE s.database IS NULL OR s.database = current_database()
+)
+SELECT kind, 'data' AS scope, pid, usename, application_name, client_addr, state,
+       CAST(oldest AS text) AS xmin, age(oldest) AS age_xids, since, NULL AS name, backend_type AS detail,
+       query
+  FROM backends
+UNION ALL
+SELECT 'prepared_transaction', 'data', NULL, CAST(owner AS text), NULL, NULL, NULL,
+       CAST(transaction AS text), age(transaction), prepared, gid, NULL, NULL
+  FROM pg_prepared_xacts
+ WHERE database = current_database()
+UNION ALL
+SELECT 'replication_slot', 'data', active_pid, usename, application_name, client_addr, state,
+       CAST(xmin AS text), age(xmin), inactive_since, slot_name, slot_type, NULL
+  FROM slots WHERE xmin IS NOT NULL
+UNION ALL
+SELECT 'replication_slot', 'catalog', active_pid, usename, application_name, client_addr, state,
+       CAST(catalog_xmin AS text), age(catalog_xmin), inactive_since, slot_name, slot_type, NULL
+  FROM slots WHERE catalog_xmin IS NOT NULL
+"""
+
+# The server's time: the ages count from it.
+NOW = "SELECT now() AS now"
+
+# Per table of the given schemas (plain tables, and partitioned ones with the leaves of their
+# partition tree summed: pg_partition_tree() lists nothing for a plain table), from the statistics
+# functions (the pg_stat_user_tables view computes every column of every table of the database).
+# Without :all_tables only the jobs tables are read. :sizes says whose sizes are read ('all',
+# 'jobs' or 'none'): a size is a stat() per file of the table and each of its indexes, most of
+# the read's cost, so the reader asks for the jobs tables' once a minute and the rest less often. The last vacuum of a partitioned table is that of its least recently vacuumed leaf
+# that has dead rows (where vacuum is owed), else of its most recently vacuumed leaf; -infinity:
+# never. ``writes``: rows inserted, updated and deleted since the statistics were reset (the
+# history's test of whether anything happened).
+TABLES = """
+SELECT n.nspname AS schema, t.relname AS "table",
+       sum(l.live)::bigint AS live, sum(l.dead)::bigint AS dead, sum(l.writes)::bigint AS writes,
+       sum(CASE WHEN CAST(:sizes AS text) = 'all' OR (CAST(:sizes AS text) = 'jobs' AND t.relname = 'jobs')
+                THEN pg_total_relation_size(l.relid) END)::bigint AS bytes,  -- (inside: called only then)
+       extract(epoch FROM CASE
+         WHEN bool_or(l.dead > 0) THEN min(coalesce(l.vacuumed, '-infinity')) FILTER (WHERE l.dead > 0)
+         ELSE coalesce(max(l.vacuumed), '-infinity')
+       END)::float8 AS last_vacuum
+  FROM pg_class t
+  JOIN pg_namespace n ON n.oid = t.relnamespace
+ CROSS JOIN LATERAL (
+       SELECT leaf.relid, pg_stat_get_live_tuples(leaf.relid) AS live,
+              pg_stat_get_dead_tuples(leaf.relid) AS dead,
+              pg_stat_get_tuples_inserted(leaf.relid) + pg_stat_get_tuples_updated(leaf.relid)
+                + pg_stat_get_tuples_deleted(leaf.relid) AS writes,
+              greatest(pg_stat_get_last_vacuum_time(leaf.relid),
+                       pg_stat_get_last_autovacuum_time(leaf.relid)) AS vacuumed
+         FROM (SELECT p.relid FROM pg_partition_tree(t.oid) p WHERE p.isleaf AND t.relkind = 'p'
+               UNION ALL SELECT t.oid WHERE t.relkind = 'r') leaf) l
+ WHERE n.nspname = ANY(CAST(:schemas AS text[]))
+   AND t.relkind IN ('r', 'p') AND NOT t.relispartition
+   AND (CAST(:all_tables AS boolean) OR t.relname = 'jobs')
+ GROUP BY n.nspname, t.relname
+"""
+
+# -- history ---------------------------------------------------------------------------------------
+
+# Jobs finished in a window of the server's time, through jobs_finalized_idx (state, finalized_at).
+FINISHED = """
+SELECT count(*) FILTER (WHERE state = 'completed') AS completed,
+       count(*) FILTER (WHERE state = 'discarded') AS discarded
+  FROM {schema}.jobs
+ WHERE state IN ('completed', 'discarded')
+   AND finalized_at >= :since AND finalized_at < :until
+"""
+
+LAST = """
+SELECT at, since, completed, discarded, depth, queues, jobs_bytes, dead_tuples, live_tuples,
+       horizon_age_seconds, horizon_age_xids, holder
+  FROM {schema}.health_history ORDER BY at DESC LIMIT 1
+"""
+
+INSERT = """
+INSERT INTO {schema}.health_history (at, since, completed, discarded, depth, queues, jobs_bytes,
+                                     dead_tuples, live_tuples, horizon_age_seconds, horizon_age_xids, holder)
+VALUES (:at, :since, :completed, :discarded, CAST(:depth AS jsonb), CAST(:queues AS jsonb), :jobs_bytes,
+        :dead_tuples, :live_tuples, :horizon_age_seconds, :horizon_age_xids, CAST(:holder AS jsonb))
+ON CONFLICT (at) DO NOTHING
+"""
+
+# The charts' points: one per bucket of :bucket (the last sample of each; the finished jobs of
+# all its samples, over the window they cover), from :start on.
+SERIES = """
+SELECT max(at) AS at, min(since) AS since, sum(completed)::bigint AS completed,
+       sum(discarded)::bigint AS discarded,
+       (array_agg(depth ORDER BY at DESC))[1] AS depth,
+       (array_agg(queues ORDER BY at DESC))[1] AS queues,
+       (array_agg(jobs_bytes ORDER BY at DESC))[1] AS jobs_bytes,
+       (array_agg(dead_tuples ORDER BY at DESC))[1] AS dead_tuples,
+       max(horizon_age_seconds) AS horizon_age_seconds,
+       (array_agg(holder ORDER BY horizon_age_seconds DESC NULLS LAST) FILTER (WHERE holder IS NOT NULL))[1]
+         AS holder
+  FROM {schema}.health_history
+ WHERE at >= :start
+ GROUP BY date_bin(CAST(:bucket AS interval), at, TIMESTAMPTZ '2000-01-01 00:00:00+00')
+ ORDER BY 1
+"""
+
+PRUNE_PROBE = "SELECT EXISTS (SELECT 1 FROM {schema}.health_history WHERE at < :before)"
+
+# Batched through the primary key; rows are one a minute at most, so a batch is hours of them.
+PRUNE = """
+DELETE FROM {schema}.health_history
+ WHERE at IN (SELECT at FROM {schema}.health_history WHERE at < :before ORDER BY at LIMIT :limit)
+"""

@@ -1,0 +1,452 @@
+"""Table health (SPEC 8.2, issue 27): each kind of holder of the xmin horizon named as PostgreSQL
+shows it, the gauges, the once-per-holder warning, and the metric dropping back once the holder
+ends.
+
+The holders are made on a server of this module's own (``wal_level = logical`` for a logical slot,
+``max_prepared_transactions`` > 0 for a prepared transaction), of the suite's major version: the
+horizon is the whole database's, so the shared server's other tests would hold it too. The
+standby's ``hot_standby_feedback`` runs on tests/standby.py's PostgreSQL 15 pair.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from datetime import datetime, timedelta, timezone
+from typing import Iterator
+
+import psycopg
+import pytest
+from sqlalchemy import Engine
+
+from maintd import migrate
+from maintd.config import Settings
+from maintd.daemon import Daemon
+from maintd.db import make_engine
+from maintd.health import HealthReader, HolderWarnings, Horizon, Holder
+from maintd.queries import health as q
+from maintd.queries import psycopg_sql
+
+from .conftest import private_server
+from .procs import wait_for
+from .scenarios import record
+
+T0 = datetime(2026, 3, 1, 12, 0, tzinfo=timezone.utc)
+
+
+@pytest.fixture(scope="module")
+def health_pg(pg_version: int) -> Iterator[str]:
+    """A server of this module's own, migrated (schema maintd); its DSN."""
+    with private_server(pg_version, {"wal_level": "logical", "max_prepared_transactions": "4",
+                                     "max_replication_slots": "4", "autovacuum": "off"}) as pg:
+        engine = make_engine(pg.dsn, application_name="maintd-test-migrate", pooled=False)
+        with engine.connect() as conn:
+            migrate.upgrade(conn, "maintd")
+        engine.dispose()
+        yield pg.dsn
+
+
+@pytest.fixture
+def health_engine(health_pg: str) -> Iterator[Engine]:
+    engine = make_engine(health_pg, application_name="maintd-test-health", pooled=False)
+    yield engine
+    engine.dispose()
+
+
+def read(engine: Engine, reader: HealthReader | None = None, schemas=("maintd",)):
+    with engine.connect() as conn:
+        return (reader or HealthReader()).read(conn.connection.dbapi_connection, list(schemas))
+
+
+def consume_xids(dsn: str, n: int = 3) -> None:
+    """Assign transaction ids after a holder's xmin (before that it holds nothing back)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for _ in range(n):
+            conn.execute("SELECT txid_current()")
+
+
+def held_by(report, pid: int) -> Holder:
+    [holder] = [h for h in report.horizon.holders if h.pid == pid]
+    return holder
+
+
+# -- each kind of holder, named -----------------------------------------------------------------
+
+def test_a_repeatable_read_snapshot_is_named_without_its_query(health_pg, health_engine):
+    with psycopg.connect(health_pg, application_name="nightly-report") as holder:
+        holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        holder.execute("SELECT count(*) FROM maintd.jobs WHERE kind = 'secret@example.com'")
+        pid = holder.info.backend_pid
+        consume_xids(health_pg)
+        time.sleep(1.1)  # named once older than a second
+        report = read(health_engine)
+        h = held_by(report, pid)
+        assert (h.kind, h.scope, h.user, h.application_name, h.client_addr, h.state) == \
+            ("snapshot", "data", "postgres", "nightly-report", "127.0.0.1", "idle in transaction")
+        assert h.exact and 1.0 <= h.age_seconds < 60 and h.age_xids >= 3
+        assert report.horizon.holder == h and report.horizon.age_seconds >= h.age_seconds
+        status = json.dumps(report.status("maintd"))
+        assert "secret@example.com" not in status and '"query"' not in status
+        shown = held_by(read(health_engine, HealthReader(show_query=True)), pid)
+        assert "secret@example.com" in shown.query
+        with psycopg.connect(health_pg, autocommit=True) as conn:  # not even read off the server
+            texts = conn.execute(psycopg_sql(q.HOLDERS), {"show_query": False}).fetchall()
+        assert texts and all(r[-1] is None for r in texts)
+
+
+def test_an_idle_in_transaction_session_holding_a_transaction_id_is_named(health_pg, health_engine):
+    with psycopg.connect(health_pg, application_name="forgetful-worker") as holder:
+        holder.execute("INSERT INTO maintd.jobs (kind) VALUES ('held')")  # an xid, then idle
+        pid = holder.info.backend_pid
+        consume_xids(health_pg)
+        time.sleep(1.1)
+        h = held_by(read(health_engine), pid)
+        assert (h.kind, h.state, h.application_name) == ("transaction", "idle in transaction", "forgetful-worker")
+        assert h.exact and h.age_xids >= 3
+        holder.rollback()
+
+
+def test_a_prepared_transaction_is_named_by_its_gid(health_pg, health_engine):
+    with psycopg.connect(health_pg, autocommit=True) as conn:
+        conn.execute("BEGIN")
+        conn.execute("INSERT INTO maintd.jobs (kind) VALUES ('prepared')")
+        conn.execute("PREPARE TRANSACTION 'maintd-test-2pc'")
+        try:
+            consume_xids(health_pg)
+            time.sleep(1.1)
+            [h] = [h for h in read(health_engine).horizon.holders if h.kind == "prepared_transaction"]
+            assert (h.name, h.user, h.pid, h.exact) == ("maintd-test-2pc", "postgres", None, True)
+            assert h.age_seconds >= 1.0 and h.age_xids >= 3
+            assert "prepared transaction 'maintd-test-2pc'" in h.describe()
+        finally:
+            conn.execute("ROLLBACK PREPARED 'maintd-test-2pc'")
+
+
+def test_a_logical_slot_holds_back_the_catalogs_not_the_jobs_table(health_pg, health_engine):
+    """A logical slot's catalog_xmin: PostgreSQL's ComputeXidHorizons() applies it to catalog
+    relations only. Named as such, and VACUUM indeed removes the jobs table's dead rows meanwhile."""
+    with psycopg.connect(health_pg, autocommit=True) as conn:
+        conn.execute("SELECT pg_create_logical_replication_slot('maintd_test_slot', 'test_decoding')")
+        try:
+            conn.execute("INSERT INTO maintd.jobs (kind) SELECT 'slot' FROM generate_series(1, 200)")
+            conn.execute("DELETE FROM maintd.jobs WHERE kind = 'slot'")
+            conn.execute("SELECT pg_stat_force_next_flush()")  # before VACUUM's own count
+            consume_xids(health_pg)
+            reader = HealthReader()  # PostgreSQL 15 keeps no time for a slot: counted from this read
+            read(health_engine, reader)
+            time.sleep(1.1)
+            report = read(health_engine, reader)
+            [h] = [h for h in report.horizon.catalog_holders if h.name == "maintd_test_slot"]
+            assert (h.kind, h.scope, h.detail) == ("replication_slot", "catalog", "logical")
+            assert h.age_xids >= 3
+            assert all(h.name != "maintd_test_slot" for h in report.horizon.holders)
+            assert conn.execute("SELECT pg_stat_get_dead_tuples('maintd.jobs'::regclass)").fetchone()[0] >= 200
+            conn.execute("VACUUM maintd.jobs")
+            dead = conn.execute("SELECT pg_stat_get_dead_tuples('maintd.jobs'::regclass)").fetchone()[0]
+            assert dead == 0, "the logical slot held back the jobs table after all"
+        finally:
+            conn.execute("SELECT pg_drop_replication_slot('maintd_test_slot')")
+
+
+def test_another_roles_session_without_pg_read_all_stats_is_named_with_what_it_may_see(health_pg):
+    """Without pg_read_all_stats, PostgreSQL hides another role's state, client and start: the
+    holder is still named (pid, user, application) and its age counts from the first read that
+    saw a newer transaction id (a lower bound); with the grant (maintd grants prints it) all of it."""
+    with psycopg.connect(health_pg, autocommit=True) as admin:
+        admin.execute("DROP ROLE IF EXISTS maintd_health_watcher")
+        admin.execute("CREATE ROLE maintd_health_watcher LOGIN")
+    watcher = make_engine(health_pg.replace("postgres@", "maintd_health_watcher@"), application_name="w",
+                          pooled=False)
+    try:
+        with psycopg.connect(health_pg, application_name="other-team") as holder:
+            holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            holder.execute("SELECT 1")
+            pid, reader = holder.info.backend_pid, HealthReader()
+            consume_xids(health_pg)
+            first = [h for h in read(watcher, reader, ()).horizon.holders if h.pid == pid]
+            assert first == []  # held for less than a second as far as it can tell
+            time.sleep(1.2)
+            h = held_by(read(watcher, reader, ()), pid)
+            assert (h.kind, h.user, h.application_name) == ("snapshot", "postgres", "other-team")
+            assert (h.state, h.client_addr, h.since, h.exact) == (None, None, None, False)
+            assert 1.0 <= h.age_seconds < 30
+            with psycopg.connect(health_pg, autocommit=True) as admin:
+                admin.execute("GRANT pg_read_all_stats TO maintd_health_watcher")
+            h = held_by(read(watcher, reader, ()), pid)
+            assert (h.state, h.client_addr, h.exact) == ("idle in transaction", "127.0.0.1", True)
+    finally:
+        watcher.dispose()
+        with psycopg.connect(health_pg, autocommit=True) as admin:
+            admin.execute("DROP ROLE maintd_health_watcher")
+
+
+def test_maintd_status_names_the_holder_in_text_and_json(health_pg, tmp_path):
+    import subprocess
+    import sys
+
+    config = tmp_path / "maintd.toml"
+    config.write_text(f'database_url = "{health_pg}"\nschema = "maintd"\n')
+    with psycopg.connect(health_pg, application_name="status-check") as holder:
+        holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        holder.execute("SELECT 'personal data' FROM maintd.jobs")
+        pid = holder.info.backend_pid
+        consume_xids(health_pg)
+        time.sleep(1.1)
+
+        def status(*extra: str) -> str:
+            res = subprocess.run([sys.executable, "-m", "maintd", "--config", str(config), "status", *extra],
+                                 capture_output=True, text=True, timeout=60)
+            assert res.returncode == 0, res.stderr
+            return res.stdout
+
+        text_out = status()
+        assert f"held by: snapshot pid {pid} user postgres app status-check client 127.0.0.1 " \
+               f"state idle in transaction, for " in text_out, text_out
+        assert "xmin horizon:" in text_out and "    jobs " in text_out and "personal data" not in text_out
+        data = json.loads(status("--json"))
+        assert data["health"]["horizon"]["holder"]["pid"] == pid and "personal data" not in json.dumps(data)
+        with_query = tmp_path / "query.toml"
+        with_query.write_text(config.read_text() + "[health]\nshow_query = true\n")
+        res = subprocess.run([sys.executable, "-m", "maintd", "--config", str(with_query), "status"],
+                             capture_output=True, text=True, timeout=60)
+        assert "query: SELECT 'personal data' FROM maintd.jobs" in res.stdout, res.stdout
+
+
+# -- ages and the warning, without a database -------------------------------------------------
+
+def row(**kw):
+    base = {"kind": "standby_feedback", "scope": "data", "pid": 7, "usename": "replicator",
+            "application_name": "standby-1", "client_addr": "10.0.0.9", "state": "streaming",
+            "xmin": "1000", "age_xids": 0, "since": None, "name": None, "detail": "walsender", "query": None}
+    return {**base, **kw}
+
+
+def test_a_holder_without_a_start_time_ages_from_the_first_read_that_saw_it_hold():
+    """A standby's feedback on an idle primary holds nothing back (no newer transaction id):
+    age 0, however long; from the first read with a newer id its age counts up; a new xmin is a
+    new holder."""
+    reader = HealthReader()
+    assert reader.horizon([row()], T0).age_seconds == 0
+    assert reader.horizon([row()], T0 + timedelta(hours=1)).holders == ()
+    reader.horizon([row(age_xids=5)], T0 + timedelta(hours=1))
+    hz = reader.horizon([row(age_xids=9)], T0 + timedelta(hours=1, seconds=40))
+    assert (hz.age_seconds, hz.age_xids, hz.holder.exact) == (40.0, 9, False)
+    assert reader.horizon([row(xmin="1200", age_xids=3)], T0 + timedelta(hours=1, seconds=50)).age_seconds == 0
+    assert reader.horizon([], T0 + timedelta(hours=2)) == Horizon()
+
+
+def test_the_holder_named_is_the_oldest_xmin_and_young_ones_are_not_named():
+    reader = HealthReader()
+    started = T0 - timedelta(minutes=3)
+    hz = reader.horizon([
+        row(kind="transaction", pid=1, since=T0 - timedelta(minutes=10), age_xids=50, xmin="950"),
+        row(kind="snapshot", pid=2, since=started, age_xids=80, xmin="920"),
+        row(kind="transaction", pid=3, since=T0 - timedelta(milliseconds=20), age_xids=1, xmin="999"),
+        row(kind="replication_slot", scope="catalog", name="cdc", since=started, age_xids=500, xmin="500")], T0)
+    assert [h.pid for h in hz.holders] == [2, 1] and hz.holder.pid == 2
+    assert hz.age_seconds == 600 and hz.age_xids == 80  # the oldest of each measure, data scope only
+    assert [h.name for h in hz.catalog_holders] == ["cdc"]
+
+
+def test_one_warning_per_holder_and_a_line_when_it_is_gone(maintd_log):
+    reader, warnings = HealthReader(), HolderWarnings()
+    held = row(kind="snapshot", pid=42, since=T0, age_xids=10, usename="alice", application_name="psql",
+               state="idle in transaction")
+    for minutes in (1, 6, 7, 30):
+        warnings.check(reader.horizon([held], T0 + timedelta(minutes=minutes)), timedelta(minutes=5), ["q"])
+    warned = [line for line in maintd_log if "vacuum is held back" in line]
+    assert len(warned) == 1, maintd_log
+    assert "holder=snapshot pid 42 (psql, user alice, 10.0.0.9)" in warned[0] and "age_seconds=360" in warned[0]
+    assert "targets=q" in warned[0]
+    warnings.check(reader.horizon([], T0 + timedelta(minutes=31)), timedelta(minutes=5), ["q"])
+    assert sum("xmin horizon holder gone" in line for line in maintd_log) == 1
+    later = {**held, "since": T0 + timedelta(minutes=40)}  # the same session's next transaction
+    warnings.check(reader.horizon([later], T0 + timedelta(minutes=46)), timedelta(minutes=5), ["q"])
+    assert sum("vacuum is held back" in line for line in maintd_log) == 2
+
+
+# -- the tables ------------------------------------------------------------------------------------
+
+def test_tables_report_rows_size_and_vacuum_of_the_jobs_table_and_maintds_own(health_pg, health_engine):
+    with psycopg.connect(health_pg, autocommit=True) as conn:
+        conn.execute("INSERT INTO maintd.jobs (kind) SELECT 'k' FROM generate_series(1, 300)")
+        conn.execute("DELETE FROM maintd.jobs WHERE kind = 'k' AND id % 3 = 0")
+        conn.execute("SELECT pg_stat_force_next_flush()")
+        report = read(health_engine)
+        jobs = report.table("maintd")
+        assert jobs.live >= 200 and jobs.dead >= 100 and jobs.bytes > 8192
+        assert {"jobs", "leader", "daemons", "service_runs", "health_history"} <= \
+            {t.table for t in report.tables["maintd"]}
+        conn.execute("VACUUM maintd.jobs")
+        conn.execute("SELECT pg_stat_force_next_flush()")
+        vacuumed = read(health_engine).table("maintd")
+        assert vacuumed.dead == 0 and abs(vacuumed.last_vacuum - time.time()) < 60
+        conn.execute("DELETE FROM maintd.jobs WHERE kind = 'k'")
+
+
+def test_sizes_and_maintds_own_tables_are_read_once_a_minute_the_jobs_rows_every_read(health_pg, health_engine):
+    """Sizes are most of a read's cost (a stat() per file of every table and index): a reader
+    reads the jobs table's rows every time, its size once every FULL_EVERY, and maintd's own
+    tables (rows and sizes) once every SIZES_EVERY."""
+    import maintd.health as health
+
+    reader = HealthReader()
+    first = read(health_engine, reader)
+    with psycopg.connect(health_pg, autocommit=True) as conn:
+        conn.execute("INSERT INTO maintd.jobs (kind) SELECT 'size' FROM generate_series(1, 2000)")
+        conn.execute("DELETE FROM maintd.jobs WHERE kind = 'size'")
+        conn.execute("SELECT pg_stat_force_next_flush()")
+        again = read(health_engine, reader)
+        assert again.table("maintd").dead >= first.table("maintd").dead + 2000  # read now
+        assert again.table("maintd").bytes == first.table("maintd").bytes  # the last full read's
+        assert [t.table for t in again.tables["maintd"]] == [t.table for t in first.tables["maintd"]]
+        reader._full_at -= health.FULL_EVERY
+        full = read(health_engine, reader)
+        assert full.table("maintd").bytes > first.table("maintd").bytes
+        assert full.table("maintd", "leader").bytes == first.table("maintd", "leader").bytes > 0
+        assert [t.table for t in full.tables["maintd"]] == [t.table for t in first.tables["maintd"]]
+        reader._sizes_at -= health.SIZES_EVERY
+        assert read(health_engine, reader).table("maintd", "leader").bytes > 0
+        conn.execute("DELETE FROM maintd.jobs WHERE kind = 'size'")
+
+
+def test_a_partitioned_jobs_table_is_summed_over_its_leaves_and_gets_the_autovacuum_settings(health_pg,
+                                                                                            health_engine):
+    """The partitioned layout (SPEC 8.1): LIST (state) partitions, the final ones sub-partitioned
+    by range. Rows and sizes are summed over the leaves; the last vacuum is the least recent of
+    the leaves that owe one; migrate's autovacuum settings go on the live jobs' leaf."""
+    ddl = """
+    CREATE SCHEMA parted;
+    CREATE TABLE parted.jobs (id bigint, state text, finalized_at timestamptz) PARTITION BY LIST (state);
+    CREATE TABLE parted.jobs_live PARTITION OF parted.jobs FOR VALUES IN ('available', 'running');
+    CREATE TABLE parted.jobs_done PARTITION OF parted.jobs FOR VALUES IN ('completed')
+      PARTITION BY RANGE (finalized_at);
+    CREATE TABLE parted.jobs_done_1 PARTITION OF parted.jobs_done FOR VALUES FROM (MINVALUE) TO ('2026-01-01');
+    CREATE TABLE parted.jobs_done_2 PARTITION OF parted.jobs_done FOR VALUES FROM ('2026-01-01') TO (MAXVALUE);
+    CREATE TABLE parted.leader (name text);
+    INSERT INTO parted.jobs SELECT g, 'available', NULL FROM generate_series(1, 100) g;
+    INSERT INTO parted.jobs SELECT g, 'completed', '2025-06-01' FROM generate_series(101, 150) g;
+    INSERT INTO parted.jobs SELECT g, 'completed', '2026-06-01' FROM generate_series(151, 170) g;
+    DELETE FROM parted.jobs WHERE id % 10 = 0;
+    """
+    with psycopg.connect(health_pg, autocommit=True) as conn:
+        conn.execute(ddl)
+        try:
+            conn.execute("SELECT pg_stat_force_next_flush()")
+            conn.execute(migrate.jobs_autovacuum_sql("parted"))
+            [jobs] = [t for t in read(health_engine, schemas=["parted"]).tables["parted"] if t.table == "jobs"]
+            assert (jobs.live, jobs.dead) == (153, 17)
+            assert jobs.bytes == conn.execute("SELECT sum(pg_total_relation_size(relid)) FROM "
+                                              "pg_partition_tree('parted.jobs')").fetchone()[0]
+            options = dict(conn.execute("SELECT relname, reloptions FROM pg_class WHERE relnamespace = "
+                                        "'parted'::regnamespace AND relname LIKE 'jobs%'").fetchall())
+            expected = [f"{k}={v}" for k, v in migrate.JOBS_AUTOVACUUM.items()]
+            assert options == {"jobs": None, "jobs_live": expected, "jobs_done": None, "jobs_done_1": None,
+                               "jobs_done_2": None}
+            conn.execute("VACUUM parted.jobs_live")
+            conn.execute("SELECT pg_stat_force_next_flush()")
+            [jobs] = [t for t in read(health_engine, schemas=["parted"]).tables["parted"] if t.table == "jobs"]
+            assert jobs.last_vacuum is None  # the final partitions still owe theirs
+        finally:
+            conn.execute("DROP SCHEMA parted CASCADE")
+
+
+def test_migrate_sets_the_autovacuum_settings_of_the_plain_jobs_table(health_pg):
+    with psycopg.connect(health_pg) as conn:
+        options = conn.execute("SELECT reloptions FROM pg_class WHERE oid = 'maintd.jobs'::regclass").fetchone()[0]
+    assert sorted(options) == sorted(f"{k}={v}" for k, v in migrate.JOBS_AUTOVACUUM.items())
+
+
+# -- the daemon: gauges, /status, the warning, and the drop back ------------------------------
+
+def metric(daemon: Daemon, name: str, **labels: str) -> float | None:
+    return daemon.metrics.registry.get_sample_value(name, {"target": "maintd", **labels})
+
+
+def test_the_daemon_names_the_holder_warns_once_and_the_gauge_drops_back_within_an_interval(
+        health_pg, maintd_log):
+    interval = 1.0
+    settings = Settings(database_url=health_pg, schema="maintd", instance_id="health-1",
+                        http={"listen": "127.0.0.1:0"}, leader={"lease": "3s", "renew_interval": "0.5s"},
+                        health={"interval": f"{interval}s", "xmin_warn_after": "2s"})
+    daemon = Daemon(settings)
+    daemon.start()
+    try:
+        wait_for(lambda: daemon.is_leader and metric(daemon, "maintd_xmin_horizon_age_seconds") is not None,
+                 15, what="leadership and a first health read")
+        with psycopg.connect(health_pg, application_name="dashboard-export") as holder:
+            holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            holder.execute("SELECT count(*) FROM maintd.jobs WHERE kind = 'private-data'")
+            pid = holder.info.backend_pid
+            consume_xids(health_pg)
+            wait_for(lambda: (metric(daemon, "maintd_xmin_horizon_age_seconds") or 0) >= 3.5, 15,
+                     what="the horizon's age past 3.5 s")
+            assert metric(daemon, "maintd_xmin_horizon_age_xids") >= 3
+            assert metric(daemon, "maintd_table_bytes", table="jobs") > 0
+            with urllib.request.urlopen(f"http://127.0.0.1:{daemon.http_port}/status", timeout=5) as r:
+                body = r.read().decode()
+            holder_seen = json.loads(body)["health"]["horizon"]["holder"]
+            assert (holder_seen["pid"], holder_seen["kind"], holder_seen["application_name"]) == \
+                (pid, "snapshot", "dashboard-export")
+            assert "private-data" not in body
+            holder.rollback()
+            released = time.monotonic()
+        wait_for(lambda: metric(daemon, "maintd_xmin_horizon_age_seconds") < 1.0, 10, interval=0.01,
+                 what="the gauge back under a second")
+        took = time.monotonic() - released
+        record("health_gauge_drop_back", took, interval=interval)
+        assert took <= interval + 1.0, f"the gauge dropped back {took:.2f} s after the holder ended"
+        warned = [line for line in maintd_log if "vacuum is held back" in line and f"pid={pid}" in line]
+        assert len(warned) == 1, maintd_log
+        wait_for(lambda: any("xmin horizon holder gone" in line and f"pid={pid}" in line for line in maintd_log),
+                 5, what="the holder gone line")
+    finally:
+        daemon.stop()
+    assert metric(daemon, "maintd_xmin_horizon_age_seconds") is None  # a stopped leader exports none
+
+
+# -- a standby's hot_standby_feedback ------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_standbys_hot_standby_feedback_is_named_with_and_without_a_slot():
+    """A query on a hot standby with hot_standby_feedback holds the primary's horizon: through
+    its walsender (no slot: the walsender's xmin, pg_stat_replication names the standby), or
+    through its physical slot (the slot's xmin). PostgreSQL keeps no time for either: the age
+    counts from the first read that saw a newer transaction id."""
+    from .standby import StandbyPair
+
+    with StandbyPair() as pair:
+        with psycopg.connect(pair.standby.dsn, autocommit=True) as standby:
+            standby.execute("ALTER SYSTEM SET hot_standby_feedback = on")
+            standby.execute("SELECT pg_reload_conf()")
+        engine = make_engine(pair.primary.dsn, application_name="maintd-test-health", pooled=False)
+        reader = HealthReader()
+        try:
+            with psycopg.connect(pair.standby.dsn, application_name="bi-on-standby") as query:
+                query.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+                query.execute("SELECT count(*) FROM pg_class")
+
+                def feedback(kind: str):
+                    consume_xids(pair.primary.dsn)
+                    report = read(engine, reader, ())
+                    return next((h for h in report.horizon.holders if h.kind == kind), None)
+
+                wait_for(lambda: feedback("standby_feedback"), 20, interval=0.3, what="the standby's feedback named")
+                time.sleep(1.2)
+                h = feedback("standby_feedback")
+                assert (h.client_addr, h.state, h.user, h.application_name, h.exact) == \
+                    ("127.0.0.1", "streaming", "postgres", "walreceiver", False)
+                assert h.pid is not None and h.age_seconds >= 1.0 and h.age_xids >= 3
+
+                with psycopg.connect(pair.primary.dsn, autocommit=True) as primary:
+                    primary.execute("SELECT pg_create_physical_replication_slot('standby_slot')")
+                with psycopg.connect(pair.standby.dsn, autocommit=True) as standby:
+                    standby.execute("ALTER SYSTEM SET primary_slot_name = 'standby_slot'")
+                    standby.execute("SELECT pg_reload_conf()")
+                slot = wait_for(lambda: feedback("replication_slot"), 30, interval=0.3, what="the slot's xmin named")
+                assert (slot.name, slot.detail, slot.scope, slot.client_addr, slot.state) == \
+                    ("standby_slot", "physical", "data", "127.0.0.1", "streaming")
+                assert "replication slot 'standby_slot'" in slot.describe()
+        finally:
+            engine.dispose()

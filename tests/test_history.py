@@ -1,0 +1,165 @@
+"""The dashboard's history (SPEC 8.2): a sample is written only when something changed (at most
+one a minute) or every ten minutes when idle, fenced like every maintenance write, and pruned by
+the cleaner. Reports are made by hand, at the times the test chooses (the writer uses the read's
+server time, never the host's)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from maintd.clock import ServerClock
+from maintd.health import HealthReport, Holder, Horizon, TableHealth
+from maintd.history import HistoryWriter, KEEP, Sample, series
+from maintd.queries import sql
+from maintd.services.base import NotLeader, PassContext
+from maintd.services.cleaner import Cleaner
+
+from .conftest import T0
+
+
+def report(at, *, bytes_: int = 8192, dead: int = 0, holder: Holder | None = None, schema: str = "",
+           writes: int = 0) -> HealthReport:
+    """A health read as the writer sees it; ``writes``: the jobs table's rows written so far."""
+    horizon = Horizon(age_seconds=holder.age_seconds if holder else 0.0, age_xids=holder.age_xids if holder else 0,
+                      holders=(holder,) if holder else ())
+    return HealthReport(at=at, horizon=horizon,
+                        tables={schema: (TableHealth("jobs", 10, dead, bytes_, None, writes),)})
+
+
+def snapshot(pid: int, age: float) -> Holder:
+    return Holder(kind="snapshot", scope="data", pid=pid, user="bi", application_name="metabase",
+                  client_addr="10.1.2.3", state="idle in transaction", xmin="800", age_xids=120,
+                  age_seconds=age, exact=True, since=T0)
+
+
+def rows(engine, schema: str) -> list[Any]:
+    with engine.connect() as conn:
+        return list(conn.execute(sql("SELECT * FROM {schema}.health_history ORDER BY at", schema)))
+
+
+@pytest.fixture
+def ctx(settings, engine):
+    return PassContext.for_settings(settings, engine, ServerClock())
+
+
+def test_written_on_change_at_most_once_a_minute_and_every_ten_minutes_when_idle(ctx, engine, schema):
+    writer = HistoryWriter()
+    at = T0
+    assert writer.step(ctx, report(at, schema=schema)) is not None  # the first: nothing to compare with
+    for seconds in (15, 30, 45):  # changed, but within the minute
+        assert writer.step(ctx, report(at + timedelta(seconds=seconds), dead=seconds, schema=schema)) is None
+    for minutes in range(1, 10):  # a minute on, nothing changed since the last row: nothing written
+        assert writer.step(ctx, report(at + timedelta(minutes=minutes), schema=schema)) is None
+    assert writer.step(ctx, report(at + timedelta(minutes=9, seconds=30), schema=schema, writes=2)) is None
+    idle = writer.step(ctx, report(at + timedelta(minutes=10), schema=schema))
+    assert idle is not None and idle.since == at
+    changed = writer.step(ctx, report(at + timedelta(minutes=11), dead=500, schema=schema))
+    assert changed is not None and changed.dead_tuples == 500
+    assert [r.at for r in rows(engine, schema)] == [at, at + timedelta(minutes=10), at + timedelta(minutes=11)]
+
+
+def test_a_sample_counts_the_jobs_finished_in_its_window_and_the_depth_by_state_and_queue(ctx, engine, schema):
+    writer = HistoryWriter()
+    writer.step(ctx, report(T0, schema=schema))
+    with engine.begin() as conn:
+        conn.execute(sql("""
+            INSERT INTO {schema}.jobs (kind, queue, state, finalized_at)
+            SELECT 'k', 'mail', CAST(s AS {schema}.job_state), CAST(:t0 AS timestamptz) + d
+              FROM (SELECT 'completed' AS s, g * interval '1 second' AS d FROM generate_series(1, 30) g
+                    UNION ALL SELECT 'discarded', interval '10 seconds'
+                    UNION ALL SELECT 'completed', interval '5 minutes') AS rows""", schema),
+            {"t0": T0})
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state) SELECT 'k', q, 'available' "
+                         "FROM unnest(ARRAY['mail', 'mail', 'sms']) q", schema))
+    sample = writer.step(ctx, report(T0 + timedelta(minutes=1), schema=schema, writes=35))
+    assert (sample.completed, sample.discarded, sample.since) == (30, 1, T0)
+    assert sample.depth == {"available": 3, "scheduled": 0, "running": 0, "retryable": 0}
+    assert sample.queues == {"mail": 2, "sms": 1}
+    assert writer.step(ctx, report(T0 + timedelta(minutes=2), schema=schema, writes=35)) is None  # nothing since
+    later = writer.step(ctx, report(T0 + timedelta(minutes=6), schema=schema, writes=36))
+    assert (later.completed, later.since) == (1, T0 + timedelta(minutes=1))
+
+
+def test_a_sample_takes_the_leaders_recent_job_counts_instead_of_counting_again(ctx, engine, schema):
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue) VALUES ('k', 'sms')", schema))
+    sample = HistoryWriter().step(ctx, report(T0, schema=schema), lambda: [("mail", "available", 7),
+                                                                           ("mail", "running", 2)])
+    assert sample.depth["available"] == 7 and sample.queues == {"mail": 9}  # the gauges', not a count
+    counted = HistoryWriter().step(ctx, report(T0 + timedelta(minutes=11), schema=schema))
+    assert counted.queues == {"sms": 1}
+
+
+def test_a_holder_is_marked_once_held_a_minute_and_its_coming_and_going_are_changes(ctx, schema):
+    writer = HistoryWriter()
+    writer.step(ctx, report(T0, schema=schema, holder=snapshot(7, 20)))
+    held = writer.step(ctx, report(T0 + timedelta(minutes=1), schema=schema, holder=snapshot(7, 80)))
+    assert held.holder["pid"] == 7 and held.holder["describe"] == "snapshot pid 7 (metabase, user bi, 10.1.2.3)"
+    assert writer.step(ctx, report(T0 + timedelta(minutes=2), schema=schema, holder=snapshot(7, 140))) is None
+    gone = writer.step(ctx, report(T0 + timedelta(minutes=3), schema=schema))
+    assert gone is not None and gone.holder is None
+
+
+def test_a_new_term_continues_from_the_last_row_in_the_table(ctx, engine, schema):
+    HistoryWriter().step(ctx, report(T0, schema=schema))
+    successor = HistoryWriter()  # another replica (or term): reads the last row first
+    assert successor.step(ctx, report(T0 + timedelta(seconds=30), schema=schema)) is None
+    assert successor.step(ctx, report(T0 + timedelta(minutes=5), schema=schema)) is None
+    assert len(rows(engine, schema)) == 1
+
+
+def test_a_sample_is_written_only_under_the_fence(settings, engine, schema):
+    """A stale term's history write is refused inside its transaction (nothing written)."""
+    asked = []
+
+    class Refusing:
+        epoch = 3
+
+        def check(self, conn):
+            asked.append(True)
+            raise NotLeader("another instance leads")
+
+    ctx = PassContext.for_settings(settings, engine, ServerClock(), fence=Refusing())
+    with pytest.raises(NotLeader):
+        HistoryWriter().step(ctx, report(T0, schema=schema))
+    assert asked == [True] and rows(engine, schema) == []
+
+
+def test_the_cleaner_prunes_history_older_than_two_days(settings, ctx, engine, schema):
+    writer = HistoryWriter()
+    now = T0 + KEEP + timedelta(minutes=90)
+    for at in (T0, T0 + timedelta(hours=1), T0 + timedelta(hours=2), now - timedelta(minutes=1)):
+        writer.reset()
+        writer.step(ctx, report(at, dead=int(at.timestamp()), schema=schema))
+    with engine.connect() as conn:
+        first_kept = conn.execute(text("SELECT CAST(:now AS timestamptz) - CAST(:keep AS interval)"),
+                                  {"now": now, "keep": KEEP}).scalar()
+    from maintd.clock import FrozenClock
+
+    result = Cleaner(settings.cleaner).run_once(PassContext.for_settings(settings, engine, FrozenClock(now)))
+    assert result.history_pruned == 2 and "history_pruned=2" in result.summary()
+    assert [r.at for r in rows(engine, schema)] == [T0 + timedelta(hours=2), now - timedelta(minutes=1)]
+    assert all(r.at >= first_kept for r in rows(engine, schema))
+    again = Cleaner(settings.cleaner).run_once(PassContext.for_settings(settings, engine, FrozenClock(now)))
+    assert again.history_pruned == 0 and not again.did_something()
+    from maintd.dashboard import CHART_RANGES
+
+    assert KEEP >= max(back for _, back, _ in CHART_RANGES) + timedelta(hours=1)  # the day chart stays whole
+
+
+def test_the_charts_series_has_one_point_per_bucket_with_the_finished_jobs_summed(ctx, engine, schema):
+    with engine.begin() as conn:
+        for i in range(12):  # one sample a minute for 12 minutes, 6 completed in each
+            conn.execute(sql("INSERT INTO {schema}.health_history (at, since, completed, depth, queues, dead_tuples) "
+                             "VALUES (:at, :since, 6, CAST(:depth AS jsonb), '{}', :dead)", schema),
+                         {"at": T0 + timedelta(minutes=i + 1), "since": T0 + timedelta(minutes=i),
+                          "depth": f'{{"available": {i}}}', "dead": i * 10})
+        points = series(conn, schema, T0, timedelta(minutes=10))
+    assert [(p.at, p.since, p.completed, p.depth["available"], p.dead_tuples) for p in points] == [
+        (T0 + timedelta(minutes=9), T0, 54, 8, 80),
+        (T0 + timedelta(minutes=12), T0 + timedelta(minutes=9), 18, 11, 110)]
+    assert isinstance(points[0], Sample)
