@@ -181,6 +181,12 @@ class CleanerConfig(ServiceConfig):
                 raise ValueError(f"invalid queue name {name!r}")
         return v
 
+    def longest_retention(self, state: str) -> timedelta | None:
+        """The longest retention of a final state, default or per queue (None: some keep it
+        forever): what the partitioned layout's drops follow (SPEC 8.1)."""
+        retentions = [self.retention(state)] + [self.retention(state, q) for q in self.queues]
+        return None if any(r is None for r in retentions) else max(retentions)
+
     def retention(self, state: str, queue: str | None = None) -> timedelta | None:
         """Effective retention for a final state (and queue); ``None`` keeps forever."""
         key = f"{state}_retention"

@@ -103,6 +103,9 @@ class Metrics:
         self.oldest_available_age = bound(Gauge, "maintd_oldest_available_job_age_seconds",
                                           "Age of the oldest available job per queue.", ("queue",))
         self.up = bound(Gauge, "maintd_database_up", "1 while the daemon's database connection is healthy.")
+        self.partition_stray_rows = bound(Gauge, "maintd_partition_stray_rows",
+                                          "Jobs in the partitioned layout's catch-all partitions (SPEC 8.1), "
+                                          "read by the partitioner's last pass.")
         for gauge in (self.is_leader, self.leadership_changes, self.up):
             gauge.labels()  # unlabelled series of this target exist from the start
 
@@ -117,6 +120,10 @@ class Metrics:
             for values in metric.children():
                 if values[0] not in services:
                     metric.remove(*values)
+        if "partitioner" in services:
+            self.partition_stray_rows.labels()
+        else:
+            self.partition_stray_rows.remove()
         for service in services:
             for outcome in ("success", "error", "fenced", "stopped"):
                 self.service_runs.labels(service, outcome)

@@ -10,13 +10,20 @@ WROTE = "SELECT txid_current_if_assigned() IS NOT NULL"
 
 TABLE_EXISTS = "SELECT to_regclass(:qualified) IS NOT NULL"
 
+# Is the schema's jobs table partitioned (SPEC 8.1)? False when it is plain or missing.
+JOBS_PARTITIONED = """
+SELECT coalesce((SELECT c.relkind = 'p' FROM pg_class c
+                  WHERE c.oid = to_regclass(format('%I.jobs', CAST(:schema AS text)))), false)
+"""
+
 JOBS_INDEXES = """
 SELECT c.relname AS name, i.indisvalid AS valid, pg_relation_size(c.oid) AS bytes
   FROM pg_index i
   JOIN pg_class c ON c.oid = i.indexrelid
   JOIN pg_class t ON t.oid = i.indrelid
   JOIN pg_namespace n ON n.oid = t.relnamespace
- WHERE n.nspname = :schema AND t.relname = 'jobs'
+ WHERE n.nspname = :schema AND c.relkind = 'i'
+   AND t.relname IN ('jobs', 'jobs_live')  -- the partitioned layout's live partition (SPEC 8.1)
  ORDER BY c.relname
 """
 

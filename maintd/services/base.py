@@ -147,6 +147,7 @@ class PassContext:
     clock: Clock
     instance_id: str = "maintd"
     statement_timeout: timedelta = timedelta(seconds=30)
+    layout: str = "plain"  # the configured layout (SPEC 8.1); the catalog says what the table is
     fence: Fence = field(default_factory=NoFence)
     dry_run: bool = False
     stop_event: threading.Event = field(default_factory=threading.Event)
@@ -158,7 +159,7 @@ class PassContext:
     @classmethod
     def for_settings(cls, settings: "Settings", engine: Engine, clock: Clock, **kw: Any) -> "PassContext":
         return cls(engine=engine, schema=settings.schema, clock=clock, instance_id=settings.instance_id,
-                   statement_timeout=settings.statement_timeout, **kw)
+                   statement_timeout=settings.statement_timeout, layout=settings.layout, **kw)
 
     def sql(self, template: str) -> TextClause:
         return sql(template, self.schema)

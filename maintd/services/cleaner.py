@@ -44,11 +44,12 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
+from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
 from ..config import CleanerConfig
 from ..logs import kv
-from ..queries import FINAL_STATES, for_queue, jobs
+from ..queries import FINAL_STATES, catalog, for_queue, jobs
 from .base import PassContext, PassResult, Service
 
 log = logging.getLogger("maintd.cleaner")
@@ -177,9 +178,10 @@ class Cleaner(Service):
     def run_once(self, ctx: PassContext) -> CleanerResult:
         now = ctx.now()
         result = CleanerResult(dry_run=ctx.dry_run)
+        targets = self._targets(ctx)
         if ctx.dry_run:
-            return self._count(ctx, now, result)
-        for target in self.targets():
+            return self._count(ctx, now, result, targets)
+        for target in targets:
             horizon = now - target.retention
             self._delete_ancient(ctx, target, result)
             lo = self._start(ctx, target, horizon)
@@ -198,9 +200,22 @@ class Cleaner(Service):
             first = conn.execute(ctx.sql(jobs.CLEANER_FIRST_EXPIRED), target.params(horizon)).scalar()
         return None if first is None else max(first, FAR_PAST)
 
-    def _count(self, ctx: PassContext, now: datetime, result: CleanerResult) -> CleanerResult:
+    def _targets(self, ctx: PassContext) -> list[Target]:
+        """This pass's targets. On the partitioned layout the partitioner drops whole partitions
+        past the longest retention of their state (SPEC 8.1): only the targets of queues with a
+        shorter one are left to the batched DELETE."""
+        targets = self.targets()
+        if ctx.layout != "partitioned":
+            return targets
+        with ctx.read() as conn:
+            if not conn.execute(text(catalog.JOBS_PARTITIONED), {"schema": ctx.schema}).scalar():
+                return targets
+        return [t for t in targets if t.retention != self.config.longest_retention(t.state)]
+
+    def _count(self, ctx: PassContext, now: datetime, result: CleanerResult,
+               targets: list[Target]) -> CleanerResult:
         """Dry run: what a full pass would delete (one index range count per target)."""
-        for target in self.targets():
+        for target in targets:
             with ctx.transaction() as conn:
                 result.deleted[target.state] += conn.execute(
                     ctx.sql(target.statement(jobs.CLEANER_COUNT_EXPIRED)),
