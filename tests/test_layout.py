@@ -379,3 +379,120 @@ def test_dry_run_says_what_a_pass_would_do(engine, schema):
     result = run(partitioner(completed_retention="3h", premake=4), engine, schema, now=now, dry_run=True)
     assert result.detached >= 7 and result.made == 6  # 3 states x 2 more steps ahead
     assert partitions(engine, schema) == before
+
+
+# -- rows moved to another partition meanwhile (SQLSTATE 40001) -----------------------------------
+
+def waiting_on_a_lock(pg_dsn: str, schema: str) -> bool:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                            "AND query ILIKE %s", (f"%DELETE FROM \"{schema}\".jobs%",)).fetchone()[0] > 0
+
+
+def test_a_row_revived_while_the_cleaner_deletes_it_is_skipped_not_an_error(pg_dsn, engine, schema):
+    """The cleaner's DELETE waits for a row an operator's retry_jobs is moving back to the live
+    partition; when that commits, PostgreSQL fails the DELETE with 40001 (the plain layout would
+    re-check the row and pass it over). The batch is redone: the revived job lives, the rest goes."""
+    now = server_now(engine)
+    ids = insert_final(engine, schema, "completed", now - 30 * HOUR, n=20)
+    reviver = psycopg.connect(pg_dsn)
+    reviver.execute(f"SELECT * FROM {schema}.retry_jobs(ARRAY[{ids[7]}])")  # moved, not committed
+    ctx = PassContext(engine=engine, schema=schema, clock=FrozenClock(now))
+    outcome: list = []
+    cleaner = threading.Thread(target=lambda: outcome.append(Cleaner(CleanerConfig()).run_once(ctx)))
+    cleaner.start()
+    deadline = time.monotonic() + 10
+    while not waiting_on_a_lock(pg_dsn, schema) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    reviver.commit()
+    cleaner.join()
+    reviver.close()
+    assert outcome and outcome[0].deleted["completed"] == 19
+    assert ctx.moved == 1
+    assert set(where(engine, schema)) == {ids[7]}
+
+
+def test_a_worker_completing_while_an_operator_cancels(pg_dsn, engine, schema):
+    """The README's cancel and complete on one running job: the completion waits for the
+    cancel's row lock; once the cancel commits, the completion fails with 40001 on the
+    partitioned layout, which the README tells workers to read as 'not yours any more'. The job
+    is cancelled once, and nothing else happens to it."""
+    q = JobQueue(schema)
+    with engine.begin() as conn:
+        q.enqueue(conn, "k")
+    with engine.begin() as conn:
+        job = q.claim(conn, "default", "w1")[0]
+    operator = psycopg.connect(pg_dsn)
+    operator.execute(f"UPDATE {schema}.jobs SET state = 'cancelled', finalized_at = now() "
+                     f"WHERE id = %s AND state NOT IN ('completed', 'cancelled', 'discarded') RETURNING id", (job.id,))
+    errors: list[str] = []
+
+    def complete():
+        try:
+            with engine.begin() as conn:
+                errors.append("completed" if q.complete(conn, job) else "not yours")
+        except Exception as exc:
+            errors.append(getattr(getattr(exc, "orig", None), "sqlstate", repr(exc)))
+
+    worker = threading.Thread(target=complete)
+    worker.start()
+    time.sleep(0.3)
+    operator.commit()
+    worker.join()
+    operator.close()
+    assert errors == ["40001"]
+    with engine.connect() as conn:
+        assert conn.execute(sql("SELECT state::text FROM {schema}.jobs WHERE id = :id", schema),
+                            {"id": job.id}).scalar() == "cancelled"
+
+
+def test_the_rescuer_against_completions_loses_nothing(pg_dsn, engine, schema):
+    """Workers complete jobs that look stuck while the rescuer rescues them: each job ends either
+    completed (the worker's update returned it) or rescued (retryable), never both, never lost,
+    and no pass fails, though rows move to the completed partition under the rescuer's feet."""
+    from maintd.config import RescuerConfig
+    from maintd.services.rescuer import Rescuer
+
+    now = server_now(engine)
+    n = 3000
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at, attempted_by) "
+                         "SELECT 'k', 'running', 1, CAST(:at AS timestamptz), 'w' FROM generate_series(1, :n)",
+                         schema), {"at": now - 2 * HOUR, "n": n})
+        ids = [r[0] for r in conn.execute(sql("SELECT id FROM {schema}.jobs ORDER BY id", schema))]
+    completed: list[int] = []
+    stop = threading.Event()
+
+    def worker(part: list[int]):
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            for job_id in part:
+                if stop.is_set():
+                    return
+                try:
+                    row = conn.execute(f"UPDATE {schema}.jobs SET state = 'completed', finalized_at = now() "
+                                       "WHERE id = %s AND state = 'running' AND attempted_by = 'w' AND attempt = 1 "
+                                       "RETURNING id", (job_id,)).fetchone()
+                except psycopg.errors.SerializationFailure:
+                    row = None  # rescued meanwhile: not ours any more
+                if row:
+                    completed.append(job_id)
+
+    threads = [threading.Thread(target=worker, args=(ids[k::4],)) for k in range(4)]
+    for t in threads:
+        t.start()
+    service = Rescuer(RescuerConfig(batch_size=50, precise_timing=False))
+    moved, rescued = 0, 0
+    while any(t.is_alive() for t in threads):
+        ctx = PassContext(engine=engine, schema=schema, clock=FrozenClock(now))
+        rescued += service.run_once(ctx).retried  # raises on an error pass
+        moved += ctx.moved
+    stop.set()
+    for t in threads:
+        t.join()
+    with engine.connect() as conn:
+        states = dict(conn.execute(sql("SELECT id, state::text FROM {schema}.jobs", schema)).all())
+    assert len(states) == n  # nothing lost, nothing doubled
+    assert {states[i] for i in completed} == {"completed"}
+    assert sum(1 for s in states.values() if s == "retryable") == rescued
+    assert len(completed) + rescued == n
+    print(f"rescued={rescued} completed={len(completed)} batches redone (40001)={moved}")

@@ -38,6 +38,12 @@ CANCEL_TIMEOUT = 2.0  # seconds a cancel request may take (it opens its own conn
 
 
 HOLD_MAX = 0.25  # seconds: a pass sleeping this long gives its pooled connection back meanwhile
+# SQLSTATE 40001, "tuple to be locked was already moved to another partition due to concurrent
+# update": on the partitioned layout (SPEC 8.1) a row a statement meant to lock or change was moved
+# to another partition (a completion, a cancel) by a transaction that committed meanwhile. For a
+# maintenance statement that row finished meanwhile: the batch is redone, and sees it as it is now.
+MOVED_MEANWHILE = "40001"
+MOVED_MAX = 100  # redone batches per pass; past this the error is the pass's (something else)
 
 
 class NotLeader(Exception):
@@ -153,6 +159,7 @@ class PassContext:
     stop_event: threading.Event = field(default_factory=threading.Event)
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("maintd"))
     query: RunningQuery = field(default_factory=RunningQuery)
+    moved: int = 0  # batches redone because a row had moved to another partition meanwhile
     _conn: Any = field(default=None, repr=False)
     _in_session: bool = field(default=False, repr=False)
 
@@ -177,6 +184,17 @@ class PassContext:
 
     def should_stop(self) -> bool:
         return self.stop_event.is_set()
+
+    def moved_meanwhile(self, exc: BaseException) -> bool:
+        """Whether ``exc`` (from a batch's transaction, rolled back) is SQLSTATE 40001 (a row
+        moved to another partition meanwhile, see ``MOVED_MEANWHILE``): counted, and the caller
+        redoes the batch. Not an error of the pass, up to ``MOVED_MAX`` times."""
+        if getattr(getattr(exc, "orig", None), "sqlstate", None) != MOVED_MEANWHILE or self.moved >= MOVED_MAX:
+            return False
+        self.moved += 1
+        self.log.info("a row moved to another partition meanwhile (it finished): batch redone",
+                      extra={"fields": {"schema": self.schema}})
+        return True
 
     def check_stop(self) -> None:
         if self.stop_event.is_set():

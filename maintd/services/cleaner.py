@@ -257,9 +257,15 @@ class Cleaner(Service):
                 return
         while True:
             ctx.check_stop()
-            with ctx.transaction(statement_timeout_ms=self._timeout_ms(ctx), settings=self._batch_settings(ctx)) as conn:
-                n = conn.execute(ctx.sql(target.statement(jobs.CLEANER_DELETE_ANCIENT)), {
-                    **target.params(FAR_PAST), "far_past": FAR_PAST, "limit": self.batch_size}).rowcount
+            try:
+                with ctx.transaction(statement_timeout_ms=self._timeout_ms(ctx),
+                                     settings=self._batch_settings(ctx)) as conn:
+                    n = conn.execute(ctx.sql(target.statement(jobs.CLEANER_DELETE_ANCIENT)), {
+                        **target.params(FAR_PAST), "far_past": FAR_PAST, "limit": self.batch_size}).rowcount
+            except OperationalError as exc:
+                if ctx.moved_meanwhile(exc):
+                    continue
+                raise
             if n:
                 result.batches += 1
                 result.deleted[target.state] += n
@@ -308,6 +314,8 @@ class Cleaner(Service):
                  limit: int, target: Target, result: CleanerResult) -> None:
         """A batch failed: decide how to redo it (by SQLSTATE), or re-raise."""
         sqlstate = getattr(exc.orig, "sqlstate", None)
+        if ctx.moved_meanwhile(exc):  # revived (retry_jobs) meanwhile: redo the batch
+            return
         if sqlstate == LOCK_NOT_AVAILABLE and not plan.skip_locked:
             plan.skip_lock_holders()
             return
