@@ -303,6 +303,21 @@ def test_the_longest_per_queue_retention_keeps_partitions_and_the_cleaner_delete
     assert left.isdisjoint(short + default) and set(long_) <= left
 
 
+def test_expired_strays_of_the_low_catch_all_go_with_the_cleaner(engine, schema):
+    """Old jobs imported into a new partitioned table land in the low catch-all, whose own range
+    is not past the retention yet: the cleaner deletes those that are expired (a DELETE in the
+    catch-all only), the partitioner drops nothing, and proper partitions are left alone."""
+    now = server_now(engine)
+    imported = insert_final(engine, schema, "completed", now - timedelta(days=3), n=5)
+    recent = insert_final(engine, schema, "completed", now, n=2)
+    unexpired_stray = insert_final(engine, schema, "cancelled", now - 5 * HOUR)  # within 24h, kept
+    assert run(partitioner(), engine, schema, now=now).detached == 0
+    result = run(Cleaner(CleanerConfig()), engine, schema, now=now)
+    assert result.deleted["completed"] == 5
+    left = set(where(engine, schema))
+    assert left.isdisjoint(imported) and set(recent + unexpired_stray) <= left
+
+
 def test_the_cleaner_deletes_everything_on_a_partitioned_table_of_a_plain_config(engine, schema):
     """A table converted while the config still says plain: the cleaner's batched DELETE works
     on it and drops nothing."""

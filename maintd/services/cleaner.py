@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import text
@@ -49,7 +49,7 @@ from sqlalchemy.exc import OperationalError
 
 from ..config import CleanerConfig
 from ..logs import kv
-from ..queries import FINAL_STATES, catalog, for_queue, jobs
+from ..queries import FINAL_STATES, catalog, for_queue, jobs, partitions
 from .base import PassContext, PassResult, Service
 
 log = logging.getLogger("maintd.cleaner")
@@ -103,6 +103,12 @@ class Target:
     retention: timedelta
     queue: str | None  # None: every queue except ``excluded``
     excluded: tuple[str, ...]
+    # The partitioned layout's drops handle this target's rows (SPEC 8.1) but for the low
+    # catch-all's strays (rows finalized before ``until``): only those are left to the DELETE.
+    until: datetime | None = None
+
+    def horizon(self, now: datetime) -> datetime:
+        return now - self.retention if self.until is None else min(now - self.retention, self.until)
 
     def params(self, horizon: datetime) -> dict:
         return {"state": self.state, "horizon": horizon, "queue": self.queue,
@@ -182,7 +188,7 @@ class Cleaner(Service):
         if ctx.dry_run:
             return self._count(ctx, now, result, targets)
         for target in targets:
-            horizon = now - target.retention
+            horizon = target.horizon(now)
             self._delete_ancient(ctx, target, result)
             lo = self._start(ctx, target, horizon)
             if lo is not None:
@@ -202,15 +208,19 @@ class Cleaner(Service):
 
     def _targets(self, ctx: PassContext) -> list[Target]:
         """This pass's targets. On the partitioned layout the partitioner drops whole partitions
-        past the longest retention of their state (SPEC 8.1): only the targets of queues with a
-        shorter one are left to the batched DELETE."""
+        past the longest retention of their state (SPEC 8.1): the targets of queues with a shorter
+        one are left to the batched DELETE, and of the others only the expired rows of the low
+        catch-all (strays finalized before every partition: an import, a clock behind), which
+        would otherwise wait for the catch-all's own range to pass the retention."""
         targets = self.targets()
         if ctx.layout != "partitioned":
             return targets
         with ctx.read() as conn:
             if not conn.execute(text(catalog.JOBS_PARTITIONED), {"schema": ctx.schema}).scalar():
                 return targets
-        return [t for t in targets if t.retention != self.config.longest_retention(t.state)]
+            low_end = dict(conn.execute(ctx.sql(partitions.LOW_CATCH_ALLS)).all())
+        return [t if t.retention != self.config.longest_retention(t.state) else replace(t, until=low_end[t.state])
+                for t in targets]
 
     def _count(self, ctx: PassContext, now: datetime, result: CleanerResult,
                targets: list[Target]) -> CleanerResult:
@@ -219,7 +229,7 @@ class Cleaner(Service):
             with ctx.transaction() as conn:
                 result.deleted[target.state] += conn.execute(
                     ctx.sql(target.statement(jobs.CLEANER_COUNT_EXPIRED)),
-                    target.params(now - target.retention)).scalar_one()
+                    target.params(target.horizon(now))).scalar_one()
         result.batch_size = self.batch_size
         return result
 
