@@ -30,6 +30,7 @@ from .config import PeriodicJob, Settings
 from .db import advisory_key, describe_db_error, make_engine, quote_ident, session_settings
 from .queries import sql
 from .http import HttpError, Request, Response
+from .layout_status import layout_summary
 from .queries import FINAL_STATES, JOB_STATES
 from .schedules import parse_schedule
 from .queries import daemons as q_daemons
@@ -228,6 +229,7 @@ def target_overview(target: Target, *, cap: int = CAP) -> dict[str, Any]:
             "periodic": periodic_rows(conn, schema, target.periodic, now),
             "discarded": [dict(r) for r in conn.execute(sql(DISCARDED, schema),
                                                         {"n": DISCARDED_SHOWN}).mappings()],
+            "layout": layout_summary(conn, schema),
         }
         conn.rollback()
     return data

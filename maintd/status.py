@@ -11,6 +11,7 @@ from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from .db import advisory_key, describe_db_error
 from .identifiers import qualified
+from .layout_status import format_layout, layout_summary
 from .metrics import job_counts, oldest_available
 from .queries import catalog, daemons, leader, service_runs, sql
 
@@ -44,6 +45,7 @@ def collect_status(engine: Engine, schema: str) -> dict[str, Any]:
             "daemons": _rows(conn, daemons.LIVE, schema),
             "services": _rows(conn, service_runs.ALL, schema),
             "oldest_available_age_seconds": oldest_available(conn, schema),
+            "layout": {k: _iso(v) for k, v in layout_summary(conn, schema).items()},
         }
         status.update(_jobs(conn, schema))
     return status
@@ -79,6 +81,8 @@ def format_status(st: dict[str, Any]) -> str:
         for d in st["daemons"]:
             lines.append(f"  {d['instance_id']:<24} host {d['host']}  pid {d['pid']}  "
                          f"v{d['version']}  last seen {d['last_seen_at']}")
+    if st.get("layout"):
+        lines.append(format_layout(st["layout"]))
     lines += ["services:"] + _format_runs(st["services"])
     lines.append("jobs:")
     if not st["jobs"]:

@@ -511,3 +511,33 @@ def test_the_rescuer_against_completions_loses_nothing(pg_dsn, engine, schema):
     assert sum(1 for s in states.values() if s == "retryable") == rescued
     assert len(completed) + rescued == n
     print(f"rescued={rescued} completed={len(completed)} batches redone (40001)={moved}")
+
+
+# -- visibility -----------------------------------------------------------------------------------
+
+@pytest.mark.both_layouts
+def test_status_and_the_dashboard_show_the_layout_and_its_partitions(engine, pg_dsn, schema, layout, settings):
+    from maintd.dashboard import Dashboard
+    from maintd.http import Request
+    from maintd.status import collect_status, format_status
+
+    now = server_now(engine)
+    insert_final(engine, schema, "completed", "infinity")
+    insert_final(engine, schema, "discarded", now)
+    st = collect_status(engine, schema)
+    status, _, body, _ = Dashboard(lambda: settings).pages()["/"](Request("/", {}))
+    html = body.decode()
+    assert status == 200
+    if layout == "plain":
+        assert st["layout"] == {"layout": "plain"} and "layout: plain" in format_status(st)
+        assert 'data-layout="plain"' in html
+        return
+    per_state = TEST_PARTITIONS["premake"] + 1
+    assert st["layout"]["layout"] == "partitioned"
+    assert (st["layout"]["partitions"], st["layout"]["stray_rows"]) == (3 * per_state, 1)
+    assert datetime.fromisoformat(st["layout"]["newest"]) >= now + TEST_PARTITIONS["premake"] * HOUR
+    assert datetime.fromisoformat(st["layout"]["oldest"]) <= now
+    line = next(ln for ln in format_status(st).splitlines() if ln.startswith("layout:"))
+    assert f"partitioned, {3 * per_state} partitions" in line and "1 stray rows" in line
+    assert 'data-layout="partitioned"' in html
+    assert re.search(rf'id="partition-count">{3 * per_state}<', html) and ">1 stray rows<" in html

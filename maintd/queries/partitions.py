@@ -51,3 +51,11 @@ SELECT action, partition_name, range_start, range_end, row_count, estimated
 """
 
 DROP_DETACHED = "SELECT name FROM {schema}.drop_detached_partitions() AS name"
+
+# What status and the dashboard show of the partitioned layout: every final state's proper
+# partitions, the first start and the last end among them, and the rows in the catch-alls.
+SUMMARY = """
+SELECT sum(partitions) AS partitions, min(low_end) AS oldest, max(high_start) AS newest,
+       sum(low_rows + high_rows) AS stray_rows
+  FROM (""" + LAYOUT + """) AS per_state
+"""
