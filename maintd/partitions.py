@@ -131,10 +131,11 @@ HELPERS = [
     ("new_partition_table(p_state text, p_name text)", "void",
      "LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp", """
 BEGIN
-  -- A table shaped like the state's partitions (columns, checks, indexes), not yet attached.
-  EXECUTE format('CREATE TABLE {schema}.%I (LIKE {schema}.%I INCLUDING CONSTRAINTS INCLUDING INDEXES)',
-                 p_name, 'jobs_' || p_state);
-  EXECUTE format('ALTER TABLE {schema}.%I ADD PRIMARY KEY (id)', p_name);
+  -- A table shaped like the state's partitions (columns, checks, the indexes of jobs' own two,
+  -- named after the table), not yet attached.
+  EXECUTE format('CREATE TABLE {schema}.%I (LIKE {schema}.%I INCLUDING CONSTRAINTS)', p_name, 'jobs_' || p_state);
+  EXECUTE format('ALTER TABLE {schema}.%I ADD CONSTRAINT %I PRIMARY KEY (id)', p_name, p_name || '_pkey');
+@FINAL_INDEXES@
 END
 """),
     ("attach_partition(p_state text, p_name text, p_start timestamptz, p_end timestamptz)", "void",
@@ -144,6 +145,19 @@ BEGIN
                  'jobs_' || p_state, p_name,
                  CASE WHEN p_start IS NULL THEN 'MINVALUE' ELSE quote_literal(p_start) END,
                  CASE WHEN p_end IS NULL THEN 'MAXVALUE' ELSE quote_literal(p_end) END);
+END
+"""),
+    ("rename_partition(p_old text, p_new text)", "void",
+     "LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp", """
+DECLARE
+  r record;
+BEGIN
+  -- A partition's table and its indexes (named after it: new_partition_table) take a new name.
+  EXECUTE format('ALTER TABLE {schema}.%I RENAME TO %I', p_old, p_new);
+  FOR r IN SELECT i.relname FROM pg_index AS x JOIN pg_class AS i ON i.oid = x.indexrelid
+            WHERE x.indrelid = to_regclass(format('{schema}.%I', p_new)) AND starts_with(i.relname, p_old || '_') LOOP
+    EXECUTE format('ALTER INDEX {schema}.%I RENAME TO %I', r.relname, p_new || substr(r.relname, length(p_old) + 1));
+  END LOOP;
 END
 """),
     ("start_partitions(p_state text, p_step interval, p_at timestamptz DEFAULT NULL)", "void",
@@ -184,8 +198,8 @@ BEGIN
     EXECUTE format('ALTER TABLE {schema}.%I DETACH PARTITION {schema}.%I', 'jobs_' || p_state, r.partition_name);
     EXECUTE format('COMMENT ON TABLE {schema}.%I IS %L', r.partition_name, '@DETACHED@');
     IF r.partition_name = min_name THEN
-      EXECUTE format('ALTER TABLE {schema}.%I RENAME TO %I', min_name,
-                     min_name || '_' || to_char(r.range_end AT TIME ZONE 'UTC', 'YYYYMMDD"t"HH24MISS'));
+      PERFORM {schema}.rename_partition(min_name,
+                                        min_name || '_' || to_char(r.range_end AT TIME ZONE 'UTC', 'YYYYMMDD"t"HH24MISS'));
     END IF;
     action := 'detached';
     partition_name := CASE WHEN r.partition_name = min_name
@@ -196,7 +210,7 @@ BEGIN
     estimated := coalesce(CAST(p_counts -> r.partition_name ->> 1 AS boolean), true);
     RETURN NEXT;
   END LOOP;
-  EXECUTE format('ALTER TABLE {schema}.%I RENAME TO %I', min_name || '_new', min_name);
+  PERFORM {schema}.rename_partition(min_name || '_new', min_name);
   PERFORM {schema}.attach_partition(p_state, min_name, NULL, new_start);
 END
 """),
@@ -231,7 +245,7 @@ BEGIN
   EXECUTE format('ALTER TABLE {schema}.%I DETACH PARTITION {schema}.%I', 'jobs_' || p_state, max_name);
   IF x > made_from THEN
     -- Rows of the catch-all below x stay where they are: it becomes the partition [H, x).
-    EXECUTE format('ALTER TABLE {schema}.%I RENAME TO %I', max_name, {schema}.partition_name(p_state, made_from));
+    PERFORM {schema}.rename_partition(max_name, {schema}.partition_name(p_state, made_from));
     PERFORM {schema}.new_partition_table(p_state, max_name);
   END IF;
   s := x;
@@ -371,7 +385,18 @@ def drop_functions_ddl(schema: str) -> list[str]:
 
 
 def _render(body: str, schema: str) -> str:
-    return body.replace("{schema}", quote_ident(schema)).replace("@DETACHED@", DETACHED_COMMENT)
+    return (body.replace("@FINAL_INDEXES@", _final_indexes()).replace("{schema}", quote_ident(schema))
+            .replace("@DETACHED@", DETACHED_COMMENT))
+
+
+def _final_indexes() -> str:
+    """new_partition_table's statements for FINAL_INDEXES, each named ``<table>_<suffix>``
+    (jobs_finalized_idx -> jobs_completed_p20260301t120000_finalized_idx): the same definitions
+    as jobs' own, so attaching the table adopts them."""
+    return "\n".join(
+        f"  EXECUTE format('CREATE INDEX %I ON {{schema}}.%I {definition}', "
+        f"p_name || '{name.removeprefix('jobs')}', p_name);"
+        for name, definition in FINAL_INDEXES.items())
 
 
 def _name_args(signature: str) -> str:

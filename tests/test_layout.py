@@ -134,6 +134,25 @@ def test_migrate_sql_prints_the_partitioned_ddl():
     assert "SECURITY DEFINER" in plain  # the functions exist in every schema (for --convert)
 
 
+def test_the_printed_sql_builds_the_partitioned_layout(pg_dsn, engine):
+    """What `maintd migrate --sql` prints for a DBA, applied as it is (psql-style, one script)."""
+    from .conftest import new_schema_name
+
+    name = new_schema_name()
+    script = migrate.offline_sql(name, layout=migrate.Layout("partitioned", HOUR, 2))
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(script)
+    try:
+        assert [p[0] for p in partitions(engine, name)][0] == "jobs_completed_min"
+        assert len(partitions(engine, name)) == 2 + 3
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT version_num FROM " + f'"{name}"' + ".alembic_version")).scalar() == \
+                migrate.head_revision()
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA "{name}" CASCADE')
+
+
 # -- the README's worker statements, verbatim ------------------------------------------------------
 
 def readme_worker_statements(schema: str) -> list[str]:

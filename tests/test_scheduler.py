@@ -7,6 +7,7 @@ import time
 from datetime import datetime, timedelta, timezone
 
 import psycopg
+import pytest
 
 from maintd.clock import ServerClock
 from maintd.db import notify_channel
@@ -18,6 +19,9 @@ from maintd.services.scheduler import MIN_WAKE, Scheduler, SchedulerResult
 
 from .conftest import T0, run_concurrently
 from .plans import explain
+
+# Every test here runs on both jobs layouts (SPEC 8.1): tests/conftest.py.
+pytestmark = pytest.mark.both_layouts
 
 
 def add(engine, schema, *, state, due_in, queue="default", n=1):
@@ -162,6 +166,7 @@ def test_precise_timing_promotes_between_ticks(settings, engine, schema):
     """A job due 0.4 s after the tick is promoted at its time (the pass sleeps until then: on the
     wall clock, within MIN_WAKE + NOISE), not at the next tick 2 s later."""
     settings.scheduler.interval = timedelta(seconds=2)
+    states(engine, schema)  # a connection ready (and, partitioned, its partitions known) before the clock starts
     now = datetime.now(timezone.utc)
     with engine.begin() as conn:
         [jid] = [r[0] for r in conn.execute(sql(
