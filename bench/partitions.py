@@ -92,39 +92,63 @@ def start_partitions_at(engine: Engine, schema: str, at: datetime, step: timedel
             pass  # at most 50 partitions a call
 
 
-def seed(engine: Engine, schema: str, rows: int) -> None:
-    """``rows`` completed jobs finalized 26 to 50 hours ago, and LIVE available ones."""
+def seed(engine: Engine, schema: str, rows: int, hours: int) -> None:
+    """``rows`` completed jobs finalized within ``hours`` hours ending 26 hours ago (past the 24 h
+    retention, so a partition with the next hour's end is past it too), and LIVE available ones."""
     q = f'"{schema}"'
     with engine.begin() as conn:
         conn.execute(text(f"INSERT INTO {q}.jobs (kind, queue, state, attempt, attempted_at, finalized_at) "
-                          f"SELECT 'done', 'work', 'completed', 1, now() - interval '50 hours', "
-                          f"now() - interval '26 hours' - (g % 86400) * interval '1 second' "
-                          f"FROM generate_series(1, :n) g"), {"n": rows})
+                          f"SELECT 'done', 'work', 'completed', 1, now() - interval '80 hours', "
+                          f"date_trunc('hour', now()) - interval '26 hours' "
+                          f"- (g % (:hours * 3600)) * interval '1 second' - interval '1 millisecond' "
+                          f"FROM generate_series(1, :n) g"), {"n": rows, "hours": hours})
         conn.execute(text(f"INSERT INTO {q}.jobs (kind, queue) SELECT 'work', 'work' FROM generate_series(1, :n)"),
                      {"n": LIVE})
     with engine.connect() as conn:
         conn.execution_options(isolation_level="AUTOCOMMIT").execute(text(f"VACUUM ANALYZE {q}.jobs"))
 
 
-def prepare(engine: Engine, schema: str, layout: str, rows: int) -> None:
+def prepare(engine: Engine, schema: str, layout: str, rows: int, hours: int) -> None:
     fresh_schema(engine, schema, layout)
     if layout == "partitioned":
         with engine.connect() as conn:
             now = conn.execute(text("SELECT now()")).scalar()
-        start_partitions_at(engine, schema, now - 52 * HOUR)
-    seed(engine, schema, rows)
+        start_partitions_at(engine, schema, now - (hours + 28) * HOUR)
+    seed(engine, schema, rows, hours)
 
 
 # --- measurements --------------------------------------------------------------------------------
 
+def claim(engine: Engine, queue: JobQueue, worker: str, limit: int = 1):
+    with engine.begin() as conn:
+        return queue.claim(conn, "work", worker, limit)
+
+
+def complete(engine: Engine, queue: JobQueue, job) -> bool:
+    with engine.begin() as conn:
+        return queue.complete(conn, job)
+
+
+def moved_is_none(call: Callable):
+    """A worker's statement as the README says: SQLSTATE 40001 on the partitioned layout (a row
+    moved to another partition meanwhile: claimed and finished by another worker) means nothing
+    was done; the transaction was rolled back."""
+    try:
+        return call()
+    except Exception as exc:
+        if getattr(getattr(exc, "orig", None), "sqlstate", None) == "40001":
+            return None
+        raise
+
+
 def wal_lsn(url: str) -> int:
     with psycopg.connect(url, autocommit=True) as conn:
-        return conn.execute("SELECT pg_current_wal_insert_lsn() - '0/0'").fetchone()[0]
+        return int(conn.execute("SELECT pg_current_wal_insert_lsn() - '0/0'").fetchone()[0])
 
 
 def dead_tuples(url: str, schema: str) -> int:
     """Dead tuples of the jobs table (all its partitions), as the statistics say once flushed."""
-    time.sleep(1.2)  # backends flush their statistics at most once a second
+    time.sleep(11)  # an idle backend flushes its statistics within 10 s
     with psycopg.connect(url, autocommit=True) as conn:
         return int(conn.execute("SELECT coalesce(sum(n_dead_tup), 0) FROM pg_stat_user_tables "
                                 "WHERE schemaname = %s AND relname ~ '^jobs'", (schema,)).fetchone()[0])
@@ -146,8 +170,8 @@ def prune(engine: Engine, schema: str, layout: str) -> int:
     return result.deleted["completed"]
 
 
-def measure_alone(engine: Engine, url: str, schema: str, layout: str, rows: int) -> dict:
-    prepare(engine, schema, layout, rows)
+def measure_alone(engine: Engine, url: str, schema: str, layout: str, rows: int, hours: int) -> dict:
+    prepare(engine, schema, layout, rows, hours)
     before = wal_lsn(url)
     started = time.perf_counter()
     removed = prune(engine, schema, layout)
@@ -156,22 +180,26 @@ def measure_alone(engine: Engine, url: str, schema: str, layout: str, rows: int)
             "dead": dead_tuples(url, schema)}
 
 
-def measure_with_workers(engine: Engine, schema: str, layout: str, rows: int, idle: float = 5.0) -> dict:
-    """Claims/s of 4 workers in the ``idle`` seconds before the prune and during it."""
-    prepare(engine, schema, layout, rows)
+def measure_with_workers(engine: Engine, schema: str, layout: str, rows: int, hours: int,
+                         idle: float = 5.0) -> dict:
+    """Claims/s of 4 workers in the ``idle`` seconds before the prune and during it, and the
+    slowest claim plus completion during it."""
+    prepare(engine, schema, layout, rows, hours)
     queue, stop, phase = JobQueue(schema), threading.Event(), ["warmup"]
     counts = {"warmup": 0, "idle": 0, "during": 0, "after": 0}
+    slowest = {"idle": 0.0, "during": 0.0}
     lock = threading.Lock()
 
     def worker(i: int) -> None:
         while not stop.is_set():
-            with engine.begin() as conn:
-                jobs = queue.claim(conn, "work", f"w{i}", 1)
+            started, now = time.perf_counter(), phase[0]
+            jobs = moved_is_none(lambda: claim(engine, queue, f"w{i}")) or []
             if jobs:
-                with engine.begin() as conn:
-                    queue.complete(conn, jobs[0])
+                moved_is_none(lambda: complete(engine, queue, jobs[0]))
                 with lock:
                     counts[phase[0]] += 1
+                    if now in slowest and phase[0] == now:
+                        slowest[now] = max(slowest[now], time.perf_counter() - started)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
     for t in threads:
@@ -188,15 +216,18 @@ def measure_with_workers(engine: Engine, schema: str, layout: str, rows: int, id
     for t in threads:
         t.join()
     idle_rate, during_rate = counts["idle"] / idle, counts["during"] / during
-    return {"idle": idle_rate, "during": during_rate, "ratio": during_rate / idle_rate, "seconds": during}
+    return {"idle": idle_rate, "during": during_rate, "ratio": during_rate / idle_rate, "seconds": during,
+            "slowest_idle": slowest["idle"], "slowest_during": slowest["during"]}
 
 
-def bench_prune(engine: Engine, url: str, rows: int) -> None:
+def bench_prune(engine: Engine, url: str, rows: int, hours: int) -> None:
+    print(f"prune: {rows:,} expired completed jobs finalized over {hours} h ({hours} partitions of 1 h "
+          f"past the retention), {LIVE:,} live", flush=True)
     results = {}
     for layout in ("plain", "partitioned"):
         schema = f"bench_{layout}"
-        alone = measure_alone(engine, url, schema, layout, rows)
-        loaded = measure_with_workers(engine, schema, layout, rows)
+        alone = measure_alone(engine, url, schema, layout, rows, hours)
+        loaded = measure_with_workers(engine, schema, layout, rows, hours)
         with engine.connect() as conn:
             conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
             conn.commit()
@@ -205,7 +236,8 @@ def bench_prune(engine: Engine, url: str, rows: int) -> None:
         print(f"{layout:<12} removed {r['removed']:>10,} in {r['seconds']:8.3f} s  WAL {r['wal'] / 1e6:9.2f} MB  "
               f"dead tuples left {r['dead']:>10,}  workers {r['workers_idle']:7.0f}/s idle, "
               f"{r['workers_during']:7.0f}/s during the prune ({r['workers_seconds']:.3f} s) = "
-              f"{r['workers_ratio']:.2f}x", flush=True)
+              f"{r['workers_ratio']:.2f}x; slowest claim+complete {1000 * r['workers_slowest_idle']:.0f} ms idle, "
+              f"{1000 * r['workers_slowest_during']:.0f} ms during", flush=True)
     p, d = results["plain"], results["partitioned"]
     print(f"\npartitioned vs one DELETE at {rows:,} rows among {LIVE:,} live: "
           f"{p['seconds'] / d['seconds']:,.0f}x faster, WAL {100 * d['wal'] / p['wal']:.3f} % of the DELETE's, "
@@ -250,12 +282,16 @@ class Soak:
 
     def _work(self) -> None:
         while not self.stop.is_set():
-            with self.engine.begin() as conn:
-                jobs = self.queue.claim(conn, "soak", "w", 10)
-                for job in jobs:
-                    self.queue.complete(conn, job)
+            jobs = moved_is_none(lambda: self._claim_and_complete())
             if not jobs:
                 self.stop.wait(0.05)
+
+    def _claim_and_complete(self) -> list:
+        with self.engine.begin() as conn:
+            jobs = self.queue.claim(conn, "soak", "w", 10)
+            for job in jobs:
+                self.queue.complete(conn, job)
+        return jobs
 
     def _maintain(self) -> None:
         while not self.stop.wait(10):
@@ -329,6 +365,9 @@ def bench_soak(engine: Engine, url: str, minutes: float, rate: float, retention:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=1_000_000, help="expired rows to prune (default 1000000)")
+    ap.add_argument("--hours", type=int, default=1,
+                    help="hours (1 h partitions) the expired rows spread over (default 1: what a pass drops "
+                         "in the steady state; 24: a day's backlog)")
     ap.add_argument("--soak", action="store_true", help="the soak instead of the prune")
     ap.add_argument("--minutes", type=float, default=20, help="soak: minutes per run (default 20)")
     ap.add_argument("--rate", type=float, default=300, help="soak: jobs/s per layout (default 300)")
@@ -349,7 +388,7 @@ def main() -> int:
             for hold in (None, args.hold):
                 bench_soak(engine, url, args.minutes, args.rate, args.retention, step, hold)
         else:
-            bench_prune(engine, url, args.rows)
+            bench_prune(engine, url, args.rows, args.hours)
         engine.dispose()
     return 0
 

@@ -193,7 +193,9 @@ BEGIN
   FOR r IN SELECT p.partition_name FROM {schema}.job_partitions(p_state) AS p WHERE p.range_end <= p_before LOOP
     EXECUTE format('LOCK TABLE ONLY {schema}.%I IN ACCESS EXCLUSIVE MODE NOWAIT', r.partition_name);
   END LOOP;
-  PERFORM {schema}.new_partition_table(p_state, min_name || '_new');
+  IF to_regclass(format('{schema}.%I', min_name || '_new')) IS NULL THEN  -- prepare_partitions made it
+    PERFORM {schema}.new_partition_table(p_state, min_name || '_new');
+  END IF;
   FOR r IN SELECT p.* FROM {schema}.job_partitions(p_state) AS p WHERE p.range_end <= p_before LOOP
     EXECUTE format('ALTER TABLE {schema}.%I DETACH PARTITION {schema}.%I', 'jobs_' || p_state, r.partition_name);
     EXECUTE format('COMMENT ON TABLE {schema}.%I IS %L', r.partition_name, '@DETACHED@');
@@ -212,6 +214,29 @@ BEGIN
   END LOOP;
   PERFORM {schema}.rename_partition(min_name || '_new', min_name);
   PERFORM {schema}.attach_partition(p_state, min_name, NULL, new_start);
+END
+"""),
+    ("prepare_partitions(p_state text, p_step interval, p_until timestamptz, p_cap int, p_drop boolean)",
+     "void", "LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp", """
+DECLARE
+  secs float8 := extract(epoch FROM p_step);
+  s timestamptz;
+  made_to timestamptz;
+BEGIN
+  -- Before any lock on jobs_<state>: the new tables a change will attach (not attached yet, so
+  -- making them holds up no one): the low catch-all's successor, the partitions ahead.
+  IF p_drop THEN
+    PERFORM {schema}.new_partition_table(p_state, 'jobs_' || p_state || '_min_new');
+  END IF;
+  SELECT p.range_start INTO s FROM {schema}.job_partitions(p_state) AS p WHERE p.range_end IS NULL;
+  IF s >= p_until THEN
+    RETURN;
+  END IF;
+  made_to := least(s + ceil(extract(epoch FROM p_until - s) / secs) * p_step, s + p_cap * p_step);
+  WHILE s < made_to LOOP
+    PERFORM {schema}.new_partition_table(p_state, {schema}.partition_name(p_state, s));
+    s := s + p_step;
+  END LOOP;
 END
 """),
     ("make_partitions(p_state text, p_step interval, p_until timestamptz, p_cap int)",
@@ -244,13 +269,21 @@ BEGIN
   made_to := least(target, x + p_cap * p_step);
   EXECUTE format('ALTER TABLE {schema}.%I DETACH PARTITION {schema}.%I', 'jobs_' || p_state, max_name);
   IF x > made_from THEN
-    -- Rows of the catch-all below x stay where they are: it becomes the partition [H, x).
+    -- Rows of the catch-all below x stay where they are: it becomes the partition [H, x). The
+    -- tables prepare_partitions made for that range are not needed.
+    s := made_from;
+    WHILE s < x LOOP
+      EXECUTE format('DROP TABLE IF EXISTS {schema}.%I', {schema}.partition_name(p_state, s));
+      s := s + p_step;
+    END LOOP;
     PERFORM {schema}.rename_partition(max_name, {schema}.partition_name(p_state, made_from));
     PERFORM {schema}.new_partition_table(p_state, max_name);
   END IF;
   s := x;
   WHILE s < made_to LOOP
-    PERFORM {schema}.new_partition_table(p_state, {schema}.partition_name(p_state, s));
+    IF to_regclass(format('{schema}.%I', {schema}.partition_name(p_state, s))) IS NULL THEN
+      PERFORM {schema}.new_partition_table(p_state, {schema}.partition_name(p_state, s));
+    END IF;
     PERFORM {schema}.attach_partition(p_state, {schema}.partition_name(p_state, s), s, s + p_step);
     action := 'made'; partition_name := {schema}.partition_name(p_state, s);
     range_start := s; range_end := s + p_step; row_count := 0; estimated := false;
@@ -279,7 +312,7 @@ END
 # returns, body). SECURITY DEFINER, owned by the schema's owner.
 FUNCTIONS = [
     ("maintain_partitions(p_state text, p_step interval, p_make_until timestamptz, "
-     "p_drop_before timestamptz DEFAULT NULL)",
+     "p_drop_before timestamptz DEFAULT NULL, p_lock_wait_ms int DEFAULT 0)",
      "TABLE (action text, partition_name text, range_start timestamptz, range_end timestamptz, "
      "row_count bigint, estimated boolean)", """
 DECLARE
@@ -290,8 +323,9 @@ DECLARE
   needs_make boolean;
 BEGIN
   -- One state's partitions: detach those whose whole range ends by p_drop_before (NULL: none),
-  -- and make them up to p_make_until. Every lock is taken with NOWAIT: SQLSTATE 55P03 means
-  -- someone holds one now; try again later. Does nothing (takes no lock) when nothing is due.
+  -- and make them up to p_make_until. Every lock is taken with NOWAIT (SQLSTATE 55P03: someone
+  -- holds one now; try again later), but jobs_<state>'s with p_lock_wait_ms > 0: waited for at
+  -- most that long (at most 1 s). Does nothing (takes no lock) when nothing is due.
   IF p_state NOT IN ('completed', 'cancelled', 'discarded') THEN
     RAISE EXCEPTION 'maintain_partitions: % is not a final state', p_state USING ERRCODE = '22023';
   END IF;
@@ -323,7 +357,14 @@ BEGIN
       counts := counts || jsonb_build_object(r.partition_name, jsonb_build_array(n, false));
     END IF;
   END LOOP;
-  EXECUTE format('LOCK TABLE ONLY {schema}.%I IN ACCESS EXCLUSIVE MODE NOWAIT', 'jobs_' || p_state);
+  PERFORM {schema}.prepare_partitions(p_state, p_step, p_make_until, 50, coalesce(needs_drop, false));
+  IF coalesce(p_lock_wait_ms, 0) <= 0 THEN
+    EXECUTE format('LOCK TABLE ONLY {schema}.%I IN ACCESS EXCLUSIVE MODE NOWAIT', 'jobs_' || p_state);
+  ELSE  -- in the lock queue for at most that long (completions arriving meanwhile wait behind it)
+    PERFORM set_config('lock_timeout', least(p_lock_wait_ms, 1000) || 'ms', true);
+    EXECUTE format('LOCK TABLE ONLY {schema}.%I IN ACCESS EXCLUSIVE MODE', 'jobs_' || p_state);
+    PERFORM set_config('lock_timeout', '100ms', true);
+  END IF;
   IF coalesce(needs_drop, false) THEN
     RETURN QUERY SELECT * FROM {schema}.drop_expired_partitions(p_state, p_drop_before, counts);
   END IF;
@@ -335,8 +376,10 @@ END
     ("drop_detached_partitions()", "SETOF text", """
 DECLARE
   r record;
+  names text[] := '{}';
 BEGIN
-  -- Drop the tables maintain_partitions detached (marked so), each once no one holds it.
+  -- Drop the tables maintain_partitions detached (marked so) that no one holds, in one statement
+  -- (one pass over the buffer cache for all of them).
   FOR r IN SELECT c.relname FROM pg_class AS c
              JOIN pg_description AS d ON d.objoid = c.oid AND d.classoid = CAST('pg_class' AS regclass)
                                       AND d.objsubid = 0
@@ -345,12 +388,15 @@ BEGIN
             ORDER BY c.relname LOOP
     BEGIN
       EXECUTE format('LOCK TABLE {schema}.%I IN ACCESS EXCLUSIVE MODE NOWAIT', r.relname);
-      EXECUTE format('DROP TABLE {schema}.%I', r.relname);
-      RETURN NEXT r.relname;
+      names := names || r.relname;
     EXCEPTION WHEN lock_not_available THEN
       NULL;  -- someone reads it right now: next time
     END;
   END LOOP;
+  IF cardinality(names) > 0 THEN
+    EXECUTE 'DROP TABLE ' || (SELECT string_agg(format('{schema}.%I', n), ', ') FROM unnest(names) AS n);
+  END IF;
+  RETURN QUERY SELECT unnest(names);
 END
 """),
 ]

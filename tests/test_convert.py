@@ -31,6 +31,17 @@ def seed(engine, schema: str, final: int, live: int) -> None:
         conn.execute(sql("INSERT INTO {schema}.jobs (kind, unique_key) VALUES ('u', 'held')", schema))
 
 
+def moved_is_none(call):
+    """What the README tells workers: SQLSTATE 40001 (partitioned layout: a row moved to another
+    partition meanwhile, e.g. claimed and completed by another worker) means nothing was done."""
+    try:
+        return call()
+    except Exception as exc:
+        if getattr(getattr(exc, "orig", None), "sqlstate", None) == "40001":
+            return None
+        raise
+
+
 class Workload:
     """An enqueuer and workers claiming and completing (the README's statements, through
     JobQueue), each on its own connection, until stopped; what each did and its slowest call."""
@@ -75,9 +86,9 @@ class Workload:
 
     def _work(self) -> None:
         while not self.stop.is_set():
-            jobs = self._timed(lambda c: self.q.claim(c, "q", "w", limit=5))
+            jobs = moved_is_none(lambda: self._timed(lambda c: self.q.claim(c, "q", "w", limit=5))) or []
             for job in jobs:
-                if self._timed(lambda c: self.q.complete(c, job)):
+                if moved_is_none(lambda: self._timed(lambda c: self.q.complete(c, job))):
                     self.completed.append(job.id)
 
 

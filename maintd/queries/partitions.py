@@ -47,7 +47,7 @@ SELECT p.partition_name, greatest(c.reltuples, 0)::bigint AS rows
 
 MAINTAIN = """
 SELECT action, partition_name, range_start, range_end, row_count, estimated
-  FROM {schema}.maintain_partitions(:state, make_interval(secs => :step), :make_until, :drop_before)
+  FROM {schema}.maintain_partitions(:state, make_interval(secs => :step), :make_until, :drop_before, :lock_wait_ms)
 """
 
 DROP_DETACHED = "SELECT name FROM {schema}.drop_detached_partitions() AS name"

@@ -11,8 +11,11 @@ partition step. Retention comes from the ``[cleaner]`` section.
 A pass reads the layout and the catch-alls (one read-only statement); only a state that needs
 something calls ``maintain_partitions`` (maintd/partitions.py), after proving leadership, in a
 fenced transaction. Its locks are taken with ``NOWAIT``: when another session holds one (55P03),
-the call is tried again a moment later, ``TRIES`` times, then left to the next pass (``busy``),
-so no worker ever waits in the lock queue behind it. Detached tables are dropped in a fenced
+the call is tried again a moment later, so no worker waits behind it. Under a steady stream of
+completions ``jobs_<state>`` may never be free at an instant: the last of ``TRIES`` calls waits
+for it in the lock queue, at most ``LAST_TRY_WAIT_MS`` (the completions in flight end within
+milliseconds; those arriving meanwhile wait behind it); after that the state is left to the next
+pass (``busy``). Detached tables are dropped in a fenced
 transaction of their own. Rows dropped count as deleted (``maintd_jobs_deleted_total``), from
 the planner's estimate when the partition was analyzed (``estimated``), else counted.
 """
@@ -37,7 +40,10 @@ from .base import PassContext, PassResult, Service
 log = logging.getLogger("maintd.partitioner")
 
 TRIES = 10  # calls of maintain_partitions per state and pass while its locks are held by others
-RETRY_PAUSE = 0.05  # seconds between them
+RETRY_PAUSE = 0.02  # seconds between them
+# The last try waits in the lock queue for jobs_<state>, at most this long: under a steady stream
+# of completions (each holds a lock on it until its commit) there may be no instant it is free.
+LAST_TRY_WAIT_MS = 50
 LOCK_NOT_AVAILABLE = "55P03"
 
 
@@ -143,9 +149,10 @@ class Partitioner(Service):
             if attempt:
                 ctx.pause(RETRY_PAUSE)
                 result.waited_seconds += RETRY_PAUSE
+            wait = LAST_TRY_WAIT_MS if attempt == TRIES - 1 else 0
             try:
                 with ctx.transaction() as conn:
-                    rows = conn.execute(ctx.sql(q.MAINTAIN), args).all()
+                    rows = conn.execute(ctx.sql(q.MAINTAIN), {**args, "lock_wait_ms": wait}).all()
             except OperationalError as exc:
                 if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
                     raise
