@@ -3,15 +3,9 @@ the functions they call). Read-only ones read the catalog and the catch-alls; th
 through the schema's SECURITY DEFINER functions."""
 
 # Per final state: its range partitions (catch-alls included), where the low catch-all ends and
-# the high one starts (the proper partitions lie between), and the rows in each catch-all, counted
-# through jobs (pruned to the catch-all at run time; the partitions themselves are not granted).
+# the high one starts (the proper partitions lie between), and the rows in each catch-all.
 LAYOUT = """
-SELECT b.state, b.partitions, b.low_end, b.high_start,
-       (SELECT count(*) FROM {schema}.jobs AS j
-         WHERE j.state = CAST(b.state AS {schema}.job_state) AND j.finalized_at < b.low_end) AS low_rows,
-       (SELECT count(*) FROM {schema}.jobs AS j
-         WHERE j.state = CAST(b.state AS {schema}.job_state) AND j.finalized_at >= b.high_start) AS high_rows,
-       b.oldest_start
+SELECT b.state, b.partitions, b.low_end, b.high_start, c.low_rows, c.high_rows, b.oldest_start
   FROM (SELECT s.state, count(*) - 2 AS partitions,
                max(p.range_end) FILTER (WHERE p.range_start IS NULL) AS low_end,
                max(p.range_start) FILTER (WHERE p.range_end IS NULL) AS high_start,
@@ -19,6 +13,7 @@ SELECT b.state, b.partitions, b.low_end, b.high_start,
           FROM unnest(CAST(ARRAY['completed', 'cancelled', 'discarded'] AS text[])) AS s(state)
          CROSS JOIN LATERAL {schema}.job_partitions(s.state) AS p
          GROUP BY s.state) AS b
+  JOIN {schema}.catch_all_rows() AS c ON c.state = b.state
 """
 
 # Where each final state's low catch-all ends (its rows are strays finalized before every partition).
