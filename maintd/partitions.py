@@ -387,7 +387,7 @@ BEGIN
   ELSE  -- in the lock queue for at most that long (completions arriving meanwhile wait behind it)
     PERFORM set_config('lock_timeout', least(p_lock_wait_ms, 1000) || 'ms', true);
     EXECUTE format('LOCK TABLE ONLY {schema}.%I IN ACCESS EXCLUSIVE MODE', 'jobs_' || p_state);
-    PERFORM set_config('lock_timeout', '100ms', true);
+    PERFORM set_config('lock_timeout', '1s', true);
   END IF;
   IF coalesce(needs_drop, false) THEN
     RETURN QUERY SELECT * FROM {schema}.drop_expired_partitions(p_state, p_drop_before, counts);
@@ -438,7 +438,7 @@ def functions_ddl(schema: str) -> list[str]:
     for signature, returns, body in FUNCTIONS:
         out.append(f"CREATE FUNCTION {q}.{signature} RETURNS {returns}\n"
                    "LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp "
-                   "SET lock_timeout = '100ms' SET \"TimeZone\" = 'UTC'\nAS $fn$" + _render(body, schema) + "$fn$")
+                   "SET lock_timeout = '1s' SET \"TimeZone\" = 'UTC'\nAS $fn$" + _render(body, schema) + "$fn$")
         out.append(f"REVOKE EXECUTE ON FUNCTION {q}.{_name_args(signature)} FROM PUBLIC")
     return out
 
