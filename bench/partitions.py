@@ -355,7 +355,7 @@ def hold_horizon(url: str, start: float, seconds: float, stop: threading.Event) 
 def bench_soak(engine: Engine, url: str, minutes: float, rate: float, retention: str, step: timedelta,
                hold: float | None) -> None:
     print(f"\nsoak: {minutes:g} min at {rate:g} jobs/s per layout, retention {retention}, step {step}, "
-          + (f"horizon held {hold:g} s from minute 2" if hold else "no horizon held"), flush=True)
+          + (f"horizon held {hold:g} s from minute 1" if hold else "no horizon held"), flush=True)
     soaks = []
     for layout in ("plain", "partitioned"):
         fresh_schema(engine, f"soak_{layout}", layout, step)

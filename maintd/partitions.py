@@ -241,7 +241,7 @@ DECLARE
 BEGIN
   -- Before any lock on jobs_<state>: the new tables a change will attach (not attached yet, so
   -- making them holds up no one): the low catch-all's successor, the partitions ahead.
-  IF p_drop THEN
+  IF p_drop AND to_regclass(format('{schema}.%I', 'jobs_' || p_state || '_min_new')) IS NULL THEN
     PERFORM {schema}.new_partition_table(p_state, 'jobs_' || p_state || '_min_new');
   END IF;
   SELECT p.range_start INTO s FROM {schema}.job_partitions(p_state) AS p WHERE p.range_end IS NULL;
@@ -250,7 +250,9 @@ BEGIN
   END IF;
   made_to := least(s + ceil(extract(epoch FROM p_until - s) / secs) * p_step, s + p_cap * p_step);
   WHILE s < made_to LOOP
-    PERFORM {schema}.new_partition_table(p_state, {schema}.partition_name(p_state, s));
+    IF to_regclass(format('{schema}.%I', {schema}.partition_name(p_state, s))) IS NULL THEN
+      PERFORM {schema}.new_partition_table(p_state, {schema}.partition_name(p_state, s));
+    END IF;
     s := s + p_step;
   END LOOP;
 END
