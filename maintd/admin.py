@@ -31,6 +31,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from sqlalchemy import Connection, text
+from sqlalchemy.exc import DBAPIError
 
 from .db import quote_ident
 from .queries import sql
@@ -86,6 +87,14 @@ class Report:
                                  "kind": getattr(row, "kind", None),
                                  "state": getattr(row, "state", None), "reason": reason})
 
+    def merge(self, other: "Report") -> None:
+        """Add a batch's report (kept apart until its transaction committed)."""
+        self.changed_count += other.changed_count
+        self.skipped_count += other.skipped_count
+        self.transitions.update(other.transitions)
+        self.changed.extend(other.changed[:KEEP_LISTED - len(self.changed)])
+        self.skipped.extend(other.skipped[:KEEP_LISTED - len(self.skipped)])
+
     def as_json(self) -> dict[str, Any]:
         return {
             "action": self.action, "dry_run": self.dry_run, "changed": self.changed_count,
@@ -136,15 +145,38 @@ def apply_batch(conn: Connection, schema: str, action: Action, rows: Sequence[An
             report.add_skipped(r.id, r, skip_reason(action, r, now_state.get(r.id), revived))
 
 
+MOVED_TRIES = 20  # SQLSTATE 40001 (a row moved to another partition meanwhile): batch redone
+
+
+def in_batch(conn: Connection, work: Callable[[], Any]) -> Any:
+    """``work()`` in a transaction of its own. On the partitioned layout (SPEC 8.1) a job the
+    function would lock may have been moved to another partition by a transaction that committed
+    meanwhile (a worker completing it): PostgreSQL then fails the statement with SQLSTATE 40001.
+    The job finished meanwhile; the batch is redone and reports it as it is now."""
+    for attempt in range(MOVED_TRIES):
+        try:
+            with conn.begin():
+                return work()
+        except DBAPIError as exc:
+            if getattr(exc.orig, "sqlstate", None) != "40001" or attempt == MOVED_TRIES - 1:
+                raise
+
+
 def run_ids(conn: Connection, schema: str, action: Action, ids: Iterable[int],
             params: dict[str, Any], report: Report, *, batch_size: int, dry_run: bool) -> None:
     wanted = sorted(set(ids))
     for start in range(0, len(wanted), batch_size):
         chunk = wanted[start:start + batch_size]
         query = BY_IDS.format(row=ROW, applies=action.applies, to_state=action.to_state)
-        with conn.begin():
-            rows = conn.execute(sql(query, schema), {**params, "ids": chunk}).all()
-            apply_batch(conn, schema, action, rows, params, report, dry_run=dry_run)
+
+        def batch() -> tuple[list[Any], Report]:
+            part = Report(report.action, report.verb, report.dry_run)
+            found = conn.execute(sql(query, schema), {**params, "ids": chunk}).all()
+            apply_batch(conn, schema, action, found, params, part, dry_run=dry_run)
+            return found, part
+
+        rows, part = in_batch(conn, batch)
+        report.merge(part)
         report.batches += 1
         found = {r.id for r in rows}
         for job_id in chunk:
@@ -161,11 +193,17 @@ def run_filter(conn: Connection, schema: str, action: Action, flt: Filter,
     keyset: dict[str, Any] | None = None
     while True:
         query = filter_query(action, flt, first=keyset is None)
-        with conn.begin():
-            rows = conn.execute(sql(query, schema), {**params, **flt.params(), **(keyset or {}),
-                                                     "limit": batch_size}).all()
-            if rows:
-                apply_batch(conn, schema, action, rows, params, report, dry_run=dry_run)
+
+        def batch() -> tuple[list[Any], Report]:
+            part = Report(report.action, report.verb, report.dry_run)
+            found = conn.execute(sql(query, schema), {**params, **flt.params(), **(keyset or {}),
+                                                      "limit": batch_size}).all()
+            if found:
+                apply_batch(conn, schema, action, found, params, part, dry_run=dry_run)
+            return found, part
+
+        rows, part = in_batch(conn, batch)
+        report.merge(part)
         if not rows:
             return
         report.batches += 1

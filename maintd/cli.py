@@ -112,6 +112,9 @@ def _add_setup_parsers(sub) -> None:
     m.add_argument("--revision", default="head", help="target revision (default: head)")
     m.add_argument("--downgrade", metavar="REVISION",
                    help="downgrade to REVISION ('base' removes every maintd table)")
+    m.add_argument("--convert", choices=["partitioned"],
+                   help="convert a live plain jobs table to the partitioned layout (SPEC 8.1): online, "
+                        "live jobs first, resumable; run as the owner role")
 
     g = sub.add_parser("grants", help="print the SQL granting a role what the daemon (or a worker) needs",
                        description="Print GRANT statements giving ROLE exactly the privileges the "
@@ -267,8 +270,10 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     if args.sql:
         for settings in targets:
             start = args.start if args.start is not None else _schema_revision(settings)
-            sys.stdout.write(migrate.offline_sql(settings.schema, args.revision, start))
+            sys.stdout.write(migrate.offline_sql(settings.schema, args.revision, start, migrate.Layout.of(settings)))
         return EXIT_OK
+    if args.convert and args.downgrade:
+        raise ConfigError(["--convert: does not go with --downgrade"])
     failed = 0
     for settings in targets:
         try:
@@ -306,14 +311,39 @@ def _migrate_one(settings: Settings, args: argparse.Namespace) -> None:
         with engine.connect() as conn:
             if args.downgrade:
                 before, after = migrate.downgrade(conn, settings.schema, args.downgrade)
+            elif args.convert:
+                return _convert_one(conn, settings)
             else:
-                before, after = migrate.upgrade(conn, settings.schema, args.revision)
+                before, after = migrate.upgrade(conn, settings.schema, args.revision,
+                                                migrate.Layout.of(settings))
     finally:
         engine.dispose()
     if before == after:
         print(f"schema {settings.schema} is at revision {after or 'base'}; nothing to do")
     else:
         print(f"schema {settings.schema} migrated from {before or 'base'} to {after or 'base'}")
+
+
+def _convert_one(conn, settings: Settings) -> None:
+    """``migrate --convert partitioned`` of one schema, under the schema's migrate lock."""
+    from sqlalchemy import text
+
+    from . import convert, migrate
+
+    current = migrate.current_revision(conn, settings.schema)
+    conn.commit()
+    if current != migrate.head_revision():
+        raise convert.ConvertError(f"schema {settings.schema} is at revision {current or 'base'}, not "
+                                   f"{migrate.head_revision()}: run `maintd migrate` first")
+    key = migrate.lock_key(settings.schema)
+    migrate._take_lock(conn, key)
+    try:
+        convert.convert(conn, settings.schema, migrate.Layout.of(settings),
+                        say=lambda line: print(line, flush=True))
+    finally:
+        conn.rollback()
+        conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+        conn.commit()
 
 
 def cmd_run(args: argparse.Namespace) -> int:

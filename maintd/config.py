@@ -200,6 +200,12 @@ class CleanerConfig(ServiceConfig):
                 raise ValueError(f"invalid queue name {name!r}")
         return v
 
+    def longest_retention(self, state: str) -> timedelta | None:
+        """The longest retention of a final state, default or per queue (None: some keep it
+        forever): what the partitioned layout's drops follow (SPEC 8.1)."""
+        retentions = [self.retention(state)] + [self.retention(state, q) for q in self.queues]
+        return None if any(r is None for r in retentions) else max(retentions)
+
     def retention(self, state: str, queue: str | None = None) -> timedelta | None:
         """Effective retention for a final state (and queue); ``None`` keeps forever."""
         key = f"{state}_retention"
@@ -296,6 +302,26 @@ class SchedulerConfig(ServiceConfig):
     precise_timing: bool = True
 
 
+Layout = Literal["plain", "partitioned"]
+
+
+def _partition_step(v: object) -> timedelta:
+    td = parse_duration(v)
+    if td < timedelta(minutes=1):
+        raise ValueError("must be at least 1m (one partition per state and step)")
+    if td.microseconds:
+        raise ValueError("must be a whole number of seconds")
+    return td
+
+
+class PartitionsConfig(Section):
+    """``[partitions]``: the partitioned layout (SPEC 8.1). ``interval`` is the time range of one
+    final-state partition; ``premake`` how many of them the leader keeps made ahead."""
+
+    interval: Annotated[timedelta, BeforeValidator(_partition_step), _ser] = timedelta(hours=1)
+    premake: int = Field(default=24, ge=1, le=1000)
+
+
 class Scheduled(Section):
     """A section with a cron/interval ``schedule`` evaluated in ``timezone``."""
 
@@ -384,7 +410,7 @@ class CrontabJob(PeriodicJob):
 
 
 # The sections a [[targets]] entry may override (merged over the top-level ones, key by key).
-TARGET_SECTIONS = ("cleaner", "rescuer", "scheduler", "reindexer")
+TARGET_SECTIONS = ("cleaner", "rescuer", "scheduler", "reindexer", "partitions")
 
 # BaseModel has a deprecated ``schema()`` classmethod; the SPEC key is called ``schema`` anyway.
 with warnings.catch_warnings():
@@ -398,10 +424,12 @@ with warnings.catch_warnings():
         name: str | None = None  # defaults to the schema
         schema: str
         database_url: SecretStr | None = None  # defaults to the top-level one
+        layout: Layout | None = None  # defaults to the top-level one
         cleaner: dict[str, Any] | None = None
         rescuer: dict[str, Any] | None = None
         scheduler: dict[str, Any] | None = None
         reindexer: dict[str, Any] | None = None
+        partitions: dict[str, Any] | None = None
         periodic: list[dict[str, Any]] | None = None
 
         @field_validator("schema")
@@ -443,6 +471,10 @@ with warnings.catch_warnings():
         instance_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
                                  max_length=48)
         statement_timeout: PositiveDuration = timedelta(seconds=30)
+        # "plain" (one jobs table) or "partitioned" (SPEC 8.1): what `maintd migrate` builds for
+        # a new schema, and whether the leader keeps the partitions (premade, strays, retention).
+        layout: Layout = "plain"
+        partitions: PartitionsConfig = Field(default_factory=PartitionsConfig)
         leader: LeaderConfig = Field(default_factory=LeaderConfig)
         http: HttpConfig = Field(default_factory=HttpConfig)
         log: LogConfig = Field(default_factory=LogConfig)
@@ -555,7 +587,8 @@ def _target_settings(top: "Settings") -> list["Settings"]:
                 shown = t.target_name if what == "name" else t.schema
                 raise ValueError(f"targets[{i}].{what}: {shown!r} is also targets[{seen[key]}]'s {what}")
             seen[key] = i
-        update: dict[str, Any] = {"schema": t.schema, "database_url": dsn, "targets": []}
+        update: dict[str, Any] = {"schema": t.schema, "database_url": dsn, "targets": [],
+                                  "layout": t.layout or top.layout}
         for section in TARGET_SECTIONS:
             override = getattr(t, section)
             if override is not None:
@@ -713,6 +746,6 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
 
 _TOP_KEYS = {"database_url", "schema", "instance_id", "statement_timeout", "leader", "http", "log",
              "cleaner", "rescuer", "scheduler", "reindexer", "periodic", "crontab", "metrics", "targets",
-             "health"}
+             "health", "layout", "partitions"}
 # Variables of the maintd environment that are not settings.
 _KNOWN_ENV = {"MAINTD_CONFIG"}

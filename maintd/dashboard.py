@@ -32,6 +32,7 @@ from .db import advisory_key, describe_db_error, quote_ident
 from .queries import sql
 from .http import HttpError, Request, Response
 from .readers import Readers
+from .layout_status import layout_summary
 from .queries import FINAL_STATES, JOB_STATES
 from .pass_summary import describe
 from .schedules import parse_schedule
@@ -270,6 +271,7 @@ def target_overview(target: Target, *, cap: int = CAP,
                                                         {"n": DISCARDED_SHOWN}).mappings()],
             "health": health(target.name) if health else None,
             "history": health_charts(conn, schema, now),
+            "layout": layout_summary(conn, schema),
         }
         conn.rollback()
     return data

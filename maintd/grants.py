@@ -12,7 +12,8 @@ Notes on what is *not* granted:
 
 * ``jobs.id`` is an identity column: an INSERT draws from its sequence without any privilege on
   it (only ``nextval()``/``currval()`` called by hand would need USAGE).
-* The type ``job_state`` and functions are usable by PUBLIC unless revoked.
+* The type ``job_state`` and functions are usable by PUBLIC unless revoked; the partition
+  functions (SPEC 8.1) are revoked from PUBLIC, and EXECUTE on them is granted.
 * The reindexer's ``REINDEX INDEX CONCURRENTLY`` needs ownership of the jobs table (PostgreSQL 17+:
   the MAINTAIN privilege also allows the REINDEX, but not dropping a failed build's leftover
   index), so it is left to the owner role; the output says so in a comment.
@@ -28,6 +29,7 @@ from . import __version__
 from .config import validate_identifier
 from .db import quote_ident
 from .migrate import lock_key
+from .partitions import definer_functions as partition_functions
 
 PRIVILEGE_ORDER = ("SELECT", "INSERT", "UPDATE", "DELETE")
 RESERVED_ROLES = {"public", "none", "current_user", "current_role", "session_user"}
@@ -64,6 +66,14 @@ DAEMON: tuple[TableGrant, ...] = (
                "DELETE: the cleaner prunes old ones"),
 )
 
+# Functions the daemon calls whose EXECUTE is revoked from PUBLIC: the partitioned layout's DDL
+# (SPEC 8.1), run as the schema's owner (SECURITY DEFINER) so that this role needs no DDL right.
+# Granted on every schema (they exist whatever the layout), so a schema converted later works.
+DAEMON_FUNCTIONS: tuple[tuple[str, str], ...] = tuple(
+    (signature, "partitioned layout: make partitions ahead, move stray rows, drop partitions past "
+                "retention (runs as the schema's owner)")
+    for signature in partition_functions())
+
 # The README's worker SQL: enqueue, claim, heartbeat, complete, fail, cancel.
 WORKER: tuple[TableGrant, ...] = (
     TableGrant("jobs", ("SELECT", "INSERT", "UPDATE"),
@@ -88,6 +98,8 @@ def grant_statements(schema: str, role: str, *, worker: bool = False) -> list[tu
         privileges = ", ".join(p for p in PRIVILEGE_ORDER if p in grant.privileges)
         table = f"{q_schema}.{quote_ident(grant.table)}"
         out.append((f"GRANT {privileges} ON TABLE {table} TO {q_role};", grant.why))
+    for signature, why in () if worker else DAEMON_FUNCTIONS:
+        out.append((f"GRANT EXECUTE ON FUNCTION {q_schema}.{signature} TO {q_role};", why))
     return out
 
 

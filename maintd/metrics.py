@@ -125,6 +125,9 @@ class Metrics:
             Gauge, "maintd_table_last_vacuum_timestamp_seconds", "Unix time of the last vacuum (auto or "
             "manual) of a maintd table; for a partitioned one, of its least recently vacuumed partition that "
             "has dead rows; 0: never.", ("table",))
+        self.partition_stray_rows = bound(Gauge, "maintd_partition_stray_rows",
+                                          "Jobs in the partitioned layout's catch-all partitions (SPEC 8.1), "
+                                          "read by the partitioner's last pass.")
         for gauge in (self.is_leader, self.leadership_changes, self.up):
             gauge.labels()  # unlabelled series of this target exist from the start
 
@@ -139,6 +142,10 @@ class Metrics:
             for values in metric.children():
                 if values[0] not in services:
                     metric.remove(*values)
+        if "partitioner" in services:
+            self.partition_stray_rows.labels()
+        else:
+            self.partition_stray_rows.remove()
         for service in services:
             for outcome in ("success", "error", "fenced", "stopped"):
                 self.service_runs.labels(service, outcome)

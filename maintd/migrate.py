@@ -13,6 +13,8 @@ import functools
 import io
 import time
 import zlib
+from dataclasses import dataclass
+from datetime import timedelta
 from importlib import resources
 from pathlib import Path
 
@@ -34,10 +36,29 @@ def _script_location() -> str:
     return str(Path(str(resources.files("maintd.migrations"))))
 
 
-def alembic_config(schema: str) -> AlembicConfig:
+@dataclass(frozen=True)
+class Layout:
+    """What ``migrate`` builds for a new schema (SPEC 8.1): ``plain`` or ``partitioned``, with
+    the partitioned layout's step and how many steps are made ahead."""
+
+    name: str = "plain"
+    step: timedelta = timedelta(hours=1)
+    premake: int = 24
+
+    @classmethod
+    def of(cls, settings) -> "Layout":
+        return cls(settings.layout, settings.partitions.interval, settings.partitions.premake)
+
+
+PLAIN = Layout()
+
+
+def alembic_config(schema: str, layout: Layout = PLAIN) -> AlembicConfig:
     cfg = AlembicConfig()
     cfg.set_main_option("script_location", _script_location())
     cfg.attributes["schema"] = schema
+    cfg.attributes["layout"] = layout.name
+    cfg.attributes["partitions"] = layout
     return cfg
 
 
@@ -107,20 +128,22 @@ def _resolve(revision: str):
     return revs[0].revision if len(revs) == 1 else _UNKNOWN
 
 
-def upgrade(conn: Connection, schema: str, revision: str = "head") -> tuple[str | None, str | None]:
-    """Apply migrations up to ``revision``. Returns (before, after). Safe to run concurrently."""
-    return _run(conn, schema, _resolve(revision), lambda cfg: command.upgrade(cfg, revision))
+def upgrade(conn: Connection, schema: str, revision: str = "head",
+            layout: Layout = PLAIN) -> tuple[str | None, str | None]:
+    """Apply migrations up to ``revision``. Returns (before, after). Safe to run concurrently.
+    ``layout`` is what a new schema's jobs table is built as (an existing one is left as it is)."""
+    return _run(conn, schema, _resolve(revision), lambda cfg: command.upgrade(cfg, revision), layout)
 
 
 def downgrade(conn: Connection, schema: str, revision: str) -> tuple[str | None, str | None]:
     return _run(conn, schema, _resolve(revision), lambda cfg: command.downgrade(cfg, revision))
 
 
-def _run(conn: Connection, schema: str, target, action) -> tuple[str | None, str | None]:
+def _run(conn: Connection, schema: str, target, action, layout: Layout = PLAIN) -> tuple[str | None, str | None]:
     key = lock_key(schema)
     _take_lock(conn, key)
     try:
-        return _migrate(conn, schema, target, action)
+        return _migrate(conn, schema, target, action, layout)
     except DBAPIError as exc:
         if isinstance(exc.orig, pg_errors.InsufficientPrivilege):
             raise MigratePermissionError(
@@ -133,11 +156,23 @@ def _run(conn: Connection, schema: str, target, action) -> tuple[str | None, str
         conn.commit()
 
 
+def jobs_partitioned(op) -> bool:
+    """In a migration: whether the schema's jobs table is partitioned (SPEC 8.1), read from the
+    catalog (offline, from the layout asked for)."""
+    ctx = op.get_context()
+    if ctx.as_sql:
+        return ctx.config.attributes.get("layout") == "partitioned"
+    return bool(op.get_bind().execute(text(catalog.JOBS_PARTITIONED),
+                                      {"schema": ctx.version_table_schema}).scalar())
+
+
 def build_index_concurrently(op, name: str, definition: str) -> None:
     """In a migration: ``CREATE INDEX CONCURRENTLY`` of ``name`` on the schema's jobs table
     (``definition``: the columns and any ``WHERE``), outside a transaction so that workers keep
     writing while it builds. A build interrupted half-way leaves an invalid index: it is dropped
-    first and built again."""
+    first and built again. A partitioned jobs table was built with its indexes (migration 0001)."""
+    if jobs_partitioned(op):
+        return
     schema = quote_ident(op.get_context().version_table_schema)
     with op.get_context().autocommit_block():
         op.execute(f"""
@@ -154,6 +189,8 @@ END $$""")
 
 def drop_index_concurrently(op, name: str) -> None:
     """In a migration's downgrade: the index built by :func:`build_index_concurrently`."""
+    if jobs_partitioned(op):
+        return
     schema = quote_ident(op.get_context().version_table_schema)
     with op.get_context().autocommit_block():
         op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {schema}.{name}")
@@ -214,7 +251,7 @@ def _take_lock(conn: Connection, key: int) -> None:
         time.sleep(LOCK_POLL)
 
 
-def _migrate(conn: Connection, schema: str, target, action) -> tuple[str | None, str | None]:
+def _migrate(conn: Connection, schema: str, target, action, layout: Layout = PLAIN) -> tuple[str | None, str | None]:
     state = conn.execute(text(catalog.SCHEMA_PRIVILEGES), {"schema": schema}).one()
     before = current_revision(conn, schema) if state.schema_usage else None
     conn.commit()
@@ -224,7 +261,7 @@ def _migrate(conn: Connection, schema: str, target, action) -> tuple[str | None,
     if not state.schema_exists:
         conn.execute(text(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}"))
         conn.commit()
-    cfg = alembic_config(schema)
+    cfg = alembic_config(schema, layout)
     cfg.attributes["connection"] = conn
     action(cfg)
     conn.commit()
@@ -256,7 +293,7 @@ def check_privileges(state, schema: str) -> None:
             f"them): {fix}")
 
 
-def offline_sql(schema: str, revision: str = "head", start: str | None = None) -> str:
+def offline_sql(schema: str, revision: str = "head", start: str | None = None, layout: Layout = PLAIN) -> str:
     """The SQL of the migrations from ``start`` (None: base) to ``revision``, for a DBA to review
     or apply by hand; a comment saying so when there is nothing to do."""
     target = _resolve(revision)
@@ -265,7 +302,7 @@ def offline_sql(schema: str, revision: str = "head", start: str | None = None) -
         return (f"-- schema {schema} is at revision {target or 'base'}"
                 f"{' (head)' if target == head_revision() else ''}; nothing to do\n")
     buf = io.StringIO()
-    cfg = alembic_config(schema)
+    cfg = alembic_config(schema, layout)
     cfg.attributes["output_buffer"] = buf
     command.upgrade(cfg, f"{start}:{revision}" if begin is not None else revision, sql=True)
     return buf.getvalue()

@@ -141,6 +141,8 @@ def _observe(metrics: Metrics, service: Service, record: PassRecord, ctx: PassCo
     metrics.service_run_seconds.labels(record.service).observe(record.seconds)
     if record.outcome is Outcome.SUCCESS:
         metrics.service_last_success.labels(record.service).set(record.finished_at.timestamp())
+    if ctx.moved:  # SQLSTATE 40001 on the partitioned layout: rows finished meanwhile, skipped
+        metrics.rows_skipped.labels(record.service, "moved").inc(ctx.moved)
     if record.result is not None and not ctx.dry_run:
         service.observe(metrics, record.result)
         for reason, n in record.result.skipped_rows().items():

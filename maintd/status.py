@@ -18,6 +18,7 @@ from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from .db import advisory_key, describe_db_error
 from .identifiers import qualified
+from .layout_status import format_layout, layout_summary
 from .metrics import JobCounts, bounded_jobs, bounded_result, job_counts, oldest_available
 from .pass_summary import annotate, describe, seconds
 from .queries import catalog, daemons, leader, service_runs, sql
@@ -59,6 +60,7 @@ def collect_status(engine: Engine, schema: str, *, jobs: dict[str, Any] | None =
             "leader": _leader(lead[0] if lead else None),
             **replicas(_rows(conn, daemons.REGISTERED, schema)),
             "services": [{**r, **annotate(r["service"], r["result"])} for r in services],
+            "layout": {k: _iso(v) for k, v in layout_summary(conn, schema).items()},
         }
         # The leader's figures are bounded already (JobGauges keeps them as shown).
         status.update(bounded_jobs(_count(conn, schema), max_queues) if jobs is None else jobs)
@@ -134,6 +136,8 @@ def format_status(st: dict[str, Any]) -> str:
     for d in st.get("gone", []):
         lines.append(f"  {d['instance_id']:<24} host {d['host']}  pid {d['pid']}  "
                      f"v{d['version']}  gone (no lock session)")
+    if st.get("layout"):
+        lines.append(format_layout(st["layout"]))
     lines += ["services:"] + _format_runs(st["services"])
     lines.append("jobs:")
     if not st["jobs"]:

@@ -19,6 +19,8 @@ if context.is_offline_mode():
         version_table_schema=schema,
         output_buffer=config.attributes.get("output_buffer"),
         transactional_ddl=True,
+        # SQL for psql: a "%" stays one (the default pyformat style would print "%%").
+        dialect_opts={"paramstyle": "named"},
     )
     with context.begin_transaction():
         context.execute(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}")

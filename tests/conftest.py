@@ -143,13 +143,38 @@ def new_schema_name() -> str:
     return f"t_{uuid.uuid4().hex[:12]}"
 
 
+LAYOUTS = ("plain", "partitioned")
+# The partitioned layout of the tests: SPEC 8.1's default step, two steps made ahead (a test's
+# frozen clock is in the past, so its final jobs land in the low catch-all unless it says otherwise).
+TEST_PARTITIONS = {"interval": "1h", "premake": 2}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test (or module, ``pytestmark``) marked ``both_layouts`` that uses the ``schema`` fixture
+    runs once per jobs layout (SPEC 8.1): ``plain`` and ``partitioned``."""
+    if "layout" in metafunc.fixturenames and metafunc.definition.get_closest_marker("both_layouts"):
+        metafunc.parametrize("layout", LAYOUTS, indirect=True)
+
+
 @pytest.fixture
-def schema(pg_dsn: str) -> Iterator[str]:
+def layout(request: pytest.FixtureRequest) -> str:
+    """The jobs layout of this test's schema: ``plain`` unless the test is marked ``both_layouts``."""
+    return getattr(request, "param", "plain")
+
+
+def migrate_layout(layout: str) -> migrate.Layout:
+    from datetime import timedelta
+
+    return migrate.Layout(layout, timedelta(hours=1), TEST_PARTITIONS["premake"])
+
+
+@pytest.fixture
+def schema(pg_dsn: str, layout: str) -> Iterator[str]:
     """A freshly migrated schema of this test's own, dropped afterwards."""
     name = new_schema_name()
     engine = make_engine(pg_dsn, application_name="maintd-test-migrate", pooled=False)
     with engine.connect() as conn:
-        migrate.upgrade(conn, name)
+        migrate.upgrade(conn, name, layout=migrate_layout(layout))
     try:
         yield name
     finally:
@@ -162,9 +187,9 @@ def schema(pg_dsn: str) -> Iterator[str]:
 
 
 @pytest.fixture
-def settings(pg_dsn: str, schema: str) -> Settings:
+def settings(pg_dsn: str, schema: str, layout: str) -> Settings:
     return Settings(database_url=pg_dsn, schema=schema, instance_id="test-1",
-                    http={"listen": "127.0.0.1:0"})
+                    http={"listen": "127.0.0.1:0"}, layout=layout, partitions=TEST_PARTITIONS)
 
 
 @pytest.fixture

@@ -32,3 +32,23 @@ def explain(conn: Connection, statement: str, schema: str, params: dict, *, gene
         return "\n".join(r[0] for r in conn.exec_driver_sql(f"EXPLAIN EXECUTE maintd_plan_test{args}"))
     finally:
         conn.exec_driver_sql("DEALLOCATE maintd_plan_test")
+
+
+def index_names(layout: str, *names: str) -> tuple[str, ...]:
+    """How EXPLAIN names these indexes of jobs (each as given, with its trailing space if any).
+    On the partitioned layout (SPEC 8.1) the final states' partitions have their own, named after
+    the partition (``jobs_completed_p20260301t120000_finalized_idx``), and every partition its own
+    primary key (``..._pkey``): the plan shows the part after ``jobs``."""
+    if layout != "partitioned":
+        return names
+    return tuple(n.removeprefix("jobs") if n.startswith(("jobs_finalized", "jobs_pkey")) else n for n in names)
+
+
+SEQ_SCAN = re.compile(r"Seq Scan on (\S+)[^\n]*?\(cost=[\d.]+\.\.([\d.]+)")
+
+
+def seq_scans(plan: str, layout: str = "plain") -> list[str]:
+    """The relations a plan reads whole. On the partitioned layout a partition that is empty
+    (estimated cost under 1) may be read so: nothing to read there (the planner's choice for a
+    relation of no page)."""
+    return [m.group(1) for m in SEQ_SCAN.finditer(plan) if layout != "partitioned" or float(m.group(2)) >= 1.0]

@@ -39,6 +39,9 @@ from maintd.status import collect_status
 
 from .conftest import T0
 
+# Every test here runs on both jobs layouts (SPEC 8.1): tests/conftest.py.
+pytestmark = pytest.mark.both_layouts
+
 # Timestamps psycopg cannot turn into a Python datetime.
 TOO_LATE = ["infinity", "10000-01-01 00:00:00+00"]
 TOO_EARLY = ["-infinity", "0044-03-15 00:00:00+00 BC", "0001-01-01 00:00:00+00"]

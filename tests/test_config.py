@@ -80,7 +80,7 @@ def test_example_config_is_valid_and_documents_every_key():
     # Every key of every section appears in the example (set or commented out).
     sections = {"": Settings, "leader": None, "http": None, "log": None, "cleaner": None,
                 "rescuer": None, "scheduler": None, "reindexer": None, "periodic": None, "metrics": None,
-                    "health": None}
+                    "health": None, "partitions": None}
     from maintd.config import PeriodicJob
     for name in sections:
         model = Settings if name == "" else (
@@ -159,12 +159,38 @@ def test_config_path_from_env(tmp_path, monkeypatch):
     ("[log]\nformat = 'xml'", "log.format"),
     ("database_url = 'mysql://x@y/z'", "database_url"),
     ("schema = ", "invalid TOML"),
+    ("layout = 'sharded'", "layout: Input should be 'plain' or 'partitioned'"),
+    ("[partitions]\ninterval = '30s'", "partitions.interval: must be at least 1m"),
+    ("[partitions]\ninterval = '90.5s'", "partitions.interval: must be a whole number of seconds"),
+    ("[partitions]\npremake = 0", "partitions.premake"),
+    ("[partitions]\nsteps = 3", "partitions.steps: unknown key"),
+    ("[[targets]]\nschema = 'a'\nlayout = 'heap'", "targets[0].layout: Input should be 'plain' or 'partitioned'"),
+    ("[[targets]]\nschema = 'a'\npartitions = { interval = '10s' }",
+     "targets[0].partitions.interval: must be at least 1m"),
 ])
 def test_bad_config_names_the_key(tmp_path, body, key):
     p = write(tmp_path, body)
     with pytest.raises(ConfigError) as err:
         load_settings(p)
     assert key in str(err.value)
+
+
+def test_layout_top_level_and_per_target(tmp_path):
+    s = load_settings(write(tmp_path, """
+layout = "partitioned"
+[partitions]
+interval = "15m"
+[[targets]]
+schema = "a"
+[[targets]]
+schema = "b"
+layout = "plain"
+partitions = { premake = 4 }
+"""))
+    a, b = s.target_settings()
+    assert (a.layout, a.partitions.interval, a.partitions.premake) == ("partitioned", timedelta(minutes=15), 24)
+    assert (b.layout, b.partitions.interval, b.partitions.premake) == ("plain", timedelta(minutes=15), 4)
+    assert Settings().layout == "plain" and Settings().partitions.interval == timedelta(hours=1)
 
 
 def test_unknown_env_setting_is_an_error(monkeypatch):

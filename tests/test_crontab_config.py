@@ -106,6 +106,7 @@ def test_jobs_get_the_payload_and_cron_metadata(tmp_path, pg_dsn, schema, engine
     assert got[-1].args["_cron"] == {"ts": "2026-03-02T04:00:00.000Z", "backfilled": False}
 
 
+@pytest.mark.both_layouts  # the UPDATE-then-INSERT of queries.jobs.ENQUEUE_REPLACING (SPEC 8.1)
 @pytest.mark.parametrize("mode, keeps_run_at", [("replace", False), ("preserve_run_at", True)])
 def test_job_key_modes_update_the_waiting_job(tmp_path, pg_dsn, schema, engine, mode, keeps_run_at):
     settings = load_settings(write_config(

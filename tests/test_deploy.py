@@ -453,7 +453,10 @@ def run_daemon_until_it_cleans(pg_dsn: str, roles: Roles, argv: list[str], env: 
 
 
 @pytest.mark.slow
-def test_systemd_units_deploy_with_an_owner_and_a_runtime_role(pg_dsn, deploy_roles, tmp_path):
+@pytest.mark.both_layouts
+def test_systemd_units_deploy_with_an_owner_and_a_runtime_role(pg_dsn, deploy_roles, layout, tmp_path):
+    """On the partitioned layout (SPEC 8.1) too: the owner's migrate builds the partitions and
+    their functions, the runtime role (no DDL right) runs the partitioner and the cleaner."""
     r = deploy_roles
     daemon = parse_unit(DEPLOY / "systemd" / "maintd.service")
     migrate = parse_unit(DEPLOY / "systemd" / "maintd-migrate.service")
@@ -466,7 +469,7 @@ def test_systemd_units_deploy_with_an_owner_and_a_runtime_role(pg_dsn, deploy_ro
     env_files = {owner_env: {"MAINTD_DATABASE_URL": r.dsn[OWNER_ROLE]},
                  runtime_env: {"MAINTD_DATABASE_URL": r.dsn[RUNTIME_ROLE]}}
     config = tmp_path / "maintd.toml"
-    config.write_text(f'schema = "{r.schema}"\n[http]\nlisten = "127.0.0.1:0"\n'
+    config.write_text(f'schema = "{r.schema}"\nlayout = "{layout}"\n[http]\nlisten = "127.0.0.1:0"\n'
                       '[cleaner]\ninterval = "1s"\n')
     # `systemctl start maintd`: the migrate unit's commands (Wants= + After=), then the daemon's.
     steps = [(localize(shlex.split(line), config, r), env_files[owner_env])

@@ -36,7 +36,7 @@ from .conftest import run_concurrently
 
 # Not the daemon's SQL: worker helpers (the worker role's), the demo's workload, DDL (the owner's),
 # the operator's commands (`maintd jobs`, `maintd periodic`: run with an operator's role).
-NOT_DAEMON = {"maintd.jobs", "maintd.demo", "maintd.embedded", "maintd.migrate", "maintd.grants",
+NOT_DAEMON = {"maintd.jobs", "maintd.demo", "maintd.embedded", "maintd.migrate", "maintd.grants", "maintd.partitions",
               "maintd.__main__", "maintd.admin", "maintd.queries.admin", "maintd.periodic_table"}
 
 
@@ -66,10 +66,18 @@ def sql_texts(module) -> list[str]:
     return texts
 
 
+FUNCTION_CALL = re.compile(r"(?<!INTO )\{schema\}\.(\w+)\s*\(", re.I)
+
+
+def functions_of(statement: str) -> set[str]:
+    """The schema's functions a statement calls (EXECUTE)."""
+    return set(FUNCTION_CALL.findall(" ".join(statement.split())))
+
+
 def privileges_of(statement: str) -> dict[str, set[str]]:
     """Table privileges a statement needs (PostgreSQL's rules: RETURNING, ON CONFLICT and WHERE
-    read columns, so they need SELECT; row locks need UPDATE)."""
-    s = " ".join(statement.split())
+    read columns, so they need SELECT; row locks need UPDATE). Function calls are not tables."""
+    s = FUNCTION_CALL.sub("f(", " ".join(statement.split()))
     need: dict[str, set[str]] = {}
 
     def add(table: str, *privs: str) -> None:
@@ -135,6 +143,17 @@ def test_daemon_grants_are_what_its_sql_needs():
     need = derived(daemon_modules())
     need.setdefault("alembic_version", set()).add("SELECT")  # read by Alembic, not by a template
     assert declared(grants.DAEMON) == need
+
+
+def test_daemon_function_grants_are_what_its_sql_calls():
+    """EXECUTE is granted on each function the daemon calls that migrate revoked from PUBLIC."""
+    from maintd import partitions
+
+    called = {f for m in daemon_modules() for t in sql_texts(m) for f in functions_of(expanded(t))}
+    public = {"job_partitions", "catch_all_rows"}  # read-only, left to PUBLIC (maintd/partitions.py)
+    granted = {signature.split("(")[0] for signature, _ in grants.DAEMON_FUNCTIONS}
+    assert called == granted | public
+    assert granted == {name.split("(")[0] for name in partitions.definer_functions()}
 
 
 def test_worker_grants_are_what_the_worker_sql_needs():
@@ -218,10 +237,13 @@ def table_privileges(pg_dsn: str, schema: str, role: str) -> dict[str, set[str]]
     return out
 
 
+@pytest.mark.both_layouts
 def test_grants_cover_every_table_migrate_creates(pg_dsn, schema):
+    """Partitions are read and written through jobs: only its privileges are checked."""
     with psycopg.connect(pg_dsn) as conn:
         tables = {r[0] for r in conn.execute(
-            "SELECT tablename FROM pg_tables WHERE schemaname = %s", (schema,))}
+            "SELECT c.relname FROM pg_class c WHERE c.relnamespace = to_regnamespace(%s) "
+            "AND c.relkind IN ('r', 'p') AND NOT c.relispartition", (schema,))}
         sequences = conn.execute("""
             SELECT c.relname, d.deptype FROM pg_class c
               JOIN pg_namespace n ON n.oid = c.relnamespace
@@ -233,6 +255,7 @@ def test_grants_cover_every_table_migrate_creates(pg_dsn, schema):
     assert sequences and {deptype for _, deptype in sequences} == {"i"}
 
 
+@pytest.mark.both_layouts
 @pytest.mark.parametrize("worker", [False, True], ids=["daemon", "worker"])
 def test_printed_sql_grants_exactly_the_declared_privileges(pg_dsn, schema, worker):
     with login_role(pg_dsn) as role:
@@ -242,7 +265,11 @@ def test_printed_sql_grants_exactly_the_declared_privileges(pg_dsn, schema, work
             usage, create, db_create = conn.execute(
                 "SELECT has_schema_privilege(%s, 'USAGE'), has_schema_privilege(%s, 'CREATE'), "
                 "has_database_privilege(current_database(), 'CREATE')", (schema, schema)).fetchone()
+            executable = {name: conn.execute("SELECT has_function_privilege(%s, 'EXECUTE')",
+                                             (f'"{schema}".{name}',)).fetchone()[0]
+                          for name, _ in grants.DAEMON_FUNCTIONS}
         assert (usage, create, db_create) == (True, False, False)
+        assert set(executable.values()) == {not worker}  # revoked from PUBLIC, granted to the daemon
 
 
 def test_apply_from_several_replicas_at_once(pg_dsn, schema):
@@ -255,7 +282,7 @@ def test_apply_from_several_replicas_at_once(pg_dsn, schema):
                 return grants.apply(conn, [schema], role)
 
         try:  # unserialized, concurrent GRANTs on one table fail with "tuple concurrently updated"
-            assert run_concurrently(go, 4) == [len(grants.DAEMON) + 1] * 4
+            assert run_concurrently(go, 4) == [len(grants.DAEMON) + len(grants.DAEMON_FUNCTIONS) + 1] * 4
         finally:
             for engine in engines:
                 engine.dispose()
@@ -276,9 +303,9 @@ def test_a_quoted_reserved_word_is_a_usable_role_name(pg_dsn, schema):
             conn.execute('DROP ROLE "select"')
 
 
-def write_config(tmp_path, schema: str, extra: str = "") -> str:
+def write_config(tmp_path, schema: str, extra: str = "", top: str = "") -> str:
     cfg = tmp_path / "maintd.toml"
-    cfg.write_text(f'schema = "{schema}"\ninstance_id = "grants-test"\n'
+    cfg.write_text(f'schema = "{schema}"\ninstance_id = "grants-test"\n{top}'
                    '[http]\nlisten = "127.0.0.1:0"\n' + extra)
     return str(cfg)
 
@@ -296,14 +323,29 @@ def job_states(pg_dsn: str, schema: str) -> dict[str, str]:
         return dict(conn.execute(f'SELECT kind, state::text FROM "{schema}".jobs').fetchall())
 
 
-def test_daemon_role_runs_every_service_status_and_migrate(pg_dsn, schema, tmp_path):
+@pytest.mark.both_layouts
+def test_daemon_role_runs_every_service_status_and_migrate(pg_dsn, schema, layout, tmp_path):
+    """On the partitioned layout (SPEC 8.1) the role also makes and drops partitions, through the
+    partition functions only: the completed state's partitions start three days back (no leader
+    made them since), so the old job is in the high catch-all; the first pass closes it into a
+    partition of its range, the second drops that partition (past 24h)."""
     periodic = '[[periodic]]\nid = "g"\nschedule = "@hourly"\nkind = "g.tick"\nrun_on_start = true\n'
-    cfg = write_config(tmp_path, schema, periodic)
+    cfg = write_config(tmp_path, schema, periodic, top=f'layout = "{layout}"\n')
+    services = ["cleaner", "rescuer", "scheduler", "periodic"]
+    if layout == "partitioned":
+        from datetime import timedelta
+
+        from .test_layout import restart, server_now
+
+        engine = make_engine(pg_dsn, application_name="grants-restart", pooled=False)
+        restart(engine, schema, "completed", server_now(engine) - timedelta(days=3))
+        engine.dispose()
+        services += ["partitioner", "partitioner"]
     seed(pg_dsn, schema)
     with login_role(pg_dsn) as role:
         apply(pg_dsn, grants.render([schema], role))
         env = {"MAINTD_DATABASE_URL": role_dsn(pg_dsn, role)}
-        for service in ("cleaner", "rescuer", "scheduler", "periodic"):
+        for service in services:
             res = cli("--config", cfg, "run-once", service, env=env)
             assert res.returncode == 0 and '"outcome": "success"' in res.stdout, (service, res.stdout + res.stderr)
         states = job_states(pg_dsn, schema)
@@ -361,6 +403,7 @@ def test_daemon_role_runs_a_daemon_with_two_targets(pg_dsn, schema, tmp_path):
         engine.dispose()
 
 
+@pytest.mark.both_layouts
 def test_worker_role_runs_the_worker_sql_and_nothing_else(pg_dsn, schema):
     with login_role(pg_dsn, "app_worker") as role:
         apply(pg_dsn, grants.render([schema], role, worker=True))

@@ -17,6 +17,9 @@ from .conftest import run_concurrently
 from maintd.services.base import PassContext
 from maintd.services.periodic import PeriodicEnqueuer
 
+# Every test here runs on both jobs layouts (SPEC 8.1): tests/conftest.py.
+pytestmark = pytest.mark.both_layouts
+
 UTC = timezone.utc
 START = datetime(2026, 3, 1, 12, 0, 0, 500000, tzinfo=UTC)
 

@@ -21,6 +21,9 @@ from maintd.services.periodic import PeriodicEnqueuer
 
 from .procs import DaemonProc, wait_for
 
+# Every test here runs on both jobs layouts (SPEC 8.1): tests/conftest.py.
+pytestmark = pytest.mark.both_layouts
+
 UTC = timezone.utc
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 

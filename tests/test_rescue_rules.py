@@ -33,6 +33,9 @@ from .procs import wait_for
 from .conftest import T0
 from .plans import explain
 
+# Every test here runs on both jobs layouts (SPEC 8.1): tests/conftest.py.
+pytestmark = pytest.mark.both_layouts
+
 S = timedelta(seconds=1)
 
 

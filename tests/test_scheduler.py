@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 
 import psycopg
+import pytest
 
 from maintd.clock import ServerClock
 from maintd.db import notify_channel
@@ -19,6 +20,9 @@ from maintd.services.scheduler import MIN_WAKE, Scheduler, SchedulerResult
 from .conftest import T0, run_concurrently
 from .plans import explain
 from .procs import wait_for
+
+# Every test here runs on both jobs layouts (SPEC 8.1): tests/conftest.py.
+pytestmark = pytest.mark.both_layouts
 
 
 def add(engine, schema, *, state, due_in, queue="default", n=1):

@@ -132,7 +132,11 @@ def test_same_schema_on_two_databases_is_two_targets(tmp_path):
 
 
 def test_pool_size_grows_slowly_with_the_targets():
-    assert pool_size(1) == 6 and pool_size(8) == 10 and pool_size(200) == 100 and pool_size(10_000) == 100
+    from maintd.services import SERVICES
+
+    one = len(SERVICES) + 1  # a connection per service (6 services: the partitioner, SPEC 8.1) and the gauges
+    assert one == 7
+    assert pool_size(1) == one and pool_size(8) == one + 4 and pool_size(200) == 100 and pool_size(10_000) == 100
 
 
 # -- the spread, without a database ---------------------------------------------------------------

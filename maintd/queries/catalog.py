@@ -12,6 +12,12 @@ WROTE = "SELECT txid_current_if_assigned() IS NOT NULL"
 
 TABLE_EXISTS = "SELECT to_regclass(:qualified) IS NOT NULL"
 
+# Is the schema's jobs table partitioned (SPEC 8.1)? False when it is plain or missing.
+JOBS_PARTITIONED = """
+SELECT coalesce((SELECT c.relkind = 'p' FROM pg_class c
+                  WHERE c.oid = to_regclass(format('%I.jobs', CAST(:schema AS text)))), false)
+"""
+
 # can_reindex: whether this role may REINDEX (and DROP) the index: a superuser, a member of the
 # table's owner role, or (PostgreSQL 17+) a holder of MAINTAIN on the table.
 JOBS_INDEXES = """
@@ -24,7 +30,8 @@ SELECT c.relname AS name, i.indisvalid AS valid, pg_relation_size(c.oid) AS byte
   JOIN pg_class c ON c.oid = i.indexrelid
   JOIN pg_class t ON t.oid = i.indrelid
   JOIN pg_namespace n ON n.oid = t.relnamespace
- WHERE n.nspname = :schema AND t.relname = 'jobs'
+ WHERE n.nspname = :schema AND c.relkind = 'i'
+   AND t.relname IN ('jobs', 'jobs_live')  -- the partitioned layout's live partition (SPEC 8.1)
  ORDER BY c.relname
 """
 

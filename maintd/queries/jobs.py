@@ -8,30 +8,46 @@ Times the daemon passes in (``:now``, horizons) come from the server's clock
 # -- workers (maintd.jobs.JobQueue) ---------------------------------------------------------------
 
 # ({enqueue}: the INSERT of a job, see maintd/queries/__init__.py.) Also the periodic enqueuer's,
-# with scheduled_at = the slot.
+# with scheduled_at = the slot. No conflict target: on the partitioned layout (SPEC 8.1) the unique
+# index on unique_key is the live partition's, and PostgreSQL infers a target only from the
+# partitioned table's own indexes (which cannot be unique without the partition key); without a
+# target every unique index of the partition the row goes to is an arbiter, on both layouts.
 ENQUEUE = """
 {enqueue}
-ON CONFLICT (unique_key)
-   WHERE unique_key IS NOT NULL AND state NOT IN {final_states}
-   DO NOTHING
+ON CONFLICT DO NOTHING
 RETURNING id
 """
 
 # The periodic enqueuer's, for an entry with a job key mode (graphile-worker's jobKeyMode): a
 # waiting job holding the key takes the new args (and, unless :preserve_run_at, the new run time
-# and the state that goes with it); a running one is left alone (no row returned).
+# and the state that goes with it); a running one is left alone (no row returned). An UPDATE,
+# then the INSERT if it changed nothing (ON CONFLICT DO UPDATE needs a conflict target: see
+# ENQUEUE); a running holder makes the INSERT conflict, and nothing is returned.
 ENQUEUE_REPLACING = """
-{enqueue}
-ON CONFLICT (unique_key)
-   WHERE unique_key IS NOT NULL AND state NOT IN {final_states}
-   DO UPDATE SET args = excluded.args, kind = excluded.kind, queue = excluded.queue,
-                 priority = excluded.priority, max_attempts = excluded.max_attempts,
-                 metadata = excluded.metadata,
-                 scheduled_at = CASE WHEN :preserve_run_at THEN jobs.scheduled_at ELSE excluded.scheduled_at END,
-                 state = CASE WHEN :preserve_run_at OR jobs.state = 'retryable' THEN jobs.state
-                              ELSE excluded.state END
-   WHERE jobs.state IN ('available', 'scheduled', 'retryable')
-RETURNING id
+WITH new AS (
+  SELECT CAST(:args AS jsonb) AS args, coalesce(CAST(:scheduled_at AS timestamptz), now()) AS scheduled_at,
+         CASE WHEN coalesce(CAST(:scheduled_at AS timestamptz), now()) <= now()
+              THEN 'available' ELSE 'scheduled' END::{schema}.job_state AS state
+), replaced AS (
+  UPDATE {schema}.jobs AS j
+     SET args = new.args, kind = :kind, queue = :queue, priority = :priority,
+         max_attempts = :max_attempts, metadata = CAST(:metadata AS jsonb),
+         scheduled_at = CASE WHEN :preserve_run_at THEN j.scheduled_at ELSE new.scheduled_at END,
+         state = CASE WHEN :preserve_run_at OR j.state = 'retryable' THEN j.state ELSE new.state END
+    FROM new
+   WHERE j.unique_key = :unique_key AND j.state IN ('available', 'scheduled', 'retryable')
+  RETURNING j.id
+), inserted AS (
+  INSERT INTO {schema}.jobs (kind, queue, args, priority, max_attempts, scheduled_at, state,
+                             unique_key, metadata)
+  SELECT :kind, :queue, new.args, :priority, :max_attempts, new.scheduled_at, new.state,
+         :unique_key, CAST(:metadata AS jsonb)
+    FROM new
+   WHERE NOT EXISTS (SELECT 1 FROM replaced)
+  ON CONFLICT DO NOTHING
+  RETURNING id
+)
+SELECT id FROM replaced UNION ALL SELECT id FROM inserted
 """
 
 # Every parameter of the workers' statements is typed in the SQL (CAST), so that any driver runs

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from .base import NotLeader, PassContext, PassResult, Service
 from .cleaner import Cleaner
+from .partitioner import Partitioner, PartitionerConfig
 from .periodic import PeriodicEnqueuer
 from .reindexer import Reindexer
 from .rescuer import Rescuer
@@ -27,6 +28,7 @@ SERVICES: dict[str, ServiceSpec] = {
     "scheduler": ServiceSpec(Scheduler, lambda s: s.scheduler),
     "periodic": ServiceSpec(PeriodicEnqueuer, lambda s: s.periodic_entries),
     "reindexer": ServiceSpec(Reindexer, lambda s: s.reindexer),
+    "partitioner": ServiceSpec(Partitioner, lambda s: PartitionerConfig(s.layout, s.partitions, s.cleaner)),
 }
 
 

@@ -37,6 +37,12 @@ if TYPE_CHECKING:
 CANCEL_TIMEOUT = 2.0  # seconds a cancel request may take (it opens its own connection)
 
 
+# SQLSTATE 40001, "tuple to be locked was already moved to another partition due to concurrent
+# update": on the partitioned layout (SPEC 8.1) a row a statement meant to lock or change was moved
+# to another partition (a completion, a cancel) by a transaction that committed meanwhile. For a
+# maintenance statement that row finished meanwhile: the batch is redone, and sees it as it is now.
+MOVED_MEANWHILE = "40001"
+MOVED_MAX = 100  # redone batches per pass; past this the error is the pass's (something else)
 
 
 class NotLeader(Exception):
@@ -146,19 +152,21 @@ class PassContext:
     clock: Clock
     instance_id: str = "maintd"
     statement_timeout: timedelta = timedelta(seconds=30)
+    layout: str = "plain"  # the configured layout (SPEC 8.1); the catalog says what the table is
     fence: Fence = field(default_factory=NoFence)
     dry_run: bool = False
     stop_event: threading.Event = field(default_factory=threading.Event)
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("maintd"))
     query: RunningQuery = field(default_factory=RunningQuery)
     statements: Statements | None = None  # the target's SQL, rendered once (else rendered here)
+    moved: int = 0  # batches redone because a row had moved to another partition meanwhile
     _conn: Any = field(default=None, repr=False)
     _in_session: bool = field(default=False, repr=False)
 
     @classmethod
     def for_settings(cls, settings: "Settings", engine: Engine, clock: Clock, **kw: Any) -> "PassContext":
         return cls(engine=engine, schema=settings.schema, clock=clock, instance_id=settings.instance_id,
-                   statement_timeout=settings.statement_timeout, **kw)
+                   statement_timeout=settings.statement_timeout, layout=settings.layout, **kw)
 
     def sql(self, template: str) -> TextClause:
         if self.statements is None:
@@ -178,6 +186,17 @@ class PassContext:
 
     def should_stop(self) -> bool:
         return self.stop_event.is_set()
+
+    def moved_meanwhile(self, exc: BaseException) -> bool:
+        """Whether ``exc`` (from a batch's transaction, rolled back) is SQLSTATE 40001 (a row
+        moved to another partition meanwhile, see ``MOVED_MEANWHILE``): counted, and the caller
+        redoes the batch. Not an error of the pass, up to ``MOVED_MAX`` times."""
+        if getattr(getattr(exc, "orig", None), "sqlstate", None) != MOVED_MEANWHILE or self.moved >= MOVED_MAX:
+            return False
+        self.moved += 1
+        self.log.info("a row moved to another partition meanwhile (it finished): batch redone",
+                      extra={"fields": {"schema": self.schema}})
+        return True
 
     def check_stop(self) -> None:
         if self.stop_event.is_set():

@@ -51,15 +51,16 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 
+from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
 from ..config import CleanerConfig
 from ..logs import kv
-from ..queries import FINAL_STATES, for_queue, jobs
 from .. import history
+from ..queries import FINAL_STATES, catalog, for_queue, jobs, partitions
 from .base import PassContext, PassResult, Service
 
 log = logging.getLogger("maintd.cleaner")
@@ -117,6 +118,12 @@ class Target:
     retention: timedelta
     queue: str | None  # None: every queue except ``excluded``
     excluded: tuple[str, ...]
+    # The partitioned layout's drops handle this target's rows (SPEC 8.1) but for the low
+    # catch-all's strays (rows finalized before ``until``): only those are left to the DELETE.
+    until: datetime | None = None
+
+    def horizon(self, now: datetime) -> datetime:
+        return now - self.retention if self.until is None else min(now - self.retention, self.until)
 
     def params(self, horizon: datetime) -> dict:
         return {"state": self.state, "horizon": horizon, "queue": self.queue,
@@ -222,10 +229,11 @@ class Cleaner(Service):
     def run_once(self, ctx: PassContext) -> CleanerResult:
         now = ctx.now()
         result = CleanerResult(dry_run=ctx.dry_run)
+        targets = self._targets(ctx)
         if ctx.dry_run:
-            return self._count(ctx, now, result)
-        for target in self.targets():
-            horizon = now - target.retention
+            return self._count(ctx, now, result, targets)
+        for target in targets:
+            horizon = target.horizon(now)
             self._delete_ancient(ctx, target, result)
             lo = self._start(ctx, target, horizon)
             if lo is not None:
@@ -252,13 +260,30 @@ class Cleaner(Service):
             return FAR_PAST
         return None if first is None else max(first, FAR_PAST)
 
-    def _count(self, ctx: PassContext, now: datetime, result: CleanerResult) -> CleanerResult:
+    def _targets(self, ctx: PassContext) -> list[Target]:
+        """This pass's targets. On the partitioned layout the partitioner drops whole partitions
+        past the longest retention of their state (SPEC 8.1): the targets of queues with a shorter
+        one are left to the batched DELETE, and of the others only the expired rows of the low
+        catch-all (strays finalized before every partition: an import, a clock behind), which
+        would otherwise wait for the catch-all's own range to pass the retention."""
+        targets = self.targets()
+        if ctx.layout != "partitioned":
+            return targets
+        with ctx.read() as conn:
+            if not conn.execute(text(catalog.JOBS_PARTITIONED), {"schema": ctx.schema}).scalar():
+                return targets
+            low_end = dict(conn.execute(ctx.sql(partitions.LOW_CATCH_ALLS)).all())
+        return [t if t.retention != self.config.longest_retention(t.state) else replace(t, until=low_end[t.state])
+                for t in targets]
+
+    def _count(self, ctx: PassContext, now: datetime, result: CleanerResult,
+               targets: list[Target]) -> CleanerResult:
         """Dry run: what a full pass would delete (one index range count per target)."""
-        for target in self.targets():
+        for target in targets:
             with ctx.transaction() as conn:
                 result.deleted[target.state] += conn.execute(
                     ctx.sql(target.statement(jobs.CLEANER_COUNT_EXPIRED)),
-                    target.params(now - target.retention)).scalar_one()
+                    target.params(target.horizon(now))).scalar_one()
         result.batch_size = self.batch_size
         return result
 
@@ -306,9 +331,15 @@ class Cleaner(Service):
                 return
         while True:
             ctx.check_stop()
-            with ctx.transaction(statement_timeout_ms=self._timeout_ms(ctx), settings=self._batch_settings(ctx)) as conn:
-                n = conn.execute(ctx.sql(target.statement(jobs.CLEANER_DELETE_ANCIENT)), {
-                    **target.params(FAR_PAST), "far_past": FAR_PAST, "limit": self.batch_size}).rowcount
+            try:
+                with ctx.transaction(statement_timeout_ms=self._timeout_ms(ctx),
+                                     settings=self._batch_settings(ctx)) as conn:
+                    n = conn.execute(ctx.sql(target.statement(jobs.CLEANER_DELETE_ANCIENT)), {
+                        **target.params(FAR_PAST), "far_past": FAR_PAST, "limit": self.batch_size}).rowcount
+            except OperationalError as exc:
+                if ctx.moved_meanwhile(exc):
+                    continue
+                raise
             if n:
                 result.batches += 1
                 result.deleted[target.state] += n
@@ -363,6 +394,8 @@ class Cleaner(Service):
                  limit: int, target: Target, result: CleanerResult) -> None:
         """A batch failed: decide how to redo it (by SQLSTATE), or re-raise."""
         sqlstate = getattr(exc.orig, "sqlstate", None)
+        if ctx.moved_meanwhile(exc):  # revived (retry_jobs) meanwhile: redo the batch
+            return
         if sqlstate == LOCK_NOT_AVAILABLE and not plan.skip_locked:
             plan.skip_lock_holders()
             return

@@ -29,6 +29,8 @@ from datetime import datetime, timedelta
 
 from apscheduler.triggers.interval import IntervalTrigger
 
+from sqlalchemy.exc import DBAPIError
+
 from ..config import PeriodicJob
 from ..crontab import cron_args
 from ..db import describe_db_error
@@ -202,6 +204,17 @@ class PeriodicEnqueuer(Service):
 
     def _enqueue(self, ctx: PassContext, entry: PeriodicJob, slot: datetime, backfilled: bool,
                  result: PeriodicResult) -> None:
+        try:
+            self._enqueue_once(ctx, entry, slot, backfilled, result)
+        except DBAPIError as exc:
+            # The waiting job holding the entry's key (job key mode) was moved to another
+            # partition meanwhile (cancelled, say): taken and enqueued again, as it is now.
+            if not ctx.moved_meanwhile(exc):
+                raise
+            self._enqueue_once(ctx, entry, slot, backfilled, result)
+
+    def _enqueue_once(self, ctx: PassContext, entry: PeriodicJob, slot: datetime, backfilled: bool,
+                      result: PeriodicResult) -> None:
         with ctx.transaction() as conn:
             taken = conn.execute(ctx.sql(periodic_slots.TAKE), {
                 "periodic_id": entry.id, "slot": slot, "backfilled": backfilled,

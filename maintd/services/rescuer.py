@@ -36,6 +36,8 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
+from sqlalchemy.exc import DBAPIError
+
 from ..config import RescuerConfig
 from ..db import events_channel
 from ..jobs import BACKOFF_CAP, backoff
@@ -178,11 +180,16 @@ class Rescuer(Service):
         while True:
             ctx.check_stop()
             deadline = None
-            with ctx.transaction(settings=RESCUE_TRANSACTION) as conn:
-                batch = conn.execute(ctx.sql(jobs.RESCUER_BATCH), {
-                    **params, "after_seen": after_seen, "after_id": after_id, "limit": limit}).one()
-                if batch.candidates < limit and self.config.precise_timing:
-                    deadline = self._next_deadline(ctx, conn, params["now"])
+            try:
+                with ctx.transaction(settings=RESCUE_TRANSACTION) as conn:
+                    batch = conn.execute(ctx.sql(jobs.RESCUER_BATCH), {
+                        **params, "after_seen": after_seen, "after_id": after_id, "limit": limit}).one()
+                    if batch.candidates < limit and self.config.precise_timing:
+                        deadline = self._next_deadline(ctx, conn, params["now"])
+            except DBAPIError as exc:
+                if ctx.moved_meanwhile(exc):  # a worker finished a candidate meanwhile
+                    continue
+                raise
             if batch.retried or batch.discarded:
                 result.batches += 1
             result.discarded += batch.discarded
@@ -196,8 +203,13 @@ class Rescuer(Service):
         limit = self.config.batch_size
         while True:
             ctx.check_stop()
-            with ctx.transaction(settings=RESCUE_TRANSACTION) as conn:
-                batch = conn.execute(ctx.sql(jobs.RESCUER_NO_SIGN_BATCH), {**params, "limit": limit}).one()
+            try:
+                with ctx.transaction(settings=RESCUE_TRANSACTION) as conn:
+                    batch = conn.execute(ctx.sql(jobs.RESCUER_NO_SIGN_BATCH), {**params, "limit": limit}).one()
+            except DBAPIError as exc:
+                if ctx.moved_meanwhile(exc):
+                    continue
+                raise
             result.discarded += batch.discarded
             result.retried += batch.retried
             for job_id in batch.ids:
@@ -211,9 +223,14 @@ class Rescuer(Service):
         limit = self.config.batch_size
         while True:
             ctx.check_stop()
-            with ctx.transaction() as conn:
-                batch = conn.execute(ctx.sql(jobs.RESCUER_EXHAUSTED_BATCH), {
-                    "now": params["now"], "instance": ctx.instance_id, "limit": limit}).one()
+            try:
+                with ctx.transaction() as conn:
+                    batch = conn.execute(ctx.sql(jobs.RESCUER_EXHAUSTED_BATCH), {
+                        "now": params["now"], "instance": ctx.instance_id, "limit": limit}).one()
+            except DBAPIError as exc:
+                if ctx.moved_meanwhile(exc):  # claimed or cancelled meanwhile
+                    continue
+                raise
             result.exhausted += len(batch.ids)
             for job_id in batch.ids:
                 log.warning("discarded a waiting job with no attempt left (attempt >= max_attempts)",

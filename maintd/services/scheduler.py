@@ -33,6 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from sqlalchemy.exc import DBAPIError
+
 from ..config import SchedulerConfig
 from ..db import notify_channel
 from ..queries import jobs
@@ -115,13 +117,18 @@ class Scheduler(Service):
         while True:
             ctx.check_stop()
             next_due = None
-            with ctx.transaction() as conn:
-                rows = conn.execute(ctx.sql(jobs.SCHEDULER_PROMOTE), {"now": ctx.now(), "limit": limit}).all()
-                if rows:
-                    conn.execute(ctx.sql(jobs.NOTIFY_QUEUES), {"channel": channel, "queues": [r.queue for r in rows]})
-                promoted = sum(r.n for r in rows)
-                if promoted < limit:
-                    next_due = conn.execute(ctx.sql(jobs.SCHEDULER_NEXT_DUE)).scalar()
+            try:
+                with ctx.transaction() as conn:
+                    rows = conn.execute(ctx.sql(jobs.SCHEDULER_PROMOTE), {"now": ctx.now(), "limit": limit}).all()
+                    if rows:
+                        conn.execute(ctx.sql(jobs.NOTIFY_QUEUES), {"channel": channel, "queues": [r.queue for r in rows]})
+                    promoted = sum(r.n for r in rows)
+                    if promoted < limit:
+                        next_due = conn.execute(ctx.sql(jobs.SCHEDULER_NEXT_DUE)).scalar()
+            except DBAPIError as exc:
+                if ctx.moved_meanwhile(exc):  # cancelled (say) meanwhile
+                    continue
+                raise
             if rows:
                 result.batches += 1
             for r in rows:

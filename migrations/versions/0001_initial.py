@@ -6,9 +6,10 @@ Create Date: 2026-11-22
 """
 
 import sqlalchemy as sa
-from alembic import op
+from alembic import context, op
 from sqlalchemy.dialects import postgresql
 
+from maintd import partitions
 from maintd.db import quote_ident
 
 revision = "0001"
@@ -30,45 +31,10 @@ def upgrade() -> None:
     op.execute(f"CREATE TYPE {q}.job_state AS ENUM ({', '.join(repr(s) for s in STATES)})")
     state = postgresql.ENUM(*STATES, name="job_state", schema=schema, create_type=False)
 
-    op.create_table(
-        "jobs",
-        sa.Column("id", sa.BigInteger, sa.Identity(always=False), primary_key=True),
-        sa.Column("kind", sa.Text, nullable=False),
-        sa.Column("queue", sa.Text, nullable=False, server_default=sa.text("'default'")),
-        sa.Column("args", postgresql.JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
-        sa.Column("state", state, nullable=False, server_default=sa.text("'available'")),
-        sa.Column("priority", sa.SmallInteger, nullable=False, server_default=sa.text("0")),
-        sa.Column("attempt", sa.SmallInteger, nullable=False, server_default=sa.text("0")),
-        sa.Column("max_attempts", sa.SmallInteger, nullable=False, server_default=sa.text("25")),
-        _ts("scheduled_at", nullable=False, server_default=sa.text("now()")),
-        _ts("created_at", nullable=False, server_default=sa.text("now()")),
-        _ts("attempted_at"),
-        sa.Column("attempted_by", sa.Text),
-        _ts("heartbeat_at"),
-        _ts("finalized_at"),
-        sa.Column("errors", postgresql.JSONB, nullable=False, server_default=sa.text("'[]'::jsonb")),
-        sa.Column("unique_key", sa.Text),
-        sa.Column("metadata", postgresql.JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
-        sa.PrimaryKeyConstraint("id", name="jobs_pkey"),
-        sa.CheckConstraint("char_length(kind) BETWEEN 1 AND 128", name="jobs_kind_length_check"),
-        sa.CheckConstraint("char_length(queue) BETWEEN 1 AND 128", name="jobs_queue_length_check"),
-        sa.CheckConstraint("max_attempts > 0", name="jobs_max_attempts_positive_check"),
-        sa.CheckConstraint("attempt >= 0", name="jobs_attempt_not_negative_check"),
-        sa.CheckConstraint(f"(finalized_at IS NOT NULL) = (state IN {FINAL})",
-                           name="jobs_finalized_at_iff_final_check"),
-        sa.CheckConstraint("jsonb_typeof(errors) = 'array'", name="jobs_errors_is_array_check"),
-        schema=schema,
-    )
-    op.create_index("jobs_fetch_idx", "jobs", ["queue", "priority", "scheduled_at", "id"],
-                    schema=schema, postgresql_where=sa.text("state = 'available'"))
-    op.create_index("jobs_scheduled_idx", "jobs", ["scheduled_at", "id"], schema=schema,
-                    postgresql_where=sa.text("state IN ('scheduled', 'retryable')"))
-    op.create_index("jobs_finalized_idx", "jobs", ["state", "finalized_at", "id"], schema=schema,
-                    postgresql_where=sa.text("finalized_at IS NOT NULL"))
-    op.create_index("jobs_running_idx", "jobs", [sa.text("coalesce(heartbeat_at, attempted_at)"), "id"],
-                    schema=schema, postgresql_where=sa.text("state = 'running'"))
-    op.create_index("jobs_unique_key_idx", "jobs", ["unique_key"], unique=True, schema=schema,
-                    postgresql_where=sa.text(f"unique_key IS NOT NULL AND state NOT IN {FINAL}"))
+    if context.config.attributes.get("layout", "plain") == "partitioned":
+        _partitioned_jobs(schema, state)
+    else:
+        _plain_jobs(schema, state)
 
     op.create_table(
         "leader",
@@ -122,6 +88,59 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("periodic_id", "slot", name="periodic_slots_pkey"),
         schema=schema,
     )
+
+
+def _columns(state) -> list:
+    return [
+        sa.Column("id", sa.BigInteger, sa.Identity(always=False), nullable=False),
+        sa.Column("kind", sa.Text, nullable=False),
+        sa.Column("queue", sa.Text, nullable=False, server_default=sa.text("'default'")),
+        sa.Column("args", postgresql.JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+        sa.Column("state", state, nullable=False, server_default=sa.text("'available'")),
+        sa.Column("priority", sa.SmallInteger, nullable=False, server_default=sa.text("0")),
+        sa.Column("attempt", sa.SmallInteger, nullable=False, server_default=sa.text("0")),
+        sa.Column("max_attempts", sa.SmallInteger, nullable=False, server_default=sa.text("25")),
+        _ts("scheduled_at", nullable=False, server_default=sa.text("now()")),
+        _ts("created_at", nullable=False, server_default=sa.text("now()")),
+        _ts("attempted_at"),
+        sa.Column("attempted_by", sa.Text),
+        _ts("heartbeat_at"),
+        _ts("finalized_at"),
+        sa.Column("errors", postgresql.JSONB, nullable=False, server_default=sa.text("'[]'::jsonb")),
+        sa.Column("unique_key", sa.Text),
+        sa.Column("metadata", postgresql.JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+        sa.CheckConstraint("char_length(kind) BETWEEN 1 AND 128", name="jobs_kind_length_check"),
+        sa.CheckConstraint("char_length(queue) BETWEEN 1 AND 128", name="jobs_queue_length_check"),
+        sa.CheckConstraint("max_attempts > 0", name="jobs_max_attempts_positive_check"),
+        sa.CheckConstraint("attempt >= 0", name="jobs_attempt_not_negative_check"),
+        sa.CheckConstraint(f"(finalized_at IS NOT NULL) = (state IN {FINAL})",
+                           name="jobs_finalized_at_iff_final_check"),
+        sa.CheckConstraint("jsonb_typeof(errors) = 'array'", name="jobs_errors_is_array_check"),
+    ]
+
+
+def _plain_jobs(schema: str, state) -> None:
+    op.create_table("jobs", *_columns(state), sa.PrimaryKeyConstraint("id", name="jobs_pkey"), schema=schema)
+    op.create_index("jobs_fetch_idx", "jobs", ["queue", "priority", "scheduled_at", "id"],
+                    schema=schema, postgresql_where=sa.text("state = 'available'"))
+    op.create_index("jobs_scheduled_idx", "jobs", ["scheduled_at", "id"], schema=schema,
+                    postgresql_where=sa.text("state IN ('scheduled', 'retryable')"))
+    op.create_index("jobs_finalized_idx", "jobs", ["state", "finalized_at", "id"], schema=schema,
+                    postgresql_where=sa.text("finalized_at IS NOT NULL"))
+    op.create_index("jobs_running_idx", "jobs", [sa.text("coalesce(heartbeat_at, attempted_at)"), "id"],
+                    schema=schema, postgresql_where=sa.text("state = 'running'"))
+    op.create_index("jobs_unique_key_idx", "jobs", ["unique_key"], unique=True, schema=schema,
+                    postgresql_where=sa.text(f"unique_key IS NOT NULL AND state NOT IN {FINAL}"))
+
+
+def _partitioned_jobs(schema: str, state) -> None:
+    """SPEC 8.1's layout (maintd/partitions.py): no primary key on jobs itself (PostgreSQL's would
+    have to hold the partition keys); each partition has its own on id, which the identity fills.
+    The final states' first partitions are made by migration 0006, with the functions that make
+    them."""
+    op.create_table("jobs", *_columns(state), schema=schema, postgresql_partition_by="LIST (state)")
+    for statement in partitions.partitions_ddl(schema):
+        op.execute(statement)
 
 
 def downgrade() -> None:

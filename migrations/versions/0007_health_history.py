@@ -1,7 +1,7 @@
 """health_history and the jobs table's autovacuum settings (SPEC 8.2, issue 27)
 
 Revision ID: 0007
-Revises: 0005
+Revises: 0006
 Create Date: 2026-11-25
 
 ``health_history``: what the dashboard's charts draw (jobs by state and queue, finished jobs per
@@ -10,8 +10,7 @@ sample. The leader writes one only when something changed (at most one a minute)
 minutes when idle; the cleaner deletes rows older than two days.
 
 The jobs table gets autovacuum settings that suit a queue (``maintd.migrate.JOBS_AUTOVACUUM``);
-on the partitioned layout they go on the live jobs' leaf partitions. (Revision 0006, the
-partitioned layout, is another branch's: the revisions are chained at merge.)
+on the partitioned layout they go on the live jobs' leaf partitions.
 """
 
 import sqlalchemy as sa
@@ -21,7 +20,7 @@ from sqlalchemy.dialects import postgresql
 from maintd.migrate import jobs_autovacuum_sql
 
 revision = "0007"
-down_revision = "0005"
+down_revision = "0006"  # 0006_partition_functions
 branch_labels = None
 depends_on = None
 

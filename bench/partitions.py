@@ -1,0 +1,416 @@
+"""Retention on the partitioned layout (SPEC 8.1, issue 30) against the plain one. Not a test: a
+person runs it and reads the table. The server is private and durable (fsync, synchronous_commit
+and full_page_writes on), or MAINTD_BENCH_DATABASE_URL.
+
+    python bench/partitions.py                      # prune 1,000,000 expired rows among 150,000 live
+    python bench/partitions.py --rows 10000000      # the 10 M case
+    python bench/partitions.py --soak --minutes 20  # size and dead tuples over time, both layouts
+
+Prune. The same data on both layouts: ``--rows`` completed jobs finalized 26 to 50 hours ago
+(past the 24 h retention) and 150,000 available ones. Plain: one ``DELETE`` of the expired rows
+(the fastest a DELETE can do it). Partitioned: one partitioner pass (detach and drop the expired
+partitions). Each is measured twice on fresh data: alone (time, WAL written, dead tuples left),
+then with 4 workers claiming and completing (their claims/s during the prune over their rate in
+the 5 s before). Goals (issue 30): at 1 M at least 10x the DELETE's speed, at 10 M at least 100x,
+WAL at most 1 % of the DELETE's, workers at least 0.95x their idle rate (0.57x during a DELETE).
+
+Soak. Both layouts side by side in one database for ``--minutes``: an enqueuer per layout at
+``--rate`` jobs/s, 2 workers each, retention ``--retention`` (partitions of ``--step``), the
+cleaner and the partitioner every 10 s; printed every 30 s: tables plus indexes (bytes), dead
+tuples (all, and in final-state partitions), live rows. Run once without and once with a
+transaction holding the xmin horizon for ``--hold`` seconds from the second minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Callable, Iterator
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import psycopg  # noqa: E402
+from sqlalchemy import Engine, text  # noqa: E402
+
+from maintd import migrate  # noqa: E402
+from maintd.clock import FrozenClock  # noqa: E402
+from maintd.config import CleanerConfig, PartitionsConfig  # noqa: E402
+from maintd.db import make_engine  # noqa: E402
+from maintd.jobs import JobQueue  # noqa: E402
+from maintd.services.base import PassContext  # noqa: E402
+from maintd.services.cleaner import Cleaner  # noqa: E402
+from maintd.services.partitioner import Partitioner, PartitionerConfig  # noqa: E402
+
+LIVE = 150_000
+HOUR = timedelta(hours=1)
+
+
+# --- the server and the schemas ------------------------------------------------------------------
+
+@contextmanager
+def bench_server() -> Iterator[str]:
+    url = os.environ.get("MAINTD_BENCH_DATABASE_URL")
+    if url:
+        yield url
+        return
+    from maintd.embedded import EmbeddedPostgres
+
+    pg = EmbeddedPostgres(settings={"shared_buffers": "512MB", "max_wal_size": "8GB", "fsync": "on",
+                                    "synchronous_commit": "on", "full_page_writes": "on"}).start()
+    try:
+        yield pg.dsn
+    finally:
+        pg.cleanup()
+
+
+def fresh_schema(engine: Engine, schema: str, layout: str, step: timedelta = HOUR) -> None:
+    with engine.connect() as conn:
+        conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        conn.commit()
+        migrate.upgrade(conn, schema, layout=migrate.Layout(layout, step, 24))
+        conn.commit()
+
+
+def start_partitions_at(engine: Engine, schema: str, at: datetime, step: timedelta = HOUR) -> None:
+    """The completed state's partitions start at ``at`` (as if made since then), up to 24 steps ahead."""
+    with engine.begin() as conn:
+        q = f'"{schema}"'
+        for (name,) in conn.execute(text(f"SELECT partition_name FROM {q}.job_partitions('completed')")).all():
+            conn.execute(text(f"ALTER TABLE {q}.jobs_completed DETACH PARTITION {q}.{name}"))
+            conn.execute(text(f"DROP TABLE {q}.{name}"))
+        conn.execute(text(f"SELECT {q}.start_partitions('completed', make_interval(secs => :s), :at)"),
+                     {"s": step.total_seconds(), "at": at})
+        while conn.execute(text(f"SELECT count(*) FROM {q}.maintain_partitions('completed', "
+                                "make_interval(secs => :s), now() + 24 * make_interval(secs => :s))"),
+                           {"s": step.total_seconds()}).scalar():
+            pass  # at most 50 partitions a call
+
+
+def seed(engine: Engine, schema: str, rows: int, hours: int) -> None:
+    """``rows`` completed jobs finalized within ``hours`` hours ending 26 hours ago (past the 24 h
+    retention, so a partition with the next hour's end is past it too), and LIVE available ones."""
+    q = f'"{schema}"'
+    with engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {q}.jobs (kind, queue, state, attempt, attempted_at, finalized_at) "
+                          f"SELECT 'done', 'work', 'completed', 1, now() - interval '80 hours', "
+                          f"date_trunc('hour', now()) - interval '26 hours' "
+                          f"- (g % (:hours * 3600)) * interval '1 second' - interval '1 millisecond' "
+                          f"FROM generate_series(1, :n) g"), {"n": rows, "hours": hours})
+        conn.execute(text(f"INSERT INTO {q}.jobs (kind, queue) SELECT 'work', 'work' FROM generate_series(1, :n)"),
+                     {"n": LIVE})
+    with engine.connect() as conn:
+        conn.execution_options(isolation_level="AUTOCOMMIT").execute(text(f"VACUUM ANALYZE {q}.jobs"))
+
+
+def prepare(engine: Engine, schema: str, layout: str, rows: int, hours: int) -> None:
+    fresh_schema(engine, schema, layout)
+    if layout == "partitioned":
+        with engine.connect() as conn:
+            now = conn.execute(text("SELECT now()")).scalar()
+        start_partitions_at(engine, schema, now - (hours + 28) * HOUR)
+    seed(engine, schema, rows, hours)
+
+
+# --- measurements --------------------------------------------------------------------------------
+
+def claim(engine: Engine, queue: JobQueue, worker: str, limit: int = 1):
+    with engine.begin() as conn:
+        return queue.claim(conn, "work", worker, limit)
+
+
+def complete(engine: Engine, queue: JobQueue, job) -> bool:
+    with engine.begin() as conn:
+        return queue.complete(conn, job)
+
+
+def moved_is_none(call: Callable):
+    """A worker's statement as the README says: SQLSTATE 40001 on the partitioned layout (a row
+    moved to another partition meanwhile: claimed and finished by another worker) means nothing
+    was done; the transaction was rolled back."""
+    try:
+        return call()
+    except Exception as exc:
+        if getattr(getattr(exc, "orig", None), "sqlstate", None) == "40001":
+            return None
+        raise
+
+
+def wal_lsn(url: str) -> int:
+    with psycopg.connect(url, autocommit=True) as conn:
+        return int(conn.execute("SELECT pg_current_wal_insert_lsn() - '0/0'").fetchone()[0])
+
+
+def dead_tuples(url: str, schema: str) -> int:
+    """Dead tuples of the jobs table (all its partitions), as the statistics say once flushed."""
+    time.sleep(11)  # an idle backend flushes its statistics within 10 s
+    with psycopg.connect(url, autocommit=True) as conn:
+        return int(conn.execute("SELECT coalesce(sum(n_dead_tup), 0) FROM pg_stat_user_tables "
+                                "WHERE schemaname = %s AND relname ~ '^jobs'", (schema,)).fetchone()[0])
+
+
+class TimedContext(PassContext):
+    """Notes when each transaction of a pass ends (the partitioner's last one drops the files)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.ends: list[float] = []
+
+    @contextmanager
+    def transaction(self, **kw):
+        with super().transaction(**kw) as conn:
+            yield conn
+        self.ends.append(time.perf_counter())
+
+
+def prune(engine: Engine, schema: str, layout: str) -> tuple[int, float | None]:
+    """The layout's retention, once: one DELETE, or one partitioner pass. Returns the rows removed
+    and, for the pass, when its rows were gone from jobs (the transaction that detached them
+    committed; the one dropping the files comes after)."""
+    if layout == "plain":
+        with engine.begin() as conn:
+            return conn.execute(text(f'DELETE FROM "{schema}".jobs WHERE state = \'completed\' '
+                                     "AND finalized_at < now() - interval '24 hours'")).rowcount, None
+    with engine.connect() as conn:
+        now = conn.execute(text("SELECT now()")).scalar()
+        conn.rollback()
+    service = Partitioner(PartitionerConfig("partitioned", PartitionsConfig(interval="1h", premake=24),
+                                            CleanerConfig()))
+    ctx = TimedContext(engine=engine, schema=schema, clock=FrozenClock(now), layout="partitioned")
+    result = service.run_once(ctx)
+    assert not result.busy and result.dropped, result
+    return result.deleted["completed"], ctx.ends[-2]
+
+
+def measure_alone(engine: Engine, url: str, schema: str, layout: str, rows: int, hours: int) -> dict:
+    prepare(engine, schema, layout, rows, hours)
+    before = wal_lsn(url)
+    started = time.perf_counter()
+    removed, gone = prune(engine, schema, layout)
+    seconds = time.perf_counter() - started
+    return {"seconds": seconds, "gone": (gone or started + seconds) - started, "wal": wal_lsn(url) - before,
+            "removed": removed, "dead": dead_tuples(url, schema)}
+
+
+def measure_with_workers(engine: Engine, schema: str, layout: str, rows: int, hours: int,
+                         idle: float = 5.0) -> dict:
+    """Claims/s of 4 workers in the ``idle`` seconds before the prune and during it, and the
+    slowest claim plus completion during it."""
+    prepare(engine, schema, layout, rows, hours)
+    queue, stop, phase = JobQueue(schema), threading.Event(), ["warmup"]
+    counts = {"warmup": 0, "idle": 0, "during": 0, "after": 0}
+    slowest = {"idle": 0.0, "during": 0.0}
+    lock = threading.Lock()
+
+    def worker(i: int) -> None:
+        while not stop.is_set():
+            started, now = time.perf_counter(), phase[0]
+            jobs = moved_is_none(lambda: claim(engine, queue, f"w{i}")) or []
+            if jobs:
+                moved_is_none(lambda: complete(engine, queue, jobs[0]))
+                with lock:
+                    counts[phase[0]] += 1
+                    if now in slowest and phase[0] == now:
+                        slowest[now] = max(slowest[now], time.perf_counter() - started)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    phase[0] = "idle"
+    time.sleep(idle)
+    phase[0] = "during"
+    started = time.perf_counter()
+    prune(engine, schema, layout)
+    during = time.perf_counter() - started
+    phase[0] = "after"
+    stop.set()
+    for t in threads:
+        t.join()
+    idle_rate, during_rate = counts["idle"] / idle, counts["during"] / during
+    return {"idle": idle_rate, "during": during_rate, "ratio": during_rate / idle_rate, "seconds": during,
+            "slowest_idle": slowest["idle"], "slowest_during": slowest["during"]}
+
+
+def bench_prune(engine: Engine, url: str, rows: int, hours: int) -> None:
+    print(f"prune: {rows:,} expired completed jobs finalized over {hours} h ({hours} partitions of 1 h "
+          f"past the retention), {LIVE:,} live", flush=True)
+    results = {}
+    for layout in ("plain", "partitioned"):
+        schema = f"bench_{layout}"
+        alone = measure_alone(engine, url, schema, layout, rows, hours)
+        loaded = measure_with_workers(engine, schema, layout, rows, hours)
+        with engine.connect() as conn:
+            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+            conn.commit()
+        results[layout] = {**alone, **{f"workers_{k}": v for k, v in loaded.items()}}
+        r = results[layout]
+        print(f"{layout:<12} removed {r['removed']:>10,} in {r['seconds']:8.3f} s (gone from jobs after "
+              f"{r['gone']:.3f} s)  WAL {r['wal'] / 1e6:9.2f} MB  "
+              f"dead tuples left {r['dead']:>10,}  workers {r['workers_idle']:7.0f}/s idle, "
+              f"{r['workers_during']:7.0f}/s during the prune ({r['workers_seconds']:.3f} s) = "
+              f"{r['workers_ratio']:.2f}x; slowest claim+complete {1000 * r['workers_slowest_idle']:.0f} ms idle, "
+              f"{1000 * r['workers_slowest_during']:.0f} ms during", flush=True)
+    p, d = results["plain"], results["partitioned"]
+    print(f"\npartitioned vs one DELETE at {rows:,} rows among {LIVE:,} live: "
+          f"{p['seconds'] / d['seconds']:,.1f}x faster ({p['seconds'] / d['gone']:,.1f}x until the rows are gone, "
+          f"before the files are dropped), WAL {100 * d['wal'] / p['wal']:.3f} % of the DELETE's, "
+          f"dead tuples {d['dead']:,} vs {p['dead']:,}, workers during the prune "
+          f"{d['workers_ratio']:.2f}x idle (DELETE: {p['workers_ratio']:.2f}x)")
+
+
+# --- soak -----------------------------------------------------------------------------------------
+
+class Soak:
+    """One layout's workload: an enqueuer at ``rate`` jobs/s, 2 workers, maintenance every 10 s."""
+
+    def __init__(self, engine: Engine, schema: str, layout: str, rate: float, retention: str, step: timedelta):
+        self.engine, self.schema, self.layout, self.rate = engine, schema, layout, rate
+        self.queue = JobQueue(schema)
+        self.cleaner = Cleaner(CleanerConfig(completed_retention=retention, cancelled_retention=retention,
+                                             discarded_retention=retention))
+        self.partitioner = Partitioner(PartitionerConfig(
+            layout, PartitionsConfig(interval=step, premake=24), self.cleaner.config))
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=f) for f in (self._enqueue, self._work, self._work, self._maintain)]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def join(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+    def _enqueue(self) -> None:
+        started, n = time.monotonic(), 0
+        while not self.stop.is_set():
+            with self.engine.begin() as conn:
+                for _ in range(10):
+                    self.queue.enqueue(conn, "soak", queue="soak")
+            n += 10
+            ahead = n / self.rate - (time.monotonic() - started)
+            if ahead > 0:
+                self.stop.wait(ahead)
+
+    def _work(self) -> None:
+        while not self.stop.is_set():
+            jobs = moved_is_none(lambda: self._claim_and_complete())
+            if not jobs:
+                self.stop.wait(0.05)
+
+    def _claim_and_complete(self) -> list:
+        with self.engine.begin() as conn:
+            jobs = self.queue.claim(conn, "soak", "w", 10)
+            for job in jobs:
+                self.queue.complete(conn, job)
+        return jobs
+
+    def _maintain(self) -> None:
+        while not self.stop.wait(10):
+            with self.engine.connect() as conn:
+                now = conn.execute(text("SELECT now()")).scalar()
+                conn.rollback()
+            ctx = lambda: PassContext(engine=self.engine, schema=self.schema, clock=FrozenClock(now),
+                                      layout=self.layout)
+            self.cleaner.run_once(ctx())
+            if self.layout == "partitioned":
+                self.partitioner.run_once(ctx())
+
+
+def table_health(url: str, schema: str) -> tuple[int, int, int, int]:
+    """(bytes of tables plus indexes, dead tuples, dead tuples in final-state partitions, live rows)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute("""
+            SELECT coalesce(sum(pg_total_relation_size(relid)), 0), coalesce(sum(n_dead_tup), 0),
+                   coalesce(sum(n_dead_tup) FILTER (WHERE relname ~ '^jobs_(completed|cancelled|discarded)_'), 0),
+                   coalesce(sum(n_live_tup), 0)
+              FROM pg_stat_user_tables WHERE schemaname = %s AND relname ~ '^jobs'""", (schema,)).fetchone()
+    return tuple(int(v) for v in row)  # type: ignore[return-value]
+
+
+def hold_horizon(url: str, start: float, seconds: float, stop: threading.Event) -> threading.Thread:
+    def hold() -> None:
+        if stop.wait(start):
+            return
+        with psycopg.connect(url) as conn:
+            conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            conn.execute("SELECT count(*) FROM pg_class")  # takes the snapshot
+            print(f"  (horizon held from now for {seconds:.0f} s)", flush=True)
+            stop.wait(seconds)
+            conn.rollback()
+            print("  (horizon released)", flush=True)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    return t
+
+
+def bench_soak(engine: Engine, url: str, minutes: float, rate: float, retention: str, step: timedelta,
+               hold: float | None) -> None:
+    print(f"\nsoak: {minutes:g} min at {rate:g} jobs/s per layout, retention {retention}, step {step}, "
+          + (f"horizon held {hold:g} s from minute 1" if hold else "no horizon held"), flush=True)
+    soaks = []
+    for layout in ("plain", "partitioned"):
+        fresh_schema(engine, f"soak_{layout}", layout, step)
+        soaks.append(Soak(engine, f"soak_{layout}", layout, rate, retention, step))
+    stop = threading.Event()
+    holder = hold_horizon(url, 60, hold, stop) if hold else None
+    for s in soaks:
+        s.start()
+    print(f"{'min':>5} | {'plain MB':>9} {'dead':>9} {'live':>8} | {'part. MB':>9} {'dead':>9} "
+          f"{'final dead':>10} {'live':>8}", flush=True)
+    started = time.monotonic()
+    try:
+        while time.monotonic() - started < minutes * 60:
+            time.sleep(30)
+            p, d = table_health(url, "soak_plain"), table_health(url, "soak_partitioned")
+            print(f"{(time.monotonic() - started) / 60:5.1f} | {p[0] / 1e6:9.1f} {p[1]:9,} {p[3]:8,} | "
+                  f"{d[0] / 1e6:9.1f} {d[1]:9,} {d[2]:10,} {d[3]:8,}", flush=True)
+    finally:
+        stop.set()
+        for s in soaks:
+            s.join()
+        if holder:
+            holder.join()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=1_000_000, help="expired rows to prune (default 1000000)")
+    ap.add_argument("--hours", type=int, default=1,
+                    help="hours (1 h partitions) the expired rows spread over (default 1: what a pass drops "
+                         "in the steady state; 24: a day's backlog)")
+    ap.add_argument("--soak", action="store_true", help="the soak instead of the prune")
+    ap.add_argument("--minutes", type=float, default=20, help="soak: minutes per run (default 20)")
+    ap.add_argument("--rate", type=float, default=300, help="soak: jobs/s per layout (default 300)")
+    ap.add_argument("--retention", default="2m", help="soak: retention of every final state (default 2m)")
+    ap.add_argument("--step", default="1m", help="soak: partition step (default 1m)")
+    ap.add_argument("--hold", type=float, default=180, help="soak: seconds the horizon is held (default 180)")
+    args = ap.parse_args()
+    with bench_server() as url:
+        engine = make_engine(url, application_name="maintd-bench", pool_size=12)
+        with engine.connect() as conn:
+            version = conn.execute(text("SHOW server_version")).scalar()
+            durable = {k: conn.execute(text(f"SHOW {k}")).scalar()
+                       for k in ("fsync", "synchronous_commit", "full_page_writes", "shared_buffers")}
+        print(f"PostgreSQL {version} ({', '.join(f'{k}={v}' for k, v in durable.items())}), "
+              f"{os.cpu_count()} CPUs", flush=True)
+        if args.soak:
+            step = PartitionsConfig(interval=args.step).interval
+            for hold in (None, args.hold):
+                bench_soak(engine, url, args.minutes, args.rate, args.retention, step, hold)
+        else:
+            bench_prune(engine, url, args.rows, args.hours)
+        engine.dispose()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Statements on the partitioned layout's partitions (SPEC 8.1; maintd/partitions.py has the DDL and
+the functions they call). Read-only ones read the catalog and the catch-alls; the changes go
+through the schema's SECURITY DEFINER functions."""
+
+# Per final state: its range partitions (catch-alls included), where the low catch-all ends and
+# the high one starts (the proper partitions lie between), and the rows in each catch-all.
+LAYOUT = """
+SELECT b.state, b.partitions, b.low_end, b.high_start, c.low_rows, c.high_rows, b.oldest_start
+  FROM (SELECT s.state, count(*) - 2 AS partitions,
+               max(p.range_end) FILTER (WHERE p.range_start IS NULL) AS low_end,
+               max(p.range_start) FILTER (WHERE p.range_end IS NULL) AS high_start,
+               min(p.range_start) AS oldest_start
+          FROM unnest(CAST(ARRAY['completed', 'cancelled', 'discarded'] AS text[])) AS s(state)
+         CROSS JOIN LATERAL {schema}.job_partitions(s.state) AS p
+         GROUP BY s.state) AS b
+  JOIN {schema}.catch_all_rows() AS c ON c.state = b.state
+"""
+
+# Where each final state's low catch-all ends (its rows are strays finalized before every partition).
+LOW_CATCH_ALLS = """
+SELECT s.state, p.range_end
+  FROM unnest(CAST(ARRAY['completed', 'cancelled', 'discarded'] AS text[])) AS s(state)
+ CROSS JOIN LATERAL {schema}.job_partitions(s.state) AS p
+ WHERE p.range_start IS NULL
+"""
+
+# Tables maintain_partitions detached that wait for drop_detached_partitions.
+DETACHED = """
+SELECT count(*) FROM pg_class AS c
+  JOIN pg_description AS d ON d.objoid = c.oid AND d.classoid = CAST('pg_class' AS regclass) AND d.objsubid = 0
+ WHERE c.relnamespace = to_regnamespace(:schema) AND c.relkind = 'r' AND NOT c.relispartition
+   AND d.description = :marker
+"""
+
+# Partitions a drop would detach, with the planner's row estimate (-1: never analyzed).
+EXPIRED = """
+SELECT p.partition_name, greatest(c.reltuples, 0)::bigint AS rows
+  FROM {schema}.job_partitions(:state) AS p
+  JOIN pg_class AS c ON c.oid = to_regclass(format('%I.%I', CAST(:schema_name AS text), p.partition_name))
+ WHERE p.range_end <= :before
+"""
+
+MAINTAIN = """
+SELECT action, partition_name, range_start, range_end, row_count, estimated
+  FROM {schema}.maintain_partitions(:state, make_interval(secs => :step), :make_until, :drop_before, :lock_wait_ms)
+"""
+
+DROP_DETACHED = "SELECT name FROM {schema}.drop_detached_partitions() AS name"
+
+# What status and the dashboard show of the partitioned layout: every final state's proper
+# partitions, the first start and the last end among them, and the rows in the catch-alls.
+SUMMARY = """
+SELECT sum(partitions) AS partitions, min(low_end) AS oldest, max(high_start) AS newest,
+       sum(low_rows + high_rows) AS stray_rows
+  FROM (""" + LAYOUT + """) AS per_state
+"""

@@ -1,0 +1,210 @@
+"""Partitioner (the partitioned layout only, SPEC 8.1): keeps each final state's partitions made
+``[partitions] premake`` steps ahead, handles the rows that landed in a catch-all, and drops the
+partitions whose whole range is past the state's retention (the longest per-queue one; the
+cleaner's batched DELETE takes care of queues with a shorter one).
+
+Its own service rather than a part of the cleaner: partitions must be made ahead whether or not
+the cleaner runs (with the cleaner disabled nothing is dropped, but completions still need a
+partition), its work is DDL with a lock discipline of its own, and its cadence follows the
+partition step. Retention comes from the ``[cleaner]`` section.
+
+A pass reads the layout and the catch-alls (one read-only statement); only a state that needs
+something calls ``maintain_partitions`` (maintd/partitions.py), after proving leadership, in a
+fenced transaction. Its locks are taken with ``NOWAIT``: when another session holds one (55P03),
+the call is tried again a moment later, so no worker waits behind it. Under a steady stream of
+completions ``jobs_<state>`` may never be free at an instant: the last of ``TRIES`` calls waits
+for it in the lock queue, at most ``LAST_TRY_WAIT_MS`` (the completions in flight end within
+milliseconds; those arriving meanwhile wait behind it); after that the state is left to the next
+pass (``busy``). Detached tables are dropped in a fenced
+transaction of their own. Rows dropped count as deleted (``maintd_jobs_deleted_total``), from
+the planner's estimate when the partition was analyzed (``estimated``), else counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
+
+from ..config import CleanerConfig, PartitionsConfig
+from ..logs import kv
+from ..partitions import DETACHED_COMMENT, FINAL_STATES
+from ..queries import catalog
+from ..queries import partitions as q
+from .base import PassContext, PassResult, Service
+
+log = logging.getLogger("maintd.partitioner")
+
+TRIES = 10  # calls of maintain_partitions per state and pass while its locks are held by others
+RETRY_PAUSE = 0.02  # seconds between them
+# The last try waits in the lock queue for jobs_<state>, at most this long: under a steady stream
+# of completions (each holds a lock on it until its commit) there may be no instant it is free.
+LAST_TRY_WAIT_MS = 50
+LOCK_NOT_AVAILABLE = "55P03"
+
+
+@dataclass(frozen=True)
+class PartitionerConfig:
+    """The service's section: the layout and ``[partitions]``, with the cleaner's retentions."""
+
+    layout: str
+    partitions: PartitionsConfig
+    cleaner: CleanerConfig
+
+    @property
+    def enabled(self) -> bool:
+        return self.layout == "partitioned"
+
+    @property
+    def interval(self) -> timedelta:
+        return min(timedelta(seconds=30), self.partitions.interval / 4)
+
+    def drop_after(self, state: str) -> timedelta | None:
+        """How long after its range ends a partition of ``state`` is dropped: the longest
+        retention of the state, default or per queue; None: never (kept forever, or no cleaner)."""
+        return self.cleaner.longest_retention(state) if self.cleaner.enabled else None
+
+
+@dataclass
+class PartitionerResult(PassResult):
+    layout: str = "partitioned"
+    made: int = 0  # partitions made ahead
+    closed: int = 0  # high catch-alls closed into a partition of their range (rows beyond it moved)
+    moved: int = 0  # rows moved out of a catch-all
+    detached: int = 0  # partitions past retention detached
+    dropped: int = 0  # detached tables dropped
+    deleted: dict[str, int] = field(default_factory=lambda: {s: 0 for s in FINAL_STATES})
+    estimated: bool = False  # some of ``deleted`` is the planner's estimate
+    busy: list[str] = field(default_factory=list)  # states left to the next pass (locks held)
+    partitions: int = 0  # proper partitions, all final states
+    stray_rows: int = 0  # rows in the catch-alls
+    waited_seconds: float = 0.0
+    dry_run: bool = False
+
+    def did_something(self) -> bool:
+        return bool(self.made or self.closed or self.moved or self.detached or self.dropped or self.busy)
+
+    def waited(self) -> float:
+        return self.waited_seconds
+
+    def summary(self) -> str:
+        verb = "would " if self.dry_run else ""
+        deleted = " ".join(f"{s}={n}" for s, n in self.deleted.items())
+        return (f"{verb}made={self.made} closed={self.closed} moved={self.moved} detached={self.detached} "
+                f"dropped={self.dropped} deleted {deleted}{' (estimated)' if self.estimated else ''} "
+                f"partitions={self.partitions} stray_rows={self.stray_rows}"
+                + (f" busy={','.join(self.busy)}" if self.busy else ""))
+
+
+class Partitioner(Service):
+    config: PartitionerConfig
+
+    def __init__(self, config: PartitionerConfig):
+        super().__init__(config)
+        self._warned_plain = False
+
+    def run_once(self, ctx: PassContext) -> PartitionerResult:
+        result = PartitionerResult(dry_run=ctx.dry_run)
+        with ctx.read() as conn:
+            if not conn.execute(text(catalog.JOBS_PARTITIONED), {"schema": ctx.schema}).scalar():
+                return self._plain(result)
+            states = {r.state: r for r in conn.execute(ctx.sql(q.LAYOUT))}
+            detached = conn.execute(text(q.DETACHED), {"schema": ctx.schema, "marker": DETACHED_COMMENT}).scalar()
+        now = ctx.now()
+        make_until = now + self.config.partitions.premake * self.config.partitions.interval
+        for state in FINAL_STATES:
+            row = states[state]
+            result.partitions += row.partitions
+            result.stray_rows += row.low_rows + row.high_rows
+            drop_after = self.config.drop_after(state)
+            drop_before = None if drop_after is None else now - drop_after
+            if row.high_start < make_until or (drop_before is not None and row.low_end <= drop_before):
+                self._maintain(ctx, state, make_until, drop_before, result)
+        if detached or result.detached:
+            self._drop_detached(ctx, result)
+        return result
+
+    def _plain(self, result: PartitionerResult) -> PartitionerResult:
+        result.layout = "plain"
+        if not self._warned_plain:
+            self._warned_plain = True
+            log.warning('layout = "partitioned" but the jobs table is plain: run '
+                        "`maintd migrate --convert partitioned`; nothing to do until then")
+        return result
+
+    def _maintain(self, ctx: PassContext, state: str, make_until: datetime, drop_before: datetime | None,
+                  result: PartitionerResult) -> None:
+        """One state's call of maintain_partitions, tried again while another session holds a
+        lock it needs."""
+        if ctx.dry_run:
+            return self._plan(ctx, state, make_until, drop_before, result)
+        ctx.prove_leader()  # no DDL (and no lock) from an instance that no longer leads
+        args = {"state": state, "step": self.config.partitions.interval.total_seconds(),
+                "make_until": make_until, "drop_before": drop_before}
+        for attempt in range(TRIES):
+            if attempt:
+                ctx.pause(RETRY_PAUSE)
+                result.waited_seconds += RETRY_PAUSE
+            wait = LAST_TRY_WAIT_MS if attempt == TRIES - 1 else 0
+            try:
+                with ctx.transaction() as conn:
+                    rows = conn.execute(ctx.sql(q.MAINTAIN), {**args, "lock_wait_ms": wait}).all()
+            except OperationalError as exc:
+                if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
+                    raise
+                continue
+            return self._count(state, rows, result)
+        result.busy.append(state)
+        log.info("partitions of a state left to the next pass: its locks were held each try",
+                 extra=kv(state=state, tries=TRIES))
+
+    @staticmethod
+    def _count(state: str, rows: list[Any], result: PartitionerResult) -> None:
+        for r in rows:
+            if r.action == "made":
+                result.made += 1
+            elif r.action == "closed":
+                result.closed += 1
+            elif r.action == "moved":
+                result.moved += r.row_count
+            elif r.action == "detached":
+                result.detached += 1
+                result.deleted[state] += r.row_count
+                result.estimated = result.estimated or r.estimated
+            if r.action != "made":
+                log.info(f"partition {r.action}", extra=kv(state=state, partition=r.partition_name,
+                                                             start=r.range_start, end=r.range_end, rows=r.row_count))
+
+    def _plan(self, ctx: PassContext, state: str, make_until: datetime, drop_before: datetime | None,
+              result: PartitionerResult) -> None:
+        """Dry run: what a pass would detach (with the planner's estimates) and make."""
+        with ctx.read() as conn:
+            row = next(r for r in conn.execute(ctx.sql(q.LAYOUT)) if r.state == state)
+            if drop_before is not None:
+                for r in conn.execute(ctx.sql(q.EXPIRED), {"state": state, "before": drop_before,
+                                                            "schema_name": ctx.schema}):
+                    result.detached += 1
+                    result.deleted[state] += r.rows
+                    result.estimated = True
+        step, made = self.config.partitions.interval, 0
+        while row.high_start + made * step < make_until:
+            made += 1
+        result.made += made
+
+    def _drop_detached(self, ctx: PassContext, result: PartitionerResult) -> None:
+        if ctx.dry_run:
+            return
+        ctx.prove_leader()
+        with ctx.transaction() as conn:
+            result.dropped += len(conn.execute(ctx.sql(q.DROP_DETACHED)).all())
+
+    def observe(self, metrics: Any, result: PassResult) -> None:
+        assert isinstance(result, PartitionerResult)
+        for state, n in result.deleted.items():
+            if n:
+                metrics.jobs_deleted.labels(state).inc(n)
+        metrics.partition_stray_rows.set(result.stray_rows)

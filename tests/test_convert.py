@@ -1,0 +1,174 @@
+"""``maintd migrate --convert partitioned`` (SPEC 8.1, issue 30): a live plain table converted
+while workers enqueue, claim and complete throughout; interrupted and resumed; by the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import text
+
+from maintd import convert, migrate
+from maintd.db import make_engine
+from maintd.jobs import JobQueue
+from maintd.queries import sql
+
+LAYOUT = migrate.Layout("partitioned", timedelta(hours=1), 2)
+
+
+def seed(engine, schema: str, final: int, live: int) -> None:
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt, finalized_at) SELECT 'old', "
+                         "CAST((ARRAY['completed', 'cancelled', 'discarded'])[1 + g % 3] AS {schema}.job_state), 1, "
+                         "now() - g * interval '1 second' FROM generate_series(1, :n) g", schema), {"n": final})
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue) SELECT 'live', 'q' FROM generate_series(1, :n)",
+                         schema), {"n": live})
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, unique_key) VALUES ('u', 'held')", schema))
+
+
+def moved_is_none(call):
+    """What the README tells workers: SQLSTATE 40001 (partitioned layout: a row moved to another
+    partition meanwhile, e.g. claimed and completed by another worker) means nothing was done."""
+    try:
+        return call()
+    except Exception as exc:
+        if getattr(getattr(exc, "orig", None), "sqlstate", None) == "40001":
+            return None
+        raise
+
+
+class Workload:
+    """An enqueuer and workers claiming and completing (the README's statements, through
+    JobQueue), each on its own connection, until stopped; what each did and its slowest call."""
+
+    def __init__(self, engine, schema: str, workers: int = 3):
+        self.engine, self.q = engine, JobQueue(schema)
+        self.stop = threading.Event()
+        self.enqueued: list[int] = []
+        self.completed: list[int] = []
+        self.errors: list[BaseException] = []
+        self.slowest = 0.0
+        self.threads = [threading.Thread(target=self._guard, args=(self._enqueue,))]
+        self.threads += [threading.Thread(target=self._guard, args=(self._work,)) for _ in range(workers)]
+
+    def __enter__(self) -> "Workload":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+    def _timed(self, fn):
+        started = time.monotonic()
+        with self.engine.begin() as conn:
+            out = fn(conn)
+        self.slowest = max(self.slowest, time.monotonic() - started)
+        return out
+
+    def _guard(self, loop) -> None:
+        try:
+            loop()
+        except BaseException as exc:  # the test reports it
+            self.errors.append(exc)
+
+    def _enqueue(self) -> None:
+        while not self.stop.is_set():
+            self.enqueued.append(self._timed(lambda c: self.q.enqueue(c, "new", queue="q")))
+            time.sleep(0.002)
+
+    def _work(self) -> None:
+        while not self.stop.is_set():
+            jobs = moved_is_none(lambda: self._timed(lambda c: self.q.claim(c, "q", "w", limit=5))) or []
+            for job in jobs:
+                if moved_is_none(lambda: self._timed(lambda c: self.q.complete(c, job))):
+                    self.completed.append(job.id)
+
+
+def test_a_live_table_converts_under_load_losing_and_doubling_nothing(engine, pg_dsn, schema):
+    seed(engine, schema, final=15000, live=4000)
+    with engine.connect() as conn:
+        before = set(conn.execute(sql("SELECT id FROM {schema}.jobs", schema)).scalars())
+    lines: list[str] = []
+    with Workload(engine, schema) as load:
+        time.sleep(0.3)
+        owner = make_engine(pg_dsn, application_name="convert", pooled=False)
+        with owner.connect() as conn:
+            assert convert.convert(conn, schema, LAYOUT, say=lines.append) == "done"
+        owner.dispose()
+        time.sleep(0.5)  # workers go on, on the partitioned table
+    assert load.errors == []
+    with engine.connect() as conn:
+        kind = conn.execute(text("SELECT relkind FROM pg_class WHERE oid = to_regclass(:t)"),
+                            {"t": f"{schema}.jobs"}).scalar()
+        rows = conn.execute(sql("SELECT id, state::text FROM {schema}.jobs", schema)).all()
+        leftovers = conn.execute(text("SELECT count(*) FROM pg_class WHERE relnamespace = to_regnamespace(:s) "
+                                      "AND relname ~ '(_plain|_conv|jobs_convert)'"), {"s": schema}).scalar()
+    ids = [r.id for r in rows]
+    assert kind == "p" and leftovers == 0
+    assert len(ids) == len(set(ids))  # no id twice
+    assert set(ids) == before | set(load.enqueued)  # none lost, none made up
+    states = dict(rows)
+    assert load.completed and {states[i] for i in load.completed} == {"completed"}
+    assert len(load.enqueued) > 100 and len(load.completed) > 100
+    held = float(next(ln for ln in lines if "swapped" in ln).split("locked ")[1].split(" ms")[0])
+    assert held < 1000 and load.slowest < 5.0, (held, load.slowest)
+    order = [ln.split()[1] for ln in lines if ln.startswith("copied")]
+    assert order == sorted(order, key=["live", "final"].index) and order[0] == "live"  # live jobs first
+    print(f"swap held {held:.0f} ms; slowest worker call {1000 * load.slowest:.0f} ms; "
+          f"{len(load.enqueued)} enqueued, {len(load.completed)} completed during the conversion")
+
+
+def test_an_interrupted_conversion_resumes_where_it_stopped(engine, pg_dsn, schema):
+    seed(engine, schema, final=12000, live=3000)
+    q = JobQueue(schema)
+    batches = []
+    owner = make_engine(pg_dsn, application_name="convert", pooled=False)
+    with owner.connect() as conn:
+        stop_after = lambda: (batches.append(1), len(batches) > 2)[1]
+        assert convert.convert(conn, schema, LAYOUT, say=lambda _: None, stop=stop_after) == "stopped"
+    with engine.begin() as conn:  # meanwhile: the plain table is still the one, and the trigger follows
+        job = q.claim(conn, "q", "w")[0]
+        assert q.complete(conn, job)
+        late = q.enqueue(conn, "late", queue="q")
+        conn.execute(sql("DELETE FROM {schema}.jobs WHERE id = (SELECT min(id) FROM {schema}.jobs)", schema))
+    with engine.connect() as conn:
+        expected = dict(conn.execute(sql("SELECT id, state::text FROM {schema}.jobs", schema)).all())
+        progress = conn.execute(sql("SELECT phase, cursor FROM {schema}.jobs_convert_progress", schema)).one()
+    assert progress.phase in ("live", "final") and progress.cursor > 0
+    with owner.connect() as conn:
+        lines: list[str] = []
+        assert convert.convert(conn, schema, LAYOUT, say=lines.append) == "done"
+        assert convert.convert(conn, schema, LAYOUT, say=lines.append) == "already"
+    owner.dispose()
+    with engine.connect() as conn:
+        after = dict(conn.execute(sql("SELECT id, state::text FROM {schema}.jobs", schema)).all())
+    assert after == expected and expected[job.id] == "completed" and late in after
+
+
+def test_the_cli_converts_and_the_admin_functions_follow(engine, pg_dsn, schema, tmp_path):
+    seed(engine, schema, final=100, live=50)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'schema = "{schema}"\n[partitions]\npremake = 2\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAINTD_")}
+    res = subprocess.run([sys.executable, "-m", "maintd", "--config", str(cfg), "migrate", "--convert", "partitioned"],
+                         capture_output=True, text=True, timeout=120, env={**env, "MAINTD_DATABASE_URL": pg_dsn})
+    assert res.returncode == 0, res.stderr
+    assert "copied live jobs: 51 of about 51" in res.stdout and "swapped" in res.stdout
+    with engine.begin() as conn:
+        some = conn.execute(sql("SELECT id FROM {schema}.jobs WHERE state = 'available' LIMIT 1", schema)).scalar()
+        changed = conn.execute(sql("SELECT id, state::text FROM {schema}.cancel_jobs(ARRAY[:id])", schema),
+                               {"id": some}).all()
+        home = conn.execute(sql("SELECT tableoid::regclass::text FROM {schema}.jobs WHERE id = :id", schema),
+                            {"id": some}).scalar()
+    assert changed == [(some, "cancelled")] and home.startswith(f"{schema}.jobs_cancelled_")
+    again = subprocess.run([sys.executable, "-m", "maintd", "--config", str(cfg), "migrate", "--convert", "partitioned"],
+                           capture_output=True, text=True, timeout=120, env={**env, "MAINTD_DATABASE_URL": pg_dsn})
+    assert again.returncode == 0 and "partitioned already" in again.stdout

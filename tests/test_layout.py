@@ -1,0 +1,562 @@
+"""The partitioned layout (SPEC 8.1, issue 30): what `migrate` builds, the README's worker SQL on
+both layouts, unique keys, rows outside the made ranges (far past and future, 'infinity', a burst
+while no leader made partitions), retention by dropping partitions, locks that are never waited
+for, fencing.
+
+The partitioner's passes run at the server's own time (a FrozenClock set to it): the partition
+functions refuse to drop ranges that are not past by the server's clock. Tests that need
+partitions in the past start a state's partitions there (:func:`restart`)."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import psycopg
+import pytest
+from sqlalchemy import text
+
+from maintd import migrate
+from maintd.clock import FrozenClock
+from maintd.config import CleanerConfig, PartitionsConfig
+from maintd.jobs import JobQueue
+from maintd.metrics import Metrics
+from maintd.queries import sql
+from maintd.services.base import NotLeader, PassContext
+from maintd.services.cleaner import Cleaner
+from maintd.services.partitioner import Partitioner, PartitionerConfig
+
+from .conftest import TEST_PARTITIONS
+
+HOUR, MINUTE = timedelta(hours=1), timedelta(minutes=1)
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+@pytest.fixture
+def layout(request: pytest.FixtureRequest) -> str:
+    """This module's schemas are partitioned, but for tests marked ``both_layouts``."""
+    return getattr(request, "param", "partitioned")
+
+
+def server_now(engine) -> datetime:
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT now()")).scalar()
+
+
+def partitions(engine, schema: str, state: str = "completed") -> list[tuple]:
+    with engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(
+            sql("SELECT * FROM {schema}.job_partitions(:state)", schema), {"state": state})]
+
+
+def where(engine, schema: str) -> dict[int, str]:
+    """Each job's partition."""
+    with engine.connect() as conn:
+        return dict(conn.execute(sql("SELECT id, tableoid::regclass::text FROM {schema}.jobs", schema)).all())
+
+
+def restart(engine, schema: str, state: str, at: datetime, step: timedelta = HOUR) -> None:
+    """As the schema's owner: the state's partitions dropped, its catch-alls meeting at ``at``."""
+    with engine.begin() as conn:
+        for name, *_ in conn.execute(sql("SELECT * FROM {schema}.job_partitions(:state)", schema),
+                                     {"state": state}).all():
+            conn.execute(sql(f"ALTER TABLE {{schema}}.jobs_{state} DETACH PARTITION {{schema}}.{name}", schema))
+            conn.execute(sql(f"DROP TABLE {{schema}}.{name}", schema))
+        conn.execute(sql("SELECT {schema}.start_partitions(:state, make_interval(secs => :step), :at)", schema),
+                     {"state": state, "step": step.total_seconds(), "at": at})
+
+
+def insert_final(engine, schema: str, state: str, finalized_at, n: int = 1, queue: str = "default") -> list[int]:
+    with engine.begin() as conn:
+        return [r[0] for r in conn.execute(sql(
+            "INSERT INTO {schema}.jobs (kind, queue, state, finalized_at) SELECT 'k', :queue, "
+            "CAST(:state AS {schema}.job_state), CAST(:at AS timestamptz) FROM generate_series(1, :n) "
+            "RETURNING id", schema), {"state": state, "at": finalized_at, "n": n, "queue": queue})]
+
+
+def partitioner(*, premake: int = TEST_PARTITIONS["premake"], step: timedelta = HOUR, **cleaner) -> Partitioner:
+    return Partitioner(PartitionerConfig("partitioned", PartitionsConfig(interval=step, premake=premake),
+                                         CleanerConfig(**cleaner)))
+
+
+def run(service, engine, schema, now: datetime | None = None, **kw):
+    ctx = PassContext(engine=engine, schema=schema, clock=FrozenClock(now or server_now(engine)),
+                      layout="partitioned", **kw)
+    return service.run_once(ctx)
+
+
+def count(engine, schema: str) -> int:
+    with engine.connect() as conn:
+        return conn.execute(sql("SELECT count(*) FROM {schema}.jobs", schema)).scalar()
+
+
+# -- what migrate builds --------------------------------------------------------------------------
+
+def test_migrate_builds_jobs_partitioned_by_state(engine, schema):
+    with engine.connect() as conn:
+        kinds = dict(conn.execute(text(
+            "SELECT c.relname, c.relkind FROM pg_class c WHERE c.relnamespace = to_regnamespace(:s) "
+            "AND c.relname ~ '^jobs' AND c.relkind IN ('r', 'p')"), {"s": schema}).all())
+        bound = conn.execute(text("SELECT pg_get_expr(relpartbound, oid) FROM pg_class "
+                                  "WHERE oid = to_regclass(:t)"), {"t": f"{schema}.jobs_live"}).scalar()
+        live_indexes = {r[0] for r in conn.execute(text(
+            "SELECT indexname FROM pg_indexes WHERE schemaname = :s AND tablename = 'jobs_live'"), {"s": schema})}
+        root_pkey = conn.execute(text("SELECT count(*) FROM pg_constraint WHERE conrelid = to_regclass(:t) "
+                                      "AND contype = 'p'"), {"t": f"{schema}.jobs"}).scalar()
+    assert kinds["jobs"] == "p" and kinds["jobs_live"] == "r"
+    assert bound == "FOR VALUES IN ('available', 'scheduled', 'running', 'retryable')"
+    for state in ("completed", "cancelled", "discarded"):
+        assert kinds[f"jobs_{state}"] == "p"
+        parts = partitions(engine, schema, state)
+        assert parts[0][0] == f"jobs_{state}_min" and parts[0][1] is None
+        assert parts[-1][0] == f"jobs_{state}_max" and parts[-1][2] is None
+        assert len(parts) - 2 == TEST_PARTITIONS["premake"] + 1  # the current step and those ahead
+        assert parts[-1][1] >= server_now(engine) + TEST_PARTITIONS["premake"] * HOUR
+        assert all(a[2] == b[1] for a, b in zip(parts, parts[1:]))  # no gap, no overlap
+        assert all(p[2] - p[1] == HOUR for p in parts[1:-1])
+    assert {"jobs_live_pkey", "jobs_fetch_idx", "jobs_scheduled_idx", "jobs_running_idx", "jobs_exhausted_idx",
+            "jobs_unique_key_idx"} <= live_indexes
+    assert root_pkey == 0  # each partition has its own primary key on id
+
+
+def test_migrate_sql_prints_the_partitioned_ddl():
+    layout = migrate.Layout("partitioned", HOUR, 24)
+    out = migrate.offline_sql("acme", layout=layout)
+    assert "PARTITION BY LIST (state)" in out
+    assert "CREATE TABLE \"acme\".jobs_live PARTITION OF \"acme\".jobs FOR VALUES IN" in out
+    assert "SECURITY DEFINER" in out and "maintain_partitions('completed'" in out
+    assert "CREATE INDEX CONCURRENTLY" not in out
+    plain = migrate.offline_sql("acme")
+    assert "PARTITION BY" not in plain and "CREATE INDEX CONCURRENTLY" in plain
+    assert "SECURITY DEFINER" in plain  # the functions exist in every schema (for --convert)
+
+
+def test_the_printed_sql_builds_the_partitioned_layout(pg_dsn, engine):
+    """What `maintd migrate --sql` prints for a DBA, applied as it is (psql-style, one script)."""
+    from .conftest import new_schema_name
+
+    name = new_schema_name()
+    script = migrate.offline_sql(name, layout=migrate.Layout("partitioned", HOUR, 2))
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(script)
+    try:
+        assert [p[0] for p in partitions(engine, name)][0] == "jobs_completed_min"
+        assert len(partitions(engine, name)) == 2 + 3
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT version_num FROM " + f'"{name}"' + ".alembic_version")).scalar() == \
+                migrate.head_revision()
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA "{name}" CASCADE')
+
+
+# -- the README's worker statements, verbatim ------------------------------------------------------
+
+def readme_worker_statements(schema: str) -> list[str]:
+    """Every statement of the README's worker SQL block, in order, for ``schema``."""
+    text_ = README.read_text()
+    block = re.search(r"## The jobs table and the worker contract.*?```sql\n(.*?)```", text_, re.S).group(1)
+    code = "\n".join(ln for ln in block.splitlines() if not ln.lstrip().startswith("--"))
+    return [c.strip().replace("maintd.", f"{schema}.") for c in code.split(";") if c.strip()]
+
+
+def psycopg_params(statement: str) -> str:
+    return re.sub(r"(?<![:\w]):([a-z_]+)", r"%(\1)s", statement)
+
+
+@pytest.mark.both_layouts
+def test_readme_worker_statements_run_verbatim(pg_dsn, schema, layout):
+    """SPEC 8.1 and 8.4: each statement as the README prints it, through psycopg 3 with
+    server-side parameters, on both layouts."""
+    s = readme_worker_statements(schema)
+    assert len(s) == 6, s
+    enqueue, claim, heartbeat, complete, fail, cancel = s
+    assert enqueue.startswith("INSERT") and "SKIP LOCKED" in claim and "heartbeat_at = now()" in heartbeat
+    assert "'completed'" in complete and ":backoff" in fail and "'cancelled'" in cancel
+    job = {"kind": "k", "queue": "q", "args": "{}", "priority": 0, "max_attempts": 3, "scheduled_at": None,
+           "metadata": "{}"}
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        run_ = lambda stmt, **p: conn.execute(psycopg_params(stmt), p).fetchall()
+        first = run_(enqueue, **job, unique_key="only-one")
+        assert len(first) == 1
+        assert run_(enqueue, **job, unique_key="only-one") == []  # a live job holds the key
+        second = run_(enqueue, **job, unique_key=None)[0][0]
+        claimed = run_(claim, queue="q", worker="w1", limit=1)
+        job_id, attempt = claimed[0][0], claimed[0][4]
+        assert run_(heartbeat, id=job_id, worker="w1", attempt=attempt) == [(job_id,)]
+        assert run_(complete, id=job_id, worker="w1", attempt=attempt) == [(job_id,)]
+        assert run_(complete, id=job_id, worker="w1", attempt=attempt) == []  # not yours any more
+        assert len(run_(enqueue, **job, unique_key="only-one")) == 1  # the key is free again
+        other = run_(claim, queue="q", worker="w2", limit=5)
+        failing = next(r for r in other if r[0] == second)
+        assert run_(fail, id=second, worker="w2", attempt=failing[4], discard=False, backoff=1.5,
+                    error="boom") == [("retryable",)]
+        assert run_(cancel, id=second) == [(second,)]
+    if layout == "partitioned":
+        with psycopg.connect(pg_dsn) as conn:
+            homes = dict(conn.execute(f"SELECT id, tableoid::regclass::text FROM {schema}.jobs").fetchall())
+        assert homes[job_id].startswith(f"{schema}.jobs_completed_p")
+        assert homes[second].startswith(f"{schema}.jobs_cancelled_")
+
+
+def test_one_live_job_per_unique_key_under_concurrent_enqueues(engine, schema):
+    q = JobQueue(schema)
+    barrier = threading.Barrier(8)
+    got: list[int | None] = []
+
+    def enqueue():
+        barrier.wait()
+        with engine.begin() as conn:
+            got.append(q.enqueue(conn, "k", unique_key="race"))
+
+    threads = [threading.Thread(target=enqueue) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(1 for g in got if g is not None) == 1
+    with engine.connect() as conn:
+        assert conn.execute(sql("SELECT count(*) FROM {schema}.jobs WHERE unique_key = 'race'", schema)).scalar() == 1
+
+
+# -- rows outside the made ranges -----------------------------------------------------------------
+
+def test_strays_land_in_the_catch_alls_and_are_counted(engine, schema):
+    now = server_now(engine)
+    ids = {"ancient": insert_final(engine, schema, "completed", "1990-01-01")[0],
+           "minus_inf": insert_final(engine, schema, "completed", "-infinity")[0],
+           "plus_inf": insert_final(engine, schema, "discarded", "infinity")[0],
+           "future": insert_final(engine, schema, "cancelled", now + timedelta(days=400))[0],
+           "now": insert_final(engine, schema, "completed", now)[0]}
+    homes = where(engine, schema)
+    assert homes[ids["ancient"]] == homes[ids["minus_inf"]] == f"{schema}.jobs_completed_min"
+    assert homes[ids["plus_inf"]] == f"{schema}.jobs_discarded_max"
+    assert homes[ids["future"]] == f"{schema}.jobs_cancelled_max"
+    assert homes[ids["now"]].startswith(f"{schema}.jobs_completed_p")
+    metrics = Metrics(target="t")
+    service = partitioner(completed_retention=-1, cancelled_retention=-1, discarded_retention=-1)
+    result = run(service, engine, schema, now=now)
+    assert (result.stray_rows, result.partitions, result.made) == (4, 3 * (TEST_PARTITIONS["premake"] + 1), 0)
+    service.observe(metrics, result)
+    assert metrics.registry.get_sample_value("maintd_partition_stray_rows", {"target": "t"}) == 4
+
+
+def test_a_burst_past_premake_closes_the_catch_all_and_moves_what_lies_beyond(engine, schema):
+    """No leader made partitions for ten hours: every completion since then is in the high
+    catch-all. The next pass makes it the partition of its range (no row moved), makes the
+    partitions ahead, and moves the rows beyond (a clock a month ahead, 'infinity')."""
+    now = server_now(engine)
+    start = now - 10 * HOUR
+    restart(engine, schema, "completed", start)
+    burst = []
+    for k in range(10):
+        burst += insert_final(engine, schema, "completed", now - timedelta(hours=k, minutes=30), n=50)
+    beyond = insert_final(engine, schema, "completed", "infinity") + \
+        insert_final(engine, schema, "completed", now + timedelta(days=30))
+    before = count(engine, schema)
+    result = run(partitioner(completed_retention=-1), engine, schema, now=now)
+    assert (result.closed, result.moved, result.busy) == (1, 2, [])
+    parts = partitions(engine, schema)
+    closed = parts[1]
+    assert closed[1] == parts[0][2] and closed[1] <= start and closed[2] > now - HOUR
+    assert all(a[2] == b[1] for a, b in zip(parts, parts[1:]))
+    assert parts[-1][1] >= now + TEST_PARTITIONS["premake"] * HOUR
+    homes = where(engine, schema)
+    assert {homes[i] for i in burst} == {f"{schema}.{closed[0]}"}
+    assert {homes[i] for i in beyond} == {f"{schema}.jobs_completed_max"}
+    assert count(engine, schema) == before
+    assert run(partitioner(completed_retention=-1), engine, schema, now=now).stray_rows == 2
+    # New completions go to the new partitions, not the catch-all.
+    fresh = insert_final(engine, schema, "completed", now + HOUR)
+    assert where(engine, schema)[fresh[0]].startswith(f"{schema}.jobs_completed_p")
+
+
+# -- retention by dropping partitions --------------------------------------------------------------
+
+def test_partitions_past_retention_are_dropped_and_counted(engine, schema):
+    now = server_now(engine)
+    restart(engine, schema, "completed", now - 10 * HOUR)
+    run(partitioner(completed_retention=-1), engine, schema, now=now)  # partitions from -10h on
+    old = insert_final(engine, schema, "completed", now - timedelta(hours=9, minutes=30), n=500)
+    older = insert_final(engine, schema, "completed", now - timedelta(days=3))  # a stray, expired
+    middle = insert_final(engine, schema, "completed", now - timedelta(hours=5, minutes=30), n=300)
+    kept = insert_final(engine, schema, "completed", now - timedelta(minutes=30), n=100)
+    edge = insert_final(engine, schema, "completed", now - 3 * HOUR + MINUTE)  # its hour is not past yet
+    metrics = Metrics(target="t")
+    service = partitioner(completed_retention="3h")
+    result = run(service, engine, schema, now=now)
+    assert result.deleted["completed"] == 801 and not result.estimated  # never analyzed: counted
+    assert result.dropped == result.detached >= 7
+    service.observe(metrics, result)
+    assert metrics.registry.get_sample_value("maintd_jobs_deleted_total", {"target": "t", "state": "completed"}) == 801
+    left = set(where(engine, schema))
+    assert left.isdisjoint(old + older + middle) and set(kept + edge) <= left
+    parts = partitions(engine, schema)
+    assert parts[0][0] == "jobs_completed_min" and parts[0][2] == parts[1][1] > now - 4 * HOUR
+    assert all(a[2] == b[1] for a, b in zip(parts, parts[1:]))
+    with engine.connect() as conn:  # nothing detached is left behind
+        assert conn.execute(text("SELECT count(*) FROM pg_class WHERE relnamespace = to_regnamespace(:s) "
+                                 "AND relname ~ '^jobs_completed' AND relkind = 'r' AND NOT relispartition"),
+                            {"s": schema}).scalar() == 0
+
+
+def test_the_longest_per_queue_retention_keeps_partitions_and_the_cleaner_deletes_shorter_ones(engine, schema):
+    now = server_now(engine)
+    restart(engine, schema, "completed", now - 10 * HOUR)
+    run(partitioner(completed_retention=-1), engine, schema, now=now)
+    short = insert_final(engine, schema, "completed", now - 2 * HOUR, n=5, queue="short")
+    long_ = insert_final(engine, schema, "completed", now - 5 * HOUR, n=5, queue="long")
+    default = insert_final(engine, schema, "completed", now - 5 * HOUR, n=5)
+    retention = {"completed_retention": "4h",
+                 "queues": {"short": {"completed_retention": "1h"}, "long": {"completed_retention": "6h"}}}
+    result = run(partitioner(**retention), engine, schema, now=now)
+    assert result.detached and result.deleted["completed"] == 0  # partitions older than 6h: empty
+    cleaner = Cleaner(CleanerConfig(**retention))
+    deleted = run(cleaner, engine, schema, now=now)
+    # Queues whose retention is shorter than the longest (6h): the batched DELETE.
+    assert deleted.deleted["completed"] == 10
+    left = set(where(engine, schema))
+    assert left.isdisjoint(short + default) and set(long_) <= left
+
+
+def test_expired_strays_of_the_low_catch_all_go_with_the_cleaner(engine, schema):
+    """Old jobs imported into a new partitioned table land in the low catch-all, whose own range
+    is not past the retention yet: the cleaner deletes those that are expired (a DELETE in the
+    catch-all only), the partitioner drops nothing, and proper partitions are left alone."""
+    now = server_now(engine)
+    imported = insert_final(engine, schema, "completed", now - timedelta(days=3), n=5)
+    recent = insert_final(engine, schema, "completed", now, n=2)
+    unexpired_stray = insert_final(engine, schema, "cancelled", now - 5 * HOUR)  # within 24h, kept
+    assert run(partitioner(), engine, schema, now=now).detached == 0
+    result = run(Cleaner(CleanerConfig()), engine, schema, now=now)
+    assert result.deleted["completed"] == 5
+    left = set(where(engine, schema))
+    assert left.isdisjoint(imported) and set(recent + unexpired_stray) <= left
+
+
+def test_the_cleaner_deletes_everything_on_a_partitioned_table_of_a_plain_config(engine, schema):
+    """A table converted while the config still says plain: the cleaner's batched DELETE works
+    on it and drops nothing."""
+    now = server_now(engine)
+    old = insert_final(engine, schema, "completed", now - 30 * HOUR, n=3)
+    ctx = PassContext(engine=engine, schema=schema, clock=FrozenClock(now))  # layout "plain"
+    assert Cleaner(CleanerConfig()).run_once(ctx).deleted["completed"] == 3
+    assert set(where(engine, schema)).isdisjoint(old)
+
+
+# -- locks: never waited for ----------------------------------------------------------------------
+
+def test_a_held_lock_leaves_the_work_to_the_next_pass_and_nobody_waits(engine, pg_dsn, schema):
+    """A session reading a final state's partition holds a lock the change needs: the pass tries
+    a few times without ever queueing (a worker completing meanwhile is not held up), reports the
+    state busy, and a later pass does it."""
+    now = server_now(engine)
+    restart(engine, schema, "completed", now - 10 * HOUR)  # ten hours of partitions to make
+    q = JobQueue(schema)
+    with engine.begin() as conn:
+        q.enqueue(conn, "k")
+    with engine.begin() as conn:
+        job = q.claim(conn, "default", "w1")[0]
+    reader = psycopg.connect(pg_dsn)
+    reader.execute(f"SELECT count(*) FROM {schema}.jobs_completed")  # holds AccessShare until rollback
+    latencies: list[float] = []
+    done = threading.Event()
+
+    def complete():
+        time.sleep(0.1)
+        started = time.monotonic()
+        with engine.begin() as conn:
+            assert q.complete(conn, job)
+        latencies.append(time.monotonic() - started)
+        done.set()
+
+    worker = threading.Thread(target=complete)
+    worker.start()
+    started = time.monotonic()
+    result = run(partitioner(completed_retention=-1), engine, schema, now=now)
+    elapsed = time.monotonic() - started
+    worker.join()
+    reader.rollback()
+    assert result.busy == ["completed"] and result.made == 0
+    assert elapsed < 5  # TRIES x RETRY_PAUSE, plus the work
+    assert latencies[0] < 1.0  # the completion went through while the pass was retrying
+    again = run(partitioner(completed_retention=-1), engine, schema, now=now)
+    assert again.busy == [] and again.closed == 1
+    reader.close()
+
+
+def test_a_pass_of_an_instance_that_no_longer_leads_changes_nothing(engine, schema):
+    now = server_now(engine)
+    restart(engine, schema, "completed", now - 10 * HOUR)
+    run(partitioner(completed_retention=-1), engine, schema, now=now)
+    before = partitions(engine, schema)
+
+    class Refused:
+        epoch = 7
+
+        def check(self, conn):
+            raise NotLeader("epoch 7 is over")
+
+    with pytest.raises(NotLeader):
+        run(partitioner(completed_retention="1h"), engine, schema, now=now, fence=Refused())
+    assert partitions(engine, schema) == before
+
+
+def test_dry_run_says_what_a_pass_would_do(engine, schema):
+    now = server_now(engine)
+    restart(engine, schema, "completed", now - 10 * HOUR)
+    run(partitioner(completed_retention=-1), engine, schema, now=now)
+    before = partitions(engine, schema)
+    result = run(partitioner(completed_retention="3h", premake=4), engine, schema, now=now, dry_run=True)
+    assert result.detached >= 7 and result.made == 6  # 3 states x 2 more steps ahead
+    assert partitions(engine, schema) == before
+
+
+# -- rows moved to another partition meanwhile (SQLSTATE 40001) -----------------------------------
+
+def waiting_on_a_lock(pg_dsn: str, schema: str) -> bool:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                            "AND query ILIKE %s", (f"%DELETE FROM \"{schema}\".jobs%",)).fetchone()[0] > 0
+
+
+def test_a_row_revived_while_the_cleaner_deletes_it_is_skipped_not_an_error(pg_dsn, engine, schema):
+    """The cleaner's DELETE waits for a row an operator's retry_jobs is moving back to the live
+    partition; when that commits, PostgreSQL fails the DELETE with 40001 (the plain layout would
+    re-check the row and pass it over). The batch is redone: the revived job lives, the rest goes."""
+    now = server_now(engine)
+    ids = insert_final(engine, schema, "completed", now - 30 * HOUR, n=20)
+    reviver = psycopg.connect(pg_dsn)
+    reviver.execute(f"SELECT * FROM {schema}.retry_jobs(ARRAY[{ids[7]}])")  # moved, not committed
+    ctx = PassContext(engine=engine, schema=schema, clock=FrozenClock(now))
+    outcome: list = []
+    cleaner = threading.Thread(target=lambda: outcome.append(Cleaner(CleanerConfig()).run_once(ctx)))
+    cleaner.start()
+    deadline = time.monotonic() + 10
+    while not waiting_on_a_lock(pg_dsn, schema) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    reviver.commit()
+    cleaner.join()
+    reviver.close()
+    assert outcome and outcome[0].deleted["completed"] == 19
+    assert ctx.moved == 1
+    assert set(where(engine, schema)) == {ids[7]}
+
+
+def test_a_worker_completing_while_an_operator_cancels(pg_dsn, engine, schema):
+    """The README's cancel and complete on one running job: the completion waits for the
+    cancel's row lock; once the cancel commits, the completion fails with 40001 on the
+    partitioned layout, which the README tells workers to read as 'not yours any more'. The job
+    is cancelled once, and nothing else happens to it."""
+    q = JobQueue(schema)
+    with engine.begin() as conn:
+        q.enqueue(conn, "k")
+    with engine.begin() as conn:
+        job = q.claim(conn, "default", "w1")[0]
+    operator = psycopg.connect(pg_dsn)
+    operator.execute(f"UPDATE {schema}.jobs SET state = 'cancelled', finalized_at = now() "
+                     f"WHERE id = %s AND state NOT IN ('completed', 'cancelled', 'discarded') RETURNING id", (job.id,))
+    errors: list[str] = []
+
+    def complete():
+        try:
+            with engine.begin() as conn:
+                errors.append("completed" if q.complete(conn, job) else "not yours")
+        except Exception as exc:
+            errors.append(getattr(getattr(exc, "orig", None), "sqlstate", repr(exc)))
+
+    worker = threading.Thread(target=complete)
+    worker.start()
+    time.sleep(0.3)
+    operator.commit()
+    worker.join()
+    operator.close()
+    assert errors == ["40001"]
+    with engine.connect() as conn:
+        assert conn.execute(sql("SELECT state::text FROM {schema}.jobs WHERE id = :id", schema),
+                            {"id": job.id}).scalar() == "cancelled"
+
+
+def test_the_rescuer_against_completions_loses_nothing(pg_dsn, engine, schema):
+    """Workers complete jobs that look stuck while the rescuer rescues them: each job ends either
+    completed (the worker's update returned it) or rescued (retryable), never both, never lost,
+    and no pass fails, though rows move to the completed partition under the rescuer's feet."""
+    from maintd.config import RescuerConfig
+    from maintd.services.rescuer import Rescuer
+
+    now = server_now(engine)
+    n = 3000
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at, attempted_by) "
+                         "SELECT 'k', 'running', 1, CAST(:at AS timestamptz), 'w' FROM generate_series(1, :n)",
+                         schema), {"at": now - 2 * HOUR, "n": n})
+        ids = [r[0] for r in conn.execute(sql("SELECT id FROM {schema}.jobs ORDER BY id", schema))]
+    completed: list[int] = []
+    stop = threading.Event()
+
+    def worker(part: list[int]):
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            for job_id in part:
+                if stop.is_set():
+                    return
+                try:
+                    row = conn.execute(f"UPDATE {schema}.jobs SET state = 'completed', finalized_at = now() "
+                                       "WHERE id = %s AND state = 'running' AND attempted_by = 'w' AND attempt = 1 "
+                                       "RETURNING id", (job_id,)).fetchone()
+                except psycopg.errors.SerializationFailure:
+                    row = None  # rescued meanwhile: not ours any more
+                if row:
+                    completed.append(job_id)
+
+    threads = [threading.Thread(target=worker, args=(ids[k::4],)) for k in range(4)]
+    for t in threads:
+        t.start()
+    service = Rescuer(RescuerConfig(batch_size=50, precise_timing=False))
+    moved, rescued = 0, 0
+    while any(t.is_alive() for t in threads):
+        ctx = PassContext(engine=engine, schema=schema, clock=FrozenClock(now))
+        rescued += service.run_once(ctx).retried  # raises on an error pass
+        moved += ctx.moved
+    stop.set()
+    for t in threads:
+        t.join()
+    with engine.connect() as conn:
+        states = dict(conn.execute(sql("SELECT id, state::text FROM {schema}.jobs", schema)).all())
+    assert len(states) == n  # nothing lost, nothing doubled
+    assert {states[i] for i in completed} == {"completed"}
+    assert sum(1 for s in states.values() if s == "retryable") == rescued
+    assert len(completed) + rescued == n
+    print(f"rescued={rescued} completed={len(completed)} batches redone (40001)={moved}")
+
+
+# -- visibility -----------------------------------------------------------------------------------
+
+@pytest.mark.both_layouts
+def test_status_and_the_dashboard_show_the_layout_and_its_partitions(engine, pg_dsn, schema, layout, settings):
+    from maintd.dashboard import Dashboard
+    from maintd.http import Request
+    from maintd.status import collect_status, format_status
+
+    now = server_now(engine)
+    insert_final(engine, schema, "completed", "infinity")
+    insert_final(engine, schema, "discarded", now)
+    st = collect_status(engine, schema)
+    status, _, body, _ = Dashboard(lambda: settings).pages()["/"](Request("/", {}))
+    html = body.decode()
+    assert status == 200
+    if layout == "plain":
+        assert st["layout"] == {"layout": "plain"} and "layout: plain" in format_status(st)
+        assert 'data-layout="plain"' in html
+        return
+    per_state = TEST_PARTITIONS["premake"] + 1
+    assert st["layout"]["layout"] == "partitioned"
+    assert (st["layout"]["partitions"], st["layout"]["stray_rows"]) == (3 * per_state, 1)
+    assert datetime.fromisoformat(st["layout"]["newest"]) >= now + TEST_PARTITIONS["premake"] * HOUR
+    assert datetime.fromisoformat(st["layout"]["oldest"]) <= now
+    line = next(ln for ln in format_status(st).splitlines() if ln.startswith("layout:"))
+    assert f"partitioned, {3 * per_state} partitions" in line and "1 stray rows" in line
+    assert 'data-layout="partitioned"' in html
+    assert re.search(rf'id="partition-count">{3 * per_state}<', html) and ">1 stray rows<" in html
