@@ -33,7 +33,7 @@ import re
 import types
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator
 
@@ -93,7 +93,50 @@ NOT_MAINTENANCE: dict[str, str] = {
     "migrate.py: CREATE SCHEMA IF NOT EXISTS {}": "`maintd migrate` (the owner role)",
     "migrate.py: CREATE INDEX CONCURRENTLY IF NOT EXISTS {} ON {}.jobs {}": "a migration (the owner role)",
     "migrate.py: DROP INDEX CONCURRENTLY IF EXISTS {}.{}": "a migration's downgrade (the owner role)",
+    # The partitioned layout (SPEC 8.1): DDL of migrate and of `maintd migrate --convert partitioned`,
+    # run by the schema's owner; and the partition functions' own definitions.
+    "cli.py: SELECT pg_advisory_unlock(:k)": "`maintd migrate --convert` gives up its own lock",
+    **{f"partitions.py: {n}": "the partition functions and partitions that `maintd migrate` creates (the owner role)"
+       for n in ("ALTER TABLE {}.{} ADD CONSTRAINT {}_pkey PRIMARY KEY (id)",
+                 "CREATE FUNCTION {}.{} RETURNS {} LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = "
+                 "pg_catalog, pg_temp SET lock_timeout = '1s' SET \"TimeZone\" = 'UTC' AS $fn$",
+                 "CREATE FUNCTION {}.{} RETURNS {} {} AS $fn$", "CREATE INDEX {}{} ON {}.{} {}",
+                 "CREATE TABLE {}.jobs_{} PARTITION OF {}.{} FOR VALUES IN ('{}') PARTITION BY RANGE (finalized_at)",
+                 "CREATE TABLE {}.{} PARTITION OF {}.{} FOR VALUES IN {}", "CREATE UNIQUE INDEX {}{} ON {}.{} {}",
+                 "DROP FUNCTION IF EXISTS {}.{}", "REVOKE EXECUTE ON FUNCTION {}.{} FROM PUBLIC")},
+    "grants.py: GRANT EXECUTE ON FUNCTION {}.{} TO {};": "`maintd grants` (the owner role)",
+    **{f"partitions.{n}": "reads of the partition functions (no change: they only list partitions)"
+       for n in ("LAYOUT", "LOW_CATCH_ALLS", "EXPIRED", "SUMMARY")},
 }
+CONVERT = "`maintd migrate --convert partitioned` (the owner role, a one-off conversion)"
+NOT_MAINTENANCE.update({f"convert.py: {statement}": CONVERT for statement in (
+    'ALTER INDEX {}.{} RENAME TO {}',
+    'ALTER SEQUENCE {}.jobs_conv_id_seq RENAME TO jobs_id_seq',
+    'ALTER SEQUENCE {}.jobs_id_seq RENAME TO jobs_plain_id_seq',
+    'ALTER TABLE {}.jobs ALTER COLUMN id RESTART WITH {}',
+    'ALTER TABLE {}.jobs RENAME TO jobs_plain',
+    'ALTER TABLE {}.jobs_conv RENAME TO jobs',
+    'COMMENT ON FUNCTION {} IS',
+    "CREATE FUNCTION {q}.jobs_convert_sync() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$ BEGIN IF TG_OP <> 'INSERT' THEN IF OLD.finalized_at IS NULL THEN DELETE FROM {q}.jobs_conv AS c WHERE c.id = OLD.id AND c.state = OLD.state; ELSE DELETE FROM {q}.jobs_conv AS c WHERE c.id = OLD.id AND c.state = OLD.state AND c.finalized_at = OLD.finalized_at; END IF; END IF; IF TG_OP <> 'DELETE' THEN INSERT INTO {q}.jobs_conv SELECT NEW.*; END IF; INSERT INTO {q}.jobs_convert_seen (id) VALUES (CASE WHEN TG_OP = 'DELETE' THEN OLD.id ELSE NEW.id END) ON CONFLICT DO NOTHING; RETURN NULL; END $fn$",
+    'CREATE TABLE {}.jobs_conv (LIKE {}.jobs INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING IDENTITY) PARTITION BY LIST (state)',
+    'CREATE TABLE {}.jobs_convert_progress (phase text NOT NULL, cursor bigint NOT NULL, copied bigint NOT NULL)',
+    'CREATE TABLE {}.jobs_convert_seen (id bigint PRIMARY KEY)',
+    'CREATE TRIGGER jobs_convert_sync AFTER INSERT OR UPDATE OR DELETE ON {}.jobs FOR EACH ROW EXECUTE FUNCTION {}.jobs_convert_sync()',
+    'DROP FUNCTION {}.jobs_convert_sync()',
+    'DROP FUNCTION {}.{}({})',
+    'DROP TABLE {}.jobs_convert_progress',
+    'DROP TABLE {}.jobs_convert_seen',
+    'DROP TABLE {}.jobs_plain',
+    'DROP TRIGGER jobs_convert_sync ON {}.jobs',
+    'GRANT EXECUTE ON FUNCTION {} TO {}',
+    'GRANT {} ON {}.jobs TO {}',
+    "INSERT INTO {}.jobs_convert_progress VALUES ('live', 0, 0)",
+    'LOCK TABLE {}.jobs IN ACCESS EXCLUSIVE MODE',
+    'REVOKE ALL ON FUNCTION {} FROM PUBLIC',
+    'SELECT id FROM {}.jobs WHERE id > :cursor AND state IN {} ORDER BY id LIMIT :n FOR SHARE',
+    'UPDATE {}.jobs_convert_progress SET phase = :phase, cursor = :cursor, copied = :copied',
+    'WITH fresh AS ( INSERT INTO {q}.jobs_convert_seen (id) SELECT o.id FROM {q}.jobs AS o WHERE o.id = ANY(:ids) ON CONFLICT DO NOTHING RETURNING id ) INSERT INTO {q}.jobs_conv SELECT o.* FROM {q}.jobs AS o WHERE o.id IN (SELECT id FROM fresh)',
+)})
 
 
 def _writes(text: str) -> bool:
@@ -274,6 +317,7 @@ class Case:
     hold: Callable[[Env], ContextManager[Any]] | None = None  # held across both runs
     ddl: bool = False  # proved before it is sent: the stale run must not send it at all
     notifies: bool = False  # the valid run notifies (so the inbox is seen to work)
+    layout: str = "plain"  # the jobs layout of the case's schema (SPEC 8.1)
 
 
 def jobs(state: str, *, n: int = 1, kind: str = "k", queue: str = "default", attempt: int = 1,
@@ -349,6 +393,27 @@ def reindexer(env: Env, ctx: PassContext) -> Any:
     return Reindexer(env.settings.reindexer).run_once(ctx)
 
 
+def expired_partitions(env: Env) -> None:
+    """A partitioned schema whose completed partitions end 10 hours ago (past a 1 h retention),
+    none made ahead: the partitioner has partitions to make and to detach and drop."""
+    with env.engine.begin() as conn:
+        for name, *_ in conn.execute(sql("SELECT * FROM {schema}.job_partitions('completed')", env.schema)).all():
+            conn.execute(sql(f"ALTER TABLE {{schema}}.jobs_completed DETACH PARTITION {{schema}}.{name}", env.schema))
+            conn.execute(sql(f"DROP TABLE {{schema}}.{name}", env.schema))
+        conn.execute(sql("SELECT {schema}.start_partitions('completed', interval '1 hour', now() - interval '10 hours')",
+                         env.schema))
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, finalized_at) "
+                         "VALUES ('k', 'completed', now() - interval '9 hours 30 minutes')", env.schema))
+
+
+def partitioner(env: Env, ctx: PassContext) -> Any:
+    from maintd.services.partitioner import Partitioner, PartitionerConfig
+
+    s = env.settings
+    ctx.layout, ctx.clock = "partitioned", FrozenClock(datetime.now(timezone.utc))
+    return Partitioner(PartitionerConfig("partitioned", s.partitions, s.cleaner)).run_once(ctx)
+
+
 def service_run(env: Env, ctx: PassContext) -> Any:
     return record_pass(ctx, PassRecord("cleaner", Outcome.SUCCESS, T0, T0, 0.01))
 
@@ -409,6 +474,9 @@ CASES = [
          periodic, settings={"periodic": [{"id": "old", **HOURLY}]}),
     Case("reindexer", (DROP_INDEX, REINDEX), invalid_index, reindexer, ddl=True,
          settings={"reindexer": {"enabled": True, "indexes": ["jobs_fetch_idx"]}}),
+    Case("partitioner-make-and-drop", ("partitions.MAINTAIN", "partitions.DROP_DETACHED"), expired_partitions,
+         partitioner, ddl=True, layout="partitioned",
+         settings={"cleaner": {"completed_retention": "1h"}, "partitions": {"interval": "1h", "premake": 2}}),
     Case("service-run-record", ("service_runs.RECORD",), lambda env: None, service_run),
     Case("health-history-sample", ("health.INSERT",), lambda env: None, health_sample),
     Case("cleaner-history-prune", ("health.PRUNE",), history_rows, cleaner),
@@ -442,9 +510,10 @@ def test_the_inventory_finds_writes_wherever_they_are_written():
     assert not any("cleaner.py" in name for name in found)  # its docstrings are prose
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_a_stale_fence_writes_nothing(case: Case, pg_dsn, schema, engine):
-    settings = Settings(database_url=pg_dsn, schema=schema, instance_id="test-1", **case.settings)
+@pytest.mark.parametrize("case, layout", [(c, c.layout) for c in CASES], ids=[c.name for c in CASES],
+                         indirect=["layout"])
+def test_a_stale_fence_writes_nothing(case: Case, pg_dsn, schema, engine, layout):
+    settings = Settings(database_url=pg_dsn, schema=schema, instance_id="test-1", layout=layout, **case.settings)
     env = Env(settings, engine, schema, pg_dsn)
     case.seed(env)
     sent = Sent(engine, schema)
