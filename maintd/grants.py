@@ -71,7 +71,7 @@ DAEMON: tuple[TableGrant, ...] = (
 # Granted on every schema (they exist whatever the layout), so a schema converted later works.
 DAEMON_FUNCTIONS: tuple[tuple[str, str], ...] = tuple(
     (signature, "partitioned layout: make partitions ahead, move stray rows, drop partitions past "
-                "retention (runs as the schema's owner)")
+                "retention, count stray rows (runs as the schema's owner)")
     for signature in partition_functions())
 
 # The README's worker SQL: enqueue, claim, heartbeat, complete, fail, cancel.

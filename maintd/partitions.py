@@ -106,8 +106,9 @@ def premake_sql(schema: str, step: timedelta, premake: int) -> list[str]:
 
 # (signature, returns, attributes, body). {schema} is the quoted schema. Helpers run as the caller
 # (the definer, when called from a definer function); EXECUTE on all but the read-only
-# PUBLIC_HELPERS is revoked from PUBLIC.
-PUBLIC_HELPERS = ("job_partitions(", "catch_all_rows(")
+# PUBLIC_HELPERS is revoked from PUBLIC (catch_all_rows runs as the owner: the daemon's role gets
+# EXECUTE on it, a worker's does not).
+PUBLIC_HELPERS = ("job_partitions(",)
 HELPERS = [
     ("job_partitions(p_state text)",
      "TABLE (partition_name text, range_start timestamptz, range_end timestamptz)",
@@ -131,7 +132,7 @@ DECLARE
   s text;
 BEGIN
   -- The rows in each final state's catch-alls (strays), counted in those small tables themselves:
-  -- through jobs, the plan would cover every partition. Counts only; usable by PUBLIC.
+  -- through jobs, the plan would cover every partition. Counts only; the daemon's role may call it.
   FOREACH s IN ARRAY ARRAY['completed', 'cancelled', 'discarded'] LOOP
     state := s;
     EXECUTE format('SELECT (SELECT count(*) FROM {schema}.%I), (SELECT count(*) FROM {schema}.%I)',
@@ -447,7 +448,7 @@ def functions_ddl(schema: str) -> list[str]:
 
 def definer_functions() -> list[str]:
     """``name(arg types)`` of each function the daemon's role needs EXECUTE on."""
-    return [_name_args(signature) for signature, *_ in FUNCTIONS]
+    return [_name_args(signature) for signature, *_ in FUNCTIONS] + ["catch_all_rows()"]
 
 
 def drop_functions_ddl(schema: str) -> list[str]:
