@@ -1,5 +1,15 @@
-"""The maintenance services. A new service is one module here plus one line in ``SERVICES``:
-its name, its class, and where its config section lives in the settings."""
+"""The maintenance services, registered in one place: ``SERVICES`` (name, class, and where its
+config section lives in the settings). Adding a service is:
+
+* its module here: a :class:`~maintd.services.base.Service` with ``run_once(ctx)`` returning a typed
+  :class:`~maintd.services.base.PassResult`, its metrics in ``observe()`` (on families of
+  :class:`maintd.metrics.Metrics`), and, if an index probe can tell whether a pass would find work,
+  ``probe()``/``after_probe()`` (then the database's probe drives it instead of ticks);
+* its SQL in ``maintd/queries/<table>.py`` (``:name`` parameters, rendered per target);
+* its config section in ``maintd/config.py`` (a ``Section``: every key validated, with the key
+  named in errors) and in ``config.example.toml``;
+* one line in ``SERVICES``.
+"""
 
 from __future__ import annotations
 
