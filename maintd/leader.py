@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("maintd.leader")
 
-__all__ = ["ElectionLoop", "Held", "LeaderFence", "LeaderSessionError", "Seat", "Term", "acquire_once",
+__all__ = ["ElectionLoop", "LeaderFence", "LeaderSessionError", "Seat", "Term", "acquire_once",
            "handover_channel"]
 
 BACKOFF_START, BACKOFF_CAP = 0.2, 5.0
@@ -188,6 +188,10 @@ class ElectionLoop:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def is_leader(self) -> bool:
+        return any(seat.is_leader for seat in self.targets)
 
     def request(self, seat: Seat, event: Request | Notified) -> None:
         self._requests.put((seat, event))
@@ -431,25 +435,11 @@ class ElectionLoop:
         self.writable = self.writable if writable is None else writable
 
 
-class Held:
-    """``run-once``'s hold on one target's lock, renewed by a loop thread until :meth:`stop`
-    releases it; a term lost is not taken again."""
-
-    def __init__(self, loop: ElectionLoop, seat: Seat):
-        self.loop, self.seat = loop, seat
-
-    @property
-    def is_leader(self) -> bool:
-        return self.seat.is_leader
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self.loop.stop(timeout)
-
-
 def acquire_once(settings: Settings, wait: float = 0.0, *,
-                 on_demoted: Callable[[str], None] | None = None) -> tuple[Held, LeaderFence] | None:
-    """For ``run-once``: the lock (trying for up to ``wait`` s), renewed in a thread until
-    ``held.stop()``. None if another instance holds it. Database errors while connecting propagate."""
+                 on_demoted: Callable[[str], None] | None = None) -> tuple[ElectionLoop, LeaderFence] | None:
+    """For ``run-once``: the lock (trying for up to ``wait`` s), renewed by the loop's thread until
+    ``loop.stop()`` releases it; a term lost is not taken again. None if another instance holds
+    it. Database errors while connecting propagate."""
     seat = Seat(settings, on_demoted=on_demoted or (lambda reason: None))
     seat.keep_trying = False
     loop = ElectionLoop(settings, [seat], HostOrder(settings.database_url.get_secret_value()), register=False)
@@ -464,4 +454,4 @@ def acquire_once(settings: Settings, wait: float = 0.0, *,
         loop.stop()
         return None
     loop.start()
-    return Held(loop, seat), seat.fence()
+    return loop, seat.fence()

@@ -114,10 +114,17 @@ class Target:
     def not_ready_reason(self) -> str | None:
         """Why /readyz is 503 for this target (None: ready)."""
         if self.started and self.db_ok and self.writable and self.health_problem() is None:
-            return None
+            return self.schema_problem()
         if not self.writable:
             return "database is read-only"
         return self.problem or self.health_problem() or "database unreachable"
+
+    def schema_problem(self) -> str | None:
+        """A pass failed because the schema is missing or behind (dropped while running, say)."""
+        for run in list(self.runner.last_runs.values()):
+            if run.get("outcome") == "error" and "maintd migrate" in str(run.get("error")):
+                return str(run["error"])
+        return None
 
     def status(self) -> dict[str, Any]:
         return {"target": self.name, "schema": self.settings.schema, "is_leader": self.is_leader,

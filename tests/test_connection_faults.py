@@ -175,3 +175,39 @@ def test_a_second_daemon_with_a_live_instance_id_is_refused(pg_dsn, schema, tmp_
         assert lock_holders(pg_dsn, schema) == [f"maintd:{first.instance_id}"]
     finally:
         first.stop()
+
+
+def test_a_schema_dropped_while_running_is_named_not_unreachable(pg_dsn, tmp_path):
+    """Issue 26: a dropped schema is reported as "run `maintd migrate`", never "database
+    unreachable"; the other target keeps working (its renewals read only pg_locks)."""
+    from maintd.config import Settings
+    from maintd.daemon import Daemon
+
+    from .conftest import new_schema_name
+
+    names = [new_schema_name() for _ in range(2)]
+    engine = make_engine(pg_dsn, application_name="maintd-test-migrate", pooled=False)
+    with engine.connect() as conn:
+        for name in names:
+            migrate.upgrade(conn, name)
+    daemon = Daemon(Settings(database_url=pg_dsn, instance_id=f"drop-{os.getpid()}", http={"listen": "127.0.0.1:0"},
+                             leader={"lease": "3s", "renew_interval": "1s", "retry_interval": "0.2s"},
+                             targets=[{"schema": n} for n in names], rescuer={"interval": "1s"}))
+    daemon.start()
+    try:
+        wait_for(lambda: all(t.is_leader for t in daemon.targets), 15, what="both led")
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA "{names[0]}" CASCADE')
+
+        def reason():
+            daemon.tick()
+            return daemon.targets[0].not_ready_reason()
+
+        why = wait_for(reason, 15, what="the dropped schema named")
+        assert "run `maintd migrate`" in why and "unreachable" not in why, why
+        assert daemon.targets[1].is_leader and daemon.targets[1].not_ready_reason() is None
+    finally:
+        daemon.stop()
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            for name in names:
+                conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
