@@ -16,6 +16,7 @@ locks of every target of that database, used by one thread only (its
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from contextlib import contextmanager
@@ -24,7 +25,7 @@ from typing import Callable, Iterator, Sequence
 import psycopg
 
 from .config import Settings
-from .db import HostOrder, connect, ms, sever
+from .db import HostOrder, NoAnswer, connect, ms, sever
 from .identifiers import quote_ident
 from .queries import catalog
 from .queries import leader as q
@@ -67,7 +68,9 @@ class LockSession:
                 settings={"statement_timeout": ms(cfg.lease / 2), "lock_timeout": ms(cfg.renew_interval),
                           # the epoch bump's transaction, frozen half-way, ends within the lease
                           "idle_in_transaction_session_timeout": ms(cfg.lease), SESSION_MARKER: self.marker},
-                tcp_user_timeout=ms(cfg.lease), answer_timeout=cfg.lease.total_seconds())
+                tcp_user_timeout=ms(cfg.lease), answer_timeout=cfg.lease.total_seconds(),
+                # per host: a frozen host costs a lease, not libpq's 5 s, before the next is tried
+                connect_timeout=max(2, math.ceil(cfg.lease.total_seconds())))
         self.conn = conn
         try:
             self.server = (conn.info.host, conn.info.port)
@@ -160,6 +163,9 @@ class LockSession:
         self._since = self.last_sent = time.monotonic()
         try:
             yield
+        except NoAnswer:  # a frozen server: the next connect tries the other hosts first
+            self.hosts.silent(*self.server)
+            raise
         finally:
             self._since = None
 
@@ -173,6 +179,7 @@ class LockSession:
         """From another thread: make a call blocked on a silent server fail now, and try the
         other hosts of a multi-host URL first."""
         self.hosts.silent(*self.server)
+        self._since = None  # once per wait: a connect in flight has no socket to shut yet
         sever(self.conn)
 
     def close(self) -> None:

@@ -132,21 +132,32 @@ class PgNode:
         self._signal_all(signal.SIGSTOP)  # a child forked while the postmaster was being stopped
         self.frozen = True
         deadline = time.monotonic() + 5
-        while set(self.stopped()) != set(self.processes()):  # the kernel stops them asynchronously
+        # The kernel stops them asynchronously; a child whose fork was under way when the
+        # postmaster stopped shows up late (signalled again), and a backend that exited just before
+        # stays a zombie the stopped postmaster cannot reap (it runs nothing: not waited for).
+        while running := set(self.processes()) - set(self.stopped()) - set(self.zombies()):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name}: not every process stopped")
+                raise RuntimeError(f"{self.name}: not every process stopped: {sorted(running)}")
+            self._signal_all(signal.SIGSTOP, sorted(running))
             time.sleep(0.01)
 
-    def stopped(self) -> list[int]:
-        """The server's processes the kernel reports stopped (state T)."""
+    def _in_state(self, states: tuple[str, ...]) -> list[int]:
         out = []
         for pid in self.processes():
             try:
-                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in states:
                     out.append(pid)
             except OSError:
                 pass
         return out
+
+    def stopped(self) -> list[int]:
+        """The server's processes the kernel reports stopped (state T)."""
+        return self._in_state(("T", "t"))
+
+    def zombies(self) -> list[int]:
+        """The server's children that exited and were not reaped (state Z)."""
+        return self._in_state(("Z", "X"))
 
     def thaw(self) -> None:
         self._signal_all(signal.SIGCONT)

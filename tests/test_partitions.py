@@ -291,7 +291,8 @@ def test_frozen_primary_and_promoted_standby_daemons_follow_within_about_a_lease
             pair.wait_replayed()
             pair.primary.freeze()
             t0 = time.monotonic()
-            assert set(pair.primary.stopped()) == set(pair.primary.processes()) and len(pair.primary.processes()) > 3
+            live = set(pair.primary.processes()) - set(pair.primary.zombies())
+            assert set(pair.primary.stopped()) == live and len(live) > 3
             pair.standby.promote()
             try:
                 seconds = working_leader_after(pair.standby.dsn, schema, t0, timeout=4 * LEASE)
@@ -300,7 +301,11 @@ def test_frozen_primary_and_promoted_standby_daemons_follow_within_about_a_lease
                     print(f"--- {d.instance_id}\n{d.log()[-3000:]}")
                 raise
             record("frozen_primary_promoted_standby", seconds)
-            assert seconds < 3 * LEASE
+            # Measured 3.96 s: the stuck renewal's bound (a lease) after at most a renew interval.
+            # 9.0 s when a session that got no answer still tried the frozen host first (libpq's
+            # 5 s connect_timeout on it): the lock session now marks it silent, and connects with
+            # a per-host timeout of a lease.
+            assert seconds < 2 * LEASE
         finally:
             pair.primary.kill()
             for d in daemons:
