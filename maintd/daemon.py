@@ -108,8 +108,11 @@ class Daemon:
         self.probes: list = []
         for engine in self.engines.values():
             mine = [t for t in self.targets if t.engine is engine]
-            self.probes += [CountProbe(engine, mine)] + [ServiceProbe(engine, mine, name) for name, spec in SERVICES.items()
-                                                         if spec.cls.probe is not Service.probe]
+            reads = [CountProbe(engine, mine)] + [ServiceProbe(engine, mine, name) for name, spec in SERVICES.items()
+                                                  if spec.cls.probe is not Service.probe]
+            for target in mine:
+                target.reads = reads
+            self.probes += reads
         self.loops = [ElectionLoop(settings, [t.seat for t in self.targets
                                               if t.settings.database_url.get_secret_value() == url],
                                    hosts, spread=self.spread) for url, hosts in self.hosts.items()]

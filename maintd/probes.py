@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from sqlalchemy import Engine, text
 
+from . import faults
 from .db import describe_db_error
 from .logs import kv
 from .queries import catalog, jobs, render
@@ -41,10 +42,20 @@ TICK = 1.0  # seconds between two runs of a probe (a job of the daemon's timetab
 class _Batched:
     """One statement over many targets, with the failing ones set aside and probed alone."""
 
+    TIMEOUT_MS = PROBE_TIMEOUT_MS
+
     def __init__(self, engine: Engine, targets: Sequence["Target"]):
         self.engine = engine
         self.targets = list(targets)
         self._aside: dict[str, float] = {}  # schema: until when it is probed alone
+        self._since: float | None = None  # a read in flight since then (monotonic)
+
+    def stalled_for(self) -> float:
+        """Seconds the read in flight has waited past its statement timeout (0: none). A leader's reads go over its maintenance
+        connections: a read that hangs is a maintenance stall (:meth:`maintd.target.Target.tick`),
+        even while no pass runs because the reads never said there was work."""
+        since = self._since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since - self.TIMEOUT_MS / 1000)
 
     def _each(self, targets: list["Target"], probe, failed=lambda target: None) -> None:  # noqa: ANN001
         now = time.monotonic()
@@ -52,17 +63,31 @@ class _Batched:
         alone = [t for t in targets if t not in shared]
         if shared:
             try:
-                probe(shared)
-            except Exception:
-                alone += shared  # find the one that fails, and set it aside
+                self._timed(probe, shared)
+            except Exception as exc:
+                if faults.sqlstate(exc) is None and faults.transient(exc):
+                    # the server or the network, not one target's schema: no read alone (each would
+                    # wait as long again); the passes run and say what fails
+                    log.debug("batched read failed", extra=kv(error=describe_db_error(exc)))
+                    for target in shared:
+                        failed(target)
+                else:
+                    alone += shared  # find the one that fails, and set it aside
         for target in alone:
             try:
-                probe([target])
+                self._timed(probe, [target])
                 self._aside.pop(target.settings.schema, None)
             except Exception as exc:
                 self._aside[target.settings.schema] = now + SET_ASIDE
                 log.debug("batched read failed", extra=kv(target=target.name, error=describe_db_error(exc)))
                 failed(target)
+
+    def _timed(self, probe, targets: list["Target"]) -> None:  # noqa: ANN001
+        self._since = time.monotonic()
+        try:
+            probe(targets)
+        finally:
+            self._since = None
 
 
 class CountProbe(_Batched):
@@ -135,7 +160,7 @@ class ServiceProbe(_Batched):
 
     def _probe(self, targets: list["Target"]) -> None:
         with self.engine.connect() as conn:
-            conn.execute(text(catalog.SET_LOCAL), {"name": "statement_timeout", "value": str(PROBE_TIMEOUT_MS)})
+            conn.execute(text(catalog.SET_LOCAL), {"name": "statement_timeout", "value": str(self.TIMEOUT_MS)})
             rows = {r[0]: r[1:] for r in conn.execute(self._compiled(targets)).all()}
             now = conn.exec_driver_sql("SELECT statement_timestamp()").scalar_one()
             conn.rollback()

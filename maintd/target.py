@@ -37,6 +37,7 @@ class Target:
         self.db_ok, self.writable = False, True
         self.problem: str | None = None  # why this target is not started (schema missing, ...)
         self.maintenance_stall: str | None = None  # why the last term was given up, if stalled
+        self.reads: list[Any] = []  # the probes reading over this target's engine (their stalls count)
 
     term = property(lambda self: self.seat.term)
     is_leader = property(lambda self: self.seat.is_leader)
@@ -140,7 +141,7 @@ class Target:
             self.metrics.is_leader.set(0)
             self.runner.deactivate(timeout=0)
             self.seat.request(Request("fenced", "lease expired", term.epoch))
-        elif (stalled := self.runner.stalled_for()) > lease:
+        elif (stalled := max([self.runner.stalled_for(), *(r.stalled_for() for r in self.reads)])) > lease:
             # Maintenance transactions hang (the server or the network silent while the lock session
             # is fine): give the term up, and let a replica whose connections work go first.
             self.maintenance_stall = f"maintenance connections made no progress for {stalled:.0f}s: gave up epoch {term.epoch}"

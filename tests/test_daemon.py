@@ -259,6 +259,21 @@ def test_sighup_toggles_a_service_and_rejects_a_bad_file(pg_dsn, schema, tmp_pat
     wait_for(lambda: notify_socket.count(b"STOPPING=1") == 1, 2, what="STOPPING=1")
 
 
+def _job(dsn, schema, state) -> int:
+    """A job with work for a service: ``completed`` three days ago (past retention: the cleaner's),
+    or ``running`` since two hours ago with no heartbeat (stuck: the rescuer's)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(f'INSERT INTO "{schema}".jobs (kind, state, attempt, attempted_at, finalized_at) '
+                            "VALUES ('k', %s, 1, now() - interval '3 days', "
+                            "CASE WHEN %s = 'completed' THEN now() - interval '3 days' END) RETURNING id",
+                            (state, state)).fetchone()[0]
+
+
+def _exists(dsn, schema, job_id) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(f'SELECT count(*) FROM "{schema}".jobs WHERE id = %s', (job_id,)).fetchone()[0] == 1
+
+
 def _sighup_checks(pg_dsn, schema, d, notify):
     # systemd Type=notify: READY=1 once the daemon is up (STATUS=... lines may come first).
     wait_for(lambda: notify.count(b"READY=1") == 1, 10, what="READY=1")
@@ -272,16 +287,19 @@ def _sighup_checks(pg_dsn, schema, d, notify):
     d.signal(signal.SIGHUP)
     m = d.wait_log(r"config reloaded services=(\S+)", after=offset)
     assert "cleaner" not in m.group(1).split(",") and "rescuer" in m.group(1)
-    # Passes of the disabled service stop; the others go on (interval 1 s).
-    # (A cleaner pass already running at the reload may still finish: compare with the record
-    # after the first rescuer pass that began after the reload.)
+    # Passes of the disabled service stop; the others go on. Both services have work (a service
+    # with nothing to do runs no pass): an expired completed job for the cleaner, a stuck running
+    # job for the rescuer. (A cleaner pass already running at the reload may still finish: compare
+    # with the record after the first rescuer pass that began after the reload.)
     reloaded = datetime.now(timezone.utc)
+    expired = _job(pg_dsn, schema, "completed")
+    _job(pg_dsn, schema, "running")
     wait_for(lambda: last_passes(d)["rescuer"][1] > reloaded, 5, what="a rescuer pass")
-    cleaner_before = last_passes(d)["cleaner"]
+    cleaner_before = last_passes(d).get("cleaner")
     rescued_at = last_passes(d)["rescuer"][1]
-    time.sleep(1.5)
-    runs = last_passes(d)
-    assert runs["rescuer"][1] > rescued_at and runs["cleaner"] == cleaner_before
+    _job(pg_dsn, schema, "running")
+    wait_for(lambda: last_passes(d)["rescuer"][1] > rescued_at, 5, what="the next rescuer pass")
+    assert last_passes(d).get("cleaner") == cleaner_before and _exists(pg_dsn, schema, expired)
 
     config["cleaner"]["enabled"] = True
     d.write_config(config)
@@ -292,6 +310,7 @@ def _sighup_checks(pg_dsn, schema, d, notify):
     since = datetime.now(timezone.utc)
     wait_for(lambda: last_passes(d).get("cleaner", (None, since))[1] > since, 5,
              what="a cleaner pass after re-enabling")
+    wait_for(lambda: not _exists(pg_dsn, schema, expired), 5, what="the expired job deleted")
 
     d.config_path.write_text("[cleaner]\nbatch_size = 0\n")
     offset = len(d.log())
@@ -299,8 +318,10 @@ def _sighup_checks(pg_dsn, schema, d, notify):
     m = d.wait_log(r"config reload rejected.*", after=offset)
     assert "cleaner.batch_size" in m.group(0)
     since = datetime.now(timezone.utc)
+    expired = _job(pg_dsn, schema, "completed")
     wait_for(lambda: last_passes(d).get("cleaner", (None, since))[1] > since, 5,
              what="passes continuing with the old config")
+    wait_for(lambda: not _exists(pg_dsn, schema, expired), 5, what="the expired job deleted")
     assert d.proc.poll() is None
 
 

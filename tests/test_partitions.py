@@ -251,7 +251,10 @@ def test_leader_with_hung_maintenance_connections_gives_up_the_term(pg_dsn, audi
             start_leader_then_follower(cut, direct, pg_dsn, schema)
             t0 = time.monotonic()
             proxy.blackhole(lambda link: link.app.endswith(":work"))
-            seconds = working_leader_after(pg_dsn, schema, t0, timeout=4 * LEASE)
+            try:
+                seconds = working_leader_after(pg_dsn, schema, t0, timeout=4 * LEASE)
+            except AssertionError:
+                print("CUT", cut.log()[-4000:]); print("DIRECT", direct.log()[-4000:]); raise
             holders = lock_holders(pg_dsn, schema)
             record("hung_maintenance_connections", seconds)
             wait_for(lambda: http(cut, "/healthz")[0] == 200, 2 * LEASE, what="the ex-leader healthy as a follower")
