@@ -123,16 +123,18 @@ def test_sigstop_leader_is_replaced_within_lease_and_fenced_after_sigcont(pg_dsn
     leader.http_port  # (read from its log while it can still write one)
     work = f"maintd:{leader.instance_id}:work"
 
-    def leader_writes():
-        return sum(w["app"] == work for w in audited_writes(pg_dsn, schema))
+    def cleaner_writes():  # the rows its cleaner deleted (the scheduler's writes are updates)
+        return sum(w["app"] == work and w["op"] == "DELETE" for w in audited_writes(pg_dsn, schema))
 
-    wait_for(leader_writes, 5, what="the leader's writes")
+    # The cleaner's long pass under way before the log stalls (once stalled, a pass about to
+    # start may block at a log line on its way; one already running logs nothing per batch).
+    wait_for(cleaner_writes, 10, what="the cleaner's pass under way")
     offset = len(leader.log())
     leader.block_log()
     leader.signal(signal.SIGHUP)
     wait_for(leader.main_thread_stalled, 5, what="the main loop blocked at a log line")
-    before = leader_writes()
-    wait_for(lambda: leader_writes() > before + 2, 5, what="the cleaner writing on with the log stalled")
+    before = cleaner_writes()
+    wait_for(lambda: cleaner_writes() > before + 2, 5, what="the cleaner writing on with the log stalled")
     for _ in range(100):  # freeze between two transactions
         wait_for(lambda: set(leader.work_backends()) <= {"idle"}, 5, interval=0.005, what="idle connections")
         leader.kill(signal.SIGSTOP)
