@@ -27,12 +27,13 @@ Changing a catch-all's range means detaching it, which takes an ACCESS EXCLUSIVE
 ``jobs_<state>``; so does detaching an expired partition without ``CONCURRENTLY``, and
 ``DETACH ... CONCURRENTLY`` cannot run inside a function (PostgreSQL refuses it there, and only
 a function lets the runtime role, which has no DDL rights, do DDL). Every change is therefore made
-by ``maintain_partitions`` in one short transaction that first takes its locks with ``NOWAIT``: it
-never waits in the lock queue, so no worker ever queues behind it; when a lock is taken it fails at
-once and the leader tries again a moment later (and next pass). Under the lock it only changes the
-catalog (and moves the few rows named above): a worker whose completion arrives meanwhile waits
-those milliseconds. Dropping the detached tables (their files) comes after, in a transaction of its
-own that locks only them.
+by ``maintain_partitions`` in one short transaction that takes its locks with ``NOWAIT``. An
+expired partition is emptied first (``TRUNCATE``, under a lock on itself alone: every completion
+locks ``jobs_<state>``, none an expired range), so its rows go without any completion waiting;
+the empty tables are detached when ``jobs_<state>`` is free (``NOWAIT``; a later pass when it is
+not). Only making partitions waits for it in the lock queue, briefly (migration 0008). Under that
+lock only the catalog changes (and the few rows named above move). Dropping the detached tables
+(their files) comes after, in a transaction of its own that locks only them.
 
 The functions are created by ``maintd migrate`` (migration 0006), owned by the schema's owner,
 ``SECURITY DEFINER`` with ``search_path`` pinned; ``maintd grants`` grants EXECUTE on them to the
@@ -335,16 +336,19 @@ FUNCTIONS = [
      "TABLE (action text, partition_name text, range_start timestamptz, range_end timestamptz, "
      "row_count bigint, estimated boolean)", """
 DECLARE
-  counts jsonb := '{}';
+  done jsonb := '[]';
+  part jsonb;
   r record;
   n bigint;
+  nonempty boolean;
   needs_drop boolean;
   needs_make boolean;
 BEGIN
-  -- One state's partitions: detach those whose whole range ends by p_drop_before (NULL: none),
-  -- and make them up to p_make_until. Every lock is taken with NOWAIT (SQLSTATE 55P03: someone
-  -- holds one now; try again later), but jobs_<state>'s with p_lock_wait_ms > 0: waited for at
-  -- most that long (at most 1 s). Does nothing (takes no lock) when nothing is due.
+  -- One state's partitions: empty, then detach, those whose whole range ends by p_drop_before
+  -- (NULL: none), and make them up to p_make_until. Every lock is taken with NOWAIT (someone holds
+  -- it now: try again later), but jobs_<state>'s with p_lock_wait_ms > 0 when partitions must be
+  -- made: waited for at most that long (at most 1 s). Does nothing (takes no lock) when nothing is
+  -- due. Returns what it did; a row 'busy' when jobs_<state>'s lock was held (the emptying stands).
   IF p_state NOT IN ('completed', 'cancelled', 'discarded') THEN
     RAISE EXCEPTION 'maintain_partitions: % is not a final state', p_state USING ERRCODE = '22023';
   END IF;
@@ -364,40 +368,71 @@ BEGIN
   IF NOT coalesce(needs_drop, false) AND NOT coalesce(needs_make, false) THEN
     RETURN;
   END IF;
-  -- Rows of what will be dropped, before any lock: the planner's estimate once the table was
-  -- analyzed, else an exact count.
-  FOR r IN SELECT p.partition_name, c.reltuples FROM {schema}.job_partitions(p_state) AS p
+  -- Empty what will be dropped, each partition under a lock on itself alone: TRUNCATE takes no
+  -- lock on jobs_<state>, so no completion waits for it, and leaves no dead tuple. Its rows: the
+  -- planner's estimate once the table was analyzed, else an exact count. A partition someone reads
+  -- right now is left to the next pass.
+  FOR r IN SELECT p.partition_name, p.range_start, p.range_end, c.reltuples
+             FROM {schema}.job_partitions(p_state) AS p
              JOIN pg_class AS c ON c.oid = to_regclass(format('{schema}.%I', p.partition_name))
             WHERE p.range_end <= p_drop_before LOOP
-    IF r.reltuples >= 0 THEN
-      counts := counts || jsonb_build_object(r.partition_name, jsonb_build_array(r.reltuples::bigint, true));
-    ELSE
-      EXECUTE format('SELECT count(*) FROM {schema}.%I', r.partition_name) INTO n;
-      counts := counts || jsonb_build_object(r.partition_name, jsonb_build_array(n, false));
-    END IF;
-  END LOOP;
-  IF coalesce(p_lock_wait_ms, 0) <= 0 THEN  -- is jobs_<state> free now? (the probe's lock is undone)
     BEGIN
-      EXECUTE format('LOCK TABLE ONLY {schema}.%I IN ACCESS EXCLUSIVE MODE NOWAIT', 'jobs_' || p_state);
-      RAISE EXCEPTION 'probe' USING ERRCODE = 'P0001';
-    EXCEPTION WHEN raise_exception THEN
-      NULL;  -- it was: make the new tables, then take it
+      EXECUTE format('LOCK TABLE ONLY {schema}.%I IN ACCESS EXCLUSIVE MODE NOWAIT', r.partition_name);
+      EXECUTE format('SELECT EXISTS (SELECT FROM {schema}.%I)', r.partition_name) INTO nonempty;
+      IF nonempty THEN
+        IF r.reltuples >= 0 THEN
+          n := r.reltuples;
+        ELSE
+          EXECUTE format('SELECT count(*) FROM {schema}.%I', r.partition_name) INTO n;
+        END IF;
+        EXECUTE format('TRUNCATE ONLY {schema}.%I', r.partition_name);
+        done := done || jsonb_build_array(jsonb_build_object(
+          'action', 'emptied', 'partition_name', r.partition_name, 'range_start', r.range_start,
+          'range_end', r.range_end, 'row_count', n, 'estimated', r.reltuples >= 0));
+      END IF;
+    EXCEPTION WHEN lock_not_available THEN
+      needs_drop := false;  -- not detached before it is emptied (its rows counted)
     END;
+  END LOOP;
+  IF NOT coalesce(needs_drop, false) AND NOT coalesce(needs_make, false) THEN
+    RETURN QUERY SELECT * FROM jsonb_to_recordset(done) AS (action text, partition_name text,
+      range_start timestamptz, range_end timestamptz, row_count bigint, estimated boolean);
+    RETURN;
   END IF;
-  PERFORM {schema}.prepare_partitions(p_state, p_step, p_make_until, 50, coalesce(needs_drop, false));
-  IF coalesce(p_lock_wait_ms, 0) <= 0 THEN
-    EXECUTE format('LOCK TABLE ONLY {schema}.%I IN ACCESS EXCLUSIVE MODE NOWAIT', 'jobs_' || p_state);
-  ELSE  -- in the lock queue for at most that long (completions arriving meanwhile wait behind it)
-    PERFORM set_config('lock_timeout', least(p_lock_wait_ms, 1000) || 'ms', true);
-    EXECUTE format('LOCK TABLE ONLY {schema}.%I IN ACCESS EXCLUSIVE MODE', 'jobs_' || p_state);
-    PERFORM set_config('lock_timeout', '1s', true);
-  END IF;
-  IF coalesce(needs_drop, false) THEN
-    RETURN QUERY SELECT * FROM {schema}.drop_expired_partitions(p_state, p_drop_before, counts);
-  END IF;
-  IF coalesce(needs_make, false) THEN
-    RETURN QUERY SELECT * FROM {schema}.make_partitions(p_state, p_step, p_make_until, 50);
-  END IF;
+  BEGIN  -- jobs_<state>'s lock held by another: undone, the emptying stands
+    IF coalesce(p_lock_wait_ms, 0) <= 0 OR NOT coalesce(needs_make, false) THEN
+      -- is jobs_<state> free now? (the probe's lock is undone: the new tables are made first)
+      BEGIN
+        EXECUTE format('LOCK TABLE ONLY {schema}.%I IN ACCESS EXCLUSIVE MODE NOWAIT', 'jobs_' || p_state);
+        RAISE EXCEPTION 'probe' USING ERRCODE = 'P0001';
+      EXCEPTION WHEN raise_exception THEN
+        NULL;
+      END;
+    END IF;
+    PERFORM {schema}.prepare_partitions(p_state, p_step, p_make_until, 50, coalesce(needs_drop, false));
+    IF coalesce(p_lock_wait_ms, 0) <= 0 OR NOT coalesce(needs_make, false) THEN
+      EXECUTE format('LOCK TABLE ONLY {schema}.%I IN ACCESS EXCLUSIVE MODE NOWAIT', 'jobs_' || p_state);
+    ELSE  -- in the lock queue for at most that long (completions arriving meanwhile wait behind it)
+      PERFORM set_config('lock_timeout', least(p_lock_wait_ms, 1000) || 'ms', true);
+      EXECUTE format('LOCK TABLE ONLY {schema}.%I IN ACCESS EXCLUSIVE MODE', 'jobs_' || p_state);
+      PERFORM set_config('lock_timeout', '1s', true);
+    END IF;
+    IF coalesce(needs_drop, false) THEN
+      SELECT coalesce(jsonb_agg(to_jsonb(x)), '[]') INTO part
+        FROM {schema}.drop_expired_partitions(p_state, p_drop_before, '{}') AS x;
+      done := done || part;
+    END IF;
+    IF coalesce(needs_make, false) THEN
+      SELECT coalesce(jsonb_agg(to_jsonb(x)), '[]') INTO part
+        FROM {schema}.make_partitions(p_state, p_step, p_make_until, 50) AS x;
+      done := done || part;
+    END IF;
+  EXCEPTION WHEN lock_not_available THEN
+    done := (SELECT coalesce(jsonb_agg(e), '[]') FROM jsonb_array_elements(done) AS e
+              WHERE e ->> 'action' = 'emptied') || jsonb_build_array(jsonb_build_object('action', 'busy'));
+  END;
+  RETURN QUERY SELECT * FROM jsonb_to_recordset(done) AS (action text, partition_name text,
+    range_start timestamptz, range_end timestamptz, row_count bigint, estimated boolean);
 END
 """),
     ("drop_detached_partitions()", "SETOF text", """
@@ -429,6 +464,10 @@ END
 ]
 
 
+DEFINER_ATTRIBUTES = ("LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp "
+                      "SET lock_timeout = '1s' SET \"TimeZone\" = 'UTC'")
+
+
 def functions_ddl(schema: str) -> list[str]:
     """CREATE FUNCTION statements of the helpers and the definer functions, with their grants."""
     q = quote_ident(schema)
@@ -439,11 +478,19 @@ def functions_ddl(schema: str) -> list[str]:
         if not signature.startswith(PUBLIC_HELPERS):
             out.append(f"REVOKE EXECUTE ON FUNCTION {q}.{_name_args(signature)} FROM PUBLIC")
     for signature, returns, body in FUNCTIONS:
-        out.append(f"CREATE FUNCTION {q}.{signature} RETURNS {returns}\n"
-                   "LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp "
-                   "SET lock_timeout = '1s' SET \"TimeZone\" = 'UTC'\nAS $fn$" + _render(body, schema) + "$fn$")
+        out.append(f"CREATE FUNCTION {q}.{signature} RETURNS {returns}\n{DEFINER_ATTRIBUTES}\nAS $fn$"
+                   + _render(body, schema) + "$fn$")
         out.append(f"REVOKE EXECUTE ON FUNCTION {q}.{_name_args(signature)} FROM PUBLIC")
     return out
+
+
+def replace_function_ddl(schema: str, name: str) -> str:
+    """CREATE OR REPLACE of one definer function (a later migration's new body: its grants kept)."""
+    for signature, returns, body in FUNCTIONS:
+        if signature.startswith(name + "("):
+            return (f"CREATE OR REPLACE FUNCTION {quote_ident(schema)}.{signature} RETURNS {returns}\n"
+                    f"{DEFINER_ATTRIBUTES}\nAS $fn$" + _render(body, schema) + "$fn$")
+    raise KeyError(name)
 
 
 def definer_functions() -> list[str]:

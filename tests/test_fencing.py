@@ -98,8 +98,7 @@ NOT_MAINTENANCE: dict[str, str] = {
     "cli.py: SELECT pg_advisory_unlock(:k)": "`maintd migrate --convert` gives up its own lock",
     **{f"partitions.py: {n}": "the partition functions and partitions that `maintd migrate` creates (the owner role)"
        for n in ("ALTER TABLE {}.{} ADD CONSTRAINT {}_pkey PRIMARY KEY (id)",
-                 "CREATE FUNCTION {}.{} RETURNS {} LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = "
-                 "pg_catalog, pg_temp SET lock_timeout = '1s' SET \"TimeZone\" = 'UTC' AS $fn$",
+                 "CREATE OR REPLACE FUNCTION {}.{} RETURNS {} {} AS $fn$",
                  "CREATE FUNCTION {}.{} RETURNS {} {} AS $fn$", "CREATE INDEX {}{} ON {}.{} {}",
                  "CREATE TABLE {}.jobs_{} PARTITION OF {}.{} FOR VALUES IN ('{}') PARTITION BY RANGE (finalized_at)",
                  "CREATE TABLE {}.{} PARTITION OF {}.{} FOR VALUES IN {}", "CREATE UNIQUE INDEX {}{} ON {}.{} {}",

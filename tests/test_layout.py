@@ -388,6 +388,73 @@ def test_a_held_lock_leaves_the_work_to_the_next_pass_and_nobody_waits(engine, p
     reader.close()
 
 
+def test_expired_rows_go_while_a_completion_holds_the_state_table_and_nobody_queues(engine, pg_dsn, schema):
+    """Issue 30: the prune never queues workers behind an ACCESS EXCLUSIVE lock. A completion in
+    flight (uncommitted: it holds jobs_completed until its commit) does not stop the expired rows
+    from going: each expired partition is emptied under a lock on itself alone (TRUNCATE, no dead
+    tuples), counted, and the detach of the empty tables waits for a pass that finds jobs_completed
+    free, without ever waiting for it in the lock queue (nothing is to be made here)."""
+    now = server_now(engine)
+    restart(engine, schema, "completed", now - 10 * HOUR)
+    run(partitioner(completed_retention=-1), engine, schema, now=now)
+    old = insert_final(engine, schema, "completed", now - timedelta(hours=9, minutes=30), n=400)
+    kept = insert_final(engine, schema, "completed", now - timedelta(minutes=30), n=10)
+    with engine.begin() as conn:
+        conn.execute(sql("ANALYZE {schema}.jobs", schema))
+    q = JobQueue(schema)
+    with engine.begin() as conn:
+        q.enqueue(conn, "k")
+    with engine.begin() as conn:
+        job = q.claim(conn, "default", "w1")[0]
+    home = where(engine, schema)[old[0]]
+    worker = engine.connect()  # a completion in flight (the README's), holding jobs_completed
+    try:
+        assert q.complete(worker, job)
+        before = partitions(engine, schema)
+        started = time.monotonic()
+        result = run(partitioner(completed_retention="3h"), engine, schema, now=now)
+        elapsed = time.monotonic() - started
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            locked_out = conn.execute("SELECT count(*) FROM pg_locks WHERE NOT granted").fetchone()[0]
+            size = conn.execute("SELECT pg_relation_size(%s)", (home,)).fetchone()[0]
+        assert result.busy == ["completed"] and result.emptied == 1 and result.detached == 0
+        assert result.deleted["completed"] == 400 and result.estimated  # analyzed: the planner's figure
+        assert set(where(engine, schema)).isdisjoint(old) and set(kept) <= set(where(engine, schema))
+        assert partitions(engine, schema) == before  # still attached, empty
+        assert locked_out == 0 and elapsed < 5 and size == 0  # gone from the disk: no dead tuples
+        worker.commit()  # the completion went through; the next pass detaches and drops the empty tables
+    finally:
+        worker.close()
+    again = run(partitioner(completed_retention="3h"), engine, schema, now=now)
+    assert again.busy == [] and again.emptied == 0 and again.detached == again.dropped >= 7
+    assert again.deleted["completed"] == 0  # counted once, when emptied
+    assert job.id in set(where(engine, schema)) and set(kept) <= set(where(engine, schema))
+
+
+def test_an_expired_partition_being_read_is_neither_emptied_nor_detached(engine, pg_dsn, schema):
+    """A session reading one expired partition (a report, a dashboard count) holds it: it is
+    left, rows and all, to the next pass (detaching it unemptied would drop rows uncounted); the
+    other expired partitions are emptied."""
+    now = server_now(engine)
+    restart(engine, schema, "completed", now - 10 * HOUR)
+    run(partitioner(completed_retention=-1), engine, schema, now=now)
+    read = insert_final(engine, schema, "completed", now - timedelta(hours=9, minutes=30), n=3)
+    other = insert_final(engine, schema, "completed", now - timedelta(hours=7, minutes=30), n=4)
+    home = where(engine, schema)[read[0]].split(".", 1)[1]
+    reader = psycopg.connect(pg_dsn)
+    try:
+        reader.execute(f"SELECT count(*) FROM {schema}.{home}")  # holds AccessShare until rollback
+        result = run(partitioner(completed_retention="3h"), engine, schema, now=now)
+        assert result.deleted["completed"] == 4 and result.detached == 0
+        assert set(read) <= set(where(engine, schema)) and set(where(engine, schema)).isdisjoint(other)
+        reader.rollback()
+    finally:
+        reader.close()
+    again = run(partitioner(completed_retention="3h"), engine, schema, now=now)
+    assert again.deleted["completed"] == 3 and again.detached >= 7 and again.busy == []
+    assert set(where(engine, schema)).isdisjoint(read)
+
+
 def test_a_pass_of_an_instance_that_no_longer_leads_changes_nothing(engine, schema):
     now = server_now(engine)
     restart(engine, schema, "completed", now - 10 * HOUR)

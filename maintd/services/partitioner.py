@@ -75,7 +75,8 @@ class PartitionerResult(PassResult):
     made: int = 0  # partitions made ahead
     closed: int = 0  # high catch-alls closed into a partition of their range (rows beyond it moved)
     moved: int = 0  # rows moved out of a catch-all
-    detached: int = 0  # partitions past retention detached
+    emptied: int = 0  # partitions past retention emptied (TRUNCATE: their rows gone)
+    detached: int = 0  # emptied partitions detached (dropped next)
     dropped: int = 0  # detached tables dropped
     deleted: dict[str, int] = field(default_factory=lambda: {s: 0 for s in FINAL_STATES})
     estimated: bool = False  # some of ``deleted`` is the planner's estimate
@@ -86,7 +87,8 @@ class PartitionerResult(PassResult):
     dry_run: bool = False
 
     def did_something(self) -> bool:
-        return bool(self.made or self.closed or self.moved or self.detached or self.dropped or self.busy)
+        return bool(self.made or self.closed or self.moved or self.emptied or self.detached or self.dropped
+                    or self.busy)
 
     def waited(self) -> float:
         return self.waited_seconds
@@ -94,7 +96,8 @@ class PartitionerResult(PassResult):
     def summary(self) -> str:
         verb = "would " if self.dry_run else ""
         deleted = " ".join(f"{s}={n}" for s, n in self.deleted.items())
-        return (f"{verb}made={self.made} closed={self.closed} moved={self.moved} detached={self.detached} "
+        return (f"{verb}made={self.made} closed={self.closed} moved={self.moved} emptied={self.emptied} "
+                f"detached={self.detached} "
                 f"dropped={self.dropped} deleted {deleted}{' (estimated)' if self.estimated else ''} "
                 f"partitions={self.partitions} stray_rows={self.stray_rows}"
                 + (f" busy={','.join(self.busy)}" if self.busy else ""))
@@ -157,7 +160,9 @@ class Partitioner(Service):
                 if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
                     raise
                 continue
-            return self._count(state, rows, result)
+            self._count(state, rows, result)  # what was emptied stands, busy or not
+            if not any(r.action == "busy" for r in rows):
+                return
         result.busy.append(state)
         log.info("partitions of a state left to the next pass: its locks were held each try",
                  extra=kv(state=state, tries=TRIES))
@@ -171,13 +176,16 @@ class Partitioner(Service):
                 result.closed += 1
             elif r.action == "moved":
                 result.moved += r.row_count
-            elif r.action == "detached":
-                result.detached += 1
+            elif r.action == "emptied":  # its rows are gone (counted here; detached after, empty)
+                result.emptied += 1
                 result.deleted[state] += r.row_count
                 result.estimated = result.estimated or r.estimated
-            if r.action != "made":
+            elif r.action == "detached":
+                result.detached += 1
+            if r.action not in ("made", "busy"):
                 log.info(f"partition {r.action}", extra=kv(state=state, partition=r.partition_name,
-                                                             start=r.range_start, end=r.range_end, rows=r.row_count))
+                                                             start=r.range_start, end=r.range_end,
+                                                             rows=None if r.action == "detached" else r.row_count))
 
     def _plan(self, ctx: PassContext, state: str, make_until: datetime, drop_before: datetime | None,
               result: PartitionerResult) -> None:
@@ -187,6 +195,7 @@ class Partitioner(Service):
             if drop_before is not None:
                 for r in conn.execute(ctx.sql(q.EXPIRED), {"state": state, "before": drop_before,
                                                             "schema_name": ctx.schema}):
+                    result.emptied += 1
                     result.detached += 1
                     result.deleted[state] += r.rows
                     result.estimated = True
