@@ -54,6 +54,8 @@ def markdown(results: dict) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for system, phases in results.items():
         for phase, r in phases.items():
+            if not r:
+                continue
             named = ""
             if phase == "idle_1":
                 named = (f"/status {r.get('maintd_status_named_holder_s', 'never')}, "
@@ -61,7 +63,7 @@ def markdown(results: dict) -> str:
             lines.append(
                 f"| {system} | {phase} | {r.get('claim_p50_ms')} / {r.get('claim_p99_ms')} "
                 f"| {r.get('claim_stmt_p50_ms')} / {r.get('claim_stmt_p99_ms')} | {r.get('completion_rate')} "
-                f"| {r.get('jobs_dead_tuples_end'):,.0f} / {r.get('jobs_dead_tuples_max'):,.0f} "
+                f"| {r.get('jobs_dead_tuples_end', 0):,.0f} / {r.get('jobs_dead_tuples_max', 0):,.0f} "
                 f"| {r.get('jobs_total_mb_end')} / {r.get('jobs_total_mb_max')} | {named} |")
     return "\n".join(lines) + "\n"
 
