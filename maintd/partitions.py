@@ -341,6 +341,7 @@ DECLARE
   r record;
   n bigint;
   nonempty boolean;
+  needs_empty boolean;
   needs_drop boolean;
   needs_make boolean;
 BEGIN
@@ -361,11 +362,15 @@ BEGIN
   IF p_make_until > now() + 1000 * p_step THEN
     RAISE EXCEPTION 'maintain_partitions: % is more than 1000 steps ahead', p_make_until USING ERRCODE = '22023';
   END IF;
-  SELECT bool_or(p.range_start IS NULL AND p.range_end <= p_drop_before),
+  -- Something to empty: a range past p_drop_before (the low catch-all's included: its rows are
+  -- all expired then). To detach: a proper partition past it (the low catch-all moves up then;
+  -- alone, an empty one is left where it is).
+  SELECT bool_or(p.range_end <= p_drop_before),
+         bool_or(p.range_start IS NOT NULL AND p.range_end <= p_drop_before),
          bool_or(p.range_end IS NULL AND p.range_start < p_make_until)
-    INTO needs_drop, needs_make
+    INTO needs_empty, needs_drop, needs_make
     FROM {schema}.job_partitions(p_state) AS p;
-  IF NOT coalesce(needs_drop, false) AND NOT coalesce(needs_make, false) THEN
+  IF NOT coalesce(needs_empty, false) AND NOT coalesce(needs_make, false) THEN
     RETURN;
   END IF;
   -- Empty what will be dropped, each partition under a lock on itself alone: TRUNCATE takes no

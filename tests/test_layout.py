@@ -303,6 +303,25 @@ def test_partitions_past_retention_are_dropped_and_counted(engine, schema):
                             {"s": schema}).scalar() == 0
 
 
+def test_a_pass_with_nothing_newly_expired_changes_nothing(engine, schema):
+    """The low catch-all moves up with the partitions dropped, not on its own: a later pass with
+    no partition newly past retention leaves it (the hardbyte harness run saw it detached and
+    replaced, empty, on every pass)."""
+    now = server_now(engine)
+    restart(engine, schema, "completed", now - 10 * HOUR)
+    run(partitioner(completed_retention=-1), engine, schema, now=now)
+    assert run(partitioner(completed_retention="3h"), engine, schema, now=now).detached >= 7
+
+    def low_oid():
+        with engine.connect() as conn:
+            return conn.execute(text("SELECT to_regclass(:t)::oid"), {"t": f"{schema}.jobs_completed_min"}).scalar()
+
+    before, parts = low_oid(), partitions(engine, schema)
+    again = run(partitioner(completed_retention="3h"), engine, schema, now=now + 5 * MINUTE)
+    assert not again.did_something(), again
+    assert low_oid() == before and partitions(engine, schema) == parts
+
+
 def test_the_longest_per_queue_retention_keeps_partitions_and_the_cleaner_deletes_shorter_ones(engine, schema):
     now = server_now(engine)
     restart(engine, schema, "completed", now - 10 * HOUR)

@@ -125,11 +125,19 @@ class Partitioner(Service):
             result.stray_rows += row.low_rows + row.high_rows
             drop_after = self.config.drop_after(state)
             drop_before = None if drop_after is None else now - drop_after
-            if row.high_start < make_until or (drop_before is not None and row.low_end <= drop_before):
+            if row.high_start < make_until or self._expired(row, drop_before):
                 self._maintain(ctx, state, make_until, drop_before, result)
         if detached or result.detached:
             self._drop_detached(ctx, result)
         return result
+
+    def _expired(self, row: Any, drop_before: datetime | None) -> bool:
+        """Whether a state has something past retention: its first proper partition (at least a
+        step wide, from where the low catch-all ends), or rows in the low catch-all, whose whole
+        range is."""
+        if drop_before is None or row.low_end > drop_before:
+            return False
+        return row.low_rows > 0 or row.low_end + self.config.partitions.interval <= drop_before
 
     def _plain(self, result: PartitionerResult) -> PartitionerResult:
         result.layout = "plain"
