@@ -393,14 +393,17 @@ def reindexer(env: Env, ctx: PassContext) -> Any:
 
 
 def expired_partitions(env: Env) -> None:
-    """A partitioned schema whose completed partitions end 10 hours ago (past a 1 h retention),
-    none made ahead: the partitioner has partitions to make and to detach and drop."""
+    """A partitioned schema whose completed partitions end 8 hours ago (past a 1 h retention; a
+    row in one), none made ahead: the partitioner has partitions to empty, detach and drop, and
+    to make."""
     with env.engine.begin() as conn:
         for name, *_ in conn.execute(sql("SELECT * FROM {schema}.job_partitions('completed')", env.schema)).all():
             conn.execute(sql(f"ALTER TABLE {{schema}}.jobs_completed DETACH PARTITION {{schema}}.{name}", env.schema))
             conn.execute(sql(f"DROP TABLE {{schema}}.{name}", env.schema))
         conn.execute(sql("SELECT {schema}.start_partitions('completed', interval '1 hour', now() - interval '10 hours')",
                          env.schema))
+        conn.execute(sql("SELECT * FROM {schema}.maintain_partitions('completed', interval '1 hour', "
+                         "now() - interval '8 hours')", env.schema))  # two proper partitions, both expired
         conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, finalized_at) "
                          "VALUES ('k', 'completed', now() - interval '9 hours 30 minutes')", env.schema))
 
