@@ -126,8 +126,12 @@ def test_sigstop_leader_is_replaced_within_lease_and_fenced_after_sigcont(pg_dsn
     def cleaner_writes():  # the rows its cleaner deleted (the scheduler's writes are updates)
         return sum(w["app"] == work and w["op"] == "DELETE" for w in audited_writes(pg_dsn, schema))
 
-    # The cleaner's long pass under way before the log stalls (once stalled, a pass about to
-    # start may block at a log line on its way; one already running logs nothing per batch).
+    # Before the log stalls: the leader has seen the follower (its election loop logs the change
+    # of live replicas: had it not, that line would stop its renewals, and the fence would end the
+    # cleaner's pass before SIGSTOP), and the cleaner's long pass is under way (once stalled, a
+    # pass about to start may block at a log line on its way; one already running logs nothing
+    # per batch).
+    leader.wait_log(r"live replicas changed replicas=2", timeout=10)
     wait_for(cleaner_writes, 10, what="the cleaner's pass under way")
     offset = len(leader.log())
     leader.block_log()
