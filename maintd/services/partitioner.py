@@ -126,7 +126,7 @@ class Partitioner(Service):
             drop_after = self.config.drop_after(state)
             drop_before = None if drop_after is None else now - drop_after
             if row.high_start < make_until or self._expired(row, drop_before):
-                self._maintain(ctx, state, make_until, drop_before, result)
+                self._maintain(ctx, state, make_until, drop_before, result, urgent=row.high_start < make_until)
         if detached or result.detached:
             self._drop_detached(ctx, result)
         return result
@@ -148,15 +148,16 @@ class Partitioner(Service):
         return result
 
     def _maintain(self, ctx: PassContext, state: str, make_until: datetime, drop_before: datetime | None,
-                  result: PartitionerResult) -> None:
+                  result: PartitionerResult, *, urgent: bool = True) -> None:
         """One state's call of maintain_partitions, tried again while another session holds a
-        lock it needs."""
+        lock it needs, when partitions must be made (``urgent``); otherwise (only emptied tables
+        to detach: the rows are gone after the first call) once a pass."""
         if ctx.dry_run:
             return self._plan(ctx, state, make_until, drop_before, result)
         ctx.prove_leader()  # no DDL (and no lock) from an instance that no longer leads
         args = {"state": state, "step": self.config.partitions.interval.total_seconds(),
                 "make_until": make_until, "drop_before": drop_before}
-        for attempt in range(TRIES):
+        for attempt in range(TRIES if urgent else 1):
             if attempt:
                 ctx.pause(RETRY_PAUSE)
                 result.waited_seconds += RETRY_PAUSE
@@ -173,7 +174,7 @@ class Partitioner(Service):
                 return
         result.busy.append(state)
         log.info("partitions of a state left to the next pass: its locks were held each try",
-                 extra=kv(state=state, tries=TRIES))
+                 extra=kv(state=state, tries=TRIES if urgent else 1))
 
     @staticmethod
     def _count(state: str, rows: list[Any], result: PartitionerResult) -> None:
