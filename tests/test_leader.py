@@ -256,9 +256,12 @@ def test_lease_expiry_stops_passes_at_once_and_gives_up_the_term(settings):
         state = target.seat.state  # the lease could have run out:
         target.seat.state = dataclasses.replace(state, term=dataclasses.replace(
             state.term, trusted_until=time.monotonic() - 1), renew_at=float("inf"))
+        target.seat.keep_trying = False  # no new term until the old one's jobs are seen gone
         daemon.tick()
         assert target.runner._fence is None  # at once: no pass starts any more
         wait_for(lambda: target.runner._jobs() == [], 2, what="the term's jobs removed")
+        target.seat.keep_trying = True
+        target.start()
         wait_for(lambda: daemon.is_leader and target.term.epoch == epoch + 1, 10,
                  what="a fresh term")
     finally:
