@@ -31,7 +31,7 @@ import time
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -46,6 +46,7 @@ from maintd.jobs import JobQueue  # noqa: E402
 from maintd.services.base import PassContext  # noqa: E402
 from maintd.services.cleaner import Cleaner  # noqa: E402
 from maintd.services.partitioner import Partitioner, PartitionerConfig  # noqa: E402
+from tests.test_convert import moved_is_none  # noqa: E402  (the README's 40001 rule, as the tests read it)
 
 LIVE = 150_000
 PRUNES: list = []  # the partitioner's results, printed with the table
@@ -128,18 +129,6 @@ def claim(engine: Engine, queue: JobQueue, worker: str, limit: int = 1):
 def complete(engine: Engine, queue: JobQueue, job) -> bool:
     with engine.begin() as conn:
         return queue.complete(conn, job)
-
-
-def moved_is_none(call: Callable):
-    """A worker's statement as the README says: SQLSTATE 40001 on the partitioned layout (a row
-    moved to another partition meanwhile: claimed and finished by another worker) means nothing
-    was done; the transaction was rolled back."""
-    try:
-        return call()
-    except Exception as exc:
-        if getattr(getattr(exc, "orig", None), "sqlstate", None) == "40001":
-            return None
-        raise
 
 
 def wal_lsn(url: str) -> int:

@@ -88,6 +88,15 @@ def run(service, engine, schema, now: datetime | None = None, **kw):
     return service.run_once(ctx)
 
 
+def running_job(engine, schema: str):
+    """A job enqueued and claimed (running) as a worker does: (its queue, the job)."""
+    q = JobQueue(schema)
+    with engine.begin() as conn:
+        q.enqueue(conn, "k")
+    with engine.begin() as conn:
+        return q, q.claim(conn, "default", "w1")[0]
+
+
 def count(engine, schema: str) -> int:
     with engine.connect() as conn:
         return conn.execute(sql("SELECT count(*) FROM {schema}.jobs", schema)).scalar()
@@ -374,11 +383,7 @@ def test_a_held_lock_leaves_the_work_to_the_next_pass_and_nobody_waits(engine, p
     state busy, and a later pass does it."""
     now = server_now(engine)
     restart(engine, schema, "completed", now - 10 * HOUR)  # ten hours of partitions to make
-    q = JobQueue(schema)
-    with engine.begin() as conn:
-        q.enqueue(conn, "k")
-    with engine.begin() as conn:
-        job = q.claim(conn, "default", "w1")[0]
+    q, job = running_job(engine, schema)
     reader = psycopg.connect(pg_dsn)
     reader.execute(f"SELECT count(*) FROM {schema}.jobs_completed")  # holds AccessShare until rollback
     latencies: list[float] = []
@@ -420,11 +425,7 @@ def test_expired_rows_go_while_a_completion_holds_the_state_table_and_nobody_que
     kept = insert_final(engine, schema, "completed", now - timedelta(minutes=30), n=10)
     with engine.begin() as conn:
         conn.execute(sql("ANALYZE {schema}.jobs", schema))
-    q = JobQueue(schema)
-    with engine.begin() as conn:
-        q.enqueue(conn, "k")
-    with engine.begin() as conn:
-        job = q.claim(conn, "default", "w1")[0]
+    q, job = running_job(engine, schema)
     home = where(engine, schema)[old[0]]
     worker = engine.connect()  # a completion in flight (the README's), holding jobs_completed
     try:
@@ -538,11 +539,7 @@ def test_a_worker_completing_while_an_operator_cancels(pg_dsn, engine, schema):
     cancel's row lock; once the cancel commits, the completion fails with 40001 on the
     partitioned layout, which the README tells workers to read as 'not yours any more'. The job
     is cancelled once, and nothing else happens to it."""
-    q = JobQueue(schema)
-    with engine.begin() as conn:
-        q.enqueue(conn, "k")
-    with engine.begin() as conn:
-        job = q.claim(conn, "default", "w1")[0]
+    q, job = running_job(engine, schema)
     operator = psycopg.connect(pg_dsn)
     operator.execute(f"UPDATE {schema}.jobs SET state = 'cancelled', finalized_at = now() "
                      f"WHERE id = %s AND state NOT IN ('completed', 'cancelled', 'discarded') RETURNING id", (job.id,))
