@@ -30,8 +30,10 @@ a function lets the runtime role, which has no DDL rights, do DDL). Every change
 by ``maintain_partitions`` in one short transaction that takes its locks with ``NOWAIT``. An
 expired partition is emptied first (``TRUNCATE``, under a lock on itself alone: every completion
 locks ``jobs_<state>``, none an expired range), so its rows go without any completion waiting;
-the empty tables are detached when ``jobs_<state>`` is free (``NOWAIT``; a later pass when it is
-not). Only making partitions waits for it in the lock queue, briefly (migration 0008). Under that
+the empty tables are detached by the next call, in a transaction of its own (migration 0009: the
+emptying's commit unlinks the old files, which takes time proportional to their size, while no
+lock on ``jobs_<state>`` is held), when ``jobs_<state>`` is free (``NOWAIT``; a later pass when it
+is not). Only making partitions waits for it in the lock queue, briefly (migration 0008). Under that
 lock only the catalog changes (and the few rows named above move). Dropping the detached tables
 (their files) comes after, in a transaction of its own that locks only them.
 
@@ -399,7 +401,9 @@ BEGIN
       needs_drop := false;  -- not detached before it is emptied (its rows counted)
     END;
   END LOOP;
-  IF NOT coalesce(needs_drop, false) AND NOT coalesce(needs_make, false) THEN
+  -- Anything emptied: return, so that the caller commits (the old files are unlinked then, while
+  -- this transaction holds locks on the emptied partitions alone) and calls again to detach them.
+  IF jsonb_array_length(done) > 0 OR (NOT coalesce(needs_drop, false) AND NOT coalesce(needs_make, false)) THEN
     RETURN QUERY SELECT * FROM jsonb_to_recordset(done) AS (action text, partition_name text,
       range_start timestamptz, range_end timestamptz, row_count bigint, estimated boolean);
     RETURN;

@@ -452,6 +452,34 @@ def test_expired_rows_go_while_a_completion_holds_the_state_table_and_nobody_que
     assert job.id in set(where(engine, schema)) and set(kept) <= set(where(engine, schema))
 
 
+def test_the_emptying_commits_without_a_lock_on_the_state_table(engine, schema):
+    """Migration 0009: PostgreSQL unlinks a truncated table's old files (and drops its buffers) at
+    commit, before it releases the transaction's locks, in time that grows with the files. So the
+    call that empties expired partitions returns before it locks jobs_completed: while its
+    transaction is open it holds locks on the emptied partitions alone, and the next call, in a
+    transaction of its own, detaches them (the 0008 body did both in one, completions waiting)."""
+    now = server_now(engine)
+    restart(engine, schema, "completed", now - 10 * HOUR)
+    run(partitioner(completed_retention=-1), engine, schema, now=now)
+    old = insert_final(engine, schema, "completed", now - timedelta(hours=9, minutes=30), n=50)
+    call = sql("SELECT action, partition_name FROM {schema}.maintain_partitions('completed', interval '1 hour', "
+               "now() + interval '3 hours', now() - interval '3 hours')", schema)
+    held = sql("SELECT c.relname, l.mode FROM pg_locks AS l JOIN pg_class AS c ON c.oid = l.relation "
+               "WHERE l.pid = pg_backend_pid() AND c.relnamespace = to_regnamespace(:schema) "
+               "AND l.mode = 'AccessExclusiveLock'", schema)
+    home = where(engine, schema)[old[0]].split(".", 1)[1]
+    with engine.begin() as conn:
+        first = conn.execute(call).all()
+        locked = {r.relname for r in conn.execute(held, {"schema": schema})}
+    assert [r.action for r in first] == ["emptied"] and first[0].partition_name == home
+    assert home in locked and "jobs_completed" not in locked and "jobs" not in locked
+    assert set(where(engine, schema)).isdisjoint(old)
+    with engine.begin() as conn:
+        second = conn.execute(call).all()
+    assert "emptied" not in {r.action for r in second}
+    assert home in {r.partition_name for r in second if r.action == "detached"}
+
+
 def test_an_expired_partition_being_read_is_neither_emptied_nor_detached(engine, pg_dsn, schema):
     """A session reading one expired partition (a report, a dashboard count) holds it: it is
     left, rows and all, to the next pass (detaching it unemptied would drop rows uncounted); the

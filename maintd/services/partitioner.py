@@ -17,7 +17,9 @@ for it in the lock queue, at most ``LAST_TRY_WAIT_MS`` (the completions in fligh
 milliseconds; those arriving meanwhile wait behind it); after that the state is left to the next
 pass (``busy``). Detached tables are dropped in a fenced
 transaction of their own. Rows dropped count as deleted (``maintd_jobs_deleted_total``), from
-the planner's estimate when the partition was analyzed (``estimated``), else counted.
+the planner's estimate when the partition was analyzed (``estimated``), else counted. A call
+that emptied partitions returns at once: its commit unlinks their old files while it holds no
+lock on ``jobs_<state>``, and the next call detaches them.
 """
 
 from __future__ import annotations
@@ -163,14 +165,17 @@ class Partitioner(Service):
                 result.waited_seconds += RETRY_PAUSE
             wait = LAST_TRY_WAIT_MS if attempt == TRIES - 1 else 0
             try:
-                with ctx.transaction() as conn:
-                    rows = conn.execute(ctx.sql(q.MAINTAIN), {**args, "lock_wait_ms": wait}).all()
+                for _ in range(2):  # a call that emptied partitions returns: committed, it is called again
+                    with ctx.transaction() as conn:
+                        rows = conn.execute(ctx.sql(q.MAINTAIN), {**args, "lock_wait_ms": wait}).all()
+                    self._count(state, rows, result)  # what was emptied stands, busy or not
+                    if not any(r.action == "emptied" for r in rows):
+                        break
             except OperationalError as exc:
                 if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
                     raise
                 continue
-            self._count(state, rows, result)  # what was emptied stands, busy or not
-            if not any(r.action == "busy" for r in rows):
+            if not any(r.action in ("busy", "emptied") for r in rows):
                 return
         result.busy.append(state)
         log.info("partitions of a state left to the next pass: its locks were held each try",
