@@ -193,7 +193,7 @@ BEGIN
   PERFORM {schema}.attach_partition(p_state, 'jobs_' || p_state || '_max', at, NULL);
 END
 """),
-    ("drop_expired_partitions(p_state text, p_before timestamptz, p_counts jsonb)",
+    ("drop_expired_partitions(p_state text, p_before timestamptz)",
      "TABLE (action text, partition_name text, range_start timestamptz, range_end timestamptz, "
      "row_count bigint, estimated boolean)",
      "LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp", """
@@ -228,8 +228,7 @@ BEGIN
                            THEN min_name || '_' || to_char(r.range_end AT TIME ZONE 'UTC', 'YYYYMMDD"t"HH24MISS')
                            ELSE r.partition_name END;
     range_start := r.range_start; range_end := r.range_end;
-    row_count := coalesce(CAST(p_counts -> r.partition_name ->> 0 AS bigint), 0);
-    estimated := coalesce(CAST(p_counts -> r.partition_name ->> 1 AS boolean), true);
+    row_count := 0; estimated := false;  -- emptied before (and counted then)
     RETURN NEXT;
   END LOOP;
   PERFORM {schema}.rename_partition(min_name || '_new', min_name);
@@ -428,7 +427,7 @@ BEGIN
     END IF;
     IF coalesce(needs_drop, false) THEN
       SELECT coalesce(jsonb_agg(to_jsonb(x)), '[]') INTO part
-        FROM {schema}.drop_expired_partitions(p_state, p_drop_before, '{}') AS x;
+        FROM {schema}.drop_expired_partitions(p_state, p_drop_before) AS x;
       done := done || part;
     END IF;
     IF coalesce(needs_make, false) THEN
@@ -491,6 +490,17 @@ def functions_ddl(schema: str) -> list[str]:
                    + _render(body, schema) + "$fn$")
         out.append(f"REVOKE EXECUTE ON FUNCTION {q}.{_name_args(signature)} FROM PUBLIC")
     return out
+
+
+def replace_helper_ddl(schema: str, name: str) -> list[str]:
+    """CREATE OR REPLACE of one helper (a later migration's new body or signature), not for PUBLIC."""
+    for signature, returns, attributes, body in HELPERS:
+        if signature.startswith(name + "("):
+            q = quote_ident(schema)
+            return [f"CREATE OR REPLACE FUNCTION {q}.{signature} RETURNS {returns} {attributes}\nAS $fn$"
+                    + _render(body, schema) + "$fn$",
+                    f"REVOKE EXECUTE ON FUNCTION {q}.{_name_args(signature)} FROM PUBLIC"]
+    raise KeyError(name)
 
 
 def replace_function_ddl(schema: str, name: str) -> str:

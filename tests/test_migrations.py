@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from datetime import timedelta
 
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
@@ -127,3 +128,45 @@ def test_indexes_exist_per_access_path(pg_dsn, schema):
     assert names == {"jobs_pkey", "jobs_fetch_idx", "jobs_scheduled_idx", "jobs_finalized_idx",
                      "jobs_running_idx", "jobs_unique_key_idx", "jobs_exhausted_idx",
                      "jobs_finalized_queue_idx"}  # main's 0004
+
+
+def test_0009_replaces_the_three_argument_drop_helper(pg_dsn):
+    """A schema migrated to 0008 by an earlier release has drop_expired_partitions(text,
+    timestamptz, jsonb); 0009 drops it, creates the two-argument one (not executable by PUBLIC)
+    and maintain_partitions calls that (a prune of an expired partition works afterwards)."""
+    schema = new_schema_name()
+    engine = make_engine(pg_dsn, application_name="t", pooled=False)
+    q = quote_ident(schema)
+    signatures = text("SELECT p.oid::regprocedure::text, has_function_privilege('public', p.oid, 'EXECUTE') "
+                      "FROM pg_proc AS p WHERE p.pronamespace = to_regnamespace(:s) "
+                      "AND p.proname = 'drop_expired_partitions'")
+    try:
+        with engine.connect() as conn:
+            layout = migrate.Layout("partitioned", timedelta(hours=1), 3)
+            migrate.upgrade(conn, schema, "0008", layout=layout)
+            conn.execute(text(f"DROP FUNCTION {q}.drop_expired_partitions(text, timestamptz)"))
+            conn.execute(text(f"CREATE FUNCTION {q}.drop_expired_partitions(p_state text, p_before timestamptz, "
+                              "p_counts jsonb) RETURNS void LANGUAGE sql AS 'SELECT'"))  # as 0006 made it
+            conn.commit()
+            migrate.upgrade(conn, schema)
+            assert conn.execute(signatures, {"s": schema}).all() == [
+                (f"{schema}.drop_expired_partitions(text,timestamp with time zone)", False)]
+            for name in conn.execute(text(f"SELECT partition_name FROM {q}.job_partitions('completed')")).scalars():
+                conn.execute(text(f"ALTER TABLE {q}.jobs_completed DETACH PARTITION {q}.{name}"))
+                conn.execute(text(f"DROP TABLE {q}.{name}"))
+            conn.execute(text(f"SELECT {q}.start_partitions('completed', interval '1 hour', now() - interval '5 hours')"))
+            conn.execute(text(f"SELECT count(*) FROM {q}.maintain_partitions('completed', interval '1 hour', now())"))
+            conn.execute(text(f"INSERT INTO {q}.jobs (kind, state, finalized_at) "
+                              "VALUES ('k', 'completed', now() - interval '4 hours 30 minutes')"))
+            rows = conn.execute(text(f"SELECT action FROM {q}.maintain_partitions('completed', interval '1 hour', "
+                                     "now(), now() - interval '2 hours')")).scalars().all()
+            assert rows == ["emptied"]
+            conn.commit()
+            rows = conn.execute(text(f"SELECT action FROM {q}.maintain_partitions('completed', interval '1 hour', "
+                                     "now(), now() - interval '2 hours')")).scalars().all()
+            assert "detached" in rows
+            assert conn.execute(text(f"SELECT count(*) FROM {q}.jobs")).scalar() == 0
+            conn.execute(text(f"DROP SCHEMA {q} CASCADE"))
+            conn.commit()
+    finally:
+        engine.dispose()

@@ -12,11 +12,15 @@ million rows) was spent holding ``jobs_<state>``'s ACCESS EXCLUSIVE lock, with e
 waiting behind it. Now the emptying's transaction holds locks on the emptied partitions alone,
 and the detach's transaction (the next call) has only empty files to deal with. Same signature:
 ``CREATE OR REPLACE`` keeps the EXECUTE that ``maintd grants`` gave.
+
+Its helper ``drop_expired_partitions`` loses the ``p_counts`` argument, unused since 0008 (the rows
+are counted when emptied, and the detached tables are empty).
 """
 
 from alembic import op
 
 from maintd import partitions
+from maintd.identifiers import quote_ident
 
 revision = "0009"
 down_revision = "0008"
@@ -25,7 +29,11 @@ depends_on = None
 
 
 def upgrade() -> None:
-    op.execute(partitions.replace_function_ddl(op.get_context().version_table_schema, "maintain_partitions"))
+    schema = op.get_context().version_table_schema
+    op.execute(f"DROP FUNCTION IF EXISTS {quote_ident(schema)}.drop_expired_partitions(text, timestamptz, jsonb)")
+    for statement in partitions.replace_helper_ddl(schema, "drop_expired_partitions"):
+        op.execute(statement)
+    op.execute(partitions.replace_function_ddl(schema, "maintain_partitions"))
 
 
 def downgrade() -> None:
