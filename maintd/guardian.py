@@ -128,6 +128,7 @@ class HealthMonitor:
         self._conn: psycopg.Connection | None = None
         self._led: set[str] = set()  # members whose gauges this monitor set (led at the last look)
         self._seen: set[str] = set()  # members leading at the last read (a new one is read at once)
+        self._tables: dict[str, frozenset[str]] = {}  # per member led: the tables its gauges have
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -142,6 +143,7 @@ class HealthMonitor:
                 clear_metrics(m.metrics)
                 self.writers[m.name].reset()
         self._led &= names
+        self._tables = {k: v for k, v in self._tables.items() if k in names}
         self._seen &= names
         return leading
 
@@ -153,7 +155,7 @@ class HealthMonitor:
         if not leading:
             for m in self.members if not cfg.enabled else ():
                 clear_metrics(m.metrics)
-            self.last, self._led = None, set()
+            self.last, self._led, self._tables = None, set(), {}
             self.warnings.forget()
             self._close()
             return None
@@ -169,7 +171,7 @@ class HealthMonitor:
         self.error, self.last = None, report
         for m in leading:
             if m.leading():
-                apply_metrics(m.metrics, report, m.schema)
+                self._tables[m.name] = apply_metrics(m.metrics, report, m.schema, self._tables.get(m.name))
                 self._led.add(m.name)
                 self._history(m, report)
         self.warnings.check(report.horizon, cfg.xmin_warn_after, [m.name for m in leading])
@@ -220,7 +222,7 @@ class HealthMonitor:
             self._thread = None
         for m in self.members:  # a stopped daemon leads nothing: no gauge of a read gone stale
             clear_metrics(m.metrics)
-        self._led, self._seen, self.last = set(), set(), None
+        self._led, self._seen, self._tables, self.last = set(), set(), {}, None
         self._close()
 
     def _loop(self) -> None:

@@ -281,23 +281,27 @@ def _fields(h: Holder) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def apply_metrics(metrics: Any, report: HealthReport, schema: str) -> None:
-    """Set one target's health gauges from a read (tables gone from the schema lose their series)."""
+def apply_metrics(metrics: Any, report: HealthReport, schema: str,
+                  before: frozenset[str] | None = None) -> frozenset[str]:
+    """Set one target's health gauges from a read; returns the tables set. Tables gone from the
+    schema lose their series: those of ``before`` (what the last call returned), or, without it,
+    any this target has (a scan of every target's series: with many targets, pass ``before``)."""
     metrics.xmin_horizon_age_seconds.set(report.horizon.age_seconds)
     metrics.xmin_horizon_age_xids.set(report.horizon.age_xids)
     tables = report.tables.get(schema, ())
-    names = {t.table for t in tables}
+    names = frozenset(t.table for t in tables)
     for gauge in (metrics.table_dead_tuples, metrics.table_live_tuples, metrics.table_bytes,
                   metrics.table_last_vacuum):
-        for (table,) in gauge.children():
-            if table not in names:
-                gauge.remove(table)
+        for table in (before - names if before is not None else
+                      [table for (table,) in gauge.children() if table not in names]):
+            gauge.remove(table)
     for t in tables:
         metrics.table_dead_tuples.labels(t.table).set(t.dead)
         metrics.table_live_tuples.labels(t.table).set(t.live)
         if t.bytes is not None:
             metrics.table_bytes.labels(t.table).set(t.bytes)
         metrics.table_last_vacuum.labels(t.table).set(t.last_vacuum or 0)
+    return names
 
 
 def clear_metrics(metrics: Any) -> None:
