@@ -6,10 +6,11 @@ and full_page_writes on), or MAINTD_BENCH_DATABASE_URL.
     python bench/partitions.py --rows 10000000      # the 10 M case
     python bench/partitions.py --soak --minutes 20  # size and dead tuples over time, both layouts
 
-Prune. The same data on both layouts: ``--rows`` completed jobs finalized 26 to 50 hours ago
-(past the 24 h retention) and 150,000 available ones. Plain: one ``DELETE`` of the expired rows
-(the fastest a DELETE can do it). Partitioned: one partitioner pass (detach and drop the expired
-partitions). Each is measured twice on fresh data: alone (time, WAL written, dead tuples left),
+Prune. The same data on both layouts: ``--rows`` completed jobs finalized in the ``--hours``
+whole hours that ended 24 hours before this hour began (past the 24 h retention) and 150,000
+available ones. Plain: one ``DELETE`` of the expired rows (the fastest a DELETE can do it).
+Partitioned, in the steady state (the partitions start with the rows' first hour): one
+partitioner pass (empty, detach and drop the ``--hours`` expired partitions). Each is measured twice on fresh data: alone (time, WAL written, dead tuples left),
 then with 4 workers claiming and completing (their claims/s during the prune over their rate in
 the 5 s before). Goals (issue 30): at 1 M at least 10x the DELETE's speed, at 10 M at least 100x,
 WAL at most 1 % of the DELETE's, workers at least 0.95x their idle rate (0.57x during a DELETE).
@@ -95,13 +96,13 @@ def start_partitions_at(engine: Engine, schema: str, at: datetime, step: timedel
 
 
 def seed(engine: Engine, schema: str, rows: int, hours: int) -> None:
-    """``rows`` completed jobs finalized within ``hours`` hours ending 26 hours ago (past the 24 h
-    retention, so a partition with the next hour's end is past it too), and LIVE available ones."""
+    """``rows`` completed jobs finalized within the ``hours`` whole hours that ended 24 hours before
+    this hour began (all past the 24 h retention), and LIVE available ones."""
     q = f'"{schema}"'
     with engine.begin() as conn:
         conn.execute(text(f"INSERT INTO {q}.jobs (kind, queue, state, attempt, attempted_at, finalized_at) "
                           f"SELECT 'done', 'work', 'completed', 1, now() - interval '80 hours', "
-                          f"date_trunc('hour', now()) - interval '26 hours' "
+                          f"date_trunc('hour', now()) - interval '24 hours' "
                           f"- (g % (:hours * 3600)) * interval '1 second' - interval '1 millisecond' "
                           f"FROM generate_series(1, :n) g"), {"n": rows, "hours": hours})
         conn.execute(text(f"INSERT INTO {q}.jobs (kind, queue) SELECT 'work', 'work' FROM generate_series(1, :n)"),
@@ -111,11 +112,14 @@ def seed(engine: Engine, schema: str, rows: int, hours: int) -> None:
 
 
 def prepare(engine: Engine, schema: str, layout: str, rows: int, hours: int) -> None:
+    """The steady state: the completed state's partitions start with the seeded rows' first hour,
+    as if the partitioner had dropped the ones before as they expired; the ``hours`` partitions
+    that hold the rows are the expired ones."""
     fresh_schema(engine, schema, layout)
     if layout == "partitioned":
         with engine.connect() as conn:
-            now = conn.execute(text("SELECT now()")).scalar()
-        start_partitions_at(engine, schema, now - (hours + 28) * HOUR)
+            hour = conn.execute(text("SELECT date_trunc('hour', now())")).scalar()
+        start_partitions_at(engine, schema, hour - (hours + 24) * HOUR)
     seed(engine, schema, rows, hours)
 
 
