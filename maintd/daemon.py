@@ -106,13 +106,12 @@ class Daemon:
                              settle=lead.lease.total_seconds(), lease=lead.lease.total_seconds(),
                              live_replicas=self._live_replicas)
         self.probes: list = []
+        self.reads: dict[Engine, list] = {}  # per engine: the probes reading over it (their stalls count)
         for engine in self.engines.values():
             mine = [t for t in self.targets if t.engine is engine]
-            reads = [CountProbe(engine, mine)] + [ServiceProbe(engine, mine, name) for name, spec in SERVICES.items()
-                                                  if spec.cls.probe is not Service.probe]
-            for target in mine:
-                target.reads = reads
-            self.probes += reads
+            self.reads[engine] = [CountProbe(engine, mine)] + [
+                ServiceProbe(engine, mine, name) for name, spec in SERVICES.items() if spec.cls.probe is not Service.probe]
+            self.probes += self.reads[engine]
         self.loops = [ElectionLoop(settings, [t.seat for t in self.targets
                                               if t.settings.database_url.get_secret_value() == url],
                                    hosts, spread=self.spread) for url, hosts in self.hosts.items()]
@@ -391,8 +390,9 @@ class Daemon:
     def tick(self) -> None:
         """Called a few times a second by :meth:`run_forever` (and tests)."""
         self._last_tick = time.monotonic()
+        stalled = {engine: max(r.stalled_for() for r in reads) for engine, reads in self.reads.items()}
         for target in self.targets:
-            target.tick()
+            target.tick(stalled[target.engine])
         for loop in self.loops:
             lease = loop.settings.leader.lease.total_seconds()
             if loop.session.stuck_for() > lease:  # a statement to a silent server: reconnect

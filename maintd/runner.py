@@ -222,6 +222,8 @@ class Runner:
         """Seconds the longest-waiting transaction of a running pass of the current term has been
         open (0: none). A pass of an ended term still blocked on a frozen server (its cancel
         unanswered) does not count against the next term, whose passes use fresh connections."""
+        if not self._active:  # most ticks (no pass running): no lock taken
+            return 0.0
         with self._lock:
             active = [ctx for ctx in self._active.values() if not ctx.stop_event.is_set()]
         return max((ctx.query.stalled_for() for ctx in active), default=0.0)

@@ -37,7 +37,6 @@ class Target:
         self.db_ok, self.writable = False, True
         self.problem: str | None = None  # why this target is not started (schema missing, ...)
         self.maintenance_stall: str | None = None  # why the last term was given up, if stalled
-        self.reads: list[Any] = []  # the probes reading over this target's engine (their stalls count)
 
     term = property(lambda self: self.seat.term)
     is_leader = property(lambda self: self.seat.is_leader)
@@ -133,7 +132,9 @@ class Target:
                 "last_runs": self.runner.last_runs}
 
     # -- the daemon's main loop, a few times a second --------------------------------------------------
-    def tick(self) -> None:
+    def tick(self, reads_stalled: float = 0.0) -> None:
+        """``reads_stalled``: how long the batched reads over this target's engine (its probes)
+        have hung, which counts as a maintenance stall (read once per tick for all its targets)."""
         term, lease = self.term, self.settings.leader.lease.total_seconds()
         if term is None:
             return
@@ -141,7 +142,7 @@ class Target:
             self.metrics.is_leader.set(0)
             self.runner.deactivate(timeout=0)
             self.seat.request(Request("fenced", "lease expired", term.epoch))
-        elif (stalled := max([self.runner.stalled_for(), *(r.stalled_for() for r in self.reads)])) > lease:
+        elif (stalled := max(self.runner.stalled_for(), reads_stalled)) > lease:
             # Maintenance transactions hang (the server or the network silent while the lock session
             # is fine): give the term up, and let a replica whose connections work go first.
             self.maintenance_stall = f"maintenance connections made no progress for {stalled:.0f}s: gave up epoch {term.epoch}"
