@@ -392,6 +392,8 @@ def main() -> int:
     ap.add_argument("--retention", default="2m", help="soak: retention of every final state (default 2m)")
     ap.add_argument("--step", default="1m", help="soak: partition step (default 1m)")
     ap.add_argument("--hold", type=float, default=180, help="soak: seconds the horizon is held (default 180)")
+    ap.add_argument("--runs", choices=("both", "no-hold", "hold"), default="both",
+                    help="soak: without a held horizon, with one, or both, one after the other (default)")
     args = ap.parse_args()
     with bench_server() as url:
         engine = make_engine(url, application_name="maintd-bench", pool_size=12)
@@ -403,7 +405,7 @@ def main() -> int:
               f"{os.cpu_count()} CPUs", flush=True)
         if args.soak:
             step = PartitionsConfig(interval=args.step).interval
-            for hold in (None, args.hold):
+            for hold in {"both": (None, args.hold), "no-hold": (None,), "hold": (args.hold,)}[args.runs]:
                 bench_soak(engine, url, args.minutes, args.rate, args.retention, step, hold)
         else:
             bench_prune(engine, url, args.rows, args.hours)
