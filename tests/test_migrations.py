@@ -133,7 +133,8 @@ def test_indexes_exist_per_access_path(pg_dsn, schema):
 def test_0009_replaces_the_three_argument_drop_helper(pg_dsn):
     """A schema migrated to 0008 by an earlier release has drop_expired_partitions(text,
     timestamptz, jsonb); 0009 drops it, creates the two-argument one (not executable by PUBLIC)
-    and maintain_partitions calls that (a prune of an expired partition works afterwards)."""
+    and maintain_partitions calls that (a prune of an expired partition works afterwards). The
+    replaced job_partitions stays executable by everyone (the daemon's role reads it)."""
     schema = new_schema_name()
     engine = make_engine(pg_dsn, application_name="t", pooled=False)
     q = quote_ident(schema)
@@ -151,6 +152,8 @@ def test_0009_replaces_the_three_argument_drop_helper(pg_dsn):
             migrate.upgrade(conn, schema)
             assert conn.execute(signatures, {"s": schema}).all() == [
                 (f"{schema}.drop_expired_partitions(text,timestamp with time zone)", False)]
+            assert conn.execute(text("SELECT has_function_privilege('public', CAST(:f AS regprocedure), 'EXECUTE')"),
+                                {"f": f"{q}.job_partitions(text)"}).scalar()  # replaced, still everyone's
             for name in conn.execute(text(f"SELECT partition_name FROM {q}.job_partitions('completed')")).scalars():
                 conn.execute(text(f"ALTER TABLE {q}.jobs_completed DETACH PARTITION {q}.{name}"))
                 conn.execute(text(f"DROP TABLE {q}.{name}"))

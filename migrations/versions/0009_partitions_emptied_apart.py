@@ -14,7 +14,9 @@ and the detach's transaction (the next call) has only empty files to deal with. 
 ``CREATE OR REPLACE`` keeps the EXECUTE that ``maintd grants`` gave.
 
 Its helper ``drop_expired_partitions`` loses the ``p_counts`` argument, unused since 0008 (the rows
-are counted when emptied, and the detached tables are empty).
+are counted when emptied, and the detached tables are empty), and ``job_partitions``, which a pass
+calls several times, reads the bounds by position instead of with regular expressions (twice as
+fast).
 """
 
 from alembic import op
@@ -31,8 +33,9 @@ depends_on = None
 def upgrade() -> None:
     schema = op.get_context().version_table_schema
     op.execute(f"DROP FUNCTION IF EXISTS {quote_ident(schema)}.drop_expired_partitions(text, timestamptz, jsonb)")
-    for statement in partitions.replace_helper_ddl(schema, "drop_expired_partitions"):
-        op.execute(statement)
+    for helper in ("drop_expired_partitions", "job_partitions"):
+        for statement in partitions.replace_helper_ddl(schema, helper):
+            op.execute(statement)
     op.execute(partitions.replace_function_ddl(schema, "maintain_partitions"))
 
 
