@@ -12,7 +12,9 @@ available ones. Plain: one ``DELETE`` of the expired rows (the fastest a DELETE 
 Partitioned, in the steady state (the partitions start with the rows' first hour): one
 partitioner pass (empty, detach and drop the ``--hours`` expired partitions). Each is measured twice on fresh data: alone (time, WAL written, dead tuples left),
 then with 4 workers claiming and completing (their claims/s during the prune over their rate in
-the 5 s before, summed over ``--repeat`` prunes of fresh data). Goals (issue 30): at 1 M at least 10x the DELETE's speed, at 10 M at least 100x,
+the 5 s before, summed over ``--repeat`` prunes of fresh data). The physical floor, in the same
+run: a ``DROP TABLE`` of a copy of the expired partitions (the same files to free), alone and with
+the workers running; no retention that gives the space back can beat it. Goals (issue 30): at 1 M at least 10x the DELETE's speed, at 10 M at least 100x,
 WAL at most 1 % of the DELETE's, workers at least 0.95x their idle rate (0.57x during a DELETE).
 
 Soak. Both layouts side by side in one database for ``--minutes``: an enqueuer per layout at
@@ -185,10 +187,10 @@ def prune(engine: Engine, schema: str, layout: str) -> tuple[int, float | None]:
     return result.deleted["completed"], ctx.ends[0]
 
 
-def floor_drop(engine: Engine, schema: str) -> float:
-    """The physical floor of freeing the expired rows' space: seconds to drop (and commit) a copy
-    of the expired partitions (the same rows and indexes, so the same files), after a checkpoint
-    as before the prune. The file system frees files in time that grows with their size."""
+def floor_copy(engine: Engine, schema: str) -> None:
+    """A copy of the expired partitions (the same rows and indexes, so files of the same size),
+    checkpointed as they are before the prune: dropping it is the physical floor of freeing the
+    rows' space (:func:`floor_drop`). The file system frees files in time that grows with their size."""
     q = f'"{schema}"'
     with engine.begin() as conn:
         (first,) = conn.execute(text(f"SELECT partition_name FROM {q}.job_partitions('completed') "
@@ -196,19 +198,29 @@ def floor_drop(engine: Engine, schema: str) -> float:
         conn.execute(text(f"CREATE TABLE {q}.floor_copy (LIKE {q}.{first} INCLUDING ALL)"))
         conn.execute(text(f"INSERT INTO {q}.floor_copy SELECT * FROM {q}.jobs_completed "
                           "WHERE finalized_at < now() - interval '24 hours'"))
-    with engine.connect() as conn:
-        conn.execution_options(isolation_level="AUTOCOMMIT").execute(text("CHECKPOINT"))
+    checkpoint(engine)
+
+
+def floor_drop(engine: Engine, schema: str) -> float:
+    """Seconds to drop the copy and commit."""
     started = time.perf_counter()
     with engine.begin() as conn:
-        conn.execute(text(f"DROP TABLE {q}.floor_copy"))
+        conn.execute(text(f'DROP TABLE "{schema}".floor_copy'))
     return time.perf_counter() - started
+
+
+def checkpoint(engine: Engine) -> None:
+    with engine.connect() as conn:
+        conn.execution_options(isolation_level="AUTOCOMMIT").execute(text("CHECKPOINT"))
 
 
 def measure_alone(engine: Engine, url: str, schema: str, layout: str, rows: int, hours: int) -> dict:
     prepare(engine, schema, layout, rows, hours)
-    floor = floor_drop(engine, schema) if layout == "partitioned" else None
-    with engine.connect() as conn:
-        conn.execution_options(isolation_level="AUTOCOMMIT").execute(text("CHECKPOINT"))
+    floor = None
+    if layout == "partitioned":
+        floor_copy(engine, schema)
+        floor = floor_drop(engine, schema)
+    checkpoint(engine)
     before = wal_lsn(url)
     started = time.perf_counter()
     removed, gone = prune(engine, schema, layout)
@@ -222,8 +234,10 @@ def measure_with_workers(engine: Engine, url: str, schema: str, layout: str, row
     prune of a few tens of milliseconds holds few claims: one alone is noisy), and the slowest
     claim plus completion of each phase."""
     runs = [measure_workers_once(engine, url, schema, layout, rows, hours) for _ in range(repeat)]
-    idle, during = (sum(r[f"{k}_n"] for r in runs) / sum(r[f"{k}_s"] for r in runs) for k in ("idle", "during"))
-    return {"idle": idle, "during": during, "ratio": during / idle, "seconds": sum(r["during_s"] for r in runs) / repeat,
+    idle, during, floor = (sum(r[f"{k}_n"] for r in runs) / max(1e-9, sum(r[f"{k}_s"] for r in runs))
+                           for k in ("idle", "during", "floor"))
+    return {"idle": idle, "during": during, "ratio": during / idle, "floor_ratio": floor / idle,
+            "seconds": sum(r["during_s"] for r in runs) / repeat,
             "slowest_idle": max(r["slowest_idle"] for r in runs),
             "slowest_during": max(r["slowest_during"] for r in runs)}
 
@@ -232,14 +246,23 @@ def measure_workers_once(engine: Engine, url: str, schema: str, layout: str, row
     """One prune with the workers of :func:`workers_process` running, in a process of their own
     (as workers are: in the bench's process they would share its GIL with the pass)."""
     prepare(engine, schema, layout, rows, hours)
+    if layout == "partitioned":
+        floor_copy(engine, schema)
+    checkpoint(engine)
     mp = multiprocessing.get_context("fork")
     phase, counts, slowest = mp.Value("i", 0), mp.Array("i", len(PHASES)), mp.Array("d", 2)
+    floor = 0.0
     workers = mp.Process(target=workers_process, args=(url, schema, phase, counts, slowest))
     workers.start()
     try:
         time.sleep(2.0)  # connected and warm
         phase.value = PHASES.index("idle")
         time.sleep(idle)
+        if layout == "partitioned":  # the workers during the floor: the same files freed, nothing else
+            phase.value = PHASES.index("floor")
+            floor = floor_drop(engine, schema)
+            phase.value = PHASES.index("warmup")
+            time.sleep(1.0)
         phase.value = PHASES.index("during")
         started = time.perf_counter()
         prune(engine, schema, layout)
@@ -248,10 +271,11 @@ def measure_workers_once(engine: Engine, url: str, schema: str, layout: str, row
         phase.value = PHASES.index("after")
         workers.join()
     return {"idle_n": counts[1], "idle_s": idle, "during_n": counts[2], "during_s": during,
+            "floor_n": counts[PHASES.index("floor")], "floor_s": floor,
             "slowest_idle": slowest[0], "slowest_during": slowest[1]}
 
 
-PHASES = ("warmup", "idle", "during", "after")
+PHASES = ("warmup", "idle", "during", "floor", "after")
 
 
 def workers_process(url: str, schema: str, phase, counts, slowest, n: int = 4) -> None:  # noqa: ANN001
@@ -311,7 +335,8 @@ def bench_prune(engine: Engine, url: str, rows: int, hours: int, repeat: int) ->
           f"at the commit that frees their files; the floor allows at most {p['seconds'] / d['floor']:,.1f}x), "
           f"WAL {100 * d['wal'] / p['wal']:.3f} % of the DELETE's, "
           f"dead tuples {d['dead']:,} vs {p['dead']:,}, workers during the prune "
-          f"{d['workers_ratio']:.2f}x idle (DELETE: {p['workers_ratio']:.2f}x)")
+          f"{d['workers_ratio']:.2f}x idle (DELETE: {p['workers_ratio']:.2f}x; during the floor's "
+          f"DROP TABLE of the same files: {d['workers_floor_ratio']:.2f}x)")
 
 
 # --- soak -----------------------------------------------------------------------------------------
