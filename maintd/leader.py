@@ -163,7 +163,7 @@ class ElectionLoop:
                  spread: "Spread | None" = None, register: bool = True):
         self.settings, self.targets, self.spread, self.register = settings, list(seats), spread, register
         self.session = LockSession(settings, hosts, self._notified)
-        self.healthy, self.writable = False, True
+        self.writable = True
         self.replicas: tuple[str, ...] | None = None  # the live replicas, as last read
         self.last_progress = time.monotonic()  # when the loop last went round (for /healthz)
         self._by_channel = {channel: (seat, handover) for seat in self.targets
@@ -431,7 +431,6 @@ class ElectionLoop:
                 seat.on_health(healthy)
             if writable is not None:
                 seat.on_writable(writable)
-        self.healthy = self.healthy if healthy is None else healthy
         self.writable = self.writable if writable is None else writable
 
 
