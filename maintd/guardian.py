@@ -126,9 +126,9 @@ class HealthMonitor:
         self.last: HealthReport | None = None
         self.error: str | None = None
         self._conn: psycopg.Connection | None = None
-        self._led: set[str] = set()  # members whose gauges this monitor set (led at the last look)
+        # Members whose gauges this monitor set (led at the last look), with the tables it set.
+        self._led: dict[str, frozenset[str]] = {}
         self._seen: set[str] = set()  # members leading at the last read (a new one is read at once)
-        self._tables: dict[str, frozenset[str]] = {}  # per member led: the tables its gauges have
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -142,8 +142,7 @@ class HealthMonitor:
             if m.name in self._led and m.name not in names:
                 clear_metrics(m.metrics)
                 self.writers[m.name].reset()
-        self._led &= names
-        self._tables = {k: v for k, v in self._tables.items() if k in names}
+        self._led = {k: v for k, v in self._led.items() if k in names}
         self._seen &= names
         return leading
 
@@ -155,7 +154,7 @@ class HealthMonitor:
         if not leading:
             for m in self.members if not cfg.enabled else ():
                 clear_metrics(m.metrics)
-            self.last, self._led, self._tables = None, set(), {}
+            self.last, self._led = None, {}
             self.warnings.forget()
             self._close()
             return None
@@ -171,8 +170,7 @@ class HealthMonitor:
         self.error, self.last = None, report
         for m in leading:
             if m.leading():
-                self._tables[m.name] = apply_metrics(m.metrics, report, m.schema, self._tables.get(m.name))
-                self._led.add(m.name)
+                self._led[m.name] = apply_metrics(m.metrics, report, m.schema, self._led.get(m.name, frozenset()))
                 self._history(m, report)
         self.warnings.check(report.horizon, cfg.xmin_warn_after, [m.name for m in leading])
         return report
@@ -222,7 +220,7 @@ class HealthMonitor:
             self._thread = None
         for m in self.members:  # a stopped daemon leads nothing: no gauge of a read gone stale
             clear_metrics(m.metrics)
-        self._led, self._seen, self._tables, self.last = set(), set(), {}, None
+        self._led, self._seen, self.last = {}, set(), None
         self._close()
 
     def _loop(self) -> None:

@@ -282,18 +282,18 @@ def _fields(h: Holder) -> dict[str, Any]:
 
 
 def apply_metrics(metrics: Any, report: HealthReport, schema: str,
-                  before: frozenset[str] | None = None) -> frozenset[str]:
-    """Set one target's health gauges from a read; returns the tables set. Tables gone from the
-    schema lose their series: those of ``before`` (what the last call returned), or, without it,
-    any this target has (a scan of every target's series: with many targets, pass ``before``)."""
+                  before: frozenset[str] = frozenset()) -> frozenset[str]:
+    """Set one target's health gauges from a read; returns the tables set. The tables of ``before``
+    (what the last call returned; a target's first read after its gauges were cleared has none)
+    gone from the schema lose their series. (Scanning the family for this target's series instead
+    made a read of many targets quadratic.)"""
     metrics.xmin_horizon_age_seconds.set(report.horizon.age_seconds)
     metrics.xmin_horizon_age_xids.set(report.horizon.age_xids)
     tables = report.tables.get(schema, ())
     names = frozenset(t.table for t in tables)
     for gauge in (metrics.table_dead_tuples, metrics.table_live_tuples, metrics.table_bytes,
                   metrics.table_last_vacuum):
-        for table in (before - names if before is not None else
-                      [table for (table,) in gauge.children() if table not in names]):
+        for table in before - names:
             gauge.remove(table)
     for t in tables:
         metrics.table_dead_tuples.labels(t.table).set(t.dead)

@@ -246,7 +246,7 @@ def test_a_table_gone_loses_its_series_and_no_other_targets_series_goes():
     tables = {s: tuple(TableHealth(t, 1, 2, 3, None) for t in names)
               for s, names in {"sa": ("jobs", "leader"), "sb": ("jobs", "leader")}.items()}
     report = HealthReport(T0, Horizon(), tables)
-    first = apply_metrics(a, report, "sa")  # no earlier call: a scan
+    first = apply_metrics(a, report, "sa")  # a first read: nothing set before
     assert first == {"jobs", "leader"} and apply_metrics(b, report, "sb") == {"jobs", "leader"}
     report = HealthReport(T0, Horizon(), {**tables, "sa": tables["sa"][:1]})
     assert apply_metrics(a, report, "sa", first) == {"jobs"}
