@@ -481,40 +481,45 @@ DEFINER_ATTRIBUTES = ("LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_pat
 
 def functions_ddl(schema: str) -> list[str]:
     """CREATE FUNCTION statements of the helpers and the definer functions, with their grants."""
-    q = quote_ident(schema)
-    out = []
-    for signature, returns, attributes, body in HELPERS:
-        out.append(f"CREATE FUNCTION {q}.{signature} RETURNS {returns} {attributes}\nAS $fn$"
-                   + _render(body, schema) + "$fn$")
-        if not signature.startswith(PUBLIC_HELPERS):
-            out.append(f"REVOKE EXECUTE ON FUNCTION {q}.{_name_args(signature)} FROM PUBLIC")
-    for signature, returns, body in FUNCTIONS:
-        out.append(f"CREATE FUNCTION {q}.{signature} RETURNS {returns}\n{DEFINER_ATTRIBUTES}\nAS $fn$"
-                   + _render(body, schema) + "$fn$")
-        out.append(f"REVOKE EXECUTE ON FUNCTION {q}.{_name_args(signature)} FROM PUBLIC")
-    return out
+    return ([st for signature, *_ in HELPERS for st in _helper_ddl(schema, signature, "CREATE")]
+            + [st for signature, *_ in FUNCTIONS for st in _function_ddl(schema, signature, "CREATE")])
 
 
 def replace_helper_ddl(schema: str, name: str) -> list[str]:
     """CREATE OR REPLACE of one helper (a later migration's new body or signature), revoked from
     PUBLIC as :func:`functions_ddl` does."""
-    for signature, returns, attributes, body in HELPERS:
-        if signature.startswith(name + "("):
-            q = quote_ident(schema)
-            return [f"CREATE OR REPLACE FUNCTION {q}.{signature} RETURNS {returns} {attributes}\nAS $fn$"
-                    + _render(body, schema) + "$fn$"] + (
-                [] if signature.startswith(PUBLIC_HELPERS) else
-                [f"REVOKE EXECUTE ON FUNCTION {q}.{_name_args(signature)} FROM PUBLIC"])
-    raise KeyError(name)
+    return _helper_ddl(schema, _signature(HELPERS, name), "CREATE OR REPLACE")
 
 
 def replace_function_ddl(schema: str, name: str) -> str:
     """CREATE OR REPLACE of one definer function (a later migration's new body: its grants kept)."""
-    for signature, returns, body in FUNCTIONS:
+    return _function_ddl(schema, _signature(FUNCTIONS, name), "CREATE OR REPLACE")[0]
+
+
+def _signature(entries: list, name: str) -> str:
+    for signature, *_ in entries:
         if signature.startswith(name + "("):
-            return (f"CREATE OR REPLACE FUNCTION {quote_ident(schema)}.{signature} RETURNS {returns}\n"
-                    f"{DEFINER_ATTRIBUTES}\nAS $fn$" + _render(body, schema) + "$fn$")
+            return signature
     raise KeyError(name)
+
+
+def _helper_ddl(schema: str, signature: str, verb: str) -> list[str]:
+    q = quote_ident(schema)
+    _, returns, attributes, body = next(h for h in HELPERS if h[0] == signature)
+    out = [f"{verb} FUNCTION {q}.{signature} RETURNS {returns} {attributes}\nAS $fn$"
+           + _render(body, schema) + "$fn$"]
+    if not signature.startswith(PUBLIC_HELPERS):
+        out.append(f"REVOKE EXECUTE ON FUNCTION {q}.{_name_args(signature)} FROM PUBLIC")
+    return out
+
+
+def _function_ddl(schema: str, signature: str, verb: str) -> list[str]:
+    """The definer function and, created anew, its REVOKE (a replacement keeps its grants)."""
+    q = quote_ident(schema)
+    _, returns, body = next(f for f in FUNCTIONS if f[0] == signature)
+    create = (f"{verb} FUNCTION {q}.{signature} RETURNS {returns}\n{DEFINER_ATTRIBUTES}\nAS $fn$"
+              + _render(body, schema) + "$fn$")
+    return [create, f"REVOKE EXECUTE ON FUNCTION {q}.{_name_args(signature)} FROM PUBLIC"]
 
 
 def definer_functions() -> list[str]:
