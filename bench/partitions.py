@@ -10,12 +10,14 @@ Prune. The same data on both layouts: ``--rows`` completed jobs finalized in the
 whole hours that ended 24 hours before this hour began (past the 24 h retention) and 150,000
 available ones. Plain: one ``DELETE`` of the expired rows (the fastest a DELETE can do it).
 Partitioned, in the steady state (the partitions start with the rows' first hour): one
-partitioner pass (empty, detach and drop the ``--hours`` expired partitions). Each is measured twice on fresh data: alone (time, WAL written, dead tuples left),
-then with 4 workers claiming and completing (their claims/s during the prune over their rate in
-the 5 s before, summed over ``--repeat`` prunes of fresh data). The physical floor, in the same
-run: a ``DROP TABLE`` of a copy of the expired partitions (the same files to free), alone and with
-the workers running; no retention that gives the space back can beat it. Goals (issue 30): at 1 M at least 10x the DELETE's speed, at 10 M at least 100x,
-WAL at most 1 % of the DELETE's, workers at least 0.95x their idle rate (0.57x during a DELETE).
+partitioner pass (empty, detach and drop the ``--hours`` expired partitions). Each is measured
+twice on fresh data: alone (time, WAL written, dead tuples left), then with 4 workers claiming
+and completing (their claims/s during the prune over their rate in the 5 s before, summed over
+``--repeat`` prunes of fresh data). The physical floor, in the same run: a ``DROP TABLE`` of a
+copy of the expired partitions (the same files to free), alone and with the workers running; no
+retention that gives the space back can beat it. Goals (issue 30): at 1 M at least 10x the
+DELETE's speed, at 10 M at least 100x, WAL at most 1 % of the DELETE's, workers at least 0.95x
+their idle rate (0.57x during a DELETE).
 
 Soak. Both layouts side by side in one database for ``--minutes``: an enqueuer per layout at
 ``--rate`` jobs/s, 2 workers each, retention ``--retention`` (partitions of ``--step``), the
@@ -55,6 +57,7 @@ from tests.test_convert import moved_is_none  # noqa: E402  (the README's 40001 
 LIVE = 150_000
 PRUNES: list = []  # the partitioner's results, printed with the table
 HOUR = timedelta(hours=1)
+EXPIRED = "finalized_at < now() - interval '24 hours'"  # past the retention (the seeded rows)
 
 
 # --- the server and the schemas ------------------------------------------------------------------
@@ -110,8 +113,7 @@ def seed(engine: Engine, schema: str, rows: int, hours: int) -> None:
                           f"FROM generate_series(1, :n) g"), {"n": rows, "hours": hours})
         conn.execute(text(f"INSERT INTO {q}.jobs (kind, queue) SELECT 'work', 'work' FROM generate_series(1, :n)"),
                      {"n": LIVE})
-    with engine.connect() as conn:
-        conn.execution_options(isolation_level="AUTOCOMMIT").execute(text(f"VACUUM ANALYZE {q}.jobs"))
+    autocommit(engine, f"VACUUM ANALYZE {q}.jobs")
 
 
 def prepare(engine: Engine, schema: str, layout: str, rows: int, hours: int) -> None:
@@ -172,7 +174,7 @@ def prune(engine: Engine, schema: str, layout: str) -> tuple[int, float | None]:
     if layout == "plain":
         with engine.begin() as conn:
             return conn.execute(text(f'DELETE FROM "{schema}".jobs WHERE state = \'completed\' '
-                                     "AND finalized_at < now() - interval '24 hours'")).rowcount, None
+                                     f"AND {EXPIRED}")).rowcount, None
     with engine.connect() as conn:
         now = conn.execute(text("SELECT now()")).scalar()
         conn.rollback()
@@ -188,17 +190,16 @@ def prune(engine: Engine, schema: str, layout: str) -> tuple[int, float | None]:
 
 
 def floor_copy(engine: Engine, schema: str) -> None:
-    """A copy of the expired partitions (the same rows and indexes, so files of the same size),
-    checkpointed as they are before the prune: dropping it is the physical floor of freeing the
-    rows' space (:func:`floor_drop`). The file system frees files in time that grows with their size."""
+    """A copy of the expired partitions (the same rows and indexes, so files of the same size):
+    dropping it is the physical floor of freeing the rows' space (:func:`floor_drop`). The file
+    system frees files in time that grows with their size."""
     q = f'"{schema}"'
     with engine.begin() as conn:
         (first,) = conn.execute(text(f"SELECT partition_name FROM {q}.job_partitions('completed') "
                                      "WHERE range_start IS NOT NULL ORDER BY range_start LIMIT 1")).one()
         conn.execute(text(f"CREATE TABLE {q}.floor_copy (LIKE {q}.{first} INCLUDING ALL)"))
         conn.execute(text(f"INSERT INTO {q}.floor_copy SELECT * FROM {q}.jobs_completed "
-                          "WHERE finalized_at < now() - interval '24 hours'"))
-    checkpoint(engine)
+                          f"WHERE {EXPIRED}"))
 
 
 def floor_drop(engine: Engine, schema: str) -> float:
@@ -209,18 +210,26 @@ def floor_drop(engine: Engine, schema: str) -> float:
     return time.perf_counter() - started
 
 
-def checkpoint(engine: Engine) -> None:
+def autocommit(engine: Engine, statement: str) -> None:
     with engine.connect() as conn:
-        conn.execution_options(isolation_level="AUTOCOMMIT").execute(text("CHECKPOINT"))
+        conn.execution_options(isolation_level="AUTOCOMMIT").execute(text(statement))
+
+
+def prepared(engine: Engine, schema: str, layout: str, rows: int, hours: int) -> None:
+    """:func:`prepare`, the floor's copy on the partitioned layout, then a checkpoint (as 24-hour-old
+    rows have had one since they were written; the DELETE then writes full-page images)."""
+    prepare(engine, schema, layout, rows, hours)
+    if layout == "partitioned":
+        floor_copy(engine, schema)
+    autocommit(engine, "CHECKPOINT")
 
 
 def measure_alone(engine: Engine, url: str, schema: str, layout: str, rows: int, hours: int) -> dict:
-    prepare(engine, schema, layout, rows, hours)
+    prepared(engine, schema, layout, rows, hours)
     floor = None
     if layout == "partitioned":
-        floor_copy(engine, schema)
         floor = floor_drop(engine, schema)
-    checkpoint(engine)
+        autocommit(engine, "CHECKPOINT")  # the prune right after one, as the DELETE (its WAL compared)
     before = wal_lsn(url)
     started = time.perf_counter()
     removed, gone = prune(engine, schema, layout)
@@ -245,10 +254,7 @@ def measure_with_workers(engine: Engine, url: str, schema: str, layout: str, row
 def measure_workers_once(engine: Engine, url: str, schema: str, layout: str, rows: int, hours: int, idle: float = 5.0) -> dict:
     """One prune with the workers of :func:`workers_process` running, in a process of their own
     (as workers are: in the bench's process they would share its GIL with the pass)."""
-    prepare(engine, schema, layout, rows, hours)
-    if layout == "partitioned":
-        floor_copy(engine, schema)
-    checkpoint(engine)
+    prepared(engine, schema, layout, rows, hours)
     mp = multiprocessing.get_context("fork")
     phase, counts, slowest = mp.Value("i", 0), mp.Array("i", len(PHASES)), mp.Array("d", 2)
     floor = 0.0
@@ -256,26 +262,26 @@ def measure_workers_once(engine: Engine, url: str, schema: str, layout: str, row
     workers.start()
     try:
         time.sleep(2.0)  # connected and warm
-        phase.value = PHASES.index("idle")
+        phase.value = IDLE
         time.sleep(idle)
         if layout == "partitioned":  # the workers during the floor: the same files freed, nothing else
-            phase.value = PHASES.index("floor")
+            phase.value = FLOOR
             floor = floor_drop(engine, schema)
-            phase.value = PHASES.index("warmup")
+            phase.value = WARMUP
             time.sleep(1.0)
-        phase.value = PHASES.index("during")
+        phase.value = DURING
         started = time.perf_counter()
         prune(engine, schema, layout)
         during = time.perf_counter() - started
     finally:
-        phase.value = PHASES.index("after")
+        phase.value = AFTER
         workers.join()
-    return {"idle_n": counts[1], "idle_s": idle, "during_n": counts[2], "during_s": during,
-            "floor_n": counts[PHASES.index("floor")], "floor_s": floor,
-            "slowest_idle": slowest[0], "slowest_during": slowest[1]}
+    return {"idle_n": counts[IDLE], "idle_s": idle, "during_n": counts[DURING], "during_s": during,
+            "floor_n": counts[FLOOR], "floor_s": floor, "slowest_idle": slowest[0], "slowest_during": slowest[1]}
 
 
-PHASES = ("warmup", "idle", "during", "floor", "after")
+PHASES = ("warmup", "idle", "during", "floor", "after")  # what the workers count a completion in
+WARMUP, IDLE, DURING, FLOOR, AFTER = range(len(PHASES))
 
 
 def workers_process(url: str, schema: str, phase, counts, slowest, n: int = 4) -> None:  # noqa: ANN001
@@ -286,7 +292,7 @@ def workers_process(url: str, schema: str, phase, counts, slowest, n: int = 4) -
     queue, lock = JobQueue(schema), threading.Lock()
 
     def worker(i: int) -> None:
-        while phase.value < PHASES.index("after"):
+        while phase.value < AFTER:
             started, begun = time.perf_counter(), phase.value
             jobs = moved_is_none(lambda: claim(engine, queue, f"w{i}")) or []
             if jobs:
@@ -294,8 +300,8 @@ def workers_process(url: str, schema: str, phase, counts, slowest, n: int = 4) -
                 with lock:
                     ended = phase.value
                     counts[ended] += 1
-                    if ended == begun and ended in (1, 2):
-                        slowest[ended - 1] = max(slowest[ended - 1], time.perf_counter() - started)
+                    if ended == begun and ended in (IDLE, DURING):  # slowest[0]: idle, [1]: during
+                        slowest[ended - IDLE] = max(slowest[ended - IDLE], time.perf_counter() - started)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
     for t in threads:
