@@ -14,6 +14,7 @@ from maintd.db import make_engine, quote_ident
 from maintd.models import metadata
 
 from .conftest import new_schema_name
+from .test_layout import restart, server_now
 
 
 def _tables(conn, schema):
@@ -154,10 +155,8 @@ def test_0009_replaces_the_three_argument_drop_helper(pg_dsn):
                 (f"{schema}.drop_expired_partitions(text,timestamp with time zone)", False)]
             assert conn.execute(text("SELECT has_function_privilege('public', CAST(:f AS regprocedure), 'EXECUTE')"),
                                 {"f": f"{q}.job_partitions(text)"}).scalar()  # replaced, still everyone's
-            for name in conn.execute(text(f"SELECT partition_name FROM {q}.job_partitions('completed')")).scalars():
-                conn.execute(text(f"ALTER TABLE {q}.jobs_completed DETACH PARTITION {q}.{name}"))
-                conn.execute(text(f"DROP TABLE {q}.{name}"))
-            conn.execute(text(f"SELECT {q}.start_partitions('completed', interval '1 hour', now() - interval '5 hours')"))
+            conn.commit()
+            restart(engine, schema, "completed", server_now(engine) - timedelta(hours=5))
             conn.execute(text(f"SELECT count(*) FROM {q}.maintain_partitions('completed', interval '1 hour', now())"))
             conn.execute(text(f"INSERT INTO {q}.jobs (kind, state, finalized_at) "
                               "VALUES ('k', 'completed', now() - interval '4 hours 30 minutes')"))
