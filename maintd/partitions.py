@@ -115,10 +115,13 @@ PUBLIC_HELPERS = ("job_partitions(",)
 HELPERS = [
     ("job_partitions(p_state text)",
      "TABLE (partition_name text, range_start timestamptz, range_end timestamptz)",
-     "LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp", """
+     "LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp "
+     "SET \"TimeZone\" = 'UTC' SET \"DateStyle\" = 'ISO, MDY'", """
   -- The range partitions of a final state, in order; NULL is MINVALUE (start) or MAXVALUE (end).
-  -- Bounds are printed and read back by the same session, whatever its TimeZone and DateStyle:
-  -- "FOR VALUES FROM ('<start>') TO ('<end>')", MINVALUE and MAXVALUE unquoted. The quoted values
+  -- Bounds are printed and read back in ISO and UTC, pinned for the call whatever the caller's
+  -- settings (before PostgreSQL 18 a zone abbreviation such as IST, printed in the SQL style,
+  -- read back as another zone's): "FOR VALUES FROM ('<start>') TO ('<end>')", MINVALUE and
+  -- MAXVALUE unquoted. The quoted values
   -- are cut out by position (regular expressions made it twice as slow; it runs several times a
   -- pass).
   SELECT c.relname::text,

@@ -672,3 +672,29 @@ def test_status_and_the_dashboard_show_the_layout_and_its_partitions(engine, pg_
     assert f"partitioned, {3 * per_state} partitions" in line and "1 stray rows" in line
     assert 'data-layout="partitioned"' in html
     assert re.search(rf'id="partition-count">{3 * per_state}<', html) and ">1 stray rows<" in html
+
+
+# PostgreSQL's documentation, "Date/Time Output" (datatype-datetime.html, table "Date/Time Output
+# Styles"): the four DateStyle output styles, each with its field order where it has one.
+DATE_STYLES = ["ISO, MDY", "SQL, DMY", "SQL, MDY", "Postgres, DMY", "Postgres, MDY", "German, DMY"]
+
+
+@pytest.mark.parametrize("zone", ["UTC", "America/New_York", "Asia/Kathmandu", "Pacific/Chatham", "Asia/Kolkata"])
+def test_partition_bounds_read_back_in_every_date_style_and_time_zone(pg_dsn, schema, zone):
+    """job_partitions prints each bound (pg_get_expr) and reads it back (the cut by position of
+    migration 0009): in every output style the documentation lists, and in zones with odd
+    offsets (+05:45, +13:45) or an ambiguous abbreviation (Asia/Kolkata prints IST, which
+    PostgreSQL 15 reads back as Israel's: 3.5 hours off before job_partitions pinned its own
+    settings), the bounds are the same instants as in ISO and UTC. Compared as epoch seconds,
+    computed in the same session."""
+    query = (f"SELECT partition_name, extract(epoch FROM range_start), extract(epoch FROM range_end) "
+             f"FROM {schema}.job_partitions('completed')")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("SET TimeZone = 'UTC'")
+        conn.execute("SET DateStyle = 'ISO, MDY'")
+        expected = conn.execute(query).fetchall()
+        assert len(expected) >= 3 and expected[0][1] is None and expected[-1][2] is None
+        conn.execute("SELECT set_config('TimeZone', %s, false)", (zone,))
+        for style in DATE_STYLES:
+            conn.execute("SELECT set_config('DateStyle', %s, false)", (style,))
+            assert conn.execute(query).fetchall() == expected, style

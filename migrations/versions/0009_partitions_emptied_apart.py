@@ -16,7 +16,9 @@ and the detach's transaction (the next call) has only empty files to deal with. 
 Its helper ``drop_expired_partitions`` loses the ``p_counts`` argument, unused since 0008 (the rows
 are counted when emptied, and the detached tables are empty), and ``job_partitions``, which a pass
 calls several times, reads the bounds by position instead of with regular expressions (twice as
-fast).
+fast), and prints them in ISO and UTC whatever the caller's TimeZone and DateStyle (on PostgreSQL
+15, a session in Asia/Kolkata with DateStyle SQL read its bounds 3.5 hours off: "IST" read back
+as Israel's).
 """
 
 from alembic import op
