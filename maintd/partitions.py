@@ -484,45 +484,50 @@ DEFINER_ATTRIBUTES = ("LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_pat
 
 def functions_ddl(schema: str) -> list[str]:
     """CREATE FUNCTION statements of the helpers and the definer functions, with their grants."""
-    return ([st for signature, *_ in HELPERS for st in _helper_ddl(schema, signature, "CREATE")]
-            + [st for signature, *_ in FUNCTIONS for st in _function_ddl(schema, signature, "CREATE")])
+    return [st for entry in HELPERS for st in _helper_ddl(schema, entry, replace=False)] + [
+        st for entry in FUNCTIONS for st in _function_ddl(schema, entry, replace=False)]
 
 
 def replace_helper_ddl(schema: str, name: str) -> list[str]:
     """CREATE OR REPLACE of one helper (a later migration's new body or signature), revoked from
     PUBLIC as :func:`functions_ddl` does."""
-    return _helper_ddl(schema, _signature(HELPERS, name), "CREATE OR REPLACE")
+    return _helper_ddl(schema, _entry(HELPERS, name), replace=True)
 
 
 def replace_function_ddl(schema: str, name: str) -> str:
     """CREATE OR REPLACE of one definer function (a later migration's new body: its grants kept)."""
-    return _function_ddl(schema, _signature(FUNCTIONS, name), "CREATE OR REPLACE")[0]
+    return _function_ddl(schema, _entry(FUNCTIONS, name), replace=True)[0]
 
 
-def _signature(entries: list, name: str) -> str:
-    for signature, *_ in entries:
-        if signature.startswith(name + "("):
-            return signature
+def _entry(entries: list, name: str) -> tuple:
+    for entry in entries:
+        if entry[0].startswith(name + "("):
+            return entry
     raise KeyError(name)
 
 
-def _helper_ddl(schema: str, signature: str, verb: str) -> list[str]:
-    q = quote_ident(schema)
-    _, returns, attributes, body = next(h for h in HELPERS if h[0] == signature)
-    out = [f"{verb} FUNCTION {q}.{signature} RETURNS {returns} {attributes}\nAS $fn$"
-           + _render(body, schema) + "$fn$"]
+def _helper_ddl(schema: str, entry: tuple, *, replace: bool) -> list[str]:
+    signature, returns, attributes, body = entry
+    out = [_create(schema, signature, returns, attributes, body, replace=replace)]
     if not signature.startswith(PUBLIC_HELPERS):
-        out.append(f"REVOKE EXECUTE ON FUNCTION {q}.{_name_args(signature)} FROM PUBLIC")
+        out.append(f"REVOKE EXECUTE ON FUNCTION {quote_ident(schema)}.{_name_args(signature)} FROM PUBLIC")
     return out
 
 
-def _function_ddl(schema: str, signature: str, verb: str) -> list[str]:
+def _function_ddl(schema: str, entry: tuple, *, replace: bool) -> list[str]:
     """The definer function and, created anew, its REVOKE (a replacement keeps its grants)."""
+    signature, returns, body = entry
+    return [_create(schema, signature, returns, DEFINER_ATTRIBUTES, body, replace=replace),
+            f"REVOKE EXECUTE ON FUNCTION {quote_ident(schema)}.{_name_args(signature)} FROM PUBLIC"]
+
+
+def _create(schema: str, signature: str, returns: str, attributes: str, body: str, *, replace: bool) -> str:
     q = quote_ident(schema)
-    _, returns, body = next(f for f in FUNCTIONS if f[0] == signature)
-    create = (f"{verb} FUNCTION {q}.{signature} RETURNS {returns}\n{DEFINER_ATTRIBUTES}\nAS $fn$"
-              + _render(body, schema) + "$fn$")
-    return [create, f"REVOKE EXECUTE ON FUNCTION {q}.{_name_args(signature)} FROM PUBLIC"]
+    if replace:
+        head = f"CREATE OR REPLACE FUNCTION {q}.{signature} RETURNS {returns} {attributes}\nAS $fn$"
+    else:
+        head = f"CREATE FUNCTION {q}.{signature} RETURNS {returns} {attributes}\nAS $fn$"
+    return head + _render(body, schema) + "$fn$"
 
 
 def definer_functions() -> list[str]:
