@@ -270,6 +270,38 @@ def test_leader_with_hung_maintenance_connections_gives_up_the_term(pg_dsn, audi
     assert not foreign_writes(rows), foreign_writes(rows)[:5]
 
 
+@pytest.mark.slow
+def test_leader_whose_probes_hang_gives_up_the_term_though_no_pass_runs(pg_dsn, audited, tmp_path):
+    """Only services with a probe (SPEC 8.3) do anything here: no periodic entry, so the periodic
+    enqueuer is quiet for minutes after its first pass. When the work pool is cut, the batched
+    probes are what hangs; they never say there is work, so no pass starts and no pass stalls.
+    The probes' own wait must give the term up within about a lease, not after the statement
+    timeout (30 s here) plus a lease, when the hung read would at last fail and wake the passes."""
+    schema = audited
+    with NetProxy.for_dsn(pg_dsn) as proxy:
+        cut, direct = proxied_pair(pg_dsn, schema, tmp_path, proxy, extra={"statement_timeout": "30s"})
+        try:
+            start_leader_then_follower(cut, direct, pg_dsn, schema)
+            t0 = time.monotonic()
+            proxy.blackhole(lambda link: link.app.endswith(":work"))
+            try:
+                seconds = working_leader_after(pg_dsn, schema, t0, timeout=6 * LEASE)
+            except AssertionError:
+                print("CUT", cut.log()[-4000:]); print("DIRECT", direct.log()[-4000:]); raise
+            holders = lock_holders(pg_dsn, schema)
+            record("hung_probes", seconds)
+            log = cut.log()
+        finally:
+            proxy.heal()
+            cut.stop()
+            direct.stop()
+    assert holders == ["maintd:direct"]
+    assert seconds < 4 * LEASE
+    assert "maintenance transactions hang, giving up leadership" in log, log
+    rows = audit_rows(pg_dsn, schema)
+    assert not foreign_writes(rows), foreign_writes(rows)[:5]
+
+
 # -- frozen primary, promoted standby -----------------------------------------------------------
 
 @pytest.mark.slow
