@@ -504,6 +504,47 @@ def test_an_expired_partition_being_read_is_neither_emptied_nor_detached(engine,
     assert set(where(engine, schema)).isdisjoint(read)
 
 
+def test_a_partition_let_go_while_the_call_waits_for_the_state_table_is_not_detached_unemptied(engine, pg_dsn, schema):
+    """The race the busy partition's guard in maintain_partitions is for: a reader holds an expired
+    partition (so it is not emptied) and jobs_completed, and lets both go while the call waits for
+    jobs_completed's lock (it does when partitions must be made, with a lock wait). The partition
+    is free by then, but it must not be detached with its rows: they would be dropped uncounted
+    (``row_count`` 0 in the detach). It is emptied, and counted, by the next pass."""
+    now = server_now(engine)
+    restart(engine, schema, "completed", now - 10 * HOUR)
+    run(partitioner(completed_retention=-1), engine, schema, now=now)
+    read = insert_final(engine, schema, "completed", now - timedelta(hours=9, minutes=30), n=3)
+    home = where(engine, schema)[read[0]].split(".", 1)[1]
+    call = sql("SELECT action, partition_name, row_count FROM {schema}.maintain_partitions('completed', "
+               "interval '1 hour', now() + interval '20 hours', now() - interval '3 hours', 1000)", schema)
+    reader = psycopg.connect(pg_dsn)
+    got: list = []
+    try:
+        reader.execute(f"SELECT count(*) FROM {schema}.{home}")
+        reader.execute(f"LOCK TABLE ONLY {schema}.jobs_completed IN ACCESS SHARE MODE")
+
+        def maintain() -> None:
+            with engine.begin() as conn:
+                got.extend(conn.execute(call).all())
+        caller = threading.Thread(target=maintain)
+        caller.start()
+        waiting = "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = to_regclass(%s)"
+        deadline = time.monotonic() + 10
+        while reader.execute(waiting, (f"{schema}.jobs_completed",)).fetchone()[0] == 0:
+            assert time.monotonic() < deadline and caller.is_alive(), got
+            time.sleep(0.01)
+        reader.commit()  # both let go while the call waits for jobs_completed
+        caller.join(10)
+    finally:
+        reader.close()
+    assert "made" in {r.action for r in got}, got  # the call went on past the wait
+    assert home not in {r.partition_name for r in got if r.action == "detached"}, got
+    assert set(read) <= set(where(engine, schema))
+    again = run(partitioner(completed_retention="3h"), engine, schema, now=now)
+    assert again.deleted["completed"] == 3 and again.busy == []
+    assert set(where(engine, schema)).isdisjoint(read)
+
+
 def test_a_pass_of_an_instance_that_no_longer_leads_changes_nothing(engine, schema):
     now = server_now(engine)
     restart(engine, schema, "completed", now - 10 * HOUR)
