@@ -532,9 +532,6 @@ def test_a_worker_role_applied_by_the_cli_runs_the_worker_sql_and_admin_function
         job = {"kind": "w", "queue": "w", "args": "{}", "priority": 0, "max_attempts": 3, "scheduled_at": None,
                "metadata": "{}"}
         with psycopg.connect(role_dsn(pg_dsn, role), autocommit=True) as conn:
-            # Strings bound as text: the README's fail statement passes :error to
-            # jsonb_build_object uncast, whose type psycopg's default (unknown) leaves undetermined.
-            conn.adapters.register_dumper(str, psycopg.types.string.StrDumper)
             ids = [conn.execute(enqueue, {**job, "unique_key": k}).fetchone()[0] for k in ("a", "b", "c")]
             assert conn.execute(enqueue, {**job, "unique_key": "a"}).fetchone() is None  # a live job holds it
             claimed = conn.execute(claim, {"worker": "w1", "queue": "w", "limit": 3}).fetchall()
