@@ -238,34 +238,41 @@ def test_blackholed_leader_demotes_itself_within_the_lease_and_keeps_answering(p
 
 # -- hung maintenance connections --------------------------------------------------------------
 
-@pytest.mark.slow
-def test_leader_with_hung_maintenance_connections_gives_up_the_term(pg_dsn, audited, tmp_path):
-    """Only the work pool (application_name ``maintd:<id>:work``) is cut; the lock session renews
-    fine. After a lease without progress the leader must step down, say so, and (SPEC 8.5) be
-    healthy again once it follows: a liveness probe must not restart a replica for a stall it
-    has already handled, nor keep it 503 until some later election."""
-    schema = audited
+def cut_work_pool(pg_dsn, schema, tmp_path, scenario, extra=None, then=lambda cut: None):
+    """``cut`` leads, ``direct`` follows; then only cut's work pool (application_name
+    ``maintd:<id>:work``) is blackholed, its lock session renewing fine. Returns the seconds until
+    a working leader, the lock holders then and cut's log; ``then(cut)`` runs before the heal."""
     with NetProxy.for_dsn(pg_dsn) as proxy:
-        cut, direct = proxied_pair(pg_dsn, schema, tmp_path, proxy)
+        cut, direct = proxied_pair(pg_dsn, schema, tmp_path, proxy, extra)
         try:
             start_leader_then_follower(cut, direct, pg_dsn, schema)
             t0 = time.monotonic()
             proxy.blackhole(lambda link: link.app.endswith(":work"))
             try:
-                seconds = working_leader_after(pg_dsn, schema, t0, timeout=4 * LEASE)
+                seconds = working_leader_after(pg_dsn, schema, t0, timeout=6 * LEASE)
             except AssertionError:
                 print("CUT", cut.log()[-4000:]); print("DIRECT", direct.log()[-4000:]); raise
             holders = lock_holders(pg_dsn, schema)
-            record("hung_maintenance_connections", seconds)
-            wait_for(lambda: http(cut, "/healthz")[0] == 200, 2 * LEASE, what="the ex-leader healthy as a follower")
-            gave_up = "maintenance transactions hang, giving up leadership" in cut.log()
+            record(scenario, seconds)
+            then(cut)
+            return seconds, holders, cut.log()
         finally:
             proxy.heal()
             cut.stop()
             direct.stop()
+
+
+@pytest.mark.slow
+def test_leader_with_hung_maintenance_connections_gives_up_the_term(pg_dsn, audited, tmp_path):
+    """After a lease without progress the leader must step down, say so, and (SPEC 8.5) be
+    healthy again once it follows: a liveness probe must not restart a replica for a stall it
+    has already handled, nor keep it 503 until some later election."""
+    schema = audited
+    seconds, holders, log = cut_work_pool(pg_dsn, schema, tmp_path, "hung_maintenance_connections", then=lambda cut: wait_for(
+        lambda: http(cut, "/healthz")[0] == 200, 2 * LEASE, what="the ex-leader healthy as a follower"))
     assert holders == ["maintd:direct"]
     assert seconds < 4 * LEASE
-    assert gave_up, cut.log()
+    assert "maintenance transactions hang, giving up leadership" in log, log
     rows = audit_rows(pg_dsn, schema)
     assert not foreign_writes(rows), foreign_writes(rows)[:5]
 
@@ -278,23 +285,7 @@ def test_leader_whose_probes_hang_gives_up_the_term_though_no_pass_runs(pg_dsn, 
     The probes' own wait must give the term up within about a lease, not after the statement
     timeout (30 s here) plus a lease, when the hung read would at last fail and wake the passes."""
     schema = audited
-    with NetProxy.for_dsn(pg_dsn) as proxy:
-        cut, direct = proxied_pair(pg_dsn, schema, tmp_path, proxy, extra={"statement_timeout": "30s"})
-        try:
-            start_leader_then_follower(cut, direct, pg_dsn, schema)
-            t0 = time.monotonic()
-            proxy.blackhole(lambda link: link.app.endswith(":work"))
-            try:
-                seconds = working_leader_after(pg_dsn, schema, t0, timeout=6 * LEASE)
-            except AssertionError:
-                print("CUT", cut.log()[-4000:]); print("DIRECT", direct.log()[-4000:]); raise
-            holders = lock_holders(pg_dsn, schema)
-            record("hung_probes", seconds)
-            log = cut.log()
-        finally:
-            proxy.heal()
-            cut.stop()
-            direct.stop()
+    seconds, holders, log = cut_work_pool(pg_dsn, schema, tmp_path, "hung_probes", extra={"statement_timeout": "30s"})
     assert holders == ["maintd:direct"]
     assert seconds < 4 * LEASE
     assert "maintenance transactions hang, giving up leadership" in log, log
