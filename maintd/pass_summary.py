@@ -1,5 +1,6 @@
 """What a pass did, from its result as stored (``service_runs.result``, ``/status``'s
-``last_runs``): its counts (deleted, rescued, promoted, enqueued, reindexed) and one readable
+``last_runs``): its counts (deleted, rescued, promoted, enqueued, reindexed; the partitioner's
+rows dropped count as deleted) and one readable
 line for ``maintd status``, ``/status`` and the dashboard.
 
 Works on the stored JSON (a plain dict), so records written by an older version (keys missing)
@@ -12,10 +13,6 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 Result = Mapping[str, Any]
-
-# The count each service's pass is about (SPEC 8.4: deleted, rescued, promoted, enqueued).
-COUNT_NAMES = {"cleaner": "deleted", "rescuer": "rescued", "scheduler": "promoted",
-               "periodic": "enqueued", "reindexer": "reindexed"}
 
 
 def _int(v: Any) -> int:
@@ -50,7 +47,7 @@ def counts(service: str, result: Result | None) -> dict[str, int]:
     """``{"deleted": 12}`` and the like; empty for a pass without a result (failed, stopped)."""
     if not isinstance(result, Mapping):
         return {}
-    if service == "cleaner":
+    if service in ("cleaner", "partitioner"):  # the partitioner's: rows of the partitions it emptied
         return {"deleted": _sum(result.get("deleted"))}
     if service == "rescuer":
         return {"rescued": _int(result.get("retried")) + _int(result.get("discarded"))
@@ -120,9 +117,22 @@ def _reindexer(r: Result, verb: str) -> str:
     return ", ".join(out)
 
 
+def _partitioner(r: Result, verb: str) -> str:
+    if r.get("layout") == "plain":
+        return "the jobs table is plain: nothing to do"
+    line = f"{verb('deleted', 'would delete')} {num(_sum(r.get('deleted')))}{_parts(r.get('deleted'))}"
+    line += " (estimated)" if r.get("estimated") and _sum(r.get("deleted")) else ""
+    done = [f"{k} {num(_int(r.get(k)))}" for k in ("emptied", "detached", "dropped", "made", "closed", "moved")
+            if _int(r.get(k))]
+    line += f"; {', '.join(done)}" if done else ""
+    line += f"; partitions {num(_int(r.get('partitions')))}, stray rows {num(_int(r.get('stray_rows')))}"
+    busy = [str(b) for b in r.get("busy") or []] if isinstance(r.get("busy"), list) else []
+    return line + (f"; busy: {', '.join(busy)}" if busy else "")
+
+
 DESCRIBE: dict[str, Callable[[Result, Callable[[str, str], str]], str]] = {
     "cleaner": _cleaner, "rescuer": _rescuer, "scheduler": _scheduler, "periodic": _periodic,
-    "reindexer": _reindexer,
+    "reindexer": _reindexer, "partitioner": _partitioner,
 }
 
 

@@ -40,6 +40,13 @@ def test_each_service_says_what_it_did_in_words_and_counts():
                                    {"index": "jobs_fetch_idx", "outcome": "skipped", "seconds": 0.0}],
                        "dry_run": False}, {"reindexed": 1},
                       "jobs_pkey reindexed in 1.2 s, jobs_fetch_idx skipped"),
+        # Retention by dropping partitions (SPEC 8.1): the rows go as deleted, said when estimated.
+        "partitioner": ({"layout": "partitioned", "made": 2, "closed": 0, "moved": 0, "emptied": 1, "detached": 1,
+                         "dropped": 1, "deleted": {"completed": 1200, "cancelled": 0, "discarded": 0},
+                         "estimated": True, "busy": ["cancelled"], "partitions": 75, "stray_rows": 3,
+                         "waited_seconds": 0.0, "dry_run": False}, {"deleted": 1200},
+                        "deleted 1,200 (completed 1,200) (estimated); emptied 1, detached 1, dropped 1, made 2; "
+                        "partitions 75, stray rows 3; busy: cancelled"),
     }
     for service, (result, expected_counts, line) in cases.items():
         assert counts(service, result) == expected_counts, service
@@ -47,6 +54,7 @@ def test_each_service_says_what_it_did_in_words_and_counts():
     # A failed pass has no result; an older record missing keys still reads.
     assert counts("cleaner", None) == {} and describe("cleaner", None) == ""
     assert describe("scheduler", {"promoted": {}}) == "promoted 0"
+    assert describe("partitioner", {"layout": "plain"}) == "the jobs table is plain: nothing to do"
     # The stored result itself is rounded (service_runs.result, /status, run-once).
     from maintd.services.reindexer import IndexReport, ReindexerResult
 
