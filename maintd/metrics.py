@@ -136,7 +136,7 @@ class Metrics:
         longer enabled (a disabled service has no series: no stale alert)."""
         for state in FINAL_STATES:
             self.jobs_deleted.labels(state)
-        for outcome in ("retried", "discarded"):
+        for outcome in ("retried", "discarded", "exhausted"):
             self.jobs_rescued.labels(outcome)
         for metric in (self.service_runs, self.service_run_seconds, self.service_last_success):
             for values in metric.children():

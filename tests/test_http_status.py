@@ -50,6 +50,7 @@ def test_http_endpoints_and_metrics(settings, schema):
                      # known label sets exist from the start at 0 (SPEC 7.4)
                      f'maintd_jobs_deleted_total{{state="discarded",{t}}} 0.0',
                      f'maintd_jobs_rescued_total{{outcome="retried",{t}}} 0.0',
+                     f'maintd_jobs_rescued_total{{outcome="exhausted",{t}}} 0.0',
                      f'maintd_service_runs_total{{outcome="error",service="rescuer",{t}}} 0.0'):
             assert name in body, name
         status, body = _get(port, "/status")
