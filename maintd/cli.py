@@ -50,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", "-c", metavar="PATH",
                    help="TOML config file (default: $MAINTD_CONFIG; without either, defaults + env)")
     p.add_argument("--target", "-t", metavar="NAME",
-                   help="with [[targets]]: act on this target only (migrate and status cover every "
-                        "target without it; the other commands need it)")
+                   help="with [[targets]]: act on this target only (migrate, status, grants and "
+                        "check-config cover every target without it; run-once, jobs and periodic need it)")
     p.add_argument("--version", action="version", version=f"maintd {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     _add_daemon_parsers(sub)
@@ -256,8 +256,11 @@ def _select(settings: Settings, name: str | None) -> list[Settings]:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    settings = _load(args)
-    print(json.dumps(settings.redacted(), indent=2))
+    """The effective config (the whole file is validated): the one target's, or with several
+    ``{"targets": [...]}``, each with its sections merged and its name."""
+    targets = _targets(args)
+    shown = [{"target": t.target_name, **t.redacted()} if len(targets) > 1 else t.redacted() for t in targets]
+    print(json.dumps(shown[0] if len(shown) == 1 else {"targets": shown}, indent=2))
     return EXIT_OK
 
 

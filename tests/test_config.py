@@ -248,6 +248,23 @@ def test_check_config_prints_redacted(tmp_path, capsys):
     assert data["cleaner"]["discarded_retention"] == "1w"
 
 
+def test_check_config_validates_and_prints_every_target_merged(tmp_path, capsys):
+    """With [[targets]] and no --target, every target's effective config (sections merged over the
+    top-level ones), password masked; --target prints that one alone, as for a single schema."""
+    p = write(tmp_path, 'database_url = "postgresql://maintd:hunter2@db/app"\n[cleaner]\ncompleted_retention = "2h"\n'
+                        '[[targets]]\nschema = "billing"\n[targets.cleaner]\ncompleted_retention = "5h"\n'
+                        '[[targets]]\nschema = "mail"\nlayout = "partitioned"\n')
+    assert main(["--config", str(p), "check-config"]) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out)
+    assert "hunter2" not in out
+    assert [(t["target"], t["cleaner"]["completed_retention"], t["layout"]) for t in data["targets"]] == [
+        ("billing", "5h", "plain"), ("mail", "2h", "partitioned")]
+    assert main(["--config", str(p), "--target", "mail", "check-config"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert one["schema"] == "mail" and one["layout"] == "partitioned" and "target" not in one
+
+
 def test_repr_hides_password():
     s = Settings(database_url="postgresql://maintd:hunter2@db/app")
     assert "hunter2" not in repr(s) and "hunter2" not in str(s)
