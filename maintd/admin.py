@@ -452,7 +452,7 @@ def _cmd_list(conn: Connection, schema: str, *, flt: Filter, limit: int, as_json
 def _cmd_show(conn: Connection, schema: str, *, job_id: int, as_json: bool) -> int:
     job = show_job(conn, schema, job_id)
     if job is None:
-        print(f"maintd jobs: job {job_id} not found", file=sys.stderr)
+        print(f"maintd jobs: error: no job {job_id} (deleted by the cleaner, or never there)", file=sys.stderr)
         return EXIT_FAILURE
     print(_json(job) if as_json else format_job(job))
     return EXIT_OK

@@ -423,7 +423,7 @@ def test_cli_show_prints_args_metadata_errors(engine, schema, cli):
     data = cli_json(cli, "show", str(job_id))
     assert data["args"] == {"to": "a@b"} and data["metadata"] == {"m": 1} and data["errors"] == []
     rc, _, err = cli("show", "999999999")
-    assert rc == 1 and "not found" in err
+    assert rc == 1 and "maintd jobs: error: no job 999999999" in err  # as the README and the actions say
 
 
 # ---------------------------------------------------------------- maintd jobs: actions
