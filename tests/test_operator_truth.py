@@ -211,3 +211,15 @@ def test_an_unreachable_database_is_waited_for_by_the_daemon_and_fails_commands_
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
+
+
+def test_the_walkthrough_was_made_with_the_schema_head_of_this_version():
+    """docs/walkthrough.md is pasted output of docs/walkthrough.sh: after a new migration it shows
+    an older head until it is made again (it once said 0008 with 0009 current)."""
+    from pathlib import Path
+
+    from maintd.migrate import head_revision
+
+    walk = (Path(__file__).resolve().parent.parent / "docs" / "walkthrough.md").read_text()
+    shown = set(re.findall(r"at revision (\w+) \(head\)", walk)) | set(re.findall(r"migrated from base to (\w+)", walk))
+    assert shown == {head_revision()}, f"docs/walkthrough.md shows {shown}: run docs/walkthrough.sh again"
