@@ -26,7 +26,7 @@ from .dashboard import Dashboard
 from .db import HostOrder, describe_db_error
 from .guardian import HealthMonitor, monitors
 from .faults import transient
-from .http import HttpServer, as_json, metrics_body
+from .http import HttpServer, Recent, as_json, metrics_body
 from .http import text as text_body
 from .leader import ElectionLoop
 from .listener import raise_descriptor_limit
@@ -145,9 +145,10 @@ class Daemon:
         was, now = raise_descriptor_limit()
         if now != was:
             log.info("raised the open-file limit", extra=kv(soft=now, was=was))
+        scrape = Recent(self.metrics.render)
         try:
             self.http = HttpServer(self.settings.http.host, self.settings.http.port, {
-                "/metrics": lambda: metrics_body(self.metrics.render),
+                "/metrics": lambda: metrics_body(scrape),
                 "/healthz": self._healthz,
                 "/readyz": self._readyz,
                 "/status": self._status,

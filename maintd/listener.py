@@ -8,16 +8,24 @@ descriptor and a little memory, never a thread. What a client of the port can ho
   one between requests); a request head must be complete ``header_timeout`` after its first
   byte and at most ``max_head`` bytes; an answer the client does not read is dropped after
   ``write_timeout``;
+* at most ``max_heads`` request heads are being received at once (each buffers up to twice
+  ``max_head``): past that, the head begun the longest ago is dropped, so clients that trickle
+  heads, or hold them unfinished, cost a bounded amount of memory however many they are (a
+  whole head arrives in one packet: a client that is not an attacker is in this state for
+  microseconds);
 * at most ``max_connections`` connections are open, by default half the process's descriptor
-  limit (the other half is for the database and the rest); at that cap the connection idle the
-  longest is closed to make room (2,000 idle sockets against a limit of 1,024 do not keep a probe
-  out);
+  limit (the other half is for the database and the rest) and at most ``MAX_CONNECTIONS`` (an
+  open connection costs about 8 KB of the process's memory, idle); at that cap a connection
+  holding an unfinished head is closed to make room, else the one waiting for a request the
+  longest (2,000 idle sockets against a limit of 1,024 do not keep a probe out);
 * each lane runs at most ``threads`` requests at once with at most ``queue`` more waiting; past
   that the answer is ``503`` with ``Retry-After`` at once. Pages (the dashboard, ``/status``)
   render two at a time (the interpreter runs one thread at a time: more would only slow the
-  probes); ``/metrics`` has its own two threads; the probes (``/healthz``,
-  ``/readyz``) read a few attributes and are answered on the loop itself, so no flood of readers
-  delays them.
+  probes); ``/metrics`` has its own two threads (and renders at most twice a second:
+  :class:`maintd.http.Recent`); the probes (``/healthz``, ``/readyz``) read a few attributes and
+  are answered on the loop itself, behind nothing but the loop's own turns;
+* the loop accepts at most ``ACCEPT_BATCH`` connections in a row before it serves the others, so
+  a flood of new connections cannot keep it from the ones it has.
 
 The listen backlog is ``backlog`` (the kernel caps it at ``net.core.somaxconn``). A client that
 goes away mid-request is a debug line, never a traceback. Requests are HTTP/1.0 or 1.1 ``GET`` or
@@ -48,6 +56,8 @@ Answer = tuple[int, str, bytes, dict[str, str]]
 # (method, request target, headers) -> answer; runs on a lane's thread (or the loop, INLINE)
 Handle = Callable[[str, str, "Headers"], Answer]
 OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+ACCEPT_BATCH = 64  # connections accepted in a row before the loop serves the others
+MAX_CONNECTIONS = 2_000  # the default cap's ceiling: 2,000 idle connections cost about 16 MB
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,7 @@ class Limits:
     header_timeout: float = 10.0
     write_timeout: float = 10.0
     max_head: int = 16 * 1024
+    max_heads: int = 64  # heads being received at once
     max_headers: int = 64
     backlog: int = 1024
     max_connections: int = 0  # 0: half the descriptor limit (see connection_cap)
@@ -70,11 +81,11 @@ class Limits:
 
 def connection_cap(limits: Limits) -> int:
     """The most connections held open: ``max_connections``, or half the soft descriptor limit
-    (at least 16, at most 10,000)."""
+    (at least 16, at most ``MAX_CONNECTIONS``)."""
     if limits.max_connections:
         return limits.max_connections
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return max(16, min(10_000, (soft if soft != resource.RLIM_INFINITY else 20_000) // 2))
+    return max(16, min(MAX_CONNECTIONS, (soft if soft != resource.RLIM_INFINITY else 20_000) // 2))
 
 
 def raise_descriptor_limit(wanted: int = 65_536) -> tuple[int, int]:
@@ -161,7 +172,6 @@ class _Conn:
     sock: socket.socket
     writer: asyncio.StreamWriter | None = None
     task: asyncio.Task | None = None
-    reading: bool = True  # waiting for (or reading) a request head: may be closed for room
 
 
 class _Pool:
@@ -183,7 +193,10 @@ class Listener:
         self.sock.setblocking(False)
         self.max_connections = connection_cap(limits)
         self._pools = {name: _Pool(name, lane) for name, lane in limits.lanes.items()}
-        self._conns: dict[_Conn, None] = {}  # insertion order: the oldest first
+        self._conns: dict[_Conn, None] = {}
+        # The connections that may be closed for room, in the order they began what they do:
+        self._heads: dict[_Conn, None] = {}  # receiving a request head
+        self._waiting: dict[_Conn, None] = {}  # waiting for a request (no byte of it yet)
         self._loop = asyncio.new_event_loop()
         self._accepting: asyncio.Task | None = None
         self._warned_at = float("-inf")
@@ -234,6 +247,7 @@ class Listener:
         self._loop.create_task(close_all())
 
     async def _accept(self) -> None:
+        accepted = 0
         while True:
             try:
                 sock, _ = await self._loop.sock_accept(self.sock)
@@ -248,7 +262,11 @@ class Listener:
                 continue
             conn = _Conn(sock)
             self._conns[conn] = None
+            self._waiting[conn] = None  # for its task's first look
             conn.task = self._loop.create_task(self._serve(conn))
+            accepted += 1
+            if accepted % ACCEPT_BATCH == 0:  # let the connections accepted so far be served
+                await asyncio.sleep(0)
 
     def _out_of_descriptors(self, exc: OSError) -> None:
         now = self._loop.time()
@@ -258,16 +276,20 @@ class Listener:
                         "limit: LimitNOFILE)", extra=kv(connections=len(self._conns), error=exc.strerror))
 
     def _make_room(self) -> bool:
-        """Close the connection waiting for a request the longest; False if none is."""
-        for conn in self._conns:
-            if conn.reading:
-                log.debug("http: connection closed to make room", extra=kv(connections=len(self._conns)))
-                self._close(conn, cancel=True)
-                return True
-        return False
+        """Close the connection whose unfinished head was begun the longest ago, else the one
+        waiting for a request the longest (accepted or answered the longest ago); False if none
+        is. Connections that trickle or hold heads go first, whatever their age: a probe's
+        connection, just accepted, goes after every older one."""
+        victim = next(iter(self._heads), None) or next(iter(self._waiting), None)
+        if victim is None:
+            return False
+        log.debug("http: connection closed to make room", extra=kv(connections=len(self._conns)))
+        self._close(victim, cancel=True)
+        return True
 
     def _close(self, conn: _Conn, cancel: bool = False) -> None:
-        self._conns.pop(conn, None)
+        for conns in (self._conns, self._heads, self._waiting):
+            conns.pop(conn, None)
         if conn.writer is not None:
             conn.writer.close()
         else:
@@ -287,14 +309,10 @@ class Listener:
 
     async def _exchange(self, conn: _Conn, reader: asyncio.StreamReader) -> bool:
         """One request and its answer; whether the connection carries another."""
-        conn.reading = True
-        self._conns.pop(conn, None)
-        self._conns[conn] = None  # to the end of the line: the longest idle stays first
         try:
-            head = await self._read_head(reader)
+            head = await self._read_head(conn, reader)
             if head is None:
                 return False
-            conn.reading = False
             method, target, version, headers = parse_head(head, self.limits.max_headers)
         except BadRequest as exc:
             await self._send(conn, plain(exc.status, exc.message), keep=False, head_only=False)
@@ -305,21 +323,38 @@ class Listener:
         await self._send(conn, answer, keep=keep, head_only=method == "HEAD")
         return keep
 
-    async def _read_head(self, reader: asyncio.StreamReader) -> bytes | None:
+    async def _read_head(self, conn: _Conn, reader: asyncio.StreamReader) -> bytes | None:
         """A request's head, or None when the client closed or stayed silent."""
+        self._waiting.pop(conn, None)
+        self._waiting[conn] = None  # to the end of the line: the longest waiting stays first
         try:
-            first = await asyncio.wait_for(reader.read(1), self.limits.idle_timeout)
+            async with asyncio.timeout(self.limits.idle_timeout):  # no task of its own (wait_for's)
+                first = await reader.read(1)
         except TimeoutError:
             return None
+        finally:
+            self._waiting.pop(conn, None)
         if not first:
             return None
+        self._head_begun(conn)
         try:
-            rest = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.limits.header_timeout)
+            async with asyncio.timeout(self.limits.header_timeout):  # a head already here: no wait
+                rest = await reader.readuntil(b"\r\n\r\n")
         except TimeoutError:
             raise BadRequest(408, f"the request head took over {self.limits.header_timeout:g}s") from None
         except asyncio.LimitOverrunError:
             raise BadRequest(431, f"the request head is over {self.limits.max_head} bytes") from None
+        finally:
+            self._heads.pop(conn, None)
         return (first + rest)[:-4].lstrip(b"\r\n")
+
+    def _head_begun(self, conn: _Conn) -> None:
+        """Past ``max_heads`` heads being received, drop the one begun the longest ago."""
+        self._heads[conn] = None
+        while len(self._heads) > self.limits.max_heads:
+            oldest = next(iter(self._heads))
+            log.debug("http: unfinished request head dropped", extra=kv(heads=len(self._heads)))
+            self._close(oldest, cancel=True)
 
     async def _answer(self, method: str, target: str, headers: Headers) -> Answer:
         if method not in ("GET", "HEAD"):
@@ -343,4 +378,5 @@ class Listener:
     async def _send(self, conn: _Conn, answer: Answer, *, keep: bool, head_only: bool) -> None:
         assert conn.writer is not None
         conn.writer.write(encode(answer, keep=keep, head_only=head_only))
-        await asyncio.wait_for(conn.writer.drain(), self.limits.write_timeout)
+        async with asyncio.timeout(self.limits.write_timeout):
+            await conn.writer.drain()
