@@ -187,7 +187,7 @@ def test_at_the_connection_cap_the_longest_idle_connection_makes_room(gate):
         server.stop()
 
 
-def closed_by_server(sock: socket.socket) -> bool:
+def shut_by_server(sock: socket.socket) -> bool:
     """Whether the server has closed ``sock`` (EOF or reset waiting to be read)."""
     sock.setblocking(False)
     try:
@@ -210,7 +210,7 @@ def test_unfinished_heads_are_bounded_and_dropped_oldest_first(gate):
             s.sendall(b"GET / HTTP/1.1\r\nX: " + b"a" * 8000)  # no end of the head
             heads.append(s)
             time.sleep(0.05)
-        wait_for(lambda: [closed_by_server(s) for s in heads] == [True] * 6 + [False] * 4, 5,
+        wait_for(lambda: [shut_by_server(s) for s in heads] == [True] * 6 + [False] * 4, 5,
                  what="the 6 oldest unfinished heads dropped, the 4 newest kept")
         assert get(server.port, "/healthz")[0] == 200
     finally:
@@ -235,10 +235,10 @@ def test_at_the_cap_unfinished_heads_make_room_before_idle_connections(gate):
         for _ in range(3):  # newer than every idle one; at the cap each closes a head, the oldest first
             late.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
             time.sleep(0.05)
-        wait_for(lambda: [closed_by_server(s) for s in heads] == [True] * 3 + [False], 5,
+        wait_for(lambda: [shut_by_server(s) for s in heads] == [True] * 3 + [False], 5,
                  what="the 3 oldest heads closed for room")
         assert get(server.port, "/healthz")[0] == 200  # the last head makes room for it
-        assert closed_by_server(heads[3]) and not any(closed_by_server(s) for s in idle + late)
+        assert shut_by_server(heads[3]) and not any(shut_by_server(s) for s in idle + late)
     finally:
         for s in idle + heads + late:
             s.close()
