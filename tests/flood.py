@@ -4,8 +4,9 @@ not slowed by the clients' threads):
     python -m tests.flood PORT SECONDS CLIENTS PATH [PATH ...]
 
 Each client requests the paths in turn until SECONDS have passed; prints one JSON line:
-``{"calls": n, "by_status": {"200": n, "503": n, "-1": n}, "p50": s, "max": s}`` (-1: the
-request failed: refused, reset or timed out after 30 s)."""
+``{"calls": n, "by_status": {"200": n, "503": n, "-1": n}, "p50": s, "max": s, "ok_by_quarter":
+[n, n, n, n]}`` (-1: the request failed: refused, reset or timed out after 30 s; the 200s answered
+in each quarter of the run)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ import urllib.request
 
 
 def main(port: int, seconds: float, clients: int, paths: list[str]) -> dict:
-    results: list[tuple[int, float]] = []
-    end = time.monotonic() + seconds
+    results: list[tuple[int, float, float]] = []  # (status, seconds, when it ended, from the start)
+    start = time.monotonic()
+    end = start + seconds
 
     def client(i: int) -> None:
         k = i
@@ -35,7 +37,7 @@ def main(port: int, seconds: float, clients: int, paths: list[str]) -> dict:
                 status = e.code
             except OSError:
                 status = -1
-            results.append((status, time.monotonic() - started))
+            results.append((status, time.monotonic() - started, time.monotonic() - start))
             k += 1
             if status in (503, -1):
                 time.sleep(0.05)  # as a browser or a script would: not a busy loop
@@ -46,11 +48,13 @@ def main(port: int, seconds: float, clients: int, paths: list[str]) -> dict:
     for t in threads:
         t.join(seconds + 35)
     by_status: dict[str, int] = {}
-    for status, _ in results:
+    for status, _, _ in results:
         by_status[str(status)] = by_status.get(str(status), 0) + 1
-    seconds_ok = [s for status, s in results if status == 200] or [0.0]
+    seconds_ok = [s for status, s, _ in results if status == 200] or [0.0]
+    quarters = [sum(1 for status, _, at in results if status == 200 and q * seconds / 4 <= at < (q + 1) * seconds / 4)
+                for q in range(4)]
     return {"calls": len(results), "by_status": by_status, "p50": statistics.median(seconds_ok),
-            "max": max(seconds_ok)}
+            "max": max(seconds_ok), "ok_by_quarter": quarters}
 
 
 if __name__ == "__main__":

@@ -131,16 +131,25 @@ def test_a_status_and_dashboard_flood_costs_no_leadership_health_or_connections(
     try:
         d.wait_log(r"became leader epoch=", timeout=20)
         port, epoch = d.http_port, leader_row(pg_dsn, schema)[0]
-        clients = flood(port, 20, 200, "/status", "/", "/jobs?state=completed")
+        paths = ("/status", "/", "/jobs?state=completed")
+        for path in paths:  # warm, then timed alone: what two page threads could serve in 20 s here
+            get(port, path, timeout=30)
+        alone = statistics.mean(get(port, path, timeout=30)[1] for path in paths * 2)
+        clients = flood(port, 20, 200, *paths)
         seen, probes = [], []
         while clients.poll() is None:
             seen.append(connections(pg_dsn, "flood-1"))
             probes.append(get(port, ("/healthz", "/metrics")[len(probes) % 2], timeout=5))
             time.sleep(0.2)
         calls = json.loads(clients.stdout.read())
-        print(f"flood: {calls}; readers at most {max(r for r, _ in seen)}, daemon sessions at most "
-              f"{max(a for _, a in seen)}; /healthz and /metrics max {max(s for _, s, _ in probes):.3f} s")
-        assert calls["by_status"].get("200", 0) > 100, calls  # pages were served all along
+        served, could = calls["by_status"].get("200", 0), 2 * 20 / alone
+        print(f"flood: {calls}; pages served {served} of {could:.0f} alone ({alone:.3f} s a page); readers at "
+              f"most {max(r for r, _ in seen)}, daemon sessions at most {max(a for _, a in seen)}; "
+              f"/healthz and /metrics max {max(s for _, s, _ in probes):.3f} s")
+        # Pages were served all along: in every quarter of the flood, at least a tenth of what two
+        # page threads serve here without it (an absolute count, 100 in all, failed at 96 on a
+        # slower machine running another test beside this one).
+        assert min(calls["ok_by_quarter"]) > 0.1 * could / 4, (served, could, calls)
         assert max(r for r, _ in seen) <= 4, seen  # the readers' cap
         assert max(a for _, a in seen) <= 20, seen  # maintenance + lock + readers
         assert all(status == 200 for status, _, _ in probes), [p for p in probes if p[0] != 200]
