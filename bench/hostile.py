@@ -20,7 +20,9 @@ Scenarios (issue 26's numbering):
 6. ``log-injection``: a queue named like a forged log line, one with ANSI escapes, and one
    promotion of 100,000 queues: forged lines found, escapes written raw, the longest line.
 ``backlog``: the listen backlog (``ss -ltn``). ``cleaner-timeout``: the cleaner at a 20 ms
-statement timeout after a 1.5 M-row delete.
+statement timeout after a 1.5 M-row delete. ``raw-floods``: the raw-socket attacks of
+``bench/attacker.py`` (held heads, pipelining without reading, idle churn, connect floods,
+slowloris), each for ``--seconds``: ``/healthz`` latency, peak RSS, the term kept.
 
 Measured on the 2-core test machine (shared, load 7-12), before and after issue 26's fix:
 
@@ -393,6 +395,38 @@ def cleaner_timeout(args: argparse.Namespace) -> None:
                    first_pass=re.findall(r"cleaner pass result=.*", d.log())[:1])
 
 
+# bench/attacker.py's modes and how many connections (threads for connect-flood) each holds
+RAW_ATTACKS = {"held-heads": 10_000, "pipelined": 2_000, "idle-churn": 10_000, "connect-flood": 64,
+               "slowloris": 5_000}
+
+
+def raw_floods(args: argparse.Namespace) -> None:
+    """Each raw-socket attack of bench/attacker.py for ``--seconds`` against a leader, the attacker at
+    nice 10 on the same machine: ``/healthz`` twice a second on fresh connections (p50, p90, the
+    worst, how many over a second), the daemon's peak RSS, and its term before and after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65_536), hard))
+    with server() as dsn:
+        migrated(dsn, "s7")
+        with daemon(dsn, "s7", "raw1") as d:
+            for mode, n in RAW_ATTACKS.items():
+                epoch, peak, samples = leader_row(dsn, "s7")[0], rss_mb(d.pid), []
+                attacker = subprocess.Popen(
+                    [sys.executable, str(Path(__file__).with_name("attacker.py")), mode, str(d.http_port),
+                     str(args.seconds), str(n)], stdout=subprocess.PIPE, text=True, preexec_fn=lambda: os.nice(10))
+                while attacker.poll() is None:
+                    samples.append(get(d.http_port, "/healthz", timeout=10))
+                    peak = max(peak, rss_mb(d.pid))
+                    time.sleep(max(0.0, 0.5 - samples[-1][2]))
+                lat = sorted(s[2] for s in samples)
+                report(mode, connections=n, healthz=probe_summary(samples),
+                       p90=f"{lat[int(len(lat) * 0.9)] * 1000:.0f} ms", over_1s=sum(x > 1 for x in lat),
+                       rss_peak_mb=round(peak), epoch=f"{epoch} -> {leader_row(dsn, 's7')[0]}",
+                       attacker=attacker.stdout.read().strip())
+                time.sleep(3)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def get_body(port: int, path: str) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
         return r.read().decode()
@@ -400,7 +434,7 @@ def get_body(port: int, path: str) -> str:
 
 SCENARIOS = {"status-flood": status_flood, "status-size": status_size, "idle-sockets": idle_sockets,
              "dashboard-flood": dashboard_flood, "log-injection": log_injection, "backlog": backlog,
-             "cleaner-timeout": cleaner_timeout}
+             "cleaner-timeout": cleaner_timeout, "raw-floods": raw_floods}
 
 
 def main() -> None:
