@@ -305,7 +305,8 @@ def rescuer_passes(metrics) -> float:
 
 def test_many_jobs_falling_due_get_a_pass_at_most_every_min_wake(settings, engine, schema):
     """3,000 jobs falling due one millisecond apart over 3 s: the rescuer runs at most one pass
-    per MIN_WAKE (here ~60, not ~3,000) and still rescues each within two seconds of its deadline (under one when idle)."""
+    per MIN_WAKE (here ~60, not ~3,000) and still rescues each within two seconds of its deadline
+    (under one when idle)."""
     settings = rules(settings, rescue_stuck_jobs_after="10s", interval="30s")
     settings.scheduler.enabled = settings.cleaner.enabled = False
     ids = add(engine, schema, at=timedelta(seconds=-9), n=3000)
