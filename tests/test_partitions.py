@@ -262,6 +262,16 @@ def cut_work_pool(pg_dsn, schema, tmp_path, scenario, extra=None, then=lambda cu
             direct.stop()
 
 
+def gave_up_to_direct(pg_dsn, schema, seconds, holders, log) -> None:
+    """What cut_work_pool's tests assert: the cut leader said it gave its term up, ``direct`` took
+    it within 4 leases, and not one maintenance write of the cut leader landed."""
+    assert holders == ["maintd:direct"]
+    assert seconds < 4 * LEASE
+    assert "maintenance transactions hang, giving up leadership" in log, log
+    rows = audit_rows(pg_dsn, schema)
+    assert not foreign_writes(rows), foreign_writes(rows)[:5]
+
+
 @pytest.mark.slow
 def test_leader_with_hung_maintenance_connections_gives_up_the_term(pg_dsn, audited, tmp_path):
     """After a lease without progress the leader must step down, say so, and (SPEC 8.5) be
@@ -270,11 +280,7 @@ def test_leader_with_hung_maintenance_connections_gives_up_the_term(pg_dsn, audi
     schema = audited
     seconds, holders, log = cut_work_pool(pg_dsn, schema, tmp_path, "hung_maintenance_connections", then=lambda cut: wait_for(
         lambda: http(cut, "/healthz")[0] == 200, 2 * LEASE, what="the ex-leader healthy as a follower"))
-    assert holders == ["maintd:direct"]
-    assert seconds < 4 * LEASE
-    assert "maintenance transactions hang, giving up leadership" in log, log
-    rows = audit_rows(pg_dsn, schema)
-    assert not foreign_writes(rows), foreign_writes(rows)[:5]
+    gave_up_to_direct(pg_dsn, schema, seconds, holders, log)
 
 
 @pytest.mark.slow
@@ -286,11 +292,7 @@ def test_leader_whose_probes_hang_gives_up_the_term_though_no_pass_runs(pg_dsn, 
     timeout (30 s here) plus a lease, when the hung read would at last fail and wake the passes."""
     schema = audited
     seconds, holders, log = cut_work_pool(pg_dsn, schema, tmp_path, "hung_probes", extra={"statement_timeout": "30s"})
-    assert holders == ["maintd:direct"]
-    assert seconds < 4 * LEASE
-    assert "maintenance transactions hang, giving up leadership" in log, log
-    rows = audit_rows(pg_dsn, schema)
-    assert not foreign_writes(rows), foreign_writes(rows)[:5]
+    gave_up_to_direct(pg_dsn, schema, seconds, holders, log)
 
 
 # -- frozen primary, promoted standby -----------------------------------------------------------
