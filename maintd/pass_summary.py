@@ -63,8 +63,13 @@ def counts(service: str, result: Result | None) -> dict[str, int]:
     return {}
 
 
+def _deleted(r: Result, verb: Callable[[str, str], str]) -> str:
+    """``deleted 1,200 (completed 1,200)``: the cleaner's and the partitioner's rows gone."""
+    return f"{verb('deleted', 'would delete')} {num(_sum(r.get('deleted')))}{_parts(r.get('deleted'))}"
+
+
 def _cleaner(r: Result, verb: str) -> str:
-    line = f"{verb('deleted', 'would delete')} {num(_sum(r.get('deleted')))}{_parts(r.get('deleted'))}"
+    line = _deleted(r, verb)
     if _int(r.get("batches")):
         line += f" in {num(_int(r['batches']))} batch{'es' if _int(r['batches']) > 1 else ''}"
     if _int(r.get("timeouts")):
@@ -120,7 +125,7 @@ def _reindexer(r: Result, verb: str) -> str:
 def _partitioner(r: Result, verb: str) -> str:
     if r.get("layout") == "plain":
         return "the jobs table is plain: nothing to do"
-    line = f"{verb('deleted', 'would delete')} {num(_sum(r.get('deleted')))}{_parts(r.get('deleted'))}"
+    line = _deleted(r, verb)
     line += " (estimated)" if r.get("estimated") and _sum(r.get("deleted")) else ""
     done = [f"{k} {num(_int(r.get(k)))}" for k in ("emptied", "detached", "dropped", "made", "closed", "moved")
             if _int(r.get(k))]
