@@ -29,7 +29,8 @@ descriptor and a little memory, never a thread. What a client of the port can ho
 
 The listen backlog is ``backlog`` (the kernel caps it at ``net.core.somaxconn``). A client that
 goes away mid-request is a debug line, never a traceback. Requests are HTTP/1.0 or 1.1 ``GET`` or
-``HEAD`` without a body; an HTTP/1.1 connection is kept alive unless the client says otherwise.
+``HEAD`` without a body, their heads checked by :mod:`maintd.request_head`; an HTTP/1.1
+connection is kept alive unless the client says otherwise.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from http import HTTPStatus
 from typing import Callable, Mapping
 
 from .logs import kv
+from .request_head import BadRequest, Headers, keep_alive, parse_head
 
 log = logging.getLogger("maintd.http")
 
@@ -54,7 +56,7 @@ INLINE = "inline"  # the lane of requests answered on the loop itself (cheap, ne
 # (status, content type, body, extra headers)
 Answer = tuple[int, str, bytes, dict[str, str]]
 # (method, request target, headers) -> answer; runs on a lane's thread (or the loop, INLINE)
-Handle = Callable[[str, str, "Headers"], Answer]
+Handle = Callable[[str, str, Headers], Answer]
 OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 ACCEPT_BATCH = 64  # connections accepted in a row before the loop serves the others
 MAX_CONNECTIONS = 2_000  # the default cap's ceiling: 2,000 idle connections cost about 16 MB
@@ -101,54 +103,6 @@ def raise_descriptor_limit(wanted: int = 65_536) -> tuple[int, int]:
             return soft, soft
         return soft, target
     return soft, soft
-
-
-class Headers(dict):
-    """Request headers by lower-case name (``get`` takes any case)."""
-
-    def get(self, name: str, default: str | None = None) -> str | None:  # type: ignore[override]
-        return super().get(name.lower(), default)
-
-    def __getitem__(self, name: str) -> str:
-        return super().__getitem__(name.lower())
-
-    def __contains__(self, name: object) -> bool:
-        return super().__contains__(str(name).lower())
-
-
-class BadRequest(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status, self.message = status, message
-
-
-def parse_head(head: bytes, max_headers: int) -> tuple[str, str, str, Headers]:
-    """(method, target, version, headers) of a request head (without its final empty line)."""
-    lines = head.decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[0].isalpha() or not parts[0].isupper():
-        raise BadRequest(400, "malformed request line")
-    method, target, version = parts
-    if version not in ("HTTP/1.0", "HTTP/1.1"):
-        raise BadRequest(505, "HTTP/1.0 or HTTP/1.1 only")
-    if not target.startswith("/"):
-        raise BadRequest(400, "the request target must be a path")
-    if len(lines) - 1 > max_headers:
-        raise BadRequest(431, f"more than {max_headers} header fields")
-    headers = Headers()
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip() or any(c in name for c in " \t"):
-            raise BadRequest(400, "malformed header field")
-        headers[name.lower()] = value.strip(" \t")
-    return method, target, version, headers
-
-
-def keep_alive(version: str, headers: Headers) -> bool:
-    tokens = {t.strip().lower() for t in (headers.get("connection") or "").split(",")}
-    if headers.get("content-length", "0") != "0" or "transfer-encoding" in headers:
-        return False  # a body we do not read: the connection cannot carry another request
-    return "keep-alive" in tokens if version == "HTTP/1.0" else "close" not in tokens
 
 
 def encode(answer: Answer, *, keep: bool, head_only: bool) -> bytes:
