@@ -24,7 +24,7 @@ import socket
 import pytest
 
 from maintd.http import HttpServer, text
-from maintd.request_head import BadRequest, parse_head
+from maintd.request_head import BadRequest, keep_alive, parse_head
 
 MAX_HEADERS = 100
 
@@ -70,6 +70,7 @@ def refused(head: bytes) -> int:
     (b"GET http://example.com/metrics?x=1 HTTP/1.1\r\nHost: example.com",
      ("GET", "/metrics?x=1", "HTTP/1.1", {"host": "example.com"})),
     (b"GET HTTP://example.com HTTP/1.1\r\nHost: example.com", ("GET", "/", "HTTP/1.1", {"host": "example.com"})),
+    (b"GET http://example.com?x=1 HTTP/1.1\r\nHost: example.com", ("GET", "/?x=1", "HTTP/1.1", {"host": "example.com"})),
     # RFC 9112 3.2.4 and 3.2.3: the asterisk form, and CONNECT's authority form (both then 405).
     # Go also takes a CONNECT without Host; RFC 9112 3.2 asks one of every HTTP/1.1 request.
     (b"OPTIONS * HTTP/1.1\r\nHost: x", ("OPTIONS", "*", "HTTP/1.1", {"host": "x"})),
@@ -149,6 +150,25 @@ def test_hosts_go_accepts_are_accepted(host):
 ])
 def test_heads_the_sources_refuse_are_refused(head, status):
     assert refused(head) == status
+
+
+@pytest.mark.parametrize("head,kept", [
+    # RFC 9112 9.3: HTTP/1.1 persists unless "close" is sent; HTTP/1.0 only with "keep-alive"
+    (b"GET / HTTP/1.1\r\nHost: x", True),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nConnection: Close", False),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nConnection: upgrade, close", False),
+    (b"GET / HTTP/1.0", False),
+    (b"GET / HTTP/1.0\r\nConnection: Keep-Alive", True),
+    # RFC 9112 6.3: a body is framed by Content-Length or Transfer-Encoding; maintd reads none, so
+    # a connection whose request has one cannot carry another (RFC 9112 9.3 and 6.1: close it)
+    (b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: 0", True),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: 00", True),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: 5", False),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked", False),
+])
+def test_a_connection_is_kept_only_when_the_request_allows_and_has_no_body(head, kept):
+    _, _, version, headers = parse_head(head, MAX_HEADERS)
+    assert keep_alive(version, headers) is kept
 
 
 def test_blank_lines_before_the_request_line_are_ignored():
