@@ -123,19 +123,28 @@ def private_server(pg_version: int, settings: dict[str, str] | None = None) -> I
 
 
 def run_concurrently(fn, n: int = 2) -> list:
-    """Start ``fn()`` in ``n`` threads at the same instant; return their results."""
+    """Start ``fn()`` in ``n`` threads at the same instant; return their ``n`` results. A run
+    that raises fails the test (a thread's exception would otherwise be only a warning, and the
+    runs that survived could do all the work)."""
     results: list = []
+    errors: list[BaseException] = []
     barrier = threading.Barrier(n)
 
     def go() -> None:
         barrier.wait()
-        results.append(fn())
+        try:
+            results.append(fn())
+        except BaseException as exc:
+            errors.append(exc)
 
     threads = [threading.Thread(target=go) for _ in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        raise AssertionError(f"{len(errors)} of {n} concurrent runs raised") from errors[0]
+    assert len(results) == n
     return results
 
 

@@ -24,7 +24,7 @@ from maintd.services.cleaner import (
     next_width,
 )
 
-from .conftest import T0, run_concurrently
+from .conftest import T0, TEST_PARTITIONS, run_concurrently
 from .plans import explain, index_names, seq_scans
 
 # Every test here runs on both jobs layouts (SPEC 8.1): tests/conftest.py.
@@ -66,6 +66,12 @@ class CountingContext(PassContext):
         return super().transaction(**kw)
 
 
+@pytest.fixture
+def configured(pg_dsn, schema, layout):
+    """Settings for this test's schema on its layout, with the keys given (the cleaner's, mostly)."""
+    return lambda **kw: Settings(database_url=pg_dsn, schema=schema, layout=layout, partitions=TEST_PARTITIONS, **kw)
+
+
 def run(settings, engine, clock, dry_run=False, cleaner=None):
     cleaner = cleaner or Cleaner(settings.cleaner)
     return cleaner.run_once(PassContext.for_settings(settings, engine, clock, dry_run=dry_run))
@@ -96,9 +102,8 @@ def test_non_final_jobs_are_never_touched(settings, engine, schema, clock):
     assert remaining(engine, schema) == set(live)
 
 
-def test_minus_one_keeps_forever(pg_dsn, schema, engine, clock):
-    settings = Settings(database_url=pg_dsn, schema=schema,
-                        cleaner={"discarded_retention": -1, "cancelled_retention": "-1"})
+def test_minus_one_keeps_forever(configured, schema, engine, clock):
+    settings = configured(cleaner={"discarded_retention": -1, "cancelled_retention": "-1"})
     kept = insert(engine, schema, state="discarded", finalized_ago=timedelta(days=3650))
     kept += insert(engine, schema, state="cancelled", finalized_ago=timedelta(days=3650))
     gone = insert(engine, schema, state="completed", finalized_ago=timedelta(days=2))
@@ -110,8 +115,8 @@ def test_minus_one_keeps_forever(pg_dsn, schema, engine, clock):
     assert remaining(engine, schema) == set(kept)
 
 
-def test_per_queue_overrides(pg_dsn, schema, engine, clock):
-    settings = Settings(database_url=pg_dsn, schema=schema, cleaner={
+def test_per_queue_overrides(configured, schema, engine, clock):
+    settings = configured(cleaner={
         "completed_retention": "1h",
         "queues": {"billing": {"completed_retention": "30d"},
                    "noisy": {"completed_retention": "1m", "discarded_retention": -1}},
@@ -282,8 +287,8 @@ def test_next_width_aims_at_fill_grows_slowly_and_slows_down_for_slow_batches():
     assert next_width(timedelta(microseconds=1), 100, 100, 10.0) == timedelta(microseconds=1)
 
 
-def test_dry_run_counts_and_changes_nothing(pg_dsn, schema, engine, clock):
-    settings = Settings(database_url=pg_dsn, schema=schema, cleaner={
+def test_dry_run_counts_and_changes_nothing(configured, schema, engine, clock):
+    settings = configured(cleaner={
         "batch_size": 2, "queues": {"billing": {"completed_retention": "30d"}}})
     insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=7)
     insert(engine, schema, state="completed", queue="billing", finalized_ago=2 * DAY, n=4)  # kept
@@ -352,9 +357,9 @@ def slow_deletes(engine, schema):
     return switch
 
 
-def test_adaptive_batch_shrinks_after_a_timeout_and_grows_back(pg_dsn, schema, engine, clock, slow_deletes,
+def test_adaptive_batch_shrinks_after_a_timeout_and_grows_back(configured, schema, engine, clock, slow_deletes,
                                                                caplog):
-    settings = Settings(database_url=pg_dsn, schema=schema, statement_timeout="300ms", cleaner={
+    settings = configured(statement_timeout="300ms", cleaner={
         "batch_size": 1000, "cancelled_retention": -1, "discarded_retention": -1})
 
     class Cleaner1(Cleaner):
@@ -383,10 +388,10 @@ def test_adaptive_batch_shrinks_after_a_timeout_and_grows_back(pg_dsn, schema, e
     assert sizes == [250] * (GROW_AFTER - 2) + [500] * GROW_AFTER + [1000]
 
 
-def test_an_error_other_than_a_timeout_fails_the_pass_at_once(pg_dsn, schema, engine, clock):
+def test_an_error_other_than_a_timeout_fails_the_pass_at_once(configured, schema, engine, clock):
     """Only a statement timeout shrinks the batch and retries, only a lock timeout retries with SKIP
     LOCKED: any other error (here: disk full, raised by a trigger) ends the pass after one try."""
-    settings = Settings(database_url=pg_dsn, schema=schema, cleaner={
+    settings = configured(cleaner={
         "batch_size": 1000, "cancelled_retention": -1, "discarded_retention": -1})
     with engine.begin() as conn:
         conn.execute(sql("CREATE SEQUENCE {schema}.delete_tries", schema))
@@ -408,9 +413,9 @@ def test_an_error_other_than_a_timeout_fails_the_pass_at_once(pg_dsn, schema, en
     assert cleaner.batch_size == 1000 and remaining(engine, schema) == set(ids)
 
 
-def test_a_batch_that_times_out_even_at_the_minimum_size_fails_the_pass(pg_dsn, schema, engine, clock,
+def test_a_batch_that_times_out_even_at_the_minimum_size_fails_the_pass(configured, schema, engine, clock,
                                                                         slow_deletes):
-    settings = Settings(database_url=pg_dsn, schema=schema, statement_timeout="100ms", cleaner={
+    settings = configured(statement_timeout="100ms", cleaner={
         "batch_size": MIN_BATCH * 4, "cancelled_retention": -1, "discarded_retention": -1})
     cleaner = Cleaner(settings.cleaner)
     ids = insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=3)
@@ -421,11 +426,11 @@ def test_a_batch_that_times_out_even_at_the_minimum_size_fails_the_pass(pg_dsn, 
     assert remaining(engine, schema) == set(ids)
 
 
-def test_later_passes_do_not_reread_rows_kept_by_a_longer_override(pg_dsn, schema, engine, clock):
+def test_later_passes_do_not_reread_rows_kept_by_a_longer_override(configured, schema, engine, clock):
     """30 days of billing rows sit below the default horizon: the first pass walks them once (in
     index ranges of batch_size); later passes start at the first expired row of the queues they
     cover, so they take one batch per target (default, billing) instead of walking them again."""
-    settings = Settings(database_url=pg_dsn, schema=schema, cleaner={
+    settings = configured(cleaner={
         "batch_size": 100, "completed_retention": "1h", "cancelled_retention": -1, "discarded_retention": -1,
         "queues": {"billing": {"completed_retention": "30d"}}})
     cleaner = Cleaner(settings.cleaner)
@@ -448,11 +453,11 @@ def test_later_passes_do_not_reread_rows_kept_by_a_longer_override(pg_dsn, schem
         assert remaining(engine, schema) == set(kept)  # the 3 new rows went, the 1000 billing rows stay
 
 
-def test_a_shorter_per_queue_retention_reads_only_its_queue(pg_dsn, schema, engine, clock):
+def test_a_shorter_per_queue_retention_reads_only_its_queue(configured, schema, engine, clock):
     """1,000 rows of other queues, kept by the default retention, lie among the 5 expired rows of a
     queue with a shorter one: its target reads its own queue's index entries (one batch), not the
     others' (which a probe of the whole state would walk in batches of batch_size)."""
-    settings = Settings(database_url=pg_dsn, schema=schema, cleaner={
+    settings = configured(cleaner={
         "batch_size": 100, "completed_retention": "1h", "cancelled_retention": -1, "discarded_retention": -1,
         "queues": {"fast": {"completed_retention": "1m"}}})
     kept = insert(engine, schema, state="completed", queue="default", finalized_ago=30 * MINUTE, n=1000, spread=True)
@@ -464,12 +469,12 @@ def test_a_shorter_per_queue_retention_reads_only_its_queue(pg_dsn, schema, engi
     assert ctx.transactions == 1  # fast: one batch of its 5 rows (default: nothing expired, no batch)
 
 
-def test_back_dated_rows_go_with_the_next_pass_and_dry_run_agrees(pg_dsn, schema, engine, clock):
+def test_back_dated_rows_go_with_the_next_pass_and_dry_run_agrees(configured, schema, engine, clock):
     """Rows committed long after their finalized_at (imported, back-dated, finished by a long
     transaction), anywhere below the horizon, even deep among rows a longer override keeps: the
     dry run counts them and the next pass deletes exactly those (before, a cross-pass cursor left
     them for an hourly full scan while --dry-run said they would go)."""
-    settings = Settings(database_url=pg_dsn, schema=schema, cleaner={
+    settings = configured(cleaner={
         "batch_size": 100, "completed_retention": "1h", "cancelled_retention": "1h", "discarded_retention": -1,
         "queues": {"billing": {"completed_retention": "30d"}, "fast": {"cancelled_retention": "1m"}}})
     cleaner = Cleaner(settings.cleaner)
@@ -545,12 +550,12 @@ def test_a_predicted_range_ending_at_the_horizon_keeps_the_row_exactly_at_it(set
     assert remaining(engine, schema) == set(exact)
 
 
-def test_a_tie_shared_with_a_kept_queue_then_later_rows(pg_dsn, schema, engine, clock):
+def test_a_tie_shared_with_a_kept_queue_then_later_rows(configured, schema, engine, clock):
     """More than a batch finalized at one instant, most of them in a queue kept longer: the tie
     batch deletes fewer than batch_size rows, moves exactly one microsecond past the tie (a row
     there is deleted too), and the next pass resumes at the tie, not at the horizon (rows of the
     tie may have been skipped, e.g. locked)."""
-    settings = Settings(database_url=pg_dsn, schema=schema, cleaner={
+    settings = configured(cleaner={
         "batch_size": 100, "completed_retention": "1h", "cancelled_retention": -1, "discarded_retention": -1,
         "queues": {"billing": {"completed_retention": "30d"}}})
     cleaner = Cleaner(settings.cleaner)
@@ -595,7 +600,7 @@ def test_more_than_a_batch_at_one_instant_all_go_in_one_pass(settings, engine, s
 
 
 @pytest.mark.slow
-def test_a_20ms_statement_timeout_after_a_large_delete_still_makes_progress(pg_dsn, schema, engine, clock):
+def test_a_20ms_statement_timeout_after_a_large_delete_still_makes_progress(configured, schema, engine, clock):
     """Issue 26: 1.5 M expired rows deleted in one statement leave 1.5 M dead entries at the
     start of jobs_finalized_idx until vacuum (off here, as before autovacuum gets there); the
     probe from the oldest row, an index-only scan, cannot mark them dead and walks them all.
@@ -613,7 +618,7 @@ def test_a_20ms_statement_timeout_after_a_large_delete_still_makes_progress(pg_d
         conn.execute(sql("DELETE FROM {schema}.jobs", schema))
     kept = insert(engine, schema, state="completed", finalized_ago=HOUR, n=10)
     insert(engine, schema, state="completed", finalized_ago=25 * HOUR, n=20_000, spread=True)
-    settings = Settings(database_url=pg_dsn, schema=schema, statement_timeout="20ms",
+    settings = configured(statement_timeout="20ms",
                         cleaner={"cancelled_retention": -1, "discarded_retention": -1})
     cleaner = Cleaner(settings.cleaner)
     first = run(settings, engine, clock, cleaner=cleaner)

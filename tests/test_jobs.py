@@ -11,6 +11,7 @@ import pytest
 from maintd.queries import jobs, sql
 from maintd.jobs import ClaimedJob, JobQueue, backoff
 
+from .conftest import run_concurrently
 from .plans import explain
 
 # Every test here runs on both jobs layouts (SPEC 8.1): tests/conftest.py.
@@ -105,22 +106,13 @@ def test_concurrent_claims_never_share_a_job(engine, schema, queue):
     with engine.begin() as conn:
         for i in range(200):
             queue.enqueue(conn, "k", {"i": i})
-    claimed: list[int] = []
-    lock = threading.Lock()
+    def worker() -> list[int]:
+        mine: list[int] = []
+        while jobs := _claim(engine, queue, f"w{threading.get_ident()}", limit=3):
+            mine.extend(j.id for j in jobs)
+        return mine
 
-    def worker(n):
-        while True:
-            jobs = _claim(engine, queue, f"w{n}", limit=3)
-            if not jobs:
-                return
-            with lock:
-                claimed.extend(j.id for j in jobs)
-
-    threads = [threading.Thread(target=worker, args=(n,)) for n in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    claimed = [i for mine in run_concurrently(worker, 6) for i in mine]  # no worker raised
     assert len(claimed) == 200 and len(set(claimed)) == 200
 
 

@@ -29,7 +29,7 @@ from maintd.services.base import NotLeader, PassContext
 from maintd.services.cleaner import Cleaner
 from maintd.services.partitioner import Partitioner, PartitionerConfig
 
-from .conftest import TEST_PARTITIONS
+from .conftest import TEST_PARTITIONS, run_concurrently
 
 HOUR, MINUTE = timedelta(hours=1), timedelta(minutes=1)
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -213,20 +213,13 @@ def test_readme_worker_statements_run_verbatim(pg_dsn, schema, layout):
 
 def test_one_live_job_per_unique_key_under_concurrent_enqueues(engine, schema):
     q = JobQueue(schema)
-    barrier = threading.Barrier(8)
-    got: list[int | None] = []
 
-    def enqueue():
-        barrier.wait()
+    def enqueue() -> int | None:
         with engine.begin() as conn:
-            got.append(q.enqueue(conn, "k", unique_key="race"))
+            return q.enqueue(conn, "k", unique_key="race")
 
-    threads = [threading.Thread(target=enqueue) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert sum(1 for g in got if g is not None) == 1
+    got = run_concurrently(enqueue, 8)  # none raises (a unique violation is an answer of None)
+    assert got.count(None) == 7
     with engine.connect() as conn:
         assert conn.execute(sql("SELECT count(*) FROM {schema}.jobs WHERE unique_key = 'race'", schema)).scalar() == 1
 
@@ -648,9 +641,16 @@ def test_the_rescuer_against_completions_loses_nothing(pg_dsn, engine, schema):
                          schema), {"at": now - 2 * HOUR, "n": n})
         ids = [r[0] for r in conn.execute(sql("SELECT id FROM {schema}.jobs ORDER BY id", schema))]
     completed: list[int] = []
+    errors: list[BaseException] = []  # a worker that died would leave its jobs to the rescuer
     stop = threading.Event()
 
     def worker(part: list[int]):
+        try:
+            work(part)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def work(part: list[int]):
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             for job_id in part:
                 if stop.is_set():
@@ -676,6 +676,7 @@ def test_the_rescuer_against_completions_loses_nothing(pg_dsn, engine, schema):
     stop.set()
     for t in threads:
         t.join()
+    assert errors == []
     with engine.connect() as conn:
         states = dict(conn.execute(sql("SELECT id, state::text FROM {schema}.jobs", schema)).all())
     assert len(states) == n  # nothing lost, nothing doubled
