@@ -3,9 +3,14 @@
 ``python .ci/strict_pytest.py [pytest arguments]`` runs ``python -m pytest -rs --junitxml=...``
 with the arguments, prints how many tests ran and how many were skipped (each skip with its
 reason), and exits non-zero when pytest failed, when it collected no tests (pytest's exit code 5,
-which a plain ``pytest || exit 1`` takes for success), or when any test was skipped: under
-``CI=true`` a missing tool or server fails its test (tests/tools.py), so a skip in CI means a
-test that found a way around that, not a reason to pass.
+which a plain ``pytest || exit 1`` takes for success), when any test was skipped (under
+``CI=true`` a missing tool or server fails its test, tests/tools.py, so a skip in CI means a test
+that found a way around that, not a reason to pass), or when any was deselected (``-m``, ``-k``,
+``--deselect``: counted by .ci/count_deselected.py).
+
+What the environment could add is kept out: ``PYTEST_ADDOPTS`` is dropped (``-m 'not slow'``
+there would deselect the failover scenarios), and the cache plugin is off (``--lf`` and ``--sw``
+would run the last failures only).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import tempfile
 import xml.etree.ElementTree as ET
 
 NO_TESTS = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
+HERE = os.path.dirname(os.path.abspath(__file__))  # count_deselected.py, loaded with -p
 
 
 def summary(junit: str) -> tuple[int, list[str]]:
@@ -31,11 +37,29 @@ def summary(junit: str) -> tuple[int, list[str]]:
     return tests, skipped
 
 
+def environment(deselected: str) -> dict[str, str]:
+    env = dict(os.environ)
+    if env.pop("PYTEST_ADDOPTS", None):
+        print(f"strict_pytest: ignoring PYTEST_ADDOPTS={os.environ['PYTEST_ADDOPTS']!r}")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH")) if p)
+    env["MAINTD_DESELECTED_FILE"] = deselected
+    return env
+
+
+def deselected_count(path: str) -> int:
+    """The most any session deselected (xdist workers each collect the whole suite)."""
+    with open(path) as counts:
+        return max((int(line) for line in counts if line.strip()), default=0)
+
+
 def main(args: list[str]) -> int:
     fd, junit = tempfile.mkstemp(prefix="maintd-junit-", suffix=".xml")
     os.close(fd)
+    fd, deselected = tempfile.mkstemp(prefix="maintd-deselected-")
+    os.close(fd)
     try:
-        rc = subprocess.call([sys.executable, "-m", "pytest", "-rs", f"--junitxml={junit}", *args])
+        rc = subprocess.call([sys.executable, "-m", "pytest", "-rs", "-p", "no:cacheprovider", "-p", "count_deselected",
+                              f"--junitxml={junit}", *args], env=environment(deselected))
         if rc == NO_TESTS:
             print("strict_pytest: pytest collected no tests: failing the run")
             return 1
@@ -55,9 +79,13 @@ def main(args: list[str]) -> int:
         if skipped:
             print("strict_pytest: skipped tests fail the CI run (install what they need; tests/tools.py)")
             return 1
+        if dropped := deselected_count(deselected):
+            print(f"strict_pytest: {dropped} tests deselected (-m, -k or --deselect): CI runs them all")
+            return 1
         return 0
     finally:
         os.unlink(junit)
+        os.unlink(deselected)
 
 
 if __name__ == "__main__":

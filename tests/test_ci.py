@@ -49,13 +49,16 @@ def test_every_skip_goes_through_tools_unavailable():
     assert found == [], "skips outside tests/tools.py:\n" + "\n".join(found)
 
 
-def _pytest(tmp_path: Path, *args: str, ci: bool | None = None) -> subprocess.CompletedProcess:
+def _pytest(tmp_path: Path, *args: str, ci: bool | None = None, addopts: str | None = None,
+            cache: bool = False) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
     if ci:
         env["CI"] = "true"
+    if addopts:
+        env["PYTEST_ADDOPTS"] = addopts
     env["PYTHONPATH"] = str(ROOT)
-    return subprocess.run([sys.executable, *args, "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
-                           str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, *args, *([] if cache else ["-p", "no:cacheprovider"]), "--rootdir",
+                           str(tmp_path), str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_unavailable_skips_locally_and_fails_under_ci(tmp_path):
@@ -69,18 +72,32 @@ def test_unavailable_skips_locally_and_fails_under_ci(tmp_path):
     assert "needs /nowhere/tool (CI=true: a missing tool or server fails the run)" in ci.stdout
 
 
-@pytest.mark.parametrize("tests,rc,said", [
-    ("def test_ok():\n    pass\n", 0, "strict_pytest: 1 tests, 0 skipped"),
-    ("import pytest\n\ndef test_ok():\n    pass\n\ndef test_s():\n    pytest.skip('no chromium')\n", 1,
+TWO = "import pytest\n\ndef test_ok():\n    pass\n\n@pytest.mark.slow\ndef test_slow():\n    pass\n"
+
+
+@pytest.mark.parametrize("tests,args,addopts,rc,said", [
+    ("def test_ok():\n    pass\n", (), None, 0, "strict_pytest: 1 tests, 0 skipped"),
+    ("import pytest\n\ndef test_ok():\n    pass\n\ndef test_s():\n    pytest.skip('no chromium')\n", (), None, 1,
      "strict_pytest: skipped test_t::test_s: no chromium"),
-    ("def test_bad():\n    assert False\n", 1, "strict_pytest: 1 tests, 0 skipped"),
-    (None, 1, "strict_pytest: pytest collected no tests: failing the run"),
-], ids=["passes", "a-skip-fails", "a-failure-fails", "no-tests-fail"])
-def test_strict_pytest_fails_on_skips_on_failures_and_on_no_tests(tmp_path, tests, rc, said):
+    ("def test_bad():\n    assert False\n", (), None, 1, "strict_pytest: 1 tests, 0 skipped"),
+    (None, (), None, 1, "strict_pytest: pytest collected no tests: failing the run"),
+    ("import no_such_module\n\ndef test_ok():\n    pass\n", (), None, 2, "ModuleNotFoundError"),
+    (TWO, ("-k", "ok"), None, 1, "strict_pytest: 1 tests deselected (-m, -k or --deselect): CI runs them all"),
+    (TWO, ("-m", "not slow", "-p", "xdist", "-n", "2"), None, 1, "strict_pytest: 1 tests deselected"),
+    (TWO, (), "-m 'not slow'", 0, "strict_pytest: 2 tests, 0 skipped"),
+    (TWO, ("--lf",), None, 4, "unrecognized arguments: --lf"),
+], ids=["passes", "a-skip-fails", "a-failure-fails", "no-tests-fail", "a-collection-error-fails",
+        "a-deselection-fails", "a-deselection-under-xdist-fails", "addopts-are-ignored", "no-cache-to-rerun"])
+def test_strict_pytest_fails_on_skips_failures_no_tests_and_deselections(tmp_path, tests, args, addopts, rc, said):
+    """.ci/run's gate: green only when every collected test ran and passed; PYTEST_ADDOPTS from
+    the environment is ignored (its -m 'not slow' would pass CI on a subset)."""
     if tests is not None:
         (tmp_path / "test_t.py").write_text(tests)
-    res = _pytest(tmp_path, str(ROOT / ".ci" / "strict_pytest.py"))
-    assert res.returncode == rc and said in res.stdout, res.stdout + res.stderr
+        (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n")
+    res = _pytest(tmp_path, str(ROOT / ".ci" / "strict_pytest.py"), *args, addopts=addopts, cache=True)
+    assert res.returncode == rc and said in res.stdout + res.stderr, res.stdout + res.stderr
+    if addopts:
+        assert f"strict_pytest: ignoring PYTEST_ADDOPTS={addopts!r}" in res.stdout
 
 
 def test_ci_run_exports_ci_and_finds_tools_where_the_tests_do():
