@@ -116,3 +116,12 @@ def test_every_tool_is_where_ci_installs_it():
     for tool in tools.missing():
         tools.unavailable(f"needs {tool.path} (Debian package {tool.package})")
     assert subprocess.run([sys.executable, str(TESTS / "tools.py"), "check"]).returncode == 0
+
+
+def test_a_thread_that_dies_fails_its_test_under_the_projects_settings(tmp_path):
+    """pytest only warns when a test's thread raises; pyproject.toml makes it an error, so a
+    test whose surviving threads did all the work fails."""
+    (tmp_path / "test_t.py").write_text("import threading\n\ndef test_x():\n"
+                                        "    t = threading.Thread(target=lambda: 1 / 0)\n    t.start()\n    t.join()\n")
+    res = _pytest(tmp_path, "-m", "pytest", "-c", str(ROOT / "pyproject.toml"))
+    assert res.returncode == 1 and "1 failed" in res.stdout and "ZeroDivisionError" in res.stdout, res.stdout
