@@ -23,23 +23,44 @@ from . import tools
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
 SKIPS = {"skip", "skipif", "importorskip", "xfail"}
+UNITTEST_SKIPS = {"SkipTest", "skipIf", "skipUnless", "expectedFailure"}
 
 
 def _skip_calls(path: Path) -> list[str]:
-    """``pytest.skip(...)``, ``pytest.mark.skipif``, ``pytest.importorskip`` ... in a module."""
+    """``pytest.skip(...)``, ``pytest.mark.skipif``, ``pytest.importorskip`` ... in a module, under
+    whatever name pytest is imported as, and unittest's ``SkipTest`` or ``skip*`` decorators."""
+    tree = ast.parse(path.read_text(), str(path))
+    aliases = {"pytest"} | {a.asname for node in ast.walk(tree) if isinstance(node, ast.Import)
+                            for a in node.names if a.name == "pytest" and a.asname}
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr in SKIPS:
             base = node.value
             names = []
             while isinstance(base, ast.Attribute):
                 names.append(base.attr)
                 base = base.value
-            if isinstance(base, ast.Name) and base.id == "pytest":
-                found.append(f"{path.name}:{node.lineno}: pytest.{'.'.join(reversed(names + [node.attr]))}")
-        if isinstance(node, ast.ImportFrom) and node.module == "pytest":
-            found += [f"{path.name}:{node.lineno}: from pytest import {a.name}" for a in node.names if a.name in SKIPS]
+            if isinstance(base, ast.Name) and base.id in aliases:
+                found.append(f"{path.name}:{node.lineno}: {base.id}.{'.'.join(reversed(names + [node.attr]))}")
+        if isinstance(node, ast.ImportFrom) and node.module in ("pytest", "unittest"):
+            found += [f"{path.name}:{node.lineno}: from {node.module} import {a.name}" for a in node.names
+                      if a.name in (SKIPS if node.module == "pytest" else UNITTEST_SKIPS)]
+        if isinstance(node, (ast.Name, ast.Attribute)) and (getattr(node, "id", None) or node.attr) in UNITTEST_SKIPS:
+            found.append(f"{path.name}:{node.lineno}: unittest's {getattr(node, 'id', None) or node.attr}")
     return found
+
+
+@pytest.mark.parametrize("source,hits", [
+    ("import pytest\npytest.skip('x')\n", 1),
+    ("import pytest as pt\n\n@pt.mark.skipif(True, reason='x')\ndef test_a():\n    pt.xfail('y')\n", 2),
+    ("from pytest import importorskip\n", 1),
+    ("import unittest\nraise unittest.SkipTest('x')\n", 1),
+    ("from unittest import SkipTest\n", 1),
+    ("import pytest\n\ndef test_a():\n    pytest.fail('not a skip')\n", 0),
+], ids=["pytest.skip", "an-alias", "from-pytest", "unittest.SkipTest", "from-unittest", "a-failure-is-not"])
+def test_the_skip_finder_finds_skips_however_spelled(tmp_path, source, hits):
+    (tmp_path / "test_x.py").write_text(source)
+    assert len(_skip_calls(tmp_path / "test_x.py")) == hits
 
 
 def test_every_skip_goes_through_tools_unavailable():

@@ -399,8 +399,13 @@ def test_a_waiting_precise_scheduler_holds_no_thread_and_no_connection(settings,
         wait_for(asked, 2, what="a pass asked for at the due time")
         # Meanwhile no pass runs and no connection is held (the job gauges' refresh at the
         # term's start may still hold one for a moment: waited for, before the due time).
-        wait_for(lambda: not runner._active and engine.pool.checkedout() == 0, 0.8,
-                 what="no pass and no connection while waiting")
+        idle = lambda: not runner._active and engine.pool.checkedout() == 0  # noqa: E731
+        wait_for(idle, 0.8, what="no pass and no connection while waiting")
+        busy = []  # then idle at every look until just before the due time, not at one instant
+        while (at - datetime.now(timezone.utc)).total_seconds() > 0.15:
+            busy += [] if idle() else [(list(runner._active), engine.pool.checkedout())]
+            time.sleep(0.005)
+        assert busy == []
         assert states(engine, schema) and set(states(engine, schema).values()) == {"scheduled"}
         wait_for(lambda: states(engine, schema) and set(states(engine, schema).values()) == {"available"}, 3,
                  what="the promotion")

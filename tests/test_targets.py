@@ -635,6 +635,10 @@ def test_a_daemon_with_several_targets_names_the_target_in_each_line(pg_dsn, mak
         for s in schemas:
             d.wait_log(rf"became leader target={s} epoch=\d+ instance=named-1", 20)
         d.wait_log(rf"released stale running jobs target={schemas[1]} ", 20)
+        # The lock session (one for both targets of the database) ends: each target says it lost.
+        execute(pg_dsn, f'SELECT pg_terminate_backend(backend_pid) FROM "{schemas[0]}".leader')
+        for s in schemas:
+            d.wait_log(rf"lost leadership target={s} reason=", 20)
     finally:
         d.stop()
     stamped = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (debug|info|warning|error) ")
