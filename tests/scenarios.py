@@ -23,10 +23,22 @@ from .procs import DaemonProc, wait_for
 # Every statement that writes jobs from a maintd session (application_name maintd:...) records,
 # in the writing transaction: who wrote, from which backend, the leader row it saw, and which
 # session held the schema's leader lock at that moment (the server's truth, not the daemon's).
+# At COMMIT (a deferred constraint trigger on the record), the leader row again: a statement run
+# under one term must not commit under the next (the fence's FOR KEY SHARE holds the bump off).
 AUDIT = """
 CREATE TABLE {schema}.write_audit (
   app text, backend_pid int, txid bigint, at timestamptz, op text,
-  leader_epoch bigint, leader_instance text, leader_backend int, holder_pid int, holder_app text);
+  leader_epoch bigint, leader_instance text, leader_backend int, holder_pid int, holder_app text,
+  seq bigserial PRIMARY KEY, committed_at timestamptz, committed_epoch bigint, committed_instance text);
+CREATE FUNCTION {schema}.write_audit_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  UPDATE {schema}.write_audit w
+     SET committed_at = clock_timestamp(), committed_epoch = l.epoch, committed_instance = l.instance_id
+    FROM {schema}.leader l WHERE l.name = 'leader' AND w.seq = NEW.seq;
+  RETURN NULL;
+END $$;
+CREATE CONSTRAINT TRIGGER write_audit_commit AFTER INSERT ON {schema}.write_audit
+  DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION {schema}.write_audit_commit();
 CREATE FUNCTION {schema}.write_audit() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
   l record;
@@ -38,7 +50,8 @@ BEGIN
       FROM pg_locks k LEFT JOIN pg_stat_activity a ON a.pid = k.pid
      WHERE k.locktype = 'advisory' AND k.classid::bigint = {classid} AND k.objid::bigint = {objid}
        AND k.objsubid = 2 AND k.granted;
-    INSERT INTO {schema}.write_audit VALUES (
+    INSERT INTO {schema}.write_audit (app, backend_pid, txid, at, op, leader_epoch, leader_instance,
+                                      leader_backend, holder_pid, holder_app) VALUES (
       current_setting('application_name'), pg_backend_pid(), txid_current(), clock_timestamp(),
       TG_OP, l.epoch, l.instance_id, l.backend_pid, h.pid, h.app);
   END IF;
@@ -73,10 +86,12 @@ def audit_rows(dsn: str, schema: str) -> list[dict]:
 
 
 def foreign_writes(rows: list[dict]) -> list[dict]:
-    """Maintenance writes committed while the writer was not the leader: the leader row named
-    someone else, or the leader lock was held by another instance's session (or by nobody)."""
+    """Maintenance writes committed while the writer was not the leader: when the statement ran,
+    the leader row named someone else or the leader lock was held by another instance's session
+    (or by nobody); or at COMMIT the leader row named someone else, or a later epoch."""
     return [r for r in rows if instance_of(r["app"]) != r["leader_instance"]
-            or instance_of(r["holder_app"]) != instance_of(r["app"])]
+            or instance_of(r["holder_app"]) != instance_of(r["app"])
+            or (r["committed_epoch"], r["committed_instance"]) != (r["leader_epoch"], r["leader_instance"])]
 
 
 def insert_canary(dsn: str, schema: str) -> int:

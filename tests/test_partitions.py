@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 from maintd import migrate
-from maintd.db import make_engine
+from maintd.db import advisory_key, make_engine
 
 from .netproxy import ClientStream, NetProxy
 from .procs import FAST_LEADER, DaemonProc, leader_row, lock_holders, wait_for
@@ -164,6 +164,25 @@ def audited(pg_dsn, schema):
     return schema
 
 
+def test_the_audit_sees_a_write_that_commits_under_the_next_term(pg_dsn, audited):
+    """The audit itself: an unfenced maintd write whose statement ran under 'a', committed after
+    'b' took the leader row, is a foreign write (the statement-time columns alone miss it)."""
+    schema = audited
+    with psycopg.connect(pg_dsn, autocommit=True) as admin, \
+            psycopg.connect(pg_dsn, autocommit=True, application_name="maintd:a") as lock_session:
+        lock_session.execute("SELECT pg_advisory_lock(%s, %s)", advisory_key(schema))  # 'a' holds the lock
+        admin.execute(f'UPDATE "{schema}".leader SET epoch = 7, instance_id = %s WHERE name = %s', ("a", "leader"))
+        with psycopg.connect(pg_dsn, application_name="maintd:a:work") as writer:
+            writer.execute(f"INSERT INTO \"{schema}\".jobs (kind) VALUES ('k')")
+            admin.execute(f'UPDATE "{schema}".leader SET epoch = 8, instance_id = %s WHERE name = %s', ("b", "leader"))
+            writer.commit()
+    [row] = audit_rows(pg_dsn, schema)
+    assert (row["leader_epoch"], row["leader_instance"]) == (7, "a")
+    assert (row["committed_epoch"], row["committed_instance"]) == (8, "b")
+    assert row["holder_app"] == "maintd:a" and row["committed_at"] >= row["at"]
+    assert foreign_writes([row]) == [row]  # by what COMMIT saw alone
+
+
 def proxied_pair(pg_dsn, schema, tmp_path, proxy, extra=None):
     cfg = {**FAST_SERVICES, **(extra or {})}
     cut = DaemonProc(proxy.dsn(pg_dsn), schema, "cut", cfg, workdir=str(tmp_path))
@@ -195,7 +214,7 @@ def test_blackholed_leader_is_replaced_and_writes_nothing_more(pg_dsn, audited, 
             direct.stop()
     rows = audit_rows(pg_dsn, schema)
     assert not foreign_writes(rows), foreign_writes(rows)[:5]
-    late = [r for r in rows if instance_of(r["app"]) == "cut" and r["at"] > cut_at]
+    late = [r for r in rows if instance_of(r["app"]) == "cut" and r["committed_at"] > cut_at]
     assert not late, late[:5]
     assert {instance_of(r["app"]) for r in rows} == {"cut", "direct"}  # both did work
     assert seconds < 4 * LEASE
