@@ -320,11 +320,19 @@ def wait_new_leader(dsn: str, schema: str, old_epoch: int, timeout: float) -> tu
 def install_write_audit(dsn: str, schema: str, tables: tuple[str, ...] = ("jobs", "service_runs")) -> None:
     """Record every committed write statement on ``tables`` (even one that changed no row): who
     (application_name, backend pid), which transaction, when, and the leader row (epoch,
-    instance) as it was committed when the statement ran."""
+    instance) as it was committed when the statement ran, and again at the writer's COMMIT
+    (``committed_epoch``, ``committed_instance``: a deferred constraint trigger)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
             f'CREATE TABLE "{schema}".write_audit (seq bigserial PRIMARY KEY, at timestamptz NOT NULL, '
-            f"app text, backend_pid int, txid xid8, tbl text, op text, leader_epoch bigint, leader_instance text)")
+            f"app text, backend_pid int, txid xid8, tbl text, op text, leader_epoch bigint, leader_instance text, "
+            f"committed_epoch bigint, committed_instance text)")
+        conn.execute(
+            f'CREATE FUNCTION "{schema}".audit_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN '
+            f'UPDATE "{schema}".write_audit w SET committed_epoch = l.epoch, committed_instance = l.instance_id '
+            f"""FROM "{schema}".leader l WHERE l.name = 'leader' AND w.seq = NEW.seq; RETURN NULL; END $$""")
+        conn.execute(f'CREATE CONSTRAINT TRIGGER audit_commit AFTER INSERT ON "{schema}".write_audit '
+                     f'DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION "{schema}".audit_commit()')
         conn.execute(
             f'CREATE FUNCTION "{schema}".audit_write() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN '
             f'INSERT INTO "{schema}".write_audit (at, app, backend_pid, txid, tbl, op, leader_epoch, leader_instance) '

@@ -162,7 +162,8 @@ def test_sigstop_leader_is_replaced_within_lease_and_fenced_after_sigcont(pg_dsn
     leader.unblock_log()
     mine = [w for w in writes if w["app"].startswith(f"maintd:{leader.instance_id}")]
     assert mine, "the leader never wrote"
-    stale = [w for w in mine if (w["leader_epoch"], w["leader_instance"]) != (epoch, leader.instance_id)]
+    stale = [w for w in mine if (w["leader_epoch"], w["leader_instance"]) != (epoch, leader.instance_id)
+             or (w["committed_epoch"], w["committed_instance"]) != (epoch, leader.instance_id)]
     assert not stale, f"the ex-leader wrote in the new term: {stale[:3]}"
     assert any(w["app"] == f"maintd:{follower.instance_id}:work" and w["leader_epoch"] == new_epoch
                for w in writes), "the new leader never wrote"
