@@ -8,7 +8,9 @@ comments say what the skewed host clock would have done if maintd trusted it.
 
 from __future__ import annotations
 
+import re
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,15 @@ def skewed(offset: str) -> dict[str, str]:
     # Both spellings: libfaketime renamed DONT_FAKE_MONOTONIC in 0.9.9 (Debian 12 ships 0.9.10).
     return {"LD_PRELOAD": str(FAKETIME_LIB), "FAKETIME": offset, "FAKETIME_DONT_FAKE_MONOTONIC": "1",
             "DONT_FAKE_MONOTONIC": "1"}
+
+
+def saw_the_skew(d: DaemonProc, offset: float, started: float) -> None:
+    """The daemon's host clock was skewed (its log stamps come from it): else every check below
+    would hold for a right clock too, and libfaketime failing to load is only a warning."""
+    first = wait_for(lambda: re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+)Z", d.log()), 20,
+                     what="the daemon's first log line")
+    logged = datetime.strptime(first.group(1), "%Y-%m-%dT%H:%M:%S.%f").replace(tzinfo=timezone.utc).timestamp()
+    assert abs(logged - started - offset) < 30, (first.group(0), offset)
 
 
 def insert(engine, schema, statement: str) -> list[int]:
@@ -61,8 +72,10 @@ def test_a_fast_host_clock_neither_rescues_live_jobs_nor_deletes_or_promotes_ear
                                      "VALUES ('later', 'scheduled', now() + interval '2 minutes')")
     [due] = insert(engine, schema, "INSERT INTO {schema}.jobs (kind, state, scheduled_at) "
                                    "VALUES ('due', 'scheduled', now() - interval '1 second')")
+    started = time.time()
     d = DaemonProc(pg_dsn, schema, "fast", CONFIG, env=skewed("+300s")).start()
     try:
+        saw_the_skew(d, 300, started)
         # The work a right clock does happens...
         wait_for(lambda: state_of(engine, schema, dead) == "retryable", 30, what="the dead job rescued")
         wait_for(lambda: state_of(engine, schema, old) is None, 30, what="the old job deleted")
@@ -85,8 +98,10 @@ def test_a_slow_host_clock_still_promotes_due_jobs_and_enqueues_periodic_slots(p
         conn.execute(sql("INSERT INTO {schema}.periodic_slots (periodic_id, slot) "
                          "VALUES ('tick', to_timestamp(floor(extract(epoch FROM now()) / 2) * 2))", schema))
     config = {**CONFIG, "periodic": [{"id": "tick", "schedule": "@every 2s", "kind": "tick"}]}
+    started = time.time()
     d = DaemonProc(pg_dsn, schema, "slow", config, env=skewed("-120s")).start()
     try:
+        saw_the_skew(d, -120, started)
         # A clock 2 minutes slow would see the job as not due for another 110 s, and the next
         # periodic slot 2 minutes away.
         wait_for(lambda: state_of(engine, schema, due) == "available", 20, what="the due job promoted")
