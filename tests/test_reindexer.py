@@ -15,6 +15,7 @@ from maintd import migrate
 from maintd.clock import ServerClock
 from maintd.config import Settings
 from maintd.db import make_engine
+from maintd.queries import catalog
 from maintd.services.base import PassContext
 from maintd.services.reindexer import Reindexer
 
@@ -167,9 +168,16 @@ def test_bloat_threshold_skips_healthy_indexes(own_database):
         conn.execute("INSERT INTO maintd.jobs (kind) SELECT 'k' FROM generate_series(1, 20000)")
         conn.execute("DELETE FROM maintd.jobs WHERE id % 10 <> 0")
         conn.execute("VACUUM ANALYZE maintd.jobs")
+        if with_pgstattuple:  # the figure pgstatindex gives, which the catalog estimate does not
+            density = conn.execute("SELECT avg_leaf_density FROM pgstatindex('maintd.jobs_pkey')").fetchone()[0]
+            with engine.connect() as sa:
+                estimate = sa.execute(text(catalog.ESTIMATED_BLOAT), {"schema": "maintd", "index": "jobs_pkey"}).scalar()
+            assert abs(estimate - (90 - density)) > 1, (estimate, density)  # the case tells the two apart
     [bloated] = run(settings, engine).indexes
     assert bloated.outcome == "reindexed", bloated
     assert bloated.bloat_percent is not None and bloated.bloat_percent > 70, bloated
+    if with_pgstattuple:
+        assert bloated.bloat_percent == round(max(0.0, 90 - density), 1), (bloated, density)
     assert bloated.bytes_after < bloated.bytes_before / 4, bloated
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("ANALYZE maintd.jobs")
