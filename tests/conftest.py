@@ -267,3 +267,18 @@ def make_private_pg(pg_version: int) -> Iterator:
     yield make
     for pg in made:
         pg.cleanup()
+
+
+def example_lines() -> list[tuple[str, str, str, bool]]:
+    """(section, key, TOML value, commented out) of every assignment in config.example.toml;
+    section "" is the top level, "periodic" the [[periodic]] example."""
+    out, section = [], ""
+    for raw in (Path(__file__).resolve().parent.parent / "config.example.toml").read_text().splitlines():
+        header = re.match(r"^#?\s*\[\[?([a-z_.]+)\]\]?\s*(#.*)?$", raw)
+        if header:
+            section = header.group(1)
+            continue
+        m = re.match(r"^(#\s*)?([a-z_]+)\s*=\s*(.+?)\s*(#.*)?$", raw)
+        if m:
+            out.append((section, m.group(2), m.group(3), m.group(1) is not None))
+    return out

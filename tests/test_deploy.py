@@ -28,6 +28,7 @@ import yaml
 from maintd.config import load_settings
 from maintd.metrics import Metrics
 
+from .conftest import example_lines
 from .procs import wait_for
 from .tools import require
 
@@ -523,21 +524,6 @@ def test_kubernetes_pod_deploys_with_an_owner_and_a_runtime_role(pg_dsn, deploy_
 
 
 # -- config.example.toml states the real defaults ----------------------------------------------------
-
-def example_lines() -> list[tuple[str, str, str, bool]]:
-    """(section, key, TOML value, commented out) of every assignment in config.example.toml;
-    section "" is the top level, "periodic" the [[periodic]] example."""
-    out, section = [], ""
-    for raw in (ROOT / "config.example.toml").read_text().splitlines():
-        header = re.match(r"^#?\s*\[\[?([a-z_.]+)\]\]?\s*(#.*)?$", raw)
-        if header:
-            section = header.group(1)
-            continue
-        m = re.match(r"^(#\s*)?([a-z_]+)\s*=\s*(.+?)\s*(#.*)?$", raw)
-        if m:
-            out.append((section, m.group(2), m.group(3), m.group(1) is not None))
-    return out
-
 
 PERIODIC_REQUIRED = {"id": "x", "schedule": "@hourly", "kind": "k"}
 
