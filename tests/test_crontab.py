@@ -219,4 +219,5 @@ def test_entries_are_frozen_and_hashable():
     [e] = parse_crontab("* * * * * t {a: 1}")
     with pytest.raises(AttributeError):
         e.id = "other"  # type: ignore[misc]
-    assert len({e, e}) == 1
+    [again] = parse_crontab("* * * * * t {a: 1}")  # another object, equal and hashed alike
+    assert again is not e and again == e and hash(again) == hash(e) and len({e, again}) == 1

@@ -182,10 +182,14 @@ def test_cli_add_list_pause_resume_remove(settings, schema, engine, tmp_path, ca
     listed = {e["id"]: e for e in json.loads(capsys.readouterr().out)}
     assert listed["hourly"]["origin"] == "table" and listed["cfg"]["origin"] == "config"
     assert listed["hourly"]["next_slot"] is not None
+    def enabled():
+        with engine.connect() as conn:
+            return conn.execute(sql("SELECT enabled FROM {schema}.periodic_jobs WHERE id = 'hourly'", schema)).scalar()
+
     assert main(base + ["pause", "hourly"]) == 0
-    with engine.connect() as conn:
-        assert conn.execute(sql("SELECT enabled FROM {schema}.periodic_jobs WHERE id = 'hourly'", schema)).scalar() is False
+    assert enabled() is False
     assert main(base + ["resume", "hourly"]) == 0
+    assert enabled() is True
     assert main(base + ["remove", "hourly"]) == 0
     assert main(base + ["remove", "hourly"]) == 1  # not found
     assert main(base + ["list"]) == 0

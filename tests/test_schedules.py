@@ -139,11 +139,17 @@ def test_latest_at_or_before_follows_a_clock_that_goes_back():
 def test_every_slot_in_a_week_is_found_from_both_directions():
     """next_after, latest_at_or_before and slots_between agree slot by slot across both DST
     changes of a zone, for a fixed-time and a wildcard expression."""
-    for expr in ("30 1,2 * * *", "*/20 * * * *"):
+    # Counted by hand: a fixed-time job runs twice a day, once on the day its 02:30 is skipped
+    # (8 March) or its 01:30 repeats (1 November): 14; a wildcard one every 20 minutes of real
+    # time, however the wall clock jumps: 7 x 24 x 3 = 504 (after the start, up to the end).
+    for expr, count in (("30 1,2 * * *", 14), ("*/20 * * * *", 504)):
         s = parse_schedule(expr, "America/New_York")
         for start in (datetime(2026, 3, 5, tzinfo=UTC), datetime(2026, 10, 29, tzinfo=UTC)):
             slots = list(s.slots_between(start, start + timedelta(days=7)))
-            assert slots == sorted(set(slots))
+            assert len(slots) == count and slots == sorted(set(slots))
+            assert s.next_after(slots[-1]) > start + timedelta(days=7)
+            if expr.startswith("*/20"):
+                assert {b - a for a, b in zip(slots, slots[1:])} == {timedelta(minutes=20)}
             for before, slot in zip([start] + slots, slots):
                 assert s.next_after(before) == slot
                 assert s.latest_at_or_before(slot) == slot

@@ -26,7 +26,9 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {schema} TO {role};
 
 
 def with_password(dsn: str, user: str = "postgres") -> str:
-    return dsn.replace("postgres@", f"{user}:{SECRET}@", 1)
+    out = dsn.replace("postgres@", f"{user}:{SECRET}@", 1)
+    assert SECRET in out, "the test DSN has no 'postgres@' to put the password in: the checks would see none"
+    return out
 
 
 def cli(*args, timeout=60):
