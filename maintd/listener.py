@@ -293,14 +293,29 @@ class Listener:
         self._head_begun(conn)
         try:
             async with asyncio.timeout(self.limits.header_timeout):  # a head already here: no wait
-                rest = await reader.readuntil(b"\r\n\r\n")
+                return await self._head_lines(first, reader)
         except TimeoutError:
             raise BadRequest(408, f"the request head took over {self.limits.header_timeout:g}s") from None
         except asyncio.LimitOverrunError:
             raise BadRequest(431, f"the request head is over {self.limits.max_head} bytes") from None
         finally:
             self._heads.pop(conn, None)
-        return (first + rest)[:-4].lstrip(b"\r\n")
+
+    async def _head_lines(self, first: bytes, reader: asyncio.StreamReader) -> bytes:
+        """The head's lines up to the empty one, joined by CRLF. A line may end in CRLF or a bare
+        LF, and empty lines before the request line are skipped (RFC 9112 2.2, as Go and h11 do)."""
+        lines: list[bytes] = []
+        size, line = 0, first if first == b"\n" else first + await reader.readuntil(b"\n")
+        while True:
+            size += len(line)
+            if size > self.limits.max_head:
+                raise asyncio.LimitOverrunError("head", size)
+            line = line[:-2] if line.endswith(b"\r\n") else line[:-1]
+            if line:
+                lines.append(line)
+            elif lines:
+                return b"\r\n".join(lines)
+            line = await reader.readuntil(b"\n")
 
     def _head_begun(self, conn: _Conn) -> None:
         """Past ``max_heads`` heads being received, drop the one begun the longest ago."""

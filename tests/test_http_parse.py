@@ -200,6 +200,13 @@ def exchange(port: int, raw: bytes) -> bytes:
     (b"OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n", b"405"),
     # RFC 9110 5.3: "close" on a second Connection line still closes
     (b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: keep-alive\r\nConnection: close\r\n\r\n", b"200"),
+    # RFC 9112 2.2: a server MAY take a bare LF as a line's end (Go's serve_test.go sends
+    # "GET / HTTP/1.1\nHost: foo" in TestHandlerSetTransferEncodingChunked; h11 reads them too)
+    (b"GET /healthz HTTP/1.0\n\n", b"200"),
+    (b"\nGET /healthz HTTP/1.1\nHost: x\nConnection: close\n\n", b"200"),
+    (b"GET /healthz HTTP/1.1\r\nHost: x\nConnection: close\n\r\n", b"200"),
+    # ... but a CR alone ends nothing: it stays in the value, which is refused
+    (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX: a\r\r\n\r\n", b"400"),
 ])
 def test_a_listening_server_answers_as_the_parser_reads_and_closes(raw, status):
     """Each exchange ends with the server closing the connection (``exchange`` reads to EOF)."""
@@ -211,3 +218,15 @@ def test_a_listening_server_answers_as_the_parser_reads_and_closes(raw, status):
         server.stop()
     assert reply.startswith(b"HTTP/1.1 " + status + b" "), reply[:80]
     assert b"Connection: close" in reply
+
+
+def test_a_head_of_many_short_lines_is_bounded_as_a_whole():
+    """16 KiB for the whole head, not for each line: 3,000 six-byte lines get 431 for their size
+    while they are read (before the header count is looked at)."""
+    server = HttpServer("127.0.0.1", 0, {"/healthz": lambda: text(200, "ok\n")})
+    server.start()
+    try:
+        reply = exchange(server.port, b"GET /healthz HTTP/1.1\r\n" + b"X: y\r\n" * 3000 + b"\r\n")
+    finally:
+        server.stop()
+    assert reply.startswith(b"HTTP/1.1 431 ") and b"the request head is over 16384 bytes" in reply, reply[:200]
