@@ -42,7 +42,7 @@ def environment(deselected: str) -> dict[str, str]:
     if env.pop("PYTEST_ADDOPTS", None):
         print(f"strict_pytest: ignoring PYTEST_ADDOPTS={os.environ['PYTEST_ADDOPTS']!r}")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH")) if p)
-    env["MAINTD_DESELECTED_FILE"] = deselected
+    env["STRICT_PYTEST_DESELECTED_FILE"] = deselected
     return env
 
 

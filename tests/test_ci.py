@@ -146,3 +146,18 @@ def test_a_thread_that_dies_fails_its_test_under_the_projects_settings(tmp_path)
                                         "    t = threading.Thread(target=lambda: 1 / 0)\n    t.start()\n    t.join()\n")
     res = _pytest(tmp_path, "-m", "pytest", "-c", str(ROOT / "pyproject.toml"))
     assert res.returncode == 1 and "1 failed" in res.stdout and "ZeroDivisionError" in res.stdout, res.stdout
+
+
+def test_strict_pytest_adds_no_variable_that_maintd_would_refuse(monkeypatch):
+    """maintd refuses unknown MAINTD_* variables at start (config.py), and every daemon a test
+    starts inherits strict_pytest's environment: a MAINTD_-named variable of the gate's own
+    failed 100 tests of a clean-clone CI run."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("strict_pytest", ROOT / ".ci" / "strict_pytest.py")
+    strict = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(strict)
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-x")
+    added = set(strict.environment("/tmp/x")) - set(os.environ)
+    assert added and not [k for k in added if k.upper().startswith("MAINTD_")], added
+    assert "PYTEST_ADDOPTS" not in strict.environment("/tmp/x")
