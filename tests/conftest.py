@@ -43,6 +43,23 @@ def _no_suite_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MAINTD_TEST_DATABASE_URL", raising=False)
 
 
+@pytest.fixture(autouse=True)
+def restore_loggers() -> Iterator[None]:
+    """Each test leaves the ``maintd`` and ``apscheduler`` loggers as it found them: a test that
+    runs ``cli.main`` (setup_logging) would otherwise leave a handler on the stream pytest
+    captured for it, which is closed by the time a later test logs ('--- Logging error ---')."""
+    import logging
+
+    saved = {name: (list(logging.getLogger(name).handlers), logging.getLogger(name).level,
+                    logging.getLogger(name).propagate) for name in ("maintd", "apscheduler")}
+    yield
+    for name, (handlers, level, propagate) in saved.items():
+        logger = logging.getLogger(name)
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
 @pytest.fixture(scope="session")
 def pg_dsn() -> Iterator[str]:
     if TEST_DATABASE_URL:

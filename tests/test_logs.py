@@ -13,18 +13,6 @@ import pytest
 from maintd.logs import about_target, kv, setup_logging
 
 
-@pytest.fixture
-def restore_loggers():
-    saved = {name: (list(logging.getLogger(name).handlers), logging.getLogger(name).level,
-                    logging.getLogger(name).propagate) for name in ("maintd", "apscheduler")}
-    yield
-    for name, (handlers, level, propagate) in saved.items():
-        logger = logging.getLogger(name)
-        logger.handlers[:] = handlers
-        logger.setLevel(level)
-        logger.propagate = propagate
-
-
 def lines(stream: io.StringIO) -> list[str]:
     return stream.getvalue().splitlines()
 
