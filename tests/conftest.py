@@ -213,9 +213,14 @@ def schema(pg_dsn: str, layout: str) -> Iterator[str]:
 
 
 @pytest.fixture
-def settings(pg_dsn: str, schema: str, layout: str) -> Settings:
-    return Settings(database_url=pg_dsn, schema=schema, instance_id="test-1",
-                    http={"listen": "127.0.0.1:0"}, layout=layout, partitions=TEST_PARTITIONS)
+def configured(pg_dsn: str, schema: str, layout: str):
+    """Settings for this test's schema on its layout, with the keys given (validated as from a file)."""
+    return lambda **kw: Settings(database_url=pg_dsn, schema=schema, layout=layout, partitions=TEST_PARTITIONS, **kw)
+
+
+@pytest.fixture
+def settings(configured) -> Settings:
+    return configured(instance_id="test-1", http={"listen": "127.0.0.1:0"})
 
 
 @pytest.fixture

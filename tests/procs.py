@@ -317,22 +317,34 @@ def wait_new_leader(dsn: str, schema: str, old_epoch: int, timeout: float) -> tu
     return wait_for(check, timeout, what="a new leader")
 
 
+# The COMMIT half of both write audits (this module's and tests/scenarios.AUDIT), for a
+# ``{schema}.write_audit`` table with ``seq``, ``committed_at``, ``committed_epoch`` and
+# ``committed_instance`` columns: each audit record, when its writer commits, gets the leader row
+# as it is then (a deferred constraint trigger fires at COMMIT, after the fence's check).
+AUDIT_AT_COMMIT = """
+CREATE FUNCTION {schema}.write_audit_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  UPDATE {schema}.write_audit w
+     SET committed_at = clock_timestamp(), committed_epoch = l.epoch, committed_instance = l.instance_id
+    FROM {schema}.leader l WHERE l.name = 'leader' AND w.seq = NEW.seq;
+  RETURN NULL;
+END $$;
+CREATE CONSTRAINT TRIGGER write_audit_commit AFTER INSERT ON {schema}.write_audit
+  DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION {schema}.write_audit_commit();
+"""
+
+
 def install_write_audit(dsn: str, schema: str, tables: tuple[str, ...] = ("jobs", "service_runs")) -> None:
     """Record every committed write statement on ``tables`` (even one that changed no row): who
     (application_name, backend pid), which transaction, when, and the leader row (epoch,
     instance) as it was committed when the statement ran, and again at the writer's COMMIT
-    (``committed_epoch``, ``committed_instance``: a deferred constraint trigger)."""
+    (``committed_epoch``, ``committed_instance``: :data:`AUDIT_AT_COMMIT`)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
             f'CREATE TABLE "{schema}".write_audit (seq bigserial PRIMARY KEY, at timestamptz NOT NULL, '
             f"app text, backend_pid int, txid xid8, tbl text, op text, leader_epoch bigint, leader_instance text, "
-            f"committed_epoch bigint, committed_instance text)")
-        conn.execute(
-            f'CREATE FUNCTION "{schema}".audit_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN '
-            f'UPDATE "{schema}".write_audit w SET committed_epoch = l.epoch, committed_instance = l.instance_id '
-            f"""FROM "{schema}".leader l WHERE l.name = 'leader' AND w.seq = NEW.seq; RETURN NULL; END $$""")
-        conn.execute(f'CREATE CONSTRAINT TRIGGER audit_commit AFTER INSERT ON "{schema}".write_audit '
-                     f'DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION "{schema}".audit_commit()')
+            f"committed_at timestamptz, committed_epoch bigint, committed_instance text)")
+        conn.execute(AUDIT_AT_COMMIT.replace("{schema}", f'"{schema}"'))
         conn.execute(
             f'CREATE FUNCTION "{schema}".audit_write() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN '
             f'INSERT INTO "{schema}".write_audit (at, app, backend_pid, txid, tbl, op, leader_epoch, leader_instance) '

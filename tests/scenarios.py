@@ -18,27 +18,18 @@ import psycopg
 
 from maintd.db import advisory_key
 
-from .procs import DaemonProc, wait_for
+from .procs import AUDIT_AT_COMMIT, DaemonProc, wait_for
 
 # Every statement that writes jobs from a maintd session (application_name maintd:...) records,
 # in the writing transaction: who wrote, from which backend, the leader row it saw, and which
 # session held the schema's leader lock at that moment (the server's truth, not the daemon's).
-# At COMMIT (a deferred constraint trigger on the record), the leader row again: a statement run
-# under one term must not commit under the next (the fence's FOR KEY SHARE holds the bump off).
+# At COMMIT (procs.AUDIT_AT_COMMIT), the leader row again: a statement run under one term must
+# not commit under the next (the fence's FOR KEY SHARE holds the bump off).
 AUDIT = """
 CREATE TABLE {schema}.write_audit (
   app text, backend_pid int, txid bigint, at timestamptz, op text,
   leader_epoch bigint, leader_instance text, leader_backend int, holder_pid int, holder_app text,
   seq bigserial PRIMARY KEY, committed_at timestamptz, committed_epoch bigint, committed_instance text);
-CREATE FUNCTION {schema}.write_audit_commit() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-  UPDATE {schema}.write_audit w
-     SET committed_at = clock_timestamp(), committed_epoch = l.epoch, committed_instance = l.instance_id
-    FROM {schema}.leader l WHERE l.name = 'leader' AND w.seq = NEW.seq;
-  RETURN NULL;
-END $$;
-CREATE CONSTRAINT TRIGGER write_audit_commit AFTER INSERT ON {schema}.write_audit
-  DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION {schema}.write_audit_commit();
 CREATE FUNCTION {schema}.write_audit() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
   l record;
@@ -59,7 +50,7 @@ BEGIN
 END $$;
 CREATE TRIGGER write_audit AFTER INSERT OR UPDATE OR DELETE ON {schema}.jobs
   FOR EACH STATEMENT EXECUTE FUNCTION {schema}.write_audit();
-"""
+""" + AUDIT_AT_COMMIT
 
 
 def q(schema: str) -> str:

@@ -14,7 +14,6 @@ import pytest
 from sqlalchemy import event
 from sqlalchemy.exc import OperationalError
 
-from maintd.config import Settings
 from maintd.queries import for_queue, sql
 from maintd.metrics import Metrics
 from maintd.services.base import PassContext, PassStopped
@@ -24,7 +23,7 @@ from maintd.services.cleaner import (
     next_width,
 )
 
-from .conftest import T0, TEST_PARTITIONS, run_concurrently
+from .conftest import T0, run_concurrently
 from .plans import explain, index_names, seq_scans
 
 # Every test here runs on both jobs layouts (SPEC 8.1): tests/conftest.py.
@@ -64,12 +63,6 @@ class CountingContext(PassContext):
     def transaction(self, **kw):
         self.transactions += kw.get("fenced", True)
         return super().transaction(**kw)
-
-
-@pytest.fixture
-def configured(pg_dsn, schema, layout):
-    """Settings for this test's schema on its layout, with the keys given (the cleaner's, mostly)."""
-    return lambda **kw: Settings(database_url=pg_dsn, schema=schema, layout=layout, partitions=TEST_PARTITIONS, **kw)
 
 
 def run(settings, engine, clock, dry_run=False, cleaner=None):
