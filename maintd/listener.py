@@ -24,8 +24,13 @@ descriptor and a little memory, never a thread. What a client of the port can ho
   probes); ``/metrics`` has its own two threads (and renders at most twice a second:
   :class:`maintd.http.Recent`); the probes (``/healthz``, ``/readyz``) read a few attributes and
   are answered on the loop itself, behind nothing but the loop's own turns;
-* the loop accepts at most ``ACCEPT_BATCH`` connections in a row before it serves the others, so
-  a flood of new connections cannot keep it from the ones it has.
+* a new connection costs no task until it needs one: its first read, if it is one whole request
+  answered on the loop (a probe, or a refusal), is answered at once and the connection closed
+  (:meth:`Listener._first_read`), so a flood of new connections does not fill the kernel's accept
+  queue (where a probe's SYN would wait out the 1 s retransmit);
+* the loop accepts at most ``ACCEPT_BATCH`` connections in a row before it serves the others, and
+  at most ``turn`` requests of kept-alive connections begin per turn of the loop (:class:`_Turns`),
+  so neither a flood of new connections nor clients that pipeline can keep it from a probe.
 
 The listen backlog is ``backlog`` (the kernel caps it at ``net.core.somaxconn``). A client that
 goes away mid-request is a debug line, never a traceback. Requests are HTTP/1.0 or 1.1 ``GET`` or
@@ -41,6 +46,7 @@ import logging
 import resource
 import socket
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from email.utils import formatdate
@@ -60,6 +66,7 @@ Handle = Callable[[str, str, Headers], Answer]
 OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 ACCEPT_BATCH = 64  # connections accepted in a row before the loop serves the others
 MAX_CONNECTIONS = 2_000  # the default cap's ceiling: 2,000 idle connections cost about 16 MB
+FIRST_READ = 64 * 1024  # a new connection's first read: all of a too-long head is read before its 431
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,7 @@ class Limits:
     max_headers: int = 64
     backlog: int = 1024
     max_connections: int = 0  # 0: half the descriptor limit (see connection_cap)
+    turn: int = 16  # requests of kept-alive connections begun per turn of the loop (see _Turns)
     lanes: Mapping[str, Lane] = field(default_factory=lambda: {"page": Lane(2), "metrics": Lane(2, 30)})
 
 
@@ -126,6 +134,8 @@ class _Conn:
     sock: socket.socket
     writer: asyncio.StreamWriter | None = None
     task: asyncio.Task | None = None
+    timer: asyncio.TimerHandle | None = None  # the idle timeout of its first read (no task yet)
+    watched: bool = False  # its socket is in the loop's selector for that read
 
 
 class _Pool:
@@ -134,6 +144,40 @@ class _Pool:
     def __init__(self, name: str, lane: Lane):
         self.executor = ThreadPoolExecutor(lane.threads, thread_name_prefix=f"maintd-http-{name}")
         self.cap, self.busy, self.threads = lane.threads + lane.queue, 0, lane.threads
+
+
+class _Turns:
+    """At most ``per_round`` requests of kept-alive connections begin per turn of the loop, the
+    rest wait in line: however many connections pipeline requests, a turn stays short, and a new
+    connection (a probe) is read and answered within a few turns."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, per_round: int):
+        self.loop, self.per_round, self.granted = loop, per_round, 0
+        self.line: deque[asyncio.Future] = deque()
+        self.scheduled = False
+
+    async def take(self) -> None:
+        if self.granted < self.per_round and not self.line:
+            self.granted += 1
+        else:
+            self.line.append(self.loop.create_future())
+            await self.line[-1]
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if not self.scheduled:
+            self.scheduled = True
+            self.loop.call_soon(self._next_round)
+
+    def _next_round(self) -> None:
+        self.scheduled, self.granted = False, 0
+        while self.line and self.granted < self.per_round:
+            waiter = self.line.popleft()
+            if not waiter.done():  # else cancelled: its connection was closed meanwhile
+                waiter.set_result(None)
+                self.granted += 1
+        if self.line:
+            self._schedule()
 
 
 class Listener:
@@ -152,6 +196,7 @@ class Listener:
         self._heads: dict[_Conn, None] = {}  # receiving a request head
         self._waiting: dict[_Conn, None] = {}  # waiting for a request (no byte of it yet)
         self._loop = asyncio.new_event_loop()
+        self._turns = _Turns(self._loop, limits.turn)
         self._accepting: asyncio.Task | None = None
         self._warned_at = float("-inf")
         self.thread = threading.Thread(target=self._run, name="maintd-http", daemon=True)
@@ -214,10 +259,11 @@ class Listener:
             if len(self._conns) >= self.max_connections and not self._make_room():
                 sock.close()  # every connection is busy: this one is refused, not queued
                 continue
-            conn = _Conn(sock)
+            conn = _Conn(sock, watched=True)
             self._conns[conn] = None
-            self._waiting[conn] = None  # for its task's first look
-            conn.task = self._loop.create_task(self._serve(conn))
+            self._waiting[conn] = None
+            self._loop.add_reader(sock.fileno(), self._first_read, conn)
+            conn.timer = self._loop.call_later(self.limits.idle_timeout, self._close, conn)
             accepted += 1
             if accepted % ACCEPT_BATCH == 0:  # let the connections accepted so far be served
                 await asyncio.sleep(0)
@@ -244,6 +290,7 @@ class Listener:
     def _close(self, conn: _Conn, cancel: bool = False) -> None:
         for conns in (self._conns, self._heads, self._waiting):
             conns.pop(conn, None)
+        self._unwatch(conn)
         if conn.writer is not None:
             conn.writer.close()
         else:
@@ -251,11 +298,85 @@ class Listener:
         if cancel and conn.task is not None and conn.task is not asyncio.current_task():
             conn.task.cancel()
 
-    async def _serve(self, conn: _Conn) -> None:
+    def _unwatch(self, conn: _Conn) -> None:
+        if conn.timer is not None:
+            conn.timer.cancel()
+        if conn.watched:
+            conn.watched = False
+            self._loop.remove_reader(conn.sock.fileno())
+
+    def _first_read(self, conn: _Conn) -> None:
+        """A new connection's first bytes. A whole head in one read whose answer is made on the
+        loop (the probes, and every refusal) is answered here and the connection closed, with no
+        task or stream: under a flood of new connections the loop keeps up and the kernel's accept
+        queue does not fill (a probe whose SYN finds it full waits the 1 s SYN retransmit). Any
+        other request goes on as a task, with the bytes read."""
+        self._unwatch(conn)
+        try:
+            data = conn.sock.recv(FIRST_READ)
+        except (BlockingIOError, InterruptedError):
+            data = None
+        except OSError as exc:
+            log.debug("http: client went away", extra=kv(error=type(exc).__name__))
+            self._close(conn)
+            return
+        if data == b"":
+            self._close(conn)
+            return
+        try:
+            quick = self._quick(data) if data else None
+        except Exception as exc:  # a probe's handler answers its own errors; this is a bug
+            log.warning("http: handler failed", extra=kv(error=repr(exc)))
+            quick = encode(plain(500, "internal error"), keep=False, head_only=False), False
+        if quick is None:
+            self._waiting.pop(conn, None)
+            conn.task = self._loop.create_task(self._serve(conn, data or b""))
+            return
+        payload, keep = quick
+        try:
+            sent = conn.sock.send(payload)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            sent = len(payload)  # gone: nothing more to say
+            keep = False
+        if sent == len(payload) and not keep:
+            self._close(conn)
+        else:  # the rest of the answer, and the requests after it, go on as a task
+            self._waiting.pop(conn, None)
+            conn.task = self._loop.create_task(self._serve(conn, unsent=payload[sent:], keep=keep))
+
+    def _quick(self, data: bytes) -> tuple[bytes, bool] | None:
+        """(the answer, keep the connection) when ``data`` is exactly one head with CRLF line ends
+        whose answer is made on the loop; else None (read as any request is)."""
+        if (len(data) > self.limits.max_head or data.find(b"\r\n\r\n") != len(data) - 4
+                or data.startswith(b"\r\n") or data.count(b"\n") != data.count(b"\r\n")):
+            return None
+        try:
+            method, target, version, headers = parse_head(data[:-4], self.limits.max_headers)
+        except BadRequest as exc:
+            return encode(plain(exc.status, exc.message), keep=False, head_only=False), False
+        answer = self._inline(method, target, headers)
+        if answer is None:
+            return None
+        keep = keep_alive(version, headers) and answer[0] not in (405, 503)
+        return encode(answer, keep=keep, head_only=method == "HEAD"), keep
+
+    async def _serve(self, conn: _Conn, read: bytes = b"", *, unsent: bytes = b"", keep: bool = True) -> None:
+        """``read``: bytes already read from the connection; ``unsent``: the part of an answer
+        made by :meth:`_first_read` that the socket did not take at once."""
         try:
             reader, conn.writer = await asyncio.open_connection(sock=conn.sock, limit=self.limits.max_head)
-            while await self._exchange(conn, reader):
-                pass
+            if unsent:
+                conn.writer.write(unsent)
+                async with asyncio.timeout(self.limits.write_timeout):
+                    await conn.writer.drain()
+            reader.feed_data(read)
+            del read  # the reader holds a copy: not twice per connection
+            while keep:
+                self._waiting[conn] = None  # while it waits its turn, room can be made by closing it
+                await self._turns.take()  # a pipelining client waits its turn
+                keep = await self._exchange(conn, reader)
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, OSError) as exc:
             log.debug("http: client went away", extra=kv(error=type(exc).__name__))
         finally:
@@ -325,13 +446,19 @@ class Listener:
             log.debug("http: unfinished request head dropped", extra=kv(heads=len(self._heads)))
             self._close(oldest, cancel=True)
 
-    async def _answer(self, method: str, target: str, headers: Headers) -> Answer:
+    def _inline(self, method: str, target: str, headers: Headers) -> Answer | None:
+        """The answer when it is made on the loop (a refused method, a probe); else None."""
         if method not in ("GET", "HEAD"):
             return plain(405, f"method {method} not allowed", Allow="GET, HEAD")
-        lane = self.lane_of(target.partition("?")[0])
-        if lane == INLINE:
+        if self.lane_of(target.partition("?")[0]) == INLINE:
             return self.handle(method, target, headers)
-        pool = self._pools[lane]
+        return None
+
+    async def _answer(self, method: str, target: str, headers: Headers) -> Answer:
+        answer = self._inline(method, target, headers)
+        if answer is not None:
+            return answer
+        pool = self._pools[self.lane_of(target.partition("?")[0])]
         if pool.busy >= pool.cap:
             return plain(503, f"busy: {pool.threads} requests of this kind are being answered; "
                               f"retry in a second", **{"Retry-After": "1"})

@@ -20,6 +20,7 @@ because browsers send them in cookies).
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 
@@ -192,7 +193,7 @@ def exchange(port: int, raw: bytes) -> bytes:
     return reply
 
 
-@pytest.mark.parametrize("raw,status", [
+LISTENING = [
     (b"GET /healthz HTTP/1.1\r\n\r\n", b"400"),  # no Host
     (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX: a\rb\r\n\r\n", b"400"),  # a lone CR in a value
     (b"GET http://x/healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", b"200"),  # absolute form
@@ -207,7 +208,16 @@ def exchange(port: int, raw: bytes) -> bytes:
     (b"GET /healthz HTTP/1.1\r\nHost: x\nConnection: close\n\r\n", b"200"),
     # ... but a CR alone ends nothing: it stays in the value, which is refused
     (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX: a\r\r\n\r\n", b"400"),
-])
+    # the listener's one-read path (maintd.listener.Listener._quick) must read these as the rest
+    # does: a bare LF amid CRLFs, one empty line before the request line, a refused method
+    (b"GET /healthz HTTP/1.1\nHost: x\r\nConnection: close\r\n\r\n", b"200"),
+    (b"\r\nGET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", b"200"),
+    (b"DELETE /healthz HTTP/1.1\r\nHost: x\r\n\r\n", b"405"),
+    (b"HEAD /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", b"200"),
+]
+
+
+@pytest.mark.parametrize("raw,status", LISTENING)
 def test_a_listening_server_answers_as_the_parser_reads_and_closes(raw, status):
     """Each exchange ends with the server closing the connection (``exchange`` reads to EOF)."""
     server = HttpServer("127.0.0.1", 0, {"/healthz": lambda: text(200, "ok\n")})
@@ -218,6 +228,32 @@ def test_a_listening_server_answers_as_the_parser_reads_and_closes(raw, status):
         server.stop()
     assert reply.startswith(b"HTTP/1.1 " + status + b" "), reply[:80]
     assert b"Connection: close" in reply
+
+
+def without_date(reply: bytes) -> bytes:
+    return b"\r\n".join(line for line in reply.split(b"\r\n") if not line.startswith(b"Date: "))
+
+
+@pytest.mark.parametrize("raw,status", LISTENING)
+def test_a_request_is_answered_alike_in_one_read_or_in_pieces(raw, status):
+    """A new connection's first read, when it holds one whole head, is answered without the
+    streams (maintd.listener.Listener._first_read); a head that comes in pieces is read line by
+    line. Both must give the same answer, byte for byte but the date."""
+    server = HttpServer("127.0.0.1", 0, {"/healthz": lambda: text(200, "ok\n")})
+    server.start()
+    try:
+        whole = exchange(server.port, raw)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+            s.sendall(raw[:5])
+            time.sleep(0.05)  # the first read gets the first five bytes only
+            s.sendall(raw[5:])
+            pieces = b""
+            while chunk := s.recv(65536):
+                pieces += chunk
+    finally:
+        server.stop()
+    assert whole.startswith(b"HTTP/1.1 " + status + b" "), whole[:80]
+    assert without_date(whole) == without_date(pieces)
 
 
 def test_a_head_of_many_short_lines_is_bounded_as_a_whole():

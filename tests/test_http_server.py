@@ -8,6 +8,7 @@ and ``IdleTimeout``, nginx's ``client_header_timeout`` (408) and ``keepalive_tim
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import logging
 import re
@@ -318,3 +319,70 @@ def test_the_daemon_raises_its_soft_descriptor_limit_towards_the_hard_one(limit,
     out = subprocess.run(["prlimit", f"--nofile={limit}", "--", sys.executable, "-c", code],
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == [str(after), str(min(after // 2, MAX_CONNECTIONS))]  # half, memory allowing
+
+
+def test_at_most_a_turns_worth_of_kept_alive_requests_begin_per_turn_of_the_loop():
+    """``_Turns`` with 2 a round: 7 requests waiting at once begin 2, 2, 2, 1 in four turns of the
+    loop, in the order they came (a pipelining flood cannot fill one turn of the loop, where a
+    probe's connection waits)."""
+    from maintd.listener import _Turns
+
+    async def main() -> list[tuple[int, int]]:
+        loop, turns, began, tick = asyncio.get_running_loop(), None, [], [0]
+
+        def ticker() -> None:  # counts the loop's turns
+            tick[0] += 1
+            loop.call_soon(ticker)
+
+        turns = _Turns(loop, 2)
+        for _ in range(2):  # this turn's two are taken already
+            await turns.take()
+        loop.call_soon(ticker)
+
+        async def request(i: int) -> None:
+            await turns.take()
+            began.append((i, tick[0]))
+
+        await asyncio.gather(*(request(i) for i in range(7)))
+        return began
+
+    began = asyncio.run(main())
+    assert [i for i, _ in began] == list(range(7))
+    per_turn = [sum(1 for _, t in began if t == turn) for turn in sorted({t for _, t in began})]
+    assert per_turn == [2, 2, 2, 1], began
+
+
+def test_at_the_cap_a_connection_waiting_its_turn_makes_room_for_a_probe(gate):
+    """Three connections pipeline 20,000 requests each and read the answers as they come, one
+    request a turn between them, so each is always either answered or waiting in line: at a cap
+    of three, the probe's connection closes one of those waiting. (Not counting them as waiting,
+    the listener refused the probe: the flood of bench/attacker.py pipelined reset it.)"""
+    server = serve(gate, Limits(idle_timeout=30, header_timeout=30, max_connections=3, turn=1))
+    flood = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(3)]
+    ended: list[int] = []
+
+    def pipeline(i: int) -> None:
+        threading.Thread(target=lambda: flood[i].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 20_000),
+                         daemon=True).start()
+        try:
+            while flood[i].recv(65536):
+                pass
+        except OSError:
+            pass
+        ended.append(i)
+
+    readers = [threading.Thread(target=pipeline, args=(i,), daemon=True) for i in range(3)]
+    try:
+        for t in readers:
+            t.start()
+        time.sleep(0.3)
+        assert not ended, "the flood is over before the probe"
+        status, body, _, _ = get(server.port, "/healthz")
+        assert (status, body) == (200, b"ok\n")
+        wait_for(lambda: len(ended) == 1, 5, what="one pipelining connection closed for room")
+        time.sleep(0.3)
+        assert len(ended) == 1
+    finally:
+        for s in flood:
+            s.close()
+        server.stop()
