@@ -384,7 +384,7 @@ class ElectionLoop:
         looking idle, so ``idle_session_timeout`` ends it only when this process is frozen or cut off."""
         if time.monotonic() - self._read_at < REFRESH:
             return
-        self._read_at = time.monotonic()
+        self._read_at, was = time.monotonic(), self.replicas
         for seat in self.targets:
             rows: list = []
             if self._try(seat, lambda s: rows.extend(self.session.run(s.psql(q_daemons.REFRESH))), "could not read"):
@@ -393,8 +393,8 @@ class ElectionLoop:
         else:
             rows = self.session.run(q.WRITABLE)
         self._set(writable=bool(rows[0][0]))
-        if self.spread is not None:
-            self.spread.refresh()
+        if self.spread is not None and self.replicas != was:
+            self.spread.refresh(at_once=True)  # a replica came or went: its targets move now
 
     def _sleep(self, until: float, session: bool = True) -> None:
         """Until ``until`` (monotonic), a request, or (``session``) what the server sends: NOTIFYs

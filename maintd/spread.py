@@ -161,11 +161,12 @@ class Spread:
             lost = self._lost.get(name, (0, 0.0))[0] + 1
             self._lost[name] = (lost, time.monotonic() + min(self.lazy_max, self.retry * 2 ** (lost - 1)))
 
-    def refresh(self) -> None:
-        """Take the live replicas in (at most every ``REFRESH`` s); the targets this replica owns now are tried at once."""
+    def refresh(self, at_once: bool = False) -> None:
+        """Take the live replicas in (at most every ``REFRESH`` s, unless ``at_once``: an election
+        loop read a change); the targets this replica owns now are tried at once."""
         with self._lock:
             now = time.monotonic()
-            if now - self._read_at < REFRESH:
+            if now - self._read_at < REFRESH and not at_once:
                 return
             self._read_at = now
         found = self.live_replicas()

@@ -4,6 +4,7 @@ reconnects, pooler detection, run-once's lock."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import threading
 import time
@@ -21,6 +22,7 @@ from maintd.election import Request
 from maintd.leader import ElectionLoop, LeaderFence, LeaderSessionError, acquire_once
 from maintd.services.base import NotLeader, PassContext
 from maintd.leader import Seat
+from maintd.spread import Spread
 
 from .procs import lock_holders, wait_for
 
@@ -339,7 +341,7 @@ def test_a_woken_follower_asks_its_gate_again_at_once(settings, schema):
         def tried(self, name, won):
             pass
 
-        def refresh(self):
+        def refresh(self, at_once=False):
             pass
 
     elector = Recorder().elector(s, spread=Gate())
@@ -355,3 +357,27 @@ def test_a_woken_follower_asks_its_gate_again_at_once(settings, schema):
         assert not elector.is_leader
     finally:
         elector.stop()
+
+
+def test_a_change_of_the_live_replicas_reaches_the_spread_at_the_loops_read(settings):
+    """A replica comes (or dies): the election loop that reads it hands it to the spread at once
+    (``Spread.refresh(at_once=True)``), not at the spread's own next read up to a second later, so a
+    dead replica's targets move that much sooner. The spread's own reads are held off here: only
+    the loop's hand-over can take ``b`` in."""
+    a_settings, b_settings = with_leader(settings, "test-a"), with_leader(settings, "test-b")
+    a = Recorder().elector(a_settings)
+    spread = Spread([], me="test-a", retry_interval=0.2, settle=3.0, lease=3.0,
+                    live_replicas=lambda: a.loop.replicas)
+    a.loop.spread = spread
+    a.start()
+    b = None
+    try:
+        wait_for(lambda: a.loop.replicas == ("test-a",), 10, what="a's loop reading itself live")
+        spread._read_at = math.inf
+        b = Recorder().elector(b_settings)
+        b.start()
+        wait_for(lambda: spread.live == ("test-a", "test-b"), 5, what="b in the spread")
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()

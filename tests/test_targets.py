@@ -231,6 +231,18 @@ def test_gate_tries_own_targets_at_once_and_the_others_lazily():
     assert {u.name for u in units if u.woken} == {u.name for u in units} - {theirs[0], mine[1]}
 
 
+def test_the_spread_reads_the_replicas_once_a_second_unless_a_loop_saw_a_change():
+    """``balance()`` asks every second and takes the replicas in at most that often; an election
+    loop that read a change hands it over at once (``at_once``)."""
+    units = [FakeUnit(f"t{i:02d}") for i in range(6)]
+    spread, found = make_spread(units, ["r0", "r1"])
+    found[0] = ["r0", "r1", "r2"]
+    spread.refresh()
+    assert spread.replicas == 2  # read less than a second ago
+    spread.refresh(at_once=True)
+    assert spread.replicas == 3 and spread.live == ("r0", "r1", "r2")
+
+
 def test_lazy_tries_falling_due_together_stop_at_the_cap():
     """A replica one below its cap, whose lazy tries of another replica's targets fall due
     together (that replica was SIGKILLed: its targets' locks are free), tries one and then waits
