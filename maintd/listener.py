@@ -323,14 +323,9 @@ class Listener:
         if data == b"":
             self._close(conn)
             return
-        try:
-            quick = self._quick(data) if data else None
-        except Exception as exc:  # a probe's handler answers its own errors; this is a bug
-            log.warning("http: handler failed", extra=kv(error=repr(exc)))
-            quick = encode(plain(500, "internal error"), keep=False, head_only=False), False
+        quick = self._quick(data) if data else None
         if quick is None:
-            self._waiting.pop(conn, None)
-            conn.task = self._loop.create_task(self._serve(conn, data or b""))
+            self._go_on(conn, data or b"")
             return
         payload, keep = quick
         try:
@@ -343,8 +338,12 @@ class Listener:
         if sent == len(payload) and not keep:
             self._close(conn)
         else:  # the rest of the answer, and the requests after it, go on as a task
-            self._waiting.pop(conn, None)
-            conn.task = self._loop.create_task(self._serve(conn, unsent=payload[sent:], keep=keep))
+            self._go_on(conn, unsent=payload[sent:], keep=keep)
+
+    def _go_on(self, conn: _Conn, read: bytes = b"", *, unsent: bytes = b"", keep: bool = True) -> None:
+        """Serve the rest of the connection as a task (:meth:`_serve`)."""
+        self._waiting.pop(conn, None)
+        conn.task = self._loop.create_task(self._serve(conn, read, unsent=unsent, keep=keep))
 
     def _quick(self, data: bytes) -> tuple[bytes, bool] | None:
         """(the answer, keep the connection) when ``data`` is exactly one head with CRLF line ends
@@ -356,7 +355,7 @@ class Listener:
             method, target, version, headers = parse_head(data[:-4], self.limits.max_headers)
         except BadRequest as exc:
             return encode(plain(exc.status, exc.message), keep=False, head_only=False), False
-        answer = self._inline(method, target, headers)
+        answer = self._inline(method, target, headers, self._lane(target))
         if answer is None:
             return None
         keep = keep_alive(version, headers) and answer[0] not in (405, 503)
@@ -368,9 +367,7 @@ class Listener:
         try:
             reader, conn.writer = await asyncio.open_connection(sock=conn.sock, limit=self.limits.max_head)
             if unsent:
-                conn.writer.write(unsent)
-                async with asyncio.timeout(self.limits.write_timeout):
-                    await conn.writer.drain()
+                await self._write(conn, unsent)
             reader.feed_data(read)
             del read  # the reader holds a copy: not twice per connection
             while keep:
@@ -446,33 +443,48 @@ class Listener:
             log.debug("http: unfinished request head dropped", extra=kv(heads=len(self._heads)))
             self._close(oldest, cancel=True)
 
-    def _inline(self, method: str, target: str, headers: Headers) -> Answer | None:
+    def _lane(self, target: str) -> str:
+        return self.lane_of(target.partition("?")[0])
+
+    def _inline(self, method: str, target: str, headers: Headers, lane: str) -> Answer | None:
         """The answer when it is made on the loop (a refused method, a probe); else None."""
         if method not in ("GET", "HEAD"):
             return plain(405, f"method {method} not allowed", Allow="GET, HEAD")
-        if self.lane_of(target.partition("?")[0]) == INLINE:
+        if lane != INLINE:
+            return None
+        try:
             return self.handle(method, target, headers)
-        return None
+        except Exception as exc:
+            return self._failed(exc)
+
+    @staticmethod
+    def _failed(exc: Exception) -> Answer:
+        """A handler raised: it answers its own errors, so this is a bug."""
+        log.warning("http: handler failed", extra=kv(error=repr(exc)))
+        return plain(500, "internal error")
 
     async def _answer(self, method: str, target: str, headers: Headers) -> Answer:
-        answer = self._inline(method, target, headers)
+        lane = self._lane(target)
+        answer = self._inline(method, target, headers, lane)
         if answer is not None:
             return answer
-        pool = self._pools[self.lane_of(target.partition("?")[0])]
+        pool = self._pools[lane]
         if pool.busy >= pool.cap:
             return plain(503, f"busy: {pool.threads} requests of this kind are being answered; "
                               f"retry in a second", **{"Retry-After": "1"})
         pool.busy += 1
         try:
             return await self._loop.run_in_executor(pool.executor, self.handle, method, target, headers)
-        except Exception as exc:  # the handler answers its own errors; this is a bug
-            log.warning("http: handler failed", extra=kv(error=repr(exc)))
-            return plain(500, "internal error")
+        except Exception as exc:
+            return self._failed(exc)
         finally:
             pool.busy -= 1
 
     async def _send(self, conn: _Conn, answer: Answer, *, keep: bool, head_only: bool) -> None:
+        await self._write(conn, encode(answer, keep=keep, head_only=head_only))
+
+    async def _write(self, conn: _Conn, payload: bytes) -> None:
         assert conn.writer is not None
-        conn.writer.write(encode(answer, keep=keep, head_only=head_only))
+        conn.writer.write(payload)
         async with asyncio.timeout(self.limits.write_timeout):
             await conn.writer.drain()

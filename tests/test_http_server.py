@@ -25,7 +25,7 @@ from typing import Iterator
 import pytest
 
 from maintd.http import HttpServer, Recent, Request, text
-from maintd.listener import MAX_CONNECTIONS, Lane, Limits
+from maintd.listener import INLINE, MAX_CONNECTIONS, Lane, Limits, Listener
 
 from .procs import wait_for
 
@@ -386,3 +386,29 @@ def test_at_the_cap_a_connection_waiting_its_turn_makes_room_for_a_probe(gate):
         for s in flood:
             s.close()
         server.stop()
+
+
+@pytest.mark.parametrize("pieces", [1, 2])
+def test_a_handler_that_raises_is_a_500_and_a_warning_however_the_request_came(pieces, http_log):
+    """The listener's handler answers its own errors (HttpServer.respond does); one that raises
+    anyway, on the loop (a probe) or on a lane's thread, gets 500 and a warning, whether its
+    request came in the first read or in pieces."""
+    def handle(method, target, headers):
+        raise RuntimeError("boom")
+
+    listener = Listener("127.0.0.1", 0, handle, lambda path: INLINE if path == "/healthz" else "page", FAST)
+    listener.start()
+    try:
+        for path in (b"/healthz", b"/page"):
+            raw = b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            with socket.create_connection(listener.address, timeout=5) as s:
+                for part in (raw[:5], raw[5:]) if pieces == 2 else (raw,):
+                    s.sendall(part)
+                    time.sleep(0.05)
+                reply = b""
+                while chunk := s.recv(65536):
+                    reply += chunk
+            assert reply.startswith(b"HTTP/1.1 500 ") and reply.endswith(b"internal error\n"), (path, reply[:80])
+    finally:
+        listener.stop()
+    assert [r.getMessage() for r in http_log].count("http: handler failed") == 2, http_log
