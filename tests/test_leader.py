@@ -365,10 +365,9 @@ def test_a_change_of_the_live_replicas_reaches_the_spread_at_the_loops_read(sett
     dead replica's targets move that much sooner. The spread's own reads are held off here: only
     the loop's hand-over can take ``b`` in."""
     a_settings, b_settings = with_leader(settings, "test-a"), with_leader(settings, "test-b")
-    a = Recorder().elector(a_settings)
     spread = Spread([], me="test-a", retry_interval=0.2, settle=3.0, lease=3.0,
                     live_replicas=lambda: a.loop.replicas)
-    a.loop.spread = spread
+    a = Recorder().elector(a_settings, spread=spread)
     a.start()
     b = None
     try:

@@ -220,11 +220,10 @@ def test_gate_tries_own_targets_at_once_and_the_others_lazily():
     # r1 and r2 gone: every target is r0's now, its waiting followers are woken, and they try
     # at once while below the cap (13).
     found[0] = ["r0"]
-    spread._read_at = float("-inf")
     assert spread.cap == 5
     for u in units:
         u.woken = False
-    spread.refresh()  # the daemon's main loop does it (never the gate: no I/O on an elector thread)
+    spread.refresh(at_once=True)  # an election loop read it (never the gate: no I/O in the gate)
     assert spread.gate(theirs[2]) == 0 and spread.cap == 13
     # Every target r0 owns and does not lead is woken, its own from before too (their holder may
     # be the replica that died); theirs[0] and mine[1] are led already.
@@ -274,8 +273,7 @@ def test_an_owner_at_its_cap_takes_its_own_targets_and_hands_the_others_over():
     units = [FakeUnit(f"t{i:02d}") for i in range(12)]
     spread, found = make_spread(units, ["r0", "r1", "r2"])
     found[0] = ["r0", "r2"]  # r1 died
-    spread._read_at = float("-inf")
-    spread.refresh()
+    spread.refresh(at_once=True)
     assert spread.cap == 7
     mine = [u for u in units if spread.owns(u.name)]
     theirs = [u for u in units if not spread.owns(u.name)]
@@ -317,8 +315,7 @@ def test_an_own_target_held_elsewhere_is_tried_with_back_off_until_a_hand_over_o
     for u in units:
         u.woken = False
     found[0] = ["r0", "r2"]  # r1 died
-    spread._read_at = float("-inf")
-    spread.refresh()
+    spread.refresh(at_once=True)
     assert spread.gate(held) == 0 and spread.gate(mine[1]) == 0
     assert {held, mine[1]} <= {u.name for u in units if u.woken}
     spread.tried(held, won=True)
