@@ -209,7 +209,9 @@ LISTENING = [
     # ... but a CR alone ends nothing: it stays in the value, which is refused
     (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX: a\r\r\n\r\n", b"400"),
     # the listener's one-read path (maintd.listener.Listener._quick) must read these as the rest
-    # does: a bare LF amid CRLFs, one empty line before the request line, a refused method
+    # does: a bare LF amid CRLFs (RFC 9112 2.2), one empty line before the request line (RFC 9112
+    # 2.2; Go's TestTolerateCRLFBeforeRequestLine sends two), a method refused with 405 and Allow
+    # (RFC 9110 15.5.6), HEAD answered without content (RFC 9110 9.3.2)
     (b"GET /healthz HTTP/1.1\nHost: x\r\nConnection: close\r\n\r\n", b"200"),
     (b"\r\nGET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", b"200"),
     (b"DELETE /healthz HTTP/1.1\r\nHost: x\r\n\r\n", b"405"),

@@ -412,3 +412,27 @@ def test_a_handler_that_raises_is_a_500_and_a_warning_however_the_request_came(p
     finally:
         listener.stop()
     assert [r.getMessage() for r in http_log].count("http: handler failed") == 2, http_log
+
+
+def test_pipelined_requests_are_answered_in_the_order_they_came():
+    """RFC 9112 9.3.2: a server that reads pipelined requests "MUST send the corresponding
+    responses in the same order that the requests were received". Here the probes are answered
+    on the loop and /metrics on its lane's threads, each request after its turn (turn=1), and
+    the first request comes in the connection's first read."""
+    server = HttpServer("127.0.0.1", 0, {"/healthz": lambda: text(200, "ok\n"),
+                                         "/metrics": lambda: (time.sleep(0.05), text(200, "# metrics\n"))[1]},
+                        limits=Limits(idle_timeout=5, header_timeout=5, turn=1))
+    server.start()
+    try:
+        paths = ["/metrics", "/healthz", "/metrics", "/healthz", "/healthz", "/metrics"]
+        raw = b"".join(f"GET {p} HTTP/1.1\r\nHost: x\r\n\r\n".encode() for p in paths[:-1])
+        raw += f"GET {paths[-1]} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+            s.sendall(raw)
+            reply = b""
+            while chunk := s.recv(65536):
+                reply += chunk
+    finally:
+        server.stop()
+    bodies = re.findall(rb"\r\n\r\n(ok\n|# metrics\n)", reply)
+    assert bodies == [b"# metrics\n" if p == "/metrics" else b"ok\n" for p in paths], reply
