@@ -1,7 +1,9 @@
 """Configuration: a TOML file plus ``MAINTD_...`` environment overrides (``__`` for nesting).
 
-Everything is validated once, here, at the edge. Errors name the key (``cleaner.batch_size``) and
-the CLI turns them into exit code 2.
+Everything is validated once, at the edge. Errors name the key (``cleaner.batch_size``) and the
+CLI turns them into exit code 2. The daemon's own sections (``[leader]``, ``[http]``, ...) are
+here; each service's section is defined beside the service (``maintd/services/``) on the blocks
+of :mod:`maintd.sections`, and :class:`Settings` assembles them.
 """
 
 from __future__ import annotations
@@ -13,31 +15,20 @@ import tomllib
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, Literal
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    PlainSerializer,
-    PrivateAttr,
-    SecretStr,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from .durations import format_duration, parse_duration
-from .identifiers import IDENT_RE, validate_identifier  # noqa: F401  (re-exported)
-from .schedules import load_timezone, parse_schedule
-
-# graphile-worker's task identifiers too (``nested/task``, ``_private_id``).
-PERIODIC_ID_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:/-]{0,127}\Z")
-QUEUE_RE = re.compile(r"^[^\x00-\x1f]{1,128}\Z")
+from .identifiers import validate_identifier
+from .logs import redact_dsn
+from .sections import PositiveDuration, Section
+from .services.cleaner import CleanerConfig
+from .services.partitioner import PartitionsConfig
+from .services.periodic_config import CrontabJob, PeriodicJob
+from .services.reindexer import ReindexerConfig
+from .services.rescuer import RescuerConfig
+from .services.scheduler import SchedulerConfig
 
 
 class ConfigError(Exception):
@@ -46,40 +37,6 @@ class ConfigError(Exception):
     def __init__(self, problems: list[str]):
         self.problems = problems
         super().__init__("\n".join(problems))
-
-
-def _duration(v: object) -> timedelta:
-    return parse_duration(v)
-
-
-def _positive_duration(v: object) -> timedelta:
-    td = parse_duration(v)
-    if td <= timedelta(0):
-        raise ValueError("must be greater than zero")
-    return td
-
-
-def _retention(v: object) -> timedelta | None:
-    """A retention: a duration, or -1 (keep forever)."""
-    if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == -1):
-        return None
-    if isinstance(v, str) and v.strip() == "-1":
-        return None
-    return parse_duration(v)
-
-
-_ser = PlainSerializer(format_duration, return_type=str, when_used="json")
-Duration = Annotated[timedelta, BeforeValidator(_duration), _ser]
-PositiveDuration = Annotated[timedelta, BeforeValidator(_positive_duration), _ser]
-Retention = Annotated[timedelta | None, BeforeValidator(_retention), _ser]
-OptionalDuration = Annotated[
-    timedelta | None, BeforeValidator(lambda v: None if v is None else _positive_duration(v)),
-    PlainSerializer(lambda v: None if v is None else format_duration(v), when_used="json"),
-]
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class LeaderConfig(Section):
@@ -164,249 +121,7 @@ class HealthConfig(Section):
         return v
 
 
-class ServiceConfig(Section):
-    enabled: bool = True
-    interval: PositiveDuration = timedelta(seconds=30)
-
-
-class QueueRetention(Section):
-    completed_retention: Retention = None
-    cancelled_retention: Retention = None
-    discarded_retention: Retention = None
-    # Fields not given fall back to the global value; keep track of which were given.
-
-
-def _pause(v: object) -> timedelta:
-    td = parse_duration(v)
-    if td > timedelta(seconds=10):
-        raise ValueError("must be at most 10s")
-    return td
-
-
-class CleanerConfig(ServiceConfig):
-    batch_size: int = Field(default=10_000, ge=1, le=1_000_000)
-    # Idle time after each batch that deleted rows, leaving the database to the workers.
-    batch_pause: Annotated[timedelta, BeforeValidator(_pause), _ser] = timedelta(0)
-    completed_retention: Retention = timedelta(hours=24)
-    cancelled_retention: Retention = timedelta(hours=24)
-    discarded_retention: Retention = timedelta(days=7)
-    queues: dict[str, QueueRetention] = Field(default_factory=dict)
-
-    @field_validator("queues")
-    @classmethod
-    def _queues(cls, v: dict[str, QueueRetention]) -> dict[str, QueueRetention]:
-        for name in v:
-            if not QUEUE_RE.match(name):
-                raise ValueError(f"invalid queue name {name!r}")
-        return v
-
-    def longest_retention(self, state: str) -> timedelta | None:
-        """The longest retention of a final state, default or per queue (None: some keep it
-        forever): what the partitioned layout's drops follow (SPEC 8.1)."""
-        retentions = [self.retention(state)] + [self.retention(state, q) for q in self.queues]
-        return None if any(r is None for r in retentions) else max(retentions)
-
-    def retention(self, state: str, queue: str | None = None) -> timedelta | None:
-        """Effective retention for a final state (and queue); ``None`` keeps forever."""
-        key = f"{state}_retention"
-        if queue is not None and queue in self.queues:
-            override = self.queues[queue]
-            if key in override.model_fields_set:
-                return getattr(override, key)
-        return getattr(self, key)
-
-
-class RescueRule(Section):
-    """``[rescuer.queues.NAME]`` / ``[rescuer.kinds.NAME]``: the stuck rule for some jobs. Keys not
-    given (None here) take the ``[rescuer]`` value, not another section's."""
-
-    rescue_stuck_jobs_after: OptionalDuration = None
-    heartbeat_timeout: OptionalDuration = None
-    job_timeout: OptionalDuration = None
-
-
-def _rescue_rule_check(rule: RescueRule, info: ValidationInfo) -> RescueRule:
-    """A section keeps the rule rescue_stuck_jobs_after > job_timeout, with the ``[rescuer]``
-    values for the keys it does not set (the error's key is the section's)."""
-    defaults = info.data
-    given = rule.model_fields_set
-    after = rule.rescue_stuck_jobs_after or defaults.get("rescue_stuck_jobs_after")
-    timeout = rule.job_timeout if "job_timeout" in given else defaults.get("job_timeout")
-    if after is not None and timeout is not None and after <= timeout:
-        key = "rescue_stuck_jobs_after" if "rescue_stuck_jobs_after" in given else "job_timeout"
-        raise ValueError(
-            f"{key}: rescue_stuck_jobs_after must be greater than job_timeout here "
-            f"({format_duration(after)} <= {format_duration(timeout)}), or jobs still running within "
-            "their timeout would be rescued")
-    return rule
-
-
-def _rule_names(kind: str) -> Any:
-    def check(v: dict[str, RescueRule]) -> dict[str, RescueRule]:
-        for name in v:
-            if not QUEUE_RE.match(name):
-                raise ValueError(f"invalid {kind} name {name!r}")
-        return v
-    return AfterValidator(check)
-
-
-RescueRules = dict[str, Annotated[RescueRule, AfterValidator(_rescue_rule_check)]]
-
-
-class RescuerConfig(ServiceConfig):
-    # Stuck rows have no worker left to wait for them, so a batch may be large: at 1,000 its fixed
-    # cost (planning, round trips, commit) was a fifth of the work (bench/rescue.py).
-    batch_size: int = Field(default=5_000, ge=1, le=100_000)
-    rescue_stuck_jobs_after: PositiveDuration = timedelta(hours=1)
-    heartbeat_timeout: OptionalDuration = None
-    job_timeout: OptionalDuration = None
-    # Between passes, wake up when the next running job becomes stuck (SPEC 7.7), so a stuck job
-    # is rescued within about a second of its deadline instead of up to `interval` later.
-    precise_timing: bool = True
-    # Announce each rescued job with NOTIFY maintd_events ("stalled"); about 1.5 us of server CPU
-    # per rescued job, which a deployment that never LISTENs can save.
-    events: bool = True
-    # Per-queue and per-kind rules; a job's kind section wins over its queue's, which wins over
-    # the [rescuer] values.
-    queues: Annotated[RescueRules, _rule_names("queue")] = Field(default_factory=dict)
-    kinds: Annotated[RescueRules, _rule_names("kind")] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _check(self) -> "RescuerConfig":
-        if self.job_timeout is not None and self.rescue_stuck_jobs_after <= self.job_timeout:
-            raise ValueError(
-                "rescue_stuck_jobs_after: must be greater than rescuer.job_timeout "
-                f"({format_duration(self.rescue_stuck_jobs_after)} <= {format_duration(self.job_timeout)}),"
-                " or jobs still running within their timeout would be rescued"
-            )
-        return self
-
-    def rule(self, *, kind: str | None = None, queue: str | None = None) -> RescueRule:
-        """The effective stuck rule of a job (kind section, else queue section, else [rescuer]),
-        with every key resolved."""
-        section = self.kinds.get(kind) if kind is not None else None
-        if section is None and queue is not None:
-            section = self.queues.get(queue)
-        values = {k: getattr(self, k) for k in RescueRule.model_fields}
-        if section is not None:
-            values.update({k: getattr(section, k) for k in section.model_fields_set})
-            values["rescue_stuck_jobs_after"] = section.rescue_stuck_jobs_after or self.rescue_stuck_jobs_after
-        return RescueRule.model_construct(**values)
-
-
-class SchedulerConfig(ServiceConfig):
-    interval: PositiveDuration = timedelta(seconds=5)
-    batch_size: int = Field(default=10_000, ge=1, le=1_000_000)
-    # Between ticks, wake up when the next job falls due (if that is before the next tick), so
-    # promotion lag is milliseconds instead of up to `interval`.
-    precise_timing: bool = True
-
-
 Layout = Literal["plain", "partitioned"]
-
-
-def _partition_step(v: object) -> timedelta:
-    td = parse_duration(v)
-    if td < timedelta(minutes=1):
-        raise ValueError("must be at least 1m (one partition per state and step)")
-    if td.microseconds:
-        raise ValueError("must be a whole number of seconds")
-    return td
-
-
-class PartitionsConfig(Section):
-    """``[partitions]``: the partitioned layout (SPEC 8.1). ``interval`` is the time range of one
-    final-state partition; ``premake`` how many of them the leader keeps made ahead."""
-
-    interval: Annotated[timedelta, BeforeValidator(_partition_step), _ser] = timedelta(hours=1)
-    premake: int = Field(default=24, ge=1, le=1000)
-
-
-class Scheduled(Section):
-    """A section with a cron/interval ``schedule`` evaluated in ``timezone``."""
-
-    schedule: str
-    timezone: str = "UTC"
-
-    @field_validator("timezone")
-    @classmethod
-    def _tz(cls, v: str) -> str:
-        load_timezone(v)
-        return v
-
-    @model_validator(mode="after")
-    def _check_schedule(self) -> "Scheduled":
-        try:
-            parse_schedule(self.schedule, self.timezone)
-        except ValueError as exc:
-            raise ValueError(f"schedule: {exc}") from None
-        return self
-
-
-class ReindexerConfig(Scheduled):
-    enabled: bool = False
-    schedule: str = "0 0 * * *"
-    indexes: list[str] = Field(default_factory=list)
-    timeout: PositiveDuration = timedelta(minutes=1)
-    lock_timeout: PositiveDuration = timedelta(seconds=5)
-    bloat_threshold: float | None = Field(default=None, ge=0, le=100)
-
-    @field_validator("indexes")
-    @classmethod
-    def _indexes(cls, v: list[str]) -> list[str]:
-        return [validate_identifier(name, "index name") for name in v]
-
-
-class PeriodicJob(Scheduled):
-    id: str
-    kind: str = Field(min_length=1, max_length=128)
-    queue: str = Field(default="default", min_length=1, max_length=128)
-    args: dict[str, Any] = Field(default_factory=dict)
-    priority: int = Field(default=0, ge=-32768, le=32767)
-    max_attempts: int = Field(default=25, ge=1, le=32767)
-    unique_key: str | bool | None = None
-    run_on_start: bool = False
-    backfill: OptionalDuration = None
-    enabled: bool = True
-    # With a unique key: a waiting job holding it is updated ("replace": args and run time;
-    # "preserve_run_at": args only) instead of the slot being skipped.
-    job_key_mode: Literal["replace", "preserve_run_at"] | None = None
-
-    @field_validator("id")
-    @classmethod
-    def _id(cls, v: str) -> str:
-        if not PERIODIC_ID_RE.match(v):
-            raise ValueError(
-                f"invalid periodic id {v!r}: 1-128 letters, digits, '_', '.', ':', '/' or '-'"
-            )
-        return v
-
-    @property
-    def effective_unique_key(self) -> str | None:
-        if self.unique_key is True:
-            return f"periodic:{self.id}"
-        if self.unique_key in (False, None, ""):
-            return None
-        return str(self.unique_key)
-
-    # A [[periodic]] entry's args are the job's args as they are; a crontab line's get ``_cron``.
-    cron_args: ClassVar[bool] = False
-
-
-class CrontabJob(PeriodicJob):
-    """A line of the crontab file (SPEC 7.8): a periodic entry whose job args are the payload plus
-    ``"_cron": {"ts", "backfilled"}``, and whose ``jobKey`` replaces a waiting job's (or, with
-    ``jobKeyMode=preserve_run_at``, keeps its run time)."""
-
-    cron_args: ClassVar[bool] = True
-    line: str = ""  # "crontab:3", for messages
-
-    @classmethod
-    def from_entry(cls, e: Any) -> "CrontabJob":
-        return cls(id=e.id, schedule=e.schedule, timezone=e.timezone, kind=e.kind, queue=e.queue,
-                   priority=e.priority, max_attempts=e.max_attempts, backfill=e.backfill,
-                   args=e.payload, unique_key=e.job_key, line=f"{e.source}:{e.line}",
-                   job_key_mode=(e.job_key_mode or "replace") if e.job_key else None)
 
 
 # The sections a [[targets]] entry may override (merged over the top-level ones, key by key).
@@ -667,13 +382,6 @@ def periodic_counts(settings: "Settings") -> dict[str, int]:
     return {"periodic": total, "periodic_config": total - crontab, "crontab": crontab}
 
 
-def redact_dsn(dsn: str) -> str:
-    """Mask the password of a URL or key=value DSN."""
-    if "://" in dsn:
-        return re.sub(r"(://[^:/@?#]*:)([^@/?#]*)@", r"\1***@", dsn)
-    return re.sub(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", r"\1***", dsn, flags=re.I)
-
-
 def _format_errors(exc: ValidationError, data: dict[str, Any]) -> list[str]:
     problems = []
     for err in exc.errors():
@@ -744,8 +452,6 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
     return settings
 
 
-_TOP_KEYS = {"database_url", "schema", "instance_id", "statement_timeout", "leader", "http", "log",
-             "cleaner", "rescuer", "scheduler", "reindexer", "periodic", "crontab", "metrics", "targets",
-             "health", "layout", "partitions"}
+_TOP_KEYS = frozenset(Settings.model_fields)  # what a MAINTD_<KEY>[__...] variable may name
 # Variables of the maintd environment that are not settings.
 _KNOWN_ENV = {"MAINTD_CONFIG"}

@@ -41,7 +41,7 @@ _PRIORITY = re.compile(r"^-?[0-9]+$")
 _JOB_KEY_MODES = ("replace", "preserve_run_at")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 OPTIONS = ("id", "fill", "max", "queue", "priority", "jobKey", "jobKeyMode")
-# The limits of maintd's [[periodic]] entries (config.PeriodicJob).
+# The limits of maintd's [[periodic]] entries (services.periodic_config.PeriodicJob).
 _MAX_NAME = 128
 _SMALLINT = (-32768, 32767)
 

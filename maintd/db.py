@@ -20,7 +20,7 @@ from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.pool import NullPool, QueuePool
 
 from . import faults
-from .config import redact_dsn
+from .logs import redact_dsn
 from .identifiers import quote_ident  # noqa: F401  (the migrations import it from here)
 from .queries import catalog, psycopg_sql
 

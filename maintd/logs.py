@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import unicodedata
 from collections.abc import Iterator
@@ -20,13 +21,18 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import datetime, timezone
 
-from .config import redact_dsn
-
 MAX_VALUE = 1000  # characters of one field value (or a message) written
 MAX_ITEMS = 20  # items of a list (tuple, set) field written
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
+
+
+def redact_dsn(dsn: str) -> str:
+    """Mask the password of a URL or key=value DSN."""
+    if "://" in dsn:
+        return re.sub(r"(://[^:/@?#]*:)([^@/?#]*)@", r"\1***@", dsn)
+    return re.sub(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", r"\1***", dsn, flags=re.I)
 
 
 # The target a line is about, in a daemon with several targets: set by each target's election

@@ -75,6 +75,25 @@ def test_defaults_match_spec():
     assert s.periodic == []
 
 
+def test_each_service_section_is_defined_beside_its_service():
+    """Issue 25: a service's config section lives in its own module, and config.py holds only the
+    daemon's sections (a section added there instead fails this)."""
+    import maintd.config
+    from maintd.sections import Section
+    from maintd.services import SERVICES
+
+    settings = Settings(periodic=[{"id": "p", "kind": "k", "schedule": "@hourly"}])
+    for name, spec in SERVICES.items():
+        section = spec.section(settings)
+        model = type(section[0]) if isinstance(section, list) else type(section)
+        assert model.__module__.startswith("maintd.services."), (name, model)
+        assert model.__module__ == spec.cls.__module__ or name == "periodic", (name, model)
+    assert type(settings.partitions).__module__ == "maintd.services.partitioner"
+    own = {cls.__name__ for cls in vars(maintd.config).values()
+           if isinstance(cls, type) and issubclass(cls, Section) and cls.__module__ == "maintd.config"}
+    assert own == {"LeaderConfig", "HttpConfig", "LogConfig", "MetricsConfig", "HealthConfig", "TargetConfig"}
+
+
 def test_example_config_is_valid_and_documents_every_key():
     settings = load_settings(ROOT / "config.example.toml")
     assert settings.schema == "maintd"

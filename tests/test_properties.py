@@ -168,7 +168,7 @@ def test_scheduler_promotes_exactly_the_due_rows(pg_dsn, schema, engine, jobs, b
         assert after[i] == ("available" if due else before[i]), j
 
 
-# Hand-written, independent of maintd.config.IDENT_RE: 1-63 of [a-z0-9_], not starting with a
+# Hand-written, independent of maintd.identifiers.IDENT_RE: 1-63 of [a-z0-9_], not starting with a
 # digit, not starting with pg_ (reserved by PostgreSQL).
 SAFE_IDENTIFIERS = ["a", "_", "jobs", "maintd", "maintd_2", "_private", "a" * 63, "pgx", "pg", "x_pg_",
                     "z9_"]

@@ -5,10 +5,15 @@ config section lives in the settings). Adding a service is:
   :class:`~maintd.services.base.PassResult`, its metrics in ``observe()`` (on families of
   :class:`maintd.metrics.Metrics`), and, if an index probe can tell whether a pass would find work,
   ``probe()``/``after_probe()`` (then the database's probe drives it instead of ticks);
+* in the same module, its config section: a :class:`maintd.sections.ServiceConfig` (every key
+  validated, with the key named in errors), made a field of :class:`maintd.config.Settings` (and
+  of ``TARGET_SECTIONS`` if a ``[[targets]]`` entry may override it) and shown in
+  ``config.example.toml``;
 * its SQL in ``maintd/queries/<table>.py`` (``:name`` parameters, rendered per target);
-* its config section in ``maintd/config.py`` (a ``Section``: every key validated, with the key
-  named in errors) and in ``config.example.toml``;
 * one line in ``SERVICES``.
+
+The periodic enqueuer's entries are in ``periodic_config.py``, shared by its two sources of
+entries (``periodic.py``: the config and crontab; ``periodic_rows.py``: the ``periodic_jobs`` rows).
 """
 
 from __future__ import annotations

@@ -54,14 +54,66 @@ import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 
+from typing import Annotated
+
+from pydantic import BeforeValidator, Field, field_validator
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
-from ..config import CleanerConfig
-from ..logs import kv
 from .. import history
+from ..durations import parse_duration
+from ..logs import kv
 from ..queries import FINAL_STATES, catalog, for_queue, jobs, partitions
+from ..sections import DURATION_JSON, QUEUE_RE, Retention, Section, ServiceConfig
 from .base import PassContext, PassResult, Service
+
+
+class QueueRetention(Section):
+    completed_retention: Retention = None
+    cancelled_retention: Retention = None
+    discarded_retention: Retention = None
+    # Fields not given fall back to the global value; keep track of which were given.
+
+
+def _pause(v: object) -> timedelta:
+    td = parse_duration(v)
+    if td > timedelta(seconds=10):
+        raise ValueError("must be at most 10s")
+    return td
+
+
+class CleanerConfig(ServiceConfig):
+    batch_size: int = Field(default=10_000, ge=1, le=1_000_000)
+    # Idle time after each batch that deleted rows, leaving the database to the workers.
+    batch_pause: Annotated[timedelta, BeforeValidator(_pause), DURATION_JSON] = timedelta(0)
+    completed_retention: Retention = timedelta(hours=24)
+    cancelled_retention: Retention = timedelta(hours=24)
+    discarded_retention: Retention = timedelta(days=7)
+    queues: dict[str, QueueRetention] = Field(default_factory=dict)
+
+    @field_validator("queues")
+    @classmethod
+    def _queues(cls, v: dict[str, QueueRetention]) -> dict[str, QueueRetention]:
+        for name in v:
+            if not QUEUE_RE.match(name):
+                raise ValueError(f"invalid queue name {name!r}")
+        return v
+
+    def longest_retention(self, state: str) -> timedelta | None:
+        """The longest retention of a final state, default or per queue (None: some keep it
+        forever): what the partitioned layout's drops follow (SPEC 8.1)."""
+        retentions = [self.retention(state)] + [self.retention(state, q) for q in self.queues]
+        return None if any(r is None for r in retentions) else max(retentions)
+
+    def retention(self, state: str, queue: str | None = None) -> timedelta | None:
+        """Effective retention for a final state (and queue); ``None`` keeps forever."""
+        key = f"{state}_retention"
+        if queue is not None and queue in self.queues:
+            override = self.queues[queue]
+            if key in override.model_fields_set:
+                return getattr(override, key)
+        return getattr(self, key)
+
 
 log = logging.getLogger("maintd.cleaner")
 

@@ -27,17 +27,38 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import BeforeValidator, Field
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
-from ..config import CleanerConfig, PartitionsConfig
+from ..durations import parse_duration
 from ..logs import kv
 from ..partitions import DETACHED_COMMENT, FINAL_STATES
 from ..queries import catalog
 from ..queries import partitions as q
+from ..sections import DURATION_JSON, Section
 from .base import PassContext, PassResult, Service
+from .cleaner import CleanerConfig
+
+
+def _partition_step(v: object) -> timedelta:
+    td = parse_duration(v)
+    if td < timedelta(minutes=1):
+        raise ValueError("must be at least 1m (one partition per state and step)")
+    if td.microseconds:
+        raise ValueError("must be a whole number of seconds")
+    return td
+
+
+class PartitionsConfig(Section):
+    """``[partitions]``: the partitioned layout (SPEC 8.1). ``interval`` is the time range of one
+    final-state partition; ``premake`` how many of them the leader keeps made ahead."""
+
+    interval: Annotated[timedelta, BeforeValidator(_partition_step), DURATION_JSON] = timedelta(hours=1)
+    premake: int = Field(default=24, ge=1, le=1000)
+
 
 log = logging.getLogger("maintd.partitioner")
 

@@ -31,7 +31,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 
 from sqlalchemy.exc import DBAPIError
 
-from ..config import PeriodicJob
+from .periodic_config import PeriodicJob
 from ..crontab import cron_args
 from ..db import describe_db_error
 from ..logs import clip, kv

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ..config import PeriodicJob
+from .periodic_config import PeriodicJob
 from ..queries import periodic_jobs
 from .base import PassContext
 

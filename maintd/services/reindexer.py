@@ -17,17 +17,33 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
+from pydantic import Field, field_validator
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
-from ..config import ReindexerConfig
 from ..db import describe_db_error, ms
-from ..identifiers import IDENT_RE, qualified
+from ..identifiers import IDENT_RE, qualified, validate_identifier
 from ..logs import kv
 from ..queries import catalog
 from ..schedules import ScheduleTrigger, parse_schedule, schedule_trigger
+from ..sections import PositiveDuration, Scheduled
 from .base import PassContext, PassResult, PassStopped, Service
+
+class ReindexerConfig(Scheduled):
+    enabled: bool = False
+    schedule: str = "0 0 * * *"
+    indexes: list[str] = Field(default_factory=list)
+    timeout: PositiveDuration = timedelta(minutes=1)
+    lock_timeout: PositiveDuration = timedelta(seconds=5)
+    bloat_threshold: float | None = Field(default=None, ge=0, le=100)
+
+    @field_validator("indexes")
+    @classmethod
+    def _indexes(cls, v: list[str]) -> list[str]:
+        return [validate_identifier(name, "index name") for name in v]
+
 
 log = logging.getLogger("maintd.reindexer")
 

@@ -33,11 +33,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from pydantic import Field
 from sqlalchemy.exc import DBAPIError
 
-from ..config import SchedulerConfig
 from ..db import notify_channel
 from ..queries import jobs
+from ..sections import PositiveDuration, ServiceConfig
 from .base import PassContext, PassResult, Service
 
 MIN_WAKE = 0.05  # seconds: at most ~20 wake-ups a second, whatever the due times
@@ -45,6 +46,15 @@ PROBE_EVERY = 1.0  # seconds: the due-time probe's period, the lag bound for a j
 
 
 SUMMARY_QUEUES = 10  # queues named in a pass's summary line (the largest), the rest counted
+
+
+class SchedulerConfig(ServiceConfig):
+    interval: PositiveDuration = timedelta(seconds=5)
+    batch_size: int = Field(default=10_000, ge=1, le=1_000_000)
+    # Between ticks, wake up when the next job falls due (if that is before the next tick), so
+    # promotion lag is milliseconds instead of up to `interval`.
+    precise_timing: bool = True
+
 
 
 @dataclass

@@ -1,0 +1,79 @@
+"""The building blocks of config sections: durations, ``Section`` (unknown keys refused), a
+service's ``enabled``/``interval``, and a cron or interval ``schedule``.
+
+:mod:`maintd.config` assembles the settings; each service's own section lives beside the service
+(``maintd/services/<name>.py``) and is built from these.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from typing import Annotated
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer, field_validator, model_validator
+
+from .durations import format_duration, parse_duration
+from .schedules import load_timezone, parse_schedule
+
+QUEUE_RE = re.compile(r"^[^\x00-\x1f]{1,128}\Z")
+
+
+def _duration(v: object) -> timedelta:
+    return parse_duration(v)
+
+
+def _positive_duration(v: object) -> timedelta:
+    td = parse_duration(v)
+    if td <= timedelta(0):
+        raise ValueError("must be greater than zero")
+    return td
+
+
+def _retention(v: object) -> timedelta | None:
+    """A retention: a duration, or -1 (keep forever)."""
+    if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == -1):
+        return None
+    if isinstance(v, str) and v.strip() == "-1":
+        return None
+    return parse_duration(v)
+
+
+DURATION_JSON = PlainSerializer(format_duration, return_type=str, when_used="json")
+Duration = Annotated[timedelta, BeforeValidator(_duration), DURATION_JSON]
+PositiveDuration = Annotated[timedelta, BeforeValidator(_positive_duration), DURATION_JSON]
+Retention = Annotated[timedelta | None, BeforeValidator(_retention), DURATION_JSON]
+OptionalDuration = Annotated[
+    timedelta | None, BeforeValidator(lambda v: None if v is None else _positive_duration(v)),
+    PlainSerializer(lambda v: None if v is None else format_duration(v), when_used="json"),
+]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ServiceConfig(Section):
+    enabled: bool = True
+    interval: PositiveDuration = timedelta(seconds=30)
+
+
+class Scheduled(Section):
+    """A section with a cron/interval ``schedule`` evaluated in ``timezone``."""
+
+    schedule: str
+    timezone: str = "UTC"
+
+    @field_validator("timezone")
+    @classmethod
+    def _tz(cls, v: str) -> str:
+        load_timezone(v)
+        return v
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> "Scheduled":
+        try:
+            parse_schedule(self.schedule, self.timezone)
+        except ValueError as exc:
+            raise ValueError(f"schedule: {exc}") from None
+        return self
