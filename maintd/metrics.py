@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the HTTP server)
@@ -17,7 +17,7 @@ from .db import describe_db_error
 from .logs import kv
 from .queries import FINAL_STATES, JOB_STATES, catalog, jobs, sql
 
-__all__ = ["CONTENT_TYPE_LATEST", "JobCounts", "JobGauges", "Metrics", "RUN_BUCKETS", "job_counts"]
+__all__ = ["CONTENT_TYPE_LATEST", "Family", "JobCounts", "JobGauges", "Metrics", "RUN_BUCKETS", "job_counts"]
 
 log = logging.getLogger("maintd.metrics")
 
@@ -52,100 +52,107 @@ class Bound:
         return getattr(self.metric.labels(self.target), name)
 
 
+class Family(NamedTuple):
+    """One metric family: its type, name and help, its labels after ``target``, and the label values
+    whose series exist at 0 from the start (``known``; for a service's family, while a service
+    declaring it is enabled). A service declares its own in ``METRICS``, beside its code."""
+
+    kind: Any  # Counter, Gauge or Histogram
+    name: str
+    doc: str
+    labels: tuple[str, ...] = ()
+    known: tuple[tuple[str, ...], ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+
+# The daemon's own families; the services' are in their modules (``Service.METRICS``).
+IS_LEADER = Family(Gauge, "maintd_is_leader", "1 while this instance holds the leader lock.")
+LEADERSHIP_CHANGES = Family(Counter, "maintd_leadership_changes", "Times this instance gained or lost leadership.")
+SERVICE_RUNS = Family(Counter, "maintd_service_runs", "Service passes by outcome (success, error, fenced, stopped).",
+                      ("service", "outcome"))
+SERVICE_RUN_SECONDS = Family(Histogram, "maintd_service_run_seconds", "Duration of the work of service passes "
+                             "(not their waits).", ("service",), buckets=RUN_BUCKETS)
+SERVICE_LAST_SUCCESS = Family(Gauge, "maintd_service_last_success_timestamp_seconds",
+                              "Unix time (database server clock) of the last successful pass.", ("service",))
+ROWS_SKIPPED = Family(Counter, "maintd_rows_skipped", "Rows a service passed over or handled specially "
+                      "(with a logged reason).", ("service", "reason"))
+JOBS = Family(Gauge, "maintd_jobs", "Jobs by queue and state (refreshed by the leader; queues past "
+              "metrics.max_queues summed as _other).", ("queue", "state"))
+OLDEST_AVAILABLE_AGE = Family(Gauge, "maintd_oldest_available_job_age_seconds",
+                              "Age of the oldest available job per queue.", ("queue",))
+UP = Family(Gauge, "maintd_database_up", "1 while the daemon's database connection is healthy.")
+WRITABLE = Family(Gauge, "maintd_database_writable", "1 while the database takes writes (0: a standby, or a "
+                  "primary set read-only; maintenance is paused).")
+# Table health (SPEC 8.2), set by the leader from maintd.health's read of its database.
+XMIN_AGE_SECONDS = Family(Gauge, "maintd_xmin_horizon_age_seconds", "Age of the oldest holder of the xmin "
+                          "horizon of the jobs table's database (a transaction, snapshot, prepared transaction, "
+                          "replication slot or standby): dead rows newer than it cannot be vacuumed.")
+XMIN_AGE_XIDS = Family(Gauge, "maintd_xmin_horizon_age_xids", "Transaction ids assigned since the xmin horizon "
+                       "of the jobs table's database.")
+DEAD_TUPLES = Family(Gauge, "maintd_table_dead_tuples", "Dead rows of a maintd table (partitions summed; the "
+                     "statistics' estimate).", ("table",))
+LIVE_TUPLES = Family(Gauge, "maintd_table_live_tuples", "Live rows of a maintd table (partitions summed; the "
+                     "statistics' estimate).", ("table",))
+TABLE_BYTES = Family(Gauge, "maintd_table_bytes", "Size of a maintd table with its indexes and TOAST "
+                     "(partitions summed).", ("table",))
+LAST_VACUUM = Family(Gauge, "maintd_table_last_vacuum_timestamp_seconds", "Unix time of the last vacuum (auto "
+                     "or manual) of a maintd table; for a partitioned one, of its least recently vacuumed "
+                     "partition that has dead rows; 0: never.", ("table",))
+
+
 class Metrics:
     """Every series carries ``target`` (SPEC 7.4): the target's name, by default its schema.
     Series with a known label set exist from the start at 0 (:meth:`known_series`)."""
 
     def __init__(self, registry: CollectorRegistry | None = None, target: str = "maintd",
-                 max_queues: int = 100, *, shared: "Metrics | None" = None):
+                 max_queues: int = 100, *, shared: "Metrics | None" = None, families: Iterable[Family] = ()):
         """``shared``: another target's Metrics whose registry and series families this one
-        uses too (several targets in one process, one /metrics)."""
+        uses too (several targets in one process, one /metrics). ``families``: the services'
+        (:func:`maintd.services.metric_families`), registered now rather than at first use."""
         self.registry = shared.registry if shared else (registry or CollectorRegistry(auto_describe=True))
         self.target = target
         self.max_queues = max_queues
         self._queues_seen: set[str] = set()
-        self._families: dict[str, Any] = shared._families if shared else {}
-        r, t, families = self.registry, ["target"], self._families
-
-        def bound(cls: Any, name: str, doc: str, labels: tuple[str, ...] = (), **kw: Any) -> Bound:
-            if name not in families:
-                families[name] = cls(name, doc, [*t, *labels], registry=r, **kw)
-            return Bound(families[name], target)
-
-        self.is_leader = bound(Gauge, "maintd_is_leader", "1 while this instance holds the leader lock.")
-        self.leadership_changes = bound(Counter, "maintd_leadership_changes",
-                                        "Times this instance gained or lost leadership.")
-        self.service_runs = bound(Counter, "maintd_service_runs", "Service passes by outcome "
-                                  "(success, error, fenced, stopped).", ("service", "outcome"))
-        self.service_run_seconds = bound(Histogram, "maintd_service_run_seconds",
-                                         "Duration of the work of service passes (not their waits).",
-                                         ("service",), buckets=RUN_BUCKETS)
-        self.service_last_success = bound(Gauge, "maintd_service_last_success_timestamp_seconds",
-                                          "Unix time (database server clock) of the last successful pass.",
-                                          ("service",))
-        self.jobs_deleted = bound(Counter, "maintd_jobs_deleted", "Final jobs deleted by the cleaner.", ("state",))
-        self.jobs_rescued = bound(Counter, "maintd_jobs_rescued", "Stuck running jobs rescued "
-                                  "(outcome: retried or discarded), and waiting jobs with no attempt left "
-                                  "discarded (outcome: exhausted).", ("outcome",))
-        self.jobs_promoted = bound(Counter, "maintd_jobs_promoted", "Scheduled/retryable jobs made available.",
-                                   ("queue",))
-        self.periodic_enqueued = bound(Counter, "maintd_periodic_enqueued", "Periodic jobs enqueued.",
-                                       ("periodic_id",))
-        self.periodic_skipped = bound(Counter, "maintd_periodic_skipped", "Periodic slots not enqueued "
-                                      "(reason: duplicate, disabled, outside_backfill, error).",
-                                      ("periodic_id", "reason"))
-        self.rows_skipped = bound(Counter, "maintd_rows_skipped", "Rows a service passed over or handled "
-                                  "specially (with a logged reason).", ("service", "reason"))
-        self.reindex = bound(Counter, "maintd_reindex", "Reindex attempts by outcome.", ("index", "outcome"))
-        self.reindex_seconds = bound(Gauge, "maintd_reindex_duration_seconds",
-                                     "How long the last reindex of an index took.", ("index",))
-        self.jobs = bound(Gauge, "maintd_jobs", "Jobs by queue and state (refreshed by the leader; "
-                          "queues past metrics.max_queues summed as _other).", ("queue", "state"))
-        self.oldest_available_age = bound(Gauge, "maintd_oldest_available_job_age_seconds",
-                                          "Age of the oldest available job per queue.", ("queue",))
-        self.up = bound(Gauge, "maintd_database_up", "1 while the daemon's database connection is healthy.")
-        self.writable = bound(Gauge, "maintd_database_writable", "1 while the database takes writes "
-                              "(0: a standby, or a primary set read-only; maintenance is paused).")
+        self._families: dict[str, tuple[Family, Any]] = shared._families if shared else {}
+        self.is_leader, self.leadership_changes = self[IS_LEADER], self[LEADERSHIP_CHANGES]
+        self.service_runs, self.service_run_seconds = self[SERVICE_RUNS], self[SERVICE_RUN_SECONDS]
+        self.service_last_success, self.rows_skipped = self[SERVICE_LAST_SUCCESS], self[ROWS_SKIPPED]
+        self.jobs, self.oldest_available_age = self[JOBS], self[OLDEST_AVAILABLE_AGE]
+        self.up, self.writable = self[UP], self[WRITABLE]
+        self.xmin_horizon_age_seconds, self.xmin_horizon_age_xids = self[XMIN_AGE_SECONDS], self[XMIN_AGE_XIDS]
+        self.table_dead_tuples, self.table_live_tuples = self[DEAD_TUPLES], self[LIVE_TUPLES]
+        self.table_bytes, self.table_last_vacuum = self[TABLE_BYTES], self[LAST_VACUUM]
+        for family in families:
+            self[family]
         self.writable.set(1)
-        # Table health (SPEC 8.2), set by the leader from maintd.health's read of its database.
-        self.xmin_horizon_age_seconds = bound(
-            Gauge, "maintd_xmin_horizon_age_seconds", "Age of the oldest holder of the xmin horizon of the "
-            "jobs table's database (a transaction, snapshot, prepared transaction, replication slot or "
-            "standby): dead rows newer than it cannot be vacuumed.")
-        self.xmin_horizon_age_xids = bound(
-            Gauge, "maintd_xmin_horizon_age_xids", "Transaction ids assigned since the xmin horizon of the "
-            "jobs table's database.")
-        self.table_dead_tuples = bound(Gauge, "maintd_table_dead_tuples", "Dead rows of a maintd table "
-                                       "(partitions summed; the statistics' estimate).", ("table",))
-        self.table_live_tuples = bound(Gauge, "maintd_table_live_tuples", "Live rows of a maintd table "
-                                       "(partitions summed; the statistics' estimate).", ("table",))
-        self.table_bytes = bound(Gauge, "maintd_table_bytes", "Size of a maintd table with its indexes and "
-                                 "TOAST (partitions summed).", ("table",))
-        self.table_last_vacuum = bound(
-            Gauge, "maintd_table_last_vacuum_timestamp_seconds", "Unix time of the last vacuum (auto or "
-            "manual) of a maintd table; for a partitioned one, of its least recently vacuumed partition that "
-            "has dead rows; 0: never.", ("table",))
-        self.partition_stray_rows = bound(Gauge, "maintd_partition_stray_rows",
-                                          "Jobs in the partitioned layout's catch-all partitions (SPEC 8.1), "
-                                          "read by the partitioner's last pass.")
-        for gauge in (self.is_leader, self.leadership_changes, self.up):
-            gauge.labels()  # unlabelled series of this target exist from the start
+        for family in (IS_LEADER, LEADERSHIP_CHANGES, UP):  # this target's series exist from the start
+            self[family].labels()
 
-    def known_series(self, services: list[str]) -> None:
+    def __getitem__(self, family: Family) -> Bound:
+        """This target's view of ``family``, registered on first use."""
+        if family.name not in self._families:
+            extra = {} if family.buckets is None else {"buckets": family.buckets}
+            metric = family.kind(family.name, family.doc, ["target", *family.labels], registry=self.registry, **extra)
+            self._families[family.name] = (family, metric)
+        declared, metric = self._families[family.name]
+        if declared != family:
+            raise ValueError(f"metric family {family.name} is declared twice, differently")
+        return Bound(metric, self.target)
+
+    def known_series(self, services: list[str], families: Mapping[str, Iterable[Family]]) -> None:
         """Create the series with a known label set at 0, and drop those of services that are no
-        longer enabled (a disabled service has no series: no stale alert)."""
-        for state in FINAL_STATES:
-            self.jobs_deleted.labels(state)
-        for outcome in ("retried", "discarded", "exhausted"):
-            self.jobs_rescued.labels(outcome)
+        longer enabled (a disabled service has no series: no stale alert). ``services``: the
+        enabled ones; ``families``: every service's families, by service."""
+        live = {f for name in services for f in families.get(name, ())}
+        for family in {f for fs in families.values() for f in fs} - live:
+            self[family].clear()
+        for family in live:
+            for values in family.known:
+                self[family].labels(*values)
         for metric in (self.service_runs, self.service_run_seconds, self.service_last_success):
             for values in metric.children():
                 if values[0] not in services:
                     metric.remove(*values)
-        if "partitioner" in services:
-            self.partition_stray_rows.labels()
-        else:
-            self.partition_stray_rows.remove()
         for service in services:
             for outcome in ("success", "error", "fenced", "stopped"):
                 self.service_runs.labels(service, outcome)

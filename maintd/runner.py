@@ -161,7 +161,7 @@ class Runner:
     def _schedule_all(self, reload: bool = False) -> None:
         now = datetime.now(timezone.utc)  # APScheduler's own time base (host clock)
         wanted = {name for name in self.services if self._schedule(name, now, reload)}
-        self.metrics.known_series(sorted(wanted))
+        self.metrics.known_series(sorted(wanted), {name: s.METRICS for name, s in self.services.items()})
         self._unschedule(job for job in self._jobs()
                          if job.id[len(self.prefix):].split(WAKE_SUFFIX)[0] not in wanted)
 

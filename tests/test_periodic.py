@@ -14,7 +14,7 @@ from maintd.metrics import Metrics
 
 from .conftest import run_concurrently
 from maintd.services.base import PassContext
-from maintd.services.periodic import PeriodicEnqueuer
+from maintd.services.periodic import ENQUEUED, SKIPPED, PeriodicEnqueuer
 
 # Every test here runs on both jobs layouts (SPEC 8.1): tests/conftest.py.
 pytestmark = pytest.mark.both_layouts
@@ -123,8 +123,8 @@ def test_backfill_window_edges_oldest_first(pg_dsn, schema, engine):
     metas = [j.metadata for j in jobs(engine, schema)]
     assert all(m["backfilled"] for m in metas[:-1]) and not metas[-1]["backfilled"]
     assert result.skipped == {"tick": {"outside_backfill": 23}}
-    assert metrics.periodic_skipped.labels("tick", "outside_backfill")._value.get() == 23
-    assert metrics.periodic_enqueued.labels("tick")._value.get() == 7
+    assert metrics[SKIPPED].labels("tick", "outside_backfill")._value.get() == 23
+    assert metrics[ENQUEUED].labels("tick")._value.get() == 7
 
 
 def test_without_backfill_only_the_latest_missed_slot_runs(pg_dsn, schema, engine):

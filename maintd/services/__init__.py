@@ -2,8 +2,8 @@
 config section lives in the settings). Adding a service is:
 
 * its module here: a :class:`~maintd.services.base.Service` with ``run_once(ctx)`` returning a typed
-  :class:`~maintd.services.base.PassResult`, its metrics in ``observe()`` (on families of
-  :class:`maintd.metrics.Metrics`), and, if an index probe can tell whether a pass would find work,
+  :class:`~maintd.services.base.PassResult`, its metric families (:class:`maintd.metrics.Family`)
+  in ``METRICS`` and recorded in ``observe()``, and, if an index probe can tell whether a pass would find work,
   ``probe()``/``after_probe()`` (then the database's probe drives it instead of ticks);
 * in the same module, its config section: a :class:`maintd.sections.ServiceConfig` (every key
   validated, with the key named in errors), made a field of :class:`maintd.config.Settings` (and
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
+from ..metrics import Family
 from .base import NotLeader, PassContext, PassResult, Service
 from .cleaner import Cleaner
 from .partitioner import Partitioner, PartitionerConfig
@@ -47,9 +48,14 @@ SERVICES: dict[str, ServiceSpec] = {
 }
 
 
+def metric_families() -> list[Family]:
+    """Every service's metric families, once each (the cleaner and the partitioner share one)."""
+    return list(dict.fromkeys(f for spec in SERVICES.values() for f in spec.cls.METRICS))
+
+
 def build_services(settings: "Settings") -> dict[str, Service]:
     """One instance of every service, each with its own config section."""
     return {name: spec.cls(spec.section(settings)) for name, spec in SERVICES.items()}
 
 
-__all__ = ["SERVICES", "NotLeader", "PassContext", "PassResult", "Service", "build_services"]
+__all__ = ["SERVICES", "NotLeader", "PassContext", "PassResult", "Service", "build_services", "metric_families"]

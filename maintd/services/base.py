@@ -21,11 +21,12 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Protocol
 
 from sqlalchemy import Connection, Engine, TextClause
 
 from ..clock import Clock
+from ..metrics import Family
 from ..queries import Statements, catalog
 
 if TYPE_CHECKING:
@@ -393,7 +394,10 @@ class PassResult:
 
 class Service(abc.ABC):
     """One maintenance service, built from its own config section (any object with ``enabled``
-    and ``interval`` for the defaults below). Subclasses implement :meth:`run_once`."""
+    and ``interval`` for the defaults below). Subclasses implement :meth:`run_once`, and declare
+    the metric families :meth:`observe` records in ``METRICS``."""
+
+    METRICS: ClassVar[tuple[Family, ...]] = ()
 
     def __init__(self, config: Any):
         self.config = config
@@ -439,6 +443,7 @@ class Service(abc.ABC):
         """Do one pass. Must be safe to run concurrently with another instance of itself."""
 
     def observe(self, metrics: "Metrics", result: PassResult) -> None:
-        """Record the service-specific metrics of a committed pass (optional)."""
+        """Record the service-specific metrics of a committed pass (on ``metrics[F]`` for the
+        families ``F`` of :attr:`METRICS`; optional)."""
         return None
 

@@ -56,6 +56,7 @@ from datetime import datetime, timedelta, timezone
 
 from typing import Annotated
 
+from prometheus_client import Counter
 from pydantic import BeforeValidator, Field, field_validator
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
@@ -63,6 +64,7 @@ from sqlalchemy.exc import OperationalError
 from .. import history
 from ..durations import parse_duration
 from ..logs import kv
+from ..metrics import Family
 from ..queries import FINAL_STATES, catalog, for_queue, jobs, partitions
 from ..sections import DURATION_JSON, QUEUE_RE, Retention, Section, ServiceConfig
 from .base import PassContext, PassResult, Service
@@ -116,6 +118,9 @@ class CleanerConfig(ServiceConfig):
 
 
 log = logging.getLogger("maintd.cleaner")
+
+JOBS_DELETED = Family(Counter, "maintd_jobs_deleted", "Final jobs deleted by the cleaner.", ("state",),
+                      known=tuple((state,) for state in FINAL_STATES))
 
 # Where a full scan starts: rows finalized earlier (BC, '-infinity') go first, in id batches.
 FAR_PAST = datetime(1, 1, 2, tzinfo=timezone.utc)
@@ -238,6 +243,8 @@ class RangePlan:
 
 
 class Cleaner(Service):
+
+    METRICS = (JOBS_DELETED,)
     config: CleanerConfig
 
     def __init__(self, config: CleanerConfig):
@@ -491,7 +498,7 @@ class Cleaner(Service):
     def observe(self, metrics, result: CleanerResult) -> None:
         for state, n in result.deleted.items():
             if n:
-                metrics.jobs_deleted.labels(state).inc(n)
+                metrics[JOBS_DELETED].labels(state).inc(n)
 
 
 class _Overflow(Exception):

@@ -29,18 +29,20 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Annotated, Any
 
+from prometheus_client import Gauge
 from pydantic import BeforeValidator, Field
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
 from ..durations import parse_duration
 from ..logs import kv
+from ..metrics import Family
 from ..partitions import DETACHED_COMMENT, FINAL_STATES
 from ..queries import catalog
 from ..queries import partitions as q
 from ..sections import DURATION_JSON, Section
 from .base import PassContext, PassResult, Service
-from .cleaner import CleanerConfig
+from .cleaner import JOBS_DELETED, CleanerConfig
 
 
 def _partition_step(v: object) -> timedelta:
@@ -61,6 +63,9 @@ class PartitionsConfig(Section):
 
 
 log = logging.getLogger("maintd.partitioner")
+
+STRAY_ROWS = Family(Gauge, "maintd_partition_stray_rows", "Jobs in the partitioned layout's catch-all partitions "
+                    "(SPEC 8.1), read by the partitioner's last pass.", known=((),))
 
 TRIES = 10  # calls of maintain_partitions per state and pass while its locks are held by others
 RETRY_PAUSE = 0.02  # seconds between them
@@ -127,6 +132,8 @@ class PartitionerResult(PassResult):
 
 
 class Partitioner(Service):
+
+    METRICS = (JOBS_DELETED, STRAY_ROWS)
     config: PartitionerConfig
 
     def __init__(self, config: PartitionerConfig):
@@ -250,5 +257,5 @@ class Partitioner(Service):
         assert isinstance(result, PartitionerResult)
         for state, n in result.deleted.items():
             if n:
-                metrics.jobs_deleted.labels(state).inc(n)
-        metrics.partition_stray_rows.set(result.stray_rows)
+                metrics[JOBS_DELETED].labels(state).inc(n)
+        metrics[STRAY_ROWS].set(result.stray_rows)

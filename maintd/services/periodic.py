@@ -28,16 +28,17 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from apscheduler.triggers.interval import IntervalTrigger
-
+from prometheus_client import Counter
 from sqlalchemy.exc import DBAPIError
 
-from .periodic_config import PeriodicJob
 from ..crontab import cron_args
 from ..db import describe_db_error
 from ..logs import clip, kv
+from ..metrics import Family
 from ..queries import jobs, periodic_slots
 from ..schedules import Schedule, parse_schedule
 from .base import NotLeader, PassContext, PassResult, PassStopped, Service
+from .periodic_config import PeriodicJob
 from .periodic_rows import Entry, RowSource
 
 log = logging.getLogger("maintd.periodic")
@@ -48,6 +49,9 @@ PRUNE_EVERY = timedelta(hours=1)
 # the session pokes every target when it reconnects (NOTIFYs sent meanwhile were not delivered).
 ROWS_EVERY = timedelta(minutes=10)
 KEEP_HISTORY = timedelta(days=7)
+ENQUEUED = Family(Counter, "maintd_periodic_enqueued", "Periodic jobs enqueued.", ("periodic_id",))
+SKIPPED = Family(Counter, "maintd_periodic_skipped", "Periodic slots not enqueued (reason: duplicate, disabled, "
+                 "outside_backfill, error).", ("periodic_id", "reason"))
 
 
 @dataclass
@@ -84,6 +88,8 @@ class PeriodicResult(PassResult):
 class PeriodicEnqueuer(Service):
     """Built from the list of configured periodic entries; rows of ``periodic_jobs`` join them
     at run time, so the service always runs (an idle pass is one read of the rows' version)."""
+
+    METRICS = (ENQUEUED, SKIPPED)
 
     config: list[PeriodicJob]
 
@@ -252,7 +258,7 @@ class PeriodicEnqueuer(Service):
 
     def observe(self, metrics, result: PeriodicResult) -> None:
         for e in result.enqueued:
-            metrics.periodic_enqueued.labels(e["periodic_id"]).inc()
+            metrics[ENQUEUED].labels(e["periodic_id"]).inc()
         for pid, reasons in result.skipped.items():
             for reason, n in reasons.items():
-                metrics.periodic_skipped.labels(pid, reason).inc(n)
+                metrics[SKIPPED].labels(pid, reason).inc(n)

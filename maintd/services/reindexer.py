@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from prometheus_client import Counter, Gauge
 from pydantic import Field, field_validator
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
@@ -26,6 +27,7 @@ from sqlalchemy.exc import DBAPIError
 from ..db import describe_db_error, ms
 from ..identifiers import IDENT_RE, qualified, validate_identifier
 from ..logs import kv
+from ..metrics import Family
 from ..queries import catalog
 from ..schedules import ScheduleTrigger, parse_schedule, schedule_trigger
 from ..sections import PositiveDuration, Scheduled
@@ -46,6 +48,10 @@ class ReindexerConfig(Scheduled):
 
 
 log = logging.getLogger("maintd.reindexer")
+
+REINDEX = Family(Counter, "maintd_reindex", "Reindex attempts by outcome.", ("index", "outcome"))
+REINDEX_SECONDS = Family(Gauge, "maintd_reindex_duration_seconds", "How long the last reindex of an index took.",
+                         ("index",))
 
 ARTIFACT_RE = re.compile(r"_cc(new|old)[0-9]*$")
 # SQLSTATE -> outcome of an index whose build failed (anything else: "error")
@@ -90,6 +96,8 @@ class ReindexerResult(PassResult):
 
 
 class Reindexer(Service):
+
+    METRICS = (REINDEX, REINDEX_SECONDS)
     config: ReindexerConfig
 
     def trigger(self) -> ScheduleTrigger:
@@ -227,6 +235,6 @@ class Reindexer(Service):
 
     def observe(self, metrics, result: ReindexerResult) -> None:
         for r in result.indexes:
-            metrics.reindex.labels(r.index, r.outcome).inc()
+            metrics[REINDEX].labels(r.index, r.outcome).inc()
             if r.outcome == "reindexed":
-                metrics.reindex_seconds.labels(r.index).set(r.seconds)
+                metrics[REINDEX_SECONDS].labels(r.index).set(r.seconds)

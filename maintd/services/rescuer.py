@@ -38,6 +38,7 @@ from datetime import datetime, timedelta, timezone
 
 from typing import Annotated, Any
 
+from prometheus_client import Counter
 from pydantic import AfterValidator, Field, ValidationInfo, model_validator
 from sqlalchemy.exc import DBAPIError
 
@@ -45,6 +46,7 @@ from ..db import events_channel
 from ..durations import format_duration
 from ..jobs import BACKOFF_CAP, backoff
 from ..logs import kv
+from ..metrics import Family
 from ..queries import jobs
 from ..sections import QUEUE_RE, OptionalDuration, PositiveDuration, Section, ServiceConfig
 from .base import PassContext, PassResult, Service
@@ -131,6 +133,10 @@ class RescuerConfig(ServiceConfig):
 
 log = logging.getLogger("maintd.rescuer")
 
+JOBS_RESCUED = Family(Counter, "maintd_jobs_rescued", "Stuck running jobs rescued (outcome: retried or discarded), "
+                      "and waiting jobs with no attempt left discarded (outcome: exhausted).", ("outcome",),
+                      known=(("retried",), ("discarded",), ("exhausted",)))
+
 # Where the keyset starts; earlier signs of life (and none at all) are RESCUER_NO_SIGN_BATCH's.
 FAR_PAST = datetime(1, 1, 2, tzinfo=timezone.utc)
 # A rescue's commit does not wait for its WAL flush (synchronous_commit = off for that transaction
@@ -172,6 +178,8 @@ def _log_rescued(retried: int, discarded: int) -> None:
 
 
 class Rescuer(Service):
+
+    METRICS = (JOBS_RESCUED,)
     config: RescuerConfig
 
     def rules(self) -> list[tuple[str | None, str | None, timedelta, timedelta | None]]:
@@ -323,8 +331,8 @@ class Rescuer(Service):
 
     def observe(self, metrics, result: RescuerResult) -> None:
         if result.retried:
-            metrics.jobs_rescued.labels("retried").inc(result.retried)
+            metrics[JOBS_RESCUED].labels("retried").inc(result.retried)
         if result.discarded:
-            metrics.jobs_rescued.labels("discarded").inc(result.discarded)
+            metrics[JOBS_RESCUED].labels("discarded").inc(result.discarded)
         if result.exhausted:
-            metrics.jobs_rescued.labels("exhausted").inc(result.exhausted)
+            metrics[JOBS_RESCUED].labels("exhausted").inc(result.exhausted)

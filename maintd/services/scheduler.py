@@ -33,10 +33,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from prometheus_client import Counter
 from pydantic import Field
 from sqlalchemy.exc import DBAPIError
 
 from ..db import notify_channel
+from ..metrics import Family
 from ..queries import jobs
 from ..sections import PositiveDuration, ServiceConfig
 from .base import PassContext, PassResult, Service
@@ -46,6 +48,7 @@ PROBE_EVERY = 1.0  # seconds: the due-time probe's period, the lag bound for a j
 
 
 SUMMARY_QUEUES = 10  # queues named in a pass's summary line (the largest), the rest counted
+JOBS_PROMOTED = Family(Counter, "maintd_jobs_promoted", "Scheduled/retryable jobs made available.", ("queue",))
 
 
 class SchedulerConfig(ServiceConfig):
@@ -83,6 +86,8 @@ class SchedulerResult(PassResult):
 
 
 class Scheduler(Service):
+
+    METRICS = (JOBS_PROMOTED,)
     config: SchedulerConfig
 
     def probe(self) -> list[str] | None:
@@ -148,4 +153,4 @@ class Scheduler(Service):
 
     def observe(self, metrics, result: SchedulerResult) -> None:
         for queue, n in result.promoted.items():
-            metrics.jobs_promoted.labels(metrics.queue_label(queue)).inc(n)
+            metrics[JOBS_PROMOTED].labels(metrics.queue_label(queue)).inc(n)
