@@ -3,14 +3,17 @@ config section lives in the settings). Adding a service is:
 
 * its module here: a :class:`~maintd.services.base.Service` with ``run_once(ctx)`` returning a typed
   :class:`~maintd.services.base.PassResult`, its metric families (:class:`maintd.metrics.Family`)
-  in ``METRICS`` and recorded in ``observe()``, and, if an index probe can tell whether a pass would find work,
-  ``probe()``/``after_probe()`` (then the database's probe drives it instead of ticks);
+  listed in ``METRICS`` and recorded in ``observe()``, and, if an index probe can tell whether a
+  pass would find work, ``probe()``/``after_probe()`` (then the database's probe drives it);
 * in the same module, its config section: a :class:`maintd.sections.ServiceConfig` (every key
-  validated, with the key named in errors), made a field of :class:`maintd.config.Settings` (and
-  of ``TARGET_SECTIONS`` if a ``[[targets]]`` entry may override it) and shown in
-  ``config.example.toml``;
+  validated, with the key named in errors), made a field of :class:`maintd.config.Settings` (and,
+  if a ``[[targets]]`` entry may override it, of ``TargetConfig`` and ``TARGET_SECTIONS``) and
+  shown in ``config.example.toml``;
 * its SQL in ``maintd/queries/<table>.py`` (``:name`` parameters, rendered per target);
-* one line in ``SERVICES``.
+* one line in ``SERVICES``;
+* optionally, how ``maintd status`` and the dashboard sum up its stored results
+  (``maintd/pass_summary.py``, which also reads results an older version wrote); without it, a
+  pass's whole numbers are listed.
 
 The periodic enqueuer's entries are in ``periodic_config.py``, shared by its two sources of
 entries (``periodic.py``: the config and crontab; ``periodic_rows.py``: the ``periodic_jobs`` rows).
