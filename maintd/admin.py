@@ -34,7 +34,7 @@ from sqlalchemy import Connection, text
 from sqlalchemy.exc import DBAPIError
 
 from .db import quote_ident
-from .queries import sql
+from .queries import catalog, sql
 from .queries.admin import (ACTIONS, BY_IDS, LIST, REREAD, ROW, SHOW, Action, Filter,  # noqa: F401
                             filter_query)
 from .durations import parse_duration
@@ -237,7 +237,7 @@ def run_action(conn: Connection, schema: str, name: str, *, ids: Sequence[int] =
 
 def check_migrated(conn: Connection, schema: str) -> None:
     with conn.begin():
-        found = conn.execute(text("SELECT to_regprocedure(:f) IS NOT NULL"),
+        found = conn.execute(text(catalog.FUNCTION_EXISTS),
                              {"f": f"{quote_ident(schema)}.retry_jobs(bigint[])"}).scalar()
     if not found:
         raise AdminError(f"schema {schema} has no admin functions (revision 0002): "

@@ -329,8 +329,6 @@ def _migrate_one(settings: Settings, args: argparse.Namespace) -> None:
 
 def _convert_one(conn, settings: Settings) -> None:
     """``migrate --convert partitioned`` of one schema, under the schema's migrate lock."""
-    from sqlalchemy import text
-
     from . import convert, migrate
 
     current = migrate.current_revision(conn, settings.schema)
@@ -339,14 +337,13 @@ def _convert_one(conn, settings: Settings) -> None:
         raise convert.ConvertError(f"schema {settings.schema} is at revision {current or 'base'}, not "
                                    f"{migrate.head_revision()}: run `maintd migrate` first")
     key = migrate.lock_key(settings.schema)
-    migrate._take_lock(conn, key)
+    migrate.take_lock(conn, key)
     try:
         convert.convert(conn, settings.schema, migrate.Layout.of(settings),
                         say=lambda line: print(line, flush=True))
     finally:
         conn.rollback()
-        conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
-        conn.commit()
+        migrate.release_lock(conn, key)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

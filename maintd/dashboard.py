@@ -29,7 +29,7 @@ from sqlalchemy.exc import TimeoutError as PoolBusy
 from . import charts, history
 from .config import PeriodicJob, Settings
 from .db import advisory_key, describe_db_error, quote_ident
-from .queries import sql
+from .queries import catalog, sql
 from .http import HttpError, Request, Response
 from .readers import Readers
 from .layout_status import layout_summary
@@ -74,8 +74,8 @@ def target_specs(settings: Settings) -> list[tuple[str, str, str, Sequence[Perio
 
 def begin_snapshot(conn: Connection) -> datetime:
     """One read-only snapshot for the whole page; returns the database's ``now()``."""
-    conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-    return conn.execute(text("SELECT now()")).scalar_one()
+    conn.execute(text(catalog.READ_ONLY_SNAPSHOT))
+    return conn.execute(text(catalog.TRANSACTION_TIME)).scalar_one()
 
 
 # -- counts -------------------------------------------------------------------------------------

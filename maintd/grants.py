@@ -30,6 +30,7 @@ from .config import validate_identifier
 from .db import quote_ident
 from .migrate import lock_key
 from .partitions import definer_functions as partition_functions
+from .queries import catalog
 
 PRIVILEGE_ORDER = ("SELECT", "INSERT", "UPDATE", "DELETE")
 RESERVED_ROLES = {"public", "none", "current_user", "current_role", "session_user"}
@@ -140,7 +141,7 @@ def apply(conn: Connection, schemas: list[str], role: str, *, worker: bool = Fal
     count = 0
     with conn.begin():
         for schema in schemas:
-            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": lock_key(schema)})
+            conn.execute(text(catalog.ADVISORY_XACT_LOCK), {"k": lock_key(schema)})
             for statement, _ in grant_statements(schema, role, worker=worker):
                 conn.execute(text(statement))
                 count += 1

@@ -294,7 +294,7 @@ class JobGauges:
             with engine.connect() as conn:
                 conn.execute(text(catalog.SET_LOCAL), {"name": "statement_timeout", "value": str(self.TIMEOUT_MS)})
                 counts, oldest = job_counts(conn, schema, final=final), oldest_available(conn, schema)
-                at = conn.exec_driver_sql("SELECT now()").scalar_one()
+                at = conn.execute(text(catalog.TRANSACTION_TIME)).scalar_one()
         except Exception as exc:
             log.debug("could not refresh job gauges", extra=kv(error=describe_db_error(exc)))
             return

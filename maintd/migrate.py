@@ -141,7 +141,7 @@ def downgrade(conn: Connection, schema: str, revision: str) -> tuple[str | None,
 
 def _run(conn: Connection, schema: str, target, action, layout: Layout = PLAIN) -> tuple[str | None, str | None]:
     key = lock_key(schema)
-    _take_lock(conn, key)
+    take_lock(conn, key)
     try:
         return _migrate(conn, schema, target, action, layout)
     except DBAPIError as exc:
@@ -152,8 +152,7 @@ def _run(conn: Connection, schema: str, target, action, layout: Layout = PLAIN) 
         raise
     finally:
         conn.rollback()
-        conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
-        conn.commit()
+        release_lock(conn, key)
 
 
 def jobs_partitioned(op) -> bool:
@@ -239,12 +238,18 @@ BEGIN
 END $$"""
 
 
-def _take_lock(conn: Connection, key: int) -> None:
+def release_lock(conn: Connection, key: int) -> None:
+    """Give the schema's migrate lock (:func:`take_lock`) back."""
+    conn.execute(text(catalog.ADVISORY_UNLOCK), {"k": key})
+    conn.commit()
+
+
+def take_lock(conn: Connection, key: int) -> None:
     """Wait for the schema's migrate lock by polling, not in ``pg_advisory_lock``: a session
     blocked in a statement keeps a snapshot open, and ``CREATE INDEX CONCURRENTLY`` in the holder's
     migration waits for every such snapshot, a deadlock. Each try is a short transaction."""
     while True:
-        got = conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar()
+        got = conn.execute(text(catalog.TRY_ADVISORY_LOCK), {"k": key}).scalar()
         conn.commit()
         if got:
             return

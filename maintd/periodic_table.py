@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from sqlalchemy import Engine
 
 from .config import PeriodicJob, Settings
-from .queries import periodic_jobs, periodic_slots, sql
+from .queries import catalog, periodic_jobs, periodic_slots, sql
 from .schedules import parse_schedule
 from .services.periodic_rows import row_problem
 
@@ -20,7 +20,7 @@ def list_entries(engine: Engine, settings: Settings) -> list[dict[str, Any]]:
     """Every schedule with its origin, last slot taken, next slot and error (server time)."""
     schema = settings.schema
     with engine.connect() as conn:
-        now = conn.exec_driver_sql("SELECT now()").scalar_one()
+        now = conn.execute(sql(catalog.TRANSACTION_TIME, schema)).scalar_one()
         rows = [dict(r._mapping) for r in conn.execute(sql(periodic_jobs.ALL, schema))]
         configured = [{**e.model_dump(), "origin": "crontab" if e.cron_args else "config", "error": None}
                       for e in settings.periodic_entries]

@@ -114,13 +114,11 @@ class CountProbe(_Batched):
 
     def _count(self, targets: list["Target"], *, final: bool) -> None:
         parts = [(jobs.COUNT_LIVE, "c"), (jobs.OLDEST_AVAILABLE, "o")] + ([(jobs.COUNT_FINAL, "c")] if final else [])
-        union = " UNION ALL ".join(
-            f"SELECT {i} AS t, '{kind}' AS k, x.queue, {'x.state' if kind == 'c' else 'NULL'} AS state, "
-            f"{'x.n' if kind == 'c' else 'x.age'}::float8 AS v FROM ({render(template, t.settings.schema)}) x"
-            for i, t in enumerate(targets) for template, kind in parts)
+        union = " UNION ALL ".join(jobs.TAGGED[kind].format(t=i, rows=render(template, t.settings.schema))
+                                   for i, t in enumerate(targets) for template, kind in parts)
         with self.engine.connect() as conn:
             conn.execute(text(catalog.SET_LOCAL), {"name": "statement_timeout", "value": str(self.TIMEOUT_MS)})
-            at = conn.exec_driver_sql("SELECT now()").scalar_one()
+            at = conn.execute(text(catalog.TRANSACTION_TIME)).scalar_one()
             rows = conn.execute(text(union)).all()
             conn.rollback()
         counts: dict[int, list[dict]] = {i: [] for i in range(len(targets))}
@@ -162,7 +160,7 @@ class ServiceProbe(_Batched):
         with self.engine.connect() as conn:
             conn.execute(text(catalog.SET_LOCAL), {"name": "statement_timeout", "value": str(self.TIMEOUT_MS)})
             rows = {r[0]: r[1:] for r in conn.execute(self._compiled(targets)).all()}
-            now = conn.exec_driver_sql("SELECT statement_timestamp()").scalar_one()
+            now = conn.execute(text(catalog.STATEMENT_TIME)).scalar_one()
             conn.rollback()
         for i, target in enumerate(targets):
             service = target.runner.services[self.service]
@@ -180,7 +178,7 @@ class ServiceProbe(_Batched):
         schemas = tuple(t.settings.schema for t in targets)
         if self._statement is None or self._statement[0] != schemas:
             fragments = targets[0].runner.services[self.service].probe() or []
-            rows = (f"SELECT {i} AS t, " + ", ".join(f"{render(f, s)} AS c{j}" for j, f in enumerate(fragments))
-                    for i, s in enumerate(schemas))
+            columns = (", ".join(f"{render(f, s)} AS c{j}" for j, f in enumerate(fragments)) for s in schemas)
+            rows = (catalog.PROBE_ROW.format(t=i, columns=c) for i, c in enumerate(columns))
             self._statement = (schemas, text(" UNION ALL ".join(rows)))
         return self._statement[1]

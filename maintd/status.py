@@ -49,7 +49,7 @@ def collect_status(engine: Engine, schema: str, *, jobs: dict[str, Any] | None =
         conn.execute(text(catalog.SET_LOCAL), {"name": "statement_timeout", "value": str(STATUS_TIMEOUT_MS)})
         if not conn.execute(text(catalog.TABLE_EXISTS), {"qualified": qualified(schema, "leader")}).scalar():
             raise SchemaMissing(f"schema {schema!r} has no maintd tables: run `maintd migrate` first")
-        now = conn.execute(text("SELECT now()")).scalar_one()
+        now = conn.execute(text(catalog.TRANSACTION_TIME)).scalar_one()
         lead = _rows(conn, leader.CURRENT, schema, {"classid": classid, "objid": objid})
         services = _rows(conn, service_runs.ALL, schema)
         for run in services:

@@ -1,6 +1,8 @@
-"""The SQL statements maintd runs, one module per table (plus ``catalog`` for PostgreSQL's own);
-the DDL of the schema is in the Alembic migrations, and utility commands that take an identifier
-(``LISTEN channel``) are built where they run, from a validated and quoted name.
+"""The SQL statements maintd runs, one module per table (plus ``catalog`` for PostgreSQL's own).
+Outside: the DDL of the schema (the Alembic migrations, and for the partitioned layout
+``maintd/partitions.py`` and ``maintd/convert.py``), and utility commands that take an identifier
+(``LISTEN channel``, ``REINDEX INDEX CONCURRENTLY``, ``GRANT``), built where they run from a
+validated and quoted name. ``tests/test_sql_home.py`` holds everything else to that.
 
 Statements are plain SQL with ``:name`` parameters. Placeholders in braces are filled in when a
 statement is rendered; each fragment used by more than one statement is defined once, here:

@@ -1,6 +1,8 @@
 """Statements on PostgreSQL's catalogs (the reindexer, schema checks, the server clock)."""
 
 SERVER_TIME = "SELECT clock_timestamp()"
+TRANSACTION_TIME = "SELECT now()"  # the time the transaction began: one instant for all its reads
+STATEMENT_TIME = "SELECT statement_timestamp()"
 
 # A session setting of a new connection (maintd.db.connect).
 SET_SESSION = "SELECT set_config(:name, :value, false)"
@@ -76,3 +78,30 @@ SELECT current_user AS role, current_database() AS database,
   LEFT JOIN pg_namespace n ON n.nspname = :schema
   LEFT JOIN pg_class v ON v.relnamespace = n.oid AND v.relname = 'alembic_version'
 """
+
+
+# Advisory locks of a session (maintd migrate's per-schema lock) or of a transaction (grants).
+TRY_ADVISORY_LOCK = "SELECT pg_try_advisory_lock(:k)"
+ADVISORY_UNLOCK = "SELECT pg_advisory_unlock(:k)"
+ADVISORY_XACT_LOCK = "SELECT pg_advisory_xact_lock(:k)"
+
+FUNCTION_EXISTS = "SELECT to_regprocedure(:f) IS NOT NULL"
+
+# The dashboard's reads: one snapshot for every figure of a page, and no write by mistake.
+READ_ONLY_SNAPSHOT = "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"
+
+# An autocommit connection's timeouts (DDL such as REINDEX CONCURRENTLY) back to the role's.
+RESET_STATEMENT_TIMEOUT = "RESET statement_timeout"
+RESET_LOCK_TIMEOUT = "RESET lock_timeout"
+
+# One target's row of a service's probe (maintd.probes.ServiceProbe): the services' index probes
+# as columns c0, c1, ...; the rows of every target of a database joined with UNION ALL.
+PROBE_ROW = "SELECT {t} AS t, {columns}"
+
+
+def set_local(names: tuple[str, ...]) -> str:
+    """``SELECT set_config('name', :v0, true), ...``: transaction-local settings in one round trip
+    (names are maintd's own constants, values travel as parameters)."""
+    if not all(n.replace("_", "").isalnum() for n in names):
+        raise ValueError(f"not a setting name: {names!r}")
+    return "SELECT " + ", ".join(f"set_config('{n}', :v{i}, true)" for i, n in enumerate(names))

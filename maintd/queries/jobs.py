@@ -434,3 +434,10 @@ SELECT 'demo.old', 'default', CAST(:state AS {schema}.job_state), 1, now() - CAS
        now() - CAST(:age AS interval)
   FROM generate_series(1, :n)
 """
+
+
+# The counts of several targets of one database in one statement (maintd.probes.CountProbe): each
+# of COUNT_LIVE, COUNT_FINAL ("c") and OLDEST_AVAILABLE ("o") of target ``t``, tagged, as
+# (t, k, queue, state, v) rows, joined with UNION ALL.
+TAGGED = {"c": "SELECT {t} AS t, 'c' AS k, x.queue, x.state, x.n::float8 AS v FROM ({rows}) x",
+          "o": "SELECT {t} AS t, 'o' AS k, x.queue, NULL AS state, x.age::float8 AS v FROM ({rows}) x"}

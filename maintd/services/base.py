@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Protocol
 
-from sqlalchemy import Connection, Engine, TextClause
+from sqlalchemy import Connection, Engine, TextClause, text
 
 from ..clock import Clock
 from ..metrics import Family
@@ -258,7 +258,7 @@ class PassContext:
                 if statement_timeout_ms is not None:
                     local["statement_timeout"] = str(int(statement_timeout_ms))
                 if local:
-                    conn.execute(self.sql(_set_local(tuple(local))),
+                    conn.execute(self.sql(catalog.set_local(tuple(local))),
                                  {f"v{i}": v for i, v in enumerate(local.values())})
                 yield conn
                 if self.dry_run:
@@ -321,8 +321,8 @@ class PassContext:
         which cannot run in a transaction), with the given timeouts; the runner can cancel it."""
         with self.engine.connect() as conn:
             conn = conn.execution_options(isolation_level="AUTOCOMMIT")
-            conn.exec_driver_sql(f"SET lock_timeout = {int(lock_timeout_ms)}")
-            conn.exec_driver_sql(f"SET statement_timeout = {int(statement_timeout_ms)}")
+            for name, value in (("lock_timeout", lock_timeout_ms), ("statement_timeout", statement_timeout_ms)):
+                conn.execute(text(catalog.SET_SESSION), {"name": name, "value": str(int(value))})
             raw = conn.connection.dbapi_connection
             bound = getattr(raw, "answer_timeout", None)  # db.BoundedConnection: follows the timeout
             if bound is not None:
@@ -334,18 +334,10 @@ class PassContext:
                 if bound is not None:
                     raw.answer_timeout = bound
                 try:
-                    conn.exec_driver_sql("RESET statement_timeout")
-                    conn.exec_driver_sql("RESET lock_timeout")
+                    conn.execute(text(catalog.RESET_STATEMENT_TIMEOUT))
+                    conn.execute(text(catalog.RESET_LOCK_TIMEOUT))
                 except Exception:  # a broken connection is discarded by the pool anyway
                     pass
-
-
-def _set_local(names: tuple[str, ...]) -> str:
-    """``SELECT set_config('name', :v0, true), ...``: transaction-local settings in one round trip
-    (names are maintd's own constants, values travel as parameters)."""
-    if not all(n.replace("_", "").isalnum() for n in names):
-        raise ValueError(f"not a setting name: {names!r}")
-    return "SELECT " + ", ".join(f"set_config('{n}', :v{i}, true)" for i, n in enumerate(names))
 
 
 def _rounded(v: Any) -> Any:
@@ -446,4 +438,3 @@ class Service(abc.ABC):
         """Record the service-specific metrics of a committed pass (on ``metrics[F]`` for the
         families ``F`` of :attr:`METRICS`; optional)."""
         return None
-
