@@ -38,7 +38,7 @@ from .readers import Readers
 from .registry import DuplicateInstance, check_unique_instance
 from .runner import Changes, new_timetable
 from .sdnotify import SystemdNotifier
-from .services import SERVICES, metric_families
+from .services import SERVICES
 from .services.base import Service
 from .spread import Spread
 from .target import SchemaNotReady, Target
@@ -88,8 +88,7 @@ class Daemon:
         self.changes = Changes()  # the timetable changes of terms, off the election loops' threads
         self.hosts: dict[str, HostOrder] = {}  # per database URL: who answers (engine + lock session)
         self.engines: dict[tuple, Engine] = {}
-        self.metrics = metrics or Metrics(target=targets[0].target_name, max_queues=settings.metrics.max_queues,
-                                          families=metric_families())
+        self.metrics = metrics or Metrics(target=targets[0].target_name, max_queues=settings.metrics.max_queues)
         self.targets: list[Target] = []
         for t in targets:
             url = t.database_url.get_secret_value()

@@ -105,10 +105,11 @@ class Metrics:
     Series with a known label set exist from the start at 0 (:meth:`known_series`)."""
 
     def __init__(self, registry: CollectorRegistry | None = None, target: str = "maintd",
-                 max_queues: int = 100, *, shared: "Metrics | None" = None, families: Iterable[Family] = ()):
+                 max_queues: int = 100, *, shared: "Metrics | None" = None):
         """``shared``: another target's Metrics whose registry and series families this one
-        uses too (several targets in one process, one /metrics). ``families``: the services'
-        (:func:`maintd.services.metric_families`), registered now rather than at first use."""
+        uses too (several targets in one process, one /metrics). Every family exists from the
+        start, the services' too (:func:`maintd.services.metric_families`)."""
+        from .services import metric_families  # here: the services import this module
         self.registry = shared.registry if shared else (registry or CollectorRegistry(auto_describe=True))
         self.target = target
         self.max_queues = max_queues
@@ -122,7 +123,7 @@ class Metrics:
         self.xmin_horizon_age_seconds, self.xmin_horizon_age_xids = self[XMIN_AGE_SECONDS], self[XMIN_AGE_XIDS]
         self.table_dead_tuples, self.table_live_tuples = self[DEAD_TUPLES], self[LIVE_TUPLES]
         self.table_bytes, self.table_last_vacuum = self[TABLE_BYTES], self[LAST_VACUUM]
-        for family in families:
+        for family in [] if shared else metric_families():
             self[family]
         self.writable.set(1)
         for family in (IS_LEADER, LEADERSHIP_CHANGES, UP):  # this target's series exist from the start

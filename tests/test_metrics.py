@@ -14,7 +14,7 @@ FAMILIES = {name: spec.cls.METRICS for name, spec in SERVICES.items()}
 
 
 def test_known_series_follow_the_enabled_services_and_spare_other_targets():
-    a = Metrics(target="a", families=metric_families())
+    a = Metrics(target="a")
     b = Metrics(target="b", shared=a)
     value = a.registry.get_sample_value
     for m in (a, b):
@@ -38,8 +38,8 @@ def test_known_series_follow_the_enabled_services_and_spare_other_targets():
 def test_every_family_is_declared_once_and_the_daemon_exports_them_all_from_the_start():
     names = [f.name for f in metric_families()]
     assert len(names) == len(set(names))
-    body = Metrics(target="t", families=metric_families()).render().decode()
+    body = Metrics(target="t").render().decode()
     for family in metric_families():
         assert f"# HELP {family.name}" in body  # before any pass: an operator can see what exists
     with pytest.raises(ValueError, match="maintd_jobs_promoted is declared twice"):
-        Metrics(target="t", families=metric_families())[Family(Counter, "maintd_jobs_promoted", "other help")]
+        Metrics(target="t")[Family(Counter, "maintd_jobs_promoted", "other help")]
