@@ -87,15 +87,14 @@ NOT_MAINTENANCE: dict[str, str] = {
     "leader.FENCE": "the fence (FOR KEY SHARE of the leader row)",
     "grants.py: GRANT USAGE ON SCHEMA {} TO {};": "`maintd grants` (the owner role)",
     "grants.py: GRANT {} ON TABLE {} TO {};": "`maintd grants` (the owner role)",
-    "grants.py: SELECT pg_advisory_xact_lock(:k)": "`maintd grants`: the schema's migration lock",
-    "migrate.py: SELECT pg_try_advisory_lock(:k)": "`maintd migrate`: the schema's migration lock",
-    "migrate.py: SELECT pg_advisory_unlock(:k)": "`maintd migrate`: the schema's migration lock",
+    "catalog.ADVISORY_XACT_LOCK": "`maintd grants`: the schema's migration lock",
+    "catalog.TRY_ADVISORY_LOCK": "`maintd migrate`: the schema's migration lock",
+    "catalog.ADVISORY_UNLOCK": "`maintd migrate` (and `--convert`): the schema's migration lock given back",
     "migrate.py: CREATE SCHEMA IF NOT EXISTS {}": "`maintd migrate` (the owner role)",
     "migrate.py: CREATE INDEX CONCURRENTLY IF NOT EXISTS {} ON {}.jobs {}": "a migration (the owner role)",
     "migrate.py: DROP INDEX CONCURRENTLY IF EXISTS {}.{}": "a migration's downgrade (the owner role)",
     # The partitioned layout (SPEC 8.1): DDL of migrate and of `maintd migrate --convert partitioned`,
     # run by the schema's owner; and the partition functions' own definitions.
-    "cli.py: SELECT pg_advisory_unlock(:k)": "`maintd migrate --convert` gives up its own lock",
     **{f"partitions.py: {n}": "the partition functions and partitions that `maintd migrate` creates (the owner role)"
        for n in ("ALTER TABLE {}.{} ADD CONSTRAINT {}_pkey PRIMARY KEY (id)",
                  "CREATE OR REPLACE FUNCTION {}.{} RETURNS {} {} AS $fn$",
