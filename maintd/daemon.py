@@ -229,6 +229,18 @@ class Daemon:
             waiting = [t for t in waiting if self._try_start(t) is not None]
             delay = min(5.0, delay * 2)
 
+    def _on_signals(self, signals: list[int]) -> bool:
+        """Act on the signals noted since the last turn (SIGHUP: reload at the next tick; SIGTERM,
+        SIGINT: stop); True once stopping."""
+        while signals:
+            signum = signals.pop(0)
+            if signum == signal.SIGHUP:
+                self._reload_requested.set()
+            else:
+                log.info("stopping on a signal", extra=kv(signal=signal.Signals(signum).name))
+                self._stopping.set()
+        return self._stopping.is_set()
+
     def stop(self, timeout: float = 10.0) -> None:
         """Every lock released at once (one round per database), the passes stopped."""
         stopping_started = self._started
@@ -410,18 +422,15 @@ class Daemon:
             self.reload_from_file()
 
     def run_forever(self) -> int:
-        def on_stop(signum: int, frame: Any) -> None:
-            log.info("stopping on a signal", extra=kv(signal=signal.Signals(signum).name))
-            self._stopping.set()
-
-        def on_hup(signum: int, frame: Any) -> None:
-            self._reload_requested.set()
-
-        signal.signal(signal.SIGTERM, on_stop)
-        signal.signal(signal.SIGINT, on_stop)
-        signal.signal(signal.SIGHUP, on_hup)
+        # A handler only notes its signal, taking no lock: it runs between two bytecodes of the
+        # main thread, which may be inside ``_stopping.wait`` holding that Event's own lock, and
+        # setting the Event there waited for itself forever (a SIGTERM that never stopped the
+        # daemon). The main loop acts on the notes within its 0.2 s turn.
+        signals: list[int] = []
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, lambda signum, frame: signals.append(signum))
         try:
-            if not self.start():
+            if not self.start() or self._on_signals(signals):
                 log.info("stopped during start-up")
                 self.stop()
                 return 0
@@ -431,7 +440,7 @@ class Daemon:
         self.notifier.ready()
         last_ping = 0.0
         try:
-            while not self._stopping.wait(0.2):
+            while not self._stopping.wait(0.2) and not self._on_signals(signals):
                 try:
                     self.tick()
                 except Exception as exc:  # the main loop must survive anything a tick meets
