@@ -47,9 +47,8 @@ from __future__ import annotations
 from datetime import timedelta
 
 from .identifiers import quote_ident
+from .queries import FINAL_STATES, LIVE_STATES_SQL
 
-FINAL_STATES = ("completed", "cancelled", "discarded")
-LIVE_STATES_SQL = "('available', 'scheduled', 'running', 'retryable')"
 LIVE_PARTITION = "jobs_live"
 # What marks a table detached by maintain_partitions, for drop_detached_partitions.
 DETACHED_COMMENT = "maintd: detached partition, to be dropped"

@@ -107,33 +107,12 @@ NOT_MAINTENANCE: dict[str, str] = {
        for n in ("LAYOUT", "LOW_CATCH_ALLS", "EXPIRED", "SUMMARY")},
 }
 CONVERT = "`maintd migrate --convert partitioned` (the owner role, a one-off conversion)"
-NOT_MAINTENANCE.update({f"convert.py: {statement}": CONVERT for statement in (
-    'ALTER INDEX {}.{} RENAME TO {}',
-    'ALTER SEQUENCE {}.jobs_conv_id_seq RENAME TO jobs_id_seq',
-    'ALTER SEQUENCE {}.jobs_id_seq RENAME TO jobs_plain_id_seq',
-    'ALTER TABLE {}.jobs ALTER COLUMN id RESTART WITH {}',
-    'ALTER TABLE {}.jobs RENAME TO jobs_plain',
-    'ALTER TABLE {}.jobs_conv RENAME TO jobs',
-    'COMMENT ON FUNCTION {} IS',
-    "CREATE FUNCTION {q}.jobs_convert_sync() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$ BEGIN IF TG_OP <> 'INSERT' THEN IF OLD.finalized_at IS NULL THEN DELETE FROM {q}.jobs_conv AS c WHERE c.id = OLD.id AND c.state = OLD.state; ELSE DELETE FROM {q}.jobs_conv AS c WHERE c.id = OLD.id AND c.state = OLD.state AND c.finalized_at = OLD.finalized_at; END IF; END IF; IF TG_OP <> 'DELETE' THEN INSERT INTO {q}.jobs_conv SELECT NEW.*; END IF; INSERT INTO {q}.jobs_convert_seen (id) VALUES (CASE WHEN TG_OP = 'DELETE' THEN OLD.id ELSE NEW.id END) ON CONFLICT DO NOTHING; RETURN NULL; END $fn$",
-    'CREATE TABLE {}.jobs_conv (LIKE {}.jobs INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING IDENTITY) PARTITION BY LIST (state)',
-    'CREATE TABLE {}.jobs_convert_progress (phase text NOT NULL, cursor bigint NOT NULL, copied bigint NOT NULL)',
-    'CREATE TABLE {}.jobs_convert_seen (id bigint PRIMARY KEY)',
-    'CREATE TRIGGER jobs_convert_sync AFTER INSERT OR UPDATE OR DELETE ON {}.jobs FOR EACH ROW EXECUTE FUNCTION {}.jobs_convert_sync()',
-    'DROP FUNCTION {}.jobs_convert_sync()',
-    'DROP FUNCTION {}.{}({})',
-    'DROP TABLE {}.jobs_convert_progress',
-    'DROP TABLE {}.jobs_convert_seen',
-    'DROP TABLE {}.jobs_plain',
-    'DROP TRIGGER jobs_convert_sync ON {}.jobs',
-    'GRANT EXECUTE ON FUNCTION {} TO {}',
-    'GRANT {} ON {}.jobs TO {}',
-    "INSERT INTO {}.jobs_convert_progress VALUES ('live', 0, 0)",
-    'LOCK TABLE {}.jobs IN ACCESS EXCLUSIVE MODE',
-    'REVOKE ALL ON FUNCTION {} FROM PUBLIC',
-    'SELECT id FROM {}.jobs WHERE id > :cursor AND state IN {} ORDER BY id LIMIT :n FOR SHARE',
-    'UPDATE {}.jobs_convert_progress SET phase = :phase, cursor = :cursor, copied = :copied',
-    'WITH fresh AS ( INSERT INTO {q}.jobs_convert_seen (id) SELECT o.id FROM {q}.jobs AS o WHERE o.id = ANY(:ids) ON CONFLICT DO NOTHING RETURNING id ) INSERT INTO {q}.jobs_conv SELECT o.* FROM {q}.jobs AS o WHERE o.id IN (SELECT id FROM fresh)',
+NOT_MAINTENANCE.update({f"convert.{name}": CONVERT for name in (
+    "CREATE_CONV", "CREATE_SEEN", "CREATE_PROGRESS", "START_PROGRESS", "SYNC_FUNCTION", "CREATE_TRIGGER",
+    "LOCK_BATCH", "COPY", "SAVE_PROGRESS",
+    "LOCK_JOBS", "DROP_FUNCTION", "DROP_TRIGGER", "RENAME_INDEX", *(f"RENAME_TABLES[{i}]" for i in range(4)),
+    "RESTART_IDS", "GRANT_TABLE", "COMMENT_FUNCTION", "REVOKE_FUNCTION", "GRANT_FUNCTION",
+    *(f"CLEAN_UP[{i}]" for i in range(4)),
 )})
 
 

@@ -37,7 +37,9 @@ from .conftest import run_concurrently
 # Not the daemon's SQL: worker helpers (the worker role's), the demo's workload, DDL (the owner's),
 # the operator's commands (`maintd jobs`, `maintd periodic`: run with an operator's role).
 NOT_DAEMON = {"maintd.jobs", "maintd.demo", "maintd.embedded", "maintd.migrate", "maintd.grants", "maintd.partitions",
-              "maintd.__main__", "maintd.admin", "maintd.queries.admin", "maintd.periodic_table"}
+              "maintd.__main__", "maintd.admin", "maintd.queries.admin", "maintd.periodic_table",
+              # `maintd migrate --convert partitioned`: run by the schema's owner, like migrate
+              "maintd.convert", "maintd.queries.convert"}
 
 
 def operator_only() -> set[str]:

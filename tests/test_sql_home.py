@@ -12,9 +12,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "maintd"
 # Statements that read or write rows, or change a session: these belong in maintd/queries/.
 STATEMENT = re.compile(r"\s*(SELECT|INSERT|UPDATE|DELETE|WITH|SET|RESET|BEGIN|COMMIT|LOCK|NOTIFY)\s", re.I)
-# The schema's DDL for the partitioned layout (with the data moves of its conversion), and the
+# The partitioned layout's DDL (the partitions and their functions), and the
 # demo, which plays the part of a worker's long transaction.
-DDL_MODULES = {"partitions.py", "convert.py", "demo.py"}
+DDL_MODULES = {"partitions.py", "demo.py"}
 
 
 def _literal_text(node: ast.AST) -> str | None:

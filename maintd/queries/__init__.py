@@ -1,6 +1,6 @@
 """The SQL statements maintd runs, one module per table (plus ``catalog`` for PostgreSQL's own).
 Outside: the DDL of the schema (the Alembic migrations, and for the partitioned layout
-``maintd/partitions.py`` and ``maintd/convert.py``), and utility commands that take an identifier
+``maintd/partitions.py``), and utility commands that take an identifier
 (``LISTEN channel``, ``REINDEX INDEX CONCURRENTLY``, ``GRANT``), built where they run from a
 validated and quoted name. ``tests/test_sql_home.py`` holds everything else to that.
 
@@ -41,6 +41,7 @@ from ..identifiers import quote_ident
 FINAL_STATES = ("completed", "cancelled", "discarded")
 JOB_STATES = ("available", "scheduled", "running", "retryable", *FINAL_STATES)
 FINAL_STATES_SQL = "(" + ", ".join(f"'{s}'" for s in FINAL_STATES) + ")"
+LIVE_STATES_SQL = "(" + ", ".join(f"'{s}'" for s in JOB_STATES if s not in FINAL_STATES) + ")"
 
 # The advisory lock of a leadership, as PostgreSQL lists it: pg_locks shows a two-key lock's
 # halves as unsigned oids; the int4 -> oid cast maps the signed halves onto them.

@@ -37,8 +37,8 @@ from sqlalchemy.exc import OperationalError
 from ..durations import parse_duration
 from ..logs import kv
 from ..metrics import Family
-from ..partitions import DETACHED_COMMENT, FINAL_STATES
-from ..queries import catalog
+from ..partitions import DETACHED_COMMENT
+from ..queries import FINAL_STATES, catalog
 from ..queries import partitions as q
 from ..sections import DURATION_JSON, Section
 from .base import PassContext, PassResult, Service

@@ -1,0 +1,122 @@
+"""The statements of ``maintd migrate --convert partitioned`` (:mod:`maintd.convert`), run by the
+schema's owner. ``{schema}`` is the quoted schema; other braces (``{states}``, ``{old}``,
+``{signature}``, ...) are quoted identifiers, SQL lists or numbers the conversion fills in."""
+
+# Step 1, prepare.
+CREATE_CONV = """
+CREATE TABLE {schema}.jobs_conv (LIKE {schema}.jobs INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING IDENTITY)
+PARTITION BY LIST (state)
+"""
+CREATE_SEEN = "CREATE TABLE {schema}.jobs_convert_seen (id bigint PRIMARY KEY)"
+CREATE_PROGRESS = "CREATE TABLE {schema}.jobs_convert_progress (phase text NOT NULL, cursor bigint NOT NULL, copied bigint NOT NULL)"
+START_PROGRESS = "INSERT INTO {schema}.jobs_convert_progress VALUES ('live', 0, 0)"
+HAS_TRIGGER = """
+SELECT count(*) FROM pg_trigger WHERE tgrelid = to_regclass(:t) AND tgname = 'jobs_convert_sync'
+"""
+CREATE_TRIGGER = """
+CREATE TRIGGER jobs_convert_sync AFTER INSERT OR UPDATE OR DELETE ON {schema}.jobs
+FOR EACH ROW EXECUTE FUNCTION {schema}.jobs_convert_sync()
+"""
+PROGRESS = "SELECT phase, cursor, copied FROM {schema}.jobs_convert_progress"
+
+# Step 2, copy: one phase's rows (``{states}``), a batch at a time from the cursor.
+COUNT_PHASE = "SELECT count(*) FROM {schema}.jobs WHERE state IN {states}"
+LOCK_BATCH = """
+SELECT id FROM {schema}.jobs WHERE id > :cursor AND state IN {states} ORDER BY id LIMIT :n FOR SHARE
+"""
+SAVE_PROGRESS = "UPDATE {schema}.jobs_convert_progress SET phase = :phase, cursor = :cursor, copied = :copied"
+
+# Step 3, swap, under LOCK_JOBS.
+LOCK_JOBS = "LOCK TABLE {schema}.jobs IN ACCESS EXCLUSIVE MODE"
+LAST_ID = "SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM {schema}.jobs_id_seq"
+DROP_FUNCTION = "DROP FUNCTION {signature}"
+DROP_TRIGGER = "DROP TRIGGER jobs_convert_sync ON {schema}.jobs"
+RENAME_INDEX = "ALTER INDEX {schema}.{old} RENAME TO {new}"
+RENAME_TABLES = (
+    "ALTER SEQUENCE {schema}.jobs_id_seq RENAME TO jobs_plain_id_seq",
+    "ALTER TABLE {schema}.jobs RENAME TO jobs_plain",
+    "ALTER TABLE {schema}.jobs_conv RENAME TO jobs",
+    "ALTER SEQUENCE {schema}.jobs_conv_id_seq RENAME TO jobs_id_seq",
+)
+RESTART_IDS = "ALTER TABLE {schema}.jobs ALTER COLUMN id RESTART WITH {restart}"
+GRANT_TABLE = "GRANT {privilege} ON {schema}.jobs TO {grantee}"
+COMMENT_FUNCTION = "COMMENT ON FUNCTION {signature} IS {comment}"
+REVOKE_FUNCTION = "REVOKE ALL ON FUNCTION {signature} FROM PUBLIC"
+GRANT_FUNCTION = "GRANT EXECUTE ON FUNCTION {signature} TO {grantee}"
+
+# Step 4, clean up.
+CLEAN_UP = (
+    "DROP TABLE {schema}.jobs_plain",
+    "DROP TABLE {schema}.jobs_convert_seen",
+    "DROP TABLE {schema}.jobs_convert_progress",
+    "DROP FUNCTION {schema}.jobs_convert_sync()",
+)
+
+# Repeats a change of a plain row in jobs_conv (pruned to the row's partition), and notes the id.
+SYNC_FUNCTION = """
+CREATE FUNCTION {schema}.jobs_convert_sync() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
+BEGIN
+  IF TG_OP <> 'INSERT' THEN
+    IF OLD.finalized_at IS NULL THEN
+      DELETE FROM {schema}.jobs_conv AS c WHERE c.id = OLD.id AND c.state = OLD.state;
+    ELSE
+      DELETE FROM {schema}.jobs_conv AS c
+       WHERE c.id = OLD.id AND c.state = OLD.state AND c.finalized_at = OLD.finalized_at;
+    END IF;
+  END IF;
+  IF TG_OP <> 'DELETE' THEN
+    INSERT INTO {schema}.jobs_conv SELECT NEW.*;
+  END IF;
+  INSERT INTO {schema}.jobs_convert_seen (id) VALUES (CASE WHEN TG_OP = 'DELETE' THEN OLD.id ELSE NEW.id END)
+  ON CONFLICT DO NOTHING;
+  RETURN NULL;
+END
+$fn$
+"""
+
+# The locked rows of a batch not seen yet (no trigger repeated them), copied and noted.
+COPY = """
+WITH fresh AS (
+  INSERT INTO {schema}.jobs_convert_seen (id)
+  SELECT o.id FROM {schema}.jobs AS o WHERE o.id = ANY(:ids)
+  ON CONFLICT DO NOTHING
+  RETURNING id
+)
+INSERT INTO {schema}.jobs_conv SELECT o.* FROM {schema}.jobs AS o WHERE o.id IN (SELECT id FROM fresh)
+"""
+
+# Functions whose arguments or result are typed by the plain table's row (its type or array).
+DEPENDENT_FUNCTIONS = """
+SELECT DISTINCT p.proname AS name, pg_get_function_identity_arguments(p.oid) AS args,
+       pg_get_functiondef(p.oid) AS definition, obj_description(p.oid, 'pg_proc') AS comment,
+       CASE WHEN p.proacl IS NULL THEN NULL ELSE ARRAY(
+         SELECT CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(pg_get_userbyid(a.grantee)) END
+           FROM aclexplode(p.proacl) AS a WHERE a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner) END AS acl
+  FROM pg_proc AS p
+  JOIN pg_depend AS d ON d.classid = CAST('pg_proc' AS regclass) AND d.objid = p.oid
+ WHERE d.refclassid = CAST('pg_type' AS regclass)
+   AND d.refobjid IN (SELECT t.oid FROM pg_type AS t JOIN pg_class AS c ON t.oid = c.reltype
+                       WHERE c.oid = to_regclass(:t)
+                      UNION ALL
+                      SELECT t.typarray FROM pg_type AS t JOIN pg_class AS c ON t.oid = c.reltype
+                       WHERE c.oid = to_regclass(:t))
+"""
+
+TABLE_ACL = """
+SELECT a.privilege_type AS privilege,
+       CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(pg_get_userbyid(a.grantee)) END AS grantee
+  FROM pg_class AS c, aclexplode(c.relacl) AS a
+ WHERE c.oid = to_regclass(:t) AND a.grantee <> c.relowner
+"""
+
+# Index names: the plain table's get "_plain" (its primary key's too), jobs_conv's lose "_conv".
+PLAIN_INDEXES = """
+SELECT i.relname, i.relname || '_plain' FROM pg_index AS x
+  JOIN pg_class AS i ON i.oid = x.indexrelid JOIN pg_class AS t ON t.oid = x.indrelid
+ WHERE t.relnamespace = to_regnamespace(:schema) AND t.relname = 'jobs'
+"""
+CONV_INDEXES = """
+SELECT i.relname, left(i.relname, -5) FROM pg_class AS i
+ WHERE i.relnamespace = to_regnamespace(:schema) AND i.relkind IN ('i', 'I') AND i.relname LIKE '%\\_conv'
+"""
