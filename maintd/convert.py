@@ -25,7 +25,6 @@ layout (SPEC 8.1) while workers and the daemon keep running. Run by the schema's
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -36,7 +35,7 @@ from sqlalchemy.exc import OperationalError
 from . import partitions
 from .identifiers import quote_ident
 from .migrate import Layout
-from .queries import FINAL_STATES_SQL, LIVE_STATES_SQL, catalog, render
+from .queries import FINAL_STATES_SQL, LIVE_STATES_SQL, catalog, render, sql
 from .queries import convert as q
 
 BATCH = 5000
@@ -54,16 +53,6 @@ class Progress:
     phase: str
     cursor: int
     copied: int
-
-
-def _fill(template: str, schema: str, **names: str) -> str:
-    """A statement of :mod:`maintd.queries.convert` for ``schema``, its other placeholders filled
-    in one pass (quoted names, SQL lists, numbers: a value is never read as a placeholder)."""
-    return re.sub(r"\{(\w+)\}", lambda m: names.get(m.group(1), m.group(0)), render(template, schema))
-
-
-def _sql(template: str, schema: str, **names: str) -> TextClause:
-    return text(_fill(template, schema, **names))
 
 
 def convert(conn: Connection, schema: str, layout: Layout, say: Callable[[str], None] = print,
@@ -96,18 +85,18 @@ def _prepare(conn: Connection, schema: str, layout: Layout, say: Callable[[str],
     jobs = f"{quote_ident(schema)}.jobs"
     if not conn.execute(text(catalog.TABLE_EXISTS), {"qualified": f"{jobs}_conv"}).scalar():
         say(f"schema {schema}: preparing jobs_conv (partitioned), the seen ids and the sync trigger")
-        conn.execute(_sql(q.CREATE_CONV, schema))
+        conn.execute(sql(q.CREATE_CONV, schema))
         for statement in [*partitions.partitions_ddl(schema, "jobs_conv", "_conv"),
                           *partitions.start_sql(schema, layout.step),
                           *partitions.premake_sql(schema, layout.step, layout.premake)]:
             conn.execute(text(statement))
         for template in (q.CREATE_SEEN, q.CREATE_PROGRESS, q.START_PROGRESS):
-            conn.execute(_sql(template, schema))
+            conn.execute(sql(template, schema))
         conn.connection.dbapi_connection.execute(render(q.SYNC_FUNCTION, schema))  # no parameter markers
         conn.commit()
     if not conn.execute(text(q.HAS_TRIGGER), {"t": jobs}).scalar():
-        _with_lock_timeout(conn, _sql(q.CREATE_TRIGGER, schema), "the sync trigger")
-    row = conn.execute(_sql(q.PROGRESS, schema)).one()
+        _with_lock_timeout(conn, sql(q.CREATE_TRIGGER, schema), "the sync trigger")
+    row = conn.execute(sql(q.PROGRESS, schema)).one()
     conn.commit()
     return Progress(*row)
 
@@ -138,9 +127,9 @@ def _copy(conn: Connection, schema: str, phase: str, states: str, progress: Prog
     """Copy one phase's rows, batch by batch, from the cursor on. False when stopped."""
     if progress.phase != phase:
         progress.phase, progress.cursor = phase, 0
-    total = conn.execute(_sql(q.COUNT_PHASE, schema, states=states)).scalar()
+    total = conn.execute(sql(q.COUNT_PHASE, schema, states=states)).scalar()
     conn.commit()
-    lock_batch, copy, save = (_sql(t, schema, states=states) for t in (q.LOCK_BATCH, q.COPY, q.SAVE_PROGRESS))
+    lock_batch, copy, save = (sql(t, schema, states=states) for t in (q.LOCK_BATCH, q.COPY, q.SAVE_PROGRESS))
     done, last_said = 0, 0.0
     while True:
         if stop():
@@ -170,7 +159,7 @@ def _swap(conn: Connection, schema: str, say: Callable[[str], None]) -> float:
         acl = conn.execute(text(q.TABLE_ACL), {"t": jobs}).all()
         try:
             _lock_timeout(conn)
-            conn.execute(_sql(q.LOCK_JOBS, schema))
+            conn.execute(sql(q.LOCK_JOBS, schema))
         except OperationalError as exc:
             conn.rollback()
             if getattr(exc.orig, "sqlstate", None) != "55P03":
@@ -187,18 +176,18 @@ def _swap(conn: Connection, schema: str, say: Callable[[str], None]) -> float:
 
 
 def _swap_locked(conn: Connection, schema: str, functions: list, acl: list) -> None:
-    last = conn.execute(_sql(q.LAST_ID, schema)).scalar()
+    last = conn.execute(sql(q.LAST_ID, schema)).scalar()
     for f in functions:
-        conn.execute(_sql(q.DROP_FUNCTION, schema, signature=_signature(schema, f)))
-    conn.execute(_sql(q.DROP_TRIGGER, schema))
+        conn.execute(sql(q.DROP_FUNCTION, schema, signature=_signature(schema, f)))
+    conn.execute(sql(q.DROP_TRIGGER, schema))
     for renames in (q.PLAIN_INDEXES, q.CONV_INDEXES):  # the plain table's first: it frees the names
         for old, new in conn.execute(text(renames), {"schema": schema}).all():
-            conn.execute(_sql(q.RENAME_INDEX, schema, old=quote_ident(old), new=quote_ident(new)))
+            conn.execute(sql(q.RENAME_INDEX, schema, old=quote_ident(old), new=quote_ident(new)))
     for template in q.RENAME_TABLES:
-        conn.execute(_sql(template, schema))
-    conn.execute(_sql(q.RESTART_IDS, schema, restart=str(int(last or 0) + 1)))
+        conn.execute(sql(template, schema))
+    conn.execute(sql(q.RESTART_IDS, schema, restart=str(int(last or 0) + 1)))
     for g in acl:
-        conn.execute(_sql(q.GRANT_TABLE, schema, privilege=g.privilege, grantee=g.grantee))
+        conn.execute(sql(q.GRANT_TABLE, schema, privilege=g.privilege, grantee=g.grantee))
     for f in functions:
         _recreate_function(conn, schema, f)
 
@@ -212,11 +201,11 @@ def _recreate_function(conn: Connection, schema: str, f) -> None:
     driver.execute(f.definition)
     signature = _signature(schema, f)
     if f.comment is not None:
-        driver.execute(_fill(q.COMMENT_FUNCTION, schema, signature=signature, comment=_literal(f.comment)))
+        driver.execute(render(q.COMMENT_FUNCTION, schema, signature=signature, comment=_literal(f.comment)))
     if f.acl is not None:
-        conn.execute(_sql(q.REVOKE_FUNCTION, schema, signature=signature))
+        conn.execute(sql(q.REVOKE_FUNCTION, schema, signature=signature))
         for grantee in f.acl:
-            conn.execute(_sql(q.GRANT_FUNCTION, schema, signature=signature, grantee=grantee))
+            conn.execute(sql(q.GRANT_FUNCTION, schema, signature=signature, grantee=grantee))
 
 
 def _literal(s: str) -> str:
@@ -225,5 +214,5 @@ def _literal(s: str) -> str:
 
 def _clean_up(conn: Connection, schema: str) -> None:
     for template in q.CLEAN_UP:
-        conn.execute(_sql(template, schema))
+        conn.execute(sql(template, schema))
     conn.commit()

@@ -114,8 +114,9 @@ class CountProbe(_Batched):
 
     def _count(self, targets: list["Target"], *, final: bool) -> None:
         parts = [(jobs.COUNT_LIVE, "c"), (jobs.OLDEST_AVAILABLE, "o")] + ([(jobs.COUNT_FINAL, "c")] if final else [])
-        union = " UNION ALL ".join(jobs.TAGGED[kind].format(t=i, rows=render(template, t.settings.schema))
-                                   for i, t in enumerate(targets) for template, kind in parts)
+        union = " UNION ALL ".join(
+            render(jobs.TAGGED[kind], t.settings.schema, t=str(i), rows=render(template, t.settings.schema))
+            for i, t in enumerate(targets) for template, kind in parts)
         with self.engine.connect() as conn:
             conn.execute(text(catalog.SET_LOCAL), {"name": "statement_timeout", "value": str(self.TIMEOUT_MS)})
             at = conn.execute(text(catalog.TRANSACTION_TIME)).scalar_one()
@@ -178,7 +179,8 @@ class ServiceProbe(_Batched):
         schemas = tuple(t.settings.schema for t in targets)
         if self._statement is None or self._statement[0] != schemas:
             fragments = targets[0].runner.services[self.service].probe() or []
-            columns = (", ".join(f"{render(f, s)} AS c{j}" for j, f in enumerate(fragments)) for s in schemas)
-            rows = (catalog.PROBE_ROW.format(t=i, columns=c) for i, c in enumerate(columns))
+            rows = (render(catalog.PROBE_ROW, s, t=str(i), columns=", ".join(f"{render(f, s)} AS c{j}"
+                                                                           for j, f in enumerate(fragments)))
+                    for i, s in enumerate(schemas))
             self._statement = (schemas, text(" UNION ALL ".join(rows)))
         return self._statement[1]

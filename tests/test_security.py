@@ -185,6 +185,12 @@ def test_identifiers_are_quoted_in_sql():
     from maintd.queries import render as render_sql
 
     assert render_sql("SELECT 1 FROM {schema}.jobs", "maintd") == 'SELECT 1 FROM "maintd".jobs'
+    # A statement's own placeholders are filled in the same single pass: a value (a quoted name
+    # from the catalog, a comment) is never read as a placeholder, and other braces stay.
+    assert render_sql("COMMENT ON FUNCTION {signature} IS {comment}", "maintd", signature='"maintd".f()',
+                      comment="'{schema} {comment}'") == \
+        """COMMENT ON FUNCTION "maintd".f() IS '{schema} {comment}'"""
+    assert render_sql("SELECT '{}'::int[], '{a}' FROM {schema}.jobs", "m") == """SELECT '{}'::int[], '{a}' FROM "m".jobs"""
     for bad in ('a"b', "x; drop", "UPPER", "", "1abc"):
         with pytest.raises(ValueError):
             quote_ident(bad)

@@ -26,6 +26,9 @@ statement is rendered; each fragment used by more than one statement is defined 
 * ``{announce}``: one ``stalled`` event per ``rescued`` row on ``:events_channel`` (sent only if
   the transaction commits).
 
+A statement's own placeholders (a quoted index name, a list of states, a number) are given to
+:func:`render` by name, and filled in with ``{schema}``.
+
 :func:`sql` gives a SQLAlchemy ``text()``; :func:`psycopg_sql` the same statement in psycopg's
 ``%(name)s`` style for the raw connections of the leader lock.
 """
@@ -120,6 +123,7 @@ FRAGMENTS = {"{enqueue}": ENQUEUE, "{rescue}": RESCUE, "{advisory_lock}": ADVISO
              "{final_states}": FINAL_STATES_SQL}
 
 _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 
 def for_queue(template: str) -> str:
@@ -127,17 +131,20 @@ def for_queue(template: str) -> str:
     return template.replace("{target_queues}", ONE_QUEUE)
 
 
-def render(template: str, schema: str) -> str:
-    """The statement for one schema, placeholders filled in."""
+def render(template: str, schema: str, **names: str) -> str:
+    """The statement for one schema: the shared fragments, then ``{schema}`` and the statement's
+    own ``names`` in one pass (a value is never read as a placeholder; braces around another
+    name are left as they are)."""
     for name, fragment in FRAGMENTS.items():
         template = template.replace(name, fragment)
-    return template.replace("{schema}", quote_ident(schema))
+    values = {"schema": quote_ident(schema), **names}
+    return _PLACEHOLDER.sub(lambda m: values.get(m.group(1), m.group(0)), template)
 
 
-def sql(template: str, schema: str) -> TextClause:
+def sql(template: str, schema: str, **names: str) -> TextClause:
     """A SQLAlchemy ``text()`` for a statement (rendered anew: code that runs often holds a
     :class:`Statements`)."""
-    return text(render(template, schema))
+    return text(render(template, schema, **names))
 
 
 def psycopg_sql(template: str, schema: str = "maintd") -> str:
