@@ -11,7 +11,8 @@ import re
 from datetime import timedelta
 from typing import Annotated
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, PlainSerializer, field_validator,
+                      model_validator)
 
 from .durations import format_duration, parse_duration
 from .schedules import load_timezone, parse_schedule
@@ -19,8 +20,15 @@ from .schedules import load_timezone, parse_schedule
 QUEUE_RE = re.compile(r"^[^\x00-\x1f]{1,128}\Z")
 
 
-def _duration(v: object) -> timedelta:
-    return parse_duration(v)
+def names_like_queues(kind: str) -> AfterValidator:
+    """The keys of a per-queue (or per-kind) table: 1-128 characters, no control character; the
+    error names the bad one (``invalid queue name ''``)."""
+    def check(v: dict[str, object]) -> dict[str, object]:
+        for name in v:
+            if not QUEUE_RE.match(name):
+                raise ValueError(f"invalid {kind} name {name!r}")
+        return v
+    return AfterValidator(check)
 
 
 def _positive_duration(v: object) -> timedelta:
@@ -40,7 +48,6 @@ def _retention(v: object) -> timedelta | None:
 
 
 DURATION_JSON = PlainSerializer(format_duration, return_type=str, when_used="json")
-Duration = Annotated[timedelta, BeforeValidator(_duration), DURATION_JSON]
 PositiveDuration = Annotated[timedelta, BeforeValidator(_positive_duration), DURATION_JSON]
 Retention = Annotated[timedelta | None, BeforeValidator(_retention), DURATION_JSON]
 OptionalDuration = Annotated[

@@ -178,6 +178,8 @@ def test_config_path_from_env(tmp_path, monkeypatch):
     ("[cleaner]\nbatch_size = -3", "cleaner.batch_size"),
     ("[cleaner]\nbatch_pause = '11s'", "cleaner.batch_pause: must be at most 10s"),
     ("[cleaner]\nbatch_pause = '-1s'", "cleaner.batch_pause"),
+    ("[cleaner.queues.\"\"]\ncompleted_retention = '1h'", "cleaner.queues: invalid queue name ''"),
+    ("[cleaner.queues.\"a\\u0001b\"]\ncompleted_retention = '1h'", "cleaner.queues: invalid queue name 'a\\x01b'"),
     ("[leader]\nlease = '2s'\nrenew_interval = '2s'", "leader.renew_interval"),
     ("[http]\nlisten = 'nope'", "http.listen"),
     ("[log]\nformat = 'xml'", "log.format"),

@@ -57,7 +57,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Annotated
 
 from prometheus_client import Counter
-from pydantic import BeforeValidator, Field, field_validator
+from pydantic import BeforeValidator, Field
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
@@ -66,7 +66,7 @@ from ..durations import parse_duration
 from ..logs import kv
 from ..metrics import Family
 from ..queries import FINAL_STATES, catalog, for_queue, jobs, partitions
-from ..sections import DURATION_JSON, QUEUE_RE, Retention, Section, ServiceConfig
+from ..sections import DURATION_JSON, Retention, Section, ServiceConfig, names_like_queues
 from .base import PassContext, PassResult, Service
 
 
@@ -91,15 +91,7 @@ class CleanerConfig(ServiceConfig):
     completed_retention: Retention = timedelta(hours=24)
     cancelled_retention: Retention = timedelta(hours=24)
     discarded_retention: Retention = timedelta(days=7)
-    queues: dict[str, QueueRetention] = Field(default_factory=dict)
-
-    @field_validator("queues")
-    @classmethod
-    def _queues(cls, v: dict[str, QueueRetention]) -> dict[str, QueueRetention]:
-        for name in v:
-            if not QUEUE_RE.match(name):
-                raise ValueError(f"invalid queue name {name!r}")
-        return v
+    queues: Annotated[dict[str, QueueRetention], names_like_queues("queue")] = Field(default_factory=dict)
 
     def longest_retention(self, state: str) -> timedelta | None:
         """The longest retention of a final state, default or per queue (None: some keep it

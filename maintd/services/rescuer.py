@@ -36,7 +36,7 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from prometheus_client import Counter
 from pydantic import AfterValidator, Field, ValidationInfo, model_validator
@@ -48,7 +48,7 @@ from ..jobs import BACKOFF_CAP, backoff
 from ..logs import kv
 from ..metrics import Family
 from ..queries import jobs
-from ..sections import QUEUE_RE, OptionalDuration, PositiveDuration, Section, ServiceConfig
+from ..sections import OptionalDuration, PositiveDuration, Section, ServiceConfig, names_like_queues
 from .base import PassContext, PassResult, Service
 from .scheduler import MIN_WAKE
 
@@ -78,15 +78,6 @@ def _rescue_rule_check(rule: RescueRule, info: ValidationInfo) -> RescueRule:
     return rule
 
 
-def _rule_names(kind: str) -> Any:
-    def check(v: dict[str, RescueRule]) -> dict[str, RescueRule]:
-        for name in v:
-            if not QUEUE_RE.match(name):
-                raise ValueError(f"invalid {kind} name {name!r}")
-        return v
-    return AfterValidator(check)
-
-
 RescueRules = dict[str, Annotated[RescueRule, AfterValidator(_rescue_rule_check)]]
 
 
@@ -105,8 +96,8 @@ class RescuerConfig(ServiceConfig):
     events: bool = True
     # Per-queue and per-kind rules; a job's kind section wins over its queue's, which wins over
     # the [rescuer] values.
-    queues: Annotated[RescueRules, _rule_names("queue")] = Field(default_factory=dict)
-    kinds: Annotated[RescueRules, _rule_names("kind")] = Field(default_factory=dict)
+    queues: Annotated[RescueRules, names_like_queues("queue")] = Field(default_factory=dict)
+    kinds: Annotated[RescueRules, names_like_queues("kind")] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check(self) -> "RescuerConfig":
