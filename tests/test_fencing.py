@@ -56,6 +56,7 @@ from maintd.services.rescuer import Rescuer
 from maintd.services.scheduler import Scheduler
 
 from .conftest import T0
+from .source_literals import string_literals
 
 PACKAGE = Path(maintd.__file__).resolve().parent
 
@@ -154,14 +155,6 @@ def query_statements() -> dict[str, str]:
     return out
 
 
-def _literal(node: ast.AST) -> str | None:
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return node.value
-    if isinstance(node, ast.JoinedStr):  # an f-string: its expressions as {}
-        return "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
-    return None
-
-
 @functools.lru_cache(maxsize=1)
 def literal_statements() -> dict[str, str]:
     """SQL written as literals (f-strings too) in the package outside the statement modules'
@@ -170,16 +163,10 @@ def literal_statements() -> dict[str, str]:
     out: dict[str, str] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
-        docs = {id(n.body[0].value) for n in ast.walk(tree)
-                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                and n.body and isinstance(n.body[0], ast.Expr)}
         roots = ([n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
-                 if path.parent.name == "queries" else [tree])
-        nodes = [n for root in roots for n in ast.walk(root)]
-        inner = {id(v) for n in nodes if isinstance(n, ast.JoinedStr) for v in n.values}
-        for node in nodes:
-            text = None if id(node) in docs or id(node) in inner else _literal(node)
-            if text and STATEMENT.match(text):
+                 if path.parent.name == "queries" else None)
+        for _, text in string_literals(tree, roots):
+            if STATEMENT.match(text):
                 out[f"{path.relative_to(PACKAGE)}: {' '.join(text.split())}"] = text
     return out
 

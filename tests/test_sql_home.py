@@ -9,6 +9,8 @@ import ast
 import re
 from pathlib import Path
 
+from .source_literals import string_literals
+
 PACKAGE = Path(__file__).resolve().parent.parent / "maintd"
 # Statements that read or write rows, or change a session: these belong in maintd/queries/.
 STATEMENT = re.compile(r"\s*(SELECT|INSERT|UPDATE|DELETE|WITH|SET|RESET|BEGIN|COMMIT|LOCK|NOTIFY)\s", re.I)
@@ -17,26 +19,12 @@ STATEMENT = re.compile(r"\s*(SELECT|INSERT|UPDATE|DELETE|WITH|SET|RESET|BEGIN|CO
 DDL_MODULES = {"partitions.py", "demo.py"}
 
 
-def _literal_text(node: ast.AST) -> str | None:
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return node.value
-    if isinstance(node, ast.JoinedStr):
-        return "".join(v.value if isinstance(v, ast.Constant) else "x" for v in node.values)
-    return None
-
-
 def inline_statements(path: Path, root: Path = PACKAGE.parent) -> list[str]:
-    tree = ast.parse(path.read_text())
-    skip = {id(n.body[0].value) for n in ast.walk(tree)  # docstrings
-            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-            and n.body and isinstance(n.body[0], ast.Expr)}
-    skip |= {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}  # f-string parts
     found = []
-    for node in ast.walk(tree):
-        text = _literal_text(node)
-        if text is not None and id(node) not in skip and STATEMENT.match(text) and text.strip().isascii():
-            if re.match(r"\s*[A-Z]+\s+[a-z(*'{:\d]|\s*(SET|RESET) [a-z_]+", text):  # SQL, not a sentence
-                found.append(f"{path.relative_to(root)}:{node.lineno}: {text.strip()[:60]!r}")
+    for line, text in string_literals(ast.parse(path.read_text())):
+        if STATEMENT.match(text) and text.strip().isascii() and \
+                re.match(r"\s*[A-Z]+\s+[a-z(*'{:\d]|\s*(SET|RESET) [a-z_]+", text):  # SQL, not a sentence
+            found.append(f"{path.relative_to(root)}:{line}: {text.strip()[:60]!r}")
     return found
 
 
@@ -57,4 +45,4 @@ def test_the_check_finds_an_inline_statement(tmp_path):
                       '    conn.exec_driver_sql(f"SET lock_timeout = {n}")\n'
                       '    return "Select a target first"\n')
     found = inline_statements(sample, tmp_path)
-    assert [f.split(": ", 1)[1] for f in found] == ["'SELECT now()'", "'SET lock_timeout = x'"]
+    assert [f.split(": ", 1)[1] for f in found] == ["'SELECT now()'", "'SET lock_timeout = {}'"]
