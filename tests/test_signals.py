@@ -2,7 +2,13 @@
 main thread; when that thread held the lock of the Event the handler set (inside
 ``Event.wait``, as the main loop is most of the time), the handler waited for itself forever: a
 SIGTERM was logged and the daemon never stopped (seen once in CI, under load, in
-test_clock_skew). Here the signal lands while the lock is held, every time."""
+test_clock_skew). Here the signal lands while the lock is held, every time.
+
+Outside references: the ``signal`` module's documentation ("Synchronization primitives such as
+threading.Lock should not be used within signal handlers. Doing so can lead to unexpected
+deadlocks."); python/cpython#126434, the same deadlock with ``multiprocessing.Event.set()`` from
+a SIGTERM handler; and bpo-24283, a reentrant write when a handler logs (the handler no longer
+logs either: the main loop writes the line)."""
 
 from __future__ import annotations
 
