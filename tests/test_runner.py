@@ -282,6 +282,31 @@ def test_maintenance_sessions_are_bounded(settings):
     assert st == "30s" and idle == "10s" and app == f"maintd:{settings.instance_id}:work"
 
 
+def timeouts(conn) -> tuple[int, str, str]:
+    return conn.execute(text("SELECT pg_backend_pid(), current_setting('lock_timeout'), "
+                             "current_setting('statement_timeout')")).one()._tuple()
+
+
+def test_an_autocommit_ddl_connection_goes_back_to_the_pool_with_its_own_bounds(settings):
+    """The reindexer's DDL sets its own timeouts on a pooled connection. Putting them back with
+    RESET would give the next pass on that connection the role's defaults (usually no timeout at
+    all), not the session settings the pool set at connect (PostgreSQL docs, RESET: "the value
+    that the parameter would have had, if no SET had ever been issued for it in the current
+    session")."""
+    engine = maintenance_engine(settings)
+    ctx = PassContext.for_settings(settings, engine, ServerClock())
+    try:
+        with engine.connect() as conn:
+            pid, lock_timeout, statement_timeout = timeouts(conn)
+        assert statement_timeout == "30s" and lock_timeout not in ("0", "77ms")
+        with ctx.autocommit(lock_timeout_ms=77, statement_timeout_ms=1234) as conn:
+            assert timeouts(conn) == (pid, "77ms", "1234ms")
+        with engine.connect() as conn:
+            assert timeouts(conn) == (pid, lock_timeout, statement_timeout)
+    finally:
+        engine.dispose()
+
+
 def backend(ctx: PassContext, **kw) -> tuple[int, str, str]:
     with ctx.transaction(**kw) as conn:
         return (conn.execute(text("SELECT pg_backend_pid()")).scalar(),

@@ -90,9 +90,9 @@ FUNCTION_EXISTS = "SELECT to_regprocedure(:f) IS NOT NULL"
 # The dashboard's reads: one snapshot for every figure of a page, and no write by mistake.
 READ_ONLY_SNAPSHOT = "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"
 
-# An autocommit connection's timeouts (DDL such as REINDEX CONCURRENTLY) back to the role's.
-RESET_STATEMENT_TIMEOUT = "RESET statement_timeout"
-RESET_LOCK_TIMEOUT = "RESET lock_timeout"
+# A pooled connection's timeouts, read before an autocommit DDL changes them and set back after
+# (RESET would go back to the role's defaults, not to the pool's session settings).
+TIMEOUTS = "SELECT current_setting('lock_timeout') AS lock_timeout, current_setting('statement_timeout') AS statement_timeout"
 
 # One target's row of a service's probe (maintd.probes.ServiceProbe): the services' index probes
 # as columns c0, c1, ...; the rows of every target of a database joined with UNION ALL.

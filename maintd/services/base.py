@@ -316,17 +316,18 @@ class PassContext:
                     self._release()
 
     @contextmanager
-    def autocommit(self, *, lock_timeout_ms: int, statement_timeout_ms: int = 0) -> Iterator[Connection]:
+    def autocommit(self, *, lock_timeout_ms: int, statement_timeout_ms: int) -> Iterator[Connection]:
         """A connection of its own in autocommit mode (for DDL such as ``REINDEX CONCURRENTLY``,
-        which cannot run in a transaction), with the given timeouts; the runner can cancel it."""
+        which cannot run in a transaction), with the given timeouts; the runner can cancel it. The
+        pooled connection goes back with the timeouts it came with (or is discarded)."""
         with self.engine.connect() as conn:
             conn = conn.execution_options(isolation_level="AUTOCOMMIT")
-            for name, value in (("lock_timeout", lock_timeout_ms), ("statement_timeout", statement_timeout_ms)):
-                conn.execute(text(catalog.SET_SESSION), {"name": name, "value": str(int(value))})
+            was = conn.execute(text(catalog.TIMEOUTS)).one()._asdict()
+            _set_session(conn, lock_timeout=str(int(lock_timeout_ms)), statement_timeout=str(int(statement_timeout_ms)))
             raw = conn.connection.dbapi_connection
             bound = getattr(raw, "answer_timeout", None)  # db.BoundedConnection: follows the timeout
             if bound is not None:
-                raw.answer_timeout = None if not statement_timeout_ms else bound + statement_timeout_ms / 1000
+                raw.answer_timeout = bound + statement_timeout_ms / 1000
             try:
                 with self.query.tracking(conn):
                     yield conn
@@ -334,10 +335,14 @@ class PassContext:
                 if bound is not None:
                     raw.answer_timeout = bound
                 try:
-                    conn.execute(text(catalog.RESET_STATEMENT_TIMEOUT))
-                    conn.execute(text(catalog.RESET_LOCK_TIMEOUT))
-                except Exception:  # a broken connection is discarded by the pool anyway
-                    pass
+                    _set_session(conn, **was)
+                except Exception:  # never back to the pool without its bounds
+                    conn.invalidate()
+
+
+def _set_session(conn: Connection, **settings: str) -> None:
+    for name, value in settings.items():
+        conn.execute(text(catalog.SET_SESSION), {"name": name, "value": value})
 
 
 def _rounded(v: Any) -> Any:

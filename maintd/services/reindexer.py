@@ -157,8 +157,7 @@ class Reindexer(Service):
                 report.outcome = "skipped"
                 return True
             started = time.monotonic()
-            self._ddl(ctx, f"REINDEX INDEX CONCURRENTLY {qualified(ctx.schema, report.index)}",
-                      timeout_ms=ms(self.config.timeout))
+            self._ddl(ctx, f"REINDEX INDEX CONCURRENTLY {qualified(ctx.schema, report.index)}", self.config.timeout)
             report.seconds = round(time.monotonic() - started, 3)
             report.outcome = "reindexed"
             report.bytes_after = self._size(ctx, report.index)
@@ -187,14 +186,19 @@ class Reindexer(Service):
         log.warning("reindex failed", extra=kv(index=report.index, outcome=report.outcome,
                                                error=report.error))
 
-    def _ddl(self, ctx: PassContext, statement: str, timeout_ms: int = 0) -> None:
+    def _ddl(self, ctx: PassContext, statement: str, timeout: timedelta) -> None:
         ctx.check_stop()
-        with ctx.autocommit(lock_timeout_ms=ms(self.config.lock_timeout),
-                            statement_timeout_ms=timeout_ms) as conn:
+        with ctx.autocommit(lock_timeout_ms=ms(self.config.lock_timeout), statement_timeout_ms=ms(timeout)) as conn:
             conn.exec_driver_sql(statement)
 
+    @property
+    def _drop_timeout(self) -> timedelta:
+        """A drop waits for the transactions older than it (each wait bounded by ``lock_timeout``),
+        then does the per-index work: it is bounded by both."""
+        return self.config.lock_timeout + self.config.timeout
+
     def _drop(self, ctx: PassContext, name: str, report: IndexReport) -> None:
-        self._ddl(ctx, f"DROP INDEX CONCURRENTLY IF EXISTS {qualified(ctx.schema, name)}")
+        self._ddl(ctx, f"DROP INDEX CONCURRENTLY IF EXISTS {qualified(ctx.schema, name)}", self._drop_timeout)
         report.artifacts_dropped.append(name)
         log.info("dropped leftover index of a failed build", extra=kv(index=name))
 
@@ -207,7 +211,8 @@ class Reindexer(Service):
                 rows = conn.execute(text(catalog.JOBS_INDEXES), {"schema": ctx.schema}).all()
             for r in rows:
                 if pattern.match(r.name) and not r.valid:
-                    with ctx.autocommit(lock_timeout_ms=ms(self.config.lock_timeout)) as conn:
+                    with ctx.autocommit(lock_timeout_ms=ms(self.config.lock_timeout),
+                                        statement_timeout_ms=ms(self._drop_timeout)) as conn:
                         conn.exec_driver_sql(f"DROP INDEX CONCURRENTLY IF EXISTS {qualified(ctx.schema, r.name)}")
                     report.artifacts_dropped.append(r.name)
                     log.info("dropped leftover of the cancelled build", extra=kv(index=r.name))
