@@ -29,10 +29,12 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 
 
 def redact_dsn(dsn: str) -> str:
-    """Mask the password of a URL or key=value DSN."""
-    if "://" in dsn:
-        return re.sub(r"(://[^:/@?#]*:)([^@/?#]*)@", r"\1***@", dsn)
-    return re.sub(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", r"\1***", dsn, flags=re.I)
+    """Mask every password in a text: a URL's ``user:password@``, a URL's query parameter
+    ``password=...`` (up to ``&`` or ``#``) and a key=value DSN's ``password=...`` (quoted, or up
+    to the next space)."""
+    dsn = re.sub(r"(://[^:/@?#\s]*:)([^@/?#\s]*)@", r"\1***@", dsn)
+    dsn = re.sub(r"([?&]password=)[^&#\s]*", r"\1***", dsn, flags=re.I)
+    return re.sub(r"((?<![?&\w])password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", r"\1***", dsn, flags=re.I)
 
 
 # The target a line is about, in a daemon with several targets: set by each target's election

@@ -258,6 +258,16 @@ def test_every_problem_is_reported_one_per_line(tmp_path, monkeypatch):
     ("postgresql://maintd@db/app", "postgresql://maintd@db/app"),
     ("host=db user=maintd password=s3cr3t dbname=app", "host=db user=maintd password=*** dbname=app"),
     ("host=db password='a b c' dbname=app", "host=db password=*** dbname=app"),
+    # libpq takes connection parameters in a URI's query too (PostgreSQL docs, 34.1.1.2
+    # "Connection URIs": postgresql:///mydb?host=localhost&port=5433 ... any keyword may be given).
+    ("postgresql://maintd@db.internal/app?sslmode=require&password=TOPSECRET",
+     "postgresql://maintd@db.internal/app?sslmode=require&password=***"),
+    ("postgresql://db/app?password=s3cr3t&sslmode=require", "postgresql://db/app?password=***&sslmode=require"),
+    ("postgresql://maintd:p%40ss@db/app?PASSWORD=x#frag", "postgresql://maintd:***@db/app?PASSWORD=***#frag"),
+    # In a log line, beside other text.
+    ('error="connection to postgresql://u:pw@h/d failed" dsn=host=h password=pw',
+     'error="connection to postgresql://u:***@h/d failed" dsn=host=h password=***'),
+    ("host=db passwordfile=none old_password=x", "host=db passwordfile=none old_password=x"),
 ])
 def test_redact_dsn(dsn, shown):
     assert redact_dsn(dsn) == shown
