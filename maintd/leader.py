@@ -140,6 +140,12 @@ class Seat:
         if self.loop is not None:
             self.loop.request(self, req)
 
+    def wake(self) -> None:
+        """Ask the spread's gate again at once; through the loop, whose thread alone writes
+        ``gate_at`` (a write from another thread could be overwritten by a gate asked meanwhile)."""
+        if self.loop is not None:
+            self.loop.request(self, None)
+
     def effect(self, effect: Elected | Demoted | None, was: Term | None) -> None:
         if effect is None:
             return
@@ -165,12 +171,13 @@ class ElectionLoop:
         self.session = LockSession(settings, hosts, self._notified)
         self.writable = True
         self.replicas: tuple[str, ...] | None = None  # the live replicas, as last read
-        self.last_progress = time.monotonic()  # when the loop last went round (for /healthz)
+        self.last_progress = time.monotonic()  # when the loop last went round or woke (for /healthz)
+        self.sleeping = False  # in a deliberate wait (bounded), not in a call
         self._by_channel = {channel: (seat, handover) for seat in self.targets
                             for channel, handover in seat.channels.items()}
         for seat in self.targets:
             seat.loop = self
-        self._requests: queue.SimpleQueue[tuple[Seat, Request | Notified]] = queue.SimpleQueue()
+        self._requests: queue.SimpleQueue[tuple[Seat, Request | Notified | None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._stopping = self._ever_connected = False
@@ -193,7 +200,13 @@ class ElectionLoop:
     def is_leader(self) -> bool:
         return any(seat.is_leader for seat in self.targets)
 
-    def request(self, seat: Seat, event: Request | Notified) -> None:
+    def stalled_for(self) -> float:
+        """Seconds since the loop last went round, its waits between rounds and backoffs not
+        counted: how long a call (a round, a connect) has held it."""
+        return 0.0 if self.sleeping else time.monotonic() - self.last_progress
+
+    def request(self, seat: Seat, event: Request | Notified | None) -> None:
+        """``event`` None: only ask the seat's gate again."""
         self._requests.put((seat, event))
         self.wake()
 
@@ -220,8 +233,7 @@ class ElectionLoop:
     # -- the loop ------------------------------------------------------------------------------------
     def run(self) -> None:
         delay = BACKOFF_START
-        while not (self._stopping and all(isinstance(t.state, Following) and t.state.won_at is None
-                                          for t in self.targets)):
+        while True:
             self.last_progress = time.monotonic()
             try:
                 if not self.session.open:
@@ -230,6 +242,8 @@ class ElectionLoop:
                     self.connect()
                     delay = BACKOFF_START
                 self.round()
+                if self._stopping and all(isinstance(t.state, Following) and t.state.won_at is None for t in self.targets):
+                    break  # every lock released
                 self._sleep(min([self._read_at + REFRESH] + [t.next_due() for t in self.targets]))
             except Exception as exc:  # the loop survives anything a round meets
                 delay = self._failed(exc, delay)
@@ -252,6 +266,7 @@ class ElectionLoop:
             log.warning(f"{what}, retrying", extra=kv(seconds=round(sleep, 1), error=error))
         else:
             log.exception("election loop error", extra=kv(error=error))
+        self._take_requests(time.monotonic())  # a request left queued would cut every backoff short
         self._sleep(time.monotonic() + sleep, session=False)
         return min(BACKOFF_CAP, delay * 2)
 
@@ -286,11 +301,7 @@ class ElectionLoop:
 
     def _round(self) -> bool:
         now = time.monotonic()
-        while not self._requests.empty():
-            seat, event = self._requests.get_nowait()
-            seat.notified = seat.notified or isinstance(event, Notified)
-            seat.gate_at = 0.0 if isinstance(event, Notified) else seat.gate_at
-            self._apply(seat, event, now)
+        self._take_requests(now)
         sends: dict[str, list[Seat]] = {"try": [], "renew": [], "unlock": [], "bump": [], "release": []}
         # Renewals go together: when one is due, those due within half an interval are sent with
         # it (early proofs are sound), so the leases of many targets cost one statement, not one each.
@@ -315,6 +326,14 @@ class ElectionLoop:
         self._refresh()
         return any(isinstance(s.state, Following) and s.state.won_at is not None for s in sends["try"])
 
+    def _take_requests(self, now: float) -> None:
+        while not self._requests.empty():
+            seat, event = self._requests.get_nowait()
+            seat.notified = seat.notified or isinstance(event, Notified)
+            seat.gate_at = 0.0 if event is None or isinstance(event, Notified) else seat.gate_at
+            if event is not None:
+                self._apply(seat, event, now)
+
     def _apply(self, seat: Seat, event: object, now: float) -> str | None:
         was = seat.term
         result: Step = step(seat.state, event, now, self.timing, self.settings.instance_id)
@@ -325,7 +344,7 @@ class ElectionLoop:
     def _gate(self, seat: Seat, now: float) -> bool:
         """Whether a follower may try now: its state would, and so does the spread."""
         s = seat.state
-        if not (seat.started and isinstance(s, Following) and s.won_at is None and now >= max(due(s), seat.gate_at)):
+        if self._stopping or not (seat.started and isinstance(s, Following) and s.won_at is None and now >= max(due(s), seat.gate_at)):
             return False
         wait = 0.0 if self.spread is None else self.spread.gate(seat.name, seat.notified)
         seat.notified, seat.gate_at = False, now + wait
@@ -405,7 +424,12 @@ class ElectionLoop:
         poller.register(self._wake_r, select.POLLIN)
         if session and self.session.open:
             poller.register(self.session.conn.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
-        for fd, _ in poller.poll(max(0.0, min(until - time.monotonic(), 60.0)) * 1000):
+        self.sleeping = True
+        try:
+            ready = poller.poll(max(0.0, min(until - time.monotonic(), 60.0)) * 1000)
+        finally:
+            self.sleeping, self.last_progress = False, time.monotonic()
+        for fd, _ in ready:
             if fd == self._wake_r:
                 try:
                     while os.read(self._wake_r, 4096):

@@ -5,7 +5,6 @@ all alike."""
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from sqlalchemy import Engine
@@ -47,8 +46,7 @@ class Target:
 
     def start(self) -> None:
         self.seat.started, self.problem = True, None
-        if self.seat.loop is not None:
-            self.seat.loop.wake()
+        self.seat.wake()
 
     def reload(self, settings: Settings) -> None:
         self.settings = self.seat.settings = settings
@@ -57,14 +55,13 @@ class Target:
     def hand_over(self, reason: str, hold_off: float) -> None:
         """Give this target's leadership up gracefully (released, followers woken, the lock
         session kept) and do not try for it again for ``hold_off`` seconds (the spread)."""
-        if self.term is not None:
-            self.seat.request(Request("handover", reason, self.term.epoch, hold_off))
+        term = self.term  # once: the loop may end the term meanwhile
+        if term is not None:
+            self.seat.request(Request("handover", reason, term.epoch, hold_off))
 
     def wake(self) -> None:
         """The spread made this replica the target's owner: its follower asks the gate again now."""
-        self.seat.gate_at = 0.0
-        if self.seat.loop is not None:
-            self.seat.loop.wake()
+        self.seat.wake()
 
     # -- from the election loop ----------------------------------------------------------------------
     def _elected(self, term: Term) -> None:
@@ -107,7 +104,7 @@ class Target:
             return None
         if not loop.alive:
             return "leader election thread not running"
-        if time.monotonic() - loop.last_progress > (cfg.lease + max(cfg.retry_interval, cfg.renew_interval)).total_seconds():
+        if loop.stalled_for() > (cfg.lease + max(cfg.retry_interval, cfg.renew_interval)).total_seconds():
             return "leader election loop stalled (database connection hanging?)"
         return self.maintenance_stall if self.is_leader else None
 

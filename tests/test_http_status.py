@@ -62,12 +62,12 @@ def test_http_endpoints_and_metrics(settings, schema):
         assert daemon.http.address[0] == "127.0.0.1"
 
         # An election loop that stops making progress (a hanging connection) is unhealthy.
-        # (The election loop itself stamps last_progress on every turn, so set it right before
-        # each request until one lands in between.)
+        # (The election loop itself stamps last_progress on every turn and marks its waits, so
+        # set both right before each request until one lands in between.)
         loop = daemon.loops[0]
 
         def stalled():
-            loop.last_progress = time.monotonic() - 60
+            loop.last_progress, loop.sleeping = time.monotonic() - 60, False
             return _get(port, "/healthz")
 
         status, body = wait_for(lambda: (lambda r: r if r[0] == 503 else None)(stalled()), 5,

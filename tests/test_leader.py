@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import socket
 
 import threading
 import time
@@ -13,6 +14,7 @@ from typing import Iterator
 
 import psycopg
 import pytest
+from pydantic import SecretStr
 
 from maintd.config import Settings
 from maintd.daemon import Daemon
@@ -75,8 +77,7 @@ class Elector:
         self.seat.request(Request("handover" if graceful else "fenced", reason, epoch, hold_off))
 
     def wake(self):
-        self.seat.gate_at = 0.0
-        self.loop.wake()
+        self.seat.wake()
 
 
 class Recorder:
@@ -270,6 +271,36 @@ def test_lease_expiry_stops_passes_at_once_and_gives_up_the_term(settings):
         daemon.stop()
 
 
+def test_an_outage_is_waited_out_with_backoff_and_the_loop_stays_alive(settings, maintd_log):
+    """Against a server that refuses every connect:
+
+    * While the database is down, the main loop may have queued a request for the term the outage
+      ended ("lease expired", every tick). Requests are only taken by a round, and no round runs
+      while connecting fails: left in the queue, one cut every backoff sleep short, and the loop
+      reconnected as fast as the server refused (2,750 tries in 3 s before the fix).
+    * /healthz's "election loop stalled" means a call that hangs, not the backoff's sleeps: with
+      lease 3 s (a threshold of 4 s) the capped 5 s backoff must not count as a stall."""
+    with socket.socket() as closed:  # a port nothing listens on: every connect is refused at once
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    down = with_leader(settings.model_copy(update={"database_url": SecretStr(f"postgresql://nobody@127.0.0.1:{port}/none")}))
+    elector = Recorder().elector(down)
+    elector.request_demotion("lease expired", epoch=7)
+    elector.start()
+    stalled = 0.0
+    try:
+        deadline = time.monotonic() + 12.0
+        while time.monotonic() < deadline:
+            stalled = max(stalled, elector.loop.stalled_for())
+            time.sleep(0.05)
+    finally:
+        elector.stop()
+    tries = [line for line in maintd_log if "database unreachable, retrying" in line]
+    # Backoff 0.2, 0.4, 0.8, 1.6, 3.2, 5 s (each +-30 %): about 6 tries in 12 s, never dozens.
+    assert 3 <= len(tries) <= 12, (len(tries), tries[:3])
+    assert stalled < 1.0, stalled  # 4 s would be /healthz's 503
+
+
 def test_run_once_lock_is_renewed_and_not_registered(settings, engine, schema):
     s = with_leader(settings)
     elector, fence = acquire_once(s)
@@ -355,6 +386,40 @@ def test_a_woken_follower_asks_its_gate_again_at_once(settings, schema):
             wait_for(lambda: len(asked) > n, 2, 0.005, what="the gate asked again")
             assert asked[n] - t0 < 0.25, f"asked again {asked[n] - t0:.3f}s after the wake"
         assert not elector.is_leader
+    finally:
+        elector.stop()
+
+
+def test_a_wake_that_lands_while_the_gate_is_asked_is_not_lost(settings, schema):
+    """At start the spread holds every try (its gate answers "inf") until all targets are
+    started, then wakes them from the main thread. A wake landing while the loop's thread is
+    asking the gate must not be overwritten by that answer: the follower would never ask again
+    (one target, one replica: never led, with /healthz and /readyz fine). Here the wake comes
+    from another thread inside the gate's first answer, every time."""
+    s = with_leader(settings)
+    asked: list[float] = []
+    elector = None
+
+    class Gate:
+        def gate(self, name, notified):
+            asked.append(time.monotonic())
+            if len(asked) == 1:  # the spread's started(), right between the answer and its store
+                waker = threading.Thread(target=elector.wake)
+                waker.start()
+                waker.join()
+                return math.inf
+            return 60.0
+
+        def tried(self, name, won):
+            pass
+
+        def refresh(self, at_once=False):
+            pass
+
+    elector = Recorder().elector(s, spread=Gate())
+    elector.start()
+    try:
+        wait_for(lambda: len(asked) >= 2, 5, what="the gate asked again after the wake")
     finally:
         elector.stop()
 
