@@ -9,7 +9,9 @@ live replicas, a replica's *cap* is ceil(T/R) + 1 leaderships once stable.
   of the lease, until a hand-over NOTIFY or a change of R); other replicas' lazily, every 2-4
   retry intervals (at the cap, every lease or so), so a target its owner cannot lead is led.
 * **Hand-over** (:meth:`Spread.balance`): above the cap for ``settle`` s, the extra leaderships
-  are released gracefully, other replicas' targets first.
+  are released gracefully, other replicas' targets first. A target handed over that this replica
+  wins back (its owner did not take it: its schema not ready there, its database unreachable from
+  there) *stays*: it is not handed over again for ``STAY`` settles, or until R changes.
 * **Start**: no tries for ``JOIN`` s after the targets are started, so replicas started together
   see each other. R is what the election loops read every second: the replicas with a lock
   session connected (a SIGKILLed replica's ends at once, a frozen one's within the lease).
@@ -33,6 +35,7 @@ REFRESH = 1.0  # seconds between two reads of the live replicas
 JOIN = 2 * REFRESH  # no tries for this long after start: replicas started together see each other
 PENDING = 30.0  # a granted try counts as a leadership until it is over (or, at worst, this long)
 LAZY = (2.0, 4.0)  # retry intervals between two tries of a target this replica does not own
+STAY = 30  # settles a target won back after a hand-over is kept before it is handed over again
 
 
 def cap(targets: int, replicas: int) -> int:
@@ -79,6 +82,8 @@ class Spread:
         self._lazy_due: dict[str, tuple[float, bool]] = {}  # name: (when, set below the cap)
         self._lost: dict[str, tuple[int, float]] = {}  # own targets: (tries lost in a row, next try)
         self._over_since: float | None = None
+        self._handed: dict[str, float] = {}  # handed over, until then counted as won back if won
+        self._stays: dict[str, float] = {}  # won back after a hand-over: kept until then
         self.join = join if len(self.units) > 1 else 0.0  # one target: nothing to spread
         self._join_until = time.monotonic() + self.join
         self._lock = threading.Lock()
@@ -155,6 +160,10 @@ class Spread:
         """Target ``name``'s try is over (lost: an own target's next try backs off)."""
         with self._lock:
             self._pending.pop(name, None)
+            if won and self._handed.pop(name, -math.inf) > time.monotonic():
+                log.info("kept a target handed over and found unled: its owner does not lead it",
+                         extra=kv(target=name, owner=self.owner.get(name)))
+                self._stays[name] = time.monotonic() + STAY * self.settle
             if won or not self.owns(name):
                 self._lost.pop(name, None)
                 return
@@ -182,17 +191,20 @@ class Spread:
             self.owner = assign([u.name for u in self.units], live)
             self._lazy_due.clear()
             self._lost.clear()  # a holder may have died
+            self._handed.clear()
+            self._stays.clear()  # new owners: spread again
         for unit in self.units:
             if self.owns(unit.name) and not unit.is_leader:
                 unit.wake()
 
     def balance(self) -> int:
         """Hand over the leaderships above the cap once it has lasted ``settle`` seconds, those
-        owned by another replica first; returns how many were handed over."""
+        owned by another replica first (never one that stays); returns how many were handed over."""
         self.refresh()
         now = time.monotonic()
         leaders = [u for u in self.units if u.is_leader]
-        excess = len(leaders) - self.cap
+        movable = [u for u in leaders if self._stays.get(u.name, -math.inf) <= now]
+        excess = min(len(leaders) - self.cap, len(movable))
         if excess <= 0:
             self._over_since = None
             return 0
@@ -204,8 +216,12 @@ class Spread:
         reason = f"spreading the targets: leading {len(leaders)}, cap {self.cap} with {self.replicas} replicas"
         log.info("handing leaderships over", extra=kv(count=excess, leading=len(leaders), cap=self.cap,
                                                       replicas=self.replicas))
-        random.shuffle(leaders)
-        leaders.sort(key=lambda u: self.owns(u.name))  # another replica's targets first
-        for unit in leaders[:excess]:
-            unit.hand_over(reason, hold_off=LAZY[1] * self.retry)
+        random.shuffle(movable)
+        movable.sort(key=lambda u: self.owns(u.name))  # another replica's targets first
+        hold_off = LAZY[1] * self.retry
+        for unit in movable[:excess]:
+            with self._lock:  # won again by then, it was unled: the lazy try at the cap comes
+                # after the hold-off and about three lazy intervals
+                self._handed[unit.name] = now + hold_off + 2 * 3 * self.lazy_max
+            unit.hand_over(reason, hold_off=hold_off)
         return excess

@@ -360,6 +360,37 @@ def test_hand_over_above_the_cap_after_settle_others_targets_first():
     assert spread.balance() == 0
 
 
+def test_a_target_handed_over_and_found_unled_stays_until_the_replicas_change():
+    """A replica counts as live by its lock session alone, yet it may not lead a target it owns
+    (that target's schema not ready there in a rolling upgrade, its database unreachable from
+    there, another target list). Handing such a target over left it unled until the lazy try at
+    the cap took it back, then handed it over a settle later, forever: unled about 14 s of every
+    24 s with the default settings. Won back after a hand-over, it now stays."""
+    units = [FakeUnit(f"t{i}", leading=True) for i in range(4)]
+    spread, found = make_spread(units, ["r0", "r1"])
+    assert spread.cap == 3
+
+    def cycles(n: int) -> None:  # r1 never takes a target; r0's next try wins each back
+        for _ in range(n):
+            spread.balance()
+            for u in units:
+                if not u.leading:
+                    u.leading = True
+                    spread.tried(u.name, won=True)
+            time.sleep(0.35)
+
+    cycles(8)
+    handed = {u.name: len(u.handed) for u in units}
+    assert max(handed.values()) == 1 and sum(handed.values()) >= 1, handed  # each at most once
+    assert spread.balance() == 0 and all(u.leading for u in units)
+    # New replicas: new owners, so it is spread again.
+    found[0] = ["r0", "r1", "r2"]
+    spread.refresh(at_once=True)
+    spread.balance()
+    time.sleep(0.35)
+    assert spread.balance() == 1
+
+
 # -- real daemons ---------------------------------------------------------------------------------
 
 
@@ -372,10 +403,9 @@ def test_three_replicas_spread_twelve_targets_and_recover_after_sigkill(pg_dsn, 
     try:
         per = stable(lambda: spread_ok(pg_dsn, schemas, names), 3, 60, "every target led, <= 5 per replica")
         assert sum(per.values()) == 12 and max(per.values()) <= 5, per
-        # Lock sessions are shared, 5 targets to one (SPEC 7.9: share what can be shared): 12
-        # targets cost each replica 3 lock sessions, not 12, so the 12 leaderships sit on at most 9.
+        # One lock session per database (SPEC 8.3): each replica's leaderships sit on one backend.
         backends = lock_backends(pg_dsn, schemas)
-        assert all(len(backends[n]) <= 3 for n in per) and sum(map(len, backends.values())) <= 9, backends
+        assert all(len(pids) == 1 for pids in backends.values()) and len(backends) <= 3, backends
         victim = next(p for p in procs if per[p.instance_id] > 0)
         survivors = [n for n in names if n != victim.instance_id]
         t0 = time.monotonic()
