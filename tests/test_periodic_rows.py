@@ -9,6 +9,7 @@ import statistics
 import time
 from datetime import datetime, timedelta, timezone
 
+import psycopg
 import pytest
 
 from maintd.cli import main
@@ -103,6 +104,26 @@ def test_add_change_pause_and_remove_apply_within_two_seconds(leader, engine, sc
     time.sleep(2.5)
     assert len(jobs_of(engine, schema, "report")) == removed  # and its jobs stay
     assert removed > paused
+
+
+def test_a_change_committed_after_a_later_one_is_read(pg_dsn, settings, engine, schema, clock):
+    """The trigger stamps updated_at with now(), the writing transaction's start. T1 pauses a
+    row, T2 (begun later) changes another and commits first, the daemon reads, then T1 commits:
+    with max(updated_at) as the rows' version, T1's pause was never read (the maximum is T2's)."""
+    from maintd.services.periodic_rows import RowSource
+
+    add_row(engine, schema, "a")
+    add_row(engine, schema, "b")
+    rows = RowSource()
+    ctx = PassContext.for_settings(settings, engine, clock)
+    assert [r.enabled for r in rows.rows(ctx)] == [True, True]
+    with psycopg.connect(pg_dsn) as t1:
+        t1.execute(f'UPDATE "{schema}".periodic_jobs SET enabled = false WHERE id = %s', ("a",))
+        time.sleep(0.05)
+        execute(engine, schema, "UPDATE {schema}.periodic_jobs SET priority = 3 WHERE id = 'b'")
+        assert [(r.id, r.enabled, r.priority) for r in rows.rows(ctx)] == [("a", True, 0), ("b", True, 3)]
+        t1.commit()
+    assert [(r.id, r.enabled, r.priority) for r in rows.rows(ctx)] == [("a", False, 0), ("b", True, 3)]
 
 
 def test_time_from_insert_to_first_job(leader, engine, schema):

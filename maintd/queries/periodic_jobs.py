@@ -1,7 +1,14 @@
 """Statements on ``{schema}.periodic_jobs``: periodic schedules kept as rows (SPEC 7.10)."""
 
 # What changed since the last read: cheap enough for every pass of the periodic enqueuer.
-VERSION = "SELECT count(*) AS n, max(updated_at) AS changed FROM {schema}.periodic_jobs"
+# What changes with any committed change of the rows, whatever the order of the commits: each
+# row's xmin (a new row version's own). max(updated_at) did not: the trigger stamps now(), the
+# writing transaction's start, so a long transaction committing after a shorter one that began
+# later left the maximum as it was, and its change unread until a restart.
+VERSION = """
+SELECT count(*) AS n, md5(string_agg(id || ':' || xmin::text, ',' ORDER BY id)) AS changed
+  FROM {schema}.periodic_jobs
+"""
 
 ALL = """
 SELECT id, schedule, timezone, kind, queue, args, priority, max_attempts, unique_key, backfill,
