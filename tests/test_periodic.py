@@ -153,8 +153,27 @@ def test_disabled_entry_enqueues_nothing_and_counts(pg_dsn, schema, engine):
     run(settings, engine, clock, service=service)
     clock.advance(10)
     result = run(settings, engine, clock, service=service)
-    assert jobs(engine, schema) == [] and slots(engine, schema) == []
+    assert jobs(engine, schema) == [] and len(slots(engine, schema)) == 2  # taken without a job
     assert result.skipped == {"tick": {"disabled": 1}}
+    # Counted once per slot, whichever daemon takes it: another one at the same slot counts nothing.
+    assert run(settings, engine, clock).skipped == {}
+
+
+def test_an_entry_enabled_again_does_not_backfill_the_slots_it_was_disabled_for(pg_dsn, schema, engine):
+    """SPEC 4: backfill is for slots "missed while no leader ran", not for slots skipped on
+    purpose (counted as skipped{reason="disabled"}). A nightly job paused Monday and resumed
+    Friday must not run four times on resume."""
+    on, off = (make_settings(pg_dsn, schema, backfill="1h", enabled=e) for e in (True, False))
+    clock = FrozenClock(START)
+    run(on, engine, clock)  # baselined
+    disabled = PeriodicEnqueuer(off.periodic)
+    for _ in range(3):
+        clock.advance(10)
+        assert run(off, engine, clock, service=disabled).skipped == {"tick": {"disabled": 1}}
+    assert run(on, engine, clock).enqueued == []
+    clock.advance(10)
+    assert [e["slot"] for e in run(on, engine, clock).enqueued] == [START.replace(second=40, microsecond=0).isoformat()]
+    assert len(jobs(engine, schema)) == 1
 
 
 def test_unique_key_skips_while_the_previous_job_lives(pg_dsn, schema, engine):

@@ -12,7 +12,8 @@ Per entry and pass, with ``hwm`` = the newest slot taken so far:
 * due slots ``hwm < s <= now``: with ``backfill``, each slot inside ``[now - backfill, now]`` is
   enqueued once, oldest first; older ones are skipped (``outside_backfill``). Without ``backfill``
   only the most recent due slot is enqueued (missed older runs are skipped, as cron does).
-* disabled: nothing is enqueued; each new slot is counted as skipped (``disabled``).
+* disabled: nothing is enqueued; each new slot is taken without a job and counted as skipped
+  (``disabled``), so an entry enabled again does not backfill the slots it was disabled for.
 
 Entries come from ``[[periodic]]`` (and the crontab) and from the rows of ``periodic_jobs``
 (:mod:`maintd.services.periodic_rows`), read again whenever they change. A row that changed after
@@ -180,9 +181,8 @@ class PeriodicEnqueuer(Service):
         latest = schedule.latest_at_or_before(now)
         if not job.enabled:
             if self._disabled_seen.get(job.id) != latest:
-                if job.id in self._disabled_seen:
-                    result.skip(job.id, "disabled")
                 self._disabled_seen[job.id] = latest
+                self._skip_disabled(ctx, job, latest, result)
             return
         self._disabled_seen.pop(job.id, None)
         if hwm is None and (job.run_on_start or entry.since is None):
@@ -207,6 +207,15 @@ class PeriodicEnqueuer(Service):
             conn.execute(ctx.sql(periodic_slots.TAKE), {"periodic_id": entry.id, "slot": slot,
                                                         "backfilled": False, "instance": ctx.instance_id})
         result.baselined.append(entry.id)
+
+    def _skip_disabled(self, ctx: PassContext, entry: PeriodicJob, slot: datetime, result: PeriodicResult) -> None:
+        """A disabled entry's slot is taken without a job, and counted by whichever daemon takes
+        it: enabled again, the entry does not enqueue (or backfill) the slots it was disabled for."""
+        with ctx.transaction() as conn:
+            taken = conn.execute(ctx.sql(periodic_slots.TAKE), {"periodic_id": entry.id, "slot": slot,
+                                                                "backfilled": False, "instance": ctx.instance_id}).first()
+        if taken is not None:
+            result.skip(entry.id, "disabled")
 
     def _enqueue(self, ctx: PassContext, entry: PeriodicJob, slot: datetime, backfilled: bool,
                  result: PeriodicResult) -> None:
