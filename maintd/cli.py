@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import sys
 from datetime import timezone
 from typing import Callable, Sequence
@@ -81,7 +83,7 @@ def _add_daemon_parsers(sub) -> None:
     r.add_argument("service", metavar="SERVICE", choices=list(SERVICES),
                    help=", ".join(SERVICES))
     r.add_argument("--dry-run", action="store_true", help="report what would change, change nothing")
-    r.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+    r.add_argument("--wait", type=seconds, default=0.0, metavar="SECONDS",
                    help="wait up to SECONDS for the leader lock (default: fail at once if held)")
     s = sub.add_parser("status", help="who leads, each service's last run, jobs by queue and state",
                        description="Print the current leader (instance, host, pid, since), the "
@@ -93,9 +95,10 @@ def _add_daemon_parsers(sub) -> None:
                                    "short intervals and a small workload of workers, failures, "
                                    "crashes, periodic and future jobs; print a summary every few "
                                    "seconds. Ctrl-C or --duration ends it.")
-    d.add_argument("--duration", type=float, metavar="SECONDS", help="stop after SECONDS")
+    d.add_argument("--duration", type=seconds, metavar="SECONDS", help="stop after SECONDS")
     d.add_argument("--data-dir", metavar="DIR", help="keep the database in DIR (default: temp, removed)")
-    d.add_argument("--listen", default="127.0.0.1:9464", help="HTTP listen address for /metrics")
+    d.add_argument("--listen", type=listen_address, default="127.0.0.1:9464",
+                   help="HTTP listen address for /metrics (HOST:PORT)")
 
 
 def _add_setup_parsers(sub) -> None:
@@ -106,11 +109,11 @@ def _add_setup_parsers(sub) -> None:
     m.add_argument("--sql", action="store_true",
                    help="print the SQL that would bring the schema from its revision now to --revision "
                         "(a comment saying 'nothing to do' when it is there) instead of applying it")
-    m.add_argument("--from", dest="start", metavar="REVISION",
+    m.add_argument("--from", dest="start", metavar="REVISION", type=revision,
                    help="with --sql: start from REVISION ('base' for a new schema) instead of reading "
                         "the schema's revision from the database (no connection)")
-    m.add_argument("--revision", default="head", help="target revision (default: head)")
-    m.add_argument("--downgrade", metavar="REVISION",
+    m.add_argument("--revision", default="head", type=revision, help="target revision (default: head)")
+    m.add_argument("--downgrade", metavar="REVISION", type=revision,
                    help="downgrade to REVISION ('base' removes every maintd table)")
     m.add_argument("--convert", choices=["partitioned"],
                    help="convert a live plain jobs table to the partitioned layout (SPEC 8.1): online, "
@@ -216,6 +219,37 @@ def _add_jobs_parser(sub) -> None:
         a.add_argument("--dry-run", action="store_true", help="print what would change, change nothing")
         a.add_argument("--batch-size", type=int, default=1000, metavar="N",
                        help="jobs per transaction (default 1000)")
+
+
+def seconds(text: str) -> float:
+    """A number of seconds, 0 or more (argparse turns the error into exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text} seconds: expected 0 or more")
+    return value
+
+
+def listen_address(text: str) -> str:
+    """HOST:PORT, checked as the config's ``http.listen`` is."""
+    from .config import HttpConfig
+
+    try:
+        return HttpConfig(listen=text).listen
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected HOST:PORT, e.g. 127.0.0.1:9464") from None
+
+
+def revision(text: str) -> str:
+    """A migration revision: an id, ``head``, ``base``, or relative (``-1``, ``head-1``)."""
+    from . import migrate
+
+    if re.fullmatch(r"(head|base|[0-9a-f]+)?[+-][0-9]+", text) or migrate.known_revision(text):
+        return text
+    known = ", ".join(["base", *migrate.revisions(), "head"])
+    raise argparse.ArgumentTypeError(f"unknown revision {text!r} (known: {known})")
 
 
 def job_id(text: str) -> int:

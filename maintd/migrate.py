@@ -117,6 +117,20 @@ def current_revision(conn: Connection, schema: str) -> str | None:
 _UNKNOWN = object()  # a target revision that cannot be resolved without running Alembic
 
 
+def revisions() -> list[str]:
+    """The migrations' revision ids, oldest first."""
+    return [script.revision for script in reversed(list(_scripts().walk_revisions()))]
+
+
+def known_revision(name: str) -> bool:
+    """Whether ``name`` is a revision Alembic can find (an id, a unique prefix, head, base)."""
+    try:
+        _scripts().get_revisions(name)
+        return True
+    except Exception:  # alembic.util.CommandError and its kin
+        return False
+
+
 def _resolve(revision: str):
     """The single revision id ``revision`` names (``None`` for base), or ``_UNKNOWN``."""
     try:

@@ -337,3 +337,27 @@ def test_cli_version_and_help():
 def test_pyproject_declares_console_script():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert data["project"]["scripts"]["maintd"] == "maintd.cli:main"
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["migrate", "--sql", "--from", "bogus"], "argument --from: unknown revision 'bogus' (known: base, 0001"),
+    (["migrate", "--sql", "--from", "base", "--revision", "bogus"], "argument --revision: unknown revision"),
+    (["migrate", "--downgrade", "nope"], "argument --downgrade: unknown revision 'nope'"),
+    (["demo", "--listen", "nonsense"], "argument --listen: 'nonsense': expected HOST:PORT"),
+    (["demo", "--duration", "-5"], "argument --duration: -5 seconds: expected 0 or more"),
+    (["run-once", "cleaner", "--wait", "-1"], "argument --wait: -1 seconds: expected 0 or more"),
+    (["run-once", "cleaner", "--wait", "soon"], "argument --wait: 'soon' is not a number of seconds"),
+])
+def test_bad_arguments_exit_2_naming_the_argument(argv, named, capsys):
+    """SPEC 8.4: exit 2 for any bad usage. These exited 1 with Alembic's or Python's words (an
+    unknown revision, a listen address without a port), or were taken (a negative wait)."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_relative_and_known_revisions_are_taken():
+    from maintd.cli import revision
+
+    assert [revision(r) for r in ("head", "base", "heads", "0001", "-1", "head-1", "+2")] == [
+        "head", "base", "heads", "0001", "-1", "head-1", "+2"]
