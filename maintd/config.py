@@ -55,6 +55,17 @@ class LeaderConfig(Section):
         return self
 
 
+INSTANCE_ID_MAX = 48  # `maintd:<id>:work` stays within PostgreSQL's 63-byte application_name
+
+
+def default_instance_id() -> str:
+    """``<hostname>-<pid>``, the host name cut to fit (a long pod or host name must not make
+    every command fail), and any character an id may not hold replaced with '-'."""
+    pid = f"-{os.getpid()}"
+    host = re.sub(r"[^A-Za-z0-9_.:-]", "-", socket.gethostname()).lstrip("_.:-") or "maintd"
+    return host[:INSTANCE_ID_MAX - len(pid)] + pid
+
+
 class HttpConfig(Section):
     enabled: bool = True
     listen: str = "127.0.0.1:9464"
@@ -183,8 +194,7 @@ with warnings.catch_warnings():
 
         database_url: SecretStr = SecretStr("postgresql://localhost/postgres")
         schema: str = "maintd"
-        instance_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
-                                 max_length=48)
+        instance_id: str = Field(default_factory=lambda: default_instance_id(), max_length=INSTANCE_ID_MAX)
         statement_timeout: PositiveDuration = timedelta(seconds=30)
         # "plain" (one jobs table) or "partitioned" (SPEC 8.1): what `maintd migrate` builds for
         # a new schema, and whether the leader keeps the partitions (premade, strays, retention).

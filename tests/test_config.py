@@ -361,3 +361,17 @@ def test_relative_and_known_revisions_are_taken():
 
     assert [revision(r) for r in ("head", "base", "heads", "0001", "-1", "head-1", "+2")] == [
         "head", "base", "heads", "0001", "-1", "head-1", "+2"]
+
+
+def test_the_default_instance_id_fits_whatever_the_host_name(monkeypatch):
+    """A host or pod name of 63 characters (a DNS label's most, RFC 1035 2.3.4) made the default
+    `<hostname>-<pid>` fail its 48-character check, so every command exited 2 on that host."""
+    import os
+    import socket
+
+    long_name = "maintd-" + "x" * 56
+    monkeypatch.setattr(socket, "gethostname", lambda: long_name)
+    settings = Settings()
+    assert settings.instance_id == f"{long_name[:48 - len(str(os.getpid())) - 1]}-{os.getpid()}"
+    monkeypatch.setattr(socket, "gethostname", lambda: "host with spaces\x1b")
+    assert Settings().instance_id == f"host-with-spaces--{os.getpid()}"
