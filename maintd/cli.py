@@ -156,7 +156,7 @@ def _add_periodic_parser(sub) -> None:
     ls = actions.add_parser("list", help="every schedule with its origin, last and next slot, error")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add = actions.add_parser("add", help="add a schedule (a row of periodic_jobs)")
-    add.add_argument("id", help="the periodic id (letters, digits, _ . : -)")
+    add.add_argument("id", help="the periodic id (letters, digits, _ . : / -; at most 128)")
     add.add_argument("--schedule", required=True, help="cron expression, @hourly, or '@every 30s'")
     add.add_argument("--kind", required=True, help="the job kind to enqueue")
     add.add_argument("--queue", default="default")

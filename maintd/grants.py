@@ -70,9 +70,13 @@ DAEMON: tuple[TableGrant, ...] = (
 # Functions the daemon calls whose EXECUTE is revoked from PUBLIC: the partitioned layout's DDL
 # (SPEC 8.1), run as the schema's owner (SECURITY DEFINER) so that this role needs no DDL right.
 # Granted on every schema (they exist whatever the layout), so a schema converted later works.
+_FUNCTION_USE = {
+    "maintain_partitions": "make partitions ahead, move stray rows, empty and detach partitions past retention",
+    "drop_detached_partitions": "drop the partitions it detached",
+    "catch_all_rows": "count the stray rows left in the catch-all partitions",
+}
 DAEMON_FUNCTIONS: tuple[tuple[str, str], ...] = tuple(
-    (signature, "partitioned layout: make partitions ahead, move stray rows, drop partitions past "
-                "retention, count stray rows (runs as the schema's owner)")
+    (signature, f"partitioned layout: {_FUNCTION_USE[signature.split('(')[0]]} (runs as the schema's owner)")
     for signature in partition_functions())
 
 # The README's worker SQL: enqueue, claim, heartbeat, complete, fail, cancel.
