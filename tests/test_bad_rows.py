@@ -121,7 +121,7 @@ def test_scheduler_promotes_due_jobs_past_never_due_rows(settings, engine, schem
 def test_rescuer_handles_running_jobs_without_a_usable_attempted_at(settings, engine, schema, clock,
                                                                      maintd_log):
     odd = {insert(engine, schema, "running", attempted_at=t, attempt=1): t
-           for t in (None, "-infinity", "0044-03-15 00:00:00+00 BC", "0001-01-01 00:00:00+00")}
+           for t in (None, "-infinity", "0044-03-15 00:00:00+00 BC", "0001-01-01 00:00:00+00", *TOO_LATE)}
     stuck = insert(engine, schema, "running", attempted_at=ago(timedelta(hours=2)), attempt=1)
     fresh = insert(engine, schema, "running", attempted_at=ago(timedelta(minutes=1)), attempt=1)
     metrics = Metrics()
@@ -132,6 +132,20 @@ def test_rescuer_handles_running_jobs_without_a_usable_attempted_at(settings, en
     unhandled = [t for i, t in odd.items()
                  if not handled_or_reported(i, s[i], "running", maintd_log, metrics, "rescuer")]
     assert not unhandled, f"running jobs neither rescued nor reported: attempted_at={unhandled}"
+
+
+@pytest.mark.parametrize("when", ["-infinity", "infinity"])
+def test_the_rescuers_probe_reads_odd_rows_and_asks_for_a_pass(settings, engine, schema, when):
+    """The daemon's probe reads the oldest sign of life of a running job: a '-infinity' (or, the
+    only running job, an 'infinity') one failed to load into Python, so the probe failed and set
+    the target aside. It reads now, and asks for the pass that rescues the job."""
+    from maintd.queries import jobs, render
+
+    insert(engine, schema, "running", attempted_at=when, attempt=1)
+    columns = ", ".join(render(column, schema) for column in jobs.RESCUER_PROBE)
+    with engine.connect() as conn:
+        values = tuple(conn.execute(sql(f"SELECT {columns}", schema)).one())
+    assert Rescuer(settings.rescuer).after_probe(values, T0) is True
 
 
 # -- cleaner -----------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from maintd.jobs import BACKOFF_CAP, ClaimedJob, JobQueue, backoff
 from maintd.metrics import Metrics
 from maintd.services.base import PassContext
 from maintd.queries.jobs import (RESCUER_BATCH, RESCUER_COUNT_STUCK, RESCUER_EXHAUSTED_BATCH,
-                                 RESCUER_NO_SIGN_BATCH)
+                                 RESCUER_NO_SIGN_BATCH, RESCUER_COUNT_ODD)
 from maintd.services.rescuer import Rescuer
 
 from .conftest import T0, run_concurrently
@@ -158,6 +158,28 @@ def test_dry_run(settings, engine, schema, clock):
     assert {r.state for r in rows(engine, schema).values()} == {"running"}
 
 
+def test_dry_run_counts_what_every_batch_would_do(settings, engine, schema, clock):
+    """The dry run counted only the stuck jobs in keyset order: running jobs with no usable sign
+    of life and waiting jobs with no attempt left, which a real pass also handles, were left out
+    ("would rescue 0", then a pass discarded jobs)."""
+    running(engine, schema, seen_ago=timedelta(hours=2))
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt, max_attempts, attempted_at) VALUES "
+                         "('k', 'running', 1, 25, NULL), ('k', 'running', 25, 25, 'infinity'), "
+                         "('k', 'available', 30, 25, NULL), ('k', 'running', 1, 25, now())", schema))
+
+    def states():  # (SELECT * would load the 'infinity', which Python's datetime cannot hold)
+        with engine.connect() as conn:
+            return dict(conn.execute(sql("SELECT id, state FROM {schema}.jobs", schema)).all())
+
+    before = states()
+    planned = run(settings, engine, clock, dry_run=True)
+    assert (planned.retried, planned.discarded, planned.exhausted) == (2, 1, 1)
+    assert states() == before
+    done = run(settings, engine, clock)
+    assert (done.retried, done.discarded, done.exhausted) == (2, 1, 1)
+
+
 def test_locked_rows_do_not_hide_later_stuck_jobs(settings, engine, schema, clock):
     """A batch's worth of candidates locked by workers must not stop the pass from reaching the rest."""
     settings.rescuer.batch_size = 5
@@ -264,6 +286,8 @@ def test_statements_are_index_backed(settings, engine, schema, clock, layout):
             assert "jobs_running_idx" in plan and "Seq Scan" not in plan, plan
             plan = explain(conn, RESCUER_NO_SIGN_BATCH, schema, params, generic=generic)
             assert "jobs_running_idx" in plan.split("CTE rescued")[0] and "Seq Scan" not in plan, plan
+            plan = explain(conn, RESCUER_COUNT_ODD, schema, params, generic=generic)
+            assert "jobs_running_idx" in plan and "jobs_exhausted_idx" in plan and "Seq Scan" not in plan, plan
             plan = explain(conn, RESCUER_EXHAUSTED_BATCH, schema, params, generic=generic)
             candidates, update = plan.split("CTE discarded")
             assert "jobs_exhausted_idx" in candidates, plan

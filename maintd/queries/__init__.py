@@ -103,7 +103,8 @@ RESCUE = """rescued AS (
      AND j.state = 'running'
      AND j.attempt = c.attempt
      AND ({stuck} OR coalesce(heartbeat_at, attempted_at) IS NULL
-          OR coalesce(heartbeat_at, attempted_at) < '0001-01-02 00:00:00+00')
+          OR coalesce(heartbeat_at, attempted_at) < '0001-01-02 00:00:00+00'
+          OR coalesce(heartbeat_at, attempted_at) >= '9999-12-31 00:00:00+00')
   RETURNING j.id, j.queue, j.kind, j.attempt, j.state::text AS outcome, j.state = 'discarded' AS discarded
 )"""
 

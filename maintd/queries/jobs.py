@@ -242,10 +242,11 @@ SELECT (SELECT count(*) FROM candidates) AS candidates,
   LEFT JOIN LATERAL (SELECT seen, id FROM candidates ORDER BY seen DESC, id DESC LIMIT 1) AS last ON true
 """
 
-# Running jobs with no usable sign of life (attempted_at and heartbeat_at NULL, or before year 1:
-# '-infinity', BC), which the keyset above cannot reach: stuck by definition, rescued the same way.
-# Year 1 is a literal (maintd.services.rescuer.FAR_PAST), so that even a generic plan knows the
-# range is empty and reads the index.
+# Running jobs with no usable sign of life (attempted_at and heartbeat_at NULL, before year 1:
+# '-infinity', BC, or from year 9999 on: 'infinity'), which the keyset above cannot reach (or, for
+# the far future, would reach never): stuck by definition, rescued the same way. The years are
+# literals (maintd.services.rescuer.FAR_PAST), so that even a generic plan knows the ranges are
+# empty and reads the index.
 RESCUER_NO_SIGN_BATCH = """
 WITH candidates AS MATERIALIZED (
   SELECT id, ctid, attempt, coalesce(heartbeat_at, attempted_at) AS seen
@@ -257,7 +258,12 @@ WITH candidates AS MATERIALIZED (
            (SELECT id FROM {schema}.jobs
              WHERE state = 'running'
                AND coalesce(heartbeat_at, attempted_at) < '0001-01-02 00:00:00+00'
-             ORDER BY coalesce(heartbeat_at, attempted_at) LIMIT :limit)))
+             ORDER BY coalesce(heartbeat_at, attempted_at) LIMIT :limit)
+           UNION ALL
+           (SELECT id FROM {schema}.jobs
+             WHERE state = 'running'
+               AND coalesce(heartbeat_at, attempted_at) >= '9999-12-31 00:00:00+00'
+             ORDER BY coalesce(heartbeat_at, attempted_at) DESC LIMIT :limit)))
      AND state = 'running'
    LIMIT :limit
      FOR NO KEY UPDATE SKIP LOCKED
@@ -302,6 +308,28 @@ SELECT count(*) FILTER (WHERE attempt < max_attempts) AS retry,
  WHERE state = 'running'
    AND coalesce(heartbeat_at, attempted_at) < :scan_until
    AND {stuck}
+"""
+
+# A dry run's count of what the two batches above would handle: running jobs with no usable sign
+# of life (rescued by RESCUER_NO_SIGN_BATCH) and waiting jobs with no attempt left (discarded by
+# RESCUER_EXHAUSTED_BATCH), each read by its index as those batches read it.
+RESCUER_COUNT_ODD = """
+SELECT count(*) FILTER (WHERE state = 'running' AND attempt < max_attempts) AS retry,
+       count(*) FILTER (WHERE state = 'running' AND attempt >= max_attempts) AS discard,
+       count(*) FILTER (WHERE state <> 'running') AS exhausted
+  FROM {schema}.jobs
+ WHERE id = ANY(ARRAY(
+         SELECT id FROM {schema}.jobs WHERE state = 'running' AND coalesce(heartbeat_at, attempted_at) IS NULL
+         UNION ALL
+         SELECT id FROM {schema}.jobs
+          WHERE state = 'running' AND coalesce(heartbeat_at, attempted_at) < '0001-01-02 00:00:00+00'
+         UNION ALL
+         SELECT id FROM {schema}.jobs
+          WHERE state = 'running' AND coalesce(heartbeat_at, attempted_at) >= '9999-12-31 00:00:00+00'
+         UNION ALL
+         SELECT id FROM {schema}.jobs
+          WHERE state IN ('available', 'scheduled', 'retryable') AND attempt >= max_attempts))
+   AND state IN ('available', 'scheduled', 'running', 'retryable')
 """
 
 # Precise timing: the earliest stuck deadline in [:since, :until), one probe of jobs_running_idx
@@ -371,12 +399,15 @@ NEXT_DUE = """(SELECT min(scheduled_at) FROM {schema}.jobs
 OLDEST_FINALIZED = [f"""(SELECT min(finalized_at) FROM {{schema}}.jobs
   WHERE state = '{state}' AND finalized_at IS NOT NULL)""" for state in ("completed", "cancelled", "discarded")]
 
-# The rescuer's: the oldest sign of life of a running job (jobs_running_idx), whether one has no
-# usable sign at all, and whether a waiting job has no attempt left (jobs_exhausted_idx).
-RESCUER_PROBE = ["""(SELECT min(coalesce(heartbeat_at, attempted_at)) FROM {schema}.jobs WHERE state = 'running')""",
+# The rescuer's: the oldest sign of life of a running job (jobs_running_idx; kept within what a
+# Python datetime holds, so an odd row never fails the read), whether one has no usable sign at
+# all, and whether a waiting job has no attempt left (jobs_exhausted_idx).
+RESCUER_PROBE = ["""(SELECT greatest(min(coalesce(heartbeat_at, attempted_at)), '0001-01-02 00:00:00+00')
+     FROM {schema}.jobs WHERE state = 'running' AND coalesce(heartbeat_at, attempted_at) < '9999-12-31 00:00:00+00')""",
                  """(SELECT EXISTS (SELECT 1 FROM {schema}.jobs WHERE state = 'running'
     AND (coalesce(heartbeat_at, attempted_at) IS NULL
-         OR coalesce(heartbeat_at, attempted_at) < '0001-01-02 00:00:00+00')))""",
+         OR coalesce(heartbeat_at, attempted_at) < '0001-01-02 00:00:00+00'
+         OR coalesce(heartbeat_at, attempted_at) >= '9999-12-31 00:00:00+00')))""",
                  """(SELECT EXISTS (SELECT 1 FROM {schema}.jobs
    WHERE state IN ('available', 'scheduled', 'retryable') AND attempt >= max_attempts))"""]
 

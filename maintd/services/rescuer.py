@@ -221,10 +221,12 @@ class Rescuer(Service):
 
     def run_once(self, ctx: PassContext) -> RescuerResult:
         result = RescuerResult(dry_run=ctx.dry_run)
-        if ctx.dry_run:
+        if ctx.dry_run:  # what each of the three batches would do
             with ctx.transaction() as conn:
-                row = conn.execute(ctx.sql(jobs.RESCUER_COUNT_STUCK), self.horizons(ctx.now())).one()
-            result.retried, result.discarded = row.retry, row.discard
+                stuck = conn.execute(ctx.sql(jobs.RESCUER_COUNT_STUCK), self.horizons(ctx.now())).one()
+                odd = conn.execute(ctx.sql(jobs.RESCUER_COUNT_ODD)).one()
+            result.retried, result.discarded = stuck.retry + odd.retry, stuck.discard + odd.discard
+            result.exhausted = odd.exhausted
             return result
         now = ctx.now()
         done = (result.retried, result.discarded)
