@@ -163,3 +163,18 @@ def test_the_charts_series_has_one_point_per_bucket_with_the_finished_jobs_summe
         (T0 + timedelta(minutes=9), T0, 54, 8, 80),
         (T0 + timedelta(minutes=12), T0 + timedelta(minutes=9), 18, 11, 110)]
     assert isinstance(points[0], Sample)
+
+
+def test_an_idle_cleaner_still_asks_for_a_pass_to_prune_the_history_hourly(settings, engine):
+    """The cleaner runs when its probe finds expired jobs; on an idle queue it found none, so the
+    history (a row a minute while anything changes) was never pruned. The probe now also asks for
+    a pass when the hourly prune is due."""
+    from maintd.clock import FrozenClock
+    from maintd.services.cleaner import HISTORY_PRUNE_EVERY
+
+    cleaner = Cleaner(settings.cleaner)
+    nothing_expired = (None, None, None)
+    assert cleaner.after_probe(nothing_expired, T0) is True  # never pruned in this process
+    cleaner.run_once(PassContext.for_settings(settings, engine, FrozenClock(T0)))
+    assert cleaner.after_probe(nothing_expired, T0 + timedelta(minutes=59)) is None
+    assert cleaner.after_probe(nothing_expired, T0 + HISTORY_PRUNE_EVERY) is True

@@ -271,7 +271,9 @@ class Cleaner(Service):
             shortest[target.state] = min(shortest.get(target.state, target.retention), target.retention)
         expired = [oldest is not None and state in shortest and oldest < now - shortest[state]
                    for state, oldest in zip(FINAL_STATES, values)]
-        return True if any(expired) else None
+        # The dashboard's history is pruned by a pass: on an idle queue too, at least hourly.
+        prune_due = self._history_pruned_at is None or now - self._history_pruned_at >= HISTORY_PRUNE_EVERY
+        return True if any(expired) or prune_due else None
 
     @property
     def batch_size(self) -> int:
