@@ -347,3 +347,26 @@ def test_jobs_without_a_sign_of_life_are_counted_over_several_batches(settings, 
     assert sorted(warned) == sorted(ids)
     assert (result.retried, result.discarded) == (3, 5), result
     assert sorted(r.state for r in rows(engine, schema).values()) == ["discarded"] * 5 + ["retryable"] * 3
+
+
+def test_a_server_clock_stepped_back_since_the_daemon_read_it_rescues_no_live_job(settings, engine, schema):
+    """The daemon reads the server's clock and carries it forward on the host's monotonic clock
+    for up to 30 s (maintd.clock.ServerClock). If the server's clock steps back meanwhile (an NTP
+    step), the carried reading runs ahead of the clock the workers' heartbeats are written with:
+    with a 60 s step and heartbeat_timeout 30 s, a job that heartbeated 10 s ago was rescued
+    while alive. The horizons now move back by how far the reading is ahead of
+    statement_timestamp()."""
+    from maintd.clock import FrozenClock
+
+    settings.rescuer.heartbeat_timeout = timedelta(seconds=30)
+    with engine.begin() as conn:
+        server_now = conn.execute(text("SELECT now()")).scalar()
+        alive, dead = [r[0] for r in conn.execute(sql(
+            "INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at, heartbeat_at) "
+            "SELECT 'k', 'running', 1, now() - interval '1 minute', now() - CAST(s AS interval) "
+            "FROM unnest(ARRAY['10 seconds', '40 seconds']) WITH ORDINALITY AS u(s, n) ORDER BY n RETURNING id",
+            schema))]
+    read_before_the_step = FrozenClock(server_now + timedelta(seconds=60))
+    result = run(settings, engine, read_before_the_step)
+    assert (result.retried, result.discarded) == (1, 0)
+    assert rows(engine, schema)[alive].state == "running" and rows(engine, schema)[dead].state == "retryable"

@@ -13,7 +13,9 @@ statement is rendered; each fragment used by more than one statement is defined 
   ``:objid``, the signed key halves of :func:`maintd.db.advisory_key`, compared as ``oid``);
 * ``{stuck}``: the rescuer's rule for a running job that shows no sign of life, under the job's
   own rule ``{rule}`` (bound by ``:stuck_befores`` and ``:hb_befores``, a NULL element without
-  ``heartbeat_timeout``);
+  ``heartbeat_timeout``, each moved back by ``{ahead}``);
+* ``{ahead}``: how far ``:now`` (the daemon's carried reading of the server's clock) is ahead of
+  the server's ``statement_timestamp()``, 0 when it is not;
 * ``{rule}``: which of the rescuer's rules (1-based) holds for a job: its kind's, else its
   queue's (``:rule_kinds``/``:rule_queues`` name them, NULL elsewhere), else the default (1);
 * ``{grace}``: how long a running job may show no sign of life under its rule, in seconds
@@ -53,9 +55,15 @@ ADVISORY_LOCK = """SELECT 1 FROM pg_locks
                   AND classid = CAST(CAST(:classid AS int4) AS oid)
                   AND objid = CAST(CAST(:objid AS int4) AS oid)"""
 
-STUCK = """(coalesce(heartbeat_at, attempted_at) < (CAST(:stuck_befores AS timestamptz[]))[{rule}]
+STUCK = """(coalesce(heartbeat_at, attempted_at) < (CAST(:stuck_befores AS timestamptz[]))[{rule}] - {ahead}
           OR (heartbeat_at IS NOT NULL
-              AND heartbeat_at < (CAST(:hb_befores AS timestamptz[]))[{rule}]))"""
+              AND heartbeat_at < (CAST(:hb_befores AS timestamptz[]))[{rule}] - {ahead}))"""
+
+# How far the daemon's reading of the server's clock (:now, carried forward on the host's
+# monotonic clock for up to 30 s) runs ahead of the server's own: the server's clock stepped back
+# since the reading. The rescuer's horizons move back by that much, so that a heartbeat written
+# by the server's clock is never judged by a clock ahead of it (a live job rescued early).
+AHEAD = "greatest(interval '0', CAST(:now AS timestamptz) - statement_timestamp())"
 
 # Names are data: the rules' kinds and queues are bound arrays, never spliced into the SQL.
 # Without overrides (one rule) the planner folds it to 1, and the rule's values to constants.
@@ -120,7 +128,7 @@ VALUES (CAST(:kind AS text), CAST(:queue AS text), CAST(:args AS jsonb), CAST(:p
 
 # Order matters: a fragment may hold the ones after it.
 FRAGMENTS = {"{enqueue}": ENQUEUE, "{rescue}": RESCUE, "{advisory_lock}": ADVISORY_LOCK, "{stuck}": STUCK,
-             "{grace}": GRACE, "{rule}": RULE, "{announce}": ANNOUNCE, "{target_queues}": TARGET_QUEUES,
+             "{ahead}": AHEAD, "{grace}": GRACE, "{rule}": RULE, "{announce}": ANNOUNCE, "{target_queues}": TARGET_QUEUES,
              "{final_states}": FINAL_STATES_SQL}
 
 _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")

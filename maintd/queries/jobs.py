@@ -226,7 +226,7 @@ WITH candidates AS MATERIALIZED (
   SELECT id, ctid, attempt, coalesce(heartbeat_at, attempted_at) AS seen
     FROM {schema}.jobs
    WHERE state = 'running'
-     AND coalesce(heartbeat_at, attempted_at) < :scan_until
+     AND coalesce(heartbeat_at, attempted_at) < CAST(:scan_until AS timestamptz) - {ahead}
      AND (coalesce(heartbeat_at, attempted_at), id) > (:after_seen, :after_id)
      AND {stuck}
    ORDER BY coalesce(heartbeat_at, attempted_at), id
@@ -306,7 +306,7 @@ SELECT count(*) FILTER (WHERE attempt < max_attempts) AS retry,
        count(*) FILTER (WHERE attempt >= max_attempts) AS discard
   FROM {schema}.jobs
  WHERE state = 'running'
-   AND coalesce(heartbeat_at, attempted_at) < :scan_until
+   AND coalesce(heartbeat_at, attempted_at) < CAST(:scan_until AS timestamptz) - {ahead}
    AND {stuck}
 """
 

@@ -223,7 +223,8 @@ class Rescuer(Service):
         result = RescuerResult(dry_run=ctx.dry_run)
         if ctx.dry_run:  # what each of the three batches would do
             with ctx.transaction() as conn:
-                stuck = conn.execute(ctx.sql(jobs.RESCUER_COUNT_STUCK), self.horizons(ctx.now())).one()
+                now = ctx.now()
+                stuck = conn.execute(ctx.sql(jobs.RESCUER_COUNT_STUCK), {**self.horizons(now), "now": now}).one()
                 odd = conn.execute(ctx.sql(jobs.RESCUER_COUNT_ODD)).one()
             result.retried, result.discarded = stuck.retry + odd.retry, stuck.discard + odd.discard
             result.exhausted = odd.exhausted
