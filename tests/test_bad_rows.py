@@ -148,6 +148,22 @@ def test_the_rescuers_probe_reads_odd_rows_and_asks_for_a_pass(settings, engine,
     assert Rescuer(settings.rescuer).after_probe(values, T0) is True
 
 
+def test_the_rescuers_probe_finds_nothing_to_do_with_no_running_job_or_only_fresh_ones(settings, engine, schema):
+    """The other side of the case above: the probe must not ask for a pass when nothing is
+    running (a clamp of min() to year 1 turned the NULL into a deadline long past, and the rescuer
+    ran a pass at every look)."""
+    from maintd.queries import jobs, render
+
+    columns = ", ".join(render(column, schema) for column in jobs.RESCUER_PROBE)
+    rescuer = Rescuer(settings.rescuer)
+    for _ in range(2):
+        with engine.connect() as conn:
+            values = tuple(conn.execute(sql(f"SELECT {columns}", schema)).one())
+            now = conn.execute(sql("SELECT now()", schema)).scalar()
+        assert rescuer.after_probe(values, now) is None, values
+        insert(engine, schema, "running", attempted_at=now.isoformat(), attempt=1)  # a fresh one
+
+
 # -- cleaner -----------------------------------------------------------------------------------
 
 def test_cleaner_deletes_expired_rows_with_odd_finalized_at(settings, engine, schema, clock):

@@ -166,6 +166,7 @@ def test_dry_run_counts_what_every_batch_would_do(settings, engine, schema, cloc
     with engine.begin() as conn:
         conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt, max_attempts, attempted_at) VALUES "
                          "('k', 'running', 1, 25, NULL), ('k', 'running', 25, 25, 'infinity'), "
+                         "('k', 'running', 1, 25, '-infinity'), "
                          "('k', 'available', 30, 25, NULL), ('k', 'running', 1, 25, now())", schema))
 
     def states():  # (SELECT * would load the 'infinity', which Python's datetime cannot hold)
@@ -174,10 +175,10 @@ def test_dry_run_counts_what_every_batch_would_do(settings, engine, schema, cloc
 
     before = states()
     planned = run(settings, engine, clock, dry_run=True)
-    assert (planned.retried, planned.discarded, planned.exhausted) == (2, 1, 1)
+    assert (planned.retried, planned.discarded, planned.exhausted) == (3, 1, 1)
     assert states() == before
     done = run(settings, engine, clock)
-    assert (done.retried, done.discarded, done.exhausted) == (2, 1, 1)
+    assert (done.retried, done.discarded, done.exhausted) == (3, 1, 1)
 
 
 def test_locked_rows_do_not_hide_later_stuck_jobs(settings, engine, schema, clock):

@@ -243,7 +243,7 @@ SELECT (SELECT count(*) FROM candidates) AS candidates,
 """
 
 # Running jobs with no usable sign of life (attempted_at and heartbeat_at NULL, before year 1:
-# '-infinity', BC, or from year 9999 on: 'infinity'), which the keyset above cannot reach (or, for
+# '-infinity', BC, or from 9999-12-31 on: 'infinity'), which the keyset above cannot reach (or, for
 # the far future, would reach never): stuck by definition, rescued the same way. The years are
 # literals (maintd.services.rescuer.FAR_PAST), so that even a generic plan knows the ranges are
 # empty and reads the index.
@@ -301,11 +301,14 @@ SELECT (SELECT count(*) FROM candidates) AS candidates,
        ARRAY(SELECT id FROM discarded ORDER BY id) AS ids
 """
 
+# A dry run's count of what RESCUER_BATCH would rescue (from year 1 on, as its keyset starts there;
+# earlier signs of life are RESCUER_COUNT_ODD's).
 RESCUER_COUNT_STUCK = """
 SELECT count(*) FILTER (WHERE attempt < max_attempts) AS retry,
        count(*) FILTER (WHERE attempt >= max_attempts) AS discard
   FROM {schema}.jobs
  WHERE state = 'running'
+   AND coalesce(heartbeat_at, attempted_at) >= '0001-01-02 00:00:00+00'
    AND coalesce(heartbeat_at, attempted_at) < CAST(:scan_until AS timestamptz) - {ahead}
    AND {stuck}
 """
@@ -399,11 +402,12 @@ NEXT_DUE = """(SELECT min(scheduled_at) FROM {schema}.jobs
 OLDEST_FINALIZED = [f"""(SELECT min(finalized_at) FROM {{schema}}.jobs
   WHERE state = '{state}' AND finalized_at IS NOT NULL)""" for state in ("completed", "cancelled", "discarded")]
 
-# The rescuer's: the oldest sign of life of a running job (jobs_running_idx; kept within what a
-# Python datetime holds, so an odd row never fails the read), whether one has no usable sign at
-# all, and whether a waiting job has no attempt left (jobs_exhausted_idx).
-RESCUER_PROBE = ["""(SELECT greatest(min(coalesce(heartbeat_at, attempted_at)), '0001-01-02 00:00:00+00')
-     FROM {schema}.jobs WHERE state = 'running' AND coalesce(heartbeat_at, attempted_at) < '9999-12-31 00:00:00+00')""",
+# The rescuer's: the oldest usable sign of life of a running job (jobs_running_idx; only values a
+# Python datetime holds, so an odd row never fails the read; NULL: none), whether one has no
+# usable sign at all, and whether a waiting job has no attempt left (jobs_exhausted_idx).
+RESCUER_PROBE = ["""(SELECT min(coalesce(heartbeat_at, attempted_at)) FROM {schema}.jobs WHERE state = 'running'
+     AND coalesce(heartbeat_at, attempted_at) >= '0001-01-02 00:00:00+00'
+     AND coalesce(heartbeat_at, attempted_at) < '9999-12-31 00:00:00+00')""",
                  """(SELECT EXISTS (SELECT 1 FROM {schema}.jobs WHERE state = 'running'
     AND (coalesce(heartbeat_at, attempted_at) IS NULL
          OR coalesce(heartbeat_at, attempted_at) < '0001-01-02 00:00:00+00'
