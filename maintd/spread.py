@@ -9,7 +9,7 @@ live replicas, a replica's *cap* is ceil(T/R) + 1 leaderships once stable.
   of the lease, until a hand-over NOTIFY or a change of R); other replicas' lazily, every 2-4
   retry intervals (at the cap, every lease or so), so a target its owner cannot lead is led.
 * **Hand-over** (:meth:`Spread.balance`): above the cap for ``settle`` s, the extra leaderships
-  are released gracefully, other replicas' targets first. A target handed over that this replica
+  are released gracefully, other replicas' targets only (its own stay below the cap by themselves). A target handed over that this replica
   wins back (its owner did not take it: its schema not ready there, its database unreachable from
   there) *stays*: it is not handed over again for ``STAY`` settles, or until R changes.
 * **Start**: no tries for ``JOIN`` s after the targets are started, so replicas started together
@@ -198,12 +198,14 @@ class Spread:
                 unit.wake()
 
     def balance(self) -> int:
-        """Hand over the leaderships above the cap once it has lasted ``settle`` seconds, those
-        owned by another replica first (never one that stays); returns how many were handed over."""
+        """Hand over the leaderships above the cap once it has lasted ``settle`` seconds: targets
+        owned by another replica (never one that stays); returns how many were handed over."""
         self.refresh()
         now = time.monotonic()
         leaders = [u for u in self.units if u.is_leader]
-        movable = [u for u in leaders if self._stays.get(u.name, -math.inf) <= now]
+        # Only other replicas' targets go (an owner's own stay within the cap by themselves), and
+        # of those, not one that stays.
+        movable = [u for u in leaders if not self.owns(u.name) and self._stays.get(u.name, -math.inf) <= now]
         excess = min(len(leaders) - self.cap, len(movable))
         if excess <= 0:
             self._over_since = None
@@ -217,7 +219,6 @@ class Spread:
         log.info("handing leaderships over", extra=kv(count=excess, leading=len(leaders), cap=self.cap,
                                                       replicas=self.replicas))
         random.shuffle(movable)
-        movable.sort(key=lambda u: self.owns(u.name))  # another replica's targets first
         hold_off = LAZY[1] * self.retry
         for unit in movable[:excess]:
             with self._lock:  # won again by then, it was unled: the lazy try at the cap comes

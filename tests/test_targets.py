@@ -382,6 +382,7 @@ def test_a_target_handed_over_and_found_unled_stays_until_the_replicas_change():
     cycles(8)
     handed = {u.name: len(u.handed) for u in units}
     assert max(handed.values()) == 1 and sum(handed.values()) >= 1, handed  # each at most once
+    assert all(not spread.owns(name) for name, n in handed.items() if n), handed  # never its own
     assert spread.balance() == 0 and all(u.leading for u in units)
     # New replicas: new owners, so it is spread again.
     found[0] = ["r0", "r1", "r2"]
