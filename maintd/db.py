@@ -132,6 +132,11 @@ class HostOrder:
     def multi_host(self) -> bool:
         return bool(self._servers)
 
+    @property
+    def count(self) -> int:
+        """How many hosts a connect may try (each for up to its connect timeout)."""
+        return max(1, len(str(self._params.get("host") or "").split(",")))
+
     def dsn(self) -> str:
         with self._lock:
             if not self._servers:

@@ -173,6 +173,7 @@ class ElectionLoop:
         self.replicas: tuple[str, ...] | None = None  # the live replicas, as last read
         self.last_progress = time.monotonic()  # when the loop last went round or woke (for /healthz)
         self.sleeping = False  # in a deliberate wait (bounded), not in a call
+        self._allowed = 0.0  # how long the call in progress may take by its own timeouts (a connect)
         self._by_channel = {channel: (seat, handover) for seat in self.targets
                             for channel, handover in seat.channels.items()}
         for seat in self.targets:
@@ -201,9 +202,9 @@ class ElectionLoop:
         return any(seat.is_leader for seat in self.targets)
 
     def stalled_for(self) -> float:
-        """Seconds since the loop last went round, its waits between rounds and backoffs not
-        counted: how long a call (a round, a connect) has held it."""
-        return 0.0 if self.sleeping else time.monotonic() - self.last_progress
+        """Seconds a call has held the loop beyond what its own timeouts allow (a connect: each
+        host's connect timeout), its waits between rounds and backoffs not counted."""
+        return 0.0 if self.sleeping else max(0.0, time.monotonic() - self.last_progress - self._allowed)
 
     def request(self, seat: Seat, event: Request | Notified | None) -> None:
         """``event`` None: only ask the seat's gate again."""
@@ -239,7 +240,7 @@ class ElectionLoop:
                 if not self.session.open:
                     if self._stopping:
                         break
-                    self.connect()
+                    self._connect_bounded()
                     delay = BACKOFF_START
                 self.round()
                 if self._stopping and all(isinstance(t.state, Following) and t.state.won_at is None for t in self.targets):
@@ -269,6 +270,14 @@ class ElectionLoop:
         self._take_requests(time.monotonic())  # a request left queued would cut every backoff short
         self._sleep(time.monotonic() + sleep, session=False)
         return min(BACKOFF_CAP, delay * 2)
+
+    def _connect_bounded(self) -> None:
+        """:meth:`connect`, which may take each host's connect timeout without counting as a stall."""
+        self._allowed = self.session.connect_bound()
+        try:
+            self.connect()
+        finally:
+            self._allowed, self.last_progress = 0.0, time.monotonic()
 
     def connect(self) -> None:
         """Open (and check) the lock session, LISTEN on every target's channels, register."""

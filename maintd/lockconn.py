@@ -57,6 +57,14 @@ class LockSession:
     def open(self) -> bool:
         return self.conn is not None and not self.conn.closed
 
+    def connect_bound(self) -> float:
+        """How long :meth:`connect` may take by its timeouts alone: each host's connect timeout."""
+        return self.hosts.count * self._connect_timeout()
+
+    def _connect_timeout(self) -> int:
+        # per host: a frozen host costs a lease, not libpq's 5 s, before the next is tried
+        return max(2, math.ceil(self.settings.leader.lease.total_seconds()))
+
     def connect(self, channels: Sequence[str]) -> psycopg.Connection:
         """Open and check the session, and LISTEN on ``channels``."""
         cfg = self.settings.leader
@@ -69,8 +77,7 @@ class LockSession:
                           # the epoch bump's transaction, frozen half-way, ends within the lease
                           "idle_in_transaction_session_timeout": ms(cfg.lease), SESSION_MARKER: self.marker},
                 tcp_user_timeout=ms(cfg.lease), answer_timeout=cfg.lease.total_seconds(),
-                # per host: a frozen host costs a lease, not libpq's 5 s, before the next is tried
-                connect_timeout=max(2, math.ceil(cfg.lease.total_seconds())))
+                connect_timeout=self._connect_timeout())
         self.conn = conn
         try:
             self.server = (conn.info.host, conn.info.port)
