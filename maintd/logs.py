@@ -33,7 +33,7 @@ def redact_dsn(dsn: str) -> str:
     ``password=...`` (up to ``&`` or ``#``) and a key=value DSN's ``password=...`` (quoted, or up
     to the next space)."""
     dsn = re.sub(r"(://[^:/@?#\s]*:)([^@/?#\s]*)@", r"\1***@", dsn)
-    dsn = re.sub(r"([?&]password=)[^&#\s]*", r"\1***", dsn, flags=re.I)
+    dsn = re.sub(r"([?&]password=)[^&#\s\"']*", r"\1***", dsn, flags=re.I)
     return re.sub(r"((?<![?&\w])password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", r"\1***", dsn, flags=re.I)
 
 
@@ -109,22 +109,30 @@ def clip(v: object) -> object:
 
 
 def _fmt_value(v: object) -> str:
-    s = str(clip(v))
+    s = str(v)  # clipped already (see _redacted)
     if s and s.isprintable() and not any(c in s for c in ' ="\\'):
         return s
     return '"' + "".join(_escape_char(c) if c != " " else c for c in s) + '"'
+
+
+def _redacted(v: object) -> object:
+    """A field's value with any password masked, before it is quoted or JSON-encoded (masking
+    the finished line could eat a closing quote)."""
+    if isinstance(v, (int, float, bool)) or v is None:
+        return v
+    return clip(redact_dsn(v if isinstance(v, str) else str(clip(v))))
 
 
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ts = datetime.fromtimestamp(record.created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         ts = ts[:-4] + "Z"
-        msg = escape(str(clip(record.getMessage())))
-        extra = " ".join(f"{escape(str(k))}={_fmt_value(v)}" for k, v in _fields(record).items())
+        msg = escape(str(_redacted(record.getMessage())))
+        extra = " ".join(f"{escape(str(k))}={_fmt_value(_redacted(v))}" for k, v in _fields(record).items())
         line = f"{ts} {record.levelname.lower():<7} {msg}" + (f" {extra}" if extra else "")
         if record.exc_info and record.levelno >= logging.ERROR and logging.getLogger("maintd").isEnabledFor(logging.DEBUG):
-            line += "\n" + self.formatException(record.exc_info)
-        return redact_dsn(line)
+            line += "\n" + redact_dsn(self.formatException(record.exc_info))
+        return line
 
 
 class JsonFormatter(logging.Formatter):
@@ -133,13 +141,13 @@ class JsonFormatter(logging.Formatter):
             "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "msg": clip(record.getMessage()),
+            "msg": _redacted(record.getMessage()),
         }
         for k, v in _fields(record).items():
-            out.setdefault(k, v if isinstance(v, (int, float, bool)) or v is None else str(clip(v)))
+            out.setdefault(k, _redacted(v))
         if record.exc_info and logging.getLogger("maintd").isEnabledFor(logging.DEBUG):
-            out["exception"] = self.formatException(record.exc_info)
-        return redact_dsn(json.dumps(out, default=str))
+            out["exception"] = redact_dsn(self.formatException(record.exc_info))
+        return json.dumps(out, default=str)
 
 
 def setup_logging(level: str = "info", fmt: str = "text", stream=None) -> logging.Logger:

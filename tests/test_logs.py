@@ -137,3 +137,24 @@ def test_messages_cannot_forge_lines_and_long_values_are_cut_with_a_count(restor
     assert r"\n2026-01-01" in first and r"\x1b[2J" in first or fmt == "json"
     assert len(second) < 2_500, len(second)
     assert "q19,... (+99980 more)" in second and "(+99000 characters)" in second
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_passwords_are_masked_and_the_line_stays_whole(restore_loggers, fmt):
+    """Masking the finished line ate what followed a password: a JSON line lost its closing
+    quote (no longer JSON), a text field its closing quote. Each value is masked before it is
+    quoted or encoded."""
+    stream = io.StringIO()
+    log = setup_logging("info", fmt, stream)
+    url = "postgresql://maintd@db/app?sslmode=require&password=TOPSECRET"
+    log.warning(f"connect failed to {url}", extra=kv(error=f'could not reach "{url}"', dsn="host=db password=s3cr3t", n=1))
+    [line] = lines(stream)
+    assert "TOPSECRET" not in line and "s3cr3t" not in line
+    if fmt == "json":
+        out = json.loads(line)
+        assert out["error"] == 'could not reach "postgresql://maintd@db/app?sslmode=require&password=***"'
+        assert out["dsn"] == "host=db password=***" and out["n"] == 1
+        assert out["msg"].endswith("password=***")
+    else:
+        assert 'error="could not reach \\"postgresql://maintd@db/app?sslmode=require&password=***\\""' in line
+        assert line.endswith(' n=1') and 'dsn="host=db password=***"' in line
