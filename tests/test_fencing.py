@@ -435,6 +435,8 @@ CASES = [
          jobs("available", attempt=0, kind="tick", unique_key="periodic:key"), periodic,
          settings={"periodic": [{"id": "key", **HOURLY, "run_on_start": True, "unique_key": True,
                                  "job_key_mode": "replace"}]}),
+    Case("periodic-disabled", ("periodic_slots.TAKE_DISABLED",), lambda env: None, periodic,
+         settings={"periodic": [{"id": "off", **HOURLY, "enabled": False}]}),
     Case("periodic-row-error-note", ("periodic_jobs.SET_ERROR",), periodic_row, periodic),
     Case("periodic-prune", ("periodic_slots.PRUNE",),
          slots(("old", "CAST(:t0 AS timestamptz) - interval '100 days'"), ("old", "CAST(:t0 AS timestamptz)")),

@@ -12,6 +12,23 @@ ON CONFLICT (periodic_id, slot) DO NOTHING
 RETURNING slot
 """
 
+# A disabled entry's slot, taken without a job (so that the entry enabled again does not enqueue
+# it), and the one this daemon took for it before forgotten: a paused entry keeps one row or two,
+# not one per slot. Only the newest row of an id counts (the high-water mark), and it stays.
+TAKE_DISABLED = """
+WITH taken AS (
+  INSERT INTO {schema}.periodic_slots (periodic_id, slot, backfilled, instance_id)
+  VALUES (:periodic_id, :slot, false, :instance)
+  ON CONFLICT (periodic_id, slot) DO NOTHING
+  RETURNING slot
+), forgotten AS (
+  DELETE FROM {schema}.periodic_slots
+   WHERE periodic_id = :periodic_id AND slot = CAST(:previous AS timestamptz) AND job_id IS NULL
+     AND EXISTS (SELECT 1 FROM taken)
+)
+SELECT slot FROM taken
+"""
+
 LINK_JOB = """
 UPDATE {schema}.periodic_slots SET job_id = :job_id WHERE periodic_id = :periodic_id AND slot = :slot
 """

@@ -180,9 +180,10 @@ class PeriodicEnqueuer(Service):
         job, schedule = entry.job, self.schedule(entry.job)
         latest = schedule.latest_at_or_before(now)
         if not job.enabled:
-            if self._disabled_seen.get(job.id) != latest:
-                self._disabled_seen[job.id] = latest
-                self._skip_disabled(ctx, job, latest, result)
+            previous = self._disabled_seen.get(job.id)
+            if previous != latest:
+                self._skip_disabled(ctx, job, latest, previous, result)
+                self._disabled_seen[job.id] = latest  # once taken (a failed take is tried again)
             return
         self._disabled_seen.pop(job.id, None)
         if hwm is None and (job.run_on_start or entry.since is None):
@@ -208,12 +209,14 @@ class PeriodicEnqueuer(Service):
                                                         "backfilled": False, "instance": ctx.instance_id})
         result.baselined.append(entry.id)
 
-    def _skip_disabled(self, ctx: PassContext, entry: PeriodicJob, slot: datetime, result: PeriodicResult) -> None:
-        """A disabled entry's slot is taken without a job, and counted by whichever daemon takes
-        it: enabled again, the entry does not enqueue (or backfill) the slots it was disabled for."""
+    def _skip_disabled(self, ctx: PassContext, entry: PeriodicJob, slot: datetime, previous: datetime | None,
+                       result: PeriodicResult) -> None:
+        """A disabled entry's slot is taken without a job (the ``previous`` one this daemon took
+        forgotten), and counted by whichever daemon takes it: enabled again, the entry does not
+        enqueue (or backfill) the slots it was disabled for."""
         with ctx.transaction() as conn:
-            taken = conn.execute(ctx.sql(periodic_slots.TAKE), {"periodic_id": entry.id, "slot": slot,
-                                                                "backfilled": False, "instance": ctx.instance_id}).first()
+            taken = conn.execute(ctx.sql(periodic_slots.TAKE_DISABLED), {
+                "periodic_id": entry.id, "slot": slot, "previous": previous, "instance": ctx.instance_id}).first()
         if taken is not None:
             result.skip(entry.id, "disabled")
 
