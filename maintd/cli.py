@@ -246,7 +246,8 @@ def revision(text: str) -> str:
     """A migration revision: an id, ``head``, ``base``, or relative (``-1``, ``head-1``)."""
     from . import migrate
 
-    if re.fullmatch(r"(head|base|[0-9a-f]+)?[+-][0-9]+", text) or migrate.known_revision(text):
+    relative = re.fullmatch(r"(\w*)[+-][0-9]+", text)
+    if migrate.known_revision(relative.group(1) or "head" if relative else text):
         return text
     known = ", ".join(["base", *migrate.revisions(), "head"])
     raise argparse.ArgumentTypeError(f"unknown revision {text!r} (known: {known})")

@@ -59,11 +59,12 @@ INSTANCE_ID_MAX = 48  # `maintd:<id>:work` stays within PostgreSQL's 63-byte app
 
 
 def default_instance_id() -> str:
-    """``<hostname>-<pid>``, the host name cut to fit (a long pod or host name must not make
-    every command fail), and any character an id may not hold replaced with '-'."""
+    """``<hostname>-<pid>``, the host name cut to fit from its start (a long pod or host name
+    must not make every command fail, and a pod name's unique part is its end, while a
+    container's pid is often 1), and any character an id may not hold replaced with '-'."""
     pid = f"-{os.getpid()}"
-    host = re.sub(r"[^A-Za-z0-9_.:-]", "-", socket.gethostname()).lstrip("_.:-") or "maintd"
-    return host[:INSTANCE_ID_MAX - len(pid)] + pid
+    host = re.sub(r"[^A-Za-z0-9_.:-]", "-", socket.gethostname())[-(INSTANCE_ID_MAX - len(pid)):]
+    return (host.lstrip("_.:-") or "maintd") + pid
 
 
 class HttpConfig(Section):

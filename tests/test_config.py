@@ -343,6 +343,7 @@ def test_pyproject_declares_console_script():
     (["migrate", "--sql", "--from", "bogus"], "argument --from: unknown revision 'bogus' (known: base, 0001"),
     (["migrate", "--sql", "--from", "base", "--revision", "bogus"], "argument --revision: unknown revision"),
     (["migrate", "--downgrade", "nope"], "argument --downgrade: unknown revision 'nope'"),
+    (["migrate", "--downgrade", "deadbeef-1"], "argument --downgrade: unknown revision 'deadbeef-1'"),
     (["demo", "--listen", "nonsense"], "argument --listen: 'nonsense': expected HOST:PORT"),
     (["demo", "--duration", "-5"], "argument --duration: -5 seconds: expected 0 or more"),
     (["run-once", "cleaner", "--wait", "-1"], "argument --wait: -1 seconds: expected 0 or more"),
@@ -369,9 +370,13 @@ def test_the_default_instance_id_fits_whatever_the_host_name(monkeypatch):
     import os
     import socket
 
-    long_name = "maintd-" + "x" * 56
-    monkeypatch.setattr(socket, "gethostname", lambda: long_name)
-    settings = Settings()
-    assert settings.instance_id == f"{long_name[:48 - len(str(os.getpid())) - 1]}-{os.getpid()}"
+    pid = str(os.getpid())
+    pods = [f"maintd-{'x' * 44}-7d9f8c6b5d-{suffix}" for suffix in ("abcde", "fghij")]  # 63 each
+    ids = []
+    for pod in pods:
+        monkeypatch.setattr(socket, "gethostname", lambda pod=pod: pod)
+        ids.append(Settings().instance_id)
+    assert all(len(i) == 48 and i.endswith(f"-{pid}") for i in ids), ids
+    assert ids[0] != ids[1]  # the pods' unique ends are kept (a container's pid is often the same)
     monkeypatch.setattr(socket, "gethostname", lambda: "host with spaces\x1b")
     assert Settings().instance_id == f"host-with-spaces--{os.getpid()}"

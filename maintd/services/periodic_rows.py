@@ -1,10 +1,11 @@
 """Periodic schedules kept as rows of ``periodic_jobs`` (SPEC 7.10), turned into entries for the
 periodic enqueuer.
 
-The rows are re-read when their version (row count, newest ``updated_at``) changes, which the
-enqueuer checks on every pass (each second): a committed change is applied within about a
-second, with no reload, whatever happened to notifications. (The table's trigger also sends a
-NOTIFY for other tools.) Each row is validated like a ``[[periodic]]`` entry; a row that fails,
+The rows are re-read when their version changes (the row count and an md5 of the rows' ids and
+xmins, which any committed change moves, whatever the order of the commits). The enqueuer checks
+it on every pass: at its entries' slots, when the table's trigger NOTIFYs (a committed change is
+applied within about a second, with no reload) and at least every 10 minutes, whatever happened
+to notifications. Each row is validated like a ``[[periodic]]`` entry; a row that fails,
 or whose id a config or crontab entry already uses, is reported with the reason so the pass can
 write it to the row's ``error``; every other entry keeps running.
 """
