@@ -575,3 +575,13 @@ def test_a_worker_role_applied_by_the_cli_runs_the_worker_sql_and_admin_function
                 " AND p.prosecdef AND has_function_privilege(p.oid, 'EXECUTE')", (f'"{schema}"',)).fetchall()
             assert definer == []
         assert effective_privileges(pg_dsn, schema, role) == declared(grants.WORKER)
+
+
+def test_each_function_grant_says_what_that_function_does():
+    """`maintd grants` printed one comment, naming every partition function's use, above each
+    of the three EXECUTE grants."""
+    reasons = dict(grants.DAEMON_FUNCTIONS)
+    assert len(set(reasons.values())) == len(reasons) == 3, reasons
+    assert "drop" in reasons["drop_detached_partitions()"] and "count" in reasons["catch_all_rows()"]
+    assert all(r.startswith("partitioned layout: ") and r.endswith("(runs as the schema's owner)")
+               for r in reasons.values())
