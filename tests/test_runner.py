@@ -283,8 +283,8 @@ def test_maintenance_sessions_are_bounded(settings):
 
 
 def timeouts(conn) -> tuple[int, str, str]:
-    return conn.execute(text("SELECT pg_backend_pid(), current_setting('lock_timeout'), "
-                             "current_setting('statement_timeout')")).one()._tuple()
+    return tuple(conn.execute(text("SELECT pg_backend_pid(), current_setting('lock_timeout'), "
+                                   "current_setting('statement_timeout')")).one())
 
 
 def test_an_autocommit_ddl_connection_goes_back_to_the_pool_with_its_own_bounds(settings):
