@@ -195,6 +195,7 @@ class Listener:
         # The connections that may be closed for room, in the order they began what they do:
         self._heads: dict[_Conn, None] = {}  # receiving a request head
         self._waiting: dict[_Conn, None] = {}  # waiting for a request (no byte of it yet)
+        self._writing: dict[_Conn, None] = {}  # an answer the client has not taken yet (in drain)
         self._loop = asyncio.new_event_loop()
         self._turns = _Turns(self._loop, limits.turn)
         self._accepting: asyncio.Task | None = None
@@ -277,10 +278,11 @@ class Listener:
 
     def _make_room(self) -> bool:
         """Close the connection whose unfinished head was begun the longest ago, else the one
-        waiting for a request the longest (accepted or answered the longest ago); False if none
-        is. Connections that trickle or hold heads go first, whatever their age: a probe's
-        connection, just accepted, goes after every older one."""
-        victim = next(iter(self._heads), None) or next(iter(self._waiting), None)
+        whose client has not taken its answer the longest, else the one waiting for a request
+        the longest (accepted or answered the longest ago); False if none is. Connections that
+        trickle, hold heads or do not read go first, whatever their age: a probe's connection,
+        just accepted, goes after every older one."""
+        victim = next(iter(self._heads), None) or next(iter(self._writing), None) or next(iter(self._waiting), None)
         if victim is None:
             return False
         log.debug("http: connection closed to make room", extra=kv(connections=len(self._conns)))
@@ -288,7 +290,7 @@ class Listener:
         return True
 
     def _close(self, conn: _Conn, cancel: bool = False) -> None:
-        for conns in (self._conns, self._heads, self._waiting):
+        for conns in (self._conns, self._heads, self._waiting, self._writing):
             conns.pop(conn, None)
         self._unwatch(conn)
         if conn.writer is not None:
@@ -486,5 +488,9 @@ class Listener:
     async def _write(self, conn: _Conn, payload: bytes) -> None:
         assert conn.writer is not None
         conn.writer.write(payload)
-        async with asyncio.timeout(self.limits.write_timeout):
-            await conn.writer.drain()
+        self._writing[conn] = None  # until the client takes it, room can be made by closing it
+        try:
+            async with asyncio.timeout(self.limits.write_timeout):
+                await conn.writer.drain()
+        finally:
+            self._writing.pop(conn, None)

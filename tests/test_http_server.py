@@ -388,6 +388,39 @@ def test_at_the_cap_a_connection_waiting_its_turn_makes_room_for_a_probe(gate):
         server.stop()
 
 
+def test_at_the_cap_a_connection_whose_client_does_not_read_makes_room_for_a_probe(gate):
+    """Three connections with a small receive buffer pipeline thousands of requests and never
+    read: each ends up blocked writing an answer (for write_timeout, 30 s here), neither waiting
+    for a request nor sending a head, and at a cap of three the listener refused every other
+    connection, a probe's too. Such a connection is now closed to make room."""
+    big = "# metrics\n" * 200_000  # 2 MB: a few answers fill every buffer on the way
+    server = HttpServer("127.0.0.1", 0, {"/healthz": lambda: text(200, "ok\n"), "/metrics": lambda: text(200, big)},
+                        limits=Limits(idle_timeout=30, header_timeout=30, write_timeout=30, max_connections=3, turn=1))
+    server.start()
+    flood = []
+    try:
+        for _ in range(3):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+            s.connect(("127.0.0.1", server.port))
+            flood.append(s)
+            _send_quietly(s, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 20)
+        time.sleep(2.0)  # every buffer full: the three are blocked writing
+        status, body, _, took = get(server.port, "/healthz")
+        assert (status, body) == (200, b"ok\n") and took < 2.0, took
+    finally:
+        for s in flood:
+            s.close()
+        server.stop()
+
+
+def _send_quietly(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.sendall(data)
+    except OSError:
+        pass
+
+
 @pytest.mark.parametrize("pieces", [1, 2])
 def test_a_handler_that_raises_is_a_500_and_a_warning_however_the_request_came(pieces, http_log):
     """The listener's handler answers its own errors (HttpServer.respond does); one that raises
