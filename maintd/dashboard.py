@@ -488,13 +488,19 @@ class Links:
 # -- the pages ----------------------------------------------------------------------------------
 
 
+def _digits(raw: str, most: int) -> bool:
+    """ASCII digits only, at most ``most`` of them: str.isdigit() also takes '²' and '١٢', which
+    int() refuses or reads as other digits, and int() refuses over 4,300 digits."""
+    return raw.isascii() and raw.isdigit() and len(raw) <= most
+
+
 def refresh_seconds(req: Request, default: int) -> int:
     """``?refresh=N`` on any page: 0 turns refreshing off, 2 to 3600 sets it (the overview
     refreshes every 10 s by default, the job pages not at all)."""
     raw = req.arg("refresh")
     if raw is None:
         return default
-    if not (raw.isdigit() and (raw == "0" or 2 <= int(raw) <= 3600)):
+    if not (_digits(raw, 4) and (raw == "0" or 2 <= int(raw) <= 3600)):
         raise HttpError(400, f"refresh must be 0 (off) or 2 to 3600 seconds, not {raw!r}")
     return int(raw)
 
@@ -599,7 +605,7 @@ class Dashboard:
         req.only({"target", "refresh"})
         refresh = refresh_seconds(req, 0)
         raw = req.params["id"]
-        if not raw.isdigit() or int(raw) > 2**63 - 1 or int(raw) == 0:
+        if not _digits(raw, 19) or int(raw) > 2**63 - 1 or int(raw) == 0:
             raise HttpError(400, f"job id must be a positive integer, not {raw[:40]!r}")
         target, links = self._target(req)
         with target.engine.connect() as conn:

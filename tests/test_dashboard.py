@@ -531,6 +531,11 @@ def test_bad_parameters_get_400_and_an_unknown_job_404(settings, schema):
             "/jobs/99999999999999999999": "job id must be a positive integer",
             "/jobs?target=other": "unknown target 'other'",
             "/?refresh=1": "refresh must be 0 (off) or 2 to 3600 seconds",
+            # str.isdigit() takes these; int() refused them (a 500 and a warning line each)
+            "/jobs/%C2%B2": "job id must be a positive integer",
+            "/jobs/" + "9" * 5000: "job id must be a positive integer",
+            "/?refresh=%C2%B2": "refresh must be 0 (off) or 2 to 3600 seconds",
+            "/jobs/%D9%A1%D9%A2": "job id must be a positive integer",  # not job 12
             # PostgreSQL text holds no NUL: a 400 before the database (a 503 before, issue 26)
             "/jobs?queue=a%00b": "parameter 'queue' holds a NUL byte",
             "/jobs?state=completed&queue=%00": "parameter 'queue' holds a NUL byte",
