@@ -153,6 +153,45 @@ def test_an_interrupted_conversion_resumes_where_it_stopped(engine, pg_dsn, sche
     assert after == expected and expected[job.id] == "completed" and late in after
 
 
+def test_a_conversion_cut_off_after_its_swap_is_cleaned_up_by_the_next_run(engine, pg_dsn, schema, monkeypatch):
+    """The swap commits, then the clean-up runs in a transaction of its own: a run killed between
+    the two left jobs_plain (a whole copy of the table), the progress tables and the trigger
+    function behind, and the next run said "already" and left them for good (SPEC 8.1: a
+    conversion can be interrupted and resumed)."""
+    seed(engine, schema, final=50, live=10)
+    count = "SELECT count(*) FROM {schema}.jobs"
+    with engine.connect() as conn:
+        before = conn.execute(sql(count, schema)).scalar()
+    owner = make_engine(pg_dsn, application_name="convert", pooled=False)
+
+    def killed(conn, schema):
+        raise KeyboardInterrupt
+
+    try:
+        with owner.connect() as conn:
+            with monkeypatch.context() as m:
+                m.setattr(convert, "_clean_up", killed)
+                with pytest.raises(KeyboardInterrupt):
+                    convert.convert(conn, schema, LAYOUT, say=lambda _: None)
+        leftovers = "SELECT to_regclass(:t) IS NOT NULL"
+        with engine.connect() as conn:
+            assert conn.execute(text(leftovers), {"t": f'"{schema}".jobs_plain'}).scalar()
+        with owner.connect() as conn:
+            lines: list[str] = []
+            assert convert.convert(conn, schema, LAYOUT, say=lines.append) == "already"
+            assert "dropped what an interrupted conversion left" in lines[-1]
+            assert convert.convert(conn, schema, LAYOUT, say=lines.append) == "already"
+            assert lines[-1].endswith("nothing to do")
+        with engine.connect() as conn:
+            for name in ("jobs_plain", "jobs_convert_seen", "jobs_convert_progress"):
+                assert not conn.execute(text(leftovers), {"t": f'"{schema}".{name}'}).scalar(), name
+            assert not conn.execute(text("SELECT to_regprocedure(:f) IS NOT NULL"),
+                                    {"f": f'"{schema}".jobs_convert_sync()'}).scalar()
+            assert conn.execute(sql(count, schema)).scalar() == before
+    finally:
+        owner.dispose()
+
+
 def test_the_cli_converts_and_the_admin_functions_follow(engine, pg_dsn, schema, tmp_path):
     seed(engine, schema, final=100, live=50)
     cfg = tmp_path / "c.toml"

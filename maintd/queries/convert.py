@@ -45,11 +45,13 @@ REVOKE_FUNCTION = "REVOKE ALL ON FUNCTION {signature} FROM PUBLIC"
 GRANT_FUNCTION = "GRANT EXECUTE ON FUNCTION {signature} TO {grantee}"
 
 # Step 4, clean up.
+# After the swap, in a transaction of its own; again by a later run when a conversion was cut off
+# between the two (IF EXISTS: whatever is left).
 CLEAN_UP = (
-    "DROP TABLE {schema}.jobs_plain",
-    "DROP TABLE {schema}.jobs_convert_seen",
-    "DROP TABLE {schema}.jobs_convert_progress",
-    "DROP FUNCTION {schema}.jobs_convert_sync()",
+    "DROP TABLE IF EXISTS {schema}.jobs_plain",
+    "DROP TABLE IF EXISTS {schema}.jobs_convert_seen",
+    "DROP TABLE IF EXISTS {schema}.jobs_convert_progress",
+    "DROP FUNCTION IF EXISTS {schema}.jobs_convert_sync()",
 )
 
 # Repeats a change of a plain row in jobs_conv (pruned to the row's partition), and notes the id.
