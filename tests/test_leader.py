@@ -384,26 +384,33 @@ def test_graceful_hand_over_unlocks_notifies_and_keeps_the_session(pg_dsn, setti
         assert elector.term.epoch == term.epoch + 1 and elector.session.conn.info.backend_pid == pid
 
 
+class NotingGate:
+    """A spread whose gate notes each time it is asked (monotonic) and answers ``answer(asked)``."""
+
+    def __init__(self, answer):
+        self.asked: list[float] = []
+        self._answer = answer
+
+    def gate(self, name, notified):
+        self.asked.append(time.monotonic())
+        return self._answer(self.asked)
+
+    def tried(self, name, won):
+        pass
+
+    def refresh(self, at_once=False):
+        pass
+
+
 def test_a_woken_follower_asks_its_gate_again_at_once(settings, schema):
     """The spread wakes a waiting follower when it becomes the target's owner (a replica died):
     the follower asks its gate again at once, not at its next half-second look. Each wake comes
     0.05 s after the follower went back to waiting, so a half-second poll would answer it 0.45 s
     late; a bound of 0.25 s leaves 0.25 s for a noisy machine."""
     s = with_leader(settings)
-    asked: list[float] = []
-
-    class Gate:  # a spread that never lets it try, and notes each time it is asked
-        def gate(self, name, notified):
-            asked.append(time.monotonic())
-            return 60.0
-
-        def tried(self, name, won):
-            pass
-
-        def refresh(self, at_once=False):
-            pass
-
-    elector = Recorder().elector(s, spread=Gate())
+    gate = NotingGate(lambda asked: 60.0)  # never lets it try
+    asked = gate.asked
+    elector = Recorder().elector(s, spread=gate)
     elector.start()
     try:
         wait_for(lambda: asked, 10, what="the first look at the gate")
@@ -425,26 +432,19 @@ def test_a_wake_that_lands_while_the_gate_is_asked_is_not_lost(settings, schema)
     (one target, one replica: never led, with /healthz and /readyz fine). Here the wake comes
     from another thread inside the gate's first answer, every time."""
     s = with_leader(settings)
-    asked: list[float] = []
     elector = None
 
-    class Gate:
-        def gate(self, name, notified):
-            asked.append(time.monotonic())
-            if len(asked) == 1:  # the spread's started(), right between the answer and its store
-                waker = threading.Thread(target=elector.wake)
-                waker.start()
-                waker.join()
-                return math.inf
-            return 60.0
+    def answer(asked: list[float]) -> float:
+        if len(asked) == 1:  # the spread's started(), right between the answer and its store
+            waker = threading.Thread(target=elector.wake)
+            waker.start()
+            waker.join()
+            return math.inf
+        return 60.0
 
-        def tried(self, name, won):
-            pass
-
-        def refresh(self, at_once=False):
-            pass
-
-    elector = Recorder().elector(s, spread=Gate())
+    gate = NotingGate(answer)
+    asked = gate.asked
+    elector = Recorder().elector(s, spread=gate)
     elector.start()
     try:
         wait_for(lambda: len(asked) >= 2, 5, what="the gate asked again after the wake")

@@ -272,8 +272,10 @@ class Cleaner(Service):
         expired = [oldest is not None and state in shortest and oldest < now - shortest[state]
                    for state, oldest in zip(FINAL_STATES, values)]
         # The dashboard's history is pruned by a pass: on an idle queue too, at least hourly.
-        prune_due = self._history_pruned_at is None or now - self._history_pruned_at >= HISTORY_PRUNE_EVERY
-        return True if any(expired) or prune_due else None
+        return True if any(expired) or self._prune_due(now) else None
+
+    def _prune_due(self, now: datetime) -> bool:
+        return self._history_pruned_at is None or now - self._history_pruned_at >= HISTORY_PRUNE_EVERY
 
     @property
     def batch_size(self) -> int:
@@ -293,7 +295,7 @@ class Cleaner(Service):
                 aim = min(BATCH_TARGET, self._timeout_ms(ctx) / 2000)
                 self._clean(ctx, target, RangePlan(lo, horizon, target=aim), result)
         result.batch_size = self.batch_size
-        if self._history_pruned_at is None or now - self._history_pruned_at >= HISTORY_PRUNE_EVERY:
+        if self._prune_due(now):
             result.history_pruned = history.prune(ctx, now)
             self._history_pruned_at = now
         return result
