@@ -131,6 +131,9 @@ class DaemonRegistration(Base):
     version: Mapped[str] = mapped_column(Text, nullable=False)
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False,
                                                  server_default=text("now()"))
+    # The backend pid of its lock session when it last (re)connected: alive while that session is
+    # (NULL: registered by a daemon before 0010, matched by its session's name alone).
+    lock_pid: Mapped[int | None] = mapped_column(Integer)
     last_seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False,
                                                    server_default=text("now()"))
 

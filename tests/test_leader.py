@@ -473,3 +473,36 @@ def test_a_change_of_the_live_replicas_reaches_the_spread_at_the_loops_read(sett
         a.stop()
         if b is not None:
             b.stop()
+
+
+def test_a_daemon_of_another_deployment_with_the_same_id_does_not_keep_a_dead_replica_alive(pg_dsn, schema):
+    """SPEC 7.9's R counts the replicas whose lock session is connected. It was read from the
+    session's name alone (``maintd:<instance_id>``), so a deployment on the same database with
+    other schemas and the same instance ids (two StatefulSets named alike, or this suite's workers
+    running at once) kept a killed replica alive: the survivors left its targets to lazy tries
+    (a CI run measured 4.2 s instead of 0.9 s). A row now names its lock session's backend
+    (migration 0010); an older daemon's row without one is matched by name, as before."""
+    from maintd.queries import daemons as q_daemons
+    from maintd.queries import psycopg_sql
+
+    def live() -> list[str]:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            return [r[0] for r in conn.execute(psycopg_sql(q_daemons.LIVE_REPLICAS, schema))]
+
+    def duplicate() -> object:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            return conn.execute(psycopg_sql(q_daemons.DUPLICATE, schema), {"instance": "twin"}).fetchone()
+
+    params = {"instance": "twin", "host": "h", "pid": 1, "version": "t"}
+    other = psycopg.connect(pg_dsn, autocommit=True, application_name="maintd:twin")  # the other deployment's
+    try:
+        with psycopg.connect(pg_dsn, autocommit=True, application_name="maintd:twin") as mine:
+            mine.execute(psycopg_sql(q_daemons.REGISTER, schema), params)  # on its lock session
+            assert live() == ["twin"] and duplicate() is not None
+        wait_for(lambda: live() == [], 10, what="the replica gone with its lock session")
+        assert duplicate() is None
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f'UPDATE "{schema}".daemons SET lock_pid = NULL')  # written before 0010
+        assert live() == ["twin"] and duplicate() is not None
+    finally:
+        other.close()

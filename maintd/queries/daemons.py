@@ -1,20 +1,25 @@
 """Statements on ``{schema}.daemons``: the registry of running maintd processes."""
 
+# Run on the lock session itself: lock_pid is that session's backend.
 REGISTER = """
-INSERT INTO {schema}.daemons (instance_id, host, pid, version, started_at, last_seen_at)
-VALUES (:instance, :host, :pid, :version, now(), now())
+INSERT INTO {schema}.daemons (instance_id, host, pid, version, started_at, last_seen_at, lock_pid)
+VALUES (:instance, :host, :pid, :version, now(), now(), pg_backend_pid())
 ON CONFLICT (instance_id) DO UPDATE
    SET host = excluded.host, pid = excluded.pid, version = excluded.version,
-       last_seen_at = now(),
+       last_seen_at = now(), lock_pid = excluded.lock_pid,
        started_at = CASE WHEN daemons.pid = excluded.pid THEN daemons.started_at ELSE now() END
 """
 
-# A daemon is alive while its lock session is connected: a session named maintd:<instance_id>
-# (application_name, at most 63 bytes, is shown to every role) on this database. So the row is
-# written only when the daemon (re)connects, and an idle daemon writes nothing.
+# A daemon is alive while its lock session is connected: the backend it registered from
+# (lock_pid), still named maintd:<instance_id> (application_name, at most 63 bytes, and pid are
+# shown to every role) on this database. The pid tells it from a daemon of another deployment
+# (other schemas) that uses the same instance_id; a row without one (an older daemon's) is
+# matched by name alone. So the row is written only when the daemon (re)connects, and an idle
+# daemon writes nothing.
 LIVE_SESSION = """EXISTS (SELECT 1 FROM pg_stat_activity a
                 WHERE a.datname = current_database()
-                  AND a.application_name = left('maintd:' || d.instance_id, 63))"""
+                  AND a.application_name = left('maintd:' || d.instance_id, 63)
+                  AND a.pid = coalesce(d.lock_pid, a.pid))"""
 
 FORGET_STALE = """
 DELETE FROM {schema}.daemons d
@@ -52,5 +57,6 @@ SELECT d.host, d.pid, host(a.client_addr) AS addr
   FROM pg_stat_activity a
   JOIN {schema}.daemons d ON d.instance_id = :instance
  WHERE a.datname = current_database() AND a.application_name = left('maintd:' || :instance, 63)
+   AND a.pid = coalesce(d.lock_pid, a.pid)
  LIMIT 1
 """
