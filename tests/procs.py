@@ -284,18 +284,23 @@ def target_leaders(dsn: str, schemas: list[str]) -> dict[str, str]:
     return {schema: instance for schema, (instance, _) in target_locks(dsn, schemas).items()}
 
 
-def spread_ok(dsn: str, schemas: list[str], replicas: list[str]) -> Any:
-    """The leaderships per replica when every target is led by one of ``replicas`` and none leads
-    more than ceil(T/R) + 1 (SPEC 7.9), else None."""
-    import math
+def all_led(dsn: str, schemas: list[str], replicas: list[str]) -> Any:
+    """The leaderships per replica when every target is led by one of ``replicas``, else None."""
     from collections import Counter
 
     led = target_leaders(dsn, schemas)
     per = Counter(led.values())
+    return per if len(led) == len(schemas) and set(per) <= set(replicas) else None
+
+
+def spread_ok(dsn: str, schemas: list[str], replicas: list[str]) -> Any:
+    """The leaderships per replica when every target is led by one of ``replicas`` and none leads
+    more than ceil(T/R) + 1 (SPEC 7.9), else None."""
+    import math
+
+    per = all_led(dsn, schemas, replicas)
     limit = math.ceil(len(schemas) / len(replicas)) + 1
-    if len(led) == len(schemas) and set(per) <= set(replicas) and max(per.values()) <= limit:
-        return per
-    return None
+    return per if per and max(per.values()) <= limit else None
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.02, what: str = "condition"):
