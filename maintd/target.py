@@ -109,12 +109,16 @@ class Target:
         return self.maintenance_stall if self.is_leader else None
 
     def not_ready_reason(self) -> str | None:
-        """Why /readyz is 503 for this target (None: ready)."""
+        """Why /readyz is 503 for this target (None: ready), in words that name no host, port,
+        role or database: /readyz answers anyone who reaches the port, even with
+        ``http.auth_token`` set. The error itself is in ``/status`` and the log."""
         if self.started and self.db_ok and self.writable and self.health_problem() is None:
-            return self.schema_problem()
+            return self.schema_problem() and "schema missing or behind: run `maintd migrate`"
         if not self.writable:
             return "database is read-only"
-        return self.problem or self.health_problem() or "database unreachable"
+        if self.problem is not None:
+            return "not started: its schema could not be checked (see /status or the log)"
+        return self.health_problem() or "database unreachable (see /status or the log)"
 
     def schema_problem(self) -> str | None:
         """A pass failed because the schema is missing or behind (dropped while running, say)."""
