@@ -438,7 +438,7 @@ def test_migrate_by_a_role_without_create_on_the_database_names_it(pg_dsn, tmp_p
                   env={"MAINTD_DATABASE_URL": role_dsn(pg_dsn, role)})
         assert res.returncode == 1 and "Traceback" not in res.stderr
         [line] = res.stderr.strip().splitlines()
-        assert f"lacks CREATE on database" in line and f"schema '{schema}'" in line
+        assert "lacks CREATE on database" in line and f"schema '{schema}'" in line
         assert "as the owner role" in line and f"CREATE SCHEMA \"{schema}\" AUTHORIZATION" in line
 
 

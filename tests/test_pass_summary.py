@@ -16,7 +16,6 @@ from maintd.passes import execute_pass, record_pass
 from maintd.queries import sql
 from maintd.services import SERVICES
 from maintd.services.base import PassContext
-from maintd.services.scheduler import SchedulerResult
 from maintd.status import collect_status, format_status
 
 RAW_FLOAT = re.compile(r"\d\.\d{4,}")
