@@ -34,6 +34,7 @@ from .queries import psycopg_sql
 log = logging.getLogger("maintd.health")
 
 SHOWN_AFTER = 1.0  # seconds: younger holders (every worker's transaction) are not named
+UNTIMED_KINDS = ("replication_slot", "standby_feedback")  # long-lived, often without a start time
 SHOWN = 5  # holders listed per scope, oldest horizon first
 READ_TIMEOUT_MS = 5000  # the statement timeout of the monitor's connection
 FULL_EVERY = timedelta(minutes=1)  # the jobs tables' sizes
@@ -81,8 +82,9 @@ class Holder:
         who = f"pid {self.pid}" if self.pid is not None else ""
         if self.name:
             who = f"{self.name!r}" + (f" {who}" if who else "")
+        elsewhere = self.detail if (self.detail or "").startswith("in database ") else None
         extra = ", ".join(x for x in (self.application_name, self.user and f"user {self.user}",
-                                      self.client_addr) if x)
+                                      self.client_addr, elsewhere) if x)
         return f"{self.kind.replace('_', ' ')} {who}".strip() + (f" ({extra})" if extra else "")
 
 
@@ -202,7 +204,10 @@ class HealthReader:
         data = [h for h in holders if h.scope == "data"]
 
         def named(scope: str) -> tuple[Holder, ...]:
-            shown = [h for h in holders if h.scope == scope and h.age_seconds >= SHOWN_AFTER]
+            # A slot or a standby's feedback is never a worker's short transaction: named as soon
+            # as it holds anything back, its age unknown on a first read (`maintd status`'s only).
+            shown = [h for h in holders if h.scope == scope and (
+                h.age_seconds >= SHOWN_AFTER or (h.kind in UNTIMED_KINDS and h.age_xids > 0))]
             return tuple(sorted(shown, key=lambda h: (-h.age_xids, -h.age_seconds)))
 
         return Horizon(age_seconds=max((h.age_seconds for h in data), default=0.0),
@@ -242,7 +247,7 @@ def _tables(rows: Iterable[Any]) -> dict[str, tuple[TableHealth, ...]]:
 
 def read_once(conn: Connection, schema: str, *, show_query: bool = False) -> HealthReport:
     """One read for one schema in ``conn``'s transaction (``maintd status``); holders without a
-    start time show age 0."""
+    start time show age 0 (slots and standbys' feedback are named still, "for an unknown time")."""
     return HealthReader(show_query).read(conn.connection.dbapi_connection, [schema])
 
 

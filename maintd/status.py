@@ -187,8 +187,13 @@ def _holder(h: dict[str, Any]) -> str:
                        ("client_addr", "client"), ("state", "state")):
         if h.get(key) not in (None, ""):
             parts.append(f"{label} {h[key]}")
-    age = _age(h["age_seconds"]) if h["exact"] else f"at least {_age(h['age_seconds'])}"
-    text = " ".join(parts) + f", for {age} ({h['age_xids']:,} xids)"
+    if h["exact"]:
+        age = f"for {_age(h['age_seconds'])}"
+    else:  # counted from the first read that saw it hold: unknown on a first read
+        age = f"for at least {_age(h['age_seconds'])}" if h["age_seconds"] >= 1 else "for an unknown time"
+    if (h.get("detail") or "").startswith("in database "):
+        parts.append(h["detail"])
+    text = " ".join(parts) + f", {age} ({h['age_xids']:,} xids)"
     if h.get("query"):
         text += f"\n           query: {' '.join(str(h['query']).split())[:200]}"
     return text

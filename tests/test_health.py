@@ -11,6 +11,7 @@ standby's ``hot_standby_feedback`` runs on tests/standby.py's PostgreSQL 15 pair
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.request
 from datetime import datetime, timedelta, timezone
@@ -124,6 +125,100 @@ def test_a_prepared_transaction_is_named_by_its_gid(health_pg, health_engine):
             conn.execute("ROLLBACK PREPARED 'maintd-test-2pc'")
 
 
+def test_a_transaction_in_another_database_is_named_with_its_database(health_pg, health_engine):
+    """A transaction id running in another database is below the xmin of every snapshot taken in
+    this one meanwhile (PostgreSQL's GetSnapshotData() reads the ids of every database), so the
+    workers' snapshots keep VACUUM from the jobs table's dead rows for as long as it runs; so does
+    a prepared transaction of another database. Both were left out (only this database's
+    backends and prepared transactions were read), and a worker's snapshot was blamed instead.
+    Another database's snapshot without a transaction id holds back only that database."""
+    with psycopg.connect(health_pg, autocommit=True) as admin:
+        admin.execute("DROP DATABASE IF EXISTS maintd_other")
+        admin.execute("CREATE DATABASE maintd_other")
+    from psycopg.conninfo import make_conninfo
+
+    other_dsn = make_conninfo(health_pg, dbname="maintd_other")
+    try:
+        with psycopg.connect(other_dsn, application_name="elsewhere") as other, \
+                psycopg.connect(other_dsn) as reader_there, psycopg.connect(health_pg) as worker:
+            xid = other.execute("SELECT txid_current()").fetchone()[0]  # then idle in transaction
+            reader_there.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            reader_there.execute("SELECT 1")  # a snapshot there, no transaction id
+            consume_xids(health_pg)
+            worker.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            worker.execute("SELECT 1")
+            assert worker.execute("SELECT backend_xmin::text::bigint FROM pg_stat_activity "
+                                  "WHERE pid = pg_backend_pid()").fetchone()[0] == xid % 2**32
+            worker.rollback()
+            with psycopg.connect(other_dsn, autocommit=True) as prep:
+                prep.execute("BEGIN")
+                prep.execute("SELECT txid_current()")
+                prep.execute("PREPARE TRANSACTION 'maintd-test-other-2pc'")
+            try:
+                consume_xids(health_pg)
+                time.sleep(1.1)
+                holders = read(health_engine).horizon.holders
+                h = held_by(read(health_engine), other.info.backend_pid)
+                assert (h.kind, h.detail, h.application_name, h.exact) == (
+                    "transaction", "in database maintd_other", "elsewhere", True)
+                assert h.xmin == str(xid % 2**32) and h.age_xids >= 6
+                assert "in database maintd_other" in h.describe()
+                assert all(x.pid != reader_there.info.backend_pid for x in holders)
+                [p] = [x for x in holders if x.kind == "prepared_transaction"]
+                assert (p.name, p.detail) == ("maintd-test-other-2pc", "in database maintd_other")
+            finally:
+                with psycopg.connect(other_dsn, autocommit=True) as prep:
+                    prep.execute("ROLLBACK PREPARED 'maintd-test-other-2pc'")
+            other.rollback()
+            reader_there.rollback()
+    finally:
+        with psycopg.connect(health_pg, autocommit=True) as admin:
+            admin.execute("DROP DATABASE IF EXISTS maintd_other")
+
+
+def test_a_lazy_vacuum_is_not_named_however_long_it_runs(health_pg, health_engine):
+    """A lazy VACUUM's xmin is ignored by other vacuums (PROC_IN_VACUUM, in PostgreSQL's
+    ComputeXidHorizons()). Only autovacuum workers were left out, by backend_type: a manual
+    VACUUM (vacuumdb, a client backend) was named as a holder, and so was an autovacuum worker
+    whenever backend_type is hidden (a role without pg_read_all_stats). Now every pid in
+    pg_stat_progress_vacuum, which every role may read, is left out."""
+    with psycopg.connect(health_pg, autocommit=True) as conn:
+        conn.execute("DROP TABLE IF EXISTS slow_vacuum")
+        conn.execute("CREATE TABLE slow_vacuum AS SELECT g AS id, repeat('x', 200) AS pad "
+                      "FROM generate_series(1, 100000) AS g")
+        conn.execute("DELETE FROM slow_vacuum WHERE id % 2 = 0")
+    slow = psycopg.connect(health_pg, autocommit=True,
+                           options="-c vacuum_cost_delay=100 -c vacuum_cost_limit=1")
+    done = threading.Event()
+
+    def vacuum() -> None:
+        try:
+            slow.execute("VACUUM slow_vacuum")
+        except psycopg.Error:
+            pass  # cancelled below
+        finally:
+            done.set()
+
+    threading.Thread(target=vacuum, daemon=True).start()
+    try:
+        pid = slow.info.backend_pid
+        with psycopg.connect(health_pg, autocommit=True) as conn:
+            wait_for(lambda: conn.execute("SELECT count(*) FROM pg_stat_progress_vacuum WHERE pid = %s",
+                                          (pid,)).fetchone()[0], 10, what="the VACUUM under way")
+            consume_xids(health_pg)
+            time.sleep(1.1)
+            xmin = conn.execute("SELECT backend_xmin FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()[0]
+            assert xmin is not None, "this VACUUM holds no xmin: the test shows nothing"
+            assert all(h.pid != pid for h in read(health_engine).horizon.holders)
+    finally:
+        with psycopg.connect(health_pg, autocommit=True) as conn:
+            conn.execute("SELECT pg_cancel_backend(%s)", (slow.info.backend_pid,))
+        done.wait(10)
+        slow.close()
+        with psycopg.connect(health_pg, autocommit=True) as conn:
+            conn.execute("DROP TABLE IF EXISTS slow_vacuum")
+
+
 def test_a_logical_slot_holds_back_the_catalogs_not_the_jobs_table(health_pg, health_engine):
     """A logical slot's catalog_xmin: PostgreSQL's ComputeXidHorizons() applies it to catalog
     relations only. Named as such, and VACUUM indeed removes the jobs table's dead rows meanwhile."""
@@ -235,6 +330,26 @@ def test_a_holder_without_a_start_time_ages_from_the_first_read_that_saw_it_hold
     assert (hz.age_seconds, hz.age_xids, hz.holder.exact) == (40.0, 9, False)
     assert reader.horizon([row(xmin="1200", age_xids=3)], T0 + timedelta(hours=1, seconds=50)).age_seconds == 0
     assert reader.horizon([], T0 + timedelta(hours=2)) == Horizon()
+
+
+def test_a_one_shot_read_names_a_slot_holding_back_and_says_its_age_is_unknown():
+    """`maintd status` reads once: a holder PostgreSQL keeps no time for has age 0 there, and was
+    dropped as younger than a second, so a stale physical slot holding back 50 million ids read
+    "held by: nothing older than a second". A slot or a standby's feedback is named as soon as it
+    holds anything back, "for an unknown time"; a backend without a start time (another role's,
+    most often a worker's short transaction) still needs a second read."""
+    from maintd.status import format_health
+
+    slot = row(kind="replication_slot", pid=None, name="stale", detail="physical", age_xids=50_000_000)
+    backend = row(kind="snapshot", pid=8, detail=None, age_xids=40)
+    hz = HealthReader().horizon([slot, backend], T0)
+    assert [h.name for h in hz.holders] == ["stale"]
+    report = {"at": "T0", "tables": [], "horizon": {
+        "age_seconds": hz.age_seconds, "age_xids": hz.age_xids, "holder": hz.holder.as_dict(),
+        "holders": [h.as_dict() for h in hz.holders], "catalog_holders": []}}
+    text = "\n".join(format_health(report))
+    assert "held by: replication slot 'stale' (physical)" in text and "for an unknown time (50,000,000 xids)" in text
+    assert "nothing older than a second" not in text
 
 
 def test_a_table_gone_loses_its_series_and_no_other_targets_series_goes():

@@ -8,10 +8,14 @@ maintd's, no lock, no transaction id): one round trip each, per database, per ``
 #
 # * a backend's transaction (``backend_xid``) or snapshot (``backend_xmin``), in this database or
 #   in none (a physical walsender holds the feedback of a standby that streams without a slot:
-#   PostgreSQL marks it PROC_AFFECTS_ALL_HORIZONS). Backends of other databases hold back only
-#   shared catalogs. Autovacuum workers and this read's own backend are left out (a lazy VACUUM's
-#   snapshot is ignored by other vacuums);
-# * a prepared transaction of this database (``pg_prepared_xacts``);
+#   PostgreSQL marks it PROC_AFFECTS_ALL_HORIZONS). Another database's backend holds it back by its
+#   transaction id alone: an id still running is below the xmin of every snapshot taken in this
+#   database meanwhile (GetSnapshotData() reads the ids of all databases), so the workers' own
+#   snapshots keep vacuum from the rows deleted since; its snapshot holds back only its own
+#   database. Lazy VACUUMs (``pg_stat_progress_vacuum``, whose pids every role sees, where
+#   ``backend_type`` is hidden without pg_read_all_stats) and this read's own backend are left out
+#   (a lazy VACUUM's snapshot is ignored by other vacuums);
+# * a prepared transaction, of any database (its id, like a running one's, is in every snapshot);
 # * a replication slot's ``xmin`` (a physical slot fed by hot_standby_feedback, or a logical one
 #   while it exports its snapshot) for the data, and its ``catalog_xmin`` (logical slots), which
 #   holds back the system catalogs only: PostgreSQL's ComputeXidHorizons() applies
@@ -25,22 +29,23 @@ maintd's, no lock, no transaction id): one round trip each, per database, per ``
 # NULL then. ``to_jsonb(s) ->> 'inactive_since'`` reads a column that PostgreSQL 15 lacks.
 HOLDERS = """
 WITH backends AS (
-  SELECT CASE WHEN a.backend_type = 'walsender' AND a.datid IS NULL THEN 'standby_feedback'
+  SELECT CASE WHEN r.pid IS NOT NULL AND a.datid IS NULL THEN 'standby_feedback'
               WHEN a.backend_xid IS NOT NULL THEN 'transaction'
               ELSE 'snapshot' END AS kind,
          a.pid, CAST(a.usename AS text) AS usename, a.application_name,
          host(coalesce(r.client_addr, a.client_addr)) AS client_addr,
          coalesce(r.state, a.state) AS state,
-         CASE WHEN coalesce(age(a.backend_xid), -1) >= coalesce(age(a.backend_xmin), -1)
+         CASE WHEN elsewhere OR coalesce(age(a.backend_xid), -1) >= coalesce(age(a.backend_xmin), -1)
               THEN a.backend_xid ELSE a.backend_xmin END AS oldest,
-         CASE WHEN a.backend_type = 'walsender' THEN NULL ELSE a.xact_start END AS since,
-         a.backend_type, CASE WHEN :show_query THEN a.query END AS query
+         CASE WHEN r.pid IS NOT NULL THEN NULL ELSE a.xact_start END AS since,
+         CASE WHEN elsewhere THEN 'in database ' || a.datname ELSE a.backend_type END AS detail,
+         CASE WHEN :show_query THEN a.query END AS query
     FROM pg_stat_activity a
     LEFT JOIN pg_stat_replication r ON r.pid = a.pid
+   CROSS JOIN LATERAL (SELECT a.datid IS NOT NULL AND a.datname <> current_database() AS elsewhere) AS o
    WHERE a.pid <> pg_backend_pid()
-     AND (a.backend_xid IS NOT NULL OR a.backend_xmin IS NOT NULL)
-     AND (a.datid IS NULL OR a.datname = current_database())
-     AND a.backend_type IS DISTINCT FROM 'autovacuum worker'
+     AND (a.backend_xid IS NOT NULL OR (a.backend_xmin IS NOT NULL AND NOT elsewhere))
+     AND a.pid NOT IN (SELECT v.pid FROM pg_stat_progress_vacuum v)
 ), slots AS (
   SELECT s.slot_name, s.slot_type, s.active_pid, s.xmin, s.catalog_xmin,
          CAST(to_jsonb(s) ->> 'inactive_since' AS timestamptz) AS inactive_since,
@@ -50,14 +55,13 @@ WITH backends AS (
    WHERE s.database IS NULL OR s.database = current_database()
 )
 SELECT kind, 'data' AS scope, pid, usename, application_name, client_addr, state,
-       CAST(oldest AS text) AS xmin, age(oldest) AS age_xids, since, NULL AS name, backend_type AS detail,
-       query
+       CAST(oldest AS text) AS xmin, age(oldest) AS age_xids, since, NULL AS name, detail, query
   FROM backends
 UNION ALL
 SELECT 'prepared_transaction', 'data', NULL, CAST(owner AS text), NULL, NULL, NULL,
-       CAST(transaction AS text), age(transaction), prepared, gid, NULL, NULL
+       CAST(transaction AS text), age(transaction), prepared, gid,
+       CASE WHEN database <> current_database() THEN 'in database ' || database END, NULL
   FROM pg_prepared_xacts
- WHERE database = current_database()
 UNION ALL
 SELECT 'replication_slot', 'data', active_pid, usename, application_name, client_addr, state,
        CAST(xmin AS text), age(xmin), inactive_since, slot_name, slot_type, NULL
