@@ -16,10 +16,11 @@ ON CONFLICT (instance_id) DO UPDATE
 # (other schemas) that uses the same instance_id; a row without one (an older daemon's) is
 # matched by name alone. So the row is written only when the daemon (re)connects, and an idle
 # daemon writes nothing.
-LIVE_SESSION = """EXISTS (SELECT 1 FROM pg_stat_activity a
-                WHERE a.datname = current_database()
+# LIVE_MATCH: session ``a`` is the lock session of daemon row ``d``.
+LIVE_MATCH = """a.datname = current_database()
                   AND a.application_name = left('maintd:' || d.instance_id, 63)
-                  AND a.pid = coalesce(d.lock_pid, a.pid))"""
+                  AND a.pid = coalesce(d.lock_pid, a.pid)"""
+LIVE_SESSION = """EXISTS (SELECT 1 FROM pg_stat_activity a WHERE """ + LIVE_MATCH + ")"
 
 FORGET_STALE = """
 DELETE FROM {schema}.daemons d
@@ -54,9 +55,8 @@ SELECT instance_id FROM {schema}.daemons d WHERE """ + LIVE_SESSION + """ ORDER 
 # where it said it runs (its row in this schema, if it registered here).
 DUPLICATE = """
 SELECT d.host, d.pid, host(a.client_addr) AS addr
-  FROM pg_stat_activity a
-  JOIN {schema}.daemons d ON d.instance_id = :instance
- WHERE a.datname = current_database() AND a.application_name = left('maintd:' || :instance, 63)
-   AND a.pid = coalesce(d.lock_pid, a.pid)
+  FROM {schema}.daemons d
+  JOIN pg_stat_activity a ON """ + LIVE_MATCH + """
+ WHERE d.instance_id = :instance
  LIMIT 1
 """
