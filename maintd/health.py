@@ -82,9 +82,8 @@ class Holder:
         who = f"pid {self.pid}" if self.pid is not None else ""
         if self.name:
             who = f"{self.name!r}" + (f" {who}" if who else "")
-        elsewhere = self.detail if (self.detail or "").startswith("in database ") else None
         extra = ", ".join(x for x in (self.application_name, self.user and f"user {self.user}",
-                                      self.client_addr, elsewhere) if x)
+                                      self.client_addr, elsewhere(self.detail)) if x)
         return f"{self.kind.replace('_', ' ')} {who}".strip() + (f" ({extra})" if extra else "")
 
 
@@ -227,6 +226,12 @@ class HealthReader:
             return holder
         first = self._holding_since.setdefault(holder.key, now)
         return _with_age(holder, (now - first).total_seconds())
+
+
+def elsewhere(detail: str | None) -> str | None:
+    """A holder's ``detail`` when it names another database (``in database NAME``, written by
+    :data:`maintd.queries.health.HOLDERS`), else None."""
+    return detail if (detail or "").startswith("in database ") else None
 
 
 def _with_age(holder: Holder, seconds: float) -> Holder:

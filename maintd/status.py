@@ -17,6 +17,7 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from .db import advisory_key, describe_db_error
+from .health import elsewhere
 from .identifiers import qualified
 from .layout_status import format_layout, layout_summary
 from .metrics import JobCounts, bounded_jobs, bounded_result, job_counts, oldest_available
@@ -191,7 +192,7 @@ def _holder(h: dict[str, Any]) -> str:
         age = f"for {_age(h['age_seconds'])}"
     else:  # counted from the first read that saw it hold: unknown on a first read
         age = f"for at least {_age(h['age_seconds'])}" if h["age_seconds"] >= 1 else "for an unknown time"
-    if (h.get("detail") or "").startswith("in database "):
+    if elsewhere(h.get("detail")):
         parts.append(h["detail"])
     text = " ".join(parts) + f", {age} ({h['age_xids']:,} xids)"
     if h.get("query"):
