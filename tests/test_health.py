@@ -157,8 +157,9 @@ def test_a_transaction_in_another_database_is_named_with_its_database(health_pg,
             try:
                 consume_xids(health_pg)
                 time.sleep(1.1)
-                holders = read(health_engine).horizon.holders
-                h = held_by(read(health_engine), other.info.backend_pid)
+                report = read(health_engine)
+                holders = report.horizon.holders
+                h = held_by(report, other.info.backend_pid)
                 assert (h.kind, h.detail, h.application_name, h.exact) == (
                     "transaction", "in database maintd_other", "elsewhere", True)
                 assert h.xmin == str(xid % 2**32) and h.age_xids >= 6
