@@ -10,7 +10,10 @@ state, age) and, once it has been held longer than ``health.xmin_warn_after``, w
 one log line (:class:`HolderWarnings`). Its query text is read only with ``health.show_query``.
 
 Ages in seconds: a backend's from its transaction's start, a prepared transaction's from its
-PREPARE, an inactive slot's from ``inactive_since`` (PostgreSQL 17+). PostgreSQL keeps no time for
+PREPARE, an inactive slot's from ``inactive_since`` (PostgreSQL 17+). A snapshot read while its
+statement runs is aged from the statement's start, or from the earliest start a read saw it hold
+since (a lower bound: READ COMMITTED takes a snapshot per statement, REPEATABLE READ keeps the
+first; PostgreSQL does not show which). PostgreSQL keeps no time for
 the rest (a standby's feedback, an active slot, a backend of another role without
 ``pg_read_all_stats``): their age counts from the first read that saw a transaction id assigned
 after their xmin (before that they hold nothing back), a lower bound marked ``exact = false``.
@@ -145,6 +148,7 @@ class HealthReader:
     def __init__(self, show_query: bool = False):
         self.show_query = show_query
         self._holding_since: dict[tuple, datetime] = {}
+        self._snapshot_since: dict[tuple, datetime] = {}  # (pid, xact start, xmin): held at least since
         self._full_at: datetime | None = None
         self._sizes_at: datetime | None = None
         self._full_schemas: set[str] = set()
@@ -197,9 +201,12 @@ class HealthReader:
 
     def horizon(self, rows: Iterable[dict[str, Any]], now: datetime) -> Horizon:
         """The holders of ``rows`` (:data:`maintd.queries.health.HOLDERS`) with their ages."""
+        rows = list(rows)
         holders = [self._holder(r, now) for r in rows]
         self._holding_since = {k: v for k, v in self._holding_since.items()
                                if k in {h.key for h in holders}}
+        present = {(r["pid"], r["since"], r["xmin"]) for r in rows}
+        self._snapshot_since = {k: v for k, v in self._snapshot_since.items() if k in present}
         data = [h for h in holders if h.scope == "data"]
 
         def named(scope: str) -> tuple[Holder, ...]:
@@ -220,12 +227,26 @@ class HealthReader:
                         state=r["state"], xmin=r["xmin"], age_xids=max(0, int(r["age_xids"] or 0)),
                         age_seconds=0.0, exact=since is not None, since=since, name=r["name"],
                         detail=r["detail"], query=r["query"] if self.show_query else None)
+        if since is not None and holder.kind == "snapshot":
+            return self._snapshot_age(holder, r.get("statement_start"), now)
         if since is not None:
             return _with_age(holder, (now - since).total_seconds())
         if holder.age_xids == 0:  # no transaction id assigned after its xmin: holds nothing back yet
             return holder
         first = self._holding_since.setdefault(holder.key, now)
         return _with_age(holder, (now - first).total_seconds())
+
+
+    def _snapshot_age(self, holder: Holder, statement_start: datetime | None, now: datetime) -> Holder:
+        """Between statements a snapshot is its transaction's (REPEATABLE READ, a cursor): aged
+        from the transaction's start. Mid-statement it may be the statement's own (READ COMMITTED):
+        aged from the earliest start seen for this snapshot, marked a lower bound when after the
+        transaction's start."""
+        assert holder.since is not None
+        key = (holder.pid, holder.since, holder.xmin)
+        start = min(self._snapshot_since.get(key, now), statement_start or holder.since)
+        self._snapshot_since[key] = start
+        return replace(_with_age(holder, (now - start).total_seconds()), exact=start <= holder.since)
 
 
 def elsewhere(detail: str | None) -> str | None:

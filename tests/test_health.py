@@ -405,6 +405,59 @@ def test_one_warning_per_holder_and_a_line_when_it_is_gone(maintd_log):
     assert sum("vacuum is held back" in line for line in maintd_log) == 2
 
 
+def test_a_snapshot_read_mid_statement_is_aged_from_the_earliest_start_seen_holding_it(maintd_log):
+    """READ COMMITTED takes a snapshot per statement: a session with a transaction open for an
+    hour that runs short statements holds each snapshot for the statement only. Aged from its
+    transaction's start, it was warned about whenever a read caught it mid-statement, and "gone"
+    at the next read that did not (a warning each time). Mid-statement a snapshot is aged from the
+    statement's start (a lower bound: REPEATABLE READ keeps its first), and from the earliest
+    start a read saw the same snapshot (pid, transaction, xmin) hold, an idle-in-transaction read
+    proving the transaction's start."""
+    reader, warnings = HealthReader(), HolderWarnings()
+    xact = T0 - timedelta(hours=1)
+
+    def snap(xmin: str, statement_start, state="active"):
+        return row(kind="snapshot", pid=42, since=xact, xmin=xmin, age_xids=10, detail="client backend",
+                   state=state, statement_start=statement_start)
+
+    for i in range(4):  # READ COMMITTED: a new snapshot at every statement, each 2 s old when read
+        at = T0 + timedelta(minutes=i)
+        hz = reader.horizon([snap(str(1000 + i), at - timedelta(seconds=2))], at)
+        warnings.check(hz, timedelta(seconds=30), ["q"])
+        assert (hz.holder.age_seconds, hz.holder.exact) == (2.0, False)
+        warnings.check(reader.horizon([], at + timedelta(seconds=30)), timedelta(seconds=30), ["q"])
+    assert not [line for line in maintd_log if "vacuum is held back" in line or "holder gone" in line]
+    # REPEATABLE READ: one snapshot across statements; a read between them proves its age
+    assert reader.horizon([snap("900", T0)], T0 + timedelta(seconds=5)).holder.age_seconds == 5
+    assert reader.horizon([snap("900", T0 + timedelta(seconds=20))], T0 + timedelta(seconds=25)).holder.age_seconds == 25
+    assert reader.horizon([snap("900", None, "idle in transaction")], T0 + timedelta(seconds=30)).holder.exact
+    later = reader.horizon([snap("900", T0 + timedelta(seconds=40))], T0 + timedelta(seconds=45)).holder
+    assert (later.age_seconds, later.exact) == (3645.0, True)  # the transaction's start, proven
+    fresh = HealthReader().horizon([snap("900", T0 + timedelta(seconds=40))], T0 + timedelta(seconds=45)).holder
+    assert (fresh.age_seconds, fresh.exact) == (5.0, False)  # a first read: at least the statement
+
+
+def test_a_read_committed_transaction_is_aged_by_its_running_statement(health_pg, health_engine):
+    """On the server: a READ COMMITTED transaction open for seconds, caught in a statement that
+    began a second ago, holds back the horizon for about a second, not since its BEGIN."""
+    with psycopg.connect(health_pg, application_name="long-rc") as holder:
+        holder.execute("SELECT 1")  # BEGIN (psycopg opens the transaction), then idle: no snapshot held
+        pid = holder.info.backend_pid
+        time.sleep(4)
+        assert all(h.pid != pid for h in read(health_engine).horizon.holders)
+        sleeper = threading.Thread(target=lambda: holder.execute("SELECT pg_sleep(4)"))
+        sleeper.start()
+        try:
+            time.sleep(1.5)
+            consume_xids(health_pg)
+            h = held_by(read(health_engine), pid)
+            assert (h.kind, h.state, h.exact) == ("snapshot", "active", False)
+            assert 1.0 <= h.age_seconds < 3.5, h  # the statement's age; its transaction's is over 5 s
+        finally:
+            sleeper.join()
+        holder.rollback()
+
+
 # -- the tables ------------------------------------------------------------------------------------
 
 def test_tables_report_rows_size_and_vacuum_of_the_jobs_table_and_maintds_own(health_pg, health_engine):

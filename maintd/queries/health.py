@@ -24,7 +24,9 @@ maintd's, no lock, no transaction id): one round trip each, per database, per ``
 # ``xmin`` is the holder's oldest transaction id as text (an identity, not compared here),
 # ``age_xids`` how many ids were assigned since (``age()``: 0 while nothing newer was assigned),
 # ``since`` when the holder began where PostgreSQL says so (a backend's transaction start, a
-# prepared transaction's PREPARE, an inactive slot's ``inactive_since`` on PostgreSQL 17+); the
+# prepared transaction's PREPARE, an inactive slot's ``inactive_since`` on PostgreSQL 17+),
+# ``statement_start`` the running statement's start for a snapshot read mid-statement (READ
+# COMMITTED takes a snapshot per statement, so its transaction's start would overstate it); the
 # columns other roles' backends hide without pg_read_all_stats (state, client, start, query) are
 # NULL then. ``to_jsonb(s) ->> 'inactive_since'`` reads a column that PostgreSQL 15 lacks.
 HOLDERS = """
@@ -38,6 +40,8 @@ WITH backends AS (
          CASE WHEN elsewhere OR coalesce(age(a.backend_xid), -1) >= coalesce(age(a.backend_xmin), -1)
               THEN a.backend_xid ELSE a.backend_xmin END AS oldest,
          CASE WHEN r.pid IS NOT NULL THEN NULL ELSE a.xact_start END AS since,
+         CASE WHEN r.pid IS NULL AND a.backend_xid IS NULL AND a.state NOT LIKE 'idle%'
+              THEN a.query_start END AS statement_start,
          CASE WHEN elsewhere THEN 'in database ' || a.datname ELSE a.backend_type END AS detail,
          CASE WHEN :show_query THEN a.query END AS query
     FROM pg_stat_activity a
@@ -55,20 +59,21 @@ WITH backends AS (
    WHERE s.database IS NULL OR s.database = current_database()
 )
 SELECT kind, 'data' AS scope, pid, usename, application_name, client_addr, state,
-       CAST(oldest AS text) AS xmin, age(oldest) AS age_xids, since, NULL AS name, detail, query
+       CAST(oldest AS text) AS xmin, age(oldest) AS age_xids, since, statement_start, NULL AS name,
+       detail, query
   FROM backends
 UNION ALL
 SELECT 'prepared_transaction', 'data', NULL, CAST(owner AS text), NULL, NULL, NULL,
-       CAST(transaction AS text), age(transaction), prepared, gid,
+       CAST(transaction AS text), age(transaction), prepared, NULL, gid,
        CASE WHEN database <> current_database() THEN 'in database ' || database END, NULL
   FROM pg_prepared_xacts
 UNION ALL
 SELECT 'replication_slot', 'data', active_pid, usename, application_name, client_addr, state,
-       CAST(xmin AS text), age(xmin), inactive_since, slot_name, slot_type, NULL
+       CAST(xmin AS text), age(xmin), inactive_since, NULL, slot_name, slot_type, NULL
   FROM slots WHERE xmin IS NOT NULL
 UNION ALL
 SELECT 'replication_slot', 'catalog', active_pid, usename, application_name, client_addr, state,
-       CAST(catalog_xmin AS text), age(catalog_xmin), inactive_since, slot_name, slot_type, NULL
+       CAST(catalog_xmin AS text), age(catalog_xmin), inactive_since, NULL, slot_name, slot_type, NULL
   FROM slots WHERE catalog_xmin IS NOT NULL
 """
 
