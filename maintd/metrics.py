@@ -97,7 +97,7 @@ TABLE_BYTES = Family(Gauge, "maintd_table_bytes", "Size of a maintd table with i
                      "(partitions summed).", ("table",))
 LAST_VACUUM = Family(Gauge, "maintd_table_last_vacuum_timestamp_seconds", "Unix time of the last vacuum (auto "
                      "or manual) of a maintd table; for a partitioned one, of its least recently vacuumed "
-                     "partition that has dead rows; 0: never.", ("table",))
+                     "partition that owes one (dead rows past autovacuum's threshold), else the latest; 0: never.", ("table",))
 
 
 class Metrics:

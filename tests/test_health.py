@@ -507,7 +507,9 @@ def test_a_partitioned_jobs_table_is_summed_over_its_leaves_and_gets_the_autovac
                                                                                             health_engine):
     """The partitioned layout (SPEC 8.1): LIST (state) partitions, the final ones sub-partitioned
     by range. Rows and sizes are summed over the leaves; the last vacuum is the least recent of
-    the leaves that owe one; migrate's autovacuum settings go on the live jobs' leaf."""
+    the leaves that owe one (dead rows past autovacuum's threshold for them: a finished state's
+    leaf with a few dead rows, which autovacuum never visits, pinned it at "never" and fired
+    MaintdVacuumNotSeen on a healthy table); migrate's autovacuum settings go on the live jobs' leaf."""
     ddl = """
     CREATE SCHEMA parted;
     CREATE TABLE parted.jobs (id bigint, state text, finalized_at timestamptz) PARTITION BY LIST (state);
@@ -538,8 +540,20 @@ def test_a_partitioned_jobs_table_is_summed_over_its_leaves_and_gets_the_autovac
                                "jobs_done_2": None}
             conn.execute("VACUUM parted.jobs_live")
             conn.execute("SELECT pg_stat_force_next_flush()")
-            [jobs] = [t for t in read(health_engine, schemas=["parted"]).tables["parted"] if t.table == "jobs"]
-            assert jobs.last_vacuum is None  # the final partitions still owe theirs
+            vacuumed = conn.execute("SELECT extract(epoch FROM pg_stat_get_last_vacuum_time("
+                                    "'parted.jobs_live'::regclass))::float8").fetchone()[0]
+
+            def last_vacuum():
+                [jobs] = [t for t in read(health_engine, schemas=["parted"]).tables["parted"] if t.table == "jobs"]
+                return jobs.last_vacuum
+
+            # 5 and 2 dead rows in the final leaves, below PostgreSQL's threshold (50 + 0.2 x rows)
+            assert last_vacuum() == pytest.approx(vacuumed, abs=0.01)
+            conn.execute("ALTER TABLE parted.jobs_done_1 SET (autovacuum_vacuum_threshold = 4, "
+                         "autovacuum_vacuum_scale_factor = 0, autovacuum_enabled = false, fillfactor = 90)")
+            assert last_vacuum() is None  # 5 dead rows past its own threshold of 4: it owes one
+            conn.execute("ALTER TABLE parted.jobs_done_1 SET (autovacuum_vacuum_threshold = 5)")
+            assert last_vacuum() == pytest.approx(vacuumed, abs=0.01)  # not past 5
         finally:
             conn.execute("DROP SCHEMA parted CASCADE")
 

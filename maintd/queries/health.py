@@ -85,28 +85,49 @@ NOW = "SELECT now() AS now"
 # functions (the pg_stat_user_tables view computes every column of every table of the database).
 # Without :all_tables only the jobs tables are read. :sizes says whose sizes are read ('all',
 # 'jobs' or 'none'): a size is a stat() per file of the table and each of its indexes, most of
-# the read's cost, so the reader asks for the jobs tables' once a minute and the rest less often. The last vacuum of a partitioned table is that of its least recently vacuumed leaf
-# that has dead rows (where vacuum is owed), else of its most recently vacuumed leaf; -infinity:
-# never. ``writes``: rows inserted, updated and deleted since the statistics were reset (the
-# history's test of whether anything happened).
+# the read's cost, so the reader asks for the jobs tables' once a minute and the rest less often.
+# The last vacuum of a partitioned table is that of its least recently vacuumed leaf that owes one
+# (more dead rows than autovacuum's threshold for it: its storage parameters, else the server's
+# settings, as PostgreSQL's relation_needs_vacanalyze() computes it), else of its most recently
+# vacuumed leaf: a finished state's leaf with a few dead rows, which autovacuum leaves alone, does
+# not pin it. -infinity: never. The threshold is computed only for a leaf with dead rows: with
+# 2,020 leaves (20 schemas), none with dead rows, the read took 10.5 ms against 10.3 ms without it
+# (EXPLAIN ANALYZE, PostgreSQL 15); all with dead rows, 22 ms against 11. ``writes``: rows
+# inserted, updated and deleted since the statistics were reset (the history's test of whether
+# anything happened).
 TABLES = """
 SELECT n.nspname AS schema, t.relname AS "table",
        sum(l.live)::bigint AS live, sum(l.dead)::bigint AS dead, sum(l.writes)::bigint AS writes,
        sum(CASE WHEN CAST(:sizes AS text) = 'all' OR (CAST(:sizes AS text) = 'jobs' AND t.relname = 'jobs')
                 THEN pg_total_relation_size(l.relid) END)::bigint AS bytes,  -- (inside: called only then)
        extract(epoch FROM CASE
-         WHEN bool_or(l.dead > 0) THEN min(coalesce(l.vacuumed, '-infinity')) FILTER (WHERE l.dead > 0)
+         WHEN bool_or(l.dead > l.vacuum_after)
+         THEN min(coalesce(l.vacuumed, '-infinity')) FILTER (WHERE l.dead > l.vacuum_after)
          ELSE coalesce(max(l.vacuumed), '-infinity')
        END)::float8 AS last_vacuum
   FROM pg_class t
   JOIN pg_namespace n ON n.oid = t.relnamespace
+ CROSS JOIN (  -- the server's settings; autovacuum_vacuum_max_threshold is PostgreSQL 18's (-1: none)
+       SELECT current_setting('autovacuum_vacuum_threshold')::float8 AS threshold,
+              current_setting('autovacuum_vacuum_scale_factor')::float8 AS scale,
+              coalesce(current_setting('autovacuum_vacuum_max_threshold', true)::float8, -1) AS cap) g
  CROSS JOIN LATERAL (
        SELECT leaf.relid, pg_stat_get_live_tuples(leaf.relid) AS live,
               pg_stat_get_dead_tuples(leaf.relid) AS dead,
               pg_stat_get_tuples_inserted(leaf.relid) + pg_stat_get_tuples_updated(leaf.relid)
                 + pg_stat_get_tuples_deleted(leaf.relid) AS writes,
               greatest(pg_stat_get_last_vacuum_time(leaf.relid),
-                       pg_stat_get_last_autovacuum_time(leaf.relid)) AS vacuumed
+                       pg_stat_get_last_autovacuum_time(leaf.relid)) AS vacuumed,
+              CASE WHEN pg_stat_get_dead_tuples(leaf.relid) > 0 THEN (  -- autovacuum's threshold for it
+                SELECT least(coalesce(o.threshold, g.threshold) + coalesce(o.scale, g.scale) * greatest(c.reltuples, 0),
+                             coalesce(nullif(coalesce(o.cap, g.cap), -1), 'infinity'))
+                  FROM pg_class c
+                 CROSS JOIN LATERAL (  -- its storage parameters (none: NULLs)
+                       SELECT max(CAST(option_value AS float8)) FILTER (WHERE option_name = 'autovacuum_vacuum_threshold') AS threshold,
+                              max(CAST(option_value AS float8)) FILTER (WHERE option_name = 'autovacuum_vacuum_scale_factor') AS scale,
+                              max(CAST(option_value AS float8)) FILTER (WHERE option_name = 'autovacuum_vacuum_max_threshold') AS cap
+                         FROM pg_options_to_table(c.reloptions)) o
+                 WHERE c.oid = leaf.relid) END AS vacuum_after
          FROM (SELECT p.relid FROM pg_partition_tree(t.oid) p WHERE p.isleaf AND t.relkind = 'p'
                UNION ALL SELECT t.oid WHERE t.relkind = 'r') leaf) l
  WHERE n.nspname = ANY(CAST(:schemas AS text[]))
