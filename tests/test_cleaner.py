@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy import event
 from sqlalchemy.exc import OperationalError
 
+from maintd.clock import ServerClock
 from maintd.queries import for_queue, sql
 from maintd.metrics import Metrics
 from maintd.services.base import PassContext, PassStopped
@@ -80,6 +81,37 @@ def test_retention_edges_per_state(settings, engine, schema, clock, state, reten
     result = run(settings, engine, clock)
     assert result.deleted == {s: (1 if s == state else 0) for s in ("completed", "cancelled", "discarded")}
     assert remaining(engine, schema) == set(young + exact)
+    assert old[0] not in remaining(engine, schema)
+
+
+class SteppedBack(ServerClock):
+    """The server's clock, read just before it stepped back 60 s (an NTP step): that reading,
+    carried forward on the host's monotonic clock, runs 60 s ahead of the server's until the next
+    read (up to 30 s later)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step = timedelta(seconds=60)
+
+    def sync(self, conn) -> None:
+        super().sync(conn)
+        server, mono = self._reading
+        self._reading, self.step = (server + self.step, mono), timedelta(0)
+
+
+def test_a_reading_ahead_of_the_servers_clock_never_deletes_a_job_within_its_retention(settings, engine, schema):
+    """The workers write finalized_at by the server's clock. A pass that used the carried reading
+    deleted a job 30 s before its 24 h were up, after a 60 s step back of the server's clock: the
+    cleaner reads the server's time at the start of each pass."""
+    clock = SteppedBack()
+    with engine.connect() as conn:
+        clock.sync(conn)  # the reading before the step
+        server_now = conn.execute(sql("SELECT statement_timestamp()", schema)).scalar()
+    young = insert(engine, schema, state="completed", finalized_ago=timedelta(hours=24) - 30 * SECOND, now=server_now)
+    old = insert(engine, schema, state="completed", finalized_ago=timedelta(hours=24) + 30 * SECOND, now=server_now)
+    assert clock.now() - server_now > 50 * SECOND  # ahead, and not due for a read
+    result = run(settings, engine, clock)
+    assert result.deleted["completed"] == 1 and remaining(engine, schema) == set(young)
     assert old[0] not in remaining(engine, schema)
 
 

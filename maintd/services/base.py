@@ -174,10 +174,11 @@ class PassContext:
             self.statements = Statements(self.schema)
         return self.statements.sql(template)
 
-    def now(self) -> datetime:
+    def now(self, fresh: bool = False) -> datetime:
         """The server's time (a test's frozen time), read again on this pass's connection when the
-        last reading is old."""
-        if getattr(self.clock, "due", False):
+        last reading is old, or (``fresh``) now: a reading carried forward runs ahead of the
+        server's clock for up to 30 s after that clock steps back, which a retention must not."""
+        if getattr(self.clock, "due", False) or (fresh and hasattr(self.clock, "sync")):
             outside = self.query.stalled_for() == 0.0
             with self.query.timing() if outside else nullcontext(), self._checkout() as conn:
                 self.clock.sync(conn)  # type: ignore[attr-defined]  (in a transaction: that one's connection)

@@ -282,7 +282,7 @@ class Cleaner(Service):
         return min(self._batch, self.config.batch_size)
 
     def run_once(self, ctx: PassContext) -> CleanerResult:
-        now = ctx.now()
+        now = ctx.now(fresh=True)  # the horizons: never past the server's clock
         result = CleanerResult(dry_run=ctx.dry_run)
         targets = self._targets(ctx)
         if ctx.dry_run:

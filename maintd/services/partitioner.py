@@ -147,7 +147,7 @@ class Partitioner(Service):
                 return self._plain(result)
             states = {r.state: r for r in conn.execute(ctx.sql(q.LAYOUT))}
             detached = conn.execute(text(q.DETACHED), {"schema": ctx.schema, "marker": DETACHED_COMMENT}).scalar()
-        now = ctx.now()
+        now = ctx.now(fresh=True)  # what is dropped: never past the server's clock
         make_until = now + self.config.partitions.premake * self.config.partitions.interval
         for state in FINAL_STATES:
             row = states[state]
