@@ -362,9 +362,23 @@ def _load_crontab(path: str, taken: set[str]) -> list[CrontabJob]:
     return jobs
 
 
+# What libpq's parse errors mean, in words of ours: its messages quote the text at fault, which
+# may be (part of) the password.
+DSN_PROBLEMS = (  # the first whose key is in libpq's message
+    ("forbidden value %00", "a %00 in the URL"),
+    ("unexpected spaces", "a space in the URL: write it as %20"),
+    ("query parameter", "a query parameter that is not key=value: write '&' in a password as %26"),
+    ("percent-encoded", "a '%' not followed by two hex digits: write '%' in a password as %25"),
+    ('missing "="', "a value with a space in a key=value string: quote it, as in password='a b'"),
+    ("unterminated quoted string", "a quoted value without its closing quote"),
+    ("invalid connection option", "an unknown connection option"),
+)
+
+
 def check_dsn(v: SecretStr) -> SecretStr:
     """A database_url libpq can parse (``postgresql://`` URL or ``key=value`` string) with numeric
-    ports; the problem never quotes the URL (it holds the password)."""
+    ports and hosts without '@'. The problem never quotes the URL or libpq's message (both may
+    hold the password, or part of it)."""
     import psycopg.conninfo
 
     raw = v.get_secret_value()
@@ -375,11 +389,16 @@ def check_dsn(v: SecretStr) -> SecretStr:
     try:
         params = psycopg.conninfo.conninfo_to_dict(re.sub(r"^postgres(ql)?\+psycopg2?://", "postgresql://", raw))
     except psycopg.ProgrammingError as exc:
-        reason = re.sub(r'"[^"]*(://|@)[^"]*"', "the URL", str(exc).strip().splitlines()[0])
+        reason = next((why for key, why in DSN_PROBLEMS if key in str(exc)), "libpq cannot parse it")
         raise ValueError(f"not a postgresql:// URL or libpq key=value string ({reason})") from None
+    if any("@" in host for host in str(params.get("host") or "").split(",")):
+        raise ValueError("a host name with '@': write '@' in a user name or password as %40")
+    secret = "@" in raw or "password" in raw.lower()
     for port in str(params.get("port") or "").split(","):
         if port and not (port.isdigit() and 1 <= int(port) <= 65535):
-            raise ValueError(f"port {port!r} is not a number from 1 to 65535")
+            shown = "a port" if secret else f"port {port!r}"  # from a password cut at a '/'?
+            raise ValueError(f"{shown} is not a number from 1 to 65535"
+                             + (" (write '/', '?' or '#' in a password as %2F, %3F, %23)" if secret else ""))
     return v
 
 

@@ -267,6 +267,10 @@ def test_every_problem_is_reported_one_per_line(tmp_path, monkeypatch):
     ('error="connection to postgresql://u:pw@h/d failed" dsn=host=h password=pw',
      'error="connection to postgresql://u:***@h/d failed" dsn=host=h password=***'),
     ("host=db passwordfile=none old_password=x", "host=db passwordfile=none old_password=x"),
+    # A password with an '@' or a '/' not percent-encoded (refused by check_dsn, but masked wherever
+    # such a URL shows up): up to the last '@' of the URL, not the first.
+    ("postgresql://daemon:D4em@nPw@127.0.0.1:5432/app", "postgresql://daemon:***@127.0.0.1:5432/app"),
+    ("dsn=postgresql://u:Pa/ss@h/db next", "dsn=postgresql://u:***@h/db next"),
 ])
 def test_redact_dsn(dsn, shown):
     assert redact_dsn(dsn) == shown

@@ -129,6 +129,27 @@ def test_a_malformed_database_url_is_a_config_error(monkeypatch):
             assert rc == 2 and "database_url" in err and "hunter2" not in err, (url, argv, err)
 
 
+@pytest.mark.parametrize("url,hint", [
+    # libpq's parse errors quote the text at fault: here, all or part of the password
+    ("postgresql://u:Pa%zzssw0rdX@h/db", "%25"),
+    ("postgresql://u:Pa%00ssw0rdX@h/db", "%00"),
+    ("postgresql://u:Pass w0rdX@h/db", "%20"),
+    ("host=h user=u password=Pass w0rdX dbname=d", "quote it"),
+    ("postgresql://u@h/db?password=Pa&ssw0rdX", "%26"),
+    ("postgresql://u:Pa/ssw0rdX@h/db", "%2F"),  # 'Pa' read as the port
+    ("postgresql://u:D4em@nPw_ssw0rdX@127.0.0.1:5432/db", "%40"),  # 'nPw_ssw0rdX@127.0.0.1' read as the host
+])
+def test_a_malformed_database_url_never_shows_any_part_of_its_password(monkeypatch, url, hint):
+    """Malformed URLs whose password libpq's message (or ours) quoted, whole or in part; one with
+    an '@' in its password was taken as a host name, shown in every retry's log line, in /status
+    and on the dashboard, and retried forever as an outage."""
+    monkeypatch.setenv("MAINTD_DATABASE_URL", url)
+    for argv in (("check-config",), ("status",), ("run",)):
+        rc, out, err = _cli(*argv)
+        assert rc == 2 and "database_url" in err and hint in err, (argv, err)
+        assert "w0rdX" not in out + err and "Pa" not in (out + err).replace("Path", ""), (argv, out, err)
+
+
 def test_an_unmigrated_schema_says_run_migrate_first_everywhere(pg_dsn, tmp_path):
     cfg = _config(tmp_path, pg_dsn, f"t_{uuid.uuid4().hex[:12]}")  # no such schema
     for argv in (("jobs", "list"), ("jobs", "show", "1"), ("jobs", "retry", "1"), ("status",),
