@@ -1,6 +1,8 @@
 """``maintd migrate --convert partitioned``: a live plain ``jobs`` table becomes the partitioned
 layout (SPEC 8.1) while workers and the daemon keep running. Run by the schema's owner.
 
+0. *Refuse* what the swap would leave on the plain table: views, rules, foreign keys, triggers,
+   indexes and policies of the user's, publications (checked again under the swap's lock).
 1. *Prepare* (once): ``jobs_conv``, partitioned like a new table (maintd/partitions.py), its index
    names suffixed ``_conv``; ``jobs_convert_seen`` (ids already in ``jobs_conv``); a progress row;
    and a trigger on ``jobs`` that repeats every insert, update and delete in ``jobs_conv`` (in the
@@ -20,7 +22,7 @@ layout (SPEC 8.1) while workers and the daemon keep running. Run by the schema's
    comments and grants. Statements of workers and of the daemon name ``jobs``: their next
    execution plans against the new table.
 4. *Clean up*: the trigger went with the swap; ``jobs_plain``, the seen ids and the progress row
-   are dropped.
+   are dropped; the live partition gets migrate's autovacuum settings.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Callable
 from sqlalchemy import Connection, TextClause, text
 from sqlalchemy.exc import OperationalError
 
-from . import partitions
+from . import migrate, partitions
 from .identifiers import quote_ident
 from .migrate import Layout
 from .queries import FINAL_STATES_SQL, LIVE_STATES_SQL, catalog, render, sql
@@ -67,6 +69,7 @@ def convert(conn: Connection, schema: str, layout: Layout, say: Callable[[str], 
         conn.commit()
         say(f"schema {schema}: jobs is partitioned already; nothing to do")
         return "already"
+    _refuse_what_is_not_carried(conn, schema)
     progress = _prepare(conn, schema, layout, say)
     for phase, states in PHASES:
         if _phase_index(progress.phase) > _phase_index(phase):
@@ -78,6 +81,21 @@ def convert(conn: Connection, schema: str, layout: Layout, say: Callable[[str], 
     _clean_up(conn, schema)
     say(f"schema {schema}: jobs is partitioned; set layout = \"partitioned\" so the leader keeps its partitions")
     return "done"
+
+
+def _refuse_what_is_not_carried(conn: Connection, schema: str) -> None:
+    """Raise ConvertError naming what depends on the plain table and would stay with it: a view
+    would go on reading the old copy, a foreign key would refuse the workers' inserts, and the
+    clean-up would fail on them, or drop an index or a trigger of the user's with it."""
+    own = ["jobs_pkey", *partitions.LIVE_INDEXES, partitions.UNIQUE_KEY_INDEX[0], *partitions.FINAL_INDEXES]
+    found = conn.execute(text(q.NOT_CARRIED), {"t": f"{quote_ident(schema)}.jobs", "own": own}).all()
+    if found:
+        conn.rollback()
+        raise ConvertError(
+            f"schema {schema}: the conversion cannot carry these over to the partitioned table: "
+            + ", ".join(f"{kind} {name}" for kind, name in found)
+            + ". Drop them, run the command again, then create them again on the new table (a foreign "
+            "key to jobs cannot be: the partitioned table's ids are unique per partition only)")
 
 
 def _phase_index(phase: str) -> int:
@@ -171,6 +189,7 @@ def _swap(conn: Connection, schema: str, say: Callable[[str], None]) -> float:
             time.sleep(0.05)
             continue
         locked = time.monotonic()
+        _refuse_what_is_not_carried(conn, schema)  # made since the start? (rolls the lock back)
         _swap_locked(conn, schema, functions, acl)
         conn.commit()
         held = time.monotonic() - locked
@@ -217,6 +236,9 @@ def _literal(s: str) -> str:
 
 
 def _clean_up(conn: Connection, schema: str) -> None:
+    """Step 4; and the new live partition gets migrate's autovacuum settings (a later ``maintd
+    migrate`` has nothing to do)."""
     for template in q.CLEAN_UP:
         conn.execute(sql(template, schema))
+    conn.execute(text(migrate.jobs_autovacuum_sql(schema)))
     conn.commit()

@@ -211,3 +211,61 @@ def test_the_cli_converts_and_the_admin_functions_follow(engine, pg_dsn, schema,
     again = subprocess.run([sys.executable, "-m", "maintd", "--config", str(cfg), "migrate", "--convert", "partitioned"],
                            capture_output=True, text=True, timeout=120, env={**env, "MAINTD_DATABASE_URL": pg_dsn})
     assert again.returncode == 0 and "partitioned already" in again.stdout
+
+
+def test_what_the_swap_cannot_carry_is_refused_before_anything_is_made_and_at_the_swap(engine, pg_dsn, schema):
+    """A view, a foreign key to jobs, an index or a trigger of the user's would stay on the plain
+    table at the swap: the view went on reading the stale copy, the workers' inserts into a table
+    with a foreign key to jobs failed, and the clean-up failed on every run after, leaving the copy
+    behind. They are named before anything is made, and again under the swap's lock (one made
+    while the rows were copied); the plain table stays in use, and the conversion resumes once
+    they are gone. The live partition gets migrate's autovacuum settings."""
+    seed(engine, schema, final=300, live=100)
+    user_objects = [
+        f"CREATE VIEW {schema}.job_report AS SELECT state, count(*) FROM {schema}.jobs GROUP BY state",
+        f"CREATE TABLE {schema}.results (job_id bigint REFERENCES {schema}.jobs (id) ON DELETE CASCADE)",
+        f"CREATE INDEX jobs_kind_idx ON {schema}.jobs (kind)",
+        f"CREATE FUNCTION {schema}.audit() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN RETURN NEW; END$$",
+        f"CREATE TRIGGER audit AFTER UPDATE ON {schema}.jobs FOR EACH ROW EXECUTE FUNCTION {schema}.audit()",
+    ]
+    with engine.begin() as conn:
+        for statement in user_objects:
+            conn.execute(text(statement))
+    owner = make_engine(pg_dsn, application_name="convert", pooled=False)
+    try:
+        with owner.connect() as conn, pytest.raises(convert.ConvertError) as refused:
+            convert.convert(conn, schema, LAYOUT, say=lambda _: None)
+        message = str(refused.value)
+        for named in (f"view {schema}.job_report", f"foreign key results_job_id_fkey of {schema}.results",
+                      "index jobs_kind_idx", "trigger audit"):
+            assert named in message, message
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT to_regclass(:t)"), {"t": f"{schema}.jobs_conv"}).scalar() is None
+        with engine.begin() as conn:
+            for name in ("VIEW {schema}.job_report", "TABLE {schema}.results", "INDEX {schema}.jobs_kind_idx",
+                         "TRIGGER audit ON {schema}.jobs"):
+                conn.execute(text(f"DROP {name.format(schema=schema)}"))
+        batches = []
+        with owner.connect() as conn:  # a view made while the rows are copied: refused at the swap
+            stop_after = lambda: (batches.append(1), len(batches) > 1)[1]
+            assert convert.convert(conn, schema, LAYOUT, say=lambda _: None, stop=stop_after) == "stopped"
+        with engine.begin() as conn:
+            conn.execute(text(user_objects[0]))
+        with owner.connect() as conn, pytest.raises(convert.ConvertError, match="view"):
+            convert.convert(conn, schema, LAYOUT, say=lambda _: None)
+        with engine.begin() as conn:
+            assert conn.execute(sql("SELECT relkind FROM pg_class WHERE oid = '{schema}.jobs'::regclass",
+                                    schema)).scalar() == "r"  # still the plain table, in use
+            new = JobQueue(schema).enqueue(conn, "meanwhile", queue="q")
+            conn.execute(text(f"DROP VIEW {schema}.job_report"))
+        with owner.connect() as conn:
+            assert convert.convert(conn, schema, LAYOUT, say=lambda _: None) == "done"
+        with engine.connect() as conn:
+            assert conn.execute(sql("SELECT count(*) FROM {schema}.jobs", schema)).scalar() == 402
+            assert conn.execute(sql("SELECT kind FROM {schema}.jobs WHERE id = :id", schema), {"id": new}).scalar() \
+                == "meanwhile"
+            options = conn.execute(sql("SELECT reloptions FROM pg_class WHERE relnamespace = "
+                                       "to_regnamespace(:s) AND relname = 'jobs_live'", schema), {"s": schema}).scalar()
+        assert sorted(options) == sorted(f"{k}={v}" for k, v in migrate.JOBS_AUTOVACUUM.items())
+    finally:
+        owner.dispose()

@@ -2,6 +2,35 @@
 schema's owner. ``{schema}`` is the quoted schema; other braces (``{states}``, ``{old}``,
 ``{signature}``, ...) are quoted identifiers, SQL lists or numbers the conversion fills in."""
 
+# Before step 1, and again under the swap's lock: what depends on the plain table that the swap
+# would leave on it (dropped with it at the clean-up, or failing it): views and rules, foreign
+# keys to or from it, triggers, indexes and policies of the user's, publications naming it.
+# (:t is the table, :own its indexes that maintd made; functions typed by its row are carried.)
+NOT_CARRIED = """
+SELECT 'view' AS kind, CAST(CAST(r.ev_class AS regclass) AS text) AS name
+  FROM pg_depend AS d JOIN pg_rewrite AS r ON r.oid = d.objid
+ WHERE d.classid = CAST('pg_rewrite' AS regclass) AND d.refclassid = CAST('pg_class' AS regclass)
+   AND d.refobjid = to_regclass(:t) AND r.ev_class <> to_regclass(:t)
+UNION
+SELECT 'rule', r.rulename FROM pg_rewrite AS r WHERE r.ev_class = to_regclass(:t)
+UNION
+SELECT 'foreign key', c.conname || ' of ' || CAST(CAST(c.conrelid AS regclass) AS text)
+  FROM pg_constraint AS c
+ WHERE c.contype = 'f' AND to_regclass(:t) IN (c.conrelid, c.confrelid)
+UNION
+SELECT 'trigger', t.tgname FROM pg_trigger AS t
+ WHERE t.tgrelid = to_regclass(:t) AND NOT t.tgisinternal AND t.tgname <> 'jobs_convert_sync'
+UNION
+SELECT 'index', i.relname FROM pg_index AS x JOIN pg_class AS i ON i.oid = x.indexrelid
+ WHERE x.indrelid = to_regclass(:t) AND i.relname <> ALL(CAST(:own AS text[]))
+UNION
+SELECT 'policy', p.polname FROM pg_policy AS p WHERE p.polrelid = to_regclass(:t)
+UNION
+SELECT 'publication', b.pubname FROM pg_publication_rel AS pr JOIN pg_publication AS b ON b.oid = pr.prpubid
+ WHERE pr.prrelid = to_regclass(:t)
+ORDER BY 1, 2
+"""
+
 # Step 1, prepare.
 CREATE_CONV = """
 CREATE TABLE {schema}.jobs_conv (LIKE {schema}.jobs INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING IDENTITY)
