@@ -19,6 +19,7 @@ import unicodedata
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Any
 from datetime import datetime, timezone
 
 MAX_VALUE = 1000  # characters of one field value (or a message) written
@@ -94,6 +95,19 @@ def escape(s: str) -> str:
     if s.isprintable():
         return s
     return "".join(c if c in "\\\"" else _escape_char(c) for c in s)
+
+
+def escaped(value: Any) -> Any:
+    """``value`` with every string in it (in dicts, lists and tuples too) passed through
+    :func:`escape`: for text output made of what the database holds (a queue name, a schedule,
+    an error), where a newline or a terminal escape written by a worker would forge or hide lines."""
+    if isinstance(value, str):
+        return escape(value)
+    if isinstance(value, dict):
+        return {k: escaped(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(escaped(v) for v in value)
+    return value
 
 
 def clip(v: object) -> object:

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from sqlalchemy import Engine
 
 from .config import PeriodicJob, Settings
+from .logs import escaped
 from .queries import catalog, periodic_jobs, periodic_slots, sql
 from .schedules import parse_schedule
 from .services.periodic_rows import row_problem
@@ -79,7 +80,7 @@ def format_entries(entries: list[dict[str, Any]]) -> str:
     if not entries:
         return "no periodic entries"
     lines = [f"{'ID':<24} {'ORIGIN':<7} {'SCHEDULE':<18} {'ENABLED':<7} {'LAST SLOT':<25} NEXT SLOT"]
-    for e in entries:
+    for e in escaped(entries):  # rows anyone with INSERT on periodic_jobs wrote
         last = e["last_slot"].isoformat() if e["last_slot"] else "-"
         nxt = e["next_slot"].isoformat() if e["next_slot"] else "-"
         lines.append(f"{e['id']:<24} {e['origin']:<7} {e['schedule']:<18} {str(e['enabled']).lower():<7} "

@@ -20,6 +20,7 @@ from .db import advisory_key, describe_db_error
 from .health import elsewhere
 from .identifiers import qualified
 from .layout_status import format_layout, layout_summary
+from .logs import escaped
 from .metrics import JobCounts, bounded_jobs, bounded_result, job_counts, oldest_available
 from .pass_summary import annotate, describe, seconds
 from .queries import catalog, daemons, leader, service_runs, sql
@@ -120,6 +121,7 @@ def leader_figures(counts: JobCounts | None, *, leading: bool) -> dict[str, Any]
 
 
 def format_status(st: dict[str, Any]) -> str:
+    st = escaped(st)  # queue names, errors, application names: written by anyone who can enqueue
     lines = [f"schema: {st['schema']}"]
     lead = st["leader"]
     if lead:

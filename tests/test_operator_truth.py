@@ -244,3 +244,25 @@ def test_the_walkthrough_was_made_with_the_schema_head_of_this_version():
     walk = (Path(__file__).resolve().parent.parent / "docs" / "walkthrough.md").read_text()
     shown = set(re.findall(r"at revision (\w+) \(head\)", walk)) | set(re.findall(r"migrated from base to (\w+)", walk))
     assert shown == {head_revision()}, f"docs/walkthrough.md shows {shown}: run docs/walkthrough.sh again"
+
+
+def test_status_and_periodic_list_escape_what_workers_wrote(pg_dsn, schema, tmp_path, engine):
+    """Anyone who can enqueue a job chooses its queue; anyone with INSERT on periodic_jobs a
+    schedule: with a newline, `maintd status` printed lines of the job's making ("leader: ...")
+    among the true ones, and a terminal escape cleared the screen."""
+    cfg = _config(tmp_path, pg_dsn, schema)
+    forged = "x\nleader: mallory (host evil)\n  services: all fine"
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue) VALUES ('k', :forged), ('k', :esc)", schema),
+                     {"forged": forged, "esc": "q\x1b[2Jclear"})
+        conn.execute(sql("INSERT INTO {schema}.periodic_jobs (id, schedule, kind) VALUES "
+                         "('p\x1b[31m', :schedule, 'k')", schema), {"schedule": "* * * * *\x1b[2J\nFAKE: ok"})
+    rc, out, err = _cli("--config", cfg, "status")
+    assert rc == 0, err
+    assert "leader: mallory (host evil)" not in out.splitlines() and "  services: all fine" not in out.splitlines()
+    assert "x\\nleader: mallory (host evil)\\n  services: all fine" in out and "q\\x1b[2Jclear" in out
+    assert "\x1b" not in out
+    rc, out, err = _cli("--config", cfg, "periodic", "list")
+    assert rc == 0, err
+    assert "\x1b" not in out and "FAKE: ok" not in [line.strip() for line in out.splitlines()]
+    assert "p\\x1b[31m" in out and "* * * * *\\x1b[2J\\nFAKE: ok" in out, out
