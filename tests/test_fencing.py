@@ -105,7 +105,7 @@ NOT_MAINTENANCE: dict[str, str] = {
                  "DROP FUNCTION IF EXISTS {}.{}", "REVOKE EXECUTE ON FUNCTION {}.{} FROM PUBLIC")},
     "grants.py: GRANT EXECUTE ON FUNCTION {}.{} TO {};": "`maintd grants` (the owner role)",
     **{f"partitions.{n}": "reads of the partition functions (no change: they only list partitions)"
-       for n in ("LAYOUT", "LOW_CATCH_ALLS", "EXPIRED", "SUMMARY")},
+       for n in ("LAYOUT", "WIDE_PARTITIONS_END", "EXPIRED", "SUMMARY")},
 }
 CONVERT = "`maintd migrate --convert partitioned` (the owner role, a one-off conversion)"
 NOT_MAINTENANCE.update({f"convert.{name}": CONVERT for name in (

@@ -276,6 +276,25 @@ def test_a_burst_past_premake_closes_the_catch_all_and_moves_what_lies_beyond(en
     assert where(engine, schema)[fresh[0]].startswith(f"{schema}.jobs_completed_p")
 
 
+def test_after_an_outage_longer_than_premake_expired_rows_go_within_a_step(engine, schema):
+    """No leader for two days: the high catch-all, closed into one partition of the outage's
+    range, held its rows until all of them were past the retention, expired ones up to two days
+    past it (README: rows live up to one step past their retention). The cleaner's DELETE takes
+    the expired rows of a partition wider than a step, as it does the low catch-all's."""
+    now = server_now(engine)
+    restart(engine, schema, "completed", now - 48 * HOUR)
+    rows = {k: insert_final(engine, schema, "completed", now - timedelta(hours=k, minutes=30), n=5)
+            for k in range(47)}
+    assert run(partitioner(), engine, schema, now=now).closed == 1
+    wide = partitions(engine, schema)[1]
+    assert wide[2] - wide[1] > 40 * HOUR  # the outage's range, in one partition
+    result = run(Cleaner(CleanerConfig()), engine, schema, now=now)  # completed: 24 h
+    left = set(where(engine, schema))
+    assert result.deleted["completed"] == 5 * 23  # finalized 24h30m to 46h30m ago
+    assert all(set(rows[k]) <= left for k in range(24)) and left.isdisjoint(rows[24] + rows[46])
+    assert run(Cleaner(CleanerConfig()), engine, schema, now=now).deleted["completed"] == 0
+
+
 # -- retention by dropping partitions --------------------------------------------------------------
 
 def test_partitions_past_retention_are_dropped_and_counted(engine, schema):

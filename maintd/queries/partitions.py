@@ -16,12 +16,17 @@ SELECT b.state, b.partitions, b.low_end, b.high_start, c.low_rows, c.high_rows, 
   JOIN {schema}.catch_all_rows() AS c ON c.state = b.state
 """
 
-# Where each final state's low catch-all ends (its rows are strays finalized before every partition).
-LOW_CATCH_ALLS = """
-SELECT s.state, p.range_end
-  FROM unnest(CAST(ARRAY['completed', 'cancelled', 'discarded'] AS text[])) AS s(state)
- CROSS JOIN LATERAL {schema}.job_partitions(s.state) AS p
- WHERE p.range_start IS NULL
+# Per final state, the end of the last partition whose rows the cleaner's DELETE removes rather
+# than a drop: the low catch-all (strays finalized before every partition) and any partition
+# wider than the narrowest (a high catch-all closed after an outage longer than premake: its rows
+# span the outage, and it is dropped only once all of them are past the retention).
+WIDE_PARTITIONS_END = """
+SELECT w.state, max(w.range_end) FILTER (WHERE w.range_start IS NULL OR w.range_end - w.range_start > w.step)
+  FROM (SELECT s.state, p.range_start, p.range_end,
+               min(p.range_end - p.range_start) OVER (PARTITION BY s.state) AS step
+          FROM unnest(CAST(ARRAY['completed', 'cancelled', 'discarded'] AS text[])) AS s(state)
+         CROSS JOIN LATERAL {schema}.job_partitions(s.state) AS p) AS w
+ GROUP BY w.state
 """
 
 # Tables maintain_partitions detached that wait for drop_detached_partitions.

@@ -167,8 +167,8 @@ class Target:
     retention: timedelta
     queue: str | None  # None: every queue except ``excluded``
     excluded: tuple[str, ...]
-    # The partitioned layout's drops handle this target's rows (SPEC 8.1) but for the low
-    # catch-all's strays (rows finalized before ``until``): only those are left to the DELETE.
+    # The partitioned layout's drops handle this target's rows (SPEC 8.1) but for those finalized
+    # before ``until`` (the low catch-all's, a wide partition's): only those are left to the DELETE.
     until: datetime | None = None
 
     def horizon(self, now: datetime) -> datetime:
@@ -319,16 +319,17 @@ class Cleaner(Service):
         """This pass's targets. On the partitioned layout the partitioner drops whole partitions
         past the longest retention of their state (SPEC 8.1): the targets of queues with a shorter
         one are left to the batched DELETE, and of the others only the expired rows of the low
-        catch-all (strays finalized before every partition: an import, a clock behind), which
-        would otherwise wait for the catch-all's own range to pass the retention."""
+        catch-all (strays finalized before every partition: an import, a clock behind) and of
+        partitions wider than a step (a high catch-all closed after an outage), which would
+        otherwise wait for the whole range to pass the retention."""
         targets = self.targets()
         if ctx.layout != "partitioned":
             return targets
         with ctx.read() as conn:
             if not conn.execute(text(catalog.JOBS_PARTITIONED), {"schema": ctx.schema}).scalar():
                 return targets
-            low_end = dict(conn.execute(ctx.sql(partitions.LOW_CATCH_ALLS)).all())
-        return [t if t.retention != self.config.longest_retention(t.state) else replace(t, until=low_end[t.state])
+            until = dict(conn.execute(ctx.sql(partitions.WIDE_PARTITIONS_END)).all())
+        return [t if t.retention != self.config.longest_retention(t.state) else replace(t, until=until[t.state])
                 for t in targets]
 
     def _count(self, ctx: PassContext, now: datetime, result: CleanerResult,
