@@ -264,3 +264,36 @@ def test_dashboard_and_status_show_rows_and_config_entries_by_origin(pg_dsn, sch
     assert shown["broken"]["error"] == "schedule: bad"
     listed = {e["id"]: e["origin"] for e in list_entries(engine, settings)}  # /status's "periodic"
     assert listed == {"from-config": "config", "from-table": "table", "broken": "table"}
+
+
+def test_the_metric_series_of_a_deleted_row_go_with_it(settings, engine, schema):
+    """An application that makes a row per customer and deletes it: each id kept its
+    maintd_periodic_enqueued_total and _skipped_total series until a restart, 400 after 200 rows
+    made and deleted twice. The series of an id gone from the entries go at the next pass."""
+    from maintd.metrics import Metrics
+    from maintd.services.periodic import ENQUEUED, SKIPPED
+
+    metrics, service, clock = Metrics(target="t"), PeriodicEnqueuer([]), FrozenClock(T0)
+
+    def series() -> set:
+        return {s.labels["periodic_id"] for m in metrics.registry.collect() for s in m.samples
+                if s.name in ("maintd_periodic_enqueued_total", "maintd_periodic_skipped_total")}
+
+    for batch in ("a", "b"):
+        for i in range(20):
+            add_row(engine, schema, f"rot_{batch}{i}", run_on_start=True, enabled=i % 2 == 0)
+        changed_at(engine, schema, T0)
+        service.observe(metrics, one_pass(settings, engine, clock, service))
+        assert series() == {f"rot_{batch}{i}" for i in range(20)}  # enqueued (even) or skipped (odd)
+        execute(engine, schema, "DELETE FROM {schema}.periodic_jobs")
+        clock.advance(1)
+        service.poke()
+        service.observe(metrics, one_pass(settings, engine, clock, service))
+        assert series() == set()
+    add_row(engine, schema, "kept", run_on_start=True)
+    changed_at(engine, schema, T0)
+    service.observe(metrics, one_pass(settings, engine, clock, service))
+    clock.advance(1)
+    service.observe(metrics, one_pass(settings, engine, clock, service))
+    assert series() == {"kept"} and metrics[ENQUEUED].labels("kept")._value.get() == 2
+    assert metrics[SKIPPED].children() == []

@@ -51,6 +51,7 @@ PRUNE_EVERY = timedelta(hours=1)
 ROWS_EVERY = timedelta(minutes=10)
 KEEP_HISTORY = timedelta(days=7)
 ENQUEUED = Family(Counter, "maintd_periodic_enqueued", "Periodic jobs enqueued.", ("periodic_id",))
+SKIP_REASONS = ("duplicate", "disabled", "outside_backfill", "error")
 SKIPPED = Family(Counter, "maintd_periodic_skipped", "Periodic slots not enqueued (reason: duplicate, disabled, "
                  "outside_backfill, error).", ("periodic_id", "reason"))
 
@@ -102,6 +103,8 @@ class PeriodicEnqueuer(Service):
         self._disabled_seen: dict[str, datetime] = {}
         self._last_prune: datetime | None = None
         self._quiet_until: datetime | None = None
+        self._ids: set[str] = set()  # the ids of the last pass's entries and rows
+        self._labelled: set[str] = set()  # the ids this service's metric series carry
 
     def enabled(self) -> bool:
         return True
@@ -146,6 +149,7 @@ class PeriodicEnqueuer(Service):
         now = ctx.now()
         result = PeriodicResult(dry_run=ctx.dry_run)
         entries = self.entries(ctx, result)
+        self._ids = {e.job.id for e in entries} | set(result.invalid_rows)
         try:
             self._run_entries(ctx, entries, now, result)
         except BaseException:
@@ -269,8 +273,17 @@ class PeriodicEnqueuer(Service):
             conn.execute(ctx.sql(periodic_slots.PRUNE), {"before": now - max(KEEP_HISTORY, longest * 2)})
 
     def observe(self, metrics, result: PeriodicResult) -> None:
+        """Count the pass; the series of ids gone (a row deleted, an entry removed) go too: an
+        application that makes a row per customer and deletes it would grow them without bound."""
+        for pid in self._labelled - self._ids:
+            metrics[ENQUEUED].remove(pid)
+            for reason in SKIP_REASONS:
+                metrics[SKIPPED].remove(pid, reason)
+        self._labelled &= self._ids
         for e in result.enqueued:
             metrics[ENQUEUED].labels(e["periodic_id"]).inc()
+            self._labelled.add(e["periodic_id"])
         for pid, reasons in result.skipped.items():
             for reason, n in reasons.items():
                 metrics[SKIPPED].labels(pid, reason).inc(n)
+            self._labelled.add(pid)
