@@ -316,10 +316,22 @@ class Order:
         if len(parts) != len(self.columns):
             raise HttpError(400, f"invalid 'after' cursor {cursor!r}: use the page's own links")
         try:
-            return {f"k{i}": (datetime.fromisoformat(v) if t == "timestamptz" else int(v))
+            return {f"k{i}": (datetime.fromisoformat(v) if t == "timestamptz" else _in_range(int(v), t))
                     for i, ((_, t), v) in enumerate(zip(self.columns, parts))}
         except ValueError:
             raise HttpError(400, f"invalid 'after' cursor {cursor!r}: use the page's own links") from None
+
+
+INT_BITS = {"smallint": 16, "bigint": 64}
+
+
+def _in_range(n: int, sql_type: str) -> int:
+    """``n`` if the column's type holds it (else the database's error made a client's bad cursor
+    a 503), else ValueError."""
+    half = 1 << (INT_BITS[sql_type] - 1)
+    if not -half <= n < half:
+        raise ValueError(f"{n} is out of range for {sql_type}")
+    return n
 
 
 _FINAL_ORDER = Order((("finalized_at", "timestamptz"), ("id", "bigint")), True)
@@ -476,7 +488,7 @@ class Links:
 
     def __call__(self, path: str, **params: Any) -> str:
         q = {k: v for k, v in params.items() if v is not None}
-        if self.target is not None:
+        if self.target is not None and path != "/":  # the overview shows every target
             q.setdefault("target", self.target)
         if self.token:
             q["token"] = self.token

@@ -523,6 +523,10 @@ def test_bad_parameters_get_400_and_an_unknown_job_404(settings, schema):
             "/jobs?state=bogus": "unknown state 'bogus'",
             "/jobs?state=completed&after=zzz": "invalid 'after' cursor",
             "/jobs?state=available&after=1,2": "invalid 'after' cursor",
+            # out of the columns' range: the database's error made them a 503
+            "/jobs?state=available&after=99999,2024-01-01T00:00:00,1": "invalid 'after' cursor",
+            "/jobs?after=99999999999999999999": "invalid 'after' cursor",
+            "/jobs?after=-9223372036854775809": "invalid 'after' cursor",
             "/jobs?stat=completed": "unknown parameter 'stat'",
             "/jobs?state=completed&state=running": "parameter 'state' is given 2 times",
             "/jobs?queue=" + "x" * 129: "queue must be at most 128 characters",
@@ -751,3 +755,36 @@ if __name__ == "__main__":  # python -m tests.test_dashboard docs/dashboard.png 
 
     write_readme_screenshot(sys.argv[1], sys.argv[2] if len(sys.argv) > 2
                             else "postgresql://postgres@127.0.0.1:5432/test")
+
+
+def test_with_several_targets_the_home_link_of_every_page_opens_the_overview(pg_dsn, schema, engine):
+    """The home link carried the page's target, which the overview refuses (it shows them all):
+    "maintd" on every /jobs and /jobs/ID page of a target answered 400."""
+    from urllib.parse import parse_qs, urlsplit
+
+    from maintd import migrate
+
+    from .conftest import new_schema_name
+
+    other = new_schema_name()
+    with engine.connect() as conn:
+        migrate.upgrade(conn, other)
+    try:
+        with engine.begin() as conn:
+            job = JobQueue(other).enqueue(conn, "k")
+        settings = Settings(database_url=pg_dsn, instance_id="reader",
+                            targets=[{"name": "one", "schema": schema}, {"name": "two", "schema": other}])
+        dashboard = Dashboard(lambda: settings)
+        for page, path, params in ((dashboard.jobs, "/jobs", {}), (dashboard.job, f"/jobs/{job}", {"id": str(job)})):
+            status, _, body, _ = page(Request(path, {"target": ["two"]}, params=params))
+            assert status == 200, body
+            home = unescape(re.search(r'id="home" href="([^"]*)"', body.decode()).group(1))
+            url = urlsplit(home)
+            assert url.path == "/"
+            status, _, body, _ = dashboard.index(Request("/", parse_qs(url.query)))
+            assert status == 200, body[:300]
+            jobs_link = unescape(re.search(r'href="(/jobs\?[^"]*)"', body.decode()).group(1))
+            assert "target=" in jobs_link  # the overview's links to a target's pages keep it
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA "{other}" CASCADE'))
