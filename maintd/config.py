@@ -369,7 +369,7 @@ DSN_PROBLEMS = (  # the first whose key is in libpq's message
     ("unexpected spaces", "a space in the URL: write it as %20"),
     ("query parameter", "a query parameter that is not key=value: write '&' in a password as %26"),
     ("percent-encoded", "a '%' not followed by two hex digits: write '%' in a password as %25"),
-    ('missing "="', "a value with a space in a key=value string: quote it, as in password='a b'"),
+    ('missing "="', "a word that is not key=value: quote a value that holds a space, as in password='a b'"),
     ("unterminated quoted string", "a quoted value without its closing quote"),
     ("invalid connection option", "an unknown connection option"),
 )

@@ -276,6 +276,28 @@ def test_a_burst_past_premake_closes_the_catch_all_and_moves_what_lies_beyond(en
     assert where(engine, schema)[fresh[0]].startswith(f"{schema}.jobs_completed_p")
 
 
+def test_stray_rows_are_counted_exactly_up_to_100000_then_estimated(engine, schema):
+    """A conversion leaves a retention's finished jobs in the low catch-all: an exact count read
+    them all on every partitioner pass, `maintd status` and dashboard page (ten million: 0.4 s
+    each). Up to 100,000 each catch-all is counted; past it, the planner's estimate once analyzed,
+    and never less than the count."""
+    def strays() -> tuple:
+        with engine.connect() as conn:
+            return conn.execute(sql("SELECT low_rows, high_rows FROM {schema}.catch_all_rows() "
+                                    "WHERE state = 'completed'", schema)).one()
+
+    insert_final(engine, schema, "completed", "2001-01-01", n=5)
+    insert_final(engine, schema, "completed", "infinity", n=3)
+    assert strays() == (5, 3)
+    insert_final(engine, schema, "completed", "2001-01-01", n=150_000)
+    assert strays() == (100_001, 3)  # the count stops there; not analyzed yet
+    with engine.connect() as conn:
+        conn.execute(sql("ANALYZE {schema}.jobs_completed_min", schema))
+        conn.commit()
+    low, high = strays()
+    assert 140_000 <= low <= 160_000 and high == 3
+
+
 def test_after_an_outage_longer_than_premake_expired_rows_go_within_a_step(engine, schema):
     """No leader for two days: the high catch-all, closed into one partition of the outage's
     range, held its rows until all of them were past the retention, expired ones up to two days

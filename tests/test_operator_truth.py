@@ -134,7 +134,7 @@ def test_a_malformed_database_url_is_a_config_error(monkeypatch):
     ("postgresql://u:Pa%zzssw0rdX@h/db", "%25"),
     ("postgresql://u:Pa%00ssw0rdX@h/db", "%00"),
     ("postgresql://u:Pass w0rdX@h/db", "%20"),
-    ("host=h user=u password=Pass w0rdX dbname=d", "quote it"),
+    ("host=h user=u password=Pass w0rdX dbname=d", "quote a value"),
     ("postgresql://u@h/db?password=Pa&ssw0rdX", "%26"),
     ("postgresql://u:Pa/ssw0rdX@h/db", "%2F"),  # 'Pa' read as the port
     ("postgresql://u:D4em@nPw_ssw0rdX@127.0.0.1:5432/db", "%40"),  # 'nPw_ssw0rdX@127.0.0.1' read as the host
