@@ -298,6 +298,24 @@ def test_stray_rows_are_counted_exactly_up_to_100000_then_estimated(engine, sche
     assert 140_000 <= low <= 160_000 and high == 3
 
 
+def test_a_wider_step_does_not_keep_the_narrower_partitions_made_before_it(engine, schema):
+    """The step raised from an hour to a day (a reload): whether the first partition is past the
+    retention was judged as if it were a new step wide, so hour partitions past it were kept up to
+    a day longer, their rows with them (the cleaner leaves them to the drops)."""
+    now = server_now(engine)
+    before = now - 2 * HOUR
+    restart(engine, schema, "completed", before - 30 * HOUR)
+    run(partitioner(), engine, schema, now=before)  # hour partitions from -32h on
+    day = partitioner(step=24 * HOUR)  # completed: 24 h
+    assert run(day, engine, schema, now=before).detached >= 6  # those past it then (and days made)
+    expired = insert_final(engine, schema, "completed", now - timedelta(hours=25, minutes=30), n=10)
+    kept = insert_final(engine, schema, "completed", now - timedelta(hours=20), n=10)
+    result = run(day, engine, schema, now=now)  # two hours later: two more hours past it
+    assert (result.made, result.emptied, result.deleted["completed"]) == (0, 1, 10)
+    left = set(where(engine, schema))
+    assert left.isdisjoint(expired) and set(kept) <= left
+
+
 def test_after_an_outage_longer_than_premake_expired_rows_go_within_a_step(engine, schema):
     """No leader for two days: the high catch-all, closed into one partition of the outage's
     range, held its rows until all of them were past the retention, expired ones up to two days

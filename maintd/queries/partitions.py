@@ -3,12 +3,14 @@ the functions they call). Read-only ones read the catalog and the catch-alls; th
 through the schema's SECURITY DEFINER functions."""
 
 # Per final state: its range partitions (catch-alls included), where the low catch-all ends and
-# the high one starts (the proper partitions lie between), and the rows in each catch-all.
+# the high one starts (the proper partitions lie between), where the first proper one ends (NULL:
+# none; a step wide, or another width made before the step changed), and the rows in each catch-all.
 LAYOUT = """
-SELECT b.state, b.partitions, b.low_end, b.high_start, c.low_rows, c.high_rows, b.oldest_start
+SELECT b.state, b.partitions, b.low_end, b.high_start, b.first_end, c.low_rows, c.high_rows, b.oldest_start
   FROM (SELECT s.state, count(*) - 2 AS partitions,
                max(p.range_end) FILTER (WHERE p.range_start IS NULL) AS low_end,
                max(p.range_start) FILTER (WHERE p.range_end IS NULL) AS high_start,
+               min(p.range_end) FILTER (WHERE p.range_start IS NOT NULL) AS first_end,
                min(p.range_start) AS oldest_start
           FROM unnest(CAST(ARRAY['completed', 'cancelled', 'discarded'] AS text[])) AS s(state)
          CROSS JOIN LATERAL {schema}.job_partitions(s.state) AS p

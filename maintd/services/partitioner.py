@@ -162,12 +162,12 @@ class Partitioner(Service):
         return result
 
     def _expired(self, row: Any, drop_before: datetime | None) -> bool:
-        """Whether a state has something past retention: its first proper partition (at least a
-        step wide, from where the low catch-all ends), or rows in the low catch-all, whose whole
-        range is."""
+        """Whether a state has something past retention: its first proper partition (from where
+        the low catch-all ends; as wide as it was made, whatever the step is now), or rows in the
+        low catch-all, whose whole range is."""
         if drop_before is None or row.low_end > drop_before:
             return False
-        return row.low_rows > 0 or row.low_end + self.config.partitions.interval <= drop_before
+        return row.low_rows > 0 or (row.first_end is not None and row.first_end <= drop_before)
 
     def _plain(self, result: PartitionerResult) -> PartitionerResult:
         result.layout = "plain"
