@@ -115,9 +115,10 @@ def _add_setup_parsers(sub) -> None:
     m.add_argument("--revision", default="head", type=revision, help="target revision (default: head)")
     m.add_argument("--downgrade", metavar="REVISION", type=revision,
                    help="downgrade to REVISION ('base' removes every maintd table)")
-    m.add_argument("--convert", choices=["partitioned"],
-                   help="convert a live plain jobs table to the partitioned layout (SPEC 8.1): online, "
-                        "live jobs first, resumable; run as the owner role")
+    m.add_argument("--convert", choices=["partitioned", "plain"],
+                   help="partitioned: convert a live plain jobs table to the partitioned layout (SPEC "
+                        "8.1): online, live jobs first, resumable; plain: abandon such a conversion "
+                        "before its swap (its trigger and copy dropped, jobs untouched). Run as the owner role")
 
     g = sub.add_parser("grants", help="print the SQL granting a role what the daemon (or a worker) needs",
                        description="Print GRANT statements giving ROLE exactly the privileges the "
@@ -350,7 +351,7 @@ def _migrate_one(settings: Settings, args: argparse.Namespace) -> None:
             if args.downgrade:
                 before, after = migrate.downgrade(conn, settings.schema, args.downgrade)
             elif args.convert:
-                return _convert_one(conn, settings)
+                return _convert_one(conn, settings, args.convert)
             else:
                 before, after = migrate.upgrade(conn, settings.schema, args.revision,
                                                 migrate.Layout.of(settings))
@@ -362,8 +363,9 @@ def _migrate_one(settings: Settings, args: argparse.Namespace) -> None:
         print(f"schema {settings.schema} migrated from {before or 'base'} to {after or 'base'}")
 
 
-def _convert_one(conn, settings: Settings) -> None:
-    """``migrate --convert partitioned`` of one schema, under the schema's migrate lock."""
+def _convert_one(conn, settings: Settings, to: str) -> None:
+    """``migrate --convert partitioned`` (or ``plain``: abandon one) of one schema, under the
+    schema's migrate lock."""
     from . import convert, migrate
 
     current = migrate.current_revision(conn, settings.schema)
@@ -373,9 +375,14 @@ def _convert_one(conn, settings: Settings) -> None:
                                    f"{migrate.head_revision()}: run `maintd migrate` first")
     key = migrate.lock_key(settings.schema)
     migrate.take_lock(conn, key)
+    def say(line: str) -> None:
+        print(line, flush=True)
+
     try:
-        convert.convert(conn, settings.schema, migrate.Layout.of(settings),
-                        say=lambda line: print(line, flush=True))
+        if to == "plain":
+            convert.abandon(conn, settings.schema, say=say)
+        else:
+            convert.convert(conn, settings.schema, migrate.Layout.of(settings), say=say)
     finally:
         conn.rollback()
         migrate.release_lock(conn, key)

@@ -98,6 +98,28 @@ def _refuse_what_is_not_carried(conn: Connection, schema: str) -> None:
             "key to jobs cannot be: the partitioned table's ids are unique per partition only)")
 
 
+def abandon(conn: Connection, schema: str, say: Callable[[str], None] = print) -> str:
+    """``--convert plain``: drop an unfinished conversion (its trigger, which doubles every write
+    of the workers meanwhile, and its copy); the plain table is untouched. Returns ``"done"`` or
+    ``"nothing"``; a table already partitioned is not converted back (ConvertError)."""
+    if conn.execute(text(catalog.JOBS_PARTITIONED), {"schema": schema}).scalar():
+        conn.rollback()
+        raise ConvertError(f"schema {schema}: jobs is partitioned; converting it back to plain is not supported")
+    qualified = f"{quote_ident(schema)}.jobs"
+    made = conn.execute(text(q.HAS_TRIGGER), {"t": qualified}).scalar() or any(
+        conn.execute(text(catalog.TABLE_EXISTS), {"qualified": f"{qualified}_{t}"}).scalar()
+        for t in ("conv", "convert_progress", "convert_seen"))
+    if not made:
+        conn.commit()
+        say(f"schema {schema}: no conversion under way; nothing to do")
+        return "nothing"
+    _with_lock_timeout(conn, sql(q.ABANDON_TRIGGER, schema), "dropping the sync trigger")
+    for template in q.ABANDON:
+        _with_lock_timeout(conn, sql(template, schema), "dropping the copy")
+    say(f"schema {schema}: the unfinished conversion is dropped; jobs stays plain")
+    return "done"
+
+
 def _phase_index(phase: str) -> int:
     return {"live": 0, "final": 1, "swap": 2}[phase]
 

@@ -269,3 +269,44 @@ def test_what_the_swap_cannot_carry_is_refused_before_anything_is_made_and_at_th
         assert sorted(options) == sorted(f"{k}={v}" for k, v in migrate.JOBS_AUTOVACUUM.items())
     finally:
         owner.dispose()
+
+
+def test_an_unfinished_conversion_can_be_abandoned_and_the_plain_table_is_untouched(engine, pg_dsn, schema, tmp_path):
+    """Started and never finished, a conversion's trigger doubled every write of the workers into
+    jobs_conv for good, and nothing removed it. `--convert plain` drops the trigger and the copy
+    (jobs is untouched), and a conversion can start afresh afterwards; it does not convert a
+    partitioned table back."""
+    seed(engine, schema, final=3000, live=3000)
+    owner = make_engine(pg_dsn, application_name="convert", pooled=False)
+    try:
+        batches = []
+        with owner.connect() as conn:
+            stop_after = lambda: (batches.append(1), len(batches) > 1)[1]
+            assert convert.convert(conn, schema, LAYOUT, say=lambda _: None, stop=stop_after) == "stopped"
+        with engine.connect() as conn:
+            before = dict(conn.execute(sql("SELECT id, state::text FROM {schema}.jobs", schema)).all())
+        cfg = tmp_path / "c.toml"
+        cfg.write_text(f'schema = "{schema}"\n')
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("MAINTD_")}, "MAINTD_DATABASE_URL": pg_dsn}
+
+        def cli(to: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "maintd", "--config", str(cfg), "migrate", "--convert", to],
+                                  capture_output=True, text=True, timeout=120, env=env)
+
+        res = cli("plain")
+        assert res.returncode == 0 and "unfinished conversion is dropped" in res.stdout, res.stderr
+        with engine.begin() as conn:
+            left = conn.execute(sql("SELECT relname FROM pg_class WHERE relnamespace = to_regnamespace(:s) "
+                                    "AND relname LIKE '%conv%'", schema), {"s": schema}).scalars().all()
+            triggers = conn.execute(sql("SELECT count(*) FROM pg_trigger WHERE tgrelid = '{schema}.jobs'::regclass "
+                                        "AND NOT tgisinternal", schema)).scalar()
+            assert left == [] and triggers == 0
+            assert dict(conn.execute(sql("SELECT id, state::text FROM {schema}.jobs", schema)).all()) == before
+            JobQueue(schema).enqueue(conn, "after", queue="q")
+        again = cli("plain")
+        assert again.returncode == 0 and "nothing to do" in again.stdout
+        assert cli("partitioned").returncode == 0  # afresh
+        back = cli("plain")
+        assert back.returncode == 1 and "not supported" in back.stderr
+    finally:
+        owner.dispose()

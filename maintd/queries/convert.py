@@ -73,6 +73,16 @@ COMMENT_FUNCTION = "COMMENT ON FUNCTION {signature} IS {comment}"
 REVOKE_FUNCTION = "REVOKE ALL ON FUNCTION {signature} FROM PUBLIC"
 GRANT_FUNCTION = "GRANT EXECUTE ON FUNCTION {signature} TO {grantee}"
 
+# An unfinished conversion abandoned (`--convert plain`): the trigger first (under a short
+# lock_timeout, as it was made), then everything step 1 made. The plain table is untouched.
+ABANDON_TRIGGER = "DROP TRIGGER IF EXISTS jobs_convert_sync ON {schema}.jobs"
+ABANDON = (
+    "DROP TABLE IF EXISTS {schema}.jobs_conv",
+    "DROP TABLE IF EXISTS {schema}.jobs_convert_seen",
+    "DROP TABLE IF EXISTS {schema}.jobs_convert_progress",
+    "DROP FUNCTION IF EXISTS {schema}.jobs_convert_sync()",
+)
+
 # Step 4, clean up.
 # After the swap, in a transaction of its own; again by a later run when a conversion was cut off
 # between the two (IF EXISTS: whatever is left).
