@@ -84,11 +84,12 @@ _DOW = _SPECS[4]
 
 
 def load_timezone(name: str) -> ZoneInfo:
-    """The IANA zone called ``name``; ``ValueError`` if there is none."""
+    """The IANA zone called ``name``; ``ValueError`` if there is none (also for a directory of
+    the zone database, such as ``America``, or a name too long for a file: ``OSError`` there)."""
     try:
         return ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError, TypeError) as exc:
-        raise ValueError(f"unknown time zone {name!r}") from exc
+    except (ZoneInfoNotFoundError, ValueError, TypeError, OSError) as exc:
+        raise ValueError(f"unknown time zone {name[:100]!r}") from exc
 
 
 def _require_aware(t: datetime) -> None:

@@ -181,6 +181,30 @@ def test_an_invalid_row_gets_an_error_and_does_not_disturb_a_valid_one(settings,
     assert len(jobs_of(engine, schema, "good")) == 2
 
 
+def test_rows_no_python_value_holds_are_refused_alone(settings, engine, schema):
+    """A zone name that is a directory of the zone database ('America') or too long for a file
+    name raised OSError, a backfill of billions of days or an updated_at of 'infinity' failed the
+    read of every row: each stopped the whole enqueuer, config entries too, every second, and
+    the row's error stayed empty. Each is now that row's error."""
+    add_row(engine, schema, "good", schedule="*/10 * * * *", kind="good", run_on_start=True)
+    add_row(engine, schema, "dir", schedule="0 * * * *", timezone="America")
+    add_row(engine, schema, "long", schedule="0 * * * *", timezone="Europe/" + "x" * 300)
+    add_row(engine, schema, "huge", schedule="0 * * * *", backfill="1500000000 days")
+    add_row(engine, schema, "never", schedule="0 * * * *")
+    changed_at(engine, schema, T0 - timedelta(hours=1))
+    execute(engine, schema, "UPDATE {schema}.periodic_jobs SET updated_at = 'infinity' WHERE id = 'never'")
+    service = PeriodicEnqueuer(settings.periodic)
+    result = one_pass(settings, engine, FrozenClock(T0), service)
+    assert [j.scheduled_at for j in jobs_of(engine, schema, "good")] == [T0] and not result.failed()
+    assert set(result.invalid_rows) == {"dir", "long", "huge", "never"}
+    assert "unknown time zone 'America'" in row_error(engine, schema, "dir")
+    assert "unknown time zone" in row_error(engine, schema, "long")
+    assert row_error(engine, schema, "huge").startswith("backfill:")
+    assert row_error(engine, schema, "never").startswith("updated_at:")
+    one_pass(settings, engine, FrozenClock(T0 + timedelta(minutes=10)), service)
+    assert len(jobs_of(engine, schema, "good")) == 2
+
+
 def test_a_row_whose_id_is_in_the_config_gets_an_error_and_the_config_wins(pg_dsn, schema, engine):
     settings = Settings(database_url=pg_dsn, schema=schema, instance_id="t", periodic=[
         {"id": "nightly", "schedule": "0 3 * * *", "kind": "from.config", "run_on_start": True}])

@@ -324,3 +324,15 @@ def test_upcoming_lists_local_fire_times():
         upcoming("* * * * *", n=0)
     with pytest.raises(ValueError, match="never fires"):
         upcoming("0 0 31 2 *")
+
+
+@pytest.mark.parametrize("name", ["America", "Europe/" + "x" * 300, "Mars/Olympus", "../etc/passwd", ""])
+def test_an_unknown_zone_is_a_value_error_whatever_zoneinfo_raises(name):
+    """zoneinfo raises IsADirectoryError for a directory of the zone database ('America') and
+    OSError for a name too long for a file: neither was a ValueError, so a config file said
+    'error' (exit 1) instead of naming the key (exit 2), and a periodic_jobs row stopped the
+    enqueuer."""
+    from maintd.schedules import load_timezone
+
+    with pytest.raises(ValueError, match="unknown time zone"):
+        load_timezone(name)

@@ -10,9 +10,16 @@ SELECT count(*) AS n, md5(string_agg(id || ':' || xmin::text, ',' ORDER BY id)) 
   FROM {schema}.periodic_jobs
 """
 
+# Every row, its times and intervals guarded: one that no Python value holds ('infinity', past
+# year 9999, an interval of billions of days) would fail the read of every row, and with it the
+# whole enqueuer; such a row comes back with NULL there, to be refused with its ``error`` set.
 ALL = """
-SELECT id, schedule, timezone, kind, queue, args, priority, max_attempts, unique_key, backfill,
-       run_on_start, enabled, error, created_at, updated_at
+SELECT id, schedule, timezone, kind, queue, args, priority, max_attempts, unique_key,
+       CASE WHEN backfill BETWEEN interval '0' AND interval '1000000 days' THEN backfill END AS backfill,
+       backfill IS NOT NULL AND NOT backfill BETWEEN interval '0' AND interval '1000000 days' AS backfill_out_of_range,
+       run_on_start, enabled, error,
+       CASE WHEN updated_at BETWEEN '0001-01-02 00:00:00+00' AND '9999-12-31 00:00:00+00'
+            THEN updated_at END AS updated_at
   FROM {schema}.periodic_jobs ORDER BY id
 """
 

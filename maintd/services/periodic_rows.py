@@ -44,9 +44,14 @@ def row_problem(exc: ValidationError) -> str:
 
 
 def to_entry(row: Any, taken: set[str]) -> tuple[Entry | None, str | None]:
-    """(the row's entry, None) or (None, why the row cannot be used)."""
+    """(the row's entry, None) or (None, why the row cannot be used). Whatever a row holds, it
+    is refused alone: the other entries keep running."""
     if row.id in taken:
         return None, f"id {row.id!r} is already defined in the config file or crontab, which wins"
+    if row.backfill_out_of_range:
+        return None, "backfill: must be from 0 to 1,000,000 days"
+    if row.updated_at is None:
+        return None, "updated_at: must be a time from year 1 to 9999 (set it to now())"
     try:
         job = PeriodicJob(id=row.id, schedule=row.schedule, timezone=row.timezone, kind=row.kind,
                           queue=row.queue, args=row.args, priority=row.priority,
@@ -54,6 +59,8 @@ def to_entry(row: Any, taken: set[str]) -> tuple[Entry | None, str | None]:
                           backfill=row.backfill, run_on_start=row.run_on_start, enabled=row.enabled)
     except ValidationError as exc:
         return None, row_problem(exc)
+    except Exception as exc:  # a check that failed in an unforeseen way: this row's problem only
+        return None, f"invalid: {exc}"[:500]
     return Entry(job, "table", row.updated_at), None
 
 
