@@ -157,6 +157,12 @@ class Runner:
             self._recorded = {}  # new settings: the first pass of each service is written
             if self._fence is not None:
                 self._schedule_all(reload=True)
+                # Ticks the old services put off (quiet_until: the periodic enqueuer's next slot,
+                # up to 10 minutes away) are not the new ones': a pass now, which puts them off
+                # again only if the new entries say so (an entry added runs from its first slot).
+                now = datetime.now(timezone.utc)
+                for name in self._pushed & set(self.services):
+                    self._add_wake(name, now)
 
     def _schedule_all(self, reload: bool = False) -> None:
         now = datetime.now(timezone.utc)  # APScheduler's own time base (host clock)

@@ -19,6 +19,7 @@ from maintd.daemon import Daemon
 from maintd.queries import sql
 from maintd.services.base import PassContext
 from maintd.services.periodic import PeriodicEnqueuer
+from maintd.services.periodic_config import PeriodicJob
 
 from .procs import DaemonProc, wait_for
 
@@ -72,6 +73,24 @@ def leader(settings):
     try:
         wait_for(lambda: daemon.is_leader, 10, what="leadership")
         yield daemon
+    finally:
+        daemon.stop()
+
+
+def test_an_entry_added_by_a_reload_runs_at_once_not_after_the_quiet_ticks(settings, engine, schema):
+    """After a pass, the enqueuer skips its ticks until its entries' next slot (up to 10
+    minutes). A reload kept those ticks put off: an entry added by SIGHUP ran 10 minutes late,
+    its slots meanwhile lost, and its run_on_start with them."""
+    s = settings.model_copy(update={"http": settings.http.model_copy(update={"enabled": False}),
+                                    "periodic": [PeriodicJob(id="nightly", schedule="0 3 * * *", kind="nightly")]})
+    daemon = Daemon(s)
+    daemon.start()
+    try:
+        target = daemon.targets[0]
+        wait_for(lambda: target.runner.last_runs.get("periodic"), 10, what="a first periodic pass")
+        added = PeriodicJob(id="often", schedule="@every 1s", kind="often", run_on_start=True)
+        daemon.reload(s.model_copy(update={"periodic": [*s.periodic, added]}))
+        wait_for(lambda: len(jobs_of(engine, schema, "often")) >= 2, 5, what="the added entry's jobs")
     finally:
         daemon.stop()
 
