@@ -26,6 +26,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy.exc import IntegrityError
 
+from maintd.clock import FrozenClock
 from maintd.queries import sql
 from maintd.jobs import JobQueue
 from maintd.metrics import Metrics
@@ -146,6 +147,27 @@ def test_the_rescuers_probe_reads_odd_rows_and_asks_for_a_pass(settings, engine,
     with engine.connect() as conn:
         values = tuple(conn.execute(sql(f"SELECT {columns}", schema)).one())
     assert Rescuer(settings.rescuer).after_probe(values, T0) is True
+
+
+@pytest.mark.parametrize("when", ["-infinity", "0001-01-01 00:00:00+00", "0044-03-15 BC"])
+def test_the_schedulers_probe_wakes_it_for_a_job_due_before_year_1(settings, engine, schema, when):
+    """With precise_timing (the default) the scheduler has no ticks of its own: it passes when
+    its probe says the next due time. The probe left out jobs due before year 1 ('-infinity',
+    Go's zero time.Time), which no Python datetime holds: such a job stayed scheduled until
+    another one fell due. It says year 1 now (due at once), and the pass promotes it."""
+    from maintd.queries import jobs, render
+
+    job = insert(engine, schema, "scheduled", scheduled_at=when)
+    insert(engine, schema, "scheduled", scheduled_at="9999-12-31")  # never due: not a wake
+    with engine.connect() as conn:
+        values = tuple(conn.execute(sql(f"SELECT {render(jobs.NEXT_DUE, schema)}", schema)).one())
+        now = conn.execute(sql("SELECT now()", schema)).scalar()
+    scheduler = Scheduler(settings.scheduler)
+    assert scheduler.after_probe(values, now) == now
+    result = scheduler.run_once(PassContext.for_settings(settings, engine, FrozenClock(now)))
+    with engine.connect() as conn:
+        state = conn.execute(sql("SELECT state::text FROM {schema}.jobs WHERE id = :id", schema), {"id": job}).scalar()
+    assert sum(result.promoted.values()) == 1 and state == "available"
 
 
 def test_the_rescuers_probe_finds_nothing_to_do_with_no_running_job_or_only_fresh_ones(settings, engine, schema):
