@@ -280,3 +280,27 @@ def test_a_clock_correction_skips_fixed_time_jobs_of_the_skipped_day(pg_dsn, sch
                                  "2011-12-29T14:00:00-10:00"]
     assert "2011-12-29T23:00:00-10:00" in got["hourly"] and "2011-12-31T00:00:00+14:00" in got["hourly"]
     assert len(got["hourly"]) == 25  # 21:00Z (the baseline) to 22:30Z on the 30th: 25 more hours
+
+
+def test_the_high_water_read_is_one_index_entry_per_entry_whatever_the_history(engine, schema):
+    """The newest slot of each entry was a max() grouped by id over every slot of the history
+    (62 days of an '@every 1s' entry: five million rows, every pass, and every /status): now one
+    entry of the primary key per id, with values known or as a generic plan."""
+    from maintd.queries import periodic_slots
+
+    from .plans import explain
+
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.periodic_slots (periodic_id, slot, backfilled, instance_id) "
+                         "SELECT 'e' || (g % 5), timestamptz '2026-01-01' + g * interval '1 second', false, 'i' "
+                         "FROM generate_series(1, 100000) g", schema))
+        conn.execute(sql("ANALYZE {schema}.periodic_slots", schema))
+    params = {"ids": ["e0", "e1", "e2", "e3", "e4", "absent"]}
+    with engine.connect() as conn:
+        for generic in (False, True):
+            plan = explain(conn, periodic_slots.HIGH_WATER, schema, params, generic=generic)
+            assert "Seq Scan" not in plan and "Limit" in plan and "periodic_slots_pkey" in plan, plan
+        hwm = dict(conn.execute(sql(periodic_slots.HIGH_WATER, schema), params).all())
+        expected = dict(conn.execute(sql("SELECT periodic_id, max(slot) FROM {schema}.periodic_slots "
+                                         "GROUP BY periodic_id", schema)).all())
+    assert hwm == expected and len(hwm) == 5
