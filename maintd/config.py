@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from .identifiers import validate_identifier
+from .identifiers import validate_identifier, validate_schema
 from .logs import redact_dsn
 from .sections import PositiveDuration, Section
 from .services.cleaner import CleanerConfig
@@ -162,7 +162,7 @@ with warnings.catch_warnings():
         @field_validator("schema")
         @classmethod
         def _schema(cls, v: str) -> str:
-            return validate_identifier(v, "schema name")
+            return validate_schema(v)
 
         @field_validator("database_url")
         @classmethod
@@ -222,7 +222,7 @@ with warnings.catch_warnings():
         @field_validator("schema")
         @classmethod
         def _schema(cls, v: str) -> str:
-            return validate_identifier(v, "schema name")
+            return validate_schema(v)
 
         @field_validator("instance_id")
         @classmethod

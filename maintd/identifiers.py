@@ -19,6 +19,20 @@ def validate_identifier(value: str, what: str = "identifier") -> str:
     return value
 
 
+# A schema's NOTIFY channels are named after it (``<schema>_maintd_periodic``, the longest: see
+# maintd.db), and PostgreSQL cuts no channel name: over 63 bytes, NOTIFY and LISTEN fail.
+SCHEMA_MAX = 63 - len("_maintd_periodic")
+
+
+def validate_schema(value: str) -> str:
+    """A schema name: an identifier of at most SCHEMA_MAX (47) characters."""
+    validate_identifier(value, "schema name")
+    if len(value) > SCHEMA_MAX:
+        raise ValueError(f"invalid schema name {value!r}: at most {SCHEMA_MAX} characters (its NOTIFY "
+                         f"channel {value + '_maintd_periodic'!r} must fit PostgreSQL's 63)")
+    return value
+
+
 def quote_ident(name: str) -> str:
     """Quote an identifier that has already passed :func:`validate_identifier`."""
     if not IDENT_RE.match(name):

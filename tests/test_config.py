@@ -162,6 +162,10 @@ def test_config_path_from_env(tmp_path, monkeypatch):
     ("schema = 'Bad-Name'", "schema: invalid schema name"),
     ("schema = 'x\"; DROP TABLE jobs; --'", "schema: invalid schema name"),
     ("schema = 'pg_catalog'", "schema: invalid schema name"),
+    # 48 characters: its channel '<schema>_maintd_periodic' is 64 (PostgreSQL's NOTIFY takes 63):
+    # migrate passed, then every run failed, and an application's insert into periodic_jobs
+    ("schema = '" + "s" * 48 + "'", "schema: invalid schema name '" + "s" * 48 + "': at most 47 characters"),
+    ("[[targets]]\nschema = '" + "t" * 60 + "'", "targets[0].schema: invalid schema name"),
     ("[reindexer]\nindexes = ['jobs_pkey; DROP TABLE x']", "reindexer.indexes"),
     ("[reindexer]\nschedule = '61 * * * *'", "reindexer.schedule"),
     ("[[periodic]]\nid = 'p1'\nschedule = '* * * *'\nkind = 'k'",
@@ -383,3 +387,19 @@ def test_the_default_instance_id_fits_whatever_the_host_name(monkeypatch):
     assert ids[0] != ids[1]  # the pods' unique ends are kept (a container's pid is often the same)
     monkeypatch.setattr(socket, "gethostname", lambda: "host with spaces\x1b")
     assert Settings().instance_id == f"host-with-spaces--{os.getpid()}"
+
+
+def test_a_schema_of_47_characters_is_the_longest_and_its_channels_work(pg_dsn):
+    """The limit is exact: a 47-character schema's longest channel is 63 bytes, which LISTEN and
+    NOTIFY take (tests/test_config.py's cases refuse 48)."""
+    import psycopg
+
+    from maintd.db import events_channel, notify_channel, periodic_channel
+    from maintd.leader import handover_channel
+
+    schema = "s" * 47
+    assert Settings(database_url="postgresql://u@h/d", schema=schema).schema == schema
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for channel in (handover_channel(schema), periodic_channel(schema), notify_channel(schema), events_channel(schema)):
+            conn.execute(f'LISTEN "{channel}"')
+            conn.execute("SELECT pg_notify(%s, 'x')", [channel])
