@@ -655,3 +655,32 @@ def test_filter_batches_are_index_backed(engine, schema, layout):
                     plan = explain(conn, query, schema, _plan_params(state), generic=generic)
                 assert not seq_scans(plan, layout), plan
                 assert index_names(layout, index)[0] in plan, (state, first, generic, plan)
+
+
+def test_jobs_with_times_no_python_value_holds_are_listed_shown_and_acted_on(cli, engine, schema):
+    """The README's enqueue takes scheduled_at = 'infinity', and SPEC 7.3 names such rows: the
+    operator's tool failed exactly on them ('timestamp too large', exit 1), for list (its --json
+    cut off after '['), show, and every filter whose keyset holds a time. They load as
+    PostgreSQL's text now, shown as is and walked past by the keysets."""
+    with engine.begin() as conn:
+        ids = [r[0] for r in conn.execute(sql(
+            "INSERT INTO {schema}.jobs (kind, queue, state, scheduled_at, finalized_at) VALUES "
+            "('k', 'q', 'scheduled', 'infinity', NULL), ('k', 'q', 'scheduled', now() + interval '1 hour', NULL), "
+            "('k', 'q', 'available', '-infinity', NULL), ('k', 'q', 'available', now(), NULL), "
+            "('k', 'q', 'cancelled', now(), 'infinity'), ('k', 'q', 'cancelled', now(), '0044-03-15 BC') "
+            "RETURNING id", schema))]
+    rc, out, err = cli("list")
+    assert rc == 0 and "infinity" in out and "-infinity" in out, err
+    listed = cli_json(cli, "list")
+    assert sorted(j["id"] for j in listed) == sorted(ids)
+    assert {j["scheduled_at"] for j in listed if j["id"] in ids[:1]} == {"infinity"}
+    rc, out, err = cli("show", str(ids[0]))
+    assert rc == 0 and "infinity" in out, err
+    rc, out, err = cli("cancel", "--state", "scheduled", "--batch-size", "1")
+    assert rc == 0, err
+    rc, out, err = cli("cancel", "--state", "available", "--queue", "q", "--batch-size", "1")
+    assert rc == 0, err
+    rc, out, err = cli("delete", "--state", "cancelled", "--batch-size", "1")
+    assert rc == 0, err
+    with engine.connect() as conn:
+        assert conn.execute(sql("SELECT count(*) FROM {schema}.jobs", schema)).scalar() == 0
