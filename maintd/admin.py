@@ -131,7 +131,7 @@ def apply_batch(conn: Connection, schema: str, action: Action, rows: Sequence[An
                 params: dict[str, Any], report: Report, *, dry_run: bool) -> None:
     """Change one batch through the SQL function (or predict it), and report every row."""
     if dry_run:
-        changed = {r.id: r.to_state for r in rows if r.applies}
+        changed = {r.id: r.to_state for r in _revived(action, rows)}
     else:
         result = conn.execute(sql(action.call, schema), {**params, "ids": [r.id for r in rows]})
         changed = {c.id: c.state for c in result}
@@ -145,6 +145,19 @@ def apply_batch(conn: Connection, schema: str, action: Action, rows: Sequence[An
             report.add_changed(r, changed[r.id])
         else:
             report.add_skipped(r.id, r, skip_reason(action, r, now_state.get(r.id), revived))
+
+
+def _revived(action: Action, rows: Sequence[Any]) -> list[Any]:
+    """The rows the action would change: those it applies to; for retry, of final jobs sharing a
+    unique_key, the newest only (as retry_jobs revives them)."""
+    rows = [r for r in rows if r.applies]
+    if action.verb != "retried":
+        return rows
+    newest: dict[str, int] = {}
+    for r in rows:
+        if r.state in FINAL_STATES and r.unique_key:
+            newest[r.unique_key] = max(newest.get(r.unique_key, r.id), r.id)
+    return [r for r in rows if not (r.state in FINAL_STATES and r.unique_key) or newest[r.unique_key] == r.id]
 
 
 MOVED_TRIES = 20  # SQLSTATE 40001 (a row moved to another partition meanwhile): batch redone

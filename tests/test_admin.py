@@ -196,6 +196,48 @@ def test_retry_jobs_keeps_a_final_job_whose_unique_key_is_taken(engine, schema):
     assert set(changed) == {live, max(twins)}
 
 
+def test_retry_jobs_gives_an_available_job_out_of_attempts_one_more(engine, schema, cli):
+    """What reschedule_jobs(..., max_attempts := n) below a job's attempt leaves (README, "The
+    attempt counter"): an available job out of attempts. retry_jobs left it alone as available
+    and due, the CLI said "nothing to do", and the rescuer discarded it."""
+    [exhausted] = add(engine, schema, "available", attempt=3, max_attempts=2)
+    [fresh] = add(engine, schema, "available", attempt=1, max_attempts=5)  # due, attempts left: nothing to do
+    rc, out, err = cli("retry", str(exhausted), str(fresh), "--dry-run")
+    assert rc == 0 and "1 job would be retried" in out, out + err
+    changed = call(engine, schema, "retry_jobs", [exhausted, fresh])
+    assert set(changed) == {exhausted} and changed[exhausted]["max_attempts"] == 4
+    assert changed[exhausted]["attempt"] == 3 and changed[exhausted]["state"] == "available"
+
+
+def test_retry_jobs_skips_a_final_job_whose_key_a_live_job_took_meanwhile(pg_dsn, engine, schema):
+    """A worker's enqueue of the same unique_key, not committed yet when retry_jobs read: the
+    revival waited for it, then failed the whole call with 23505, the jobs it had changed rolled
+    back. The job is skipped now, the others changed."""
+    import threading
+
+    import psycopg
+
+    [keyed] = add(engine, schema, "cancelled", unique_key="K")
+    [other] = add(engine, schema, "cancelled")
+    with psycopg.connect(pg_dsn) as worker:
+        worker.execute(f'INSERT INTO "{schema}".jobs (kind, unique_key) VALUES (%s, %s)', ["k", "K"])
+        threading.Timer(1.0, worker.commit).start()  # while retry_jobs waits on the key
+        changed = call(engine, schema, "retry_jobs", [keyed, other])
+    assert set(changed) == {other}
+    assert rows(engine, schema, [keyed])[keyed]["state"] == "cancelled"
+    assert_invariant(engine, schema)
+
+
+def test_retry_dry_run_predicts_one_revival_per_unique_key(engine, schema, cli):
+    """Of final jobs sharing a unique_key, retry_jobs revives the newest: --dry-run counted them
+    all ("2 jobs would be retried", then 1 was)."""
+    twins = add(engine, schema, "cancelled", unique_key="K", n=2)
+    rc, out, err = cli("retry", *map(str, twins), "--dry-run")
+    assert rc == 0 and "1 job would be retried" in out, out + err
+    rc, out, err = cli("retry", *map(str, twins))
+    assert rc == 0 and "1 job retried" in out and "a newer job with its unique_key was retried" in out, out + err
+
+
 def test_reschedule_jobs_null_keeps_fields_and_state_follows_run_at(pg_dsn, engine, schema):
     ids = one_of_each(engine, schema, attempt=3)
     before = rows(engine, schema)
