@@ -169,6 +169,9 @@ class PeriodicSlot(Base):
     enqueued_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False,
                                                   server_default=text("now()"))
     instance_id: Mapped[str | None] = mapped_column(Text)
+    # The schedule and time zone it was taken under (:func:`maintd.services.periodic.taken_under`);
+    # NULL: taken before migration 0013.
+    schedule: Mapped[str | None] = mapped_column(Text)
 
 
 class PeriodicJobRow(Base):

@@ -113,7 +113,7 @@ NOT_MAINTENANCE.update({f"convert.{name}": CONVERT for name in (
     "LOCK_BATCH", "COPY", "SAVE_PROGRESS",
     "LOCK_JOBS", "DROP_FUNCTION", "DROP_TRIGGER", "RENAME_INDEX", *(f"RENAME_TABLES[{i}]" for i in range(4)),
     "RESTART_IDS", "GRANT_TABLE", "COMMENT_FUNCTION", "REVOKE_FUNCTION", "GRANT_FUNCTION",
-    *(f"CLEAN_UP[{i}]" for i in range(4)),
+    *(f"CLEAN_UP[{i}]" for i in range(4)), "ABANDON_TRIGGER", *(f"ABANDON[{i}]" for i in range(4)),
 )})
 
 
@@ -333,6 +333,13 @@ def slots(*rows: tuple[str, str]) -> Callable[[Env], None]:
     return seed
 
 
+def slot_of_another_schedule(env: Env) -> None:
+    """The newest slot of 'moved' taken under another schedule, and no slot of its new one
+    since: the enqueuer restamps that slot with the new schedule."""
+    env.execute("INSERT INTO {schema}.periodic_slots (periodic_id, slot, backfilled, instance_id, schedule)"
+                " VALUES ('moved', CAST(:t0 AS timestamptz), false, 'old', '0 3 * * * (UTC)')", t0=T0)
+
+
 def periodic_row(env: Env) -> None:
     env.execute("INSERT INTO {schema}.periodic_jobs (id, schedule, kind) VALUES ('bad', 'every now and then', 'k')")
 
@@ -437,6 +444,8 @@ CASES = [
                                  "job_key_mode": "replace"}]}),
     Case("periodic-disabled", ("periodic_slots.TAKE_DISABLED",), lambda env: None, periodic,
          settings={"periodic": [{"id": "off", **HOURLY, "enabled": False}]}),
+    Case("periodic-schedule-changed", ("periodic_slots.RESTAMP",), slot_of_another_schedule, periodic,
+         settings={"periodic": [{"id": "moved", **HOURLY}]}),
     Case("periodic-row-error-note", ("periodic_jobs.SET_ERROR",), periodic_row, periodic),
     Case("periodic-prune", ("periodic_slots.PRUNE",),
          slots(("old", "CAST(:t0 AS timestamptz) - interval '100 days'"), ("old", "CAST(:t0 AS timestamptz)")),

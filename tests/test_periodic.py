@@ -300,7 +300,53 @@ def test_the_high_water_read_is_one_index_entry_per_entry_whatever_the_history(e
         for generic in (False, True):
             plan = explain(conn, periodic_slots.HIGH_WATER, schema, params, generic=generic)
             assert "Seq Scan" not in plan and "Limit" in plan and "periodic_slots_pkey" in plan, plan
-        hwm = dict(conn.execute(sql(periodic_slots.HIGH_WATER, schema), params).all())
+        hwm = {r.periodic_id: r.hwm for r in conn.execute(sql(periodic_slots.HIGH_WATER, schema), params)}
         expected = dict(conn.execute(sql("SELECT periodic_id, max(slot) FROM {schema}.periodic_slots "
                                          "GROUP BY periodic_id", schema)).all())
     assert hwm == expected and len(hwm) == 5
+
+
+def test_a_changed_schedule_runs_no_slot_that_only_the_new_one_has(pg_dsn, schema, engine):
+    """A config entry changed from '0 3 * * *' (run at 03:00) to '0 5 * * *', noticed at 10:00:
+    the 05:00 slot counted as missed and ran at once, a second run that day; with a backfill, an
+    hourly entry changed to '*/5' ran every five minutes since the hour at once. A slot missed is
+    now one both schedules have; the entry runs from the new schedule's next slot."""
+    day = datetime(2026, 3, 1, tzinfo=UTC)
+    clock = FrozenClock(day + timedelta(hours=3, seconds=1))
+    nightly = make_settings(pg_dsn, schema, id="nightly", schedule="0 3 * * *", backfill="1d")
+    run(nightly, engine, clock)  # baseline 03:00 (first sight, no run_on_start)
+    clock.set(day + timedelta(hours=10))
+    result = run(make_settings(pg_dsn, schema, id="nightly", schedule="0 5 * * *", backfill="1d"), engine, clock)
+    assert result.enqueued == [] and jobs(engine, schema) == []
+    clock.set(day + timedelta(days=1, hours=5, seconds=1))
+    run(make_settings(pg_dsn, schema, id="nightly", schedule="0 5 * * *", backfill="1d"), engine, clock)
+    assert [j.scheduled_at for j in jobs(engine, schema)] == [day + timedelta(days=1, hours=5)]
+
+    clock.set(day + timedelta(hours=10, seconds=1))  # hourly, then every 5 minutes
+    run(make_settings(pg_dsn, schema, id="h", schedule="0 * * * *", backfill="1d"), engine, clock)
+    clock.set(day + timedelta(hours=10, minutes=32))
+    result = run(make_settings(pg_dsn, schema, id="h", schedule="*/5 * * * *", backfill="1d"), engine, clock)
+    assert result.enqueued == []
+    clock.set(day + timedelta(hours=10, minutes=35, seconds=1))
+    result = run(make_settings(pg_dsn, schema, id="h", schedule="*/5 * * * *", backfill="1d"), engine, clock)
+    assert [e["slot"] for e in result.enqueued] == [(day + timedelta(hours=10, minutes=35)).isoformat()]
+
+    clock.set(day + timedelta(hours=11, seconds=1))  # a zone is part of the schedule too
+    run(make_settings(pg_dsn, schema, id="z", schedule="0 * * * *", backfill="1d"), engine, clock)
+    clock.set(day + timedelta(hours=13))
+    result = run(make_settings(pg_dsn, schema, id="z", schedule="0 * * * *", timezone="Asia/Kolkata",
+                               backfill="1d"), engine, clock)
+    assert result.enqueued == []  # Kolkata's hours fall on the half hour: none was ever a slot
+
+
+def test_a_changed_schedule_still_runs_the_slots_both_schedules_have(pg_dsn, schema, engine):
+    """The other side: '@every 10s' down for 40 s, changed to '@every 20s' meanwhile: 20 and 40
+    were slots of both, missed, and run (with the backfill)."""
+    clock = FrozenClock(START)
+    run(make_settings(pg_dsn, schema, backfill="1h"), engine, clock)
+    clock.advance(40)
+    run(make_settings(pg_dsn, schema, schedule="@every 20s", backfill="1h"), engine, clock)
+    assert [j.scheduled_at.second for j in jobs(engine, schema)] == [20, 40]
+    clock.advance(20)
+    run(make_settings(pg_dsn, schema, schedule="@every 20s", backfill="1h"), engine, clock)
+    assert [j.scheduled_at.second for j in jobs(engine, schema)] == [20, 40, 0]

@@ -200,6 +200,29 @@ def test_an_invalid_row_gets_an_error_and_does_not_disturb_a_valid_one(settings,
     assert len(jobs_of(engine, schema, "good")) == 2
 
 
+def test_a_row_changed_in_its_args_keeps_a_slot_due_and_runs_it_with_the_new_args(settings, engine, schema):
+    """The leader died before 10:00; the application updated the row's args at 10:00:04; the new
+    leader passed at 10:00:09: any change of a row started it afresh from the change, so the
+    10:00 slot, due and within backfill, was lost. Only a change of schedule or time zone starts
+    a row afresh now."""
+    add_row(engine, schema, "hourly", schedule="0 * * * *", kind="hourly", backfill="2 hours", run_on_start=True)
+    changed_at(engine, schema, T0 - timedelta(hours=1))
+    service = PeriodicEnqueuer([])
+    one_pass(settings, engine, FrozenClock(T0 - timedelta(hours=1) + timedelta(seconds=1)), service)  # 11:00
+    execute(engine, schema, "UPDATE {schema}.periodic_jobs SET args = '{\"v\": 2}' WHERE id = 'hourly'")
+    changed_at(engine, schema, T0 + timedelta(seconds=4), "hourly")
+    one_pass(settings, engine, FrozenClock(T0 + timedelta(seconds=9)), PeriodicEnqueuer([]))  # a new leader
+    with engine.connect() as conn:
+        got = conn.execute(sql("SELECT scheduled_at, args FROM {schema}.jobs WHERE kind = 'hourly' "
+                               "ORDER BY scheduled_at", schema)).all()
+    assert [(when, args) for when, args in got] == [(T0 - timedelta(hours=1), {}), (T0, {"v": 2})]
+    # A changed schedule still starts the row afresh from the change: nothing before it runs.
+    execute(engine, schema, "UPDATE {schema}.periodic_jobs SET schedule = '30 * * * *' WHERE id = 'hourly'")
+    changed_at(engine, schema, T0 + timedelta(minutes=31), "hourly")
+    one_pass(settings, engine, FrozenClock(T0 + timedelta(minutes=40)), PeriodicEnqueuer([]))
+    assert len(jobs_of(engine, schema, "hourly")) == 2
+
+
 def test_rows_no_python_value_holds_are_refused_alone(settings, engine, schema):
     """A zone name that is a directory of the zone database ('America') or too long for a file
     name raised OSError, a backfill of billions of days or an updated_at of 'infinity' failed the

@@ -2,19 +2,26 @@
 
 # Each entry's newest slot taken: one entry of the primary key (periodic_id, slot) per id (a
 # max() grouped by id read every slot of the history, 62 days of an '@every 1s' entry: 5 million
-# rows, on every pass).
+# rows, on every pass), with what it was taken under (``schedule``: NULL before migration 0013).
 HIGH_WATER = """
-SELECT i.periodic_id, h.slot AS hwm
+SELECT i.periodic_id, h.slot AS hwm, h.schedule AS taken_under
   FROM unnest(CAST(:ids AS text[])) AS i(periodic_id)
- CROSS JOIN LATERAL (SELECT s.slot FROM {schema}.periodic_slots AS s
+ CROSS JOIN LATERAL (SELECT s.slot, s.schedule FROM {schema}.periodic_slots AS s
                       WHERE s.periodic_id = i.periodic_id ORDER BY s.slot DESC LIMIT 1) AS h
 """
 
 TAKE = """
-INSERT INTO {schema}.periodic_slots (periodic_id, slot, backfilled, instance_id)
-VALUES (:periodic_id, :slot, :backfilled, :instance)
+INSERT INTO {schema}.periodic_slots (periodic_id, slot, backfilled, instance_id, schedule)
+VALUES (:periodic_id, :slot, :backfilled, :instance, :schedule)
 ON CONFLICT (periodic_id, slot) DO NOTHING
 RETURNING slot
+"""
+
+# The newest slot of an entry whose schedule changed, when the new schedule has no slot after it
+# yet: it now says the new schedule (the next slot is taken under it).
+RESTAMP = """
+UPDATE {schema}.periodic_slots SET schedule = :schedule
+ WHERE periodic_id = :periodic_id AND slot = :slot AND schedule IS DISTINCT FROM :schedule
 """
 
 # A disabled entry's slot, taken without a job (so that the entry enabled again does not enqueue
@@ -22,8 +29,8 @@ RETURNING slot
 # not one per slot. Only the newest row of an id counts (the high-water mark), and it stays.
 TAKE_DISABLED = """
 WITH taken AS (
-  INSERT INTO {schema}.periodic_slots (periodic_id, slot, backfilled, instance_id)
-  VALUES (:periodic_id, :slot, false, :instance)
+  INSERT INTO {schema}.periodic_slots (periodic_id, slot, backfilled, instance_id, schedule)
+  VALUES (:periodic_id, :slot, false, :instance, :schedule)
   ON CONFLICT (periodic_id, slot) DO NOTHING
   RETURNING slot
 ), forgotten AS (

@@ -56,6 +56,11 @@ SKIPPED = Family(Counter, "maintd_periodic_skipped", "Periodic slots not enqueue
                  "outside_backfill, error).", ("periodic_id", "reason"))
 
 
+def taken_under(job: PeriodicJob) -> str:
+    """What a slot is taken under (``periodic_slots.schedule``): the entry's schedule and zone."""
+    return f"{job.schedule} ({job.timezone})"
+
+
 @dataclass
 class PeriodicResult(PassResult):
     enqueued: list[dict] = field(default_factory=list)
@@ -110,10 +115,21 @@ class PeriodicEnqueuer(Service):
         return True
 
     def schedule(self, job: PeriodicJob) -> Schedule:
-        key = (job.schedule, job.timezone)
+        return self._parse(job.schedule, job.timezone)
+
+    def _parse(self, expression: str, zone: str) -> Schedule:
+        key = (expression, zone)
         if key not in self._schedules:
-            self._schedules[key] = parse_schedule(job.schedule, job.timezone)
+            self._schedules[key] = parse_schedule(expression, zone)
         return self._schedules[key]
+
+    def _taken_under(self, under: str) -> Schedule | None:
+        """The schedule a slot was taken under (see :func:`taken_under`); None if it no longer parses."""
+        expression, _, zone = under.rpartition(" (")
+        try:
+            return self._parse(expression, zone.removesuffix(")"))
+        except ValueError:
+            return None
 
     def entries(self, ctx: PassContext, result: PeriodicResult) -> list[Entry]:
         """The configured entries, then the usable rows (their ``error`` kept up to date)."""
@@ -163,7 +179,7 @@ class PeriodicEnqueuer(Service):
         if not entries:
             return
         with ctx.transaction(fenced=False) as conn:
-            hwms = {r.periodic_id: r.hwm for r in conn.execute(
+            hwms = {r.periodic_id: (r.hwm, r.taken_under) for r in conn.execute(
                 ctx.sql(periodic_slots.HIGH_WATER), {"ids": [e.job.id for e in entries]})}
         for entry in entries:
             ctx.check_stop()
@@ -179,8 +195,9 @@ class PeriodicEnqueuer(Service):
         if not ctx.dry_run:
             self._prune(ctx, now)
 
-    def _run_entry(self, ctx: PassContext, entry: Entry, hwm: datetime | None, now: datetime,
-                   result: PeriodicResult) -> None:
+    def _run_entry(self, ctx: PassContext, entry: Entry, newest: tuple[datetime, str | None] | None,
+                   now: datetime, result: PeriodicResult) -> None:
+        """``newest``: the entry's newest slot taken, and the schedule it was taken under."""
         job, schedule = entry.job, self.schedule(entry.job)
         latest = schedule.latest_at_or_before(now)
         if not job.enabled:
@@ -190,28 +207,56 @@ class PeriodicEnqueuer(Service):
                 self._disabled_seen[job.id] = latest  # once taken (a failed take is tried again)
             return
         self._disabled_seen.pop(job.id, None)
+        hwm, under = newest or (None, None)
+        changed = hwm is not None and under is not None and under != taken_under(job)
+        if changed and entry.since is None:  # a config or crontab entry, changed at a time unknown
+            self._changed(ctx, job, hwm, self._taken_under(under), latest, now, result)
+            return
         if hwm is None and (job.run_on_start or entry.since is None):
             if job.run_on_start:
                 self._enqueue(ctx, job, latest, False, result)
             else:
                 self._baseline(ctx, job, latest, result)
             return
-        if entry.since is not None and (hwm is None or entry.since > hwm):
-            hwm = entry.since  # a new or changed row: its slots count from the change
-        due = list(schedule.slots_between(hwm, now)) if hwm < latest else []
-        if job.backfill is not None:
-            keep = [s for s in due if s >= now - job.backfill]
-        else:
-            keep = due[-1:]
+        if entry.since is not None and (hwm is None or (changed or under is None) and entry.since > hwm):
+            hwm = entry.since  # a new row, or one whose schedule changed: its slots count from the change
+        self._run_due(ctx, job, list(schedule.slots_between(hwm, now)) if hwm < latest else [], latest, now, result)
+
+    def _run_due(self, ctx: PassContext, job: PeriodicJob, due: list[datetime], latest: datetime,
+                 now: datetime, result: PeriodicResult) -> list[datetime]:
+        """Enqueue the slots missed: within ``backfill``, or (none) the latest only. Returns them."""
+        keep = [s for s in due if s >= now - job.backfill] if job.backfill is not None else due[-1:]
         result.skip(job.id, "outside_backfill", len(due) - len(keep))
         for slot in keep:
             self._enqueue(ctx, job, slot, slot != latest, result)
+        return keep
 
     def _baseline(self, ctx: PassContext, entry: PeriodicJob, slot: datetime, result: PeriodicResult) -> None:
         with ctx.transaction() as conn:
-            conn.execute(ctx.sql(periodic_slots.TAKE), {"periodic_id": entry.id, "slot": slot,
-                                                        "backfilled": False, "instance": ctx.instance_id})
+            conn.execute(ctx.sql(periodic_slots.TAKE), {"periodic_id": entry.id, "slot": slot, "backfilled": False,
+                                                        "instance": ctx.instance_id, "schedule": taken_under(entry)})
         result.baselined.append(entry.id)
+
+    def _changed(self, ctx: PassContext, job: PeriodicJob, hwm: datetime, old: Schedule | None,
+                 latest: datetime, now: datetime, result: PeriodicResult) -> None:
+        """The entry's schedule or time zone changed since its newest slot was taken (a config or
+        crontab entry: when, unknown). Of the new schedule's slots since then, those the old one
+        had too were missed, and run as usual; the others never were (a 05:00 job at 10:00, after
+        a 03:00 one, would be a second run that day). Its latest slot is taken, with a job or
+        without: it runs from the next one."""
+        due = [s for s in self.schedule(job).slots_between(hwm, now)
+               if old is not None and old.latest_at_or_before(s) == s] if hwm < latest else []
+        ran = self._run_due(ctx, job, due, latest, now, result)
+        log.info("periodic entry's schedule changed: slots of the old one only are not run",
+                 extra=kv(periodic_id=job.id, schedule=taken_under(job), missed=len(ran)))
+        if latest in ran:
+            return
+        if latest > hwm:
+            self._baseline(ctx, job, latest, result)
+            return
+        with ctx.transaction() as conn:  # no new slot since the newest taken: that one says the new schedule
+            conn.execute(ctx.sql(periodic_slots.RESTAMP), {"periodic_id": job.id, "slot": hwm,
+                                                           "schedule": taken_under(job)})
 
     def _skip_disabled(self, ctx: PassContext, entry: PeriodicJob, slot: datetime, previous: datetime | None,
                        result: PeriodicResult) -> None:
@@ -220,7 +265,8 @@ class PeriodicEnqueuer(Service):
         enqueue (or backfill) the slots it was disabled for."""
         with ctx.transaction() as conn:
             taken = conn.execute(ctx.sql(periodic_slots.TAKE_DISABLED), {
-                "periodic_id": entry.id, "slot": slot, "previous": previous, "instance": ctx.instance_id}).first()
+                "periodic_id": entry.id, "slot": slot, "previous": previous, "instance": ctx.instance_id,
+                "schedule": taken_under(entry)}).first()
         if taken is not None:
             result.skip(entry.id, "disabled")
 
@@ -240,7 +286,7 @@ class PeriodicEnqueuer(Service):
         with ctx.transaction() as conn:
             taken = conn.execute(ctx.sql(periodic_slots.TAKE), {
                 "periodic_id": entry.id, "slot": slot, "backfilled": backfilled,
-                "instance": ctx.instance_id}).first()
+                "instance": ctx.instance_id, "schedule": taken_under(entry)}).first()
             if taken is None:
                 result.skip(entry.id, "duplicate")
                 return
