@@ -91,6 +91,34 @@ def test_drops_invalid_artifacts_but_not_a_valid_lookalike(pg_dsn, schema, setti
     assert after["jobs_fetch_idx"] is True
 
 
+def test_a_leftover_of_an_index_with_a_long_name_is_found_under_its_cut_name(pg_dsn, schema, settings, engine):
+    """PostgreSQL cuts an index's name so that '<name>_ccnew' fits 63 bytes (ChooseRelationName):
+    the leftover of a 60-character index is its first 57 characters and '_ccnew', which the
+    pattern '<name>_ccnew' never matched: such a leftover was never dropped nor reported. The
+    leftover here is PostgreSQL's own: a REINDEX CONCURRENTLY cut off by its lock_timeout while an
+    old transaction holds the table."""
+    from maintd.services.reindexer import is_artifact
+
+    seed(pg_dsn, schema, 100)
+    long_name = "jobs_created_at_idx_" + "x" * 40
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE INDEX "{long_name}" ON "{schema}".jobs (created_at)')
+    with psycopg.connect(pg_dsn) as blocker, psycopg.connect(pg_dsn, autocommit=True) as conn:
+        blocker.execute(f'UPDATE "{schema}".jobs SET priority = 1 WHERE id = (SELECT min(id) FROM "{schema}".jobs)')
+        conn.execute("SET lock_timeout = '300ms'")
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            conn.execute(f'REINDEX INDEX CONCURRENTLY "{schema}"."{long_name}"')
+        blocker.rollback()
+    [leftover] = [name for name, valid in indexes(pg_dsn, schema).items() if name.endswith("_ccnew")]
+    assert leftover == long_name[:57] + "_ccnew" and indexes(pg_dsn, schema)[leftover] is False
+    assert is_artifact(leftover, long_name) and is_artifact(long_name[:56] + "_ccnew1", long_name)
+    assert not is_artifact(leftover, "jobs_fetch_idx") and not is_artifact("jobs_fetch_idx_ccnew", long_name)
+    settings.reindexer.indexes = [long_name]
+    [report] = run(settings, engine).indexes
+    assert report.outcome == "reindexed" and report.artifacts_dropped == [leftover]
+    assert leftover not in indexes(pg_dsn, schema)
+
+
 def test_default_reindexes_every_jobs_index(pg_dsn, schema, settings, engine):
     seed(pg_dsn, schema, 500)
     result = run(settings, engine)

@@ -61,8 +61,15 @@ NOT_PERMITTED = ("this role may not reindex it: REINDEX INDEX CONCURRENTLY needs
                  "table (or MAINTAIN on it, PostgreSQL 17+): run the reindexer as the owner role")  # insufficient_privilege ("must be owner of index")
 
 
-def artifact_pattern(index: str) -> re.Pattern[str]:
-    return re.compile(rf"^{re.escape(index)}_cc(new|old)[0-9]*$")
+def is_artifact(name: str, index: str) -> bool:
+    """Whether ``name`` is a leftover of a concurrent build of ``index``: ``<index>_ccnew``,
+    ``_ccold`` (numbered when taken). PostgreSQL cuts the index's name so that the whole fits
+    63 bytes (ChooseRelationName): a leftover of a longer name is 63 long and starts with a cut."""
+    found = ARTIFACT_RE.search(name)
+    if found is None:
+        return False
+    base = name[:found.start()]
+    return base == index or (len(name) == 63 and len(base) < len(index) and index.startswith(base))
 
 
 @dataclass
@@ -123,7 +130,7 @@ class Reindexer(Service):
                 self._not_permitted(report)
                 continue
             report.bloat_percent = self._bloat(ctx, index, has_pgstattuple)
-            artifacts = [n for n, r in catalog_rows.items() if artifact_pattern(index).match(n) and not r.valid]
+            artifacts = [n for n, r in catalog_rows.items() if is_artifact(n, index) and not r.valid]
             if not self._reindex(ctx, report, artifacts):
                 break
         refused = [r.index for r in result.indexes if r.outcome == "not_permitted"]
@@ -205,12 +212,11 @@ class Reindexer(Service):
     def _drop_leftovers(self, ctx: PassContext, report: IndexReport) -> None:
         """A cancelled REINDEX CONCURRENTLY leaves an invalid ``<index>_ccnew``: remove it now
         (even when the pass is stopping: this DDL is not cancelled by the stop flag)."""
-        pattern = artifact_pattern(report.index)
         try:
             with ctx.engine.connect() as conn:
                 rows = conn.execute(text(catalog.JOBS_INDEXES), {"schema": ctx.schema}).all()
             for r in rows:
-                if pattern.match(r.name) and not r.valid:
+                if is_artifact(r.name, report.index) and not r.valid:
                     with ctx.autocommit(lock_timeout_ms=ms(self.config.lock_timeout),
                                         statement_timeout_ms=ms(self._drop_timeout)) as conn:
                         conn.exec_driver_sql(f"DROP INDEX CONCURRENTLY IF EXISTS {qualified(ctx.schema, r.name)}")
