@@ -302,6 +302,12 @@ class Runner:
         host = self._host_time(quiet) if quiet is not None else None
         if stop_event.is_set() or (host is None and name not in self._pushed):
             return
+        with self._lock:
+            if self.services.get(name) is service:  # not replaced by a reload meanwhile
+                self._push(name, host)
+
+    def _push(self, name: str, host: datetime | None) -> None:
+        """Put the service's next regular tick off to ``host`` (None: back to its regular time)."""
         with contextlib.suppress(JobLookupError):
             job = self.timetable.get_job(self.prefix + name)
             if job is None or job.next_run_time is None:
