@@ -223,6 +223,31 @@ def test_a_row_changed_in_its_args_keeps_a_slot_due_and_runs_it_with_the_new_arg
     assert len(jobs_of(engine, schema, "hourly")) == 2
 
 
+def test_rows_are_validated_again_only_when_they_changed(settings, engine, schema, monkeypatch):
+    """Every pass validated every row again (31 ms for 1,000 rows, every second with one '@every
+    1s' entry among them); now only a pass after a change of the rows does."""
+    from maintd.services import periodic_rows
+
+    for i in range(50):
+        add_row(engine, schema, f"r{i}", schedule="*/5 * * * *")
+    add_row(engine, schema, "bad", schedule="61 * * * *")
+    changed_at(engine, schema, T0 - timedelta(hours=1))
+    calls = []
+    validate = periodic_rows.to_entry
+    monkeypatch.setattr(periodic_rows, "to_entry", lambda row, taken: (calls.append(row.id), validate(row, taken))[1])
+    service = PeriodicEnqueuer(settings.periodic)
+    first = one_pass(settings, engine, FrozenClock(T0), service)
+    assert len(calls) == 51 and set(first.invalid_rows) == {"bad"}
+    one_pass(settings, engine, FrozenClock(T0 + timedelta(seconds=1)), service)  # its error written: read again
+    before = len(calls)
+    for k in range(2, 5):
+        one_pass(settings, engine, FrozenClock(T0 + timedelta(seconds=k)), service)
+    assert len(calls) == before and row_error(engine, schema, "bad").startswith("schedule:")
+    execute(engine, schema, "UPDATE {schema}.periodic_jobs SET args = '{\"v\": 1}' WHERE id = 'r7'")
+    one_pass(settings, engine, FrozenClock(T0 + timedelta(seconds=5)), service)
+    assert len(calls) == before + 51
+
+
 def test_rows_no_python_value_holds_are_refused_alone(settings, engine, schema):
     """A zone name that is a directory of the zone database ('America') or too long for a file
     name raised OSError, a backfill of billions of days or an updated_at of 'infinity' failed the

@@ -70,6 +70,9 @@ class RowSource:
     def __init__(self) -> None:
         self._version: tuple | None = None
         self._rows: list[Any] = []
+        # The last validation, by (version, ids taken): a pass at every slot re-validated every
+        # row (31 ms for 1,000 rows, every second with an '@every 1s' entry among them).
+        self._validated: tuple[tuple, tuple[list[Entry], dict[str, str | None]]] | None = None
 
     def rows(self, ctx: PassContext) -> list[Any]:
         with ctx.transaction(fenced=False) as conn:
@@ -81,14 +84,19 @@ class RowSource:
 
     def entries(self, ctx: PassContext, taken: set[str]) -> tuple[list[Entry], dict[str, str | None]]:
         """Usable entries, and per row the ``error`` it should carry (None: none) where that
-        differs from what the row carries now."""
+        differs from what the row carries now. Validated again only when the rows changed."""
+        rows = self.rows(ctx)
+        key = (self._version, frozenset(taken))
+        if self._validated is not None and self._validated[0] == key:
+            return self._validated[1]
         entries, notes = [], {}
-        for row in self.rows(ctx):
+        for row in rows:
             entry, problem = to_entry(row, taken)
             if entry is not None:
                 entries.append(entry)
             if problem != row.error:
                 notes[row.id] = problem
+        self._validated = (key, (entries, notes))
         return entries, notes
 
     def note(self, ctx: PassContext, notes: dict[str, str | None]) -> None:
