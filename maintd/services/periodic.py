@@ -52,8 +52,8 @@ ROWS_EVERY = timedelta(minutes=10)
 KEEP_HISTORY = timedelta(days=7)
 ENQUEUED = Family(Counter, "maintd_periodic_enqueued", "Periodic jobs enqueued.", ("periodic_id",))
 SKIP_REASONS = ("duplicate", "disabled", "outside_backfill", "error")
-SKIPPED = Family(Counter, "maintd_periodic_skipped", "Periodic slots not enqueued (reason: duplicate, disabled, "
-                 "outside_backfill, error).", ("periodic_id", "reason"))
+SKIPPED = Family(Counter, "maintd_periodic_skipped", f"Periodic slots not enqueued (reason: {', '.join(SKIP_REASONS)}).",
+                 ("periodic_id", "reason"))
 
 
 def taken_under(job: PeriodicJob) -> str:
