@@ -115,7 +115,7 @@ def skip_reason(action: Action, row: Any, now_state: str | None, revived_keys: s
     if not row.applies:
         if action.verb == "retried" and row.state in FINAL_STATES and row.unique_key:
             return "its unique_key is held by a live job"
-        return f"nothing to do for a {row.state} job"
+        return f"nothing to do: the job is {row.state}"
     if now_state is None:
         return "deleted meanwhile"
     if now_state != row.state:

@@ -593,11 +593,18 @@ def cmd_periodic(args: argparse.Namespace) -> int:
             entries = table.list_entries(engine, settings)
             print(json.dumps(entries, indent=2, default=str) if args.json else table.format_entries(entries))
             return EXIT_OK
-        if args.periodic_action == "add":
-            done = table.add(engine, settings.schema, job, replace=args.replace)
-            what = "exists (use --replace)" if not done else "saved"
-        elif args.periodic_action == "remove":
-            done, what = table.remove(engine, settings.schema, args.id), "removed"
+        if args.periodic_action in ("add", "remove"):
+            try:
+                if args.periodic_action == "add":
+                    done = table.add(engine, settings.schema, job, replace=args.replace)
+                    what = "exists (use --replace)" if not done else "saved"
+                else:
+                    done, what = table.remove(engine, settings.schema, args.id), "removed"
+            except Exception as exc:
+                if getattr(getattr(exc, "orig", None), "sqlstate", None) != "42501":
+                    raise
+                print(f"maintd periodic: error: {_rows_role_hint(exc, settings.schema)}", file=sys.stderr)
+                return EXIT_FAILURE
         else:
             enabled = args.periodic_action == "resume"
             done = table.set_enabled(engine, settings.schema, args.id, enabled)
@@ -610,6 +617,18 @@ def cmd_periodic(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     print(f"periodic {args.id}: {what}")
     return EXIT_OK if done else EXIT_FAILURE
+
+
+def _rows_role_hint(exc: Exception, schema: str) -> str:
+    """A role without INSERT or DELETE on periodic_jobs: not a grant `maintd grants` would give
+    (the daemon's role only reads rows and writes their error note), so say who may."""
+    from .identifiers import quote_ident
+    from .logs import redact_dsn
+
+    line = redact_dsn(str(exc.orig).strip().splitlines()[0])  # type: ignore[attr-defined]
+    return (f"{line} (`maintd periodic add` and `remove` write rows of periodic_jobs, which "
+            "`maintd grants` leaves to the applications' roles: run them as the schema's owner, or "
+            f"GRANT INSERT, UPDATE, DELETE ON {quote_ident(schema)}.periodic_jobs TO the role)")
 
 
 def _configured_elsewhere(entry, args: argparse.Namespace) -> str:

@@ -69,6 +69,7 @@ def convert(conn: Connection, schema: str, layout: Layout, say: Callable[[str], 
         conn.commit()
         say(f"schema {schema}: jobs is partitioned already; nothing to do")
         return "already"
+    _check_owner(conn, schema)
     _refuse_what_is_not_carried(conn, schema)
     progress = _prepare(conn, schema, layout, say)
     for phase, states in PHASES:
@@ -113,11 +114,19 @@ def abandon(conn: Connection, schema: str, say: Callable[[str], None] = print) -
         conn.commit()
         say(f"schema {schema}: no conversion under way; nothing to do")
         return "nothing"
+    _check_owner(conn, schema)
     _with_lock_timeout(conn, sql(q.ABANDON_TRIGGER, schema), "dropping the sync trigger")
     for template in q.ABANDON:
         _with_lock_timeout(conn, sql(template, schema), "dropping the copy")
     say(f"schema {schema}: the unfinished conversion is dropped; jobs stays plain")
     return "done"
+
+
+def _check_owner(conn: Connection, schema: str) -> None:
+    """Before any DDL: the role must be able to make and swap tables (the schema's owner), as
+    for ``maintd migrate``; otherwise a MigratePermissionError names the role to use."""
+    migrate.check_privileges(conn.execute(text(catalog.SCHEMA_PRIVILEGES), {"schema": schema}).one(), schema)
+    conn.commit()
 
 
 def _phase_index(phase: str) -> int:
@@ -188,7 +197,8 @@ def _copy(conn: Connection, schema: str, phase: str, states: str, progress: Prog
         conn.commit()
         done += len(ids)
         if last or time.monotonic() - last_said > 2:
-            say(f"copied {phase} jobs: {done} of about {total} ({progress.copied} copied in all)")
+            say(f"{phase} jobs: {done} of about {total} read; {progress.copied} copied in all (rows "
+                "already carried over by the trigger or an earlier run are not copied again)")
             last_said = time.monotonic()
         if last:
             return True

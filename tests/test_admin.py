@@ -478,7 +478,7 @@ def test_cli_cancel_by_ids_reports_changed_and_skipped(engine, schema, cli):
     assert out.startswith("3 jobs cancelled:")
     assert f"{ids['scheduled']}" in out and "scheduled -> cancelled" in out
     assert "5 jobs skipped:" in out and "running: maintd never touches a running job" in out
-    assert "424242" in out and "not found" in out and "nothing to do for a completed job" in out
+    assert "424242" in out and "not found" in out and "nothing to do: the job is completed" in out
     after = rows(engine, schema)
     assert after[ids["running"]] == before[ids["running"]]
     assert {after[ids[s]]["state"] for s in IDLE} == {"cancelled"}
@@ -575,7 +575,7 @@ def test_cli_action_on_ids_that_do_not_exist_exits_1_and_names_them(engine, sche
     assert rc == 1 and "1 job retried" in out and "no job 999999" in err
     data = json.loads(cli("retry", "999998", "--json")[1])
     assert data["not_found"] == 1 and data["changed"] == 0
-    assert cli("retry", str(job))[0] == 0  # found (and skipped: nothing to do for an available job)
+    assert cli("retry", str(job))[0] == 0  # found (and skipped: nothing to do: the job is available)
 
 
 def test_cli_on_a_schema_without_the_functions_exits_1(pg_dsn, schema, cli):

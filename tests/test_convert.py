@@ -200,7 +200,7 @@ def test_the_cli_converts_and_the_admin_functions_follow(engine, pg_dsn, schema,
     res = subprocess.run([sys.executable, "-m", "maintd", "--config", str(cfg), "migrate", "--convert", "partitioned"],
                          capture_output=True, text=True, timeout=120, env={**env, "MAINTD_DATABASE_URL": pg_dsn})
     assert res.returncode == 0, res.stderr
-    assert "copied live jobs: 51 of about 51" in res.stdout and "swapped" in res.stdout
+    assert "live jobs: 51 of about 51 read; 51 copied in all" in res.stdout and "swapped" in res.stdout
     with engine.begin() as conn:
         some = conn.execute(sql("SELECT id FROM {schema}.jobs WHERE state = 'available' LIMIT 1", schema)).scalar()
         changed = conn.execute(sql("SELECT id, state::text FROM {schema}.cancel_jobs(ARRAY[:id])", schema),

@@ -126,7 +126,24 @@ def test_kubernetes_manifests_validate():
                 assert (DEPLOY / "kubernetes" / res).exists(), res
             continue
         kubernetes_validate.validate(doc, version, strict=True)
-    assert {"Deployment", "ConfigMap", "PodDisruptionBudget", "Service", "PodMonitor", "Kustomization"} <= kinds
+    assert {"Deployment", "ConfigMap", "PodDisruptionBudget", "Service", "PodMonitor", "Kustomization",
+            "NetworkPolicy"} <= kinds
+
+
+def test_only_prometheus_reaches_the_http_port_in_kubernetes():
+    """The port listens on the pod's address and serves /status and /jobs/ID (a job's args) with
+    no token by default: a NetworkPolicy admits only the monitoring namespace to it (the
+    kubelet's probes come from the node, which a NetworkPolicy never blocks)."""
+    docs = dict((d["kind"], d) for _, d in k8s_docs())
+    pod_labels = docs["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    policy = docs["NetworkPolicy"]["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["policyTypes"] == ["Ingress"]
+    [rule] = policy["ingress"]
+    assert [p["port"] for p in rule["ports"]] == ["http"]
+    [source] = rule["from"]
+    assert set(source) == {"namespaceSelector"} and source["namespaceSelector"]["matchLabels"]
+    assert docs["PodMonitor"]["spec"]["podMetricsEndpoints"][0]["port"] == "http"
 
 
 def test_deployment_shape():

@@ -474,6 +474,41 @@ def test_migrate_work_on_tables_of_another_owner_names_the_owner(pg_dsn, tmp_pat
             assert conn.execute(f'SELECT version_num FROM "{schema}".alembic_version').fetchone()[0] == migrate.head_revision()
 
 
+def test_the_daemon_role_gets_the_owner_named_for_what_no_grant_of_its_own_gives(pg_dsn, tmp_path):
+    """`maintd grants` deliberately leaves the conversion (DDL) and writing schedule rows out of
+    the daemon's role: the error must say which role can, not advise the grants it already has.
+    Found by running the README as a newcomer: both said "a grant is missing: run `maintd grants
+    ROLE --apply`", and the conversion got as far as "preparing jobs_conv" first."""
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    with login_role(pg_dsn, "maintd_owner") as owner, login_role(pg_dsn) as role:
+        apply(pg_dsn, f'CREATE SCHEMA "{schema}" AUTHORIZATION "{owner}"')
+        cfg = write_config(tmp_path, schema)
+        assert cli("--config", cfg, "migrate", env={"MAINTD_DATABASE_URL": role_dsn(pg_dsn, owner)}).returncode == 0
+        apply(pg_dsn, grants.render([schema], role))
+        env = {"MAINTD_DATABASE_URL": role_dsn(pg_dsn, role)}
+        res = cli("--config", cfg, "migrate", "--convert", "partitioned", env=env)
+        assert res.returncode == 1 and res.stdout == "", res.stdout  # refused before it made anything
+        [line] = res.stderr.strip().splitlines()
+        assert f"lacks CREATE on schema '{schema}'" in line and f"owner role ('{owner}')" in line
+        assert "maintd grants" not in line
+        res = cli("--config", cfg, "periodic", "add", "r1", "--schedule", "@hourly", "--kind", "report", env=env)
+        assert res.returncode == 1
+        [line] = res.stderr.strip().splitlines()
+        assert "permission denied for table periodic_jobs" in line and "maintd grants ROLE --apply" not in line
+        assert "schema's owner" in line and f'GRANT INSERT, UPDATE, DELETE ON "{schema}".periodic_jobs' in line
+        owner_env = {"MAINTD_DATABASE_URL": role_dsn(pg_dsn, owner)}
+        res = cli("--config", cfg, "periodic", "add", "r1", "--schedule", "@hourly", "--kind", "report", env=owner_env)
+        assert res.returncode == 0, res.stderr
+        for action in ("pause", "resume"):  # what the daemon's role may do
+            res = cli("--config", cfg, "periodic", action, "r1", env=env)
+            assert res.returncode == 0, res.stderr
+        res = cli("--config", cfg, "periodic", "remove", "r1", env=env)
+        assert res.returncode == 1 and "schema's owner" in res.stderr
+        with psycopg.connect(pg_dsn) as conn:  # nothing was converted
+            assert conn.execute(f"SELECT relkind FROM pg_class WHERE oid = '\"{schema}\".jobs'::regclass").fetchone()[0] == "r"
+            assert conn.execute(f'SELECT count(*) FROM "{schema}".periodic_jobs').fetchone()[0] == 1
+
+
 # -- `maintd grants ROLE [--worker] --apply` against real roles ------------------------------------
 
 TABLE_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")

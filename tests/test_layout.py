@@ -427,6 +427,29 @@ def test_the_cleaner_deletes_everything_on_a_partitioned_table_of_a_plain_config
     assert set(where(engine, schema)).isdisjoint(old)
 
 
+def test_the_partitioner_on_a_plain_table_advises_a_conversion_only_to_a_partitioned_config(engine, maintd_log):
+    """`maintd run-once partitioner` is offered on either layout. On a plain config it has nothing
+    to do and says so; before, it warned 'layout = "partitioned" but the jobs table is plain: run
+    maintd migrate --convert partitioned' to an operator who had asked for no partitions."""
+    from .conftest import new_schema_name
+
+    name = new_schema_name()
+    with engine.connect() as conn:
+        migrate.upgrade(conn, name)  # plain
+    try:
+        for layout in ("plain", "partitioned"):
+            maintd_log.clear()
+            service = Partitioner(PartitionerConfig(layout, PartitionsConfig(), CleanerConfig()))
+            ctx = PassContext(engine=engine, schema=name, clock=FrozenClock(server_now(engine)))
+            assert service.run_once(ctx).layout == "plain"
+            advice = [line for line in maintd_log if "--convert partitioned" in line]
+            assert bool(advice) == (layout == "partitioned"), maintd_log
+            assert layout == "partitioned" or any("nothing to do" in line for line in maintd_log)
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA "{name}" CASCADE'))
+
+
 # -- locks: never waited for ----------------------------------------------------------------------
 
 def test_a_held_lock_leaves_the_work_to_the_next_pass_and_nobody_waits(engine, pg_dsn, schema):

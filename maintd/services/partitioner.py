@@ -171,7 +171,9 @@ class Partitioner(Service):
 
     def _plain(self, result: PartitionerResult) -> PartitionerResult:
         result.layout = "plain"
-        if not self._warned_plain:
+        if self.config.layout != "partitioned":  # `run-once partitioner` on a plain config
+            log.info('the jobs table is plain (layout = "plain"): the partitioner has nothing to do')
+        elif not self._warned_plain:
             self._warned_plain = True
             log.warning('layout = "partitioned" but the jobs table is plain: run '
                         "`maintd migrate --convert partitioned`; nothing to do until then")
