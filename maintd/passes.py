@@ -39,7 +39,7 @@ class Outcome(str, enum.Enum):
     SUCCESS = "success"  # the pass ran to its end
     ERROR = "error"      # the pass failed, or part of it did (e.g. one index of the reindexer)
     FENCED = "fenced"    # the database refused it: this instance does not lead (any more)
-    STOPPED = "stopped"  # it gave up early: leadership lost or shutting down
+    STOPPED = "stopped"  # it gave up early: leadership lost, shutting down, or its settings changed
 
     def __str__(self) -> str:
         return self.value
@@ -111,7 +111,7 @@ def _run(name: str, service: Service, ctx: PassContext,
         slog.warning("pass refused: not the leader", extra=kv(service=name, reason=str(exc)))
         return None, Outcome.FENCED, str(exc)
     except PassStopped:
-        return None, Outcome.STOPPED, "stopped: leadership lost or shutting down"
+        return None, Outcome.STOPPED, "stopped: leadership lost, shutting down, or its settings changed"
     except Exception as exc:  # a failing pass never kills the daemon
         if ctx.should_stop():  # e.g. its query was cancelled because we lost leadership
             return None, Outcome.STOPPED, f"stopped: {describe_db_error(exc)}"

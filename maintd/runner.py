@@ -138,7 +138,7 @@ class Runner:
             active = list(self._active.values())
         self.changes(lambda: self._unschedule(self._jobs()))  # none of them runs a pass any more
         for ctx in active:
-            ctx.query.cancel()
+            _stop(ctx)
         if was_active:
             self.gauges.clear()  # only the leader exports job gauges: a follower's would be stale
         deadline = time.monotonic() + timeout
@@ -153,8 +153,9 @@ class Runner:
         ones start at once, changed triggers are replaced, unchanged ones keep their next run."""
         with self._lock:
             self.settings = settings
-            self.services = self.build(settings)
+            old, self.services = self.services, self.build(settings)
             self._recorded = {}  # new settings: the first pass of each service is written
+            self._stop_changed(old)
             if self._fence is not None:
                 self._schedule_all(reload=True)
                 # Ticks the old services put off (quiet_until: the periodic enqueuer's next slot,
@@ -163,6 +164,15 @@ class Runner:
                 now = datetime.now(timezone.utc)
                 for name in self._pushed & set(self.services):
                     self._add_wake(name, now)
+
+    def _stop_changed(self, old: dict[str, Service]) -> None:
+        """A pass running under settings that changed stops now (a retention lengthened or a
+        service disabled must stop its deletions); the new settings run from the next tick."""
+        for name, ctx in list(self._active.items()):
+            new = self.services.get(name)
+            if new is None or not _same_settings(old.get(name), new):
+                log.info("pass stopped: its settings changed", extra=kv(service=name))
+                _stop(ctx)
 
     def _schedule_all(self, reload: bool = False) -> None:
         now = datetime.now(timezone.utc)  # APScheduler's own time base (host clock)
@@ -270,8 +280,9 @@ class Runner:
             if fence is None or service is None or stop_event.is_set() or self._paused or name in self._active \
                     or (not wake and self._quiet(service)):
                 return
+            # Its own stop: set with the term's (deactivate), or alone when a reload changes it.
             ctx = PassContext.for_settings(self.settings, self.engine, self.clock, fence=fence,
-                                           stop_event=stop_event, log=logging.getLogger(f"maintd.{name}"),
+                                           stop_event=threading.Event(), log=logging.getLogger(f"maintd.{name}"),
                                            statements=self.statements)
             self._active[name] = ctx
         try:
@@ -437,3 +448,16 @@ def _trigger_key(trigger: BaseTrigger) -> Any:
     if isinstance(trigger, IntervalTrigger):
         return ("interval", trigger.interval)
     return ("other", getattr(trigger, "key", None) or str(trigger), str(getattr(trigger, "timezone", "")))
+
+
+def _stop(ctx: PassContext) -> None:
+    """Stop a running pass: its stop flag set (checked between batches) and its query cancelled."""
+    ctx.stop_event.set()
+    ctx.query.cancel()
+
+
+def _same_settings(old: Service | None, new: Service) -> bool:
+    try:
+        return old is not None and new.enabled() and old.config == new.config
+    except Exception:  # a section that cannot even be compared has changed
+        return False

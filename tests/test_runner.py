@@ -215,6 +215,47 @@ def test_reload_reschedules_toggles_and_intervals(settings, engine, monkeypatch)
     assert runner.timetable.get_jobs() == []
 
 
+def test_a_reload_stops_a_running_pass_whose_settings_changed(settings, engine, schema):
+    """An operator who lengthens a retention that was too short, or disables the cleaner, stops
+    its deletions at once. Before, the pass running at the reload went on under the old settings
+    until the whole backlog was gone (an independent review watched 23,000 rows go in 30 s after
+    `completed_retention = "30d"` was reloaded). A service whose settings did not change keeps
+    its pass."""
+    from maintd.services import build_services
+
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, finalized_at) SELECT 'k', 'completed', "
+                         "now() - interval '2 days' FROM generate_series(1, 3000)", schema))
+    settings.cleaner.batch_size, settings.cleaner.batch_pause = 100, timedelta(milliseconds=200)
+    metrics = Metrics()
+    runner = Runner(settings, engine, metrics, build=lambda s: {"cleaner": build_services(s)["cleaner"]})
+
+    def left() -> int:
+        with engine.connect() as conn:
+            return conn.execute(sql("SELECT count(*) FROM {schema}.jobs", schema)).scalar()
+
+    runner.start()
+    try:
+        runner.activate(NoFence())
+        wait_for(lambda: left() <= 2800, 20, what="the cleaner's first batches")
+        same = settings.model_copy(deep=True)
+        same.log.level = "debug"  # another section: the cleaner's pass goes on
+        runner.reload(same)
+        at = left()
+        wait_for(lambda: left() <= at - 300, 20, what="the cleaner's pass to go on")
+        longer = same.model_copy(deep=True)
+        longer.cleaner.completed_retention = timedelta(days=30)
+        runner.reload(longer)
+        wait_for(lambda: "cleaner" not in runner._active, 5, what="the pass to stop")
+        at = left()
+        time.sleep(1.5)  # seven batch pauses: the old pass would have deleted 700 more
+        assert left() == at > 0  # the passes since, under the new settings, deleted nothing
+        stopped = {"target": TARGET, "service": "cleaner", "outcome": "stopped"}
+        assert sample(metrics, "maintd_service_runs_total", stopped) == 1
+    finally:
+        runner.shutdown()
+
+
 def test_a_fenced_pass_demotes_only_its_own_live_term(settings, engine, monkeypatch):
     release = threading.Event()
     calls: list[int] = []
