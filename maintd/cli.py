@@ -313,6 +313,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.convert and args.downgrade:
         raise ConfigError(["--convert: does not go with --downgrade"])
+    if args.start is not None:
+        raise ConfigError(["--from: only with --sql (the schema's revision is read from the database)"])
     failed = 0
     for settings in targets:
         try:

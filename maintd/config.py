@@ -8,6 +8,7 @@ of :mod:`maintd.sections`, and :class:`Settings` assembles them.
 
 from __future__ import annotations
 
+import getpass
 import os
 import re
 import socket
@@ -18,12 +19,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from .identifiers import validate_identifier, validate_schema
 from .logs import redact_dsn
 from .sections import PositiveDuration, Section
-from .services.cleaner import CleanerConfig
+from .services.cleaner import CleanerConfig, QueueRetention
 from .services.partitioner import PartitionsConfig
 from .services.periodic_config import CrontabJob, PeriodicJob
 from .services.reindexer import ReindexerConfig
@@ -283,6 +284,10 @@ with warnings.catch_warnings():
             """The effective configuration as plain data, with the DSN password masked."""
             data = self.model_dump(mode="json")
             data["database_url"] = redact_dsn(self.database_url.get_secret_value())
+            for queue in self.cleaner.queues:  # what applies: a state not named falls back
+                data["cleaner"]["queues"][queue] = QueueRetention(**{
+                    f"{state}_retention": self.cleaner.retention(state, queue)
+                    for state in ("completed", "cancelled", "discarded")}).model_dump(mode="json")
             for entry, t in zip(data.get("targets", []), self.targets):
                 if t.database_url is not None:
                     entry["database_url"] = redact_dsn(t.database_url.get_secret_value())
@@ -304,10 +309,10 @@ def _target_settings(top: "Settings") -> list["Settings"]:
     ValueError naming ``targets[i]`` and the key."""
     out: list[Settings] = []
     names: dict[str, int] = {}
-    schemas: dict[tuple[str, str], int] = {}
+    schemas: dict[tuple[tuple, str], int] = {}
     for i, t in enumerate(top.targets):
         dsn = t.database_url or top.database_url
-        for what, key, seen in (("schema", (dsn.get_secret_value(), t.schema), schemas),
+        for what, key, seen in (("schema", (database_of(dsn.get_secret_value()), t.schema), schemas),
                                 ("name", t.target_name, names)):
             if key in seen:
                 shown = t.target_name if what == "name" else t.schema
@@ -329,11 +334,39 @@ def _target_settings(top: "Settings") -> list["Settings"]:
                 update["periodic"] = [PeriodicJob.model_validate(p) for p in t.periodic]
             except ValidationError as exc:
                 raise ValueError(f"targets[{i}].{_first_error('periodic', exc)} (target {t.target_name})") from None
+            if (clash := _id_clash(update["periodic"], top._crontab_jobs)) is not None:
+                raise ValueError(f"targets[{i}].periodic: {clash} (target {t.target_name})")
         settings = top.model_copy(update=update)
         settings._target_name = t.target_name
         settings._targets = []
         out.append(settings)
     return out
+
+
+def _id_clash(periodic: list[PeriodicJob], crontab: list[CrontabJob]) -> str | None:
+    """A target's own ``periodic`` list: an id twice, or also a crontab line's (the top-level
+    list is checked by ``Settings._periodic_ids``): one of them would never be enqueued."""
+    seen: set[str] = set()
+    for job in periodic:
+        if job.id in seen:
+            return f"id {job.id!r} is defined twice"
+        seen.add(job.id)
+    taken = next((j for j in crontab if j.id in seen), None)
+    return None if taken is None else f"id {taken.id!r} is also a crontab line's ({taken.line})"
+
+
+def database_of(dsn: str) -> tuple:
+    """The server(s) and database a DSN reaches, spelled one way: libpq's defaults (and PG*
+    variables) filled in, so ``host:5432/db`` and ``host/db`` are one database."""
+    import psycopg.conninfo
+
+    params = psycopg.conninfo.conninfo_to_dict(re.sub(r"^postgres(ql)?\+psycopg2?://", "postgresql://", dsn))
+    env = os.environ
+    hosts = str(params.get("host") or params.get("hostaddr") or env.get("PGHOST") or "/var/run/postgresql").split(",")
+    ports = str(params.get("port") or env.get("PGPORT") or "5432").split(",")
+    ports = [p or "5432" for p in (ports * len(hosts) if len(ports) == 1 else ports)]
+    user = params.get("user") or env.get("PGUSER") or getpass.getuser()
+    return tuple(zip(hosts, ports)), params.get("dbname") or env.get("PGDATABASE") or user
 
 
 def _first_error(section: str, exc: ValidationError) -> str:
@@ -367,12 +400,26 @@ def _load_crontab(path: str, taken: set[str]) -> list[CrontabJob]:
 DSN_PROBLEMS = (  # the first whose key is in libpq's message
     ("forbidden value %00", "a %00 in the URL"),
     ("unexpected spaces", "a space in the URL: write it as %20"),
+    ("invalid URI query parameter", "an unknown connection option in the URL's query"),
     ("query parameter", "a query parameter that is not key=value: write '&' in a password as %26"),
     ("percent-encoded", "a '%' not followed by two hex digits: write '%' in a password as %25"),
     ('missing "="', "a word that is not key=value: quote a value that holds a space, as in password='a b'"),
     ("unterminated quoted string", "a quoted value without its closing quote"),
     ("invalid connection option", "an unknown connection option"),
 )
+
+
+# Connection options whose values libpq checks only when it connects (the daemon would retry a
+# bad one for ever, as if the server were down): PostgreSQL's libpq-connect.html.
+CHOICES = {
+    "sslmode": ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"),
+    "gssencmode": ("disable", "prefer", "require"),
+    "channel_binding": ("disable", "prefer", "require"),
+    "target_session_attrs": ("any", "read-write", "read-only", "primary", "standby", "prefer-standby"),
+    "load_balance_hosts": ("disable", "random"),
+    "sslcertmode": ("disable", "allow", "require"),
+    "sslnegotiation": ("postgres", "direct"),
+}
 
 
 def check_dsn(v: SecretStr) -> SecretStr:
@@ -391,6 +438,9 @@ def check_dsn(v: SecretStr) -> SecretStr:
     except psycopg.ProgrammingError as exc:
         reason = next((why for key, why in DSN_PROBLEMS if key in str(exc)), "libpq cannot parse it")
         raise ValueError(f"not a postgresql:// URL or libpq key=value string ({reason})") from None
+    for key, allowed in CHOICES.items():  # libpq checks these only when it connects
+        if key in params and str(params[key]) not in allowed:
+            raise ValueError(f"{key} must be one of {', '.join(allowed)}")
     if any("@" in host for host in str(params.get("host") or "").split(",")):
         raise ValueError("a host name with '@': write '@' in a user name or password as %40")
     secret = "@" in raw or "password" in raw.lower()
@@ -477,9 +527,20 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
         settings = Settings(**data)
     except ValidationError as exc:
         problems += _format_errors(exc, data)
+    except SettingsError as exc:  # a MAINTD_<SECTION>[__KEY] variable that is not JSON
+        problems.append(_env_json_problem(str(exc), environ))
     if problems:
         raise ConfigError(problems)
     return settings
+
+
+def _env_json_problem(error: str, environ: Any) -> str:
+    """pydantic-settings' error names the field, not the variable: name the variables."""
+    found = re.search(r'field "(\w+)"', error)
+    prefix = f"MAINTD_{found.group(1).upper() if found else ''}"
+    names = sorted(k for k in environ if k.upper() == prefix or k.upper().startswith(prefix + "__")) or [prefix]
+    return (f"{' or '.join(names)}: not valid JSON (a section, table or list given in one variable is "
+            "JSON, as in MAINTD_LEADER='{\"lease\": \"10s\"}'; one key is MAINTD_LEADER__LEASE=10s)")
 
 
 _TOP_KEYS = frozenset(Settings.model_fields)  # what a MAINTD_<KEY>[__...] variable may name

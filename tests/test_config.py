@@ -196,6 +196,23 @@ def test_config_path_from_env(tmp_path, monkeypatch):
     ("[[targets]]\nschema = 'a'\nlayout = 'heap'", "targets[0].layout: Input should be 'plain' or 'partitioned'"),
     ("[[targets]]\nschema = 'a'\npartitions = { interval = '10s' }",
      "targets[0].partitions.interval: must be at least 1m"),
+    # A target's own periodic list: an id twice enqueued one of them only (the other was
+    # 'skipped: duplicate' at every shared slot), as the top-level list's check says.
+    ("[[targets]]\nschema = 'a'\n[[targets.periodic]]\nid = 'x'\nschedule = '@hourly'\nkind = 'k1'\n"
+     "[[targets.periodic]]\nid = 'x'\nschedule = '@hourly'\nkind = 'k2'",
+     "targets[0].periodic: id 'x' is defined twice (target a)"),
+    # The same schema of one database, the URL spelled two ways (libpq's default port filled in).
+    ("[[targets]]\nschema = 'a'\ndatabase_url = 'postgresql://u@db.internal:5432/app'\n"
+     "[[targets]]\nname = 'b'\nschema = 'a'\ndatabase_url = 'postgresql://u@db.internal/app'",
+     "targets[1].schema: 'a' is also targets[0]'s schema"),
+    ("[[targets]]\nschema = 'a'\ndatabase_url = 'host=db.internal dbname=app user=u'\n"
+     "[[targets]]\nname = 'b'\nschema = 'a'\ndatabase_url = 'postgresql://u@db.internal:5432/app?sslmode=require'",
+     "targets[1].schema: 'a' is also targets[0]'s schema"),
+    # Option values libpq checks only when it connects: `maintd run` retried them for ever.
+    ("database_url = 'postgresql://u@h/app?sslmode=bogus'",
+     "database_url: sslmode must be one of disable, allow, prefer, require, verify-ca, verify-full"),
+    ("database_url = 'host=h dbname=app target_session_attrs=primry'", "database_url: target_session_attrs must be"),
+    ("database_url = 'postgresql://u:pw@h/app?bogus_opt=1'", "an unknown connection option in the URL's query"),
 ])
 def test_bad_config_names_the_key(tmp_path, body, key):
     p = write(tmp_path, body)
@@ -270,7 +287,11 @@ def test_every_problem_is_reported_one_per_line(tmp_path, monkeypatch):
     # In a log line, beside other text.
     ('error="connection to postgresql://u:pw@h/d failed" dsn=host=h password=pw',
      'error="connection to postgresql://u:***@h/d failed" dsn=host=h password=***'),
-    ("host=db passwordfile=none old_password=x", "host=db passwordfile=none old_password=x"),
+    ("host=db passwordfile=none", "host=db passwordfile=none"),
+    # Any key that ends in password: sslpassword is a client key's passphrase (libpq).
+    ("postgresql://u:pw@h/app?sslpassword=KEYPASS&sslmode=require",
+     "postgresql://u:***@h/app?sslpassword=***&sslmode=require"),
+    ("host=h sslpassword='k e y' dbname=app", "host=h sslpassword=*** dbname=app"),
     # A password with an '@' or a '/' not percent-encoded (refused by check_dsn, but masked wherever
     # such a URL shows up): up to the last '@' of the URL, not the first.
     ("postgresql://daemon:D4em@nPw@127.0.0.1:5432/app", "postgresql://daemon:***@127.0.0.1:5432/app"),
@@ -289,6 +310,34 @@ def test_check_config_prints_redacted(tmp_path, capsys):
     assert data["database_url"] == "postgresql://maintd:***@db/app"
     assert data["cleaner"]["completed_retention"] == "1d"
     assert data["cleaner"]["discarded_retention"] == "1w"
+
+
+def test_check_config_prints_the_retention_that_applies_to_each_queue(tmp_path, capsys):
+    """A queue's override names some states; the others fall back to the state's retention.
+    check-config printed those as -1 (keep forever), which, pasted back, keeps them forever."""
+    p = write(tmp_path, '[cleaner]\ncompleted_retention = "2d"\n[cleaner.queues.short]\n'
+                        'completed_retention = "1h"\n[cleaner.queues.keep]\ndiscarded_retention = -1\n')
+    assert main(["--config", str(p), "check-config"]) == 0
+    queues = json.loads(capsys.readouterr().out)["cleaner"]["queues"]
+    assert queues == {
+        "short": {"completed_retention": "1h", "cancelled_retention": "1d", "discarded_retention": "1w"},
+        "keep": {"completed_retention": "2d", "cancelled_retention": "1d", "discarded_retention": "-1"}}
+    again = load_settings(write(tmp_path, "[cleaner]\n" + "".join(
+        f"[cleaner.queues.{q}]\n" + "".join(f'{k} = "{v}"\n' for k, v in keys.items()) for q, keys in queues.items())))
+    assert {q: {st: again.cleaner.retention(st, q) for st in ("completed", "cancelled", "discarded")} for q in queues} == {
+        "short": {"completed": timedelta(hours=1), "cancelled": timedelta(days=1), "discarded": timedelta(days=7)},
+        "keep": {"completed": timedelta(days=2), "cancelled": timedelta(days=1), "discarded": None}}
+
+
+@pytest.mark.parametrize("name,value", [("MAINTD_LEADER", "{bad"), ("MAINTD_TARGETS", "x"),
+                                        ("MAINTD_CLEANER__QUEUES", "zz")])
+def test_a_variable_that_is_not_json_exits_2_naming_it(monkeypatch, capsys, name, value):
+    """A section, table or list given in one variable is JSON; pydantic-settings' error named the
+    field, not the variable, and exited 1."""
+    monkeypatch.setenv(name, value)
+    assert main(["check-config"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"maintd: config error: {name}: not valid JSON")
 
 
 def test_check_config_validates_and_prints_every_target_merged(tmp_path, capsys):
@@ -362,6 +411,12 @@ def test_bad_arguments_exit_2_naming_the_argument(argv, named, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_migrate_from_without_sql_exits_2(capsys):
+    """--from says where offline SQL starts; without --sql it was ignored ('nothing to do', 0)."""
+    assert main(["migrate", "--from", "base"]) == 2
+    assert "--from: only with --sql" in capsys.readouterr().err
 
 
 def test_relative_and_known_revisions_are_taken():

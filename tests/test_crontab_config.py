@@ -71,6 +71,18 @@ def test_bad_crontab_lines_are_config_errors_naming_file_and_line(tmp_path, pg_d
     assert main(["--config", cfg, "check-config"]) == 2
 
 
+def test_a_targets_periodic_id_that_is_also_a_crontab_lines_is_a_config_error(tmp_path, pg_dsn, schema):
+    """A target's own [[targets.periodic]] list shares its ids with the crontab's lines, as the
+    top-level list does; the clash was accepted, and one of the two never enqueued."""
+    cfg = write_config(tmp_path, pg_dsn, schema, "0 4 * * * task ?id=a\n",
+                       f'[[targets]]\nschema = "{schema}"\n[[targets.periodic]]\nid = "a"\n'
+                       'schedule = "@hourly"\nkind = "other"\n')
+    with pytest.raises(ConfigError) as err:
+        load_settings(cfg)
+    assert f"targets[0].periodic: id 'a' is also a crontab line's (" in str(err.value)
+    assert "jobs.crontab:1)" in str(err.value) and f"(target {schema})" in str(err.value)
+
+
 def test_every_bad_crontab_line_is_a_config_error_of_its_own(tmp_path, pg_dsn, schema):
     """Issue 28: only the first bad line was reported."""
     cfg = write_config(tmp_path, pg_dsn, schema, "-90 * * * * a\n0 4 * * * ok\n* * * * * b.c\n* * * * * d {x\n")
