@@ -114,6 +114,7 @@ class Seat:
         self.started = False  # the loop tries for it only once started (its schema checked)
         self.keep_trying = True  # run-once: a term lost is not taken again
         self.gate_at, self.notified, self.bump_waiting = 0.0, False, False
+        self.failure: str | None = None  # why the last won lock's term could not start
 
     @property
     def term(self) -> Term | None:
@@ -185,6 +186,8 @@ class ElectionLoop:
         self._read_at = -math.inf
         self._thread: threading.Thread | None = None
         cfg = settings.leader
+        # REFRESH, or often enough that idle_session_timeout (the lease) never ends an idle follower's session
+        self.refresh = min(REFRESH, cfg.lease.total_seconds() / 2)
         self.timing = Timing(renew=cfg.renew_interval.total_seconds(), trust=(cfg.lease - cfg.renew_interval).total_seconds(),
                              bump_deadline=3 * cfg.lease.total_seconds(), retry=cfg.retry_interval.total_seconds())
 
@@ -245,7 +248,7 @@ class ElectionLoop:
                 self.round()
                 if self._stopping and all(isinstance(t.state, Following) and t.state.won_at is None for t in self.targets):
                     break  # every lock released
-                self._sleep(min([self._read_at + REFRESH] + [t.next_due() for t in self.targets]))
+                self._sleep(min([self._read_at + self.refresh] + [t.next_due() for t in self.targets]))
             except Exception as exc:  # the loop survives anything a round meets
                 delay = self._failed(exc, delay)
         self.session.close()
@@ -373,7 +376,8 @@ class ElectionLoop:
                 raise
             with about_target(seat.log_name):
                 log.error("could not start a term", extra=kv(error=describe_db_error(exc)))
-            event = BumpFailed(describe_db_error(exc))
+            seat.failure = describe_db_error(exc)
+            event = BumpFailed(seat.failure)
         if self.spread is not None and not isinstance(event, BumpBlocked):
             self.spread.tried(seat.name, isinstance(event, Bumped))
         self._apply(seat, event, time.monotonic())
@@ -407,10 +411,10 @@ class ElectionLoop:
             self._apply(seat, Lost(reason), time.monotonic())
 
     def _refresh(self) -> None:
-        """Every REFRESH s, one statement: the live replicas (the spread's R, from the first target
+        """Every ``refresh`` s, one statement: the live replicas (the spread's R, from the first target
         whose schema answers) and whether the server takes writes. It also keeps the session from
         looking idle, so ``idle_session_timeout`` ends it only when this process is frozen or cut off."""
-        if time.monotonic() - self._read_at < REFRESH:
+        if time.monotonic() - self._read_at < self.refresh:
             return
         self._read_at, was = time.monotonic(), self.replicas
         for seat in self.targets:
@@ -484,6 +488,8 @@ def acquire_once(settings: Settings, wait: float = 0.0, *,
         loop.round()
     if seat.term is None:
         loop.stop()
+        if seat.failure is not None:  # the lock was won, not held by another instance
+            raise RuntimeError(f"could not start a term: {seat.failure}")
         return None
     loop.start()
     return loop, seat.fence()

@@ -105,6 +105,26 @@ class Recorder:
             elector.stop()
 
 
+def test_an_idle_follower_keeps_its_lock_session_with_the_shortest_lease(settings, pg_version):
+    """The lock session carries idle_session_timeout = lease (SPEC 3). A follower with nothing to
+    try (here: not started; in a daemon, the spread's join wait or a target it does not own)
+    sends only the loop's read of the replicas, which came every second: with the shortest
+    lease allowed, 1 s, the server ended the session every time, and the replicas seen flapped
+    (an independent review saw 'terminating connection due to idle-session timeout')."""
+    assert pg_version >= 14, "every server the suite runs on has idle_session_timeout"
+    settings = with_leader(settings, lease="1s", renew_interval="0.3s", retry_interval="0.2s")
+    elector = Recorder().elector(settings)
+    elector.seat.started = False
+    elector.start()
+    try:
+        wait_for(lambda: elector.session.open, 10, what="the lock session")
+        pid = elector.session.conn.info.backend_pid
+        time.sleep(4)
+        assert elector.session.open and elector.session.conn.info.backend_pid == pid
+    finally:
+        elector.stop()
+
+
 def test_fence_refuses_a_stale_epoch_and_writes_nothing(settings, engine, schema):
     held = acquire_once(settings)
     assert held is not None
