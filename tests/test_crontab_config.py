@@ -79,7 +79,7 @@ def test_a_targets_periodic_id_that_is_also_a_crontab_lines_is_a_config_error(tm
                        'schedule = "@hourly"\nkind = "other"\n')
     with pytest.raises(ConfigError) as err:
         load_settings(cfg)
-    assert f"targets[0].periodic: id 'a' is also a crontab line's (" in str(err.value)
+    assert "targets[0].periodic: id 'a' is also a crontab line's (" in str(err.value)
     assert "jobs.crontab:1)" in str(err.value) and f"(target {schema})" in str(err.value)
 
 
