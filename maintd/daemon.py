@@ -275,24 +275,24 @@ class Daemon:
         changed = [k for k in RESTART_ONLY if getattr(settings, k) != getattr(self.settings, k)
                    and not (k == "http" and settings.http.listen == self.settings.http.listen
                             and settings.http.enabled == self.settings.http.enabled)]
-        if "instance_id" in changed and self.config_path is not None:
-            changed.remove("instance_id")  # a default derived from the pid, not set in the file
+        if "instance_id" in changed and "instance_id" not in settings.model_fields_set:
+            changed.remove("instance_id")  # a default (<host>-<pid>) read again, not set in the file
         if changed:
             log.warning("config reload: needs a restart; kept the old value", extra=kv(keys=",".join(changed)))
         keep = {k: getattr(self.settings, k) for k in RESTART_ONLY if k != "http"}
         keep["http"] = self.settings.http.model_copy(update={"auth_token": settings.http.auth_token})
-        settings = settings.model_copy(update=keep)
-        self.settings = settings
-        self._reload_targets(settings)
+        self.settings = settings = self._reload_targets(settings.model_copy(update=keep))
+        for metrics in {id(t.metrics): t.metrics for t in self.targets}.values():
+            metrics.max_queues = settings.metrics.max_queues  # from the next refresh of the gauges
         setup_logging(settings.log.level, settings.log.format)
         enabled = [n for n, s in self.targets[0].runner.services.items() if s.enabled()]
         log.info("config reloaded", extra=kv(services=",".join(enabled) or "none", **periodic_counts(settings)))
 
-    def _reload_targets(self, settings: Settings) -> None:
+    def _reload_targets(self, settings: Settings) -> Settings:
         """Each target gets its new sections; adding, removing or moving a target needs a
-        restart (kept as it was, with a log line)."""
-        if bool(settings.targets) != bool(self.settings.targets) or settings.targets:
-            settings._targets = _target_settings(settings) if settings.targets else []  # over the kept keys
+        restart (kept as it was, with a log line). Returns the settings of the targets that run
+        (what /status and the dashboard show)."""
+        settings._targets = _target_settings(settings) if settings.targets else []  # over the kept keys
         new = {t.target_name: t for t in settings.target_settings()}
         old = {t.name: t for t in self.targets}
         moved = [n for n, t in old.items() if n not in new or _engine_key(new[n]) != _engine_key(t.settings)
@@ -300,9 +300,15 @@ class Daemon:
         if moved:
             log.warning("config reload: targets need a restart to be added, removed or moved; kept "
                         "those as they were", extra=kv(targets=",".join(moved)))
+            entries = {t.target_name: t for t in settings.targets}
+            running = [t if t.target_name in moved else entries.get(t.target_name, t) for t in self.settings.targets]
+            settings = settings.model_copy(update={"targets": running})
+            settings._targets = _target_settings(settings) if running else []
+            new = {t.target_name: t for t in settings.target_settings()}
         for name, target in old.items():
             if name in new and name not in moved:
                 target.reload(new[name])
+        return settings
 
     def reload_from_file(self) -> bool:
         """SIGHUP: apply the config file; an invalid one changes nothing."""

@@ -62,3 +62,30 @@ def test_a_reload_of_a_restart_only_key_says_it_needs_a_restart(pg_dsn, schema, 
         assert daemon.settings.cleaner.interval.total_seconds() == 7  # applied
     finally:
         daemon.stop()
+
+
+def test_a_reload_that_cannot_change_the_targets_keeps_describing_the_running_ones(pg_dsn, schema, tmp_path,
+                                                                                   maintd_log):
+    """Adding, removing or moving a target needs a restart, and the reload says so; but the
+    daemon took the new file's targets as its own all the same: /status switched to the
+    several-targets shape and the dashboard listed (and opened reader pools to) a target it did
+    not run, one pool more per reload. Its other keys still apply: a section, metrics.max_queues
+    (was logged as reloaded and ignored) and an instance_id set in the file (ignored unsaid)."""
+    cfg = tmp_path / "m.toml"
+    base = f'database_url = "{pg_dsn}"\nschema = "{schema}"\n'
+    cfg.write_text(base + 'instance_id = "r1"\n[http]\nenabled = false\n')
+    daemon = Daemon(load_settings(str(cfg)), config_path=str(cfg))
+    try:
+        moved = pg_dsn.replace("127.0.0.1:5432", "127.0.0.1") if ":5432" in pg_dsn else pg_dsn + "?sslmode=disable"
+        cfg.write_text(base + 'instance_id = "r2"\n[http]\nenabled = false\n[metrics]\nmax_queues = 3\n[cleaner]\ninterval = "7s"\n'
+                       f'[[targets]]\nschema = "{schema}"\n[[targets]]\nname = "other"\nschema = "{schema}_b"\n'
+                       f'database_url = "{moved}"\n')
+        assert daemon.reload_from_file()
+        assert any("targets need a restart" in line for line in maintd_log), maintd_log
+        assert any("needs a restart" in line and "instance_id" in line for line in maintd_log), maintd_log
+        assert daemon.settings.targets == [] and [t.target_name for t in daemon.settings.target_settings()] == [schema]
+        assert daemon.settings.instance_id == "r1"
+        assert daemon.targets[0].settings.cleaner.interval.total_seconds() == 7  # applied
+        assert daemon.targets[0].metrics.max_queues == 3
+    finally:
+        daemon.stop()
