@@ -305,19 +305,26 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def _target_settings(top: "Settings") -> list["Settings"]:
-    """One Settings per [[targets]] entry; a duplicate name or schema, or a bad override, is a
-    ValueError naming ``targets[i]`` and the key."""
+    """One Settings per [[targets]] entry; a duplicate name or schema (or two schemas of one
+    database whose leader locks collide), or a bad override, is a ValueError naming
+    ``targets[i]`` and the key."""
+    from .db import advisory_key
+
     out: list[Settings] = []
     names: dict[str, int] = {}
     schemas: dict[tuple[tuple, str], int] = {}
+    locks: dict[tuple[tuple, tuple[int, int]], int] = {}
     for i, t in enumerate(top.targets):
         dsn = t.database_url or top.database_url
-        for what, key, seen in (("schema", (database_of(dsn.get_secret_value()), t.schema), schemas),
-                                ("name", t.target_name, names)):
+        database = database_of(dsn.get_secret_value())
+        for what, key, seen in (("schema", (database, t.schema), schemas), ("name", t.target_name, names)):
             if key in seen:
                 shown = t.target_name if what == "name" else t.schema
                 raise ValueError(f"targets[{i}].{what}: {shown!r} is also targets[{seen[key]}]'s {what}")
             seen[key] = i
+        if (other := locks.setdefault((database, advisory_key(t.schema)), i)) != i:
+            raise ValueError(f"targets[{i}].schema: {t.schema!r} has the leader lock key of targets[{other}]'s "
+                             f"schema {top.targets[other].schema!r} (a hash of the name): rename one of them")
         update: dict[str, Any] = {"schema": t.schema, "database_url": dsn, "targets": [],
                                   "layout": t.layout or top.layout}
         for section in TARGET_SECTIONS:

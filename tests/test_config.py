@@ -208,6 +208,11 @@ def test_config_path_from_env(tmp_path, monkeypatch):
     ("[[targets]]\nschema = 'a'\ndatabase_url = 'host=db.internal dbname=app user=u'\n"
      "[[targets]]\nname = 'b'\nschema = 'a'\ndatabase_url = 'postgresql://u@db.internal:5432/app?sslmode=require'",
      "targets[1].schema: 'a' is also targets[0]'s schema"),
+    # Two schemas whose leader locks collide (32 bits of CRC-32 of the name, found by search):
+    # one daemon took both locks (advisory locks are re-entrant in a session) and proved the
+    # wrong schema's; two daemons left one schema without a leader for good.
+    ("[[targets]]\nschema = 't29685295'\n[[targets]]\nschema = 't32060020'",
+     "targets[1].schema: 't32060020' has the leader lock key of targets[0]'s schema 't29685295'"),
     # Option values libpq checks only when it connects: `maintd run` retried them for ever.
     ("database_url = 'postgresql://u@h/app?sslmode=bogus'",
      "database_url: sslmode must be one of disable, allow, prefer, require, verify-ca, verify-full"),
