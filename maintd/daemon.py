@@ -26,7 +26,7 @@ from .dashboard import Dashboard
 from .db import HostOrder, describe_db_error
 from .guardian import HealthMonitor, monitors
 from .faults import transient
-from .http import HttpServer, Recent, as_json, metrics_body
+from .http import HttpServer, Recent, as_json, metrics_body, ready_metrics
 from .http import text as text_body
 from .leader import ElectionLoop
 from .listener import raise_descriptor_limit
@@ -154,7 +154,8 @@ class Daemon:
                 "/status": self._status,
             }, pages=Dashboard(lambda: self.settings, readers=self.readers,
                                health=self.health_status).pages(),  # /, /jobs, /jobs/{id}
-               auth_token=lambda: self.settings.http.auth_token)  # all but the probes and /metrics
+               auth_token=lambda: self.settings.http.auth_token,  # all but the probes and /metrics
+               ready={"/metrics": lambda: ready_metrics(scrape)})  # on the loop while no render is due
         except OSError as exc:
             raise HttpListenError(f"http.listen {address}: cannot listen: {exc.strerror or exc}") from None
         self.http.start()

@@ -121,18 +121,34 @@ class HttpServer:
     (``/jobs/{id}``) -> callable taking a :class:`Request`. ``auth_token`` is read on every
     request (a reload may change it); ``None`` leaves everything open. ``lanes``: the worker lane
     of a path (see :mod:`maintd.listener`): the probes are answered on the listener's loop,
-    ``/metrics`` has threads of its own, everything else is a page (two at a time)."""
+    ``/metrics`` has threads of its own, everything else is a page (two at a time). ``ready``:
+    path -> callable returning the answer when it needs no work, else None, made on the
+    listener's loop (for the ``open_paths`` only: a token is checked on the lane)."""
 
     def __init__(self, host: str, port: int, routes: dict[str, Callable[[], Response]], *,
                  pages: dict[str, Callable[[Request], Response]] | None = None,
                  auth_token: Callable[[], Any] | None = None,
                  open_paths: Collection[str] = ("/metrics", "/healthz", "/readyz"),
-                 lanes: Mapping[str, str] | None = None, limits: Limits = Limits()):
+                 lanes: Mapping[str, str] | None = None, limits: Limits = Limits(),
+                 ready: Mapping[str, Callable[[], Response | None]] | None = None):
         self.routes, self.pages = routes, dict(pages or {})
         self.auth_token, self.open_paths = auth_token, frozenset(open_paths)
         self.lanes = dict(LANES if lanes is None else lanes)
+        self.ready = dict(ready or {})
         self.listener = Listener(host, port, lambda method, target, headers: self.respond(target, headers),
-                                 lambda path: self.lanes.get(path, "page"), limits)
+                                 lambda path: self.lanes.get(path, "page"), limits,
+                                 ready=lambda method, target, headers: self.respond_ready(target))
+
+    def respond_ready(self, raw_path: str) -> tuple[int, str, bytes, dict[str, str]] | None:
+        """On the listener's loop: the answer of an open path whose ``ready`` route has it
+        without work; else None (the request goes to its lane, to :meth:`respond`)."""
+        path = raw_path.partition("?")[0]
+        route = self.ready.get(path) if path in self.open_paths else None
+        result = route() if route is not None else None
+        if result is None:
+            return None
+        status, ctype, body, *extra = result
+        return status, ctype, body, {**COMMON_HEADERS, **(extra[0] if extra else {})}
 
     def respond(self, raw_path: str, headers: Mapping[str, str]) -> tuple[int, str, bytes, dict[str, str]]:
         try:
@@ -194,15 +210,39 @@ class Recent:
     one caller at a time: however many clients scrape ``/metrics`` at once, it is rendered at
     most once per ``max_age``. A render holds the interpreter's lock, which the listener's loop
     needs to answer the probes: a flood of scrapers rendering for themselves slowed ``/healthz``
-    past a second."""
+    past a second.
+
+    While one caller renders, the others take the last result rather than wait for the next, and
+    :meth:`ready` (on the listener's loop) hands it out without a thread: a flood of scrapers
+    waiting behind the render filled the metrics lane, and Prometheus' own scrape got ``503``."""
 
     def __init__(self, render: Callable[[], bytes], max_age: float = 0.5):
         self.render, self.max_age = render, max_age
         self._lock = threading.Lock()
-        self._body, self._at = b"", float("-inf")
+        self._body: bytes | None = None
+        self._at = self._asked = float("-inf")
 
     def __call__(self) -> bytes:
-        with self._lock:
+        if not self._lock.acquire(blocking=self._body is None):
+            return self._body  # being rendered by another caller: the last one meanwhile
+        try:
             if time.monotonic() - self._at > self.max_age:
                 self._body, self._at = self.render(), time.monotonic()
             return self._body
+        finally:
+            self._lock.release()
+
+    def ready(self) -> bytes | None:
+        """The last result while it is fresh, or while the next one was asked for less than
+        ``max_age`` ago; else None, and the caller is the one that asks (calls this object)."""
+        now = time.monotonic()
+        if self._body is not None and (now - self._at <= self.max_age or now - self._asked <= self.max_age):
+            return self._body
+        self._asked = now
+        return None
+
+
+def ready_metrics(scrape: Recent) -> tuple[int, str, bytes] | None:
+    """The ``/metrics`` answer when it needs no render (see :meth:`Recent.ready`)."""
+    body = scrape.ready()
+    return None if body is None else (200, CONTENT_TYPE_LATEST, body)

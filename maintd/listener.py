@@ -24,6 +24,10 @@ descriptor and a little memory, never a thread. What a client of the port can ho
   probes); ``/metrics`` has its own two threads (and renders at most twice a second:
   :class:`maintd.http.Recent`); the probes (``/healthz``, ``/readyz``) read a few attributes and
   are answered on the loop itself, behind nothing but the loop's own turns;
+* an answer that is ready without work (``ready``: the last ``/metrics`` body, while it is fresh
+  or the next one is being rendered) is made on the loop too: only the request that finds it old
+  goes to the lane, so a flood of scrapers neither queues behind a render nor fills the lane's
+  queue (a scrape answered ``503``);
 * a new connection costs no task until it needs one: its first read, if it is one whole request
   answered on the loop (a probe, or a refusal), is answered at once and the connection closed
   (:meth:`Listener._first_read`), so a flood of new connections does not fill the kernel's accept
@@ -63,6 +67,8 @@ INLINE = "inline"  # the lane of requests answered on the loop itself (cheap, ne
 Answer = tuple[int, str, bytes, dict[str, str]]
 # (method, request target, headers) -> answer; runs on a lane's thread (or the loop, INLINE)
 Handle = Callable[[str, str, Headers], Answer]
+# the same, on the loop: the answer when it is ready without work, else None
+Ready = Callable[[str, str, Headers], "Answer | None"]
 OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 ACCEPT_BATCH = 64  # connections accepted in a row before the loop serves the others
 MAX_CONNECTIONS = 2_000  # the default cap's ceiling: 2,000 idle connections cost about 16 MB
@@ -184,8 +190,10 @@ class Listener:
     """Binds at once (an ``OSError`` names what is wrong); serves from :meth:`start` on."""
 
     def __init__(self, host: str, port: int, handle: Handle, lane_of: Callable[[str], str],
-                 limits: Limits = Limits()):
-        self.handle, self.lane_of, self.limits = handle, lane_of, limits
+                 limits: Limits = Limits(), ready: Ready | None = None):
+        """``ready``: on the loop, the answer to a request of a lane when it needs no work, else
+        None (the request goes to its lane's thread)."""
+        self.handle, self.lane_of, self.limits, self.ready = handle, lane_of, limits, ready
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         self.sock = socket.create_server((host, port), family=family, backlog=limits.backlog)
         self.sock.setblocking(False)
@@ -449,13 +457,15 @@ class Listener:
         return self.lane_of(target.partition("?")[0])
 
     def _inline(self, method: str, target: str, headers: Headers, lane: str) -> Answer | None:
-        """The answer when it is made on the loop (a refused method, a probe); else None."""
+        """The answer when it is made on the loop (a refused method, a probe, an answer that is
+        ready); else None."""
         if method not in ("GET", "HEAD"):
             return plain(405, f"method {method} not allowed", Allow="GET, HEAD")
-        if lane != INLINE:
+        make = self.handle if lane == INLINE else self.ready
+        if make is None:
             return None
         try:
-            return self.handle(method, target, headers)
+            return make(method, target, headers)
         except Exception as exc:
             return self._failed(exc)
 

@@ -2,14 +2,19 @@
 not slowed by the clients' threads):
 
     python -m tests.flood PORT SECONDS CLIENTS PATH [PATH ...]
+    python -m tests.flood --pipeline PORT SECONDS CLIENTS PATH
 
 Each client requests the paths in turn until SECONDS have passed; prints one JSON line:
 ``{"calls": n, "by_status": {"200": n, "503": n, "-1": n}, "p50": s, "max": s, "ok_by_quarter":
 [n, n, n, n]}`` (-1: the request failed: refused, reset or timed out after 30 s; the 200s answered
-in each quarter of the run)."""
+in each quarter of the run).
+
+With ``--pipeline``, each client keeps one connection and sends 20 requests at a time before it
+reads their answers (as a scraper gone wrong might): ``{"calls": n, "by_status": {...}}``."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import statistics
 import sys
@@ -57,6 +62,51 @@ def main(port: int, seconds: float, clients: int, paths: list[str]) -> dict:
             "max": max(seconds_ok), "ok_by_quarter": quarters}
 
 
+async def pipelined(port: int, seconds: float, clients: int, path: str, batch: int = 20) -> dict:
+    by_status: dict[str, int] = {}
+    end = time.monotonic() + seconds
+    request = f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode() * batch
+
+    async def client() -> None:
+        while time.monotonic() < end:
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                by_status["-1"] = by_status.get("-1", 0) + 1
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                while time.monotonic() < end and await _answers(reader, writer, request, batch, by_status):
+                    pass
+            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+                by_status["-1"] = by_status.get("-1", 0) + 1
+            writer.close()
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return {"calls": sum(by_status.values()), "by_status": by_status}
+
+
+async def _answers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes, batch: int,
+                   by_status: dict[str, int]) -> bool:
+    """Send a batch of requests, read their answers; whether the connection stays open."""
+    writer.write(request)
+    await writer.drain()
+    for _ in range(batch):
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        length = next(int(line.split(":", 1)[1]) for line in lines if line.lower().startswith("content-length:"))
+        await reader.readexactly(length)
+        by_status[lines[0][9:12]] = by_status.get(lines[0][9:12], 0) + 1
+        if "Connection: close" in lines:
+            return False
+    return True
+
+
 if __name__ == "__main__":
-    port, seconds, clients, *paths = sys.argv[1:]
-    print(json.dumps(main(int(port), float(seconds), int(clients), paths)), flush=True)
+    if sys.argv[1] == "--pipeline":
+        port, seconds, clients, path = sys.argv[2:]
+        result = asyncio.run(pipelined(int(port), float(seconds), int(clients), path))
+    else:
+        port, seconds, clients, *paths = sys.argv[1:]
+        result = main(int(port), float(seconds), int(clients), paths)
+    print(json.dumps(result), flush=True)
