@@ -68,6 +68,7 @@ class Runner:
         self.on_fenced = on_fenced or (lambda reason, fence: None)
         self.build = build
         self.services = build(settings)
+        self._known_series()
         self.gauges = JobGauges(metrics)
         self.timetable = timetable or new_timetable()
         self._own_timetable = timetable is None
@@ -156,6 +157,7 @@ class Runner:
             old, self.services = self.services, self.build(settings)
             self._recorded = {}  # new settings: the first pass of each service is written
             self._stop_changed(old)
+            self._known_series()
             if self._fence is not None:
                 self._schedule_all(reload=True)
                 # Ticks the old services put off (quiet_until: the periodic enqueuer's next slot,
@@ -174,10 +176,19 @@ class Runner:
                 log.info("pass stopped: its settings changed", extra=kv(service=name))
                 _stop(ctx)
 
+    def _known_series(self, enabled: Iterable[str] | None = None) -> None:
+        """The series of the enabled services exist at 0 whether this replica leads or not (SPEC
+        7.4), and stay when it stops: a follower that takes over exports its counters at 0 before
+        its first pass, so that rate() and increase() count that pass. ``enabled``: by default,
+        the services that say so."""
+        if enabled is None:
+            enabled = [name for name, service in self.services.items() if _says_enabled(name, service)]
+        self.metrics.known_series(sorted(enabled), {name: s.METRICS for name, s in self.services.items()})
+
     def _schedule_all(self, reload: bool = False) -> None:
         now = datetime.now(timezone.utc)  # APScheduler's own time base (host clock)
         wanted = {name for name in self.services if self._schedule(name, now, reload)}
-        self.metrics.known_series(sorted(wanted), {name: s.METRICS for name, s in self.services.items()})
+        self._known_series(wanted)
         self._unschedule(job for job in self._jobs()
                          if job.id[len(self.prefix):].split(WAKE_SUFFIX)[0] not in wanted)
 
@@ -454,6 +465,15 @@ def _stop(ctx: PassContext) -> None:
     """Stop a running pass: its stop flag set (checked between batches) and its query cancelled."""
     ctx.stop_event.set()
     ctx.query.cancel()
+
+
+def _says_enabled(name: str, service: Service) -> bool:
+    """Whether ``service`` is enabled (a service that cannot tell is not: see Runner._schedule)."""
+    try:
+        return service.enabled()
+    except Exception as exc:
+        log.debug("cannot tell whether a service is enabled", extra=kv(service=name, error=str(exc)))
+        return False
 
 
 def _same_settings(old: Service | None, new: Service) -> bool:

@@ -500,3 +500,38 @@ def test_deactivate_survives_a_one_off_job_that_fired_since_it_was_listed(settin
         timetable.shutdown(wait=False)
 
 
+
+
+def test_a_follower_exports_the_enabled_services_series_at_0_and_keeps_them(settings, engine):
+    """SPEC 7.4: the series with a known label set exist from the start at 0, on every replica.
+    Before, only a leader's runner created them (at the start of its term): after a failover the
+    new leader's first sample of maintd_jobs_deleted_total already held its first pass's deletions,
+    and rate() and increase() never saw them."""
+    settings.cleaner.interval = timedelta(hours=1)
+    metrics = Metrics()
+    runner = Runner(settings, engine, metrics)
+
+    def series(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {"target": TARGET, **labels})
+
+    def exported() -> dict[str, float | None]:
+        return {"deleted": series("maintd_jobs_deleted_total", state="completed"),
+                "runs": series("maintd_service_runs_total", service="cleaner", outcome="success"),
+                "errors": series("maintd_service_runs_total", service="cleaner", outcome="error")}
+
+    runner.start()
+    try:
+        assert exported() == {"deleted": 0.0, "runs": 0.0, "errors": 0.0}  # a follower, from the start
+        runner.activate(NoFence())
+        wait_for(lambda: (series("maintd_service_runs_total", service="cleaner", outcome="success") or 0) >= 1, 10,
+                 what="the cleaner's first pass")
+        runner.deactivate()
+        assert exported()["deleted"] == 0.0 and exported()["runs"] >= 1  # kept when it stops leading
+        off = settings.model_copy(deep=True)
+        off.cleaner.enabled = False
+        runner.reload(off)  # a follower's reload: a disabled service has no series
+        assert exported() == {"deleted": None, "runs": None, "errors": None}
+        runner.reload(settings)
+        assert exported() == {"deleted": 0.0, "runs": 0.0, "errors": 0.0}
+    finally:
+        runner.shutdown()
