@@ -303,38 +303,48 @@ class JobGauges:
 
     def take(self, counts: list[dict[str, Any]], oldest: dict[str, float], at: Any, *, final: bool,
              still_leading: Callable[[], bool] = lambda: True, lock: Any = None) -> None:
-        """Counts read (by :meth:`refresh` or a batched probe): the gauges and the figures kept."""
+        """Counts read (by :meth:`refresh` or a batched probe): the gauges and the figures kept.
+        Without ``final``, the final states are those of the last count of them."""
         with lock or threading.Lock():
             if not still_leading():  # leadership ended meanwhile: followers export no job gauges
                 return
-            self.apply(counts, oldest, final=final)
-            self._remember(counts, oldest, at, final)
+            if final:  # until the next count of final states (compact: 100,000 queues may have rows)
+                self._final_rows = {(r["queue"], r["state"]): r["count"] for r in counts
+                                    if r["state"] in FINAL_STATES}
+            rows = self._merged(counts)
+            self.apply(rows, oldest)
+            self._remember(rows, oldest, at, final)
         if final:
             self._final_counted_at = time.monotonic()
 
-    def _remember(self, counts: list[dict[str, Any]], oldest: dict[str, float], at: Any, final: bool) -> None:
-        if final:  # until the next count of final states (compact: 100,000 queues may have rows)
-            self._final_rows = {(r["queue"], r["state"]): r["count"] for r in counts if r["state"] in FINAL_STATES}
+    def _merged(self, counts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The live states of ``counts`` and the final states last counted, by queue and state."""
         live = [r for r in counts if r["state"] not in FINAL_STATES]
         finished = [{"queue": q, "state": s, "count": n} for (q, s), n in self._final_rows.items()]
-        rows = sorted(live + finished, key=lambda r: (r["queue"], JOB_STATES.index(r["state"])))
+        return sorted(live + finished, key=lambda r: (r["queue"], JOB_STATES.index(r["state"])))
+
+    def _remember(self, rows: list[dict[str, Any]], oldest: dict[str, float], at: Any, final: bool) -> None:
         final_at = at if final else (self.counts.final_at if self.counts else None)
         # Kept as /status shows them: the max_queues largest queues and _other (bounded memory).
         shown = bounded_jobs({"jobs": rows, "oldest_available_age_seconds": oldest}, self.metrics.max_queues)
         self.counts = JobCounts(shown["jobs"], shown["oldest_available_age_seconds"], at, final_at,
                                 shown.get("jobs_note"))
 
-    def apply(self, counts: list[dict[str, Any]], oldest: dict[str, float], *, final: bool) -> None:
-        gauge = self.metrics.jobs
-        for queue, state in gauge.children():
-            if state not in FINAL_STATES or final:
-                gauge.remove(queue, state)
+    def apply(self, rows: list[dict[str, Any]], oldest: dict[str, float]) -> None:
+        """Set the gauges to ``rows`` (every state) and ``oldest``: the ``max_queues`` queues with
+        the most jobs in all states keep their name, in every state, and the others are summed as
+        ``_other``. One ranking for all states: ranked on the live states alone, a refresh gave
+        the finished states' queues names of their own beside the live ones (past max_queues),
+        and a count of final states moved the live queues into _other until the next refresh."""
         totals: dict[str, float] = {q: 0 for q in oldest}
-        for row in counts:
+        for row in rows:
             totals[row["queue"]] = totals.get(row["queue"], 0) + row["count"]
         kept = set(sorted(totals, key=lambda q: (-totals[q], q))[:self.metrics.max_queues])
+        gauge = self.metrics.jobs
+        for queue, state in gauge.children():
+            gauge.remove(queue, state)
         summed: dict[tuple[str, str], float] = {}
-        for row in counts:
+        for row in rows:
             key = (row["queue"] if row["queue"] in kept else OTHER, row["state"])
             summed[key] = summed.get(key, 0) + row["count"]
         for (queue, state), n in summed.items():

@@ -205,3 +205,39 @@ def test_metrics_max_queues_keeps_that_many_queue_labels_and_sums_the_rest_as_ot
     promoted = samples["maintd_jobs_promoted_total"]
     assert len(promoted) == 4 and "_other" in promoted and sum(promoted.values()) == 15
     assert promoted["_other"] == sum(sizes[q] for q in sizes if q not in promoted)
+
+
+def test_max_queues_holds_across_live_and_final_counts_and_no_queue_flips(settings, engine, schema):
+    """metrics.max_queues = 3; queues A0-A2 hold 10 completed jobs each, B0-B2 5 available each.
+    Before: the live refresh (every 15 s) ranked the queues on the live states alone, so
+    maintd_jobs carried 6 queue names (A* completed, B* available), and each count of the final
+    states (every 5 min) moved B0-B2 into _other until the next live refresh, which silenced
+    MaintdBacklogAgeGrowing on them. Now every refresh shows the same 3 names and _other."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state, finalized_at) SELECT 'k', 'A' || (i % 3), "
+                         "'completed', now() FROM generate_series(1, 30) i", schema))
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue) SELECT 'k', 'B' || (i % 3) "
+                         "FROM generate_series(1, 15) i", schema))
+    metrics = Metrics(max_queues=3)
+    gauges = JobGauges(metrics)
+
+    def labels() -> dict[str, set[str]]:
+        seen: dict[str, set[str]] = {"maintd_jobs": set(), "maintd_oldest_available_job_age_seconds": set()}
+        for family in text_string_to_metric_families(metrics.render().decode()):
+            for sample in family.samples:
+                if sample.name in seen:
+                    seen[sample.name].add(sample.labels["queue"])
+        return seen
+
+    shown = []
+    for final in (True, False, False, True, False):  # as the leader refreshes: final counts now and then
+        gauges.refresh(engine, schema, final=final)
+        shown.append(labels())
+    assert shown[0]["maintd_jobs"] == {"A0", "A1", "A2", "_other"}, shown[0]
+    assert shown[0]["maintd_oldest_available_job_age_seconds"] == {"_other"}, shown[0]
+    assert all(s == shown[0] for s in shown), shown
+    get = lambda queue, state: metrics.registry.get_sample_value(
+        "maintd_jobs", {"target": "maintd", "queue": queue, "state": state})
+    assert (get("A0", "completed"), get("_other", "available"), get("_other", "completed")) == (10, 15, None)
