@@ -340,19 +340,24 @@ class JobGauges:
         for row in rows:
             totals[row["queue"]] = totals.get(row["queue"], 0) + row["count"]
         kept = set(sorted(totals, key=lambda q: (-totals[q], q))[:self.metrics.max_queues])
-        gauge = self.metrics.jobs
-        for queue, state in gauge.children():
-            gauge.remove(queue, state)
-        summed: dict[tuple[str, str], float] = {}
+        summed: dict[tuple[str, ...], float] = {}
         for row in rows:
             key = (row["queue"] if row["queue"] in kept else OTHER, row["state"])
             summed[key] = summed.get(key, 0) + row["count"]
-        for (queue, state), n in summed.items():
-            gauge.labels(queue, state).set(n)
-        self.metrics.oldest_available_age.clear()
-        ages: dict[str, float] = {}
+        ages: dict[tuple[str, ...], float] = {}
         for queue, age in oldest.items():
-            name = queue if queue in kept else OTHER
+            name = (queue if queue in kept else OTHER,)
             ages[name] = max(ages.get(name, 0.0), finite_age(age))
-        for queue, age in ages.items():
-            self.metrics.oldest_available_age.labels(queue).set(age)
+        _replace(self.metrics.jobs, summed)
+        _replace(self.metrics.oldest_available_age, ages)
+
+
+def _replace(gauge: Bound, values: dict[tuple[str, ...], float]) -> None:
+    """Set ``gauge``'s series to ``values``: the new values first, then the series that are gone
+    removed. A scrape meanwhile (it shares no lock with this) sees every series that stays, at
+    its old value or its new one; removed first and set again, they were missing or at 0."""
+    for labels, value in values.items():
+        gauge.labels(*labels).set(value)
+    for labels in gauge.children():
+        if labels not in values:
+            gauge.remove(*labels)

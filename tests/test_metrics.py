@@ -43,3 +43,39 @@ def test_every_family_is_declared_once_and_the_daemon_exports_them_all_from_the_
         assert f"# HELP {family.name}" in body  # before any pass: an operator can see what exists
     with pytest.raises(ValueError, match="maintd_jobs_promoted is declared twice"):
         Metrics(target="t")[Family(Counter, "maintd_jobs_promoted", "other help")]
+
+
+def test_a_scrape_during_a_refresh_of_the_job_gauges_sees_every_series_at_its_value():
+    """The leader refreshes maintd_jobs and the oldest-age gauge while /metrics renders, under
+    no shared lock. Before: the refresh removed every series and set them again, and 1,307 of
+    2,000 renders lacked some of the 100 queues (a backlog alert saw its series vanish)."""
+    import threading
+
+    from maintd.metrics import JobGauges
+
+    metrics = Metrics(target="t", max_queues=100)
+    gauges = JobGauges(metrics)
+    counts = [{"queue": f"q{i}", "state": "available", "count": 5} for i in range(100)]
+    oldest = {f"q{i}": 10.0 for i in range(100)}
+    gauges.take(counts, oldest, None, final=True)
+    done = threading.Event()
+
+    def refresh() -> None:
+        while not done.is_set():
+            gauges.take(counts, oldest, None, final=True)
+
+    refresher = threading.Thread(target=refresh)
+    refresher.start()
+    wrong = []
+    try:
+        for _ in range(200):
+            lines = metrics.render().decode().splitlines()
+            jobs = [line for line in lines if line.startswith("maintd_jobs{")]
+            ages = [line for line in lines if line.startswith("maintd_oldest_available_job_age_seconds{")]
+            values = {line.rpartition(" ")[2] for line in jobs + ages}
+            if len(jobs) != 100 or len(ages) != 100 or values - {"5.0", "10.0"}:
+                wrong.append((len(jobs), len(ages), sorted(values)))
+    finally:
+        done.set()
+        refresher.join()
+    assert wrong == [], f"{len(wrong)} of 200 renders: {wrong[:5]}"
