@@ -11,6 +11,7 @@ stalled, it hands over, stops, or its session is lost; a released lock is follow
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -44,6 +45,9 @@ CASES = [
      Step(Following(won_at=100.0), "bump")),
     ("a blocked bump is retried next round, not waited for", Following(won_at=100.0), BumpBlocked(), 100.2,
      Step(Following(won_at=100.0))),
+    # the bump deadline's edge: a bump exactly bump_deadline after the win is still sent, not given up
+    ("a bump at its deadline is still sent", Following(won_at=100.0), Round(True), 130.0,
+     Step(Following(won_at=100.0), "bump")),
     ("a bump blocked past its deadline gives the lock back", Following(won_at=100.0), Round(True), 130.1,
      Step(Releasing(None, "the epoch bump stayed blocked", False, 130.1), "unlock")),
     ("a failed bump gives the lock back, retried after retry_interval", Following(won_at=100.0),
@@ -111,6 +115,12 @@ CASES = [
      Lost("gone"), 103.2, Step(Following(not_before=105.0))),
     ("other requests while releasing change nothing", Releasing(TERM, "r", False, 105.0),
      Request("handover", "x", 7), 103.2, Step(Releasing(TERM, "r", False, 105.0))),
+    # a proof sent before stepping down, answered after: the term stays given up, the unlock still due
+    ("a late renewal answer does not bring the term back", Releasing(TERM, "r", False, 103.0),
+     Renewed(True, sent=102.5), 103.1, Step(Releasing(TERM, "r", False, 103.0))),
+    # a bump answered after its deadline gave the lock back: no term, no Elected, the unlock still due
+    ("a bump through after its deadline elects nobody", Releasing(None, "bump blocked", False, 130.1),
+     Bumped(8, 4242, 130.0), 130.2, Step(Releasing(None, "bump blocked", False, 130.1))),
 ]
 
 
@@ -132,6 +142,13 @@ def test_only_a_leader_s_term_fences():
     assert leading_term(LEAD) == TERM
     assert leading_term(Releasing(TERM, "r", True, 0.0)) is None
     assert leading_term(Following()) is None
+
+
+def test_without_a_time_a_term_is_trusted_by_the_monotonic_clock():
+    # the fence and the passes ask without a time: a lease run out on the real clock is not trusted
+    now = time.monotonic()
+    assert Term(7, 4242, ME, trusted_until=now + 3600.0).trusted()
+    assert not Term(7, 4242, ME, trusted_until=now - 1.0).trusted()
 
 
 def test_when_each_state_next_needs_a_round():
