@@ -678,6 +678,79 @@ def test_a_row_revived_while_the_cleaner_deletes_it_is_skipped_not_an_error(pg_d
     assert set(where(engine, schema)) == {ids[7]}
 
 
+class Reviver:
+    """Before the first attempt at a cleaner DELETE of a range (by its start), ``times`` ranges in
+    all, an operator's retry_jobs moves a row of that range back to the live partition and commits
+    once the DELETE waits for it: PostgreSQL fails the DELETE with 40001, every time."""
+
+    def __init__(self, pg_dsn: str, schema: str, times: int):
+        self.schema, self.times = schema, times
+        self.conn = psycopg.connect(pg_dsn)
+        self.watch = psycopg.connect(pg_dsn, autocommit=True)
+        self.attempts: dict = {}
+        self.revived: list[int] = []
+
+    def __call__(self, conn, cursor, statement, parameters, context, executemany):
+        if not statement.lstrip().startswith("DELETE FROM") or "lo" not in (parameters or {}):
+            return
+        key = (parameters["state"], parameters["lo"])
+        self.attempts[key] = self.attempts.get(key, 0) + 1
+        if self.attempts[key] > 1 or len(self.revived) >= self.times:
+            return
+        row = self.conn.execute(f"SELECT id FROM {self.schema}.jobs WHERE state = 'completed' AND finalized_at >= %s "
+                                "AND finalized_at < %s ORDER BY finalized_at LIMIT 1",
+                                (parameters["lo"], parameters["hi"])).fetchone()
+        if row is None:
+            return
+        self.conn.execute(f"SELECT * FROM {self.schema}.retry_jobs(ARRAY[%s::bigint])", row)  # not committed
+        self.revived.append(row[0])
+        threading.Thread(target=self._commit_when_waited_for, args=(cursor.connection.info.backend_pid,)).start()
+
+    def _commit_when_waited_for(self, pid: int) -> None:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not self.watch.execute(
+                "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()[0]:
+            time.sleep(0.002)
+        self.conn.commit()
+
+    def close(self) -> None:
+        self.conn.close()
+        self.watch.close()
+
+
+def test_a_busy_table_moving_rows_under_every_batch_still_gets_a_successful_pass(pg_dsn, engine, schema):
+    """Operators revive expired jobs (retry_jobs) all over the range the cleaner walks: each of its
+    first 120 batches meets a moved row (SQLSTATE 40001). The pass used to
+    fail once 100 batches had been redone ("tuple to be locked was already moved to another
+    partition"); now each batch is redone, smaller, and the pass succeeds, the moves counted."""
+    from sqlalchemy import event
+
+    from maintd.passes import Outcome, execute_pass
+
+    now = server_now(engine)
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, finalized_at) SELECT 'k', 'completed', "
+                         "CAST(:at AS timestamptz) + g * interval '1 millisecond' FROM generate_series(1, :n) g",
+                         schema), {"at": now - 30 * HOUR, "n": 10_000})
+    reviver = Reviver(pg_dsn, schema, times=120)
+    event.listen(engine, "before_cursor_execute", reviver)
+    metrics = Metrics(target="t")
+    ctx = PassContext(engine=engine, schema=schema, clock=FrozenClock(now), layout="partitioned")
+    try:
+        record = execute_pass("cleaner", Cleaner(CleanerConfig(batch_size=100)), ctx, metrics)
+    finally:
+        event.remove(engine, "before_cursor_execute", reviver)
+        reviver.close()
+    assert record.outcome is Outcome.SUCCESS, record.error
+    assert ctx.moved == len(reviver.revived) == 120
+    assert metrics.registry.get_sample_value("maintd_rows_skipped_total",
+                                             {"target": "t", "service": "cleaner", "reason": "moved"}) == ctx.moved
+    with engine.connect() as conn:
+        left = dict(conn.execute(sql("SELECT id, state::text FROM {schema}.jobs", schema)).all())
+    assert sorted(left) == sorted(reviver.revived) and set(left.values()) == {"available"}
+    assert record.result.deleted["completed"] == 10_000 - len(reviver.revived)
+
+
 def test_a_worker_completing_while_an_operator_cancels(pg_dsn, engine, schema):
     """The README's cancel and complete on one running job: the completion waits for the
     cancel's row lock; once the cancel commits, the completion fails with 40001 on the

@@ -42,8 +42,11 @@ CANCEL_TIMEOUT = 2.0  # seconds a cancel request may take (it opens its own conn
 # update": on the partitioned layout (SPEC 8.1) a row a statement meant to lock or change was moved
 # to another partition (a completion, a cancel) by a transaction that committed meanwhile. For a
 # maintenance statement that row finished meanwhile: the batch is redone, and sees it as it is now.
+# A busy table can move rows under every batch of a pass: what is bounded is how often one batch
+# is redone in a row (a committed transaction starts the count again), and the services redo it
+# smaller (see :meth:`PassContext.redo_limit`), so the pass still makes progress.
 MOVED_MEANWHILE = "40001"
-MOVED_MAX = 100  # redone batches per pass; past this the error is the pass's (something else)
+MOVED_MAX = 100  # redos in a row of one batch; past this the error is the pass's (something else)
 
 
 class NotLeader(Exception):
@@ -161,6 +164,7 @@ class PassContext:
     query: RunningQuery = field(default_factory=RunningQuery)
     statements: Statements | None = None  # the target's SQL, rendered once (else rendered here)
     moved: int = 0  # batches redone because a row had moved to another partition meanwhile
+    redos: int = 0  # of them, since the last committed transaction (the batch now being redone)
     _conn: Any = field(default=None, repr=False)
     _in_session: bool = field(default=False, repr=False)
 
@@ -192,13 +196,20 @@ class PassContext:
     def moved_meanwhile(self, exc: BaseException) -> bool:
         """Whether ``exc`` (from a batch's transaction, rolled back) is SQLSTATE 40001 (a row
         moved to another partition meanwhile, see ``MOVED_MEANWHILE``): counted, and the caller
-        redoes the batch. Not an error of the pass, up to ``MOVED_MAX`` times."""
-        if getattr(getattr(exc, "orig", None), "sqlstate", None) != MOVED_MEANWHILE or self.moved >= MOVED_MAX:
+        redoes the batch. Not an error of the pass, up to ``MOVED_MAX`` redos of one batch in a row
+        (a committed transaction starts the count again)."""
+        if getattr(getattr(exc, "orig", None), "sqlstate", None) != MOVED_MEANWHILE or self.redos >= MOVED_MAX:
             return False
         self.moved += 1
+        self.redos += 1
         self.log.info("a row moved to another partition meanwhile (it finished): batch redone",
                       extra={"fields": {"schema": self.schema}})
         return True
+
+    def redo_limit(self, limit: int) -> int:
+        """A batch's ``limit`` halved for each time it was redone in a row (a row of it moved
+        meanwhile): the fewer rows a batch locks, the less a busy table moves under it."""
+        return max(1, limit >> min(self.redos, 30))
 
     def check_stop(self) -> None:
         if self.stop_event.is_set():
@@ -264,10 +275,11 @@ class PassContext:
                 yield conn
                 if self.dry_run:
                     conn.rollback()
-                    return
-                if fenced:
-                    self._fence_writes(conn)
-                conn.commit()
+                else:
+                    if fenced:
+                        self._fence_writes(conn)
+                    conn.commit()
+                self.redos = 0  # the batch went through: the next one may be redone again
             except BaseException:
                 try:
                     conn.rollback()

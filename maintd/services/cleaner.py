@@ -38,7 +38,10 @@ doubles. Each range walks only its own entries, and its DELETE (a plain index sc
 dead ones it meets so later scans skip them. Predicted ranges aim at half the statement timeout
 when that is shorter than ``BATCH_TARGET``. The size lives on the service
 instance, so it carries over from pass to pass. A final row locked by someone else makes the
-range DELETE give up after ``LOCK_WAIT_MS`` and redo that batch with ``SKIP LOCKED``.
+range DELETE give up after ``LOCK_WAIT_MS`` and redo that batch with ``SKIP LOCKED``. On the
+partitioned layout a row moved to another partition meanwhile (``retry_jobs``: SQLSTATE 40001)
+halves the batch size as a timeout does (and a predicted range), and the batch is redone: a table
+busy with such moves still loses its expired rows, in smaller batches.
 
 ``batch_pause`` (default 0) idles after each batch that deleted rows, except the one that reached
 the horizon, to leave the database to the workers while a large backlog is worked through.
@@ -387,20 +390,22 @@ class Cleaner(Service):
                 return
         while True:
             ctx.check_stop()
+            limit = self.batch_size
             try:
                 with ctx.transaction(statement_timeout_ms=self._timeout_ms(ctx),
                                      settings=self._batch_settings(ctx)) as conn:
                     n = conn.execute(ctx.sql(target.statement(jobs.CLEANER_DELETE_ANCIENT)), {
-                        **target.params(FAR_PAST), "far_past": FAR_PAST, "limit": self.batch_size}).rowcount
+                        **target.params(FAR_PAST), "far_past": FAR_PAST, "limit": limit}).rowcount
             except OperationalError as exc:
-                if ctx.moved_meanwhile(exc):
+                if ctx.moved_meanwhile(exc):  # redone smaller
+                    self._shrink()
                     continue
                 raise
             if n:
                 result.batches += 1
                 result.deleted[target.state] += n
                 log.info("deleted jobs finalized before year 1", extra=kv(state=target.state, count=n))
-            if n < self.batch_size:
+            if n < limit:
                 return
 
     def _delete_batch(self, ctx: PassContext, target: Target, plan: RangePlan,
@@ -450,7 +455,10 @@ class Cleaner(Service):
                  limit: int, target: Target, result: CleanerResult) -> None:
         """A batch failed: decide how to redo it (by SQLSTATE), or re-raise."""
         sqlstate = getattr(exc.orig, "sqlstate", None)
-        if ctx.moved_meanwhile(exc):  # revived (retry_jobs) meanwhile: redo the batch
+        if ctx.moved_meanwhile(exc):  # revived (retry_jobs) meanwhile: redo the batch, smaller
+            self._shrink()
+            if predicted:
+                plan.narrow()
             return
         if sqlstate == LOCK_NOT_AVAILABLE and not plan.skip_locked:
             plan.skip_lock_holders()

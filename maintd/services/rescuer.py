@@ -261,9 +261,9 @@ class Rescuer(Service):
         """Batches in keyset order until one finds fewer than ``batch_size`` candidates; with
         precise timing, the last one also reads the next time to look again (None: the next tick)."""
         after_seen, after_id = FAR_PAST, 0
-        limit = self.config.batch_size
         while True:
             ctx.check_stop()
+            limit = ctx.redo_limit(self.config.batch_size)  # smaller when redone (40001)
             deadline = None
             try:
                 with ctx.transaction(settings=RESCUE_TRANSACTION) as conn:
@@ -285,9 +285,9 @@ class Rescuer(Service):
 
     def _rescue_without_sign(self, ctx: PassContext, params: dict, result: RescuerResult) -> None:
         """Running jobs with no usable attempted_at/heartbeat_at: stuck, rescued, each logged."""
-        limit = self.config.batch_size
         while True:
             ctx.check_stop()
+            limit = ctx.redo_limit(self.config.batch_size)  # smaller when redone (40001)
             try:
                 with ctx.transaction(settings=RESCUE_TRANSACTION) as conn:
                     batch = conn.execute(ctx.sql(jobs.RESCUER_NO_SIGN_BATCH), {**params, "limit": limit}).one()
@@ -305,9 +305,9 @@ class Rescuer(Service):
 
     def _discard_exhausted(self, ctx: PassContext, params: dict, result: RescuerResult) -> None:
         """Waiting jobs with no attempt left (the claim passes them over): discarded, each logged."""
-        limit = self.config.batch_size
         while True:
             ctx.check_stop()
+            limit = ctx.redo_limit(self.config.batch_size)  # smaller when redone (40001)
             try:
                 with ctx.transaction() as conn:
                     batch = conn.execute(ctx.sql(jobs.RESCUER_EXHAUSTED_BATCH), {

@@ -128,10 +128,9 @@ class Scheduler(Service):
         if not probe.due:
             return probe.next_due
         channel = notify_channel(ctx.schema)
-        limit = self.config.batch_size
         while True:
             ctx.check_stop()
-            next_due = None
+            next_due, limit = None, ctx.redo_limit(self.config.batch_size)  # smaller when redone (40001)
             try:
                 with ctx.transaction() as conn:
                     rows = conn.execute(ctx.sql(jobs.SCHEDULER_PROMOTE), {"now": ctx.now(), "limit": limit}).all()
