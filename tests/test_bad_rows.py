@@ -328,6 +328,29 @@ def test_cleaner_counts_and_logs_the_expired_rows_it_passes_over(settings, engin
     assert skipped(metrics, "cleaner") == 1
     assert metrics.registry.get_sample_value("maintd_rows_skipped_total", {
         "target": TARGET, "service": "cleaner", "reason": "locked"}) == 1
-    assert [line for line in maintd_log if re.search(rf"^maintd\.cleaner: passed over .*job_id={held}\b", line)]
+    assert [line for line in maintd_log if re.search(rf"^maintd\.cleaner: passed over .* count=1 job_ids={held}\b",
+                                                     line)]
     outcome, result, _ = run(Cleaner(settings.cleaner), settings, engine, clock, metrics)
     assert outcome == "success" and states(engine, schema) == {}  # looked at again next pass
+
+
+def test_thousands_of_locked_expired_rows_make_one_line_per_batch_and_an_exact_count(settings, engine, schema,
+                                                                                      clock, maintd_log):
+    """A report holds FOR SHARE on 600 expired rows while the cleaner passes: one warning line for
+    the batch (the count, a few ids), not one per row; the counter counts every row."""
+    settings.cleaner.batch_size = 1000
+    with engine.begin() as conn:
+        ids = conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, finalized_at) SELECT 'k', 'completed', "
+                               "CAST(:t0 AS timestamptz) - interval '2 days' + g * interval '1 ms' "
+                               "FROM generate_series(1, 600) g RETURNING id", schema), {"t0": T0}).scalars().all()
+    with engine.connect() as other:
+        other.execute(sql("SELECT 1 FROM {schema}.jobs FOR SHARE", schema))
+        metrics = Metrics()
+        outcome, result, error = run(Cleaner(settings.cleaner), settings, engine, clock, metrics)
+        other.rollback()
+    assert (outcome, error) == ("success", None)
+    assert result.skipped == {"locked": 600} and skipped(metrics, "cleaner") == 600
+    lines = [line for line in maintd_log if line.startswith("maintd.cleaner: passed over")]
+    first = ",".join(map(str, sorted(ids)[:5]))
+    assert lines == [f"maintd.cleaner: passed over expired jobs locked by another session (retried next pass) "
+                     f"count=600 job_ids={first} state=completed"]

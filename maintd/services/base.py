@@ -393,8 +393,8 @@ class PassResult:
         return None
 
     def skipped_rows(self) -> dict[str, int]:
-        """Rows the pass passed over, by reason (each also logged with its id): fed to
-        ``maintd_rows_skipped_total{service,reason}``."""
+        """Rows the pass passed over, by reason (each logged with its id, or many in one line with
+        their count and a few ids): fed to ``maintd_rows_skipped_total{service,reason}``."""
         return {}
 
     def summary(self) -> str:

@@ -127,6 +127,7 @@ BATCH_TARGET = 0.2  # seconds: a predicted range narrows when a batch took longe
 GROW_AFTER = 3  # successful batches in a row before the batch size doubles again
 BATCH_TIMEOUT = timedelta(seconds=5)  # statement timeout of one batch (at most statement_timeout)
 LOCK_WAIT_MS = 500
+LOCKED_SHOWN = 5  # ids named in the line about a batch's rows passed over as locked
 TINY = timedelta(microseconds=1)
 STEP_START = timedelta(minutes=1)  # the first range of a walk that steps (it doubles while empty)
 LOCK_NOT_AVAILABLE, QUERY_CANCELED = "55P03", "57014"  # SQLSTATEs
@@ -443,13 +444,14 @@ class Cleaner(Service):
 
     @staticmethod
     def _report_locked(ctx: PassContext, conn, args: dict, result: CleanerResult) -> None:
-        """The expired rows a SKIP LOCKED delete left in its range: held by another session."""
+        """The expired rows a SKIP LOCKED delete left in its range: held by another session. One
+        line per batch, with the count and the first few ids (a session may hold thousands)."""
         ids = conn.execute(ctx.sql(jobs.CLEANER_LEFT_IN_RANGE), args).scalars().all()
-        for job_id in ids:
-            log.warning("passed over an expired job locked by another session (retried next pass)",
-                        extra=kv(job_id=job_id, state=args["state"]))
-        if ids:
-            result.skipped["locked"] = result.skipped.get("locked", 0) + len(ids)
+        if not ids:
+            return
+        log.warning("passed over expired jobs locked by another session (retried next pass)",
+                    extra=kv(count=len(ids), job_ids=",".join(map(str, ids[:LOCKED_SHOWN])), state=args["state"]))
+        result.skipped["locked"] = result.skipped.get("locked", 0) + len(ids)
 
     def _recover(self, exc: OperationalError, ctx: PassContext, plan: RangePlan, predicted: bool,
                  limit: int, target: Target, result: CleanerResult) -> None:
