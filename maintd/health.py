@@ -37,6 +37,7 @@ from .queries import psycopg_sql
 log = logging.getLogger("maintd.health")
 
 SHOWN_AFTER = 1.0  # seconds: younger holders (every worker's transaction) are not named
+BACKEND_KINDS = ("transaction", "snapshot")  # one backend's transaction: a snapshot until it writes
 UNTIMED_KINDS = ("replication_slot", "standby_feedback")  # long-lived, often without a start time
 SHOWN = 5  # holders listed per scope, oldest horizon first
 READ_TIMEOUT_MS = 5000  # the statement timeout of the monitor's connection
@@ -67,10 +68,13 @@ class Holder:
 
     @property
     def key(self) -> tuple:
-        """Who it is, for the once-per-holder warning: a backend's transaction (by its start, or
-        its xmin when hidden), a prepared transaction, a slot or a standby at one xmin."""
-        who = self.since.isoformat() if self.kind in ("transaction", "snapshot") and self.since else self.xmin
-        return (self.kind, self.scope, self.pid, self.name, who)
+        """Who it is, for the once-per-holder warning: a backend's transaction by its pid and its
+        start, whatever it holds (a snapshot, then a transaction id too once it writes), or by its
+        xmin when the start is hidden (another role's; a REPEATABLE READ snapshot's stays the
+        oldest when it writes); a prepared transaction, a slot or a standby at one xmin."""
+        if self.kind in BACKEND_KINDS:
+            return ("backend", self.scope, self.pid, self.since.isoformat() if self.since else self.xmin)
+        return (self.kind, self.scope, self.pid, self.name, self.xmin)
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -278,6 +278,52 @@ def test_another_roles_session_without_pg_read_all_stats_is_named_with_what_it_m
             admin.execute("DROP ROLE maintd_health_watcher")
 
 
+@pytest.mark.parametrize("hidden", [False, True], ids=["visible", "hidden"])
+def test_a_snapshot_that_then_writes_is_warned_about_once_and_gone_once(health_pg, health_engine, maintd_log,
+                                                                      hidden):
+    """A REPEATABLE READ session reads, stays idle in its transaction, then writes: it holds a
+    snapshot, then a transaction id too, but it is one holder. It was warned about twice (as
+    ``snapshot pid N``, then ``transaction pid N``) with a false "holder gone" in between; as it is
+    for a role that cannot see the session's start (its xmin names it then)."""
+    watcher = health_engine
+    if hidden:
+        with psycopg.connect(health_pg, autocommit=True) as admin:
+            admin.execute("DROP ROLE IF EXISTS maintd_health_flip")
+            admin.execute("CREATE ROLE maintd_health_flip LOGIN")
+        watcher = make_engine(health_pg.replace("postgres@", "maintd_health_flip@"), application_name="w",
+                              pooled=False)
+    reader, warnings = HealthReader(), HolderWarnings()
+
+    def look() -> None:
+        warnings.check(read(watcher, reader, ()).horizon, timedelta(seconds=1), ["q"])
+
+    try:
+        with psycopg.connect(health_pg, application_name="flipper") as holder:
+            holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            holder.execute("SELECT count(*) FROM maintd.jobs")
+            pid = holder.info.backend_pid
+            consume_xids(health_pg)
+            look()
+            time.sleep(1.2)
+            look()
+            holder.execute("SELECT pg_current_xact_id()")  # now a transaction id too
+            consume_xids(health_pg)
+            look()
+            time.sleep(1.2)  # past xmin_warn_after again
+            look()
+            holder.rollback()
+            look()
+    finally:
+        if hidden:
+            watcher.dispose()
+            with psycopg.connect(health_pg, autocommit=True) as admin:
+                admin.execute("DROP ROLE maintd_health_flip")
+    warned = [line for line in maintd_log if "vacuum is held back" in line and f"pid {pid} " in line]
+    gone = [line for line in maintd_log if "holder gone" in line and f"pid={pid} " in line]
+    assert len(warned) == 1 and "holder=snapshot pid" in warned[0], maintd_log
+    assert len(gone) == 1, maintd_log
+
+
 def test_maintd_status_names_the_holder_in_text_and_json(health_pg, tmp_path):
     import subprocess
     import sys
