@@ -1,7 +1,8 @@
 """The dashboard's history (SPEC 8.2): one row of ``{schema}.health_history`` per sample, written
 by the leader of the target only when something changed (at most one a minute) or every ten
-minutes when nothing did, so an idle daemon's WAL stays far under 2 KiB a minute; the cleaner
-deletes rows older than :data:`KEEP`.
+minutes when nothing did, so an idle daemon's WAL stays far under 2 KiB a minute. The writer
+deletes rows older than :data:`KEEP` too (at most once every :data:`PRUNE_EVERY`, after a read-only
+probe, fenced like its writes), whether the cleaner is enabled or not.
 
 A sample holds jobs by state and by queue (waiting and running ones), the jobs finished in its
 window (completed, discarded), the jobs table's size and dead rows, and the xmin horizon's age
@@ -11,6 +12,7 @@ with its holder when held over :data:`HOLDER_AFTER`.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Callable, Iterable
@@ -18,13 +20,17 @@ from typing import Any, Callable, Iterable
 from sqlalchemy import Connection
 
 from .health import HealthReport
+from .logs import kv
 from .metrics import OTHER
 from .queries import health as q
 from .queries import jobs as q_jobs
 from .queries import sql
 from .services.base import PassContext
 
+log = logging.getLogger("maintd.history")
+
 KEEP = timedelta(days=2)  # the day chart, and a margin
+PRUNE_EVERY = timedelta(hours=1)
 IDLE_EVERY = timedelta(minutes=10)
 CHANGE_EVERY = timedelta(minutes=1)
 HOLDER_AFTER = 60.0  # seconds: a younger holder is not marked on the chart
@@ -98,8 +104,9 @@ def holder_mark(report: HealthReport) -> dict[str, Any] | None:
 
 
 class HistoryWriter:
-    """One target's history rows. :meth:`step` runs after each health read while the target is
-    led here; :meth:`reset` at a new term (the last row is read again from the table)."""
+    """One target's history rows, written and pruned. :meth:`step` runs after each health read
+    while the target is led here; :meth:`reset` at a new term (the last row is read again from the
+    table)."""
 
     def __init__(self, idle_every: timedelta = IDLE_EVERY, change_every: timedelta = CHANGE_EVERY):
         self.idle_every, self.change_every = idle_every, change_every
@@ -107,16 +114,18 @@ class HistoryWriter:
         self._loaded = False
         self._checked_at: datetime | None = None
         self._seen: tuple | None = None  # what the health read showed at the last check
+        self._pruned_at: datetime | None = None  # the server's time of the last prune (None: not yet)
 
     def reset(self) -> None:
         self._last, self._loaded, self._checked_at, self._seen = None, False, None, None
 
     def step(self, ctx: PassContext, report: HealthReport,
              live: Callable[[], list[tuple[str, str, int]] | None] = lambda: None) -> Sample | None:
-        """Write a sample if one is due; returns it (None: nothing written). ``live``: recent
-        counts of waiting and running jobs (the leader's job gauges count them every 15 s), else
-        they are counted here."""
+        """Prune the rows past :data:`KEEP` if due, then write a sample if one is due; returns it
+        (None: nothing written). ``live``: recent counts of waiting and running jobs (the leader's
+        job gauges count them every 15 s), else they are counted here."""
         at = report.at
+        self._prune(ctx, at)
         if not self._loaded:
             with ctx.read() as conn:
                 row = conn.execute(ctx.sql(q.LAST)).first()
@@ -135,6 +144,14 @@ class HistoryWriter:
             conn.execute(ctx.sql(q.INSERT), sample.params())
         self._last = sample
         return sample
+
+    def _prune(self, ctx: PassContext, at: datetime) -> None:
+        if self._pruned_at is not None and at - self._pruned_at < PRUNE_EVERY:
+            return
+        n = prune(ctx, at)
+        self._pruned_at = at
+        if n:
+            log.info("pruned the dashboard's history", extra=kv(rows=n, older_than=(at - KEEP).isoformat()))
 
     @staticmethod
     def _what_read(schema: str, report: HealthReport) -> tuple:
@@ -171,7 +188,7 @@ def series(conn: Connection, schema: str, start: datetime, bucket: timedelta) ->
                    horizon_age_seconds=r.horizon_age_seconds or 0.0, holder=r.holder) for r in rows]
 
 
-# -- pruning (the cleaner) --------------------------------------------------------------------------
+# -- pruning (the writer) ---------------------------------------------------------------------------
 
 
 def prune(ctx: PassContext, now: datetime, *, batch: int = 10_000) -> int:

@@ -457,7 +457,7 @@ CASES = [
          settings={"cleaner": {"completed_retention": "1h"}, "partitions": {"interval": "1h", "premake": 2}}),
     Case("service-run-record", ("service_runs.RECORD",), lambda env: None, service_run),
     Case("health-history-sample", ("health.INSERT",), lambda env: None, health_sample),
-    Case("cleaner-history-prune", ("health.PRUNE",), history_rows, cleaner),
+    Case("health-history-prune", ("health.PRUNE",), history_rows, health_sample),
 ]
 
 

@@ -1,6 +1,6 @@
 """The dashboard's history (SPEC 8.2): a sample is written only when something changed (at most
 one a minute) or every ten minutes when idle, fenced like every maintenance write, and pruned by
-the cleaner. Reports are made by hand, at the times the test chooses (the writer uses the read's
+the writer. Reports are made by hand, at the times the test chooses (the writer uses the read's
 server time, never the host's)."""
 
 from __future__ import annotations
@@ -9,14 +9,12 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import text
 
 from maintd.clock import ServerClock
 from maintd.health import HealthReport, Holder, Horizon, TableHealth
-from maintd.history import HistoryWriter, KEEP, Sample, series
+from maintd.history import HistoryWriter, KEEP, PRUNE_EVERY, Sample, series
 from maintd.queries import sql
 from maintd.services.base import NotLeader, PassContext
-from maintd.services.cleaner import Cleaner
 
 from .conftest import T0
 
@@ -129,23 +127,25 @@ def test_a_sample_is_written_only_under_the_fence(settings, engine, schema):
     assert asked == [True] and rows(engine, schema) == []
 
 
-def test_the_cleaner_prunes_history_older_than_two_days(settings, ctx, engine, schema):
+def test_the_writer_prunes_history_older_than_two_days_hourly_with_the_cleaner_disabled(settings, engine,
+                                                                                       schema, maintd_log):
+    """The history was pruned by the cleaner's passes only: with ``[cleaner] enabled = false`` it
+    grew for ever. The writer prunes what it writes, at most hourly (a read-only probe first), as
+    fenced as its writes, whatever the cleaner's settings."""
+    settings.cleaner.enabled = False
+    ctx = PassContext.for_settings(settings, engine, ServerClock())
+    with engine.begin() as conn:
+        for at in (T0, T0 + timedelta(hours=1), T0 + timedelta(hours=2)):
+            conn.execute(sql("INSERT INTO {schema}.health_history (at, since) VALUES (:at, :at)", schema), {"at": at})
     writer = HistoryWriter()
     now = T0 + KEEP + timedelta(minutes=90)
-    for at in (T0, T0 + timedelta(hours=1), T0 + timedelta(hours=2), now - timedelta(minutes=1)):
-        writer.reset()
-        writer.step(ctx, report(at, dead=int(at.timestamp()), schema=schema))
-    with engine.connect() as conn:
-        first_kept = conn.execute(text("SELECT CAST(:now AS timestamptz) - CAST(:keep AS interval)"),
-                                  {"now": now, "keep": KEEP}).scalar()
-    from maintd.clock import FrozenClock
-
-    result = Cleaner(settings.cleaner).run_once(PassContext.for_settings(settings, engine, FrozenClock(now)))
-    assert result.history_pruned == 2 and "history_pruned=2" in result.summary()
-    assert [r.at for r in rows(engine, schema)] == [T0 + timedelta(hours=2), now - timedelta(minutes=1)]
-    assert all(r.at >= first_kept for r in rows(engine, schema))
-    again = Cleaner(settings.cleaner).run_once(PassContext.for_settings(settings, engine, FrozenClock(now)))
-    assert again.history_pruned == 0 and not again.did_something()
+    assert writer.step(ctx, report(now, schema=schema)) is not None
+    assert [r.at for r in rows(engine, schema)] == [T0 + timedelta(hours=2), now]
+    assert [line for line in maintd_log if line.startswith("maintd.history: pruned the dashboard's history rows=2 ")]
+    writer.step(ctx, report(now + PRUNE_EVERY - timedelta(minutes=1), dead=5, schema=schema))
+    assert T0 + timedelta(hours=2) in [r.at for r in rows(engine, schema)]  # past two days, not yet due
+    writer.step(ctx, report(now + PRUNE_EVERY + timedelta(minutes=1), dead=6, schema=schema))
+    assert min(r.at for r in rows(engine, schema)) == now
     from maintd.dashboard import CHART_RANGES
 
     assert KEEP >= max(back for _, back, _ in CHART_RANGES) + timedelta(hours=1)  # the day chart stays whole
@@ -163,18 +163,3 @@ def test_the_charts_series_has_one_point_per_bucket_with_the_finished_jobs_summe
         (T0 + timedelta(minutes=9), T0, 54, 8, 80),
         (T0 + timedelta(minutes=12), T0 + timedelta(minutes=9), 18, 11, 110)]
     assert isinstance(points[0], Sample)
-
-
-def test_an_idle_cleaner_still_asks_for_a_pass_to_prune_the_history_hourly(settings, engine):
-    """The cleaner runs when its probe finds expired jobs; on an idle queue it found none, so the
-    history (a row a minute while anything changes) was never pruned. The probe now also asks for
-    a pass when the hourly prune is due."""
-    from maintd.clock import FrozenClock
-    from maintd.services.cleaner import HISTORY_PRUNE_EVERY
-
-    cleaner = Cleaner(settings.cleaner)
-    nothing_expired = (None, None, None)
-    assert cleaner.after_probe(nothing_expired, T0) is True  # never pruned in this process
-    cleaner.run_once(PassContext.for_settings(settings, engine, FrozenClock(T0)))
-    assert cleaner.after_probe(nothing_expired, T0 + timedelta(minutes=59)) is None
-    assert cleaner.after_probe(nothing_expired, T0 + HISTORY_PRUNE_EVERY) is True

@@ -45,9 +45,6 @@ busy with such moves still loses its expired rows, in smaller batches.
 
 ``batch_pause`` (default 0) idles after each batch that deleted rows, except the one that reached
 the horizon, to leave the database to the workers while a large backlog is worked through.
-
-The cleaner also prunes the dashboard's history (``health_history``, :mod:`maintd.history`): at
-most once every ``HISTORY_PRUNE_EVERY``, after a read-only probe.
 """
 
 from __future__ import annotations
@@ -64,7 +61,6 @@ from pydantic import BeforeValidator, Field
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
-from .. import history
 from ..durations import parse_duration
 from ..logs import kv
 from ..metrics import Family
@@ -120,7 +116,6 @@ JOBS_DELETED = Family(Counter, "maintd_jobs_deleted", "Final jobs deleted by the
 # Where a full scan starts: rows finalized earlier (BC, '-infinity') go first, in id batches.
 FAR_PAST = datetime(1, 1, 2, tzinfo=timezone.utc)
 MIN_BATCH = 100
-HISTORY_PRUNE_EVERY = timedelta(hours=1)
 FILL = 0.9  # a predicted batch aims at this fraction of batch_size rows
 GROWTH = 2.0  # a predicted range is at most this many times wider than the previous one
 BATCH_TARGET = 0.2  # seconds: a predicted range narrows when a batch took longer than this
@@ -142,7 +137,6 @@ class CleanerResult(PassResult):
     overflows: int = 0  # predicted batches rolled back because they held more than batch_size rows
     dry_run: bool = False
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> rows passed over
-    history_pruned: int = 0  # health_history rows deleted (older than maintd.history.KEEP)
 
     @property
     def total(self) -> int:
@@ -152,15 +146,14 @@ class CleanerResult(PassResult):
         return self.skipped
 
     def did_something(self) -> bool:
-        return self.total > 0 or self.timeouts > 0 or self.history_pruned > 0
+        return self.total > 0 or self.timeouts > 0
 
     def summary(self) -> str:
         verb = "would delete" if self.dry_run else "deleted"
         states = " ".join(f"{s}={n}" for s, n in self.deleted.items())
         return f"{verb} {states} batches={self.batches} batch_size={self.batch_size}" + (
             f" timeouts={self.timeouts}" if self.timeouts else "") + (
-            f" overflows={self.overflows}" if self.overflows else "") + (
-            f" history_pruned={self.history_pruned}" if self.history_pruned else "")
+            f" overflows={self.overflows}" if self.overflows else "")
 
 
 @dataclass(frozen=True)
@@ -247,7 +240,6 @@ class Cleaner(Service):
         super().__init__(config)
         self._batch = config.batch_size
         self._successes = 0
-        self._history_pruned_at: datetime | None = None
 
     def targets(self) -> list[Target]:
         cfg = self.config
@@ -275,11 +267,7 @@ class Cleaner(Service):
             shortest[target.state] = min(shortest.get(target.state, target.retention), target.retention)
         expired = [oldest is not None and state in shortest and oldest < now - shortest[state]
                    for state, oldest in zip(FINAL_STATES, values)]
-        # The dashboard's history is pruned by a pass: on an idle queue too, at least hourly.
-        return True if any(expired) or self._prune_due(now) else None
-
-    def _prune_due(self, now: datetime) -> bool:
-        return self._history_pruned_at is None or now - self._history_pruned_at >= HISTORY_PRUNE_EVERY
+        return True if any(expired) else None
 
     @property
     def batch_size(self) -> int:
@@ -299,9 +287,6 @@ class Cleaner(Service):
                 aim = min(BATCH_TARGET, self._timeout_ms(ctx) / 2000)
                 self._clean(ctx, target, RangePlan(lo, horizon, target=aim), result)
         result.batch_size = self.batch_size
-        if self._prune_due(now):
-            result.history_pruned = history.prune(ctx, now)
-            self._history_pruned_at = now
         return result
 
     def _start(self, ctx: PassContext, target: Target, horizon: datetime) -> datetime | None:
