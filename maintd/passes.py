@@ -99,7 +99,8 @@ def execute_pass(name: str, service: Service, ctx: PassContext, metrics: Metrics
         _observe(metrics, service, record, ctx)
     if result is not None and result.did_something():
         # The service's name is fixed text; what the pass did (queue names) is a field.
-        slog.info(f"{name} pass", extra=kv(result=result.summary(), seconds=round(record.seconds, 3)))
+        stopped = {"outcome": "stopped"} if outcome is Outcome.STOPPED else {}  # part of a pass
+        slog.info(f"{name} pass", extra=kv(result=result.summary(), seconds=round(record.seconds, 3), **stopped))
     return record
 
 
@@ -110,11 +111,11 @@ def _run(name: str, service: Service, ctx: PassContext,
     except NotLeader as exc:
         slog.warning("pass refused: not the leader", extra=kv(service=name, reason=str(exc)))
         return None, Outcome.FENCED, str(exc)
-    except PassStopped:
-        return None, Outcome.STOPPED, "stopped: leadership lost, shutting down, or its settings changed"
+    except PassStopped:  # with what its committed transactions did
+        return ctx.partial, Outcome.STOPPED, "stopped: leadership lost, shutting down, or its settings changed"
     except Exception as exc:  # a failing pass never kills the daemon
         if ctx.should_stop():  # e.g. its query was cancelled because we lost leadership
-            return None, Outcome.STOPPED, f"stopped: {describe_db_error(exc)}"
+            return ctx.partial, Outcome.STOPPED, f"stopped: {describe_db_error(exc)}"
         error = describe_db_error(exc)
         slog.error("pass failed", extra=kv(service=name, error=error),
                    exc_info=slog.isEnabledFor(logging.DEBUG))

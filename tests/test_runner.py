@@ -252,6 +252,9 @@ def test_a_reload_stops_a_running_pass_whose_settings_changed(settings, engine, 
         assert left() == at > 0  # the passes since, under the new settings, deleted nothing
         stopped = {"target": TARGET, "service": "cleaner", "outcome": "stopped"}
         assert sample(metrics, "maintd_service_runs_total", stopped) == 1
+        # What the stopped pass deleted before it stopped is counted: its committed batches.
+        deleted = {"target": TARGET, "state": "completed"}
+        assert sample(metrics, "maintd_jobs_deleted_total", deleted) == 3000 - at
     finally:
         runner.shutdown()
 

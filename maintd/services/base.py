@@ -21,7 +21,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Protocol, TypeVar
 
 from sqlalchemy import Connection, Engine, TextClause, text
 
@@ -47,6 +47,7 @@ CANCEL_TIMEOUT = 2.0  # seconds a cancel request may take (it opens its own conn
 # smaller (see :meth:`PassContext.redo_limit`), so the pass still makes progress.
 MOVED_MEANWHILE = "40001"
 MOVED_MAX = 100  # redos in a row of one batch; past this the error is the pass's (something else)
+R = TypeVar("R")
 
 
 class NotLeader(Exception):
@@ -165,6 +166,7 @@ class PassContext:
     statements: Statements | None = None  # the target's SQL, rendered once (else rendered here)
     moved: int = 0  # batches redone because a row had moved to another partition meanwhile
     redos: int = 0  # of them, since the last committed transaction (the batch now being redone)
+    partial: Any = None  # the pass's result so far (see begin): what a stopped pass reports
     _conn: Any = field(default=None, repr=False)
     _in_session: bool = field(default=False, repr=False)
 
@@ -189,6 +191,13 @@ class PassContext:
                 if outside:
                     conn.rollback()  # end the read's transaction: a probe may follow in autocommit
         return self.clock.now()
+
+    def begin(self, result: R) -> R:
+        """The pass's result, kept here too: a pass stopped half-way (a demotion, a reload)
+        reports what its committed transactions did (the services count a batch after its
+        commit), so its deleted, rescued or promoted jobs are not missing from the counters."""
+        self.partial = result
+        return result
 
     def should_stop(self) -> bool:
         return self.stop_event.is_set()

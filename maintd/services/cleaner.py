@@ -275,7 +275,7 @@ class Cleaner(Service):
 
     def run_once(self, ctx: PassContext) -> CleanerResult:
         now = ctx.now(fresh=True)  # the horizons: never past the server's clock
-        result = CleanerResult(dry_run=ctx.dry_run)
+        result = ctx.begin(CleanerResult(dry_run=ctx.dry_run))
         targets = self._targets(ctx)
         if ctx.dry_run:
             return self._count(ctx, now, result, targets)

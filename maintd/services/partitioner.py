@@ -141,7 +141,7 @@ class Partitioner(Service):
         self._warned_plain = False
 
     def run_once(self, ctx: PassContext) -> PartitionerResult:
-        result = PartitionerResult(dry_run=ctx.dry_run)
+        result = ctx.begin(PartitionerResult(dry_run=ctx.dry_run))
         with ctx.read() as conn:
             if not conn.execute(text(catalog.JOBS_PARTITIONED), {"schema": ctx.schema}).scalar():
                 return self._plain(result)

@@ -163,7 +163,7 @@ class PeriodicEnqueuer(Service):
 
     def run_once(self, ctx: PassContext) -> PeriodicResult:
         now = ctx.now()
-        result = PeriodicResult(dry_run=ctx.dry_run)
+        result = ctx.begin(PeriodicResult(dry_run=ctx.dry_run))
         entries = self.entries(ctx, result)
         self._ids = {e.job.id for e in entries} | set(result.invalid_rows)
         try:

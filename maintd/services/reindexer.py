@@ -111,7 +111,7 @@ class Reindexer(Service):
         return schedule_trigger(parse_schedule(self.config.schedule, self.config.timezone))
 
     def run_once(self, ctx: PassContext) -> ReindexerResult:
-        result = ReindexerResult(dry_run=ctx.dry_run)
+        result = ctx.begin(ReindexerResult(dry_run=ctx.dry_run))
         with ctx.transaction(fenced=False) as conn:
             catalog_rows = {r.name: r for r in conn.execute(text(catalog.JOBS_INDEXES), {"schema": ctx.schema})}
             has_pgstattuple = bool(conn.execute(text(catalog.HAS_PGSTATTUPLE)).scalar())

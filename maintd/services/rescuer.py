@@ -220,7 +220,7 @@ class Rescuer(Service):
         return None
 
     def run_once(self, ctx: PassContext) -> RescuerResult:
-        result = RescuerResult(dry_run=ctx.dry_run)
+        result = ctx.begin(RescuerResult(dry_run=ctx.dry_run))
         if ctx.dry_run:  # what each of the three batches would do
             with ctx.transaction() as conn:
                 now = ctx.now()

@@ -106,7 +106,7 @@ class Scheduler(Service):
         return max(next_due, now)
 
     def run_once(self, ctx: PassContext) -> SchedulerResult:
-        result = SchedulerResult(dry_run=ctx.dry_run)
+        result = ctx.begin(SchedulerResult(dry_run=ctx.dry_run))
         if ctx.dry_run:
             with ctx.transaction() as conn:
                 for row in conn.execute(ctx.sql(jobs.SCHEDULER_COUNT_DUE), {"now": ctx.now()}):
