@@ -99,8 +99,8 @@ def execute_pass(name: str, service: Service, ctx: PassContext, metrics: Metrics
         _observe(metrics, service, record, ctx)
     if result is not None and result.did_something():
         # The service's name is fixed text; what the pass did (queue names) is a field.
-        stopped = {"outcome": "stopped"} if outcome is Outcome.STOPPED else {}  # part of a pass
-        slog.info(f"{name} pass", extra=kv(result=result.summary(), seconds=round(record.seconds, 3), **stopped))
+        cut = {"outcome": outcome.value} if outcome is not Outcome.SUCCESS else {}  # part of a pass
+        slog.info(f"{name} pass", extra=kv(result=result.summary(), seconds=round(record.seconds, 3), **cut))
     return record
 
 
@@ -108,9 +108,9 @@ def _run(name: str, service: Service, ctx: PassContext,
          slog: logging.Logger) -> tuple[PassResult | None, Outcome, str | None]:
     try:
         result = service.run_once(ctx)
-    except NotLeader as exc:
+    except NotLeader as exc:  # with what its committed transactions did (as below)
         slog.warning("pass refused: not the leader", extra=kv(service=name, reason=str(exc)))
-        return None, Outcome.FENCED, str(exc)
+        return ctx.partial, Outcome.FENCED, str(exc)
     except PassStopped:  # with what its committed transactions did
         return ctx.partial, Outcome.STOPPED, "stopped: leadership lost, shutting down, or its settings changed"
     except Exception as exc:  # a failing pass never kills the daemon
@@ -119,7 +119,7 @@ def _run(name: str, service: Service, ctx: PassContext,
         error = describe_db_error(exc)
         slog.error("pass failed", extra=kv(service=name, error=error),
                    exc_info=slog.isEnabledFor(logging.DEBUG))
-        return None, Outcome.ERROR, error
+        return ctx.partial, Outcome.ERROR, error  # its batches committed before the failure count
     if result.failed():
         return result, Outcome.ERROR, f"part of the pass failed: {result.summary()}"
     return result, Outcome.SUCCESS, None

@@ -477,7 +477,8 @@ def _says_enabled(name: str, service: Service) -> bool:
 
 
 def _same_settings(old: Service | None, new: Service) -> bool:
+    """Whether a pass of ``old`` may go on under ``new``'s settings (see Service.STOP_ON_CHANGE)."""
     try:
-        return old is not None and new.enabled() and old.config == new.config
+        return old is not None and new.enabled() and (not new.STOP_ON_CHANGE or old.config == new.config)
     except Exception:  # a section that cannot even be compared has changed
         return False

@@ -136,10 +136,36 @@ def test_execute_pass_reports_fenced(settings, engine, schema):
         conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, finalized_at) "
                          "VALUES ('k', 'completed', now() - interval '30 days')", schema))
     record = execute_pass("cleaner", Cleaner(settings.cleaner), ctx)
-    assert record.outcome == "fenced" and record.result is None and "stale" in record.error
+    assert record.outcome == "fenced" and not record.result.did_something() and "stale" in record.error
     assert checks
     with engine.connect() as conn:
         assert conn.execute(sql("SELECT count(*) FROM {schema}.jobs", schema)).scalar() == 1
+
+
+def test_a_pass_that_fails_half_way_counts_what_its_committed_batches_did(settings, engine, schema):
+    """A poison row fails the batch it is in; the batches committed before it deleted their rows,
+    and the counters, the record and the log say so. Before, a failed (or fenced) pass reported
+    nothing: an independent review counted 2,380 deletions missing from maintd_jobs_deleted_total."""
+    from maintd.services.cleaner import Cleaner
+
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, finalized_at) SELECT 'k', 'completed', "
+                         "now() - interval '2 days' + g * interval '1 ms' FROM generate_series(1, 1000) g", schema))
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, finalized_at) "
+                         "VALUES ('poison', 'completed', now() - interval '2 days' + interval '5 s')", schema))
+        conn.execute(sql("CREATE FUNCTION {schema}.poison() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                         "IF OLD.kind = 'poison' THEN RAISE EXCEPTION 'poison row'; END IF; RETURN OLD; END $$", schema))
+        conn.execute(sql("CREATE TRIGGER poison BEFORE DELETE ON {schema}.jobs FOR EACH ROW "
+                         "EXECUTE FUNCTION {schema}.poison()", schema))
+    settings.cleaner.batch_size = 100
+    metrics = Metrics()
+    record = execute_pass("cleaner", Cleaner(settings.cleaner), PassContext.for_settings(settings, engine, ServerClock()),
+                          metrics)
+    with engine.connect() as conn:
+        gone = 1001 - conn.execute(sql("SELECT count(*) FROM {schema}.jobs", schema)).scalar()
+    assert record.outcome == "error" and "poison row" in record.error
+    assert gone >= 100 and record.result.deleted["completed"] == gone
+    assert sample(metrics, "maintd_jobs_deleted_total", {"target": TARGET, "state": "completed"}) == gone
 
 
 def test_pass_is_recorded_logged_and_measured(settings, engine, schema, monkeypatch, maintd_log):
@@ -255,6 +281,42 @@ def test_a_reload_stops_a_running_pass_whose_settings_changed(settings, engine, 
         # What the stopped pass deleted before it stopped is counted: its committed batches.
         deleted = {"target": TARGET, "state": "completed"}
         assert sample(metrics, "maintd_jobs_deleted_total", deleted) == 3000 - at
+    finally:
+        runner.shutdown()
+
+
+def test_a_reload_leaves_a_rebuild_running_unless_it_disables_the_reindexer(settings, engine):
+    """A REINDEX CONCURRENTLY cancelled by a reload leaves its invalid copy until the next
+    scheduled pass (a day later, say), so a changed [reindexer] section applies from the next
+    pass (an independent review of the reload fix); disabling the service still stops it."""
+    from apscheduler.triggers.interval import IntervalTrigger
+
+    from maintd.services.reindexer import Reindexer
+
+    class Rebuild(Reindexer):
+        def trigger(self):
+            return IntervalTrigger(hours=1)  # its first pass at once
+
+        def run_once(self, ctx):
+            for _ in range(100):
+                ctx.pause(0.05)
+            return CountResult(1)
+
+    settings.reindexer.enabled = True
+    runner = Runner(settings, engine, Metrics(), build=lambda s: {"reindexer": Rebuild(s.reindexer)})
+    runner.start()
+    try:
+        runner.activate(NoFence())
+        wait_for(lambda: "reindexer" in runner._active, 5, what="the rebuild to start")
+        changed = settings.model_copy(deep=True)
+        changed.reindexer.indexes = ["jobs_pkey"]
+        runner.reload(changed)
+        time.sleep(0.5)
+        assert "reindexer" in runner._active  # goes on
+        disabled = changed.model_copy(deep=True)
+        disabled.reindexer.enabled = False
+        runner.reload(disabled)
+        wait_for(lambda: "reindexer" not in runner._active, 2, what="the rebuild to stop")
     finally:
         runner.shutdown()
 

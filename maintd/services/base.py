@@ -417,6 +417,9 @@ class Service(abc.ABC):
     the metric families :meth:`observe` records in ``METRICS``."""
 
     METRICS: ClassVar[tuple[Family, ...]] = ()
+    # Whether a reload that changes the section stops a running pass (a retention lengthened must
+    # stop the deletions); one that disables the service always does.
+    STOP_ON_CHANGE: ClassVar[bool] = True
 
     def __init__(self, config: Any):
         self.config = config

@@ -105,6 +105,9 @@ class ReindexerResult(PassResult):
 class Reindexer(Service):
 
     METRICS = (REINDEX, REINDEX_SECONDS)
+    # A rebuild cancelled by a reload would leave its invalid copy until the next scheduled pass
+    # (a day, say): a changed section applies from the next pass; only disabling stops it.
+    STOP_ON_CHANGE = False
     config: ReindexerConfig
 
     def trigger(self) -> ScheduleTrigger:
