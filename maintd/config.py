@@ -364,7 +364,8 @@ def _id_clash(periodic: list[PeriodicJob], crontab: list[CrontabJob]) -> str | N
 
 def database_of(dsn: str) -> tuple:
     """The server(s) and database a DSN reaches, spelled one way: libpq's defaults (and PG*
-    variables) filled in, so ``host:5432/db`` and ``host/db`` are one database."""
+    variables) filled in, so ``host:5432/db`` and ``host/db`` are one database. Never one
+    database for two DSNs that may reach two."""
     import psycopg.conninfo
 
     params = psycopg.conninfo.conninfo_to_dict(re.sub(r"^postgres(ql)?\+psycopg2?://", "postgresql://", dsn))
@@ -373,7 +374,10 @@ def database_of(dsn: str) -> tuple:
     ports = str(params.get("port") or env.get("PGPORT") or "5432").split(",")
     ports = [p or "5432" for p in (ports * len(hosts) if len(ports) == 1 else ports)]
     user = params.get("user") or env.get("PGUSER") or getpass.getuser()
-    return tuple(zip(hosts, ports)), params.get("dbname") or env.get("PGDATABASE") or user
+    # A service file (pg_service.conf) or a hostaddr may lead elsewhere: only what is spelled alike
+    # is taken as one database.
+    unknown = (params.get("service") or env.get("PGSERVICE"), params.get("hostaddr"))
+    return tuple(zip(hosts, ports)), params.get("dbname") or env.get("PGDATABASE") or user, unknown
 
 
 def _first_error(section: str, exc: ValidationError) -> str:

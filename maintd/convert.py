@@ -63,6 +63,7 @@ def convert(conn: Connection, schema: str, layout: Layout, say: Callable[[str], 
     (it is partitioned) or ``"stopped"`` (``stop()`` said so between batches: resumable)."""
     if conn.execute(text(catalog.JOBS_PARTITIONED), {"schema": schema}).scalar():
         if conn.execute(text(catalog.TABLE_EXISTS), {"qualified": f"{quote_ident(schema)}.jobs_convert_progress"}).scalar():
+            _check_owner(conn, schema)
             _clean_up(conn, schema)  # a run cut off after its swap: its copies go now
             say(f"schema {schema}: jobs is partitioned already; dropped what an interrupted conversion left")
             return "already"

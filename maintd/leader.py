@@ -485,6 +485,7 @@ def acquire_once(settings: Settings, wait: float = 0.0, *,
     loop.round()
     while seat.term is None and time.monotonic() < deadline:
         time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        seat.failure = None  # what the last round met is what is said
         loop.round()
     if seat.term is None:
         loop.stop()

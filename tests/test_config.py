@@ -226,6 +226,20 @@ def test_bad_config_names_the_key(tmp_path, body, key):
     assert key in str(err.value)
 
 
+@pytest.mark.parametrize("a,b", [
+    ("service=ordersdb", "service=billingdb"),  # pg_service.conf: two databases, one schema name each
+    ("postgresql:///?service=ordersdb", "postgresql:///?service=billingdb"),
+    ("host=db.internal hostaddr=10.0.0.1 dbname=app", "host=db.internal hostaddr=10.0.0.2 dbname=app"),
+    ("postgresql://u@db-a/app", "postgresql://u@db-b/app"),
+])
+def test_the_same_schema_on_two_databases_is_two_targets(tmp_path, a, b):
+    """The duplicate-schema check compares the databases URLs reach; DSNs that may reach two
+    databases are two, however alike their defaults look (a review found service= URLs refused)."""
+    s = load_settings(write(tmp_path, f"[[targets]]\nname = 'a'\nschema = 'maintd'\ndatabase_url = '{a}'\n"
+                                      f"[[targets]]\nname = 'b'\nschema = 'maintd'\ndatabase_url = '{b}'\n"))
+    assert [t.target_name for t in s.target_settings()] == ["a", "b"]
+
+
 def test_layout_top_level_and_per_target(tmp_path):
     s = load_settings(write(tmp_path, """
 layout = "partitioned"
