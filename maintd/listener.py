@@ -365,7 +365,9 @@ class Listener:
             method, target, version, headers = parse_head(data[:-4], self.limits.max_headers)
         except BadRequest as exc:
             return encode(plain(exc.status, exc.message), keep=False, head_only=False), False
-        answer = self._inline(method, target, headers, self._lane(target))
+        # Not ``ready``: a request it declines is then served as any (:meth:`_answer`), which would
+        # ask it again, and the second ask finds the first (an old /metrics body served for good).
+        answer = self._inline(method, target, headers, self._lane(target), ready=False)
         if answer is None:
             return None
         keep = keep_alive(version, headers) and answer[0] not in (405, 503)
@@ -456,12 +458,12 @@ class Listener:
     def _lane(self, target: str) -> str:
         return self.lane_of(target.partition("?")[0])
 
-    def _inline(self, method: str, target: str, headers: Headers, lane: str) -> Answer | None:
+    def _inline(self, method: str, target: str, headers: Headers, lane: str, ready: bool = True) -> Answer | None:
         """The answer when it is made on the loop (a refused method, a probe, an answer that is
-        ready); else None."""
+        ``ready``, asked once per request); else None."""
         if method not in ("GET", "HEAD"):
             return plain(405, f"method {method} not allowed", Allow="GET, HEAD")
-        make = self.handle if lane == INLINE else self.ready
+        make = self.handle if lane == INLINE else (self.ready if ready else None)
         if make is None:
             return None
         try:

@@ -265,6 +265,37 @@ def test_metrics_render_at_most_once_per_max_age_however_many_scrape():
     assert recent() == b"# 2\n"
 
 
+def test_metrics_is_fresh_for_a_scraper_that_connects_anew_each_time():
+    """Prometheus scrapes every 15 s and the port closes idle connections after 5 s: each scrape
+    is a new connection. The last render, served on the loop (Recent.ready), was asked twice for
+    such a request, and the second ask found the first: the body of the first scrape was served
+    for good (maintd_is_leader 1 on a deposed leader, in an independent review)."""
+    from maintd.http import metrics_body, ready_metrics
+
+    scrape = Recent(lambda: f"rendered at {time.monotonic():.3f}".encode(), max_age=0.2)
+    srv = HttpServer("127.0.0.1", 0, {"/metrics": lambda: metrics_body(scrape)},
+                     ready={"/metrics": lambda: ready_metrics(scrape)})
+    srv.start()
+    try:
+        bodies = []
+        for _ in range(3):
+            conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=5)
+            conn.request("GET", "/metrics")
+            bodies.append(conn.getresponse().read())
+            conn.close()
+            time.sleep(0.5)
+        assert len(set(bodies)) == 3, bodies
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=5)  # kept alive, as before
+        for _ in range(2):
+            conn.request("GET", "/metrics")
+            bodies.append(conn.getresponse().read())
+            time.sleep(0.5)
+        conn.close()
+        assert len(set(bodies)) == 5, bodies
+    finally:
+        srv.stop()
+
+
 def test_the_listen_backlog_is_at_least_128(server):
     out = subprocess.run(["ss", "-ltnH", f"( sport = :{server.port} )"], capture_output=True, text=True,
                          check=True).stdout
