@@ -425,6 +425,9 @@ class ElectionLoop:
         else:
             rows = self.session.run(q.WRITABLE)
         self._set(writable=bool(rows[0][0]))
+        if left := sorted(set(was or ()) - set(self.replicas or ())):  # when they left (/status: gone)
+            for seat in self.targets:
+                self._try(seat, lambda s: self.session.run(s.psql(q_daemons.LEFT), {"ids": left}), "could not record")
         if self.spread is not None and self.replicas != was:
             self.spread.refresh(at_once=True)  # a replica came or went: its targets move now
 

@@ -70,6 +70,19 @@ def test_a_killed_replica_is_shown_gone_as_soon_as_its_session_is(pg_dsn, schema
         assert re.search(r'id="replicas-alive">1<', html)
         row = re.search(rf'<tr data-instance="{b}">(.*?)</tr>', html, re.S).group(1)
         assert "gone" in row and "follower" not in row
+        # A replica that last connected over an hour ago (any that ran that long: the row is
+        # written at connect) is shown gone too: the live one records when it saw it leave.
+        # Before, it vanished from status at once, and its row was forgotten.
+        follower.stop()
+        follower = DaemonProc(pg_dsn, schema, c := unique("c")).start()
+        wait_for(lambda: c in {d["instance_id"] for d in collect_status(engine, schema)["daemons"]}, 20,
+                 what="the third replica alive")
+        with engine.begin() as conn:
+            conn.execute(sql("UPDATE {schema}.daemons SET last_seen_at = now() - interval '2 hours' "
+                             "WHERE instance_id = :c", schema), {"c": c})
+        follower.kill()
+        wait_for(lambda: c in [d["instance_id"] for d in collect_status(engine, schema)["gone"]], 10,
+                 interval=0.1, what="the long-running replica shown gone")
     finally:
         if follower is not None:
             follower.stop()

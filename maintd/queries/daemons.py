@@ -26,10 +26,18 @@ FORGET_STALE = """
 DELETE FROM {schema}.daemons d
  WHERE d.last_seen_at < now() - interval '1 hour' AND NOT """ + LIVE_SESSION
 
+# Replicas a live daemon saw leave (their lock sessions gone): when, so that one that ran for
+# longer than an hour is shown gone for an hour from its end, not dropped at once. Written only
+# when the live replicas change.
+LEFT = """
+UPDATE {schema}.daemons d SET last_seen_at = now()
+ WHERE d.instance_id = ANY(CAST(:ids AS text[])) AND NOT """ + LIVE_SESSION + """
+"""
+
 # Every daemon registered within the last hour, with whether it is alive: whether its lock session
 # is connected now (a SIGKILLed replica's session ends with it, so it reads as gone at once; a
 # frozen one's within the lease). last_seen_at: now for a live daemon, else when it last (re)connected
-# (the registry is written only then, so when a gone daemon stopped is not known).
+# or when a live daemon saw it leave (LEFT), the later of the two.
 REGISTERED = """
 SELECT instance_id, host, pid, version, started_at, alive,
        CASE WHEN alive THEN now() ELSE last_seen_at END AS last_seen_at
