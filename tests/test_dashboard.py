@@ -788,3 +788,25 @@ def test_with_several_targets_the_home_link_of_every_page_opens_the_overview(pg_
     finally:
         with engine.begin() as conn:
             conn.execute(text(f'DROP SCHEMA "{other}" CASCADE'))
+
+
+def test_a_holder_in_another_database_is_named_with_its_database(settings):
+    """A transaction of another database holds this one's horizon too (SPEC 8.2). `maintd status`
+    said `in database NAME`; the dashboard showed its pid alone, which an operator then looked
+    for in vain among this database's sessions (an independent review)."""
+    holder = {"kind": "transaction", "scope": "data", "pid": 4242, "user": "app", "application_name": "report",
+              "client_addr": None, "state": "idle in transaction", "xmin": "5", "age_xids": 9,
+              "age_seconds": 400.0, "exact": True, "since": None, "name": None,
+              "detail": "in database billing", "query": None}
+    local = {**holder, "pid": 77, "detail": "client backend", "application_name": "worker"}
+    health = {"at": "2026-01-01T00:00:00+00:00", "tables": [],
+              "horizon": {"age_seconds": 400.0, "age_xids": 9, "holder": holder, "holders": [holder, local],
+                          "more_holders": 0, "catalog_holders": []}}
+    status, _, body, _ = Dashboard(lambda: settings, health=lambda name: health).index(Request("/", {}))
+    html = body.decode()
+    assert status == 200
+    card = re.search(r'<div class="card" id="holder">(.*?)</div>\s*</div>', html, re.S).group(1)
+    assert "pid 4242" in card and "in database billing" in card
+    rows = re.findall(r"<tr><td>transaction.*?</tr>", re.search(r'<table id="holders">(.*?)</table>', html, re.S).group(1), re.S)
+    assert "in database billing" in rows[0] and "4242" in rows[0]
+    assert "client backend" not in html  # only another database is worth naming
