@@ -151,14 +151,17 @@ class Partitioner(Service):
         make_until = now + self.config.partitions.premake * self.config.partitions.interval
         for state in FINAL_STATES:
             row = states[state]
-            result.partitions += row.partitions
-            result.stray_rows += row.low_rows + row.high_rows
             drop_after = self.config.drop_after(state)
             drop_before = None if drop_after is None else now - drop_after
             if row.high_start < make_until or self._expired(row, drop_before):
                 self._maintain(ctx, state, make_until, drop_before, result, urgent=row.high_start < make_until)
         if detached or result.detached:
             self._drop_detached(ctx, result)
+        if result.did_something() and not ctx.dry_run:  # what the pass left, not what it found
+            with ctx.read() as conn:
+                states = {r.state: r for r in conn.execute(ctx.sql(q.LAYOUT))}
+        result.partitions = sum(states[s].partitions for s in FINAL_STATES)
+        result.stray_rows = sum(states[s].low_rows + states[s].high_rows for s in FINAL_STATES)
         return result
 
     def _expired(self, row: Any, drop_before: datetime | None) -> bool:
