@@ -24,8 +24,8 @@ from .tools import unavailable
 # lock not held "returns false, and in addition, an SQL warning will be reported by the server".
 
 
-def keys(tries=(), renewals=(), unlocks=()) -> dict:
-    out = {"marker": "m"}
+def keys(tries=(), renewals=(), unlocks=(), marker="m") -> dict:
+    out = {"marker": marker}
     for kind, names in (("try", tries), ("renew", renewals), ("unlock", unlocks)):
         pairs = [advisory_key(n) for n in names]
         out |= {f"{kind}_c": [p[0] for p in pairs], f"{kind}_o": [p[1] for p in pairs]}
@@ -41,6 +41,7 @@ def test_one_round_tries_proves_and_unlocks_as_postgresql_documents(pg_dsn):
     with psycopg.connect(pg_dsn, autocommit=True) as conn, psycopg.connect(pg_dsn, autocommit=True) as other:
         conn.add_notice_handler(lambda diag: notices.append(f"{diag.severity}: {diag.message_primary}"))
         conn.execute("SELECT set_config('maintd.session', 'm', false)")
+        other.execute("SELECT set_config('maintd.session', 'o', false)")
         # The documented behaviour first, on the real server.
         c, o = advisory_key("lockconn_a")
         assert conn.execute("SELECT pg_advisory_unlock(%s, %s)", (c, o)).fetchone()[0] is False
@@ -48,7 +49,7 @@ def test_one_round_tries_proves_and_unlocks_as_postgresql_documents(pg_dsn):
         notices.clear()
         pid = conn.info.backend_pid
         # Tries answered in order; another session's lock is not won.
-        round_(other, tries=["lockconn_c"])
+        round_(other, tries=["lockconn_c"], marker="o")
         assert round_(conn, tries=["lockconn_a", "lockconn_b", "lockconn_c"]) == [
             (1, 1, True, True, True, pid), (1, 2, True, True, True, pid), (1, 3, False, True, True, pid)]
         # Proofs: held by this very backend; another session does not hold it, and is not ours.
@@ -60,7 +61,20 @@ def test_one_round_tries_proves_and_unlocks_as_postgresql_documents(pg_dsn):
         # All three kinds in one statement, each answered in its place.
         got = round_(conn, tries=["lockconn_a"], renewals=["lockconn_b"], unlocks=["lockconn_d"])
         assert [r[:3] for r in got] == [(1, 1, True), (2, 1, False), (3, 1, False)]
-        assert [r[2] for r in round_(other, tries=["lockconn_b", "lockconn_a"])] == [True, False]
+        assert [r[2] for r in round_(other, tries=["lockconn_b", "lockconn_a"], marker="o")] == [True, False]
+
+
+def test_a_session_it_did_not_set_up_takes_and_frees_no_lock(pg_dsn):
+    """Through a transaction pooler the round may reach a backend that another client uses next:
+    a lock won there would stay with that client, and an unlock would free that client's lock."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn, psycopg.connect(pg_dsn, autocommit=True) as foreign:
+        conn.execute("SELECT set_config('maintd.session', 'm', false)")
+        foreign.execute("SELECT pg_advisory_lock(%s, %s)", advisory_key("lockconn_f"))
+        got = round_(foreign, tries=["lockconn_e"], unlocks=["lockconn_f"])
+        assert [r[:4] for r in got] == [(1, 1, False, False), (3, 1, False, False)]
+        held = foreign.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()").fetchone()[0]
+        assert held == 1, "the foreign backend won a lock, or lost its own"
+        assert [r[2] for r in round_(conn, tries=["lockconn_e"])] == [True]  # free for the real session
 
 
 def test_a_frozen_sessions_idle_timeout_stays_armed_after_a_round(pg_dsn):

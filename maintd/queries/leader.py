@@ -10,7 +10,8 @@
 #   epoch is bumped only by whoever holds the lock, so while this session has held it since its
 #   bump, its epoch is the current one. Read-only: an idle leader writes no WAL.
 # * ``ours``: this is still the session we set up (:marker; a transaction pooler would hand us
-#   another backend).
+#   another backend). A try or an unlock acts only there: a lock taken on a pooled backend would
+#   stay with whoever gets that backend next.
 # * An unlock only of what is held (an unlock of a lock not held draws a WARNING in the server's
 #   log). The loop never tries for a lock it holds, so none is taken twice.
 # * pg_locks shows a two-key lock's halves as unsigned oids (the int4 -> oid cast maps the signed
@@ -19,17 +20,19 @@
 # idle_session_timeout, measured on PostgreSQL 15 and 18, so a frozen leader's session outlived
 # the lease.)
 _KEYS = "unnest(CAST(:{k}_c AS int4[]), CAST(:{k}_o AS int4[])) WITH ORDINALITY AS k(c, o, ord)"
+_OURS = "coalesce(current_setting('maintd.session', true) = :marker, false)"
 _HELD = "EXISTS (SELECT 1 FROM mine WHERE mine.classid = CAST(k.c AS oid) AND mine.objid = CAST(k.o AS oid))"
 ROUND = f"""
 WITH mine AS (SELECT classid, objid FROM pg_locks
                WHERE locktype = 'advisory' AND objsubid = 2 AND granted AND pid = pg_backend_pid()),
-     tried AS (SELECT 1 AS kind, k.ord, pg_try_advisory_lock(k.c, k.o) AS ok FROM {_KEYS.format(k="try")}),
+     tried AS (SELECT 1 AS kind, k.ord, CASE WHEN {_OURS} THEN pg_try_advisory_lock(k.c, k.o) ELSE false END AS ok
+                 FROM {_KEYS.format(k="try")}),
      proven AS (SELECT 2 AS kind, k.ord, {_HELD} AS ok FROM {_KEYS.format(k="renew")}),
      unlocked AS (SELECT 3 AS kind, k.ord,
-                         CASE WHEN {_HELD} THEN pg_advisory_unlock(k.c, k.o) ELSE false END AS ok
+                         CASE WHEN {_OURS} AND {_HELD} THEN pg_advisory_unlock(k.c, k.o) ELSE false END AS ok
                     FROM {_KEYS.format(k="unlock")}),
      answers AS (SELECT * FROM tried UNION ALL SELECT * FROM proven UNION ALL SELECT * FROM unlocked)
-SELECT a.kind, a.ord, a.ok, coalesce(current_setting('maintd.session', true) = :marker, false) AS ours,
+SELECT a.kind, a.ord, a.ok, {_OURS} AS ours,
        NOT pg_is_in_recovery() AS primary_, pg_backend_pid() AS backend_pid
   FROM answers a ORDER BY a.kind, a.ord"""
 
