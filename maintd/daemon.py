@@ -196,7 +196,8 @@ class Daemon:
     def _first_connect(self, loop: ElectionLoop) -> None:
         """Open each lock session before its loop starts: a pooler that cannot keep a session
         (pool_mode=transaction) ends the start with exit 1 and no lock taken, and an instance id
-        that a live daemon already uses, with exit 2. An outage is left to the loop's retries."""
+        that a live daemon already uses, with exit 2. An outage is left to the loop's retries (and
+        the loop's first session that works is checked the same way: ``ElectionLoop.refused``)."""
         import psycopg
 
         from .lockconn import LeaderSessionError
@@ -448,6 +449,9 @@ class Daemon:
         last_ping = 0.0
         try:
             while not self._stopping.wait(0.2) and not self._on_signals(signals):
+                for loop in self.loops:
+                    if loop.refused is not None:
+                        raise loop.refused
                 try:
                     self.tick()
                 except Exception as exc:  # the main loop must survive anything a tick meets

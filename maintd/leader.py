@@ -174,6 +174,7 @@ class ElectionLoop:
         self.replicas: tuple[str, ...] | None = None  # the live replicas, as last read
         self.last_progress = time.monotonic()  # when the loop last went round or woke (for /healthz)
         self.sleeping = False  # in a deliberate wait (bounded), not in a call
+        self.refused: LeaderSessionError | None = None  # the session was refused before it ever worked: the loop ended
         self._allowed = 0.0  # how long the call in progress may take by its own timeouts (a connect)
         self._by_channel = {channel: (seat, handover) for seat in self.targets
                             for channel, handover in seat.channels.items()}
@@ -251,6 +252,8 @@ class ElectionLoop:
                 self._sleep(min([self._read_at + self.refresh] + [t.next_due() for t in self.targets]))
             except Exception as exc:  # the loop survives anything a round meets
                 delay = self._failed(exc, delay)
+                if self.refused is not None:
+                    break
         self.session.close()
 
     def _failed(self, exc: Exception, delay: float) -> float:
@@ -260,6 +263,9 @@ class ElectionLoop:
         self._lose(f"database error: {error}" if isinstance(exc, psycopg.Error) else str(exc))
         self._set(healthy=False)
         sleep = BACKOFF_CAP
+        if isinstance(exc, LeaderSessionError) and not self.session.proven:
+            self.refused = exc  # as at start-up (the first connect was cut short): the daemon exits 1
+            return delay
         if isinstance(exc, LeaderSessionError):
             log.error("unusable lock session", extra=kv(error=error))
         elif isinstance(exc, psycopg.errors.InsufficientPrivilege):

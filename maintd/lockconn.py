@@ -49,6 +49,7 @@ class LockSession:
         self.on_notify = on_notify
         self.conn: psycopg.Connection | None = None
         self.marker = ""
+        self.proven = False  # a round has reached a session we set up (a refusal after that is a pooler changed under us)
         self.server: tuple[str | None, int | None] = (None, None)  # host, port last reached
         self.last_sent = 0.0  # monotonic time of the last statement sent
         self._since: float | None = None  # a statement (or connect) in flight since then
@@ -126,6 +127,7 @@ class LockSession:
             if not ours:
                 raise LeaderSessionError(f"the lock connection reached a session it did not set up {POOLER_HINT}")
             answers[kind].append(bool(ok and (primary or kind != 2)))
+        self.proven = self.proven or bool(rows)
         return answers[1], answers[2], sent
 
     def bump(self, key: Key, rendered: Callable[[str], str], params: dict,

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import socket
 import statistics
 import threading
 import time
@@ -24,6 +25,7 @@ from sqlalchemy.pool import QueuePool
 from maintd.db import advisory_key
 from maintd.jobs import JobQueue
 
+from .netproxy import NetProxy
 from .pgbouncer import PgBouncer
 from .procs import DaemonProc, leader_row, lock_holders, wait_for
 from .scenarios import (FAST_SERVICES, audit_rows, foreign_writes, install_audit, q, record,
@@ -138,6 +140,59 @@ def test_transaction_pooling_is_refused_before_the_lock(pg_dsn, schema, tmp_path
     assert not held, f"the leader lock was taken: {held[:3]}"
     assert not left_behind
     assert leader_row(pg_dsn, schema)[0] == 0
+
+
+@pytest.mark.slow
+def test_transaction_pooling_found_after_an_unreachable_start_is_refused_too(pg_dsn, schema, tmp_path):
+    """The pooler cannot be reached at start-up, so the first check is cut short and the loop
+    retries; when the pooler comes, the loop's check refuses it, and that ends the daemon with
+    exit 1 as at start-up, without a lock (a daemon that went on retrying stayed up, unhealthy,
+    and CI's run of the test below found it so under worker traffic)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # nothing listens there yet
+    with PgBouncer(pg_dsn, pool_mode="transaction") as bouncer:
+        info = psycopg.conninfo.conninfo_to_dict(bouncer.dsn)
+        late = psycopg.conninfo.make_conninfo(**{**info, "port": str(port)})
+        d = DaemonProc(late, schema, "txlate", workdir=str(tmp_path))
+        held: list = []
+        try:
+            d.start().wait_log(r"database unreachable, retrying", timeout=20)
+            with NetProxy(info["host"], int(info["port"]), listen_port=port):
+                deadline = time.monotonic() + 20
+                while d.proc.poll() is None and time.monotonic() < deadline:
+                    held += schema_advisory_locks(pg_dsn, schema)
+                    time.sleep(0.05)
+        finally:
+            d.stop()
+    assert d.proc.returncode == 1, f"maintd kept running through transaction pooling; log:\n{d.log()[-1500:]}"
+    assert "pool_mode" in d.log() and "became leader" not in d.log()
+    assert not held, f"the leader lock was taken: {held[:3]}"
+    assert leader_row(pg_dsn, schema)[0] == 0
+
+
+@pytest.mark.slow
+def test_a_pooler_switched_to_transaction_mode_under_a_leader_is_retried_not_fatal(pg_dsn, schema, tmp_path):
+    """A daemon that has led through session pooling stays up when the pooler is switched to
+    transaction mode under it (an operator's mistake, undone by switching back): its session is
+    refused at each reconnect, no lock is held anywhere, /readyz fails; switched back, it leads."""
+    with PgBouncer(pg_dsn, pool_mode="session") as bouncer:
+        d = DaemonProc(bouncer.dsn, schema, "switched", FAST_SERVICES, workdir=str(tmp_path))
+        try:
+            d.start()
+            wait_for(lambda: lock_holders(pg_dsn, schema) == ["maintd:switched"], 15, what="the lock")
+            bouncer.admin("SET pool_mode = 'transaction'")
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:  # the session ends: a reconnect
+                conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'maintd:switched'")
+            d.wait_log(r"unusable lock session", timeout=15)
+            assert d.proc.poll() is None, d.log()[-1500:]
+            wait_for(lambda: d.http_get("/readyz")[0] == 503, 10, what="/readyz to fail")
+            assert schema_advisory_locks(pg_dsn, schema) == []
+            bouncer.admin("SET pool_mode = 'session'")
+            wait_for(lambda: lock_holders(pg_dsn, schema) == ["maintd:switched"], 20, what="the lock again")
+            wait_for(lambda: d.http_get("/readyz")[0] == 200, 10, what="/readyz again")
+        finally:
+            d.stop()
 
 
 @pytest.mark.slow
