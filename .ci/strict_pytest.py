@@ -1,8 +1,8 @@
 """Run pytest as CI must: green only when tests ran and none was skipped.
 
 ``python .ci/strict_pytest.py [pytest arguments]`` runs ``python -m pytest -rs --junitxml=...``
-with the arguments, prints how many tests ran and how many were skipped (each skip with its
-reason), and exits non-zero when pytest failed, when it collected no tests (pytest's exit code 5,
+with the arguments, prints how many tests ran, the slowest ten, and how many were skipped (each
+skip with its reason), and exits non-zero when pytest failed, when it collected no tests (pytest's exit code 5,
 which a plain ``pytest || exit 1`` takes for success), when any test was skipped (under
 ``CI=true`` a missing tool or server fails its test, tests/tools.py, so a skip in CI means a test
 that found a way around that, not a reason to pass), or when any was deselected (``-m``, ``-k``,
@@ -37,6 +37,13 @@ def summary(junit: str) -> tuple[int, list[str]]:
     return tests, skipped
 
 
+def slowest(junit: str, n: int = 10) -> list[str]:
+    """The ``n`` slowest tests as "seconds  file::name", slowest first (to watch CI's time budget)."""
+    cases = [(float(c.get("time") or 0), f"{c.get('classname')}::{c.get('name')}")
+             for c in ET.parse(junit).getroot().iter("testcase")]
+    return [f"{t:7.1f}s  {name}" for t, name in sorted(cases, reverse=True)[:n]]
+
+
 def environment(deselected: str) -> dict[str, str]:
     env = dict(os.environ)
     if env.pop("PYTEST_ADDOPTS", None):
@@ -68,7 +75,9 @@ def main(args: list[str]) -> int:
         except (OSError, ET.ParseError) as exc:
             print(f"strict_pytest: no test report ({exc}): failing the run")
             return rc or 1
-        print(f"strict_pytest: {tests} tests, {len(skipped)} skipped")
+        print(f"strict_pytest: {tests} tests, {len(skipped)} skipped; the slowest:")
+        for line in slowest(junit):
+            print(f"strict_pytest:   {line}")
         for line in skipped:
             print(f"strict_pytest: skipped {line}")
         if rc != 0:

@@ -97,15 +97,15 @@ TWO = "import pytest\n\ndef test_ok():\n    pass\n\n@pytest.mark.slow\ndef test_
 
 
 @pytest.mark.parametrize("tests,args,addopts,rc,said", [
-    ("def test_ok():\n    pass\n", (), None, 0, "strict_pytest: 1 tests, 0 skipped"),
+    ("def test_ok():\n    pass\n", (), None, 0, "strict_pytest: 1 tests, 0 skipped;"),
     ("import pytest\n\ndef test_ok():\n    pass\n\ndef test_s():\n    pytest.skip('no chromium')\n", (), None, 1,
      "strict_pytest: skipped test_t::test_s: no chromium"),
-    ("def test_bad():\n    assert False\n", (), None, 1, "strict_pytest: 1 tests, 0 skipped"),
+    ("def test_bad():\n    assert False\n", (), None, 1, "strict_pytest: 1 tests, 0 skipped;"),
     (None, (), None, 1, "strict_pytest: pytest collected no tests: failing the run"),
     ("import no_such_module\n\ndef test_ok():\n    pass\n", (), None, 2, "ModuleNotFoundError"),
     (TWO, ("-k", "ok"), None, 1, "strict_pytest: 1 tests deselected (-m, -k or --deselect): CI runs them all"),
     (TWO, ("-m", "not slow", "-p", "xdist", "-n", "2"), None, 1, "strict_pytest: 1 tests deselected"),
-    (TWO, (), "-m 'not slow'", 0, "strict_pytest: 2 tests, 0 skipped"),
+    (TWO, (), "-m 'not slow'", 0, "strict_pytest: 2 tests, 0 skipped;"),
     (TWO, ("--lf",), None, 4, "unrecognized arguments: --lf"),
 ], ids=["passes", "a-skip-fails", "a-failure-fails", "no-tests-fail", "a-collection-error-fails",
         "a-deselection-fails", "a-deselection-under-xdist-fails", "addopts-are-ignored", "no-cache-to-rerun"])
@@ -119,6 +119,16 @@ def test_strict_pytest_fails_on_skips_failures_no_tests_and_deselections(tmp_pat
     assert res.returncode == rc and said in res.stdout + res.stderr, res.stdout + res.stderr
     if addopts:
         assert f"strict_pytest: ignoring PYTEST_ADDOPTS={addopts!r}" in res.stdout
+
+
+def test_strict_pytest_names_the_slowest_tests(tmp_path):
+    """CI's 45-minute budget: the log names where the time goes, slowest first."""
+    (tmp_path / "test_t.py").write_text("import time\n\ndef test_quick():\n    pass\n\n"
+                                        "def test_slow():\n    time.sleep(0.3)\n")
+    res = _pytest(tmp_path, str(ROOT / ".ci" / "strict_pytest.py"), cache=True)
+    lines = [line for line in res.stdout.splitlines() if line.startswith("strict_pytest:   ")]
+    assert res.returncode == 0 and len(lines) == 2, res.stdout
+    assert lines[0].endswith("test_t::test_slow") and float(lines[0].split()[1].rstrip("s")) >= 0.3, lines
 
 
 def test_ci_run_exports_ci_and_finds_tools_where_the_tests_do():
