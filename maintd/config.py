@@ -21,8 +21,10 @@ from typing import Any, Literal
 from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
+from .db import libpq_dsn
 from .identifiers import validate_identifier, validate_schema
 from .logs import redact_dsn
+from .queries import FINAL_STATES
 from .sections import PositiveDuration, Section
 from .services.cleaner import CleanerConfig, QueueRetention
 from .services.partitioner import PartitionsConfig
@@ -239,11 +241,7 @@ with warnings.catch_warnings():
 
         @model_validator(mode="after")
         def _periodic_ids(self) -> "Settings":
-            seen: set[str] = set()
-            for job in self.periodic:
-                if job.id in seen:
-                    raise ValueError(f"periodic: id {job.id!r} is defined twice")
-                seen.add(job.id)
+            seen = _periodic_ids(self.periodic, "periodic: ")
             if self.crontab:
                 self._crontab_jobs = _load_crontab(self.crontab, seen)
             return self
@@ -287,7 +285,7 @@ with warnings.catch_warnings():
             for queue in self.cleaner.queues:  # what applies: a state not named falls back
                 data["cleaner"]["queues"][queue] = QueueRetention(**{
                     f"{state}_retention": self.cleaner.retention(state, queue)
-                    for state in ("completed", "cancelled", "discarded")}).model_dump(mode="json")
+                    for state in FINAL_STATES}).model_dump(mode="json")
             for entry, t in zip(data.get("targets", []), self.targets):
                 if t.database_url is not None:
                     entry["database_url"] = redact_dsn(t.database_url.get_secret_value())
@@ -353,13 +351,22 @@ def _target_settings(top: "Settings") -> list["Settings"]:
 def _id_clash(periodic: list[PeriodicJob], crontab: list[CrontabJob]) -> str | None:
     """A target's own ``periodic`` list: an id twice, or also a crontab line's (the top-level
     list is checked by ``Settings._periodic_ids``): one of them would never be enqueued."""
+    try:
+        seen = _periodic_ids(periodic)
+    except ValueError as exc:
+        return str(exc)
+    taken = next((j for j in crontab if j.id in seen), None)
+    return None if taken is None else f"id {taken.id!r} is also a crontab line's ({taken.line})"
+
+
+def _periodic_ids(periodic: list[PeriodicJob], where: str = "") -> set[str]:
+    """The entries' ids; an id given twice is refused (one of the two would never be enqueued)."""
     seen: set[str] = set()
     for job in periodic:
         if job.id in seen:
-            return f"id {job.id!r} is defined twice"
+            raise ValueError(f"{where}id {job.id!r} is defined twice")
         seen.add(job.id)
-    taken = next((j for j in crontab if j.id in seen), None)
-    return None if taken is None else f"id {taken.id!r} is also a crontab line's ({taken.line})"
+    return seen
 
 
 def database_of(dsn: str) -> tuple:
@@ -368,7 +375,7 @@ def database_of(dsn: str) -> tuple:
     database for two DSNs that may reach two."""
     import psycopg.conninfo
 
-    params = psycopg.conninfo.conninfo_to_dict(re.sub(r"^postgres(ql)?\+psycopg2?://", "postgresql://", dsn))
+    params = psycopg.conninfo.conninfo_to_dict(libpq_dsn(dsn))
     env = os.environ
     hosts = str(params.get("host") or params.get("hostaddr") or env.get("PGHOST") or "/var/run/postgresql").split(",")
     ports = str(params.get("port") or env.get("PGPORT") or "5432").split(",")
@@ -445,7 +452,7 @@ def check_dsn(v: SecretStr) -> SecretStr:
     if "://" in raw and not re.match(r"^postgres(ql)?(\+psycopg2?)?://", raw):
         raise ValueError("must be a postgresql:// URL or a libpq key=value string")
     try:
-        params = psycopg.conninfo.conninfo_to_dict(re.sub(r"^postgres(ql)?\+psycopg2?://", "postgresql://", raw))
+        params = psycopg.conninfo.conninfo_to_dict(libpq_dsn(raw))
     except psycopg.ProgrammingError as exc:
         reason = next((why for key, why in DSN_PROBLEMS if key in str(exc)), "libpq cannot parse it")
         raise ValueError(f"not a postgresql:// URL or libpq key=value string ({reason})") from None

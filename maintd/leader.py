@@ -380,9 +380,9 @@ class ElectionLoop:
         except psycopg.Error as exc:
             if isinstance(exc, psycopg.OperationalError):
                 raise
-            with about_target(seat.log_name):
-                log.error("could not start a term", extra=kv(error=describe_db_error(exc)))
             seat.failure = describe_db_error(exc)
+            with about_target(seat.log_name):
+                log.error("could not start a term", extra=kv(error=seat.failure))
             event = BumpFailed(seat.failure)
         if self.spread is not None and not isinstance(event, BumpBlocked):
             self.spread.tried(seat.name, isinstance(event, Bumped))

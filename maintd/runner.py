@@ -157,8 +157,9 @@ class Runner:
             old, self.services = self.services, self.build(settings)
             self._recorded = {}  # new settings: the first pass of each service is written
             self._stop_changed(old)
-            self._known_series()
-            if self._fence is not None:
+            if self._fence is None:
+                self._known_series()
+            else:  # which also sets the known series
                 self._schedule_all(reload=True)
                 # Ticks the old services put off (quiet_until: the periodic enqueuer's next slot,
                 # up to 10 minutes away) are not the new ones': a pass now, which puts them off
@@ -172,7 +173,7 @@ class Runner:
         service disabled must stop its deletions); the new settings run from the next tick."""
         for name, ctx in list(self._active.items()):
             new = self.services.get(name)
-            if new is None or not _same_settings(old.get(name), new):
+            if new is None or not _same_settings(name, old.get(name), new):
                 log.info("pass stopped: its settings changed", extra=kv(service=name))
                 _stop(ctx)
 
@@ -476,9 +477,9 @@ def _says_enabled(name: str, service: Service) -> bool:
         return False
 
 
-def _same_settings(old: Service | None, new: Service) -> bool:
+def _same_settings(name: str, old: Service | None, new: Service) -> bool:
     """Whether a pass of ``old`` may go on under ``new``'s settings (see Service.STOP_ON_CHANGE)."""
     try:
-        return old is not None and new.enabled() and (not new.STOP_ON_CHANGE or old.config == new.config)
+        return old is not None and _says_enabled(name, new) and (not new.STOP_ON_CHANGE or old.config == new.config)
     except Exception:  # a section that cannot even be compared has changed
         return False
