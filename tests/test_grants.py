@@ -31,6 +31,7 @@ from maintd.db import make_engine
 from maintd.jobs import JobQueue
 
 from .conftest import run_concurrently
+from .procs import DaemonProc, wait_for
 
 # -- the privileges the code's SQL needs ---------------------------------------------------------
 
@@ -523,6 +524,37 @@ def test_run_once_by_a_role_that_cannot_start_a_term_says_why(pg_dsn, schema, tm
         last = res.stderr.strip().splitlines()[-1]
         assert last.startswith("maintd: error: could not start a term: permission denied for table leader"), last
         assert "maintd grants ROLE --apply" in last and "another instance" not in res.stderr
+
+
+def test_run_once_wait_says_what_its_last_try_met_not_an_earlier_one(pg_dsn, schema, tmp_path):
+    """run-once --wait by a role that cannot start a term: its first try wins the lock and fails
+    on the missing grant; then a daemon takes the lock and holds it until the wait is over. The
+    last tries found the lock held: that is what is said, not the first try's grant error (said
+    before a review: 'could not start a term: permission denied', though the grant was not why
+    run-once ended without the lock)."""
+    instance = f"holder-{uuid.uuid4().hex[:8]}"
+    with login_role(pg_dsn) as role:
+        apply(pg_dsn, f'GRANT USAGE ON SCHEMA "{schema}" TO "{role}"; '
+                      f'GRANT SELECT ON ALL TABLES IN SCHEMA "{schema}" TO "{role}"')
+        err = tmp_path / "run-once.err"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MAINTD_")}
+        with open(err, "w") as out:
+            run_once = subprocess.Popen([sys.executable, "-m", "maintd", "--config", write_config(tmp_path, schema),
+                                         "run-once", "cleaner", "--wait", "10"], stdout=subprocess.DEVNULL, stderr=out,
+                                        text=True, env={**env, "MAINTD_DATABASE_URL": role_dsn(pg_dsn, role)})
+        daemon = DaemonProc(pg_dsn, schema, instance, workdir=str(tmp_path))
+        try:
+            wait_for(lambda: "could not start a term" in err.read_text(), 15, what="run-once's first try")
+            daemon.start().wait_log(r"became leader", timeout=15)
+            assert run_once.poll() is None, "run-once ended before the daemon took the lock: " + err.read_text()
+            assert run_once.wait(30) == 1
+        finally:
+            if run_once.poll() is None:
+                run_once.kill()
+                run_once.wait()
+            daemon.stop()
+    last = err.read_text().strip().splitlines()[-1]
+    assert last.startswith(f"maintd: error: another instance holds the leader lock (instance={instance} "), last
 
 
 # -- `maintd grants ROLE [--worker] --apply` against real roles ------------------------------------
