@@ -114,7 +114,7 @@ class Seat:
         self.started = False  # the loop tries for it only once started (its schema checked)
         self.keep_trying = True  # run-once: a term lost is not taken again
         self.gate_at, self.notified, self.bump_waiting = 0.0, False, False
-        self.failure: str | None = None  # why the last won lock's term could not start
+        self.failure: str | None = None  # why the last try's won lock gave no term (None: lost, or not tried)
 
     @property
     def term(self) -> Term | None:
@@ -329,6 +329,8 @@ class ElectionLoop:
             send = self._apply(seat, Round(self._gate(seat, now), renew_by), now)
             if send is not None:
                 sends[send].append(seat)
+        for seat in sends["try"]:  # a new try: what an earlier one met is not what this one meets
+            seat.failure = None
         if sends["try"] or sends["renew"] or sends["unlock"]:
             won, held, sent = self.session.round_trip(*([s.key for s in sends[k]] for k in ("try", "renew", "unlock")))
             for seat, event in [*((s, Tried(w)) for s, w in zip(sends["try"], won)),
@@ -494,7 +496,6 @@ def acquire_once(settings: Settings, wait: float = 0.0, *,
     loop.round()
     while seat.term is None and time.monotonic() < deadline:
         time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-        seat.failure = None  # what the last round met is what is said
         loop.round()
     if seat.term is None:
         loop.stop()
