@@ -9,15 +9,19 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from datetime import timedelta
 
+import psycopg
 import pytest
 from sqlalchemy import text
 
-from maintd import convert, migrate
+from maintd import convert, grants, migrate
 from maintd.db import make_engine
 from maintd.jobs import JobQueue
 from maintd.queries import sql
+
+from .test_grants import apply, cli, login_role, role_dsn, write_config
 
 LAYOUT = migrate.Layout("partitioned", timedelta(hours=1), 2)
 
@@ -191,6 +195,61 @@ def test_a_conversion_cut_off_after_its_swap_is_cleaned_up_by_the_next_run(engin
             assert conn.execute(sql(count, schema)).scalar() == before
     finally:
         owner.dispose()
+
+
+def schema_objects(pg_dsn: str, schema: str) -> tuple:
+    """The schema's tables, indexes and functions, and how many jobs it holds."""
+    with psycopg.connect(pg_dsn) as conn:
+        relations = conn.execute("SELECT relname, relkind::text FROM pg_class WHERE relnamespace = to_regnamespace(%s)"
+                                 " AND relkind IN ('r', 'p', 'i', 'I') ORDER BY 1", (schema,)).fetchall()
+        functions = conn.execute("SELECT proname FROM pg_proc WHERE pronamespace = to_regnamespace(%s) ORDER BY 1",
+                                 (schema,)).fetchall()
+        jobs = conn.execute(f'SELECT count(*) FROM "{schema}".jobs').fetchone()[0]
+    return relations, functions, jobs
+
+
+def test_the_clean_up_of_a_cut_off_conversion_is_refused_to_a_non_owner_before_it_acts(pg_dsn, tmp_path, monkeypatch):
+    """A conversion cut off after its swap leaves its copies for the next run to drop; that
+    clean-up ran before the owner check, so a role that does not own the tables (with CREATE on
+    the schema: only ownership is missing) got as far as its first DROP and said only "must be
+    owner of table jobs_plain". It is refused first, naming the owner role, and nothing is
+    changed; the owner's run then drops the leftovers."""
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    with login_role(pg_dsn, "maintd_owner") as owner, login_role(pg_dsn) as other:
+        apply(pg_dsn, f'CREATE SCHEMA "{schema}" AUTHORIZATION "{owner}"')
+        owner_engine = make_engine(role_dsn(pg_dsn, owner), application_name="convert", pooled=False)
+
+        def killed(conn, schema):
+            raise KeyboardInterrupt
+
+        try:
+            with owner_engine.connect() as conn:
+                migrate.upgrade(conn, schema)
+            seed(owner_engine, schema, final=50, live=10)
+            with owner_engine.connect() as conn, monkeypatch.context() as m:
+                m.setattr(convert, "_clean_up", killed)
+                with pytest.raises(KeyboardInterrupt):  # swapped, then cut off before its clean-up
+                    convert.convert(conn, schema, LAYOUT, say=lambda _: None)
+        finally:
+            owner_engine.dispose()
+        apply(pg_dsn, grants.render([schema], other) + f'\nGRANT CREATE ON SCHEMA "{schema}" TO "{other}";')
+        before = schema_objects(pg_dsn, schema)
+        assert ("jobs", "p") in before[0] and ("jobs_plain", "r") in before[0]  # cut off after the swap
+        cfg = write_config(tmp_path, schema)
+        convert_as = lambda role: cli("--config", cfg, "migrate", "--convert", "partitioned",
+                                      env={"MAINTD_DATABASE_URL": role_dsn(pg_dsn, role)})
+        res = convert_as(other)
+        assert res.returncode == 1 and res.stdout == "", res.stdout
+        [line] = res.stderr.strip().splitlines()
+        assert f"role '{other}' does not own the tables of schema '{schema}'" in line, line
+        assert f"owner role ('{owner}')" in line, line
+        assert schema_objects(pg_dsn, schema) == before  # refused before it changed anything
+        res = convert_as(owner)
+        assert res.returncode == 0, res.stderr
+        assert "dropped what an interrupted conversion left" in res.stdout, res.stdout
+        relations, functions, jobs = schema_objects(pg_dsn, schema)
+        assert not [r for r in relations if r[0].startswith(("jobs_plain", "jobs_convert"))], relations
+        assert ("jobs_convert_sync",) not in functions and jobs == before[2] == 61
 
 
 def test_the_cli_converts_and_the_admin_functions_follow(engine, pg_dsn, schema, tmp_path):
