@@ -17,7 +17,7 @@ import pytest
 
 from maintd.queries import sql
 
-from .procs import DaemonProc, wait_for
+from .procs import START, DaemonProc, wait_for
 from .tools import path, require
 
 FAKETIME_LIB = Path(path("libfaketime"))
@@ -35,7 +35,7 @@ def skewed(offset: str) -> dict[str, str]:
 def saw_the_skew(d: DaemonProc, offset: float, started: float) -> None:
     """The daemon's host clock was skewed (its log stamps come from it): else every check below
     would hold for a right clock too, and libfaketime failing to load is only a warning."""
-    first = wait_for(lambda: re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+)Z", d.log()), 20,
+    first = wait_for(lambda: re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+)Z", d.log()), START,
                      what="the daemon's first log line")
     logged = datetime.strptime(first.group(1), "%Y-%m-%dT%H:%M:%S.%f").replace(tzinfo=timezone.utc).timestamp()
     assert abs(logged - started - offset) < 30, (first.group(0), offset)

@@ -21,7 +21,7 @@ from maintd import migrate
 from maintd.db import HostOrder, connect, make_engine
 from maintd.faults import sqlstate, transient
 
-from .procs import DaemonProc, lock_holders, wait_for
+from .procs import START, DaemonProc, lock_holders, wait_for
 from .standby import StandbyPair
 
 
@@ -83,7 +83,7 @@ def test_a_full_server_at_start_is_waited_for_then_led(make_private_pg, tmp_path
     held = fill(pg.dsn, 5)
     d = DaemonProc(pg.dsn, "maintd", "full-1", workdir=str(tmp_path)).start()
     try:
-        d.wait_log(r"too many clients|database unreachable", 15)
+        d.wait_log(r"too many clients|database unreachable", START)
         time.sleep(3)
         assert d.proc.poll() is None, d.log()
         assert "53300" in d.log() or "too many clients" in d.log()
@@ -117,7 +117,7 @@ def test_a_streaming_standby_listed_first_is_skipped_for_the_primary(tmp_path):
                f"dbname=postgres connect_timeout=3")
         d = DaemonProc(url, "maintd", "sb-1", workdir=str(tmp_path)).start()
         try:
-            wait_for(lambda: lock_holders(pair.primary.dsn, "maintd") == ["maintd:sb-1"], 20,
+            wait_for(lambda: lock_holders(pair.primary.dsn, "maintd") == ["maintd:sb-1"], START,
                      what="leading on the primary")
             assert d.http_get("/readyz")[0] == 200
             assert "cannot execute" not in d.log(), d.log()
@@ -138,7 +138,7 @@ def test_a_read_only_primary_is_reported_and_maintenance_pauses(make_private_pg,
     migrated(pg.dsn)
     d = DaemonProc(pg.dsn, "maintd", "ro-1", workdir=str(tmp_path)).start()
     try:
-        wait_for(lambda: d.http_get("/readyz")[0] == 200, 15, what="ready")
+        wait_for(lambda: d.http_get("/readyz")[0] == 200, START, what="ready")
         with psycopg.connect(pg.dsn, autocommit=True) as admin:
             admin.execute("ALTER SYSTEM SET default_transaction_read_only = on")
             admin.execute("SELECT pg_reload_conf()")
@@ -166,7 +166,7 @@ def test_a_second_daemon_with_a_live_instance_id_is_refused(pg_dsn, schema, tmp_
     """SPEC 8.4: exit 2, naming the other's host and pid; the first keeps its row and its lead."""
     first = DaemonProc(pg_dsn, schema, f"dup-{os.getpid()}", workdir=str(tmp_path)).start()
     try:
-        wait_for(lambda: lock_holders(pg_dsn, schema) == [f"maintd:{first.instance_id}"], 15, what="the first leads")
+        wait_for(lambda: lock_holders(pg_dsn, schema) == [f"maintd:{first.instance_id}"], START, what="the first leads")
         (tmp_path / "b").mkdir()
         second = DaemonProc(pg_dsn, schema, first.instance_id, workdir=str(tmp_path / "b")).start()
         try:

@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 import psycopg
 import pytest
 
-from .procs import (DaemonProc, audited_writes, install_write_audit, leader_row, lock_holders, wait_for,
+from .procs import (START, DaemonProc, audited_writes, install_write_audit, leader_row, lock_holders, wait_for,
                     wait_new_leader)
 
 pytestmark = pytest.mark.slow
@@ -62,7 +62,7 @@ def daemons(pg_dsn, schema, tmp_path):
 
 
 def current_leader(pg_dsn, schema, procs):
-    _, inst = wait_for(lambda: (lambda r: r if r[1] else None)(leader_row(pg_dsn, schema)), 30,
+    _, inst = wait_for(lambda: (lambda r: r if r[1] else None)(leader_row(pg_dsn, schema)), START,
                        what="a leader")
     return next(p for p in procs if p.instance_id == inst)
 
@@ -283,7 +283,7 @@ def _exists(dsn, schema, job_id) -> bool:
 
 def _sighup_checks(pg_dsn, schema, d, notify):
     # systemd Type=notify: READY=1 once the daemon is up (STATUS=... lines may come first).
-    wait_for(lambda: notify.count(b"READY=1") == 1, 10, what="READY=1")
+    wait_for(lambda: notify.count(b"READY=1") == 1, START, what="READY=1")
     d.wait_log(r"became leader epoch=\d+")
     pings = notify.count(b"WATCHDOG=1")
     wait_for(lambda: notify.count(b"WATCHDOG=1") > pings, 2, what="WATCHDOG=1")  # every WATCHDOG_USEC / 2

@@ -22,7 +22,7 @@ import pytest
 from maintd import migrate
 from maintd.db import make_engine
 
-from .procs import DaemonProc, leader_row, lock_holders, wait_for, wait_new_leader
+from .procs import START, DaemonProc, leader_row, lock_holders, wait_for, wait_new_leader
 
 pytestmark = pytest.mark.slow
 
@@ -83,7 +83,7 @@ def test_faults_keep_every_invariant(private_pg, tmp_path):
     rng = random.Random(3)
 
     def leader():
-        epoch, inst = wait_for(lambda: (lambda r: r if r[1] else None)(leader_row(dsn, "maintd")), 20,
+        epoch, inst = wait_for(lambda: (lambda r: r if r[1] else None)(leader_row(dsn, "maintd")), START,
                                what="a leader")
         return epoch, daemons[inst]
 

@@ -21,7 +21,7 @@ from typing import Iterator
 import psycopg
 import pytest
 
-from .procs import DaemonProc, leader_row, wait_for
+from .procs import START, DaemonProc, leader_row, wait_for
 
 
 def get(port: int, path: str, timeout: float = 10) -> tuple[int, float, bytes]:
@@ -79,7 +79,7 @@ def test_2000_idle_sockets_at_a_limit_of_1024_descriptors_do_not_stop_healthz(pg
     d = DaemonProc(pg_dsn, schema, "nofile-1", prefix=["prlimit", "--nofile=1024:1024", "--"]).start()
     socks: list[socket.socket] = []
     try:
-        d.wait_log(r"became leader epoch=", timeout=20)
+        d.wait_log(r"became leader epoch=", timeout=START)
         port = d.http_port
         assert d.wait_log(r"max_connections=(\d+)").group(1) == "512"  # half the limit
         socks = idle_connections(port, 2000)
@@ -130,7 +130,7 @@ def test_a_status_and_dashboard_flood_costs_no_leadership_health_or_connections(
         conn.execute(f'ANALYZE "{schema}".jobs')
     d = DaemonProc(pg_dsn, schema, "flood-1").start()
     try:
-        d.wait_log(r"became leader epoch=", timeout=20)
+        d.wait_log(r"became leader epoch=", timeout=START)
         port, epoch = d.http_port, leader_row(pg_dsn, schema)[0]
         paths = ("/status", "/", "/jobs?state=completed")
         for path in paths:  # warm, then timed alone: what two page threads could serve in 20 s here
@@ -169,7 +169,7 @@ def test_a_flood_of_pipelined_metrics_requests_leaves_prometheus_scrapes_answere
     got "503 busy"; now the last body is handed out on the listener's loop while it is fresh."""
     d = DaemonProc(pg_dsn, schema, "mflood-1").start()
     try:
-        d.wait_log(r"became leader epoch=", timeout=20)
+        d.wait_log(r"became leader epoch=", timeout=START)
         port = d.http_port
         clients = flood(port, 12, 500, "/metrics", pipeline=True)
         time.sleep(2)  # every client connected and pipelining
@@ -196,7 +196,7 @@ def test_a_queue_name_cannot_forge_a_log_line_and_100000_queues_make_no_huge_lin
     ansi = "y\x1b[2J\x1b[31mRED\x1b[0m"
     d = DaemonProc(pg_dsn, schema, "logs-1").start()
     try:
-        d.wait_log(r"became leader epoch=", timeout=20)
+        d.wait_log(r"became leader epoch=", timeout=START)
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             def promoted() -> bool:
                 return not conn.execute(f"""SELECT EXISTS (SELECT 1 FROM "{schema}".jobs
@@ -236,7 +236,7 @@ def test_status_of_100000_queues_is_small_and_16_readers_cost_little_memory(pg_d
                            FROM generate_series(1, 100000) i""")
     d = DaemonProc(pg_dsn, schema, "size-1").start()
     try:
-        d.wait_log(r"became leader epoch=", timeout=20)
+        d.wait_log(r"became leader epoch=", timeout=START)
         port = d.http_port
 
         def counted() -> dict | None:

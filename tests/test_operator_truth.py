@@ -26,7 +26,7 @@ from maintd.http import Request
 from maintd.queries import sql
 from maintd.status import collect_status, format_status
 
-from .procs import DaemonProc, wait_for
+from .procs import START, DaemonProc, wait_for
 from .test_grants import login_role, role_dsn
 
 
@@ -52,10 +52,10 @@ def test_a_killed_replica_is_shown_gone_as_soon_as_its_session_is(pg_dsn, schema
     leader = DaemonProc(pg_dsn, schema, a).start()
     follower = None
     try:
-        leader.wait_log(r"became leader", timeout=20)
+        leader.wait_log(r"became leader", timeout=START)
         follower = DaemonProc(pg_dsn, schema, b).start()
         wait_for(lambda: {d["instance_id"] for d in collect_status(engine, schema)["daemons"]} == {a, b},
-                 20, what="both replicas alive")
+                 START, what="both replicas alive")
         html = _overview_html(settings)
         assert re.search(r'id="replicas-alive">2<', html)
         follower.kill()  # SIGKILL: its lock session ends with it
@@ -75,7 +75,7 @@ def test_a_killed_replica_is_shown_gone_as_soon_as_its_session_is(pg_dsn, schema
         # Before, it vanished from status at once, and its row was forgotten.
         follower.stop()
         follower = DaemonProc(pg_dsn, schema, c := unique("c")).start()
-        wait_for(lambda: c in {d["instance_id"] for d in collect_status(engine, schema)["daemons"]}, 20,
+        wait_for(lambda: c in {d["instance_id"] for d in collect_status(engine, schema)["daemons"]}, START,
                  what="the third replica alive")
         time.sleep(4)  # the leader reads the live replicas every second: it has seen c by now, as it
         # has seen any replica that ran for an hour (CI once killed c before the leader's next read)

@@ -22,7 +22,7 @@ from maintd import migrate
 from maintd.db import advisory_key, make_engine
 
 from .netproxy import ClientStream, NetProxy
-from .procs import FAST_LEADER, DaemonProc, leader_row, lock_holders, wait_for
+from .procs import FAST_LEADER, START, DaemonProc, leader_row, lock_holders, wait_for
 from .pgbouncer import PgBouncer
 from .scenarios import (FAST_SERVICES, audit_rows, foreign_writes, http, install_audit, instance_of,
                         is_leader_metric, metric, q, record, working_leader_after)
@@ -40,10 +40,10 @@ def server_now(dsn: str):
 def start_leader_then_follower(leader: DaemonProc, follower: DaemonProc, dsn: str, schema: str) -> None:
     """``leader`` leads (and works) before ``follower`` starts."""
     leader.start()
-    working_leader_after(dsn, schema, time.monotonic(), timeout=20)
+    working_leader_after(dsn, schema, time.monotonic(), timeout=START)
     assert lock_holders(dsn, schema) == [f"maintd:{leader.instance_id}"]
     follower.start()
-    follower.wait_log(r"maintd started", timeout=15)
+    follower.wait_log(r"maintd started", timeout=START)
 
 
 # -- the proxy itself --------------------------------------------------------------------------
@@ -341,7 +341,7 @@ def test_frozen_primary_and_promoted_standby_daemons_follow_within_about_a_lease
         daemons = [DaemonProc(url, schema, f"m{i}", FAST_SERVICES, workdir=str(tmp_path)).start()
                    for i in range(2)]
         try:
-            working_leader_after(pair.primary.dsn, schema, time.monotonic(), timeout=20)
+            working_leader_after(pair.primary.dsn, schema, time.monotonic(), timeout=START)
             pair.wait_replayed()
             pair.primary.freeze()
             t0 = time.monotonic()
@@ -400,9 +400,9 @@ def test_new_leader_frozen_right_after_winning_cannot_hold_the_lock(pg_dsn, audi
         try:
             frozen.start()
             if FREEZE_POINTS[point] is None:
-                frozen.wait_log(r"became leader", timeout=15)
+                frozen.wait_log(r"became leader", timeout=START)
                 freeze()
-            assert stopped.wait(15)
+            assert stopped.wait(START)
             t0 = time.monotonic()
             if point != "in_epoch_bump":  # there the lock is taken, the term not yet
                 wait_for(lambda: lock_holders(pg_dsn, schema) == ["maintd:frozen"], 5, what="the lock")
@@ -461,12 +461,12 @@ def test_combined_faults_no_foreign_write_and_every_periodic_slot_once(pg_dsn, a
 
         try:
             spawn("pooled")  # leads first: through the pooler it must work like the others
-            times["start_pooled"] = working_leader_after(pg_dsn, schema, time.monotonic(), timeout=15)
+            times["start_pooled"] = working_leader_after(pg_dsn, schema, time.monotonic(), timeout=START)
             first_working = server_now(pg_dsn)
             spawn("proxied")
             spawn("direct")
             for d in daemons.values():
-                d.wait_log(r"maintd started", timeout=15)
+                d.wait_log(r"maintd started", timeout=START)
             first_epoch, name = leader()
             # 1. SIGKILL the leader; it comes back as a follower.
             daemons[name].kill()

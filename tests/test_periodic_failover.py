@@ -8,7 +8,7 @@ import time
 import psycopg
 import pytest
 
-from .procs import DaemonProc, leader_row, wait_for, wait_new_leader
+from .procs import START, DaemonProc, leader_row, wait_for, wait_new_leader
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ def test_every_slot_exactly_once_across_sigkills(pg_dsn, schema, tmp_path):
     rng = random.Random(7)
     kills = 0
     try:
-        wait_for(lambda: leader_row(pg_dsn, schema)[1], 15, what="a leader")
+        wait_for(lambda: leader_row(pg_dsn, schema)[1], START, what="a leader")
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             time.sleep(rng.uniform(1.5, 3.0))

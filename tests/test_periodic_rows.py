@@ -21,7 +21,7 @@ from maintd.services.base import PassContext
 from maintd.services.periodic import PeriodicEnqueuer
 from maintd.services.periodic_config import PeriodicJob
 
-from .procs import DaemonProc, wait_for
+from .procs import START, DaemonProc, wait_for
 
 # Every test here runs on both jobs layouts (SPEC 8.1): tests/conftest.py.
 pytestmark = pytest.mark.both_layouts
@@ -320,7 +320,7 @@ def test_failover_while_rows_change_neither_doubles_nor_loses_a_slot(pg_dsn, sch
     procs = [DaemonProc(pg_dsn, schema, f"p{i}", {"log": {"level": "warning"}}).start() for i in range(3)]
     try:
         for round_ in range(3):
-            wait_for(lambda: len(jobs_of(engine, schema, "steady")) >= 2 * (round_ + 1), 15, what="slots")
+            wait_for(lambda: len(jobs_of(engine, schema, "steady")) >= 2 * (round_ + 1), START, what="slots")
             execute(engine, schema, f"INSERT INTO {{schema}}.periodic_jobs (id, schedule, kind) "
                                     f"VALUES ('churn{round_}', '@every 2s', 'churn')")
             execute(engine, schema, "UPDATE {schema}.periodic_jobs SET args = jsonb_build_object('r', :r) "

@@ -15,7 +15,7 @@ from maintd.daemon import Daemon
 
 from maintd.embedded import free_port
 
-from .procs import DaemonProc, wait_for
+from .procs import START, DaemonProc, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -24,11 +24,11 @@ def test_probes_answer_before_the_database_does_and_sigterm_during_retries_exits
     dead = f"postgresql://postgres@127.0.0.1:{free_port()}/nothing?connect_timeout=1"
     d = DaemonProc(dead, schema, "early", workdir=str(tmp_path)).start()
     try:
-        wait_for(lambda: d.http_get("/healthz")[0] == 200, 15, what="/healthz while the database is down")
+        wait_for(lambda: d.http_get("/healthz")[0] == 200, START, what="/healthz while the database is down")
         assert d.http_get("/readyz")[0] == 503  # not connected: not ready
         # The probes answer first (HTTP starts before the first connect): the retries' line follows
         # (it lagged the first /healthz on a loaded CI machine).
-        d.wait_log(r"database unreachable", timeout=15)
+        d.wait_log(r"database unreachable", timeout=START)
         d.signal(signal.SIGTERM)  # during the retries
         assert d.proc.wait(15) == 0
     finally:

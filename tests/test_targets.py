@@ -25,7 +25,7 @@ from maintd.election import Request
 from maintd.spread import Spread, assign, cap
 
 from .conftest import new_schema_name
-from .procs import DaemonProc, all_led, lock_holders, spread_ok, target_locks, wait_for
+from .procs import START, DaemonProc, all_led, lock_holders, spread_ok, target_locks, wait_for
 from .scenarios import record
 
 QUIET = {"cleaner": {"interval": "1s"}, "rescuer": {"interval": "1s"}, "scheduler": {"interval": "1s"}}
@@ -684,7 +684,7 @@ def test_a_daemon_with_several_targets_names_the_target_in_each_line(pg_dsn, mak
     d = DaemonProc(pg_dsn, "unused", "named-1", config, workdir=str(tmp_path)).start()
     try:
         for s in schemas:
-            d.wait_log(rf"became leader target={s} epoch=\d+ instance=named-1", 20)
+            d.wait_log(rf"became leader target={s} epoch=\d+ instance=named-1", START)
         d.wait_log(rf"released stale running jobs target={schemas[1]} ", 20)
         # The lock session (one for both targets of the database) ends: each target says it lost.
         execute(pg_dsn, f'SELECT pg_terminate_backend(backend_pid) FROM "{schemas[0]}".leader')
