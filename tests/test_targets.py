@@ -306,7 +306,9 @@ def test_an_own_target_held_elsewhere_is_tried_with_back_off_until_a_hand_over_o
         spread.tried(held, won=False)
         waits.append(spread.gate(held))
         time.sleep(waits[-1] + 0.005)
-    assert [round(w, 2) for w in waits] == [0.05, 0.1, 0.2, 0.2], waits  # lazy_max = lease / 3
+    # lazy_max = lease / 3. The gate answers what is left of each back-off: a few ms less when
+    # the machine paused this thread between tried() and gate() (rounding to 0.01 s failed then).
+    assert all(step - 0.03 < w <= step + 1e-9 for w, step in zip(waits, [0.05, 0.1, 0.2, 0.2])), waits
     assert spread.gate(mine[1]) == 0  # another own target is not held back
     spread.tried(mine[1], won=False)
     assert spread.gate(held, notified=True) == 0  # the holder handed it over
