@@ -383,8 +383,11 @@ class ElectionLoop:
             if isinstance(exc, psycopg.OperationalError):
                 raise
             seat.failure = describe_db_error(exc)
-            with about_target(seat.log_name):
-                log.error("could not start a term", extra=kv(error=seat.failure))
+            if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):  # a reported state, not an error
+                self._set(writable=False)  # (SPEC 8.5): said once, /readyz 503, writable 0
+            else:
+                with about_target(seat.log_name):
+                    log.error("could not start a term", extra=kv(error=seat.failure))
             event = BumpFailed(seat.failure)
         if self.spread is not None and not isinstance(event, BumpBlocked):
             self.spread.tried(seat.name, isinstance(event, Bumped))

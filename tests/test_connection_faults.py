@@ -161,6 +161,33 @@ def test_a_read_only_primary_is_reported_and_maintenance_pauses(make_private_pg,
         d.stop()
 
 
+def test_a_daemon_started_on_a_read_only_primary_reports_it_once_not_an_error_per_try(make_private_pg, tmp_path):
+    """SPEC 8.5: a read-only primary is a reported state. A daemon that starts (or follows) on one
+    wins the lock but cannot start a term: that is the paused state already reported, not an
+    error line per retry_interval; once lifted, it leads."""
+    pg = make_private_pg()
+    migrated(pg.dsn)
+    with psycopg.connect(pg.dsn, autocommit=True) as admin:
+        admin.execute("ALTER SYSTEM SET default_transaction_read_only = on")
+        admin.execute("SELECT pg_reload_conf()")
+    d = DaemonProc(pg.dsn, "maintd", "ro-2", workdir=str(tmp_path)).start()
+    try:
+        wait_for(lambda: d.http_get("/readyz")[0] == 503 and "database is read-only" in d.http_get("/readyz")[1],
+                 15, what="not ready: read-only")
+        time.sleep(3)  # retry_interval 0.2 s (DaemonProc's fast settings): a dozen tries meanwhile
+        assert metric(d.http_get("/metrics")[1], "maintd_database_writable") == 0.0
+        log_text = d.log()
+        assert "database is read-only: maintenance paused" in log_text
+        assert "could not start a term" not in log_text, log_text
+        with psycopg.connect(pg.dsn, autocommit=True) as admin:
+            admin.execute("ALTER SYSTEM RESET default_transaction_read_only")
+            admin.execute("SELECT pg_reload_conf()")
+        wait_for(lambda: metric(d.http_get("/metrics")[1], "maintd_is_leader") == 1.0, 15, what="leads once writable")
+        wait_for(lambda: d.http_get("/readyz")[0] == 200, 10, what=f"ready: {d.http_get('/readyz')} {d.log()}")
+    finally:
+        d.stop()
+
+
 @pytest.mark.slow
 def test_a_second_daemon_with_a_live_instance_id_is_refused(pg_dsn, schema, tmp_path):
     """SPEC 8.4: exit 2, naming the other's host and pid; the first keeps its row and its lead."""
