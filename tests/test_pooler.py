@@ -183,11 +183,14 @@ def test_a_pooler_switched_to_transaction_mode_under_a_leader_is_retried_not_fat
             wait_for(lambda: lock_holders(pg_dsn, schema) == ["maintd:switched"], START, what="the lock")
             bouncer.admin("SET pool_mode = 'transaction'")
             with psycopg.connect(pg_dsn, autocommit=True) as conn:  # the session ends: a reconnect
-                conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'maintd:switched'")
+                ended = conn.execute("SELECT pid, pg_terminate_backend(pid, 10000) FROM pg_stat_activity "
+                                     "WHERE application_name = 'maintd:switched'").fetchall()
+            assert ended and all(done for _, done in ended), ended  # gone, with its lock
             d.wait_log(r"unusable lock session", timeout=15)
             assert d.proc.poll() is None, d.log()[-1500:]
             wait_for(lambda: d.http_get("/readyz")[0] == 503, 10, what="/readyz to fail")
-            assert schema_advisory_locks(pg_dsn, schema) == []
+            held = [schema_advisory_locks(pg_dsn, schema) for _ in range(20) if not time.sleep(0.05)]
+            assert not any(held), (ended, [h for h in held if h][:1], d.log()[-2000:])
             bouncer.admin("SET pool_mode = 'session'")
             wait_for(lambda: lock_holders(pg_dsn, schema) == ["maintd:switched"], 20, what="the lock again")
             wait_for(lambda: d.http_get("/readyz")[0] == 200, 10, what="/readyz again")
