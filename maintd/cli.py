@@ -294,8 +294,13 @@ def _select(settings: Settings, name: str | None) -> list[Settings]:
 def cmd_check_config(args: argparse.Namespace) -> int:
     """The effective config (the whole file is validated): the one target's, or with several
     ``{"targets": [...]}``, each with its sections merged and its name."""
+    from .services.partitioner import PartitionerConfig
+
     targets = _targets(args)
     shown = [{"target": t.target_name, **t.redacted()} if len(targets) > 1 else t.redacted() for t in targets]
+    for entry, t in zip(shown, targets):
+        if advice := PartitionerConfig.of(t).advice():
+            entry["advice"] = advice  # not an error: what the config will cost
     print(json.dumps(shown[0] if len(shown) == 1 else {"targets": shown}, indent=2))
     return EXIT_OK
 

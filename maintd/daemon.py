@@ -40,6 +40,7 @@ from .runner import Changes, new_timetable
 from .sdnotify import SystemdNotifier
 from .services import SERVICES
 from .services.base import Service
+from .services.partitioner import PartitionerConfig
 from .spread import Spread
 from .target import SchemaNotReady, Target
 
@@ -168,6 +169,9 @@ class Daemon:
         waiting cannot help (no schema, a bad password, no such database), the start fails (exit 1).
         False when stopped during the start."""
         self.start_http()
+        for target in self.targets:
+            for advice in PartitionerConfig.of(target.settings).advice():
+                log.warning("partitioned layout: many partitions", extra=kv(target=target.name, advice=advice))
         self.timetable.start()
         for i, probe in enumerate(self.probes):  # every second; a probe reads when something is due
             self.timetable.add_job(probe.run, IntervalTrigger(seconds=TICK), id=f"_probe:{i}")

@@ -331,6 +331,30 @@ def test_check_config_prints_redacted(tmp_path, capsys):
     assert data["cleaner"]["discarded_retention"] == "1w"
 
 
+@pytest.mark.parametrize("body,advice", [
+    ('layout = "plain"\n[partitions]\ninterval = "1m"\n', None),  # no partitions, no advice
+    ('layout = "partitioned"\n', None),  # the defaults: 1h steps, 1w at most: 194 partitions
+    # ceil(retention / step) + premake + 1 partitions of a state: 975 + 24 + 1 = 1000 is not "more than 1000"
+    ('layout = "partitioned"\n[partitions]\ninterval = "1m"\n'
+     '[cleaner]\ncompleted_retention = "975m"\ncancelled_retention = "1m"\ndiscarded_retention = "1m"\n', None),
+    ('layout = "partitioned"\n[partitions]\ninterval = "1m"\n'
+     '[cleaner]\ncompleted_retention = "976m"\ncancelled_retention = "1m"\ndiscarded_retention = "1m"\n',
+     ["completed jobs keep about 1001 partitions (16h16m of retention in steps of 1m): raise partitions.interval"]),
+    # the longest retention of the state counts (a queue's override), and kept forever grows for ever
+    ('layout = "partitioned"\n[partitions]\ninterval = "1m"\n[cleaner]\ncompleted_retention = "1m"\n'
+     'cancelled_retention = "1m"\ndiscarded_retention = "1m"\n[cleaner.queues.audit]\ncompleted_retention = "30d"\n'
+     'discarded_retention = -1\n',
+     ["completed jobs keep about 43225 partitions (4w2d of retention in steps of 1m): raise partitions.interval",
+      "discarded jobs are kept forever: one more partition every 1m, without end"]),
+], ids=["plain", "defaults", "1000", "1001", "longest-and-forever"])
+def test_check_config_advises_when_a_state_keeps_more_than_1000_partitions(tmp_path, capsys, body, advice):
+    """Every statement on jobs that names neither the state nor finalized_at (a job by id: status,
+    admin functions) is planned over all the partitions: 1m steps with a week of discarded jobs are
+    10,105 of them. Not an error: check-config says it (and the daemon logs it at start)."""
+    assert main(["--config", str(write(tmp_path, body)), "check-config"]) == 0
+    assert json.loads(capsys.readouterr().out).get("advice") == advice
+
+
 def test_check_config_prints_the_retention_that_applies_to_each_queue(tmp_path, capsys):
     """A queue's override names some states; the others fall back to the state's retention.
     check-config printed those as -1 (keep forever), which, pasted back, keeps them forever."""

@@ -35,6 +35,20 @@ def test_probes_answer_before_the_database_does_and_sigterm_during_retries_exits
         d.stop()
 
 
+def test_a_config_that_keeps_thousands_of_partitions_is_warned_of_at_start(schema, tmp_path):
+    """Before the first connect (the database may be down): the line names the target and the
+    state, as check-config's "advice" does."""
+    dead = f"postgresql://postgres@127.0.0.1:{free_port()}/nothing?connect_timeout=1"
+    d = DaemonProc(dead, schema, "many", {"layout": "partitioned", "partitions": {"interval": "1m"}},
+                   workdir=str(tmp_path)).start()
+    try:
+        line = d.wait_log(r"warning +partitioned layout: many partitions .*discarded jobs keep about (\d+) partitions", timeout=START)
+        assert line.group(1) == "10105" and f"target={schema}" in line.group(0)
+        assert d.log().count("many partitions") == 3  # completed, cancelled, discarded
+    finally:
+        d.stop()
+
+
 def test_a_taken_port_names_http_listen_and_the_address(pg_dsn, schema, tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -47,7 +47,7 @@ SERVICES: dict[str, ServiceSpec] = {
     "scheduler": ServiceSpec(Scheduler, lambda s: s.scheduler),
     "periodic": ServiceSpec(PeriodicEnqueuer, lambda s: s.periodic_entries),
     "reindexer": ServiceSpec(Reindexer, lambda s: s.reindexer),
-    "partitioner": ServiceSpec(Partitioner, lambda s: PartitionerConfig(s.layout, s.partitions, s.cleaner)),
+    "partitioner": ServiceSpec(Partitioner, PartitionerConfig.of),
 }
 
 

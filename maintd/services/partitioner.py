@@ -34,7 +34,7 @@ from pydantic import BeforeValidator, Field
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
-from ..durations import parse_duration
+from ..durations import format_duration, parse_duration
 from ..logs import kv
 from ..metrics import Family
 from ..partitions import DETACHED_COMMENT
@@ -73,6 +73,7 @@ RETRY_PAUSE = 0.02  # seconds between them
 # of completions (each holds a lock on it until its commit) there may be no instant it is free.
 LAST_TRY_WAIT_MS = 50
 LOCK_NOT_AVAILABLE = "55P03"
+MANY_PARTITIONS = 1000  # of one final state: more is worth a warning (PartitionerConfig.advice)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,10 @@ class PartitionerConfig:
     layout: str
     partitions: PartitionsConfig
     cleaner: CleanerConfig
+
+    @classmethod
+    def of(cls, settings: Any) -> "PartitionerConfig":
+        return cls(settings.layout, settings.partitions, settings.cleaner)
 
     @property
     def enabled(self) -> bool:
@@ -95,6 +100,21 @@ class PartitionerConfig:
         """How long after its range ends a partition of ``state`` is dropped: the longest
         retention of the state, default or per queue; None: never (kept forever, or no cleaner)."""
         return self.cleaner.longest_retention(state) if self.cleaner.enabled else None
+
+    def advice(self) -> list[str]:
+        """What this config will cost in partitions, when it is a lot: a statement on ``jobs``
+        that names neither state nor ``finalized_at`` (a job by id) is planned over all of them."""
+        if not self.enabled:
+            return []
+        step, out = self.partitions.interval, []
+        for state in FINAL_STATES:
+            keep = self.drop_after(state)
+            if keep is None:
+                out.append(f"{state} jobs are kept forever: one more partition every {format_duration(step)}, without end")
+            elif (count := -(-keep // step) + self.partitions.premake + 1) > MANY_PARTITIONS:
+                out.append(f"{state} jobs keep about {count} partitions ({format_duration(keep)} of retention "
+                           f"in steps of {format_duration(step)}): raise partitions.interval")
+        return out
 
 
 @dataclass
