@@ -173,7 +173,7 @@ def test_a_daemon_started_on_a_read_only_primary_reports_it_once_not_an_error_pe
     d = DaemonProc(pg.dsn, "maintd", "ro-2", workdir=str(tmp_path)).start()
     try:
         wait_for(lambda: d.http_get("/readyz")[0] == 503 and "database is read-only" in d.http_get("/readyz")[1],
-                 15, what="not ready: read-only")
+                 START, what="not ready: read-only")  # includes the start-up
         time.sleep(3)  # retry_interval 0.2 s (DaemonProc's fast settings): a dozen tries meanwhile
         assert metric(d.http_get("/metrics")[1], "maintd_database_writable") == 0.0
         log_text = d.log()
