@@ -49,6 +49,7 @@ class LockSession:
         self.on_notify = on_notify
         self.conn: psycopg.Connection | None = None
         self.marker = ""
+        self.backend = 0  # the server backend the session was checked on (LockSession._verify)
         self.proven = False  # a round has reached a session we set up (a refusal after that is a pooler changed under us)
         self.server: tuple[str | None, int | None] = (None, None)  # host, port last reached
         self.last_sent = 0.0  # monotonic time of the last statement sent
@@ -70,7 +71,7 @@ class LockSession:
         """Open and check the session, and LISTEN on ``channels``."""
         cfg = self.settings.leader
         self.close()
-        self.marker = secrets.token_hex(8)
+        self.marker, self.backend = secrets.token_hex(8), 0
         with self._in_flight():
             conn = connect(
                 self.hosts.dsn(), application_name=f"maintd:{self.settings.instance_id}",
@@ -104,11 +105,12 @@ class LockSession:
         pids = {conn.execute(q.BACKEND_PID).fetchone()[0] for _ in range(3)}
         if len(pids) != 1:
             raise LeaderSessionError(f"the lock connection changes backend between statements {POOLER_HINT}")
+        self.backend = next(iter(pids))
         if conn.info.backend_pid in pids:
             return  # a direct connection: the client-side pid is the server's
         with connect(self.hosts.dsn(), application_name=f"maintd:{self.settings.instance_id}:probe",
                      answer_timeout=self.settings.leader.lease.total_seconds()) as probe:
-            for _ in range(3):  # a session pooler never hands our backend to another client
+            for _ in range(5):  # a session pooler never hands our backend to another client
                 other = probe.execute(q.BACKEND_PID).fetchone()[0]
                 mine = conn.execute(q.BACKEND_PID).fetchone()[0]
                 if other in pids or mine not in pids:
@@ -119,7 +121,7 @@ class LockSession:
                    unlocks: Sequence[Key]) -> tuple[list[bool], list[bool], float]:
         """The tries, the proofs and the unlocks of a round in one statement; returns whether each
         try won, whether each lock is still proven, and when the proofs were sent."""
-        params = {"marker": self.marker, **_keys("try", tries), **_keys("renew", renewals), **_keys("unlock", unlocks)}
+        params = {"marker": self.marker, "backend": self.backend, **_keys("try", tries), **_keys("renew", renewals), **_keys("unlock", unlocks)}
         sent = time.monotonic()
         rows = self.run(psycopg_sql(q.ROUND), params)
         answers: dict[int, list[bool]] = {1: [], 2: [], 3: []}
@@ -136,7 +138,7 @@ class LockSession:
         pooler could have run the try elsewhere), then bump in one short transaction. Returns (epoch,
         lock pid, when the bump was sent); raises LockNotAvailable when an old leader's in-flight
         fenced transaction holds the row longer than ``lock_timeout_ms``."""
-        proof = {"marker": self.marker, **_keys("try", []), **_keys("renew", [key]), **_keys("unlock", [])}
+        proof = {"marker": self.marker, "backend": self.backend, **_keys("try", []), **_keys("renew", [key]), **_keys("unlock", [])}
         [(_, _, held, ours, _, pid)] = self.run(psycopg_sql(q.ROUND), proof)
         if not (ours and held):
             raise LeaderSessionError(f"the advisory lock is not visible in this backend {POOLER_HINT}")

@@ -24,8 +24,8 @@ from .tools import unavailable
 # lock not held "returns false, and in addition, an SQL warning will be reported by the server".
 
 
-def keys(tries=(), renewals=(), unlocks=(), marker="m") -> dict:
-    out = {"marker": marker}
+def keys(tries=(), renewals=(), unlocks=(), marker="m", backend=0) -> dict:
+    out = {"marker": marker, "backend": backend}
     for kind, names in (("try", tries), ("renew", renewals), ("unlock", unlocks)):
         pairs = [advisory_key(n) for n in names]
         out |= {f"{kind}_c": [p[0] for p in pairs], f"{kind}_o": [p[1] for p in pairs]}
@@ -33,7 +33,8 @@ def keys(tries=(), renewals=(), unlocks=(), marker="m") -> dict:
 
 
 def round_(conn, **kw) -> list[tuple]:
-    return conn.execute(psycopg_sql(q.ROUND), keys(**kw)).fetchall()
+    """One ROUND on ``conn`` as the session checked on its own backend (unless ``backend`` says)."""
+    return conn.execute(psycopg_sql(q.ROUND), keys(**{"backend": conn.info.backend_pid, **kw})).fetchall()
 
 
 def test_one_round_tries_proves_and_unlocks_as_postgresql_documents(pg_dsn):
@@ -75,6 +76,19 @@ def test_a_session_it_did_not_set_up_takes_and_frees_no_lock(pg_dsn):
         held = foreign.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()").fetchone()[0]
         assert held == 1, "the foreign backend won a lock, or lost its own"
         assert [r[2] for r in round_(conn, tries=["lockconn_e"])] == [True]  # free for the real session
+
+
+def test_a_backend_that_carries_the_marker_but_was_not_checked_takes_no_lock(pg_dsn):
+    """Under transaction pooling the marker's SET at connect can run on one pooled backend and the
+    check (LockSession._verify) on another; the marker then sits on a backend another client gets
+    next. A round there is not ours: the backend must be the checked one too."""
+    with psycopg.connect(pg_dsn, autocommit=True) as pooled, psycopg.connect(pg_dsn, autocommit=True) as checked:
+        pooled.execute("SELECT set_config('maintd.session', 'm', false)")
+        got = round_(pooled, tries=["lockconn_g"], backend=checked.info.backend_pid)
+        assert [r[:4] for r in got] == [(1, 1, False, False)]
+        held = pooled.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()").fetchone()[0]
+        assert held == 0, "a lock was taken on a backend the session was not checked on"
+        assert [r[2:4] for r in round_(pooled, tries=["lockconn_g"])] == [(True, True)]  # the checked one: ours
 
 
 def test_a_frozen_sessions_idle_timeout_stays_armed_after_a_round(pg_dsn):

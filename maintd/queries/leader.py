@@ -9,9 +9,9 @@
 # * A proof: this very backend holds the lock, on a primary. The lock alone proves the term: an
 #   epoch is bumped only by whoever holds the lock, so while this session has held it since its
 #   bump, its epoch is the current one. Read-only: an idle leader writes no WAL.
-# * ``ours``: this is still the session we set up (:marker; a transaction pooler would hand us
-#   another backend). A try or an unlock acts only there: a lock taken on a pooled backend would
-#   stay with whoever gets that backend next.
+# * ``ours``: this is still the session we set up and checked (:marker, :backend; a transaction
+#   pooler would hand us another backend, maybe one it ran our marker's SET on). A try or an unlock
+#   acts only there: a lock taken on a pooled backend would stay with whoever gets it next.
 # * An unlock only of what is held (an unlock of a lock not held draws a WARNING in the server's
 #   log). The loop never tries for a lock it holds, so none is taken twice.
 # * pg_locks shows a two-key lock's halves as unsigned oids (the int4 -> oid cast maps the signed
@@ -20,7 +20,7 @@
 # idle_session_timeout, measured on PostgreSQL 15 and 18, so a frozen leader's session outlived
 # the lease.)
 _KEYS = "unnest(CAST(:{k}_c AS int4[]), CAST(:{k}_o AS int4[])) WITH ORDINALITY AS k(c, o, ord)"
-_OURS = "coalesce(current_setting('maintd.session', true) = :marker, false)"
+_OURS = "(coalesce(current_setting('maintd.session', true) = :marker, false) AND pg_backend_pid() = CAST(:backend AS int4))"
 _HELD = "EXISTS (SELECT 1 FROM mine WHERE mine.classid = CAST(k.c AS oid) AND mine.objid = CAST(k.o AS oid))"
 ROUND = f"""
 WITH mine AS (SELECT classid, objid FROM pg_locks
