@@ -25,23 +25,18 @@ NO_TESTS = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
 HERE = os.path.dirname(os.path.abspath(__file__))  # count_deselected.py, loaded with -p
 
 
-def summary(junit: str) -> tuple[int, list[str]]:
-    """(tests run, one line per skipped test) from pytest's JUnit XML."""
+def summary(junit: str, n: int = 10) -> tuple[int, list[str], list[str]]:
+    """From pytest's JUnit XML: tests run, one line per skipped test, and the ``n`` slowest as
+    "seconds  file::name", slowest first (to watch CI's time budget)."""
     root = ET.parse(junit).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     tests = sum(int(s.get("tests", 0)) for s in suites)
-    skipped = []
+    skipped, times = [], []
     for case in root.iter("testcase"):
-        for skip in case.findall("skipped"):
-            skipped.append(f"{case.get('classname')}::{case.get('name')}: {skip.get('message', '')}")
-    return tests, skipped
-
-
-def slowest(junit: str, n: int = 10) -> list[str]:
-    """The ``n`` slowest tests as "seconds  file::name", slowest first (to watch CI's time budget)."""
-    cases = [(float(c.get("time") or 0), f"{c.get('classname')}::{c.get('name')}")
-             for c in ET.parse(junit).getroot().iter("testcase")]
-    return [f"{t:7.1f}s  {name}" for t, name in sorted(cases, reverse=True)[:n]]
+        name = f"{case.get('classname')}::{case.get('name')}"
+        times.append((float(case.get("time") or 0), name))
+        skipped += [f"{name}: {skip.get('message', '')}" for skip in case.findall("skipped")]
+    return tests, skipped, [f"{t:7.1f}s  {name}" for t, name in sorted(times, reverse=True)[:n]]
 
 
 def environment(deselected: str) -> dict[str, str]:
@@ -71,12 +66,12 @@ def main(args: list[str]) -> int:
             print("strict_pytest: pytest collected no tests: failing the run")
             return 1
         try:
-            tests, skipped = summary(junit)
+            tests, skipped, slow = summary(junit)
         except (OSError, ET.ParseError) as exc:
             print(f"strict_pytest: no test report ({exc}): failing the run")
             return rc or 1
         print(f"strict_pytest: {tests} tests, {len(skipped)} skipped; the slowest:")
-        for line in slowest(junit):
+        for line in slow:
             print(f"strict_pytest:   {line}")
         for line in skipped:
             print(f"strict_pytest: skipped {line}")
