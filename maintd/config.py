@@ -241,9 +241,10 @@ with warnings.catch_warnings():
 
         @model_validator(mode="after")
         def _periodic_ids(self) -> "Settings":
-            seen = _periodic_ids(self.periodic, "periodic: ")
+            if (twice := _given_twice(self.periodic)) is not None:
+                raise ValueError(f"periodic: id {twice!r} is defined twice")
             if self.crontab:
-                self._crontab_jobs = _load_crontab(self.crontab, seen)
+                self._crontab_jobs = _load_crontab(self.crontab, {job.id for job in self.periodic})
             return self
 
         @model_validator(mode="after")
@@ -351,22 +352,21 @@ def _target_settings(top: "Settings") -> list["Settings"]:
 def _id_clash(periodic: list[PeriodicJob], crontab: list[CrontabJob]) -> str | None:
     """A target's own ``periodic`` list: an id twice, or also a crontab line's (the top-level
     list is checked by ``Settings._periodic_ids``): one of them would never be enqueued."""
-    try:
-        seen = _periodic_ids(periodic)
-    except ValueError as exc:
-        return str(exc)
-    taken = next((j for j in crontab if j.id in seen), None)
+    if (twice := _given_twice(periodic)) is not None:
+        return f"id {twice!r} is defined twice"
+    ids = {job.id for job in periodic}
+    taken = next((j for j in crontab if j.id in ids), None)
     return None if taken is None else f"id {taken.id!r} is also a crontab line's ({taken.line})"
 
 
-def _periodic_ids(periodic: list[PeriodicJob], where: str = "") -> set[str]:
-    """The entries' ids; an id given twice is refused (one of the two would never be enqueued)."""
+def _given_twice(periodic: list[PeriodicJob]) -> str | None:
+    """An id that two entries share (one of them would never be enqueued), if any."""
     seen: set[str] = set()
     for job in periodic:
         if job.id in seen:
-            raise ValueError(f"{where}id {job.id!r} is defined twice")
+            return job.id
         seen.add(job.id)
-    return seen
+    return None
 
 
 def database_of(dsn: str) -> tuple:
