@@ -262,10 +262,10 @@ class ElectionLoop:
         self.session.close()
         self._lose(f"database error: {error}" if isinstance(exc, psycopg.Error) else str(exc))
         self._set(healthy=False)
-        sleep = BACKOFF_CAP
         if isinstance(exc, LeaderSessionError) and not self.session.proven:
             self.refused = exc  # as at start-up (the first connect was cut short): the daemon exits 1
             return delay
+        sleep = BACKOFF_CAP
         if isinstance(exc, LeaderSessionError):
             log.error("unusable lock session", extra=kv(error=error))
         elif isinstance(exc, psycopg.errors.InsufficientPrivilege):

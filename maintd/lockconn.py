@@ -121,9 +121,8 @@ class LockSession:
                    unlocks: Sequence[Key]) -> tuple[list[bool], list[bool], float]:
         """The tries, the proofs and the unlocks of a round in one statement; returns whether each
         try won, whether each lock is still proven, and when the proofs were sent."""
-        params = {"marker": self.marker, "backend": self.backend, **_keys("try", tries), **_keys("renew", renewals), **_keys("unlock", unlocks)}
         sent = time.monotonic()
-        rows = self.run(psycopg_sql(q.ROUND), params)
+        rows = self._round(tries, renewals, unlocks)
         answers: dict[int, list[bool]] = {1: [], 2: [], 3: []}
         for kind, _, ok, ours, primary, _ in rows:
             if not ours:
@@ -138,8 +137,7 @@ class LockSession:
         pooler could have run the try elsewhere), then bump in one short transaction. Returns (epoch,
         lock pid, when the bump was sent); raises LockNotAvailable when an old leader's in-flight
         fenced transaction holds the row longer than ``lock_timeout_ms``."""
-        proof = {"marker": self.marker, "backend": self.backend, **_keys("try", []), **_keys("renew", [key]), **_keys("unlock", [])}
-        [(_, _, held, ours, _, pid)] = self.run(psycopg_sql(q.ROUND), proof)
+        [(_, _, held, ours, _, pid)] = self._round([], [key], [])
         if not (ours and held):
             raise LeaderSessionError(f"the advisory lock is not visible in this backend {POOLER_HINT}")
         conn = self._conn()
@@ -149,6 +147,13 @@ class LockSession:
             conn.execute(rendered(q.LOCK_ROW))
             epoch = conn.execute(rendered(q.BUMP_EPOCH), params).fetchone()[0]
         return epoch, pid, sent
+
+    def _round(self, tries: Sequence[Key], renewals: Sequence[Key], unlocks: Sequence[Key]) -> list[tuple]:
+        """One ROUND statement as this session (its marker and checked backend)."""
+        params = {"marker": self.marker, "backend": self.backend}
+        for kind, keys in (("try", tries), ("renew", renewals), ("unlock", unlocks)):
+            params |= {f"{kind}_c": [k[0] for k in keys], f"{kind}_o": [k[1] for k in keys]}
+        return self.run(psycopg_sql(q.ROUND), params)
 
     def run(self, statement: str, params: dict | None = None) -> list[tuple]:
         """One statement (rendered); its rows."""
@@ -201,7 +206,3 @@ class LockSession:
                 conn.close()
             except Exception:  # pragma: no cover - closing a broken socket
                 pass
-
-
-def _keys(kind: str, keys: Sequence[Key]) -> dict:
-    return {f"{kind}_c": [k[0] for k in keys], f"{kind}_o": [k[1] for k in keys]}
