@@ -65,6 +65,12 @@ def test_one_round_tries_proves_and_unlocks_as_postgresql_documents(pg_dsn):
         assert [r[2] for r in round_(other, tries=["lockconn_b", "lockconn_a"], marker="o")] == [True, False]
 
 
+# https://www.pgbouncer.org/features.html: in transaction pooling "a server connection is assigned
+# to a client only during a transaction"; its SQL feature map lists SET/RESET and session-level
+# advisory locks as not supported there (the state stays on the server connection, for the next
+# client). The two tests below play that next client's part on a real server.
+
+
 def test_a_session_it_did_not_set_up_takes_and_frees_no_lock(pg_dsn):
     """Through a transaction pooler the round may reach a backend that another client uses next:
     a lock won there would stay with that client, and an unlock would free that client's lock."""

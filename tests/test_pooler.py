@@ -185,6 +185,8 @@ def test_a_pooler_switched_to_transaction_mode_under_a_leader_is_retried_not_fat
             with psycopg.connect(pg_dsn, autocommit=True) as conn:  # the session ends: a reconnect
                 ended = conn.execute("SELECT pid, pg_terminate_backend(pid, 10000) FROM pg_stat_activity "
                                      "WHERE application_name = 'maintd:switched'").fetchall()
+            # PostgreSQL's functions-admin docs: with a timeout, pg_terminate_backend "waits until the
+            # process is actually terminated" (else true means only that the signal was sent).
             assert ended and all(done for _, done in ended), ended  # gone, with its lock
             d.wait_log(r"unusable lock session", timeout=15)
             assert d.proc.poll() is None, d.log()[-1500:]
