@@ -423,8 +423,12 @@ RESCUER_PROBE = ["""(SELECT min(coalesce(heartbeat_at, attempted_at)) FROM {sche
                      WHERE state = 'running') < '0001-01-02 00:00:00+00'
                 OR (SELECT max(coalesce(heartbeat_at, attempted_at)) FROM {schema}.jobs
                      WHERE state = 'running') >= '9999-12-31 00:00:00+00', false))""",
-                 """(SELECT EXISTS (SELECT 1 FROM {schema}.jobs
-   WHERE state IN ('available', 'scheduled', 'retryable') AND attempt >= max_attempts))"""]
+                 # min(id), not EXISTS: with many waiting jobs the planner guesses a third of them
+                 # exhausted, and the first row of a Seq Scan then costs about as little as the
+                 # first entry of the empty index (the plan flipped between runs); an aggregate
+                 # over a Seq Scan costs the whole table, so the index is always taken
+                 """((SELECT min(id) FROM {schema}.jobs
+   WHERE state IN ('available', 'scheduled', 'retryable') AND attempt >= max_attempts) IS NOT NULL)"""]
 
 SCHEDULER_NEXT_DUE = """
 SELECT min(scheduled_at) FROM {schema}.jobs
