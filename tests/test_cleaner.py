@@ -563,6 +563,28 @@ def test_every_statement_is_index_backed(settings, engine, schema, layout):
         conn.rollback()
 
 
+def test_every_pass_s_ancient_check_reads_the_index_whatever_the_page_costs(settings, engine, schema, layout):
+    """Every pass asks, per state, whether a row was finalized before year 1 (normally none). As
+    the generic plan the server caches after five runs, an EXISTS of ``finalized_at < $2`` (a
+    third of the rows, guessed) was a Seq Scan whose first row looked cheaper than the index's:
+    the whole table (or catch-all) read on every pass to find nothing, at the default page cost."""
+    with engine.begin() as conn:
+        conn.execute(sql(
+            "INSERT INTO {schema}.jobs (kind, queue, state, finalized_at) "
+            "SELECT 'k', 'q' || (g % 5), CASE WHEN g % 10 = 0 THEN 'available' ELSE 'completed' END::{schema}.job_state, "
+            "CASE WHEN g % 10 = 0 THEN NULL ELSE now() - (g || ' seconds')::interval END "
+            "FROM generate_series(1, 100000) g", schema))
+        conn.execute(sql("ANALYZE {schema}.jobs", schema))
+    with engine.connect() as conn:
+        for page_cost in ("1.1", "4", "10"):
+            conn.exec_driver_sql(f"SET LOCAL random_page_cost = {page_cost}")
+            for generic in (False, True):
+                plan = explain(conn, q.CLEANER_ANY_ANCIENT, schema, {"state": "completed", "far_past": FAR_PAST},
+                               generic=generic)
+                assert "_finalized_idx" in plan and not seq_scans(plan, layout), (page_cost, generic, plan)
+        conn.rollback()
+
+
 def test_a_predicted_range_ending_at_the_horizon_keeps_the_row_exactly_at_it(settings, engine, schema, clock):
     """Rows up to 2 ms before the horizon, dense enough that the last range is a predicted one
     clipped to the horizon: that range is the pass's last, so the row finalized exactly at the

@@ -113,7 +113,8 @@ log = logging.getLogger("maintd.cleaner")
 JOBS_DELETED = Family(Counter, "maintd_jobs_deleted", "Final jobs deleted by the cleaner.", ("state",),
                       known=tuple((state,) for state in FINAL_STATES))
 
-# Where a full scan starts: rows finalized earlier (BC, '-infinity') go first, in id batches.
+# Where a full scan starts: rows finalized earlier (BC, '-infinity') go first, in id batches
+# (also a literal in jobs.CLEANER_ANY_ANCIENT).
 FAR_PAST = datetime(1, 1, 2, tzinfo=timezone.utc)
 MIN_BATCH = 100
 FILL = 0.9  # a predicted batch aims at this fraction of batch_size rows
@@ -370,9 +371,8 @@ class Cleaner(Service):
     def _delete_ancient(self, ctx: PassContext, target: Target, result: CleanerResult) -> None:
         """Rows finalized before ``FAR_PAST`` (odd but final, so expired): one index probe, in a
         read-only transaction, when there are none."""
-        params = {"state": target.state, "far_past": FAR_PAST}
         with ctx.transaction(fenced=False) as conn:
-            if not conn.execute(ctx.sql(jobs.CLEANER_ANY_ANCIENT), params).scalar():
+            if not conn.execute(ctx.sql(jobs.CLEANER_ANY_ANCIENT), {"state": target.state}).scalar():
                 return
         while True:
             ctx.check_stop()
