@@ -7,8 +7,11 @@ import pytest
 from prometheus_client import Counter
 
 from maintd.metrics import Family, Metrics
+from maintd.queries import jobs, sql
 from maintd.services import SERVICES, metric_families
 from maintd.services.scheduler import JOBS_PROMOTED
+
+from .plans import explain, seq_scans
 
 FAMILIES = {name: spec.cls.METRICS for name, spec in SERVICES.items()}
 
@@ -79,3 +82,29 @@ def test_a_scrape_during_a_refresh_of_the_job_gauges_sees_every_series_at_its_va
         done.set()
         refresher.join()
     assert wrong == [], f"{len(wrong)} of 200 renders: {wrong[:5]}"
+
+
+@pytest.mark.both_layouts
+def test_the_live_counts_read_the_live_states_indexes_not_the_final_rows(engine, schema, layout):
+    """The job gauges count the live states every 15 s (and each history sample): with final
+    jobs the bulk of the table (a day of completed ones), as ``state IN (four states)`` no
+    partial index could serve them, and the plain layout's count read every final row (a Seq Scan
+    of jobs whatever the page costs). Partitioned, only the live partition is read."""
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state, finalized_at) "
+                         "SELECT 'k', 'q' || (g % 5), 'completed', now() - g * interval '1 second' "
+                         "FROM generate_series(1, 100000) g", schema))
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state, scheduled_at, attempt, attempted_at) "
+                         "SELECT 'k', 'q' || (g % 5), (ARRAY['available', 'scheduled', 'retryable', 'running'])[1 + g % 4]"
+                         "::{schema}.job_state, now() + g * interval '1 second', g % 4 / 3, now() "
+                         "FROM generate_series(1, 5000) g", schema))
+        conn.execute(sql("ANALYZE {schema}.jobs", schema))
+    with engine.connect() as conn:
+        for page_cost in ("1.1", "4", "10"):
+            conn.exec_driver_sql(f"SET LOCAL random_page_cost = {page_cost}")
+            plan = explain(conn, jobs.COUNT_LIVE, schema, {})
+            assert set(seq_scans(plan, layout)) <= ({"jobs_live"} if layout == "partitioned" else set()), (page_cost, plan)
+            assert layout == "plain" or "completed" not in plan, (page_cost, plan)
+        counts = {(r.queue, r.state): r.n for r in conn.execute(sql(jobs.COUNT_LIVE, schema))}
+        conn.rollback()
+    assert sum(counts.values()) == 5000 and len(counts) == 20

@@ -461,9 +461,14 @@ SELECT queue, count(*) AS n FROM {schema}.jobs
 # -- status and job gauges ------------------------------------------------------------------------
 
 # Live states are served by their partial indexes; final ones read the heap (bounded by a timeout).
+# One condition per index (jobs_fetch_idx, jobs_scheduled_idx, jobs_running_idx), joined by OR:
+# ``state IN`` all four implies no index's predicate, so on the plain layout the count was a Seq
+# Scan of every final row too (the bulk of the table); this way a BitmapOr of the three reads only
+# live rows (partitioned, the planner reads the live partition once, as before).
 COUNT_LIVE = """
 SELECT queue, state::text AS state, count(*) AS n FROM {schema}.jobs
- WHERE state IN ('available', 'scheduled', 'retryable', 'running') GROUP BY queue, state
+ WHERE state = 'available' OR state IN ('scheduled', 'retryable') OR state = 'running'
+ GROUP BY queue, state
 """
 
 COUNT_FINAL = """
