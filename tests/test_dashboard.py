@@ -31,6 +31,7 @@ from maintd.queries import sql
 from maintd.http import Request
 from maintd.jobs import JobQueue
 
+from .plans import explain, seq_scans
 from .procs import wait_for
 from .tools import path, require
 
@@ -810,3 +811,28 @@ def test_a_holder_in_another_database_is_named_with_its_database(settings):
     rows = re.findall(r"<tr><td>transaction.*?</tr>", re.search(r'<table id="holders">(.*?)</table>', html, re.S).group(1), re.S)
     assert "in database billing" in rows[0] and "4242" in rows[0]
     assert "client backend" not in html  # only another database is worth naming
+
+
+@pytest.mark.both_layouts
+def test_final_counts_read_each_queue_s_entries_of_the_queue_index(engine, schema, layout):
+    """The overview counts each queue's final jobs of a state, at most ``cap`` entries of
+    jobs_finalized_queue_idx each. Without an order, the planner weighed the first ``cap`` rows of
+    a queue by a Seq Scan against the index and took the scan from random_page_cost 4 on (generic
+    plan, PostgreSQL 15 and 18): a whole-table read per queue, as many times as there are queues."""
+    from maintd.queries.dashboard import FINAL_COUNTS
+
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state, finalized_at) "
+                         "SELECT 'k', 'q' || (g % 10), 'completed', now() - g * interval '1.7 second' "
+                         "FROM generate_series(1, 100000) g", schema))
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state) "
+                         "SELECT 'k', 'q' || (g % 10), 'available' FROM generate_series(1, 50000) g", schema))
+        conn.execute(sql("ANALYZE {schema}.jobs", schema))
+    params = {"state": "completed", "queues": [f"q{i}" for i in range(10)], "cap": 1000}
+    with engine.connect() as conn:
+        for page_cost in ("1.1", "4", "6", "10"):
+            conn.exec_driver_sql(f"SET LOCAL random_page_cost = {page_cost}")
+            for generic in (False, True):
+                plan = explain(conn, FINAL_COUNTS, schema, params, generic=generic)
+                assert "finalized_queue_idx" in plan and not seq_scans(plan, layout), (page_cost, generic, plan)
+        conn.rollback()
