@@ -102,6 +102,21 @@ def test_claim_order_and_skip_locked(engine, schema, queue):
     assert _claim(engine, queue, "w3") == []  # future and other-queue jobs are not claimed
 
 
+def test_a_job_out_of_attempts_is_never_claimed(engine, schema, queue):
+    """A waiting job with attempt >= max_attempts (an operator lowered max_attempts, an import) is
+    the rescuer's to discard: a claim must not run it an attempt past its max_attempts."""
+    spent = _enqueue(engine, queue, max_attempts=1)
+    [job] = _claim(engine, queue, "w1")
+    with engine.begin() as conn:
+        assert queue.fail(conn, job, "boom") == "discarded"
+        conn.execute(sql("UPDATE {schema}.jobs SET state = 'available', finalized_at = NULL "
+                         "WHERE id = :id", schema), {"id": spent})  # attempt 1 of 1, waiting
+    fresh = _enqueue(engine, queue, max_attempts=1)
+    assert [j.id for j in _claim(engine, queue, "w2", limit=5)] == [fresh]
+    row = _row(engine, schema, spent)
+    assert (row["state"], row["attempt"]) == ("available", 1)
+
+
 def test_concurrent_claims_never_share_a_job(engine, schema, queue):
     with engine.begin() as conn:
         for i in range(200):
