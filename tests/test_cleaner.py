@@ -359,6 +359,23 @@ def test_a_locked_final_row_is_skipped_then_deleted_by_the_next_pass(settings, e
     assert remaining(engine, schema) == set()
 
 
+
+def test_a_skip_locked_batch_keeps_the_row_exactly_at_the_horizon(settings, engine, schema, clock):
+    """A locked expired row sends the last range down the SKIP LOCKED path; that range ends at the
+    horizon too, and the row finalized exactly at the horizon (not older than the retention) stays."""
+    ids = insert(engine, schema, state="completed", finalized_ago=DAY + MS, n=10, spread=True)
+    exact = insert(engine, schema, state="completed", finalized_ago=DAY)
+    holder = engine.connect()
+    holder.execute(sql("SELECT 1 FROM {schema}.jobs WHERE id = :id FOR UPDATE", schema), {"id": ids[4]})
+    try:
+        result = run(settings, engine, clock)
+    finally:
+        holder.rollback()
+        holder.close()
+    assert result.skipped_rows() == {"locked": 1}
+    assert result.deleted["completed"] == 9
+    assert remaining(engine, schema) == {ids[4], *exact}
+
 @pytest.fixture
 def slow_deletes(engine, schema):
     """While ``on``, every DELETE statement on the jobs table sleeps first (a stand-in for a batch
