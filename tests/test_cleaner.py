@@ -172,6 +172,21 @@ def test_batch_size_plus_one_is_two_batches(settings, engine, schema, clock):
     assert remaining(engine, schema) == set(keep)
 
 
+
+def test_jobs_finalized_before_year_1_go_in_batches_of_batch_size(settings, engine, schema, clock):
+    """Rows finalized at '-infinity' or BC (an import) are deleted before the ranges, in batches
+    too: an unbounded DELETE of a large import would hit the statement timeout on every pass."""
+    settings.cleaner.batch_size = 100
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, finalized_at) "
+                         "SELECT 'k', 'completed', CASE WHEN g % 2 = 0 THEN timestamptz '-infinity' "
+                         "ELSE timestamptz '0044-03-15 00:00:00+00 BC' END FROM generate_series(1, 201) g", schema))
+    keep = insert(engine, schema, state="completed", finalized_ago=HOUR)
+    result = run(settings, engine, clock)
+    assert result.deleted["completed"] == 201
+    assert result.batches == 3  # 100 + 100 + 1
+    assert remaining(engine, schema) == set(keep)
+
 class PausingContext(PassContext):
     """Records the pauses a pass asks for (and sleeps none of them)."""
 
