@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import time
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
@@ -120,6 +122,28 @@ def test_two_schedulers_promote_each_job_once(pg_dsn, settings, engine, schema, 
     assert sum(r.total for r in results) == 500
     assert set(states(engine, schema).values()) == {"available"}
 
+
+
+def test_a_due_job_locked_by_another_session_does_not_hold_up_the_others(settings, engine, schema, clock):
+    """A session holding one due job's row (an application's SELECT ... FOR UPDATE, an operator's
+    admin call) must not stall the promotion of every other due job: that row is passed over."""
+    [held] = add(engine, schema, state="scheduled", due_in=timedelta(seconds=-2))
+    others = add(engine, schema, state="retryable", due_in=timedelta(seconds=-1), n=3)
+    holder = engine.connect()
+    holder.execute(sql("SELECT 1 FROM {schema}.jobs WHERE id = :id FOR UPDATE", schema), {"id": held})
+    results: list = []
+    passer = threading.Thread(target=lambda: results.append(run(settings, engine, clock)), daemon=True)
+    try:
+        passer.start()
+        passer.join(5)
+        assert not passer.is_alive(), "the pass waited for the locked row"
+    finally:
+        holder.rollback()
+        holder.close()
+        passer.join(30)
+    assert results[0].total == 3
+    s = states(engine, schema)
+    assert [s[i] for i in others] == ["available"] * 3 and s[held] == "scheduled"
 
 def test_statements_are_index_backed(settings, engine, schema):
     """Promotion, the idle probe and the dry-run count read jobs_scheduled_idx, with values known or
