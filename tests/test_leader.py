@@ -19,7 +19,7 @@ from pydantic import SecretStr
 from maintd.config import Settings
 from maintd.daemon import Daemon
 from maintd.queries import sql
-from maintd.db import HostOrder
+from maintd.db import HostOrder, advisory_key
 from maintd.election import Request
 from maintd.leader import ElectionLoop, LeaderFence, LeaderSessionError, acquire_once
 from maintd.services.base import NotLeader, PassContext
@@ -164,6 +164,28 @@ def test_fence_refuses_a_stale_epoch_and_writes_nothing(settings, engine, schema
             fence.check(conn)
     assert kinds(engine, schema) == ["ok"]
 
+
+
+def test_a_write_after_the_lock_session_lost_the_lock_is_refused_at_commit(pg_dsn, settings, engine, schema):
+    """The commit fence checks the term's lock session still holds the lock, not only the epoch:
+    once it is gone and another session holds the lock (a successor before its epoch bump), a
+    write of the old term, still trusted on the client side, must not commit."""
+    a, fence_a = acquire_once(settings)
+    term = fence_a.term
+    trusted = LeaderFence(schema, term, lambda: term)  # only the database's check can refuse
+    ctx = PassContext.for_settings(settings, engine, None, fence=trusted)  # type: ignore[arg-type]
+    other = psycopg.connect(pg_dsn, autocommit=True)
+    try:
+        assert terminate(pg_dsn, schema, settings.instance_id) == 1
+        wait_for(lambda: lock_holders(pg_dsn, schema) == [], 10, what="the lock to be free")
+        other.execute("SELECT pg_advisory_lock(%s, %s)", advisory_key(schema))
+        with pytest.raises(NotLeader, match=f"^epoch {term.epoch} is no longer the leader's$"):
+            with ctx.transaction() as conn:
+                conn.execute(sql("INSERT INTO {schema}.jobs (kind) VALUES ('after-the-lock')", schema))
+    finally:
+        other.close()
+        a.stop()
+    assert kinds(engine, schema) == []
 
 def test_second_acquire_fails_while_held(settings):
     held = acquire_once(settings)
