@@ -629,6 +629,30 @@ def test_a_predicted_range_ending_at_the_horizon_keeps_the_row_exactly_at_it(set
     assert remaining(engine, schema) == set(exact)
 
 
+
+def test_a_default_target_whose_oldest_row_is_exactly_at_the_horizon_keeps_it(configured, schema, engine, clock):
+    """Where a default target's pass starts, with a queue overridden, is its first row older than
+    the horizon: a row exactly at it is not one, or the pass would start at the horizon and
+    delete it as a tie of its own."""
+    settings = configured(cleaner={"completed_retention": "1h",
+                                   "queues": {"billing": {"completed_retention": "30d"}}})
+    exact = insert(engine, schema, state="completed", finalized_ago=HOUR, n=3)
+    kept = insert(engine, schema, state="completed", queue="billing", finalized_ago=2 * DAY)
+    result = run(settings, engine, clock)
+    assert result.deleted["completed"] == 0
+    assert remaining(engine, schema) == {*exact, *kept}
+
+
+def test_a_full_batch_before_the_row_exactly_at_the_horizon_keeps_it(settings, engine, schema, clock):
+    """A batch's probe looks only below the horizon: with exactly a batch of expired rows, the row
+    at the horizon must not become the end of that batch and then a tie of its own."""
+    settings.cleaner.batch_size = 100
+    gone = insert(engine, schema, state="completed", finalized_ago=DAY + MS, n=100, spread=True)
+    exact = insert(engine, schema, state="completed", finalized_ago=DAY)
+    result = run(settings, engine, clock)
+    assert result.deleted["completed"] == len(gone)
+    assert remaining(engine, schema) == set(exact)
+
 def test_a_tie_shared_with_a_kept_queue_then_later_rows(configured, schema, engine, clock):
     """More than a batch finalized at one instant, most of them in a queue kept longer: the tie
     batch deletes fewer than batch_size rows, moves exactly one microsecond past the tie (a row
