@@ -106,6 +106,26 @@ def test_deleted_jobs_do_not_make_a_slot_fire_again(pg_dsn, schema, engine):
     assert result.enqueued == [] and jobs(engine, schema) == []
 
 
+
+def test_pruning_keeps_the_newest_slot_of_an_entry_that_fires_rarely(pg_dsn, schema, engine):
+    """A yearly entry's last slot is older than the slot history kept: the prune must keep it (the
+    high-water mark), or the next leader takes the entry for a new one and baselines it, and the
+    slot it missed during a failover within the backfill window is never enqueued."""
+    settings = make_settings(pg_dsn, schema, schedule="@yearly", backfill="1d")
+    clock = FrozenClock(START)
+    run(settings, engine, clock)  # baseline
+    clock.advance((datetime(2027, 1, 1, 0, 0, 1, tzinfo=UTC) - clock.now()).total_seconds())
+    leader = PeriodicEnqueuer(settings.periodic)
+    assert len(run(settings, engine, clock, leader).enqueued) == 1  # 2027-01-01
+    clock.advance(100 * 86400)
+    run(settings, engine, clock, leader)  # prunes the slot history
+    # The leader is down over the next slot; its successor comes an hour late.
+    clock.advance((datetime(2028, 1, 1, 1, 0, 0, tzinfo=UTC) - clock.now()).total_seconds())
+    result = run(settings, engine, clock)
+    assert [e["slot"] for e in result.enqueued] == ["2028-01-01T00:00:00+00:00"]
+    assert [j.scheduled_at for j in jobs(engine, schema)] == [
+        datetime(2027, 1, 1, tzinfo=UTC), datetime(2028, 1, 1, tzinfo=UTC)]
+
 def test_backfill_window_edges_oldest_first(pg_dsn, schema, engine):
     settings = make_settings(pg_dsn, schema, backfill="60s")
     clock = FrozenClock(datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC))
