@@ -9,10 +9,11 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from sqlalchemy import event
 
 from maintd.clock import ServerClock
 from maintd.health import HealthReport, Holder, Horizon, TableHealth
-from maintd.history import HistoryWriter, KEEP, PRUNE_EVERY, Sample, series
+from maintd.history import HistoryWriter, KEEP, PRUNE_EVERY, Sample, prune, series
 from maintd.queries import sql
 from maintd.services.base import NotLeader, PassContext
 
@@ -150,6 +151,30 @@ def test_the_writer_prunes_history_older_than_two_days_hourly_with_the_cleaner_d
 
     assert KEEP >= max(back for _, back, _ in CHART_RANGES) + timedelta(hours=1)  # the day chart stays whole
 
+
+
+def test_the_prune_deletes_in_batches(settings, engine, schema):
+    """Rows past KEEP go in batches of ``batch`` rows, each its own short transaction (after an
+    outage of the writer the backlog is days of rows: one DELETE of it all holds its locks and
+    its statement timeout for the whole)."""
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.health_history (at, since) SELECT t, t FROM generate_series("
+                         "CAST(:t0 AS timestamptz), CAST(:t0 AS timestamptz) + interval '24 minutes', interval '1 minute') t",
+                         schema), {"t0": T0})
+    deleted: list[int] = []
+
+    def count(conn, cursor, statement, parameters, context, executemany):
+        if statement.lstrip().startswith("DELETE FROM") and "health_history" in statement:
+            deleted.append(cursor.rowcount)
+
+    event.listen(engine, "after_cursor_execute", count)
+    try:
+        ctx = PassContext.for_settings(settings, engine, ServerClock())
+        assert prune(ctx, T0 + KEEP + timedelta(hours=1), batch=10) == 25
+    finally:
+        event.remove(engine, "after_cursor_execute", count)
+    assert deleted == [10, 10, 5]
+    assert rows(engine, schema) == []
 
 def test_the_charts_series_has_one_point_per_bucket_with_the_finished_jobs_summed(ctx, engine, schema):
     with engine.begin() as conn:
