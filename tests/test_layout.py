@@ -18,6 +18,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 
 from maintd import migrate
 from maintd.clock import FrozenClock
@@ -339,6 +340,23 @@ def test_after_an_outage_longer_than_premake_expired_rows_go_within_a_step(engin
 
 
 # -- retention by dropping partitions --------------------------------------------------------------
+
+def test_maintain_partitions_refuses_a_drop_horizon_in_the_future(engine, schema):
+    """The daemon's role may call maintain_partitions (SECURITY DEFINER); its guard is that a
+    drop horizon is past: one in the future (a caller's bug) would empty the partition jobs are
+    being finalized into right now."""
+    now = server_now(engine)
+    restart(engine, schema, "completed", now - 10 * HOUR)
+    run(partitioner(completed_retention=-1), engine, schema, now=now)
+    recent = insert_final(engine, schema, "completed", now - timedelta(minutes=30), n=5)
+    before = partitions(engine, schema)
+    call = sql("SELECT * FROM {schema}.maintain_partitions('completed', interval '1 hour', "
+               "now() + interval '3 hours', now() + interval '2 hours')", schema)
+    with pytest.raises(DBAPIError) as failed, engine.begin() as conn:
+        conn.execute(call).all()
+    assert failed.value.orig.sqlstate == "22023"
+    assert set(recent) <= set(where(engine, schema)) and partitions(engine, schema) == before
+
 
 def test_partitions_past_retention_are_dropped_and_counted(engine, schema):
     now = server_now(engine)
