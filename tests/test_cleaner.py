@@ -187,6 +187,20 @@ def test_jobs_finalized_before_year_1_go_in_batches_of_batch_size(settings, engi
     assert result.batches == 3  # 100 + 100 + 1
     assert remaining(engine, schema) == set(keep)
 
+
+def test_jobs_finalized_before_year_1_of_a_queue_kept_forever_stay(configured, schema, engine, clock):
+    """The default target's deletion of rows finalized before year 1 covers its own queues only: a
+    queue whose retention keeps its jobs forever keeps those too."""
+    settings = configured(cleaner={"completed_retention": "1h",
+                                   "queues": {"billing": {"completed_retention": -1}}})
+    with engine.begin() as conn:
+        ids = dict(conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state, finalized_at) "
+                                    "SELECT 'k', q, 'completed', '-infinity' FROM unnest(ARRAY['default', 'billing']) q "
+                                    "RETURNING queue, id", schema)).all())
+    result = run(settings, engine, clock)
+    assert result.deleted["completed"] == 1
+    assert remaining(engine, schema) == {ids["billing"]}
+
 class PausingContext(PassContext):
     """Records the pauses a pass asks for (and sleeps none of them)."""
 
