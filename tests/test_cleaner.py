@@ -195,7 +195,8 @@ def test_jobs_finalized_before_year_1_of_a_queue_kept_forever_stay(configured, s
                                    "queues": {"billing": {"completed_retention": -1}}})
     with engine.begin() as conn:
         ids = dict(conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state, finalized_at) "
-                                    "SELECT 'k', q, 'completed', '-infinity' FROM unnest(ARRAY['default', 'billing']) q "
+                                    "SELECT 'k', q, 'completed', '-infinity' "
+                                    "FROM unnest(ARRAY['default', 'billing']) q "
                                     "RETURNING queue, id", schema)).all())
     result = run(settings, engine, clock)
     assert result.deleted["completed"] == 1

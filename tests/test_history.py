@@ -159,7 +159,8 @@ def test_the_prune_deletes_in_batches(settings, engine, schema):
     its statement timeout for the whole)."""
     with engine.begin() as conn:
         conn.execute(sql("INSERT INTO {schema}.health_history (at, since) SELECT t, t FROM generate_series("
-                         "CAST(:t0 AS timestamptz), CAST(:t0 AS timestamptz) + interval '24 minutes', interval '1 minute') t",
+                         "CAST(:t0 AS timestamptz), CAST(:t0 AS timestamptz) + interval '24 minutes', "
+                         "interval '1 minute') t",
                          schema), {"t0": T0})
     deleted: list[int] = []
 
