@@ -326,6 +326,57 @@ def test_the_high_water_read_is_one_index_entry_per_entry_whatever_the_history(e
     assert hwm == expected and len(hwm) == 5
 
 
+def test_the_slot_prune_deletes_in_batches_keeping_each_entry_s_newest(pg_dsn, schema, engine, monkeypatch):
+    """The slot history past what is kept goes in batches of PRUNE_BATCH rows, each its own
+    transaction (an '@every 1s' entry leaves 86,400 rows a day; the first prune after weeks of
+    history was one DELETE of them all, under one statement timeout), across entries, and each
+    entry's newest slot (its high-water mark) stays, however old. Index-backed: a loose scan of
+    the primary key for the ids, then each id's oldest slots in its order."""
+    from sqlalchemy import event
+
+    from maintd.queries import periodic_slots
+    from maintd.services import periodic
+
+    from .plans import explain
+
+    monkeypatch.setattr(periodic, "PRUNE_BATCH", 10)
+    old = START - timedelta(days=100)
+    with engine.begin() as conn:  # 'a': 14 old slots; 'b': 8 old and 2 recent; 'c': one old slot, its newest
+        conn.execute(sql("INSERT INTO {schema}.periodic_slots (periodic_id, slot, backfilled, instance_id) "
+                         "SELECT id, CAST(:old AS timestamptz) + g * interval '1 minute', false, 'i' "
+                         "FROM (VALUES ('a', 14), ('b', 8), ('c', 1)) AS e(id, n), generate_series(1, e.n) g", schema),
+                     {"old": old})
+        conn.execute(sql("INSERT INTO {schema}.periodic_slots (periodic_id, slot, backfilled, instance_id) "
+                         "VALUES ('b', :t, false, 'i'), ('b', :t2, false, 'i')", schema),
+                     {"t": START - timedelta(hours=1), "t2": START})
+    deleted: list[int] = []
+
+    def count(conn, cursor, statement, parameters, context, executemany):
+        if "DELETE FROM" in statement and "periodic_slots" in statement:
+            deleted.append(cursor.rowcount)
+
+    settings = make_settings(pg_dsn, schema, schedule="@yearly")
+    event.listen(engine, "after_cursor_execute", count)
+    try:
+        run(settings, engine, FrozenClock(START))
+    finally:
+        event.remove(engine, "after_cursor_execute", count)
+    assert deleted == [10, 10, 1]  # 13 of 'a' (all but its newest) and the 8 old ones of 'b'
+    with engine.connect() as conn:
+        left = conn.execute(sql("SELECT periodic_id, slot FROM {schema}.periodic_slots "
+                                "WHERE periodic_id IN ('a', 'b', 'c') ORDER BY 1, 2", schema)).all()
+    assert left == [("a", old + timedelta(minutes=14)), ("b", START - timedelta(hours=1)), ("b", START),
+                    ("c", old + timedelta(minutes=1))]
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.periodic_slots (periodic_id, slot, backfilled, instance_id) "
+                         "SELECT 'e' || (g % 50), timestamptz '2026-01-01' + g * interval '1 second', false, 'i' "
+                         "FROM generate_series(1, 100000) g", schema))
+        conn.execute(sql("ANALYZE {schema}.periodic_slots", schema))
+        for generic in (False, True):
+            plan = explain(conn, periodic_slots.PRUNE, schema, {"before": START, "limit": 10_000}, generic=generic)
+            assert "Seq Scan" not in plan and "periodic_slots_pkey" in plan and "Tid Scan" in plan, plan
+
+
 def test_a_changed_schedule_runs_no_slot_that_only_the_new_one_has(pg_dsn, schema, engine):
     """A config entry changed from '0 3 * * *' (run at 03:00) to '0 5 * * *', noticed at 10:00:
     the 05:00 slot counted as missed and ran at once, a second run that day; with a backfill, an

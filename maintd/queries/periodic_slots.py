@@ -45,9 +45,27 @@ LINK_JOB = """
 UPDATE {schema}.periodic_slots SET job_id = :job_id WHERE periodic_id = :periodic_id AND slot = :slot
 """
 
-# Old slot rows are only history; the newest per id (the high-water mark) always stays.
+# Old slot rows are only history; the newest per id (the high-water mark) always stays. At most
+# :limit rows a statement (an `@every 1s` entry leaves 86,400 rows a day: the first prune after a
+# leader outage of weeks had that many weeks to delete in one statement), found through the primary
+# key: the ids by a loose scan, then each id's oldest slots in order, deleted by their ctids.
 PRUNE = """
-DELETE FROM {schema}.periodic_slots s
- WHERE s.slot < :before
-   AND s.slot < (SELECT max(slot) FROM {schema}.periodic_slots m WHERE m.periodic_id = s.periodic_id)
+WITH RECURSIVE ids AS (
+  (SELECT periodic_id FROM {schema}.periodic_slots ORDER BY periodic_id LIMIT 1)
+  UNION ALL
+  SELECT (SELECT n.periodic_id FROM {schema}.periodic_slots n
+           WHERE n.periodic_id > ids.periodic_id ORDER BY n.periodic_id LIMIT 1)
+    FROM ids WHERE ids.periodic_id IS NOT NULL
+), old AS (
+  SELECT o.ctid
+    FROM ids CROSS JOIN LATERAL (
+         SELECT s.ctid FROM {schema}.periodic_slots s
+          WHERE s.periodic_id = ids.periodic_id AND s.slot < CAST(:before AS timestamptz)
+            AND s.slot < (SELECT max(m.slot) FROM {schema}.periodic_slots m
+                           WHERE m.periodic_id = ids.periodic_id)
+          ORDER BY s.slot LIMIT :limit) o
+   LIMIT :limit
+)
+DELETE FROM {schema}.periodic_slots d
+ WHERE d.ctid = ANY(ARRAY(SELECT ctid FROM old)) AND d.slot < CAST(:before AS timestamptz)
 """

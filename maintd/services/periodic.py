@@ -45,6 +45,7 @@ from .periodic_rows import Entry, RowSource
 log = logging.getLogger("maintd.periodic")
 
 PRUNE_EVERY = timedelta(hours=1)
+PRUNE_BATCH = 10_000  # slot rows a prune statement deletes at most
 # Between idle passes, the rows of periodic_jobs are read again this often: a safety net only, as
 # their trigger's NOTIFY, passed on by the lock session, makes the next pass read them at once, and
 # the session pokes every target when it reconnects (NOTIFYs sent meanwhile were not delivered).
@@ -315,8 +316,12 @@ class PeriodicEnqueuer(Service):
         self._last_prune = now
         longest = max((e.backfill for e in self.config if e.backfill), default=timedelta(0))
         longest = max(longest, timedelta(days=31))  # rows' backfill windows are not known here
-        with ctx.transaction() as conn:
-            conn.execute(ctx.sql(periodic_slots.PRUNE), {"before": now - max(KEEP_HISTORY, longest * 2)})
+        params = {"before": now - max(KEEP_HISTORY, longest * 2), "limit": PRUNE_BATCH}
+        while True:  # each batch its own short transaction
+            with ctx.transaction() as conn:
+                if conn.execute(ctx.sql(periodic_slots.PRUNE), params).rowcount < PRUNE_BATCH:
+                    return
+            ctx.check_stop()
 
     def observe(self, metrics, result: PeriodicResult) -> None:
         """Count the pass; the series of ids gone (a row deleted, an entry removed) go too: an
