@@ -30,8 +30,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-import psycopg
-from psycopg.types.datetime import TimestamptzLoader
 from sqlalchemy import Connection, text
 from sqlalchemy.exc import DBAPIError
 
@@ -290,25 +288,6 @@ def show_job(conn: Connection, schema: str, job_id: int) -> dict[str, Any] | Non
     with conn.begin():
         row = conn.execute(sql(SHOW, schema), {"id": job_id}).mappings().first()
     return None if row is None else dict(row)
-
-
-# ---------------------------------------------------------------- odd times
-
-class _AnyTimestamptz(TimestamptzLoader):
-    """A ``timestamptz`` no Python datetime holds ('infinity', BC, past year 9999) loads as
-    PostgreSQL's text of it: shown as is, and given back as a keyset value (``CAST(:k AS
-    timestamptz)``), so a bad row is found, listed and fixed like any other."""
-
-    def load(self, data: Any) -> Any:
-        try:
-            return super().load(data)
-        except psycopg.DataError:
-            return bytes(data).decode()
-
-
-def hold_any_time(conn: Connection) -> None:
-    """Make ``conn`` load every ``timestamptz`` (see :class:`_AnyTimestamptz`)."""
-    conn.connection.dbapi_connection.adapters.register_loader("timestamptz", _AnyTimestamptz)
 
 
 # ---------------------------------------------------------------- output

@@ -527,7 +527,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     failure, 2 usage."""
     from datetime import timedelta
 
-    from .admin import LOCK_TIMEOUT, AdminError, UsageError, hold_any_time, plan_command
+    from .admin import LOCK_TIMEOUT, AdminError, UsageError, plan_command
+    from .db import hold_any_time
     from .db import make_engine, session_settings
     from .readers import reader_engine
 

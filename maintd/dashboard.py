@@ -16,6 +16,7 @@ sessions per database, apart from maintenance, one REPEATABLE READ snapshot per 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Sequence
@@ -28,7 +29,7 @@ from sqlalchemy.exc import TimeoutError as PoolBusy
 
 from . import charts, history
 from .config import PeriodicJob, Settings
-from .db import advisory_key, describe_db_error, quote_ident
+from .db import advisory_key, describe_db_error, hold_any_time, quote_ident
 from .queries import catalog, sql
 from .http import HttpError, Request, Response
 from .readers import Readers
@@ -127,9 +128,9 @@ def final_counts(conn: Connection, schema: str, cap: int) -> tuple[dict[str, dic
 
 
 def available_counts(conn: Connection, schema: str, cap: int
-                     ) -> tuple[dict[str, int], dict[str, datetime], bool, int]:
-    """(bounded count per queue, oldest scheduled_at per queue, whether queues were cut off,
-    the per-queue bound)."""
+                     ) -> tuple[dict[str, int], dict[str, datetime | None], bool, int]:
+    """(bounded count per queue, since when its oldest head waits (None: no time for it), whether
+    queues were cut off, the per-queue bound)."""
     heads = list(conn.execute(sql(HEADS, schema), {"max_heads": MAX_HEADS}))
     oldest = {r.queue: r.oldest for r in heads}
     cut = sum(r.groups for r in heads) >= MAX_HEADS
@@ -166,7 +167,7 @@ def queue_table(conn: Connection, schema: str, now: datetime, cap: int = CAP) ->
             n = counted[s].get(q, 0)
             capped = (n >= bound[s]) if s in bound else full[s]
             counts[s] = Count(n, "exact" if not capped else "atleast" if n else "unknown")
-        age = (now - oldest[q]).total_seconds() if q in oldest else None
+        age = (now - oldest[q]).total_seconds() if oldest.get(q) is not None else None
         rows.append({"queue": q, "counts": counts, "oldest_age": None if age is None else max(0.0, age)})
     capped_state = {s: (any(n >= bound[s] for n in counted[s].values()) if s in bound else full[s])
                     for s in JOB_STATES}
@@ -261,6 +262,7 @@ def target_overview(target: Target, *, cap: int = CAP,
     health this replica read last for a target (None where it does not lead it)."""
     schema = target.schema
     with target.engine.connect() as conn:
+        hold_any_time(conn)  # a discarded job's odd finalized_at is shown as is
         now = begin_snapshot(conn)
         leader, daemons = leadership(conn, schema)
         data = {
@@ -316,13 +318,23 @@ class Order:
         if len(parts) != len(self.columns):
             raise HttpError(400, f"invalid 'after' cursor {cursor!r}: use the page's own links")
         try:
-            return {f"k{i}": (datetime.fromisoformat(v) if t == "timestamptz" else _in_range(int(v), t))
+            return {f"k{i}": (_time(v) if t == "timestamptz" else _in_range(int(v), t))
                     for i, ((_, t), v) in enumerate(zip(self.columns, parts))}
         except ValueError:
             raise HttpError(400, f"invalid 'after' cursor {cursor!r}: use the page's own links") from None
 
 
 INT_BITS = {"smallint": 16, "bigint": 64}
+# A time no Python datetime holds, as PostgreSQL writes it (db.hold_any_time loads it so): given
+# back as text, for the server to read (CAST(:k AS timestamptz)).
+ODD_TIME = re.compile(r"-?infinity|\d{4,}-\d\d-\d\d \d\d:\d\d:\d\d(\.\d{1,6})?[+-]\d\d(:\d\d){0,2}( BC)?")
+
+
+def _time(v: str) -> datetime | str:
+    """A cursor's time: ISO 8601, or one of PostgreSQL's own that no datetime holds, else ValueError."""
+    if ODD_TIME.fullmatch(v):
+        return v
+    return datetime.fromisoformat(v)
 
 
 def _in_range(n: int, sql_type: str) -> int:
@@ -444,9 +456,11 @@ def _fmt_seconds(s: float) -> str:
 
 
 @pass_context
-def _ago(ctx: Any, ts: datetime | None) -> str:
+def _ago(ctx: Any, ts: datetime | str | None) -> str:
     if ts is None:
         return "never"
+    if isinstance(ts, str):  # 'infinity', BC, past year 9999: as PostgreSQL writes it
+        return ts
     delta = (ctx["now"] - ts).total_seconds()
     return f"in {_fmt_seconds(delta)}" if delta < 0 else f"{_fmt_seconds(delta)} ago"
 
@@ -456,7 +470,9 @@ def _unix_ago(ctx: Any, ts: float | None) -> str:
     return _ago(ctx, None if ts is None else datetime.fromtimestamp(ts, timezone.utc))
 
 
-def _iso(ts: datetime | None) -> str:
+def _iso(ts: datetime | str | None) -> str:
+    if isinstance(ts, str):
+        return ts
     return "" if ts is None else ts.isoformat(sep=" ", timespec="seconds")
 
 
@@ -606,6 +622,7 @@ class Dashboard:
         refresh = refresh_seconds(req, 0)
         target, links = self._target(req)
         with target.engine.connect() as conn:
+            hold_any_time(conn)  # a job due at 'infinity' (the README's enqueue takes it) is listed
             now = begin_snapshot(conn)
             page = list_jobs(conn, target.schema, f, page_size=self.page_size, scan_window=self.scan_window)
             conn.rollback()
@@ -621,6 +638,7 @@ class Dashboard:
             raise HttpError(400, f"job id must be a positive integer, not {raw[:40]!r}")
         target, links = self._target(req)
         with target.engine.connect() as conn:
+            hold_any_time(conn)
             now = begin_snapshot(conn)
             job = job_detail(conn, target.schema, int(raw))
             conn.rollback()

@@ -15,7 +15,8 @@ from typing import Any, Iterator
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from sqlalchemy import Engine, create_engine, event
+from psycopg.types.datetime import TimestamptzLoader
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.pool import NullPool, QueuePool
 
@@ -313,3 +314,21 @@ def describe_db_error(exc: BaseException) -> str:
     line = redact_dsn(msg[0] if msg else exc.__class__.__name__)
     hint = _hint(getattr(orig, "sqlstate", None), line)
     return f"{line} ({hint})" if hint and hint not in line else line
+
+
+class _AnyTimestamptz(TimestamptzLoader):
+    """A ``timestamptz`` no Python datetime holds ('infinity', BC, past year 9999) loads as
+    PostgreSQL's text of it: shown as is, and given back as a keyset value (``CAST(:k AS
+    timestamptz)``), so a bad row is found, listed and fixed like any other."""
+
+    def load(self, data: Any) -> Any:
+        try:
+            return super().load(data)
+        except psycopg.DataError:
+            return bytes(data).decode()
+
+
+def hold_any_time(conn: Connection) -> None:
+    """Make ``conn`` load every ``timestamptz`` (see :class:`_AnyTimestamptz`): the operator's
+    tools (``maintd jobs``, the dashboard's job pages), which list and show rows as they are."""
+    conn.connection.dbapi_connection.adapters.register_loader("timestamptz", _AnyTimestamptz)

@@ -516,6 +516,72 @@ def test_jobs_pages_list_each_job_once_in_index_order(settings, engine, schema, 
         assert searched
 
 
+@pytest.mark.parametrize("state", ["scheduled", "completed", None])
+def test_jobs_at_times_no_python_value_holds_are_listed_paged_and_shown(settings, engine, schema, state):
+    """The README's enqueue takes scheduled_at = 'infinity', and SPEC 7.3 names such rows: a page of
+    scheduled jobs holding one was a 503 ('timestamp too large'), so none of them could be seen, and
+    so was the job's own page. They are listed as PostgreSQL writes them, in the index's order,
+    each once across pages whose cursors hold them, and shown."""
+    from urllib.parse import parse_qs
+
+    column, kind = ("finalized_at", "completed") if state == "completed" else ("scheduled_at", "scheduled")
+    odd = ["infinity", "-infinity", "0044-03-15 00:00:00+00 BC", "10000-01-01 00:00:00+00", "now()"]
+    with engine.begin() as conn:
+        for t in odd * 2:
+            conn.execute(sql(f"INSERT INTO {{schema}}.jobs (kind, state, {column}) "
+                             f"VALUES ('k', '{kind}', {t if t == 'now()' else repr(t)})", schema))
+        truth = [r[0] for r in conn.execute(sql(f"SELECT id FROM {{schema}}.jobs ORDER BY {TRUTH_ORDER[state]}",
+                                                schema))]
+    dashboard = Dashboard(lambda: settings, page_size=3, scan_window=10)
+    query, seen = ({"state": [state]} if state else {}), []
+    for _ in range(10):
+        ids, nxt, html = _page_ids(dashboard, query)
+        seen += ids
+        if nxt is None:
+            break
+        query = parse_qs(nxt)
+    assert seen == truth
+    for job_id, text in zip(sorted(truth), odd[:4]):  # inserted in the order of `odd`
+        status, _, body, _ = dashboard.job(Request(f"/jobs/{job_id}", {}, params={"id": str(job_id)}))
+        assert status == 200 and text in unescape(body.decode()), body
+
+
+ODD_ROWS = {  # (state, finalized_at, scheduled_at, created_at): one row the overview reads
+    "discarded at infinity": ("discarded", "'infinity'", "now()", "now()"),
+    "discarded BC": ("discarded", "'0044-03-15 00:00:00+00 BC'", "now()", "now()"),
+    "available due -infinity": ("available", "NULL", "'-infinity'", "now() - interval '1 hour'"),
+    "available due -infinity, made -infinity": ("available", "NULL", "'-infinity'", "'-infinity'"),
+    "available due infinity": ("available", "NULL", "'infinity'", "now()"),
+    "available due past year 9999": ("available", "NULL", "'10000-01-01 00:00:00+00'", "now()"),
+}
+
+
+@pytest.mark.parametrize("row", ODD_ROWS)
+def test_one_row_at_an_odd_time_never_makes_the_overview_a_503(settings, engine, schema, row):
+    """SPEC 7.3's odd rows (Go's zero time, 'infinity', an import's BC date): one discarded or
+    available job at such a time made the whole overview of its target 'Cannot read this target:
+    timestamp too small' (a 503). The discarded job is listed with its time as PostgreSQL writes
+    it; an available job due before year 1 waits since it was made, one due past year 9999 (which
+    no claim takes) is not waiting, as the oldest-available gauge says."""
+    state, finalized, scheduled, created = ODD_ROWS[row]
+    with engine.begin() as conn:
+        conn.execute(sql(f"INSERT INTO {{schema}}.jobs (kind, queue, state, finalized_at, scheduled_at, created_at) "
+                         f"VALUES ('k', 'odd', '{state}', {finalized}, {scheduled}, {created})", schema))
+    dashboard = Dashboard(lambda: settings)
+    status, _, body, _ = dashboard._guard(dashboard.index)(Request("/", {}))
+    page = unescape(body.decode())
+    assert status == 200 and "Cannot read" not in page, re.findall(r"Cannot read[^<]*", page)
+    with engine.connect() as conn:
+        now = conn.execute(text("SELECT now()")).scalar()
+        age = queue_table(conn, schema, now)["oldest_age"]
+    if row == "available due -infinity":
+        assert 3500 < age < 3700, age
+    elif state == "available":
+        assert age is None, age
+    else:
+        assert ("infinity" if "infinity" in row else "BC") in page
+
+
 def test_bad_parameters_get_400_and_an_unknown_job_404(settings, schema):
     daemon = start_daemon(settings)
     try:

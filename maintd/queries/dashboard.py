@@ -4,6 +4,7 @@ follows a state's index, ``{where}`` and ``{order}`` are filled from ``INDEX`` (
 this module, never user input)."""
 
 from . import FINAL_STATES
+from .jobs import WAITING_SINCE
 
 # Each state's index: (its predicate, its order). scheduled and retryable share jobs_scheduled_idx;
 # available's (jobs_fetch_idx) leads with the queue.
@@ -30,16 +31,16 @@ SELECT state::text AS state, queue, count(*) AS n
 # jobs_fetch_idx: the smallest scheduled_at per queue is among them.
 HEADS = """
 WITH RECURSIVE heads AS (
-  (SELECT queue, priority, scheduled_at FROM {schema}.jobs WHERE state = 'available'
+  (SELECT queue, priority, scheduled_at, created_at FROM {schema}.jobs WHERE state = 'available'
     ORDER BY queue, priority, scheduled_at, id LIMIT 1)
   UNION ALL
-  SELECT n.queue, n.priority, n.scheduled_at
+  SELECT n.queue, n.priority, n.scheduled_at, n.created_at
     FROM heads h CROSS JOIN LATERAL (
-         SELECT queue, priority, scheduled_at FROM {schema}.jobs
+         SELECT queue, priority, scheduled_at, created_at FROM {schema}.jobs
           WHERE state = 'available' AND (queue, priority) > (h.queue, h.priority)
           ORDER BY queue, priority, scheduled_at, id LIMIT 1) n
 )
-SELECT queue, min(scheduled_at) AS oldest, count(*) AS groups
+SELECT queue, min(""" + WAITING_SINCE + """) AS oldest, count(*) AS groups
   FROM (SELECT * FROM heads LIMIT :max_heads) h GROUP BY queue
 """
 

@@ -477,8 +477,17 @@ SELECT queue, state::text AS state, count(*) AS n FROM {schema}.jobs
 """
 
 # An infinite scheduled_at has no age (PostgreSQL 15 cannot subtract it, 17+ gives infinity).
+# Since when an available job waits, as a time a Python datetime holds: due before year 1
+# ('-infinity', Go's zero time: the scheduler promotes such jobs), since it was made; due past year
+# 9999, never (no claim takes it). The gauge and the dashboard's oldest available agree; loaded as
+# is, such a time made the dashboard's whole overview a 503.
+WAITING_SINCE = """CASE WHEN scheduled_at < '0001-01-02 00:00:00+00'
+                    THEN CASE WHEN created_at >= '0001-01-02 00:00:00+00'
+                               AND created_at < '9999-12-31 00:00:00+00' THEN created_at END
+                    WHEN scheduled_at < '9999-12-31 00:00:00+00' THEN scheduled_at END"""
+
 OLDEST_AVAILABLE = """
-SELECT queue, extract(epoch FROM now() - min(scheduled_at) FILTER (WHERE isfinite(scheduled_at)))::float8 AS age
+SELECT queue, extract(epoch FROM now() - min(""" + WAITING_SINCE + """))::float8 AS age
   FROM {schema}.jobs WHERE state = 'available' GROUP BY queue
 """
 
