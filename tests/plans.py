@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Iterator
 
 import psycopg
 from sqlalchemy import Connection, text
@@ -52,3 +53,13 @@ def seq_scans(plan: str, layout: str = "plain") -> list[str]:
     (estimated cost under 1) may be read so: nothing to read there (the planner's choice for a
     relation of no page)."""
     return [m.group(1) for m in SEQ_SCAN.finditer(plan) if layout != "partitioned" or float(m.group(2)) >= 1.0]
+
+
+def at_page_costs(conn: Connection, costs: tuple[str, ...] = ("1.1", "4", "10")) -> Iterator[str]:
+    """Each ``random_page_cost`` a plan must hold at (an SSD's, the default, a slow disk's), set in
+    turn for the rest of the transaction, then reset: a plan that holds only at the default is
+    near a tie, and flips with the next ANALYZE's sample (CI saw it)."""
+    for cost in costs:
+        conn.exec_driver_sql(f"SET LOCAL random_page_cost = {cost}")
+        yield cost
+    conn.exec_driver_sql("RESET random_page_cost")

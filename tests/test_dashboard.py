@@ -31,7 +31,7 @@ from maintd.queries import sql
 from maintd.http import Request
 from maintd.jobs import JobQueue
 
-from .plans import explain, seq_scans
+from .plans import at_page_costs, explain, seq_scans
 from .procs import wait_for
 from .tools import path, require
 
@@ -541,9 +541,9 @@ def test_jobs_at_times_no_python_value_holds_are_listed_paged_and_shown(settings
             break
         query = parse_qs(nxt)
     assert seen == truth
-    for job_id, text in zip(sorted(truth), odd[:4]):  # inserted in the order of `odd`
+    for job_id, when in zip(sorted(truth), odd[:4]):  # inserted in the order of `odd`
         status, _, body, _ = dashboard.job(Request(f"/jobs/{job_id}", {}, params={"id": str(job_id)}))
-        assert status == 200 and text in unescape(body.decode()), body
+        assert status == 200 and when in unescape(body.decode()), body
 
 
 ODD_ROWS = {  # (state, finalized_at, scheduled_at, created_at): one row the overview reads
@@ -896,8 +896,7 @@ def test_final_counts_read_each_queue_s_entries_of_the_queue_index(engine, schem
         conn.execute(sql("ANALYZE {schema}.jobs", schema))
     params = {"state": "completed", "queues": [f"q{i}" for i in range(10)], "cap": 1000}
     with engine.connect() as conn:
-        for page_cost in ("1.1", "4", "6", "10"):
-            conn.exec_driver_sql(f"SET LOCAL random_page_cost = {page_cost}")
+        for page_cost in at_page_costs(conn, ("1.1", "4", "6", "10")):
             for generic in (False, True):
                 plan = explain(conn, FINAL_COUNTS, schema, params, generic=generic)
                 assert "finalized_queue_idx" in plan and not seq_scans(plan, layout), (page_cost, generic, plan)

@@ -11,7 +11,7 @@ from maintd.queries import jobs, sql
 from maintd.services import SERVICES, metric_families
 from maintd.services.scheduler import JOBS_PROMOTED
 
-from .plans import explain, seq_scans
+from .plans import at_page_costs, explain, seq_scans
 
 FAMILIES = {name: spec.cls.METRICS for name, spec in SERVICES.items()}
 
@@ -100,8 +100,7 @@ def test_the_live_counts_read_the_live_states_indexes_not_the_final_rows(engine,
                          "FROM generate_series(1, 5000) g", schema))
         conn.execute(sql("ANALYZE {schema}.jobs", schema))
     with engine.connect() as conn:
-        for page_cost in ("1.1", "4", "10"):
-            conn.exec_driver_sql(f"SET LOCAL random_page_cost = {page_cost}")
+        for page_cost in at_page_costs(conn):
             plan = explain(conn, jobs.COUNT_LIVE, schema, {})
             assert set(seq_scans(plan, layout)) <= ({"jobs_live"} if layout == "partitioned" else set()), (page_cost, plan)
             assert layout == "plain" or "completed" not in plan, (page_cost, plan)

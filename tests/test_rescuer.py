@@ -19,7 +19,7 @@ from maintd.queries.jobs import (RESCUER_BATCH, RESCUER_PROBE, RESCUER_COUNT_STU
 from maintd.services.rescuer import Rescuer
 
 from .conftest import T0, run_concurrently
-from .plans import explain
+from .plans import at_page_costs, explain
 
 # Every test here runs on both jobs layouts (SPEC 8.1): tests/conftest.py.
 pytestmark = pytest.mark.both_layouts
@@ -293,12 +293,10 @@ def test_statements_are_index_backed(settings, engine, schema, clock, layout):
             # conditions was a Seq Scan of the whole table, 45 ms at 450,000 rows); whatever the
             # server's page costs: the exhausted read as an EXISTS tied with a Seq Scan's first
             # row at the default costs, so CI's plan flipped between runs, and lost at 10
-            for page_cost in ("1.1", "4", "10"):
-                conn.exec_driver_sql(f"SET LOCAL random_page_cost = {page_cost}")
+            for page_cost in at_page_costs(conn):
                 plan = explain(conn, "SELECT " + ", ".join(RESCUER_PROBE), schema, params, generic=generic)
                 assert "Seq Scan" not in plan and "Filter" not in plan, (page_cost, plan)
                 assert "jobs_exhausted_idx" in plan, (page_cost, plan)
-            conn.exec_driver_sql("RESET random_page_cost")
             plan = explain(conn, RESCUER_EXHAUSTED_BATCH, schema, params, generic=generic)
             candidates, update = plan.split("CTE discarded")
             assert "jobs_exhausted_idx" in candidates, plan
