@@ -25,7 +25,7 @@ from sqlalchemy import Engine, text
 
 from maintd.config import Settings
 from maintd.daemon import Daemon
-from maintd.dashboard import Count, Dashboard, _count, per_queue_cap, queue_table
+from maintd.dashboard import ORDERS, Count, Dashboard, JobFilter, _count, _list_sql, per_queue_cap, queue_table
 from maintd.db import make_engine
 from maintd.queries import sql
 from maintd.http import Request
@@ -460,17 +460,22 @@ def test_token_given_by_link_follows_the_person_through_the_pages(browser, setti
 # -- /jobs: paging, filters, errors -------------------------------------------------------------
 
 STATES_SQL = """
-INSERT INTO {schema}.jobs (kind, queue, state, priority, attempt, scheduled_at, attempted_at, finalized_at)
+INSERT INTO {schema}.jobs (kind, queue, state, priority, attempt, scheduled_at, attempted_at, heartbeat_at,
+                           finalized_at)
 SELECT 'k', (ARRAY['q1', 'q2', 'q3'])[1 + g % 3], CAST(s AS {schema}.job_state), (g % 3)::smallint,
        CASE WHEN s IN ('available', 'scheduled') THEN 0 ELSE 1 END,
        now() + CASE WHEN s IN ('scheduled', 'retryable') THEN make_interval(secs => g % 7)
                     ELSE -make_interval(secs => g % 7) END,
-       CASE WHEN s IN ('available', 'scheduled') THEN NULL ELSE now() END,
+       -- running: ties, heartbeats, and a few with no sign of life at all (NULL, last in order)
+       CASE WHEN s IN ('available', 'scheduled') OR (s = 'running' AND g % 5 = 0) THEN NULL
+            ELSE now() - make_interval(secs => g % 4) END,
+       CASE WHEN s = 'running' AND g % 3 = 0 THEN now() - make_interval(secs => g % 2) END,
        CASE WHEN s IN ('completed', 'cancelled', 'discarded') THEN now() - make_interval(secs => g % 5) END
   FROM generate_series(1, 23) g, unnest(CAST(:states AS text[])) s
 """
 TRUTH_ORDER = {None: "id DESC", "available": "priority, scheduled_at, id",
-               "scheduled": "scheduled_at, id", "retryable": "scheduled_at, id", "running": "id",
+               "scheduled": "scheduled_at, id", "retryable": "scheduled_at, id",
+               "running": "coalesce(heartbeat_at, attempted_at), id",
                "completed": "finalized_at DESC, id DESC", "cancelled": "finalized_at DESC, id DESC",
                "discarded": "finalized_at DESC, id DESC"}
 
@@ -580,6 +585,31 @@ def test_one_row_at_an_odd_time_never_makes_the_overview_a_503(settings, engine,
         assert age is None, age
     else:
         assert ("infinity" if "infinity" in row else "BC") in page
+
+
+@pytest.mark.both_layouts
+def test_running_pages_walk_the_running_index_not_every_older_job(engine, schema, layout):
+    """Running jobs sit above every finished one in id order (claims take the oldest waiting jobs):
+    paged by id, the running page walked jobs_pkey past all of them (95 ms a page per million
+    finished jobs, plain layout). In jobs_running_idx's order (the longest without a sign of life
+    first), every page, after a cursor with a time or with none, reads that index, whatever the
+    page costs."""
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, finalized_at) "
+                         "SELECT 'k', 'completed', now() FROM generate_series(1, 100000)", schema))
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at) "
+                         "SELECT 'k', 'running', 1, now() - g * interval '1 second' FROM generate_series(1, 3000) g",
+                         schema))
+        conn.execute(sql("ANALYZE {schema}.jobs", schema))
+    order = ORDERS["running"]
+    with engine.begin() as conn:
+        for cursor in (None, "2026-01-01T00:00:00+00:00,5", "null,5"):
+            query, _, _ = _list_sql(JobFilter(state="running", after=cursor), order)
+            params = {"limit": 51, "scan": 51, **(order.parse(cursor) if cursor else {})}
+            for page_cost in at_page_costs(conn):
+                plan = explain(conn, query, schema, params)
+                assert "jobs_running_idx" in plan and "jobs_pkey" not in plan, (cursor, page_cost, plan)
+                assert not seq_scans(plan, layout), (cursor, page_cost, plan)
 
 
 def test_bad_parameters_get_400_and_an_unknown_job_404(settings, schema):
