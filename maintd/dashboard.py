@@ -29,7 +29,7 @@ from sqlalchemy.exc import TimeoutError as PoolBusy
 
 from . import charts, history
 from .config import PeriodicJob, Settings
-from .db import advisory_key, describe_db_error, hold_any_time, quote_ident
+from .db import advisory_key, describe_db_error, quote_ident
 from .queries import catalog, sql
 from .http import HttpError, Request, Response
 from .readers import Readers
@@ -262,7 +262,6 @@ def target_overview(target: Target, *, cap: int = CAP,
     health this replica read last for a target (None where it does not lead it)."""
     schema = target.schema
     with target.engine.connect() as conn:
-        hold_any_time(conn)  # a discarded job's odd finalized_at is shown as is
         now = begin_snapshot(conn)
         leader, daemons = leadership(conn, schema)
         data = {
@@ -337,7 +336,7 @@ class Order:
 
 
 INT_BITS = {"smallint": 16, "bigint": 64}
-# A time no Python datetime holds, as PostgreSQL writes it (db.hold_any_time loads it so): given
+# A time no Python datetime holds, as PostgreSQL writes it (a reader session loads it so): given
 # back as text, for the server to read (CAST(:k AS timestamptz)).
 ODD_TIME = re.compile(r"-?infinity|\d{4,}-\d\d-\d\d \d\d:\d\d:\d\d(\.\d{1,6})?[+-]\d\d(:\d\d){0,2}( BC)?")
 
@@ -636,7 +635,6 @@ class Dashboard:
         refresh = refresh_seconds(req, 0)
         target, links = self._target(req)
         with target.engine.connect() as conn:
-            hold_any_time(conn)  # a job due at 'infinity' (the README's enqueue takes it) is listed
             now = begin_snapshot(conn)
             page = list_jobs(conn, target.schema, f, page_size=self.page_size, scan_window=self.scan_window)
             conn.rollback()
@@ -652,7 +650,6 @@ class Dashboard:
             raise HttpError(400, f"job id must be a positive integer, not {raw[:40]!r}")
         target, links = self._target(req)
         with target.engine.connect() as conn:
-            hold_any_time(conn)
             now = begin_snapshot(conn)
             job = job_detail(conn, target.schema, int(raw))
             conn.rollback()

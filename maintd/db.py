@@ -328,7 +328,14 @@ class _AnyTimestamptz(TimestamptzLoader):
             return bytes(data).decode()
 
 
+def load_any_time(dbapi_conn: psycopg.Connection) -> None:
+    """Make a psycopg connection load every ``timestamptz`` (see :class:`_AnyTimestamptz`): every
+    reader session (:func:`maintd.readers.reader_engine`: ``maintd status``, ``/status``, the
+    dashboard, ``maintd jobs list|show``, ``maintd periodic list``), which show rows as they are."""
+    dbapi_conn.adapters.register_loader("timestamptz", _AnyTimestamptz)
+
+
 def hold_any_time(conn: Connection) -> None:
-    """Make ``conn`` load every ``timestamptz`` (see :class:`_AnyTimestamptz`): the operator's
-    tools (``maintd jobs``, the dashboard's job pages), which list and show rows as they are."""
-    conn.connection.dbapi_connection.adapters.register_loader("timestamptz", _AnyTimestamptz)
+    """:func:`load_any_time` on a session that is not a reader's (``maintd jobs`` actions, which
+    report the rows they changed)."""
+    load_any_time(conn.connection.dbapi_connection)

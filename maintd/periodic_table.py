@@ -4,7 +4,7 @@ entries together, marked by origin) and plain-SQL changes to the rows."""
 from __future__ import annotations
 
 import json
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from pydantic import ValidationError
@@ -81,10 +81,14 @@ def format_entries(entries: list[dict[str, Any]]) -> str:
         return "no periodic entries"
     lines = [f"{'ID':<24} {'ORIGIN':<7} {'SCHEDULE':<18} {'ENABLED':<7} {'LAST SLOT':<25} NEXT SLOT"]
     for e in escaped(entries):  # rows anyone with INSERT on periodic_jobs wrote
-        last = e["last_slot"].isoformat() if e["last_slot"] else "-"
-        nxt = e["next_slot"].isoformat() if e["next_slot"] else "-"
+        last, nxt = _when(e["last_slot"]), _when(e["next_slot"])
         lines.append(f"{e['id']:<24} {e['origin']:<7} {e['schedule']:<18} {str(e['enabled']).lower():<7} "
                      f"{last:<25} {nxt}")
         if e["error"]:
             lines.append(f"  error: {e['error']}")
     return "\n".join(lines)
+
+
+def _when(t: datetime | str | None) -> str:
+    """A slot as ISO 8601; one no datetime holds ('infinity', BC) as PostgreSQL writes it."""
+    return "-" if t is None else t if isinstance(t, str) else t.isoformat()

@@ -20,9 +20,9 @@ import threading
 from datetime import timedelta
 from typing import Callable
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, event
 
-from .db import make_engine, session_settings
+from .db import load_any_time, make_engine, session_settings
 
 KEPT = 2  # sessions a pool keeps open between reads
 MOST = 4  # sessions a pool opens at most (two renders; a CLI or a test may share it)
@@ -37,10 +37,15 @@ def reader_engine(dsn: str, instance_id: str, *, kept: int = KEPT, most: int = M
     session = session_settings(statement_timeout, lock_timeout=timedelta(seconds=1),
                                idle_in_transaction=statement_timeout * 2)
     session["default_transaction_read_only"] = "on"
-    return make_engine(dsn, application_name=f"maintd:{instance_id}:read", session=session,
-                       pool_size=kept, max_overflow=max(0, most - kept), pool_timeout=POOL_WAIT,
-                       connect_timeout=CONNECT_TIMEOUT,
-                       answer_timeout=statement_timeout.total_seconds() + CONNECT_TIMEOUT)
+    engine = make_engine(dsn, application_name=f"maintd:{instance_id}:read", session=session,
+                         pool_size=kept, max_overflow=max(0, most - kept), pool_timeout=POOL_WAIT,
+                         connect_timeout=CONNECT_TIMEOUT,
+                         answer_timeout=statement_timeout.total_seconds() + CONNECT_TIMEOUT)
+    # A time no Python datetime holds ('infinity', Go's zero time, BC, past year 9999: SPEC 7.3) in
+    # any row a reader reads loads as PostgreSQL's text of it, shown as is: one such row of the
+    # leader, daemons, periodic_slots or jobs tables made a whole page or command fail.
+    event.listen(engine, "connect", lambda dbapi_conn, _record: load_any_time(dbapi_conn))
+    return engine
 
 
 class Readers:

@@ -124,3 +124,55 @@ def test_a_missing_schema_says_run_maintd_migrate_wherever_a_reader_meets_it(pg_
             assert main(["--config", str(cfg), *args]) == 1
             err = capsys.readouterr().err
             assert "run `maintd migrate`" in err and "unreachable" not in err, (args, err)
+
+
+# One row of maintd's own tables at a time no Python datetime holds (SPEC 7.3: '-infinity' is Go's
+# zero time; an import, a restore or an operator's UPDATE can leave the others): (what, the SQL).
+ODD_TIME_ROWS = {
+    f"{table}.{column}={value}": statement.format(column=column, value=f"'{value}'")
+    for value in ("-infinity", "infinity", "0044-03-15 00:00:00+00 BC", "10000-01-01 00:00:00+00")
+    for table, column, statement in (
+        ("leader", "elected_at", "UPDATE {{schema}}.leader SET instance_id = 'old', host = 'h', pid = 1, "
+                                 "{column} = {value}"),
+        ("leader", "released_at", "UPDATE {{schema}}.leader SET instance_id = 'old', host = 'h', pid = 1, "
+                                  "elected_at = now(), {column} = {value}"),
+        ("daemons", "started_at", "INSERT INTO {{schema}}.daemons (instance_id, host, pid, version, {column}) "
+                                  "VALUES ('imported', 'h', 1, 'v', {value})"),
+        ("daemons", "last_seen_at", "INSERT INTO {{schema}}.daemons (instance_id, host, pid, version, {column}) "
+                                    "VALUES ('imported', 'h', 1, 'v', {value})"),
+        ("periodic_slots", "slot", "INSERT INTO {{schema}}.periodic_slots (periodic_id, {column}) "
+                                   "VALUES ('nightly', {value})"))
+}
+
+
+@pytest.mark.parametrize("row", ODD_TIME_ROWS)
+def test_one_row_at_an_odd_time_never_hides_the_status_or_the_periodic_list(settings, engine, schema, queue,
+                                                                         tmp_path, capsys, row):
+    """One leader, daemons or periodic_slots row at '-infinity', 'infinity', a BC date or past year
+    9999 made `maintd status` (and --json) exit 1 with 'timestamp too small', the daemon's /status a
+    503 with nothing else in it, and `maintd periodic list` fail for every entry. Every reader now
+    loads such a time as PostgreSQL writes it, and shows the rest."""
+    with engine.begin() as conn:
+        queue.enqueue(conn, "k", {}, queue="mail")
+        conn.execute(sql("INSERT INTO {schema}.periodic_jobs (id, schedule, kind) VALUES "
+                         "('nightly', '0 3 * * *', 'k'), ('hourly', '@every 1h', 'k')", schema))
+        conn.execute(sql(ODD_TIME_ROWS[row], schema))
+    cfg = tmp_path / "m.toml"
+    cfg.write_text(f'database_url = "{settings.database_url.get_secret_value()}"\nschema = "{schema}"\n')
+    out = {}
+    for args, shown in ((["status"], "mail"), (["status", "--json"], '"mail"'),
+                        (["periodic", "list"], "hourly"), (["periodic", "list", "--json"], '"hourly"')):
+        rc, printed = main(["--config", str(cfg), *args]), capsys.readouterr()
+        out[" ".join(args)] = printed.out
+        assert rc == 0 and shown in printed.out and "nightly" in (printed.out if args[0] == "periodic" else "nightly"), \
+            (args, printed.err)
+    value = ODD_TIME_ROWS[row].split("'")[-2]  # shown as PostgreSQL writes it where a reader shows that column
+    where = {"daemons.started_at": "status --json", "periodic_slots.slot": "periodic list"}.get(row.split("=")[0])
+    assert where is None or value in out[where], out[where]
+    daemon = Daemon(settings)  # its /status, without electing: what a follower serves
+    try:
+        status, _, body = daemon._status()
+        data = json.loads(body)
+        assert status == 200 and [e["id"] for e in data["periodic"]] == ["hourly", "nightly"], body[-300:]
+    finally:
+        daemon.readers.dispose()
