@@ -29,7 +29,7 @@ from sqlalchemy.exc import TimeoutError as PoolBusy
 
 from . import charts, history
 from .config import PeriodicJob, Settings
-from .db import advisory_key, describe_db_error, quote_ident
+from .db import UnloadableJson, advisory_key, describe_db_error, load_json, quote_ident
 from .queries import catalog, sql
 from .http import HttpError, Request, Response
 from .readers import Readers
@@ -445,11 +445,17 @@ def job_detail(conn: Connection, schema: str, job_id: int) -> dict[str, Any] | N
     if row is None:
         return None
     job = {k: _clip(v) for k, v in row.items()}
-    job["errors"] = [{"at": e.get("at"), "attempt": e.get("attempt"), "error": _clip(str(e.get("error"))),
-                      "extra": {k: v for k, v in e.items() if k not in ("at", "attempt", "error")}}
-                     if isinstance(e, dict) else {"at": None, "attempt": None, "extra": {},
-                                                  "error": _clip(json.dumps(e))} for e in row["errors"]]
+    job["errors"] = [_error(load_json(text)) for text in row["errors"]]
     return job
+
+
+def _error(e: Any) -> dict[str, Any]:
+    """One entry of a job's errors as the page shows it, whatever the worker wrote there."""
+    if isinstance(e, dict):
+        return {"at": e.get("at"), "attempt": e.get("attempt"), "error": _clip(str(e.get("error"))),
+                "extra": {k: v for k, v in e.items() if k not in ("at", "attempt", "error")}}
+    shown = f"{e} ({e.reason})" if isinstance(e, UnloadableJson) else json.dumps(e)
+    return {"at": None, "attempt": None, "extra": {}, "error": _clip(shown)}
 
 
 # -- rendering ----------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ leader lock's key, the NOTIFY channel, and password-free error lines. (The SQL i
 
 from __future__ import annotations
 
+import json
 import re
 import select
 import threading
@@ -15,6 +16,7 @@ from typing import Any, Iterator
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.types.json import set_json_loads
 from psycopg.types.datetime import TimestamptzLoader
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.exc import DisconnectionError
@@ -93,6 +95,7 @@ def connect(dsn: str, *, application_name: str, autocommit: bool = True,
         faults.diagnose(exc, make_conninfo(libpq_dsn(dsn), **{**KEEPALIVES, **params}))
         raise
     conn.answer_timeout = answer_timeout
+    set_json_loads(load_json, conn)
     try:
         for key, value in (settings or {}).items():
             conn.execute(psycopg_sql(catalog.SET_SESSION), {"name": key, "value": str(value)})
@@ -314,6 +317,25 @@ def describe_db_error(exc: BaseException) -> str:
     line = redact_dsn(msg[0] if msg else exc.__class__.__name__)
     hint = _hint(getattr(orig, "sqlstate", None), line)
     return f"{line} ({hint})" if hint and hint not in line else line
+
+
+class UnloadableJson(str):
+    """The text of a ``json``/``jsonb`` value Python cannot load (nested deeper than its recursion
+    limit, an integer of over 4,300 digits; PostgreSQL takes both); ``reason`` says which."""
+
+    reason: str
+
+
+def load_json(data: str | bytes) -> Any:
+    """Every maintd session's JSON loader: such a value comes back as :class:`UnloadableJson`
+    instead of failing the read of every row (a job's args, a periodic_jobs row's args)."""
+    try:
+        return json.loads(data)
+    except (RecursionError, ValueError) as exc:
+        out = UnloadableJson(data if isinstance(data, str) else bytes(data).decode())
+        out.reason = ("nested too deep for Python" if isinstance(exc, RecursionError)
+                      else f"not loadable by Python: {str(exc).split(':')[0]}")
+        return out
 
 
 class _AnyTimestamptz(TimestamptzLoader):

@@ -726,3 +726,25 @@ def test_jobs_with_times_no_python_value_holds_are_listed_shown_and_acted_on(cli
     assert rc == 0, err
     with engine.connect() as conn:
         assert conn.execute(sql("SELECT count(*) FROM {schema}.jobs", schema)).scalar() == 0
+
+
+# JSON PostgreSQL takes and Python's json cannot load: nested past its recursion limit, an integer
+# of over 4,300 digits (Python 3.11's int limit).
+UNLOADABLE_JSON = {"nested 3000 deep": "[" * 3000 + "]" * 3000, "a 5001-digit number": '{"n": 1e5000}'}
+
+
+@pytest.mark.parametrize("column", ["args", "metadata", "errors"])
+@pytest.mark.parametrize("value", UNLOADABLE_JSON)
+def test_a_job_whose_json_python_cannot_load_is_shown(cli, engine, schema, column, value):
+    """`maintd jobs show` exited 1 ('maximum recursion depth exceeded while decoding a JSON array',
+    'Exceeds the limit (4300 digits) for integer string conversion') on such a job, the one the
+    operator wants to look at. Its other columns are shown, that value as its text."""
+    odd = UNLOADABLE_JSON[value]
+    with engine.begin() as conn:
+        job_id = conn.execute(sql(f"INSERT INTO {{schema}}.jobs (kind, state, {column}) "
+                                  "VALUES ('poison', 'available', CAST(:v AS jsonb)) RETURNING id", schema),
+                              {"v": f"[{odd}]" if column == "errors" else odd}).scalar()
+    rc, out, err = cli("show", str(job_id))
+    assert rc == 0 and "poison" in out and ("1" + "0" * 100 if "digit" in value else "[[[[") in out, err
+    data = cli_json(cli, "show", str(job_id))
+    assert data["kind"] == "poison" and isinstance(data[column], str), data[column][:100]

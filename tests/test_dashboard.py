@@ -551,6 +551,22 @@ def test_jobs_at_times_no_python_value_holds_are_listed_paged_and_shown(settings
         assert status == 200 and when in unescape(body.decode()), body
 
 
+@pytest.mark.parametrize("odd", ["[" * 3000 + "]" * 3000, '{"error": "too big", "n": 1e5000}'])
+def test_a_job_whose_errors_python_cannot_load_is_shown(settings, engine, schema, odd):
+    """One entry of a job's errors nested past Python's recursion limit, or holding an integer of
+    over 4,300 digits, made the job's page a 500 (RecursionError, ValueError from json.loads of
+    the whole list). Each entry is loaded alone: that one is shown as its text, the others as usual."""
+    errors = f'[{{"at": "2026-01-01T00:00:00Z", "attempt": 1, "error": "first failure"}}, {odd}]'
+    with engine.begin() as conn:
+        job_id = conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, errors) "
+                                  "VALUES ('poison', 'retryable', CAST(:e AS jsonb)) RETURNING id", schema),
+                              {"e": errors}).scalar()
+    dashboard = Dashboard(lambda: settings)
+    status, _, body, _ = dashboard.pages()["/jobs/{id}"](Request(f"/jobs/{job_id}", {}, params={"id": str(job_id)}))
+    page = unescape(body.decode())
+    assert status == 200 and "first failure" in page and ("[[[[" if "[" in odd[:1] else "1" + "0" * 100) in page, page[-500:]
+
+
 ODD_ROWS = {  # (state, finalized_at, scheduled_at, created_at): one row the overview reads
     "discarded at infinity": ("discarded", "'infinity'", "now()", "now()"),
     "discarded BC": ("discarded", "'0044-03-15 00:00:00+00 BC'", "now()", "now()"),

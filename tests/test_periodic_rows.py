@@ -388,3 +388,17 @@ def test_the_metric_series_of_a_deleted_row_go_with_it(settings, engine, schema)
     service.observe(metrics, one_pass(settings, engine, clock, service))
     assert series() == {"kept"} and metrics[ENQUEUED].labels("kept")._value.get() == 2
     assert metrics[SKIPPED].children() == []
+
+
+@pytest.mark.parametrize("args", ["[" * 3000 + "]" * 3000, '{"n": 1e5000}'])
+def test_a_row_whose_args_python_cannot_load_is_refused_alone(settings, engine, schema, args):
+    """args nested past Python's recursion limit, or holding an integer of over 4,300 digits (both
+    valid jsonb), failed the read of every row: the whole enqueuer stopped, config entries too.
+    That row now gets an error naming args; the others run."""
+    add_row(engine, schema, "good", schedule="*/10 * * * *", kind="good", run_on_start=True)
+    add_row(engine, schema, "bad", schedule="*/10 * * * *", kind="bad", run_on_start=True)
+    changed_at(engine, schema, T0 - timedelta(hours=1))
+    execute(engine, schema, "UPDATE {schema}.periodic_jobs SET args = CAST(:a AS jsonb) WHERE id = 'bad'", {"a": args})
+    result = one_pass(settings, engine, FrozenClock(T0), PeriodicEnqueuer(settings.periodic))
+    assert [j.scheduled_at for j in jobs_of(engine, schema, "good")] == [T0] and not result.failed()
+    assert set(result.invalid_rows) == {"bad"} and row_error(engine, schema, "bad").startswith("args:")

@@ -132,13 +132,14 @@ WINDOW_END = """
 SELECT {keys} FROM {schema}.jobs WHERE {where} {after} ORDER BY {order} OFFSET :scan - 1 LIMIT 1
 """
 
+# The newest 50 errors each as its text, loaded one by one (db.load_json): one that Python cannot load
+# (nested too deep, an integer of over 4,300 digits) is shown as text, the others as they are.
 JOB = """
 SELECT id, kind, queue, state::text AS state, priority, attempt, max_attempts, scheduled_at,
        created_at, attempted_at, attempted_by, heartbeat_at, finalized_at, unique_key,
        jsonb_pretty(args) AS args, jsonb_pretty(metadata) AS metadata,
        jsonb_array_length(errors) AS error_count,
-       (SELECT coalesce(jsonb_agg(e ORDER BY i DESC), '[]'::jsonb)
-          FROM jsonb_array_elements(errors) WITH ORDINALITY AS x(e, i)
-         WHERE i > jsonb_array_length(errors) - 50) AS errors
+       ARRAY(SELECT e::text FROM jsonb_array_elements(errors) WITH ORDINALITY AS x(e, i)
+              WHERE i > jsonb_array_length(errors) - 50 ORDER BY i DESC) AS errors
   FROM {schema}.jobs WHERE id = :id
 """

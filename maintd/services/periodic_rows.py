@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .periodic_config import PeriodicJob
+from ..db import UnloadableJson
 from ..queries import periodic_jobs
 from .base import PassContext
 
@@ -52,6 +53,8 @@ def to_entry(row: Any, taken: set[str]) -> tuple[Entry | None, str | None]:
         return None, "backfill: must be from 0 to 1,000,000 days"
     if row.updated_at is None:
         return None, "updated_at: must be a time from year 1 to 9999 (set it to now())"
+    if isinstance(row.args, UnloadableJson):
+        return None, f"args: {row.args.reason}"
     try:
         job = PeriodicJob(id=row.id, schedule=row.schedule, timezone=row.timezone, kind=row.kind,
                           queue=row.queue, args=row.args, priority=row.priority,
