@@ -206,7 +206,9 @@ def service_runs(conn: Connection, schema: str) -> list[dict[str, Any]]:
     runs = []
     for r in conn.execute(sql(q_runs.ALL, schema)).mappings():
         run = dict(r)
-        run["duration"] = (r["finished_at"] - r["started_at"]).total_seconds()
+        # None when a time is one no datetime holds (a reader loads it as text): shown as is
+        run["duration"] = (r["finished_at"] - r["started_at"]).total_seconds() \
+            if isinstance(r["started_at"], datetime) and isinstance(r["finished_at"], datetime) else None
         run["summary"] = describe(r["service"], r["result"])
         runs.append(run)
     return runs

@@ -183,9 +183,27 @@ class HistoryWriter:
 def series(conn: Connection, schema: str, start: datetime, bucket: timedelta) -> list[Sample]:
     """The samples from ``start`` on, one per ``bucket`` (its last; finished jobs summed over it)."""
     rows = conn.execute(sql(q.SERIES, schema), {"start": start, "bucket": bucket})
-    return [Sample(at=r.at, since=r.since, completed=r.completed, discarded=r.discarded, depth=dict(r.depth),
-                   queues=dict(r.queues), jobs_bytes=r.jobs_bytes, dead_tuples=r.dead_tuples,
-                   horizon_age_seconds=r.horizon_age_seconds or 0.0, holder=r.holder) for r in rows]
+    return [Sample(at=r.at, since=r.since, completed=r.completed, discarded=r.discarded, depth=r.depth,
+                   queues=r.queues, jobs_bytes=r.jobs_bytes, dead_tuples=r.dead_tuples,
+                   horizon_age_seconds=r.horizon_age_seconds or 0.0, holder=r.holder)
+            for r in rows if drawable(r)]
+
+
+HOLDER_KEYS = {"kind", "name", "pid"}  # what the overview shows of a marked holder
+
+
+def _counts(v: Any) -> bool:
+    return isinstance(v, dict) and all(isinstance(n, (int, float)) and not isinstance(n, bool) for n in v.values())
+
+
+def drawable(r: Any) -> bool:
+    """Whether the charts can draw a bucket of samples: the leader writes only such rows, but one
+    written by hand or by a restore (a time no datetime holds, loaded as text by a reader; counts
+    that are not an object of numbers; a holder that is not one) made the whole overview a 500."""
+    holder_ok = r.holder is None or (isinstance(r.holder, dict) and HOLDER_KEYS <= r.holder.keys()
+                                     and isinstance(r.holder["kind"], str))
+    return isinstance(r.at, datetime) and isinstance(r.since, datetime) and _counts(r.depth) \
+        and _counts(r.queues) and holder_ok
 
 
 # -- pruning (the writer) ---------------------------------------------------------------------------

@@ -567,6 +567,45 @@ def test_a_job_whose_errors_python_cannot_load_is_shown(settings, engine, schema
     assert status == 200 and "first failure" in page and ("[[[[" if "[" in odd[:1] else "1" + "0" * 100) in page, page[-500:]
 
 
+_RUN = ("INSERT INTO {{schema}}.service_runs (service, instance_id, started_at, finished_at, outcome, result) "
+        "VALUES ('cleaner', 'i', {started}, {finished}, 'success', CAST({result} AS jsonb))")
+_SAMPLE = ("INSERT INTO {{schema}}.health_history (at, since, depth, queues, holder) VALUES "
+           "({at}, {since}, CAST({depth} AS jsonb), '{{}}', CAST({holder} AS jsonb))")
+_NOW = "now() - interval '5 minutes'"
+ODD_OWN_ROWS = {  # one row of maintd's own tables, written by hand or by a restore
+    **{f"service run {c} at {t}": _RUN.format(started=t if c == "started" else "now()",
+                                              finished=t if c == "finished" else "now()", result="'{}'")
+       for c in ("started", "finished") for t in ("'-infinity'", "'infinity'", "'0044-03-15 BC'")},
+    "service run result nested 3000 deep": _RUN.format(started="now()", finished="now()",
+                                                       result="'" + "[" * 3000 + "]" * 3000 + "'"),
+    **{f"history sample {c} at {t}": _SAMPLE.format(at=t if c == "at" else _NOW, since=t if c == "since" else _NOW,
+                                                    depth="'{}'", holder="NULL")
+       for c in ("at", "since") for t in ("'infinity'", "'10000-01-01 00:00:00+00'", "'-infinity'")},
+    **{f"history sample depth {d}": _SAMPLE.format(at=_NOW, since=_NOW, depth=f"'{d}'", holder="NULL")
+       for d in ('"text"', "42", "null", '{"available": "many"}', '{"n": 1e5000}')},
+    **{f"history sample holder {h}": _SAMPLE.format(at=_NOW, since=_NOW, depth="'{}'", holder=f"'{h}'")
+       for h in ('"text"', "42", '{"pid": 1}')},
+}
+
+
+@pytest.mark.parametrize("row", ODD_OWN_ROWS)
+def test_one_odd_row_of_maintds_own_tables_never_makes_the_overview_a_500(settings, engine, schema, row):
+    """A service_runs row at a time no datetime holds (a reader loads it as text) made the overview
+    a 500 (TypeError computing its duration), and so did one health_history sample the charts
+    could not draw: a time past year 9999 or a BC 'since', counts that are not an object of
+    numbers, a holder that is not one. The run is listed without a duration; such a sample is
+    left out of the charts; the rest of the overview is shown."""
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue) VALUES ('k', 'still-shown')", schema))
+        conn.execute(sql(ODD_OWN_ROWS[row], schema))
+    dashboard = Dashboard(lambda: settings)
+    status, _, body, _ = dashboard.pages()["/"](Request("/", {}))
+    page = unescape(body.decode())
+    assert status == 200 and "still-shown" in page and "Jobs by state" in page, page[-600:]
+    if row.startswith("service run"):
+        assert "cleaner" in page
+
+
 ODD_ROWS = {  # (state, finalized_at, scheduled_at, created_at): one row the overview reads
     "discarded at infinity": ("discarded", "'infinity'", "now()", "now()"),
     "discarded BC": ("discarded", "'0044-03-15 00:00:00+00 BC'", "now()", "now()"),
