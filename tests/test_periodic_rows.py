@@ -402,3 +402,21 @@ def test_a_row_whose_args_python_cannot_load_is_refused_alone(settings, engine, 
     result = one_pass(settings, engine, FrozenClock(T0), PeriodicEnqueuer(settings.periodic))
     assert [j.scheduled_at for j in jobs_of(engine, schema, "good")] == [T0] and not result.failed()
     assert set(result.invalid_rows) == {"bad"} and row_error(engine, schema, "bad").startswith("args:")
+
+
+@pytest.mark.parametrize("slot", ["-infinity", "infinity", "0044-03-15 00:00:00+00 BC", "10000-01-01 00:00:00+00"])
+def test_a_slot_row_at_an_odd_time_never_stops_the_enqueuer(settings, engine, schema, slot):
+    """One periodic_slots row of an entry at a time no Python datetime holds (by hand, an import)
+    failed the read of every entry's high-water mark ('timestamp too small'): every pass an
+    error, no entry enqueued anything. Such a slot is not a high-water mark; the entries run."""
+    add_row(engine, schema, "odd", schedule="*/10 * * * *", kind="odd", run_on_start=True)
+    add_row(engine, schema, "other", schedule="*/10 * * * *", kind="other", run_on_start=True)
+    changed_at(engine, schema, T0 - timedelta(hours=1))
+    execute(engine, schema, "INSERT INTO {schema}.periodic_slots (periodic_id, slot) VALUES ('odd', CAST(:s AS timestamptz))",
+            {"s": slot})
+    service = PeriodicEnqueuer(settings.periodic)
+    result = one_pass(settings, engine, FrozenClock(T0), service)
+    assert not result.failed() and [j.scheduled_at for j in jobs_of(engine, schema, "other")] == [T0]
+    assert [j.scheduled_at for j in jobs_of(engine, schema, "odd")] == [T0]
+    one_pass(settings, engine, FrozenClock(T0 + timedelta(minutes=10)), service)
+    assert len(jobs_of(engine, schema, "odd")) == 2

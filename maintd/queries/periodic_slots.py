@@ -3,11 +3,15 @@
 # Each entry's newest slot taken: one entry of the primary key (periodic_id, slot) per id (a
 # max() grouped by id read every slot of the history, 62 days of an '@every 1s' entry: 5 million
 # rows, on every pass), with what it was taken under (``schedule``: NULL before migration 0013).
+# Only a slot a Python datetime holds counts (SPEC 7.3): one row at '-infinity', 'infinity', BC or
+# past year 9999 (by hand, an import) failed every pass of the enqueuer, every entry stopped.
 HIGH_WATER = """
 SELECT i.periodic_id, h.slot AS hwm, h.schedule AS taken_under
   FROM unnest(CAST(:ids AS text[])) AS i(periodic_id)
  CROSS JOIN LATERAL (SELECT s.slot, s.schedule FROM {schema}.periodic_slots AS s
-                      WHERE s.periodic_id = i.periodic_id ORDER BY s.slot DESC LIMIT 1) AS h
+                      WHERE s.periodic_id = i.periodic_id
+                        AND s.slot BETWEEN '0001-01-02 00:00:00+00' AND '9999-12-31 00:00:00+00'
+                      ORDER BY s.slot DESC LIMIT 1) AS h
 """
 
 TAKE = """
