@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Callable, Iterable
@@ -199,11 +200,11 @@ def _counts(v: Any) -> bool:
 def drawable(r: Any) -> bool:
     """Whether the charts can draw a bucket of samples: the leader writes only such rows, but one
     written by hand or by a restore (a time no datetime holds, loaded as text by a reader; counts
-    that are not an object of numbers; a holder that is not one) made the whole overview a 500."""
+    that are not an object of numbers; a holder that is not one; a horizon age of NaN or infinity) made the whole overview a 500."""
     holder_ok = r.holder is None or (isinstance(r.holder, dict) and HOLDER_KEYS <= r.holder.keys()
                                      and isinstance(r.holder["kind"], str))
     return isinstance(r.at, datetime) and isinstance(r.since, datetime) and _counts(r.depth) \
-        and _counts(r.queues) and holder_ok
+        and _counts(r.queues) and holder_ok and math.isfinite(r.horizon_age_seconds or 0.0)
 
 
 # -- pruning (the writer) ---------------------------------------------------------------------------

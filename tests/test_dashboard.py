@@ -585,6 +585,8 @@ ODD_OWN_ROWS = {  # one row of maintd's own tables, written by hand or by a rest
        for d in ('"text"', "42", "null", '{"available": "many"}', '{"n": 1e5000}')},
     **{f"history sample holder {h}": _SAMPLE.format(at=_NOW, since=_NOW, depth="'{}'", holder=f"'{h}'")
        for h in ('"text"', "42", '{"pid": 1}')},
+    **{f"history sample horizon age {v}": "INSERT INTO {schema}.health_history (at, since, horizon_age_seconds) "
+                                          f"VALUES ({_NOW}, {_NOW}, '{v}')" for v in ("NaN", "Infinity")},
 }
 
 
