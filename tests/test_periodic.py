@@ -349,6 +349,9 @@ def test_the_slot_prune_deletes_in_batches_keeping_each_entry_s_newest(pg_dsn, s
         conn.execute(sql("INSERT INTO {schema}.periodic_slots (periodic_id, slot, backfilled, instance_id) "
                          "VALUES ('b', :t, false, 'i'), ('b', :t2, false, 'i')", schema),
                      {"t": START - timedelta(hours=1), "t2": START})
+        # 'd': an old slot and one at 'infinity' (an import): the old one is its newest that counts
+        conn.execute(sql("INSERT INTO {schema}.periodic_slots (periodic_id, slot, backfilled, instance_id) "
+                         "VALUES ('d', :old, false, 'i'), ('d', 'infinity', false, 'i')", schema), {"old": old})
     deleted: list[int] = []
 
     def count(conn, cursor, statement, parameters, context, executemany):
@@ -364,9 +367,10 @@ def test_the_slot_prune_deletes_in_batches_keeping_each_entry_s_newest(pg_dsn, s
     assert deleted == [10, 10, 1]  # 13 of 'a' (all but its newest) and the 8 old ones of 'b'
     with engine.connect() as conn:
         left = conn.execute(sql("SELECT periodic_id, slot FROM {schema}.periodic_slots "
-                                "WHERE periodic_id IN ('a', 'b', 'c') ORDER BY 1, 2", schema)).all()
+                                "WHERE periodic_id IN ('a', 'b', 'c', 'd') AND isfinite(slot) ORDER BY 1, 2",
+                                schema)).all()
     assert left == [("a", old + timedelta(minutes=14)), ("b", START - timedelta(hours=1)), ("b", START),
-                    ("c", old + timedelta(minutes=1))]
+                    ("c", old + timedelta(minutes=1)), ("d", old)]
     with engine.begin() as conn:
         conn.execute(sql("INSERT INTO {schema}.periodic_slots (periodic_id, slot, backfilled, instance_id) "
                          "SELECT 'e' || (g % 50), timestamptz '2026-01-01' + g * interval '1 second', false, 'i' "

@@ -5,6 +5,7 @@ this module, never user input)."""
 
 from . import FINAL_STATES
 from .jobs import WAITING_SINCE
+from .periodic_slots import COUNTED as COUNTED_SLOTS
 
 # Each state's index: (its predicate, its order). scheduled and retryable share jobs_scheduled_idx;
 # available's (jobs_fetch_idx) leads with the queue.
@@ -99,7 +100,8 @@ LAST_SLOTS = """
 SELECT p.id, s.slot, s.job_id
   FROM unnest(CAST(:ids AS text[])) AS p(id)
   LEFT JOIN LATERAL (SELECT slot, job_id FROM {schema}.periodic_slots
-                      WHERE periodic_id = p.id ORDER BY slot DESC LIMIT 1) s ON true
+                      WHERE periodic_id = p.id AND slot BETWEEN """ + COUNTED_SLOTS + """
+                      ORDER BY slot DESC LIMIT 1) s ON true
 """
 
 LIST_COLUMNS = """id, kind, queue, state::text AS state, priority, attempt, max_attempts, scheduled_at,
