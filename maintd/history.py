@@ -186,11 +186,14 @@ def series(conn: Connection, schema: str, start: datetime, bucket: timedelta) ->
     rows = conn.execute(sql(q.SERIES, schema), {"start": start, "bucket": bucket})
     return [Sample(at=r.at, since=r.since, completed=r.completed, discarded=r.discarded, depth=r.depth,
                    queues=r.queues, jobs_bytes=r.jobs_bytes, dead_tuples=r.dead_tuples,
-                   horizon_age_seconds=r.horizon_age_seconds or 0.0, holder=r.holder)
+                   horizon_age_seconds=r.horizon_age_seconds or 0.0, holder=_holder(r.holder))
             for r in rows if drawable(r)]
 
 
-HOLDER_KEYS = {"kind", "name", "pid"}  # what the overview shows of a marked holder
+def _holder(h: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A row's holder with what the overview shows of one (its kind, name and pid) always there:
+    the leader writes them all; a row written by hand may name fewer."""
+    return None if h is None else {"name": None, "pid": None, **h, "kind": str(h.get("kind") or "?")}
 
 
 def _counts(v: Any) -> bool:
@@ -201,8 +204,7 @@ def drawable(r: Any) -> bool:
     """Whether the charts can draw a bucket of samples: the leader writes only such rows, but one
     written by hand or by a restore (a time no datetime holds, loaded as text by a reader; counts
     that are not an object of numbers; a holder that is not one; a horizon age of NaN or infinity) made the whole overview a 500."""
-    holder_ok = r.holder is None or (isinstance(r.holder, dict) and HOLDER_KEYS <= r.holder.keys()
-                                     and isinstance(r.holder["kind"], str))
+    holder_ok = r.holder is None or isinstance(r.holder, dict)
     return isinstance(r.at, datetime) and isinstance(r.since, datetime) and _counts(r.depth) \
         and _counts(r.queues) and holder_ok and math.isfinite(r.horizon_age_seconds or 0.0)
 
