@@ -48,6 +48,11 @@ JOB_STATES = ("available", "scheduled", "running", "retryable", *FINAL_STATES)
 FINAL_STATES_SQL = "(" + ", ".join(f"'{s}'" for s in FINAL_STATES) + ")"
 LIVE_STATES_SQL = "(" + ", ".join(f"'{s}'" for s in JOB_STATES if s not in FINAL_STATES) + ")"
 
+# The range of times a Python datetime holds, for ``BETWEEN``: a row outside it ('-infinity', Go's
+# zero time; 'infinity'; BC; past year 9999: SPEC 7.3) cannot be loaded, and one such row failed a
+# whole read (every periodic pass, periodic list, the dashboard's last slots).
+PYTHON_TIMES = "'0001-01-02 00:00:00+00' AND '9999-12-31 00:00:00+00'"
+
 # The advisory lock of a leadership, as PostgreSQL lists it: pg_locks shows a two-key lock's
 # halves as unsigned oids; the int4 -> oid cast maps the signed halves onto them.
 ADVISORY_LOCK = """SELECT 1 FROM pg_locks

@@ -3,9 +3,8 @@ counts that read an index and stop, keyset pages in each state's index order. Wh
 follows a state's index, ``{where}`` and ``{order}`` are filled from ``INDEX`` (fixed text of
 this module, never user input)."""
 
-from . import FINAL_STATES
+from . import FINAL_STATES, PYTHON_TIMES
 from .jobs import WAITING_SINCE
-from .periodic_slots import COUNTED as COUNTED_SLOTS
 
 # Each state's index: (its predicate, its order). scheduled and retryable share jobs_scheduled_idx;
 # available's (jobs_fetch_idx) leads with the queue.
@@ -100,7 +99,7 @@ LAST_SLOTS = """
 SELECT p.id, s.slot, s.job_id
   FROM unnest(CAST(:ids AS text[])) AS p(id)
   LEFT JOIN LATERAL (SELECT slot, job_id FROM {schema}.periodic_slots
-                      WHERE periodic_id = p.id AND slot BETWEEN """ + COUNTED_SLOTS + """
+                      WHERE periodic_id = p.id AND slot BETWEEN """ + PYTHON_TIMES + """
                       ORDER BY slot DESC LIMIT 1) s ON true
 """
 

@@ -1,5 +1,7 @@
 """Statements on ``{schema}.periodic_jobs``: periodic schedules kept as rows (SPEC 7.10)."""
 
+from . import PYTHON_TIMES
+
 # What changed since the last read: cheap enough for every pass of the periodic enqueuer.
 # What changes with any committed change of the rows, whatever the order of the commits: each
 # row's xmin (a new row version's own). max(updated_at) did not: the trigger stamps now(), the
@@ -18,7 +20,7 @@ SELECT id, schedule, timezone, kind, queue, args, priority, max_attempts, unique
        CASE WHEN backfill BETWEEN interval '0' AND interval '1000000 days' THEN backfill END AS backfill,
        backfill IS NOT NULL AND NOT backfill BETWEEN interval '0' AND interval '1000000 days' AS backfill_out_of_range,
        run_on_start, enabled, error,
-       CASE WHEN updated_at BETWEEN '0001-01-02 00:00:00+00' AND '9999-12-31 00:00:00+00'
+       CASE WHEN updated_at BETWEEN """ + PYTHON_TIMES + """
             THEN updated_at END AS updated_at
   FROM {schema}.periodic_jobs ORDER BY id
 """

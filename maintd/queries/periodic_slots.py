@@ -1,10 +1,12 @@
 """Statements on ``{schema}.periodic_slots``: the exactly-once guard of periodic jobs."""
 
+from . import PYTHON_TIMES
+
 # The slots that count for an entry's high-water mark (SPEC 7.3): those a Python datetime holds.
 # One row at '-infinity', 'infinity', a BC date or past year 9999 (by hand, an import) failed every
 # pass of the enqueuer, every entry stopped. It is history only: the enqueuer, `maintd periodic
-# list`, the dashboard and the prune (which keeps each entry's newest slot) all go by these.
-COUNTED = "'0001-01-02 00:00:00+00' AND '9999-12-31 00:00:00+00'"
+# list`, the dashboard and the prune (which keeps each entry's newest slot) all go by these
+# (PYTHON_TIMES).
 
 # Each entry's newest slot taken that counts: one entry of the primary key (periodic_id, slot) per
 # id (a max() grouped by id read every slot of the history, 62 days of an '@every 1s' entry: 5
@@ -14,7 +16,7 @@ SELECT i.periodic_id, h.slot AS hwm, h.schedule AS taken_under
   FROM unnest(CAST(:ids AS text[])) AS i(periodic_id)
  CROSS JOIN LATERAL (SELECT s.slot, s.schedule FROM {schema}.periodic_slots AS s
                       WHERE s.periodic_id = i.periodic_id
-                        AND s.slot BETWEEN """ + COUNTED + """
+                        AND s.slot BETWEEN """ + PYTHON_TIMES + """
                       ORDER BY s.slot DESC LIMIT 1) AS h
 """
 
@@ -70,7 +72,7 @@ WITH RECURSIVE ids AS (
          SELECT s.ctid FROM {schema}.periodic_slots s
           WHERE s.periodic_id = ids.periodic_id AND s.slot < CAST(:before AS timestamptz)
             AND s.slot < (SELECT max(m.slot) FROM {schema}.periodic_slots m
-                           WHERE m.periodic_id = ids.periodic_id AND m.slot BETWEEN """ + COUNTED + """)
+                           WHERE m.periodic_id = ids.periodic_id AND m.slot BETWEEN """ + PYTHON_TIMES + """)
           ORDER BY s.slot LIMIT :limit) o
    LIMIT :limit
 )
