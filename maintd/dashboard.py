@@ -388,11 +388,11 @@ class JobPage:
     filters: JobFilter = field(default_factory=JobFilter)
 
 
-def _list_sql(f: JobFilter, order: Order) -> tuple[str, str, bool]:
-    """(the SQL of one page, its inner WHERE, whether it searches a bounded window of the index:
-    when it filters on what the index does not lead with)."""
+def _list_sql(f: JobFilter, order: Order, cursor: dict[str, Any] | None) -> tuple[str, str, bool]:
+    """(the SQL of one page after ``cursor`` (``f.after`` parsed), its inner WHERE, whether it
+    searches a bounded window of the index: when it filters on what the index does not lead with)."""
     keys = ", ".join(f"{c} AS k{i}" for i, (c, _) in enumerate(order.columns))
-    after = order.after(order.parse(f.after)) if f.after else ""
+    after = order.after(cursor) if cursor else ""
     if f.state == "available" and f.queue is None:
         outer_order = ", ".join(f"k{i}" for i in range(len(order.columns)))
         return (LIST_AVAILABLE.replace("{outer_order}", outer_order).replace("{columns}", LIST_COLUMNS)
@@ -417,9 +417,9 @@ def list_jobs(conn: Connection, schema: str, f: JobFilter, *, page_size: int = P
               scan_window: int = SCAN_WINDOW) -> JobPage:
     """One page of jobs in the order of the state's index, keyset-paged by ``f.after``."""
     order = ORDERS[f.state]
-    params: dict[str, Any] = {"queue": f.queue, "limit": page_size + 1,
-                              **(order.parse(f.after) if f.after else {})}
-    query, where, windowed = _list_sql(f, order)
+    cursor = order.parse(f.after) if f.after else None
+    params: dict[str, Any] = {"queue": f.queue, "limit": page_size + 1, **(cursor or {})}
+    query, where, windowed = _list_sql(f, order, cursor)
     params["scan"] = scan_window if windowed else page_size + 1
     rows = list(conn.execute(sql(query, schema), params))
     page = JobPage(jobs=[dict(r._mapping) for r in rows[:page_size]], filters=f)
@@ -428,7 +428,7 @@ def list_jobs(conn: Connection, schema: str, f: JobFilter, *, page_size: int = P
     elif windowed:
         keys = ", ".join(f"{c} AS k{i}" for i, (c, _) in enumerate(order.columns))
         end = conn.execute(sql(WINDOW_END.replace("{keys}", keys).replace("{where}", where)
-                               .replace("{after}", order.after(params) if f.after else "")
+                               .replace("{after}", order.after(cursor) if cursor else "")
                                .replace("{order}", order.sql()), schema), params).first()
         if end is not None:
             page.next_after, page.searched = order.cursor(end), scan_window

@@ -661,8 +661,9 @@ def test_running_pages_walk_the_running_index_not_every_older_job(engine, schema
     order = ORDERS["running"]
     with engine.begin() as conn:
         for cursor in (None, "2026-01-01T00:00:00+00:00,5", "null,5"):
-            query, _, _ = _list_sql(JobFilter(state="running", after=cursor), order)
-            params = {"limit": 51, "scan": 51, **(order.parse(cursor) if cursor else {})}
+            keys = order.parse(cursor) if cursor else None
+            query, _, _ = _list_sql(JobFilter(state="running", after=cursor), order, keys)
+            params = {"limit": 51, "scan": 51, **(keys or {})}
             for page_cost in at_page_costs(conn):
                 plan = explain(conn, query, schema, params)
                 assert "jobs_running_idx" in plan and "jobs_pkey" not in plan, (cursor, page_cost, plan)
