@@ -187,7 +187,9 @@ def test_a_pooler_switched_to_transaction_mode_under_a_leader_is_retried_not_fat
                                      "WHERE application_name = 'maintd:switched'").fetchall()
             # PostgreSQL's functions-admin docs: with a timeout, pg_terminate_backend "waits until the
             # process is actually terminated" (else true means only that the signal was sent).
-            assert ended and all(done for _, done in ended), ended  # gone, with its lock
+            # gone, with its lock (none found: PgBouncer had already closed it, seen under CI load);
+            # either way the daemon must reconnect and be refused, as the log line shows
+            assert all(done for _, done in ended), ended
             d.wait_log(r"unusable lock session", timeout=15)
             assert d.proc.poll() is None, d.log()[-1500:]
             wait_for(lambda: d.http_get("/readyz")[0] == 503, 10, what="/readyz to fail")
