@@ -16,6 +16,8 @@ from maintd.cli import main
 from maintd.clock import FrozenClock
 from maintd.config import Settings
 from maintd.daemon import Daemon
+from maintd.metrics import Metrics
+from maintd.passes import execute_pass
 from maintd.queries import sql
 from maintd.services.base import PassContext
 from maintd.services.periodic import PeriodicEnqueuer
@@ -399,9 +401,15 @@ def test_a_row_whose_args_python_cannot_load_is_refused_alone(settings, engine, 
     add_row(engine, schema, "bad", schedule="*/10 * * * *", kind="bad", run_on_start=True)
     changed_at(engine, schema, T0 - timedelta(hours=1))
     execute(engine, schema, "UPDATE {schema}.periodic_jobs SET args = CAST(:a AS jsonb) WHERE id = 'bad'", {"a": args})
-    result = one_pass(settings, engine, FrozenClock(T0), PeriodicEnqueuer(settings.periodic))
-    assert [j.scheduled_at for j in jobs_of(engine, schema, "good")] == [T0] and not result.failed()
-    assert set(result.invalid_rows) == {"bad"} and row_error(engine, schema, "bad").startswith("args:")
+    service, metrics = PeriodicEnqueuer(settings.periodic), Metrics(target=settings.target_name)
+    record = execute_pass("periodic", service, PassContext.for_settings(settings, engine, FrozenClock(T0)), metrics)
+    assert [j.scheduled_at for j in jobs_of(engine, schema, "good")] == [T0] and not record.result.failed()
+    assert set(record.result.invalid_rows) == {"bad"} and row_error(engine, schema, "bad").startswith("args:")
+    # Counted once, when its error is set and logged, not again every pass while it stays so.
+    service.poke()
+    execute_pass("periodic", service, PassContext.for_settings(settings, engine, FrozenClock(T0 + timedelta(seconds=1))), metrics)
+    assert metrics.registry.get_sample_value("maintd_rows_skipped_total", {
+        "target": settings.target_name, "service": "periodic", "reason": "invalid_row"}) == 1
 
 
 @pytest.mark.parametrize("slot", ["-infinity", "infinity", "0044-03-15 00:00:00+00 BC", "10000-01-01 00:00:00+00"])

@@ -82,6 +82,11 @@ class PeriodicResult(PassResult):
             by_reason = self.skipped.setdefault(periodic_id, {})
             by_reason[reason] = by_reason.get(reason, 0) + n
 
+    def skipped_rows(self) -> dict[str, int]:
+        """Rows of ``periodic_jobs`` found unusable, counted once when their ``error`` is set
+        (logged then, by id)."""
+        return {"invalid_row": len(self.invalid_rows)}
+
     def did_something(self) -> bool:
         return bool(self.enqueued) or bool(self.errors) or any(
             r != "disabled" for reasons in self.skipped.values() for r in reasons)
