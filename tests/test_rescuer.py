@@ -15,7 +15,7 @@ from maintd.jobs import BACKOFF_CAP, ClaimedJob, JobQueue, backoff
 from maintd.metrics import Metrics
 from maintd.services.base import PassContext
 from maintd.queries.jobs import (RESCUER_BATCH, RESCUER_PROBE, RESCUER_COUNT_STUCK, RESCUER_EXHAUSTED_BATCH,
-                                 RESCUER_NO_SIGN_BATCH, RESCUER_COUNT_ODD)
+                                 RESCUER_NO_SIGN_BATCH, RESCUER_COUNT_ODD, RESCUER_FUTURE_SIGN_BATCH)
 from maintd.services.rescuer import Rescuer
 
 from .conftest import T0, run_concurrently
@@ -287,6 +287,10 @@ def test_statements_are_index_backed(settings, engine, schema, clock, layout):
             assert "jobs_running_idx" in plan and "Seq Scan" not in plan, plan
             plan = explain(conn, RESCUER_NO_SIGN_BATCH, schema, params, generic=generic)
             assert "jobs_running_idx" in plan.split("CTE rescued")[0] and "Seq Scan" not in plan, plan
+            plan = explain(conn, RESCUER_FUTURE_SIGN_BATCH, schema, {"ahead": 60, "limit": 100}, generic=generic)
+            candidates, update = plan.split("CTE dated")
+            assert "Index Scan Backward using jobs_running_idx" in candidates, plan
+            assert "Tid Scan" in update and "Seq Scan" not in plan, plan
             plan = explain(conn, RESCUER_COUNT_ODD, schema, params, generic=generic)
             assert "jobs_running_idx" in plan and "jobs_exhausted_idx" in plan and "Seq Scan" not in plan, plan
             # the daemon's probe, idle: each of its reads one index entry (an OR of three
@@ -379,3 +383,46 @@ def test_a_server_clock_stepped_back_since_the_daemon_read_it_rescues_no_live_jo
     result = run(settings, engine, read_before_the_step)
     assert (result.retried, result.discarded) == (1, 0)
     assert rows(engine, schema)[alive].state == "running" and rows(engine, schema)[dead].state == "retryable"
+
+
+def test_a_sign_of_life_from_the_future_is_dated_now_and_the_job_rescued_after_its_grace(settings, engine,
+                                                                                          schema, caplog):
+    """A worker that writes its own clock's time, set ten years ahead, or an import: the job's
+    sign of life lay in the future, so the keyset reached it only then and its dead worker's job
+    stayed running for ten years. Such a sign was given no later than now: it is dated now
+    (logged, counted), and the job is rescued once its grace has passed with no newer sign. A sign
+    less than a minute ahead (clocks a little apart) is left alone."""
+    from maintd.clock import FrozenClock
+    from maintd.queries import jobs, render
+
+    settings.rescuer.heartbeat_timeout = timedelta(seconds=2)
+    with engine.begin() as conn:
+        ahead_10y, ahead_2h, ahead_30s = [r[0] for r in conn.execute(sql(
+            "INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at, heartbeat_at) "
+            "VALUES ('k', 'running', 1, now(), now() + interval '10 years'), "
+            "       ('k', 'running', 1, now() + interval '2 hours', NULL), "
+            "       ('k', 'running', 1, now(), now() + interval '30 seconds') RETURNING id", schema))]
+
+    def server_now():
+        with engine.connect() as conn:
+            return conn.execute(text("SELECT now()")).scalar()
+
+    rescuer, columns = Rescuer(settings.rescuer), ", ".join(render(c, schema) for c in RESCUER_PROBE)
+    with engine.connect() as conn:
+        values = tuple(conn.execute(text(f"SELECT {columns}")).one())
+    assert rescuer.after_probe(values, server_now()) is True  # the probe asks for the pass
+    before = server_now()
+    with caplog.at_level(logging.WARNING, logger="maintd.rescuer"):
+        result = rescuer.run_once(PassContext.for_settings(settings, engine, FrozenClock(before)))
+    assert (result.retried, result.discarded, result.skipped_rows()) == (0, 0, {"future_sign": 2})
+    r = rows(engine, schema)
+    assert before <= r[ahead_10y].heartbeat_at <= server_now() and before <= r[ahead_2h].heartbeat_at <= server_now()
+    assert r[ahead_30s].heartbeat_at > server_now() + timedelta(seconds=20)
+    assert [rec.fields["job_ids"] for rec in caplog.records
+            if rec.getMessage().startswith("dated now the sign of life")] == [f"{min(ahead_10y, ahead_2h)},{max(ahead_10y, ahead_2h)}"]
+    time.sleep(2.5)  # the grace passes with no newer sign
+    result = rescuer.run_once(PassContext.for_settings(settings, engine, FrozenClock(server_now())))
+    r = rows(engine, schema)
+    assert {i: r[i].state for i in (ahead_10y, ahead_2h, ahead_30s)} == {
+        ahead_10y: "retryable", ahead_2h: "retryable", ahead_30s: "running"}
+    assert result.skipped_rows() == {"future_sign": 0}

@@ -280,6 +280,32 @@ SELECT (SELECT count(*) FROM candidates) AS candidates,
        CASE WHEN :announce THEN {announce} ELSE 0 END AS announced
 """
 
+# Running jobs whose sign of life lies more than :ahead seconds in the server's future (a worker
+# writing its own clock's time, an import): the keyset above would reach them only then. Such a
+# sign was given no later than now, so it is dated now (the statement's time, never before a sign
+# committed by then): a live worker's next one replaces it, and a dead worker's job is stuck once
+# its grace has passed, like any other. Newest first, through jobs_running_idx backwards.
+RESCUER_FUTURE_SIGN_BATCH = """
+WITH candidates AS MATERIALIZED (
+  SELECT id, ctid FROM {schema}.jobs
+   WHERE state = 'running'
+     AND coalesce(heartbeat_at, attempted_at) > statement_timestamp() + make_interval(secs => :ahead)
+     AND coalesce(heartbeat_at, attempted_at) < '9999-12-31 00:00:00+00'
+   ORDER BY coalesce(heartbeat_at, attempted_at) DESC
+   LIMIT :limit
+     FOR NO KEY UPDATE SKIP LOCKED
+), dated AS (
+  UPDATE {schema}.jobs AS j SET heartbeat_at = statement_timestamp()
+   WHERE j.ctid = ANY(ARRAY(SELECT ctid FROM candidates))
+     AND j.id IN (SELECT id FROM candidates)
+     AND j.state = 'running'
+     AND coalesce(j.heartbeat_at, j.attempted_at) > statement_timestamp() + make_interval(secs => :ahead)
+     AND coalesce(j.heartbeat_at, j.attempted_at) < '9999-12-31 00:00:00+00'
+  RETURNING j.id
+)
+SELECT (SELECT count(*) FROM candidates) AS candidates, ARRAY(SELECT id FROM dated ORDER BY id) AS ids
+"""
+
 # Waiting jobs with no attempt left (attempt >= max_attempts: an import, an operator's UPDATE, or
 # reschedule_jobs lowering max_attempts), which the claim passes over: discarded with the reason
 # in errors. jobs_exhausted_idx (migration 0005) holds exactly these rows, so this is one probe
@@ -415,7 +441,8 @@ OLDEST_FINALIZED = [f"""(SELECT min(finalized_at) FROM {{schema}}.jobs
 
 # The rescuer's: the oldest usable sign of life of a running job (jobs_running_idx; only values a
 # Python datetime holds, so an odd row never fails the read; NULL: none), whether one has no
-# usable sign at all, and whether a waiting job has no attempt left (jobs_exhausted_idx).
+# usable sign at all, whether a waiting job has no attempt left (jobs_exhausted_idx), and the newest
+# usable sign of life (one in the server's future is dated now: RESCUER_FUTURE_SIGN_BATCH).
 RESCUER_PROBE = ["""(SELECT min(coalesce(heartbeat_at, attempted_at)) FROM {schema}.jobs WHERE state = 'running'
      AND coalesce(heartbeat_at, attempted_at) >= '0001-01-02 00:00:00+00'
      AND coalesce(heartbeat_at, attempted_at) < '9999-12-31 00:00:00+00')""",
@@ -433,7 +460,11 @@ RESCUER_PROBE = ["""(SELECT min(coalesce(heartbeat_at, attempted_at)) FROM {sche
                  # first entry of the empty index (the plan flipped between runs); an aggregate
                  # over a Seq Scan costs the whole table, so the index is always taken
                  """((SELECT min(id) FROM {schema}.jobs
-   WHERE state IN ('available', 'scheduled', 'retryable') AND attempt >= max_attempts) IS NOT NULL)"""]
+   WHERE state IN ('available', 'scheduled', 'retryable') AND attempt >= max_attempts) IS NOT NULL)""",
+                 # the newest usable sign of life (one index entry): one in the future is dated now
+                 """(SELECT max(coalesce(heartbeat_at, attempted_at)) FROM {schema}.jobs WHERE state = 'running'
+     AND coalesce(heartbeat_at, attempted_at) >= '0001-01-02 00:00:00+00'
+     AND coalesce(heartbeat_at, attempted_at) < '9999-12-31 00:00:00+00')"""]
 
 SCHEDULER_NEXT_DUE = """
 SELECT min(scheduled_at) FROM {schema}.jobs

@@ -24,6 +24,11 @@ later (a claim, a heartbeat) is at least the shortest grace away, so the pass as
 at least that often ("look again"). Passes are at least ``MIN_WAKE`` apart, however many jobs fall
 due, and a job the last batch saw stuck but could not take (locked) is left to the next tick.
 
+A running job whose sign of life lies more than ``FUTURE_AHEAD`` in the server's future (a worker
+writing its own clock's time, an import), which the keyset would reach only then, has it dated now
+(logged, counted as ``maintd_rows_skipped_total{reason="future_sign"}``): a live worker's next
+heartbeat replaces it, and a dead worker's job is rescued once its grace has passed.
+
 Waiting jobs (``available``, ``scheduled``, ``retryable``) with no attempt left (``attempt >=
 max_attempts``), which the workers' claim passes over, are discarded with the reason appended to
 ``errors`` (through ``jobs_exhausted_idx``), counted as ``maintd_jobs_rescued_total{outcome=
@@ -45,7 +50,7 @@ from sqlalchemy.exc import DBAPIError
 from ..db import events_channel
 from ..durations import format_duration
 from ..jobs import BACKOFF_CAP, backoff
-from ..logs import kv
+from ..logs import clip, kv
 from ..metrics import Family
 from ..queries import jobs
 from ..sections import OptionalDuration, PositiveDuration, Section, ServiceConfig, names_like_queues
@@ -130,6 +135,8 @@ JOBS_RESCUED = Family(Counter, "maintd_jobs_rescued", "Stuck running jobs rescue
 
 # Where the keyset starts; earlier signs of life (and none at all) are RESCUER_NO_SIGN_BATCH's.
 FAR_PAST = datetime(1, 1, 2, tzinfo=timezone.utc)
+# A sign of life further ahead of the server's clock than this is dated now (RESCUER_FUTURE_SIGN_BATCH).
+FUTURE_AHEAD = timedelta(minutes=1)
 # A rescue's commit does not wait for its WAL flush (synchronous_commit = off for that transaction
 # only). Losing the last rescues in a server crash is harmless: those jobs are running and stuck
 # again after recovery and are rescued (and announced) again. Nothing else can build on a lost
@@ -145,6 +152,7 @@ class RescuerResult(PassResult):
     retried: int = 0
     discarded: int = 0
     exhausted: int = 0  # waiting jobs with no attempt left, discarded
+    dated: int = 0  # running jobs whose sign of life lay in the future, dated now
     batches: int = 0
     next_pass_at: datetime | None = None  # precise timing: the next deadline, before the next tick
     dry_run: bool = False
@@ -153,12 +161,15 @@ class RescuerResult(PassResult):
         return self.next_pass_at
 
     def did_something(self) -> bool:
-        return self.retried + self.discarded + self.exhausted > 0
+        return self.retried + self.discarded + self.exhausted + self.dated > 0
+
+    def skipped_rows(self) -> dict[str, int]:
+        return {"future_sign": self.dated}
 
     def summary(self) -> str:
         verb = "would rescue" if self.dry_run else "rescued"
         return f"{verb} retried={self.retried} discarded={self.discarded}" + (
-            f" exhausted={self.exhausted}" if self.exhausted else "")
+            f" exhausted={self.exhausted}" if self.exhausted else "") + (f" dated={self.dated}" if self.dated else "")
 
 
 def _log_rescued(retried: int, discarded: int) -> None:
@@ -207,8 +218,8 @@ class Rescuer(Service):
         return jobs.RESCUER_PROBE
 
     def after_probe(self, values: tuple, now: datetime) -> bool | datetime | None:
-        oldest, no_sign, exhausted = values
-        if no_sign or exhausted:
+        oldest, no_sign, exhausted, newest = values
+        if no_sign or exhausted or (newest is not None and newest > now + FUTURE_AHEAD):
             return True
         if oldest is None:
             return None
@@ -232,6 +243,7 @@ class Rescuer(Service):
         now = ctx.now()
         done = (result.retried, result.discarded)
         try:
+            self._date_future_signs(ctx, result)
             self._rescue_without_sign(ctx, self._params(ctx, now), result)
             self._discard_exhausted(ctx, self._params(ctx, now), result)
             deadline = self._rescue(ctx, self._params(ctx, now), result)
@@ -300,6 +312,27 @@ class Rescuer(Service):
             for job_id in batch.ids:
                 log.warning("rescued a running job with no usable attempted_at or heartbeat_at",
                             extra=kv(job_id=job_id))
+            if batch.candidates < limit:
+                return
+
+    def _date_future_signs(self, ctx: PassContext, result: RescuerResult) -> None:
+        """Running jobs whose sign of life lies in the future: dated now, one line per batch."""
+        while True:
+            ctx.check_stop()
+            limit = ctx.redo_limit(self.config.batch_size)  # smaller when redone (40001)
+            try:
+                with ctx.transaction() as conn:
+                    batch = conn.execute(ctx.sql(jobs.RESCUER_FUTURE_SIGN_BATCH), {
+                        "ahead": FUTURE_AHEAD.total_seconds(), "limit": limit}).one()
+            except DBAPIError as exc:
+                if ctx.moved_meanwhile(exc):  # finished meanwhile
+                    continue
+                raise
+            result.dated += len(batch.ids)
+            if batch.ids:
+                log.warning("dated now the sign of life of running jobs whose heartbeat_at or attempted_at lay "
+                            "in the future (a worker writing its own clock?)",
+                            extra=kv(count=len(batch.ids), job_ids=clip(batch.ids)))
             if batch.candidates < limit:
                 return
 
