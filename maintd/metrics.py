@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported fo
 from sqlalchemy import Engine, text
 
 from .db import describe_db_error
-from .logs import kv
+from .logs import escape, kv
 from .queries import FINAL_STATES, JOB_STATES, catalog, jobs, sql
 
 __all__ = ["CONTENT_TYPE_LATEST", "Family", "JobCounts", "JobGauges", "Metrics", "RUN_BUCKETS", "job_counts"]
@@ -26,17 +26,20 @@ RUN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 
 
 class Bound:
     """One metric with its ``target`` label bound: the usual ``labels``/``set``/``inc``/
-    ``observe``/``remove``/``clear`` calls, minus the target."""
+    ``observe``/``remove``/``clear`` calls, minus the target. Label values have their control
+    characters escaped, as in the logs: a queue named with a terminal escape by a worker must not
+    reach the terminal of an operator who reads ``/metrics`` with curl (the exposition format
+    escapes only backslash, quote and newline)."""
 
     def __init__(self, metric: Any, target: str):
         self.metric, self.target = metric, target
 
     def labels(self, *values: str) -> Any:
-        return self.metric.labels(self.target, *values)
+        return self.metric.labels(self.target, *map(escape, values))
 
     def remove(self, *values: str) -> None:
         try:
-            self.metric.remove(self.target, *values)
+            self.metric.remove(self.target, *map(escape, values))
         except KeyError:
             pass
 
@@ -358,6 +361,7 @@ def _replace(gauge: Bound, values: dict[tuple[str, ...], float]) -> None:
     its old value or its new one; removed first and set again, they were missing or at 0."""
     for labels, value in values.items():
         gauge.labels(*labels).set(value)
+    shown = {tuple(map(escape, labels)) for labels in values}  # as the series carry them
     for labels in gauge.children():
-        if labels not in values:
+        if labels not in shown:
             gauge.remove(*labels)

@@ -84,6 +84,27 @@ def test_a_scrape_during_a_refresh_of_the_job_gauges_sees_every_series_at_its_va
     assert wrong == [], f"{len(wrong)} of 200 renders: {wrong[:5]}"
 
 
+def test_label_values_from_the_database_reach_metrics_with_their_control_characters_escaped():
+    """A queue a worker named with a terminal escape (OSC 0 retitles an xterm) reached /metrics
+    byte for byte: the exposition format escapes only backslash, quote and newline, so an
+    operator reading it with curl had the escape run in their terminal. Label values are escaped
+    as in the logs; the series is kept across refreshes and removed once its queue is gone."""
+    from maintd.metrics import JobGauges
+
+    metrics = Metrics(target="t")
+    gauges = JobGauges(metrics)
+    evil = "mail\x1b]0;owned\x07\u202e"
+    for _ in range(2):
+        gauges.take([{"queue": evil, "state": "available", "count": 3}], {evil: 10.0}, None, final=True)
+        body = metrics.render().decode()
+        assert not [c for c in body if (ord(c) < 0x20 and c != "\n") or c in "\x7f\u202e"]
+        lines = [line for line in body.splitlines() if line.startswith(("maintd_jobs{", "maintd_oldest_available"))]
+        assert lines == ['maintd_jobs{queue="mail\\\\x1b]0;owned\\\\x07\\\\u202e",state="available",target="t"} 3.0',
+                         'maintd_oldest_available_job_age_seconds{queue="mail\\\\x1b]0;owned\\\\x07\\\\u202e",target="t"} 10.0'], lines
+    gauges.take([], {}, None, final=True)
+    assert "owned" not in metrics.render().decode()
+
+
 @pytest.mark.both_layouts
 def test_the_live_counts_read_the_live_states_indexes_not_the_final_rows(engine, schema, layout):
     """The job gauges count the live states every 15 s (and each history sample): with final
