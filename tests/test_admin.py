@@ -729,7 +729,10 @@ def test_jobs_with_times_no_python_value_holds_are_listed_shown_and_acted_on(cli
 
 
 # JSON PostgreSQL takes and Python's json cannot load: nested past its recursion limit, an integer
-# of over 4,300 digits (Python 3.11's int limit).
+# of over 4,300 digits. Sources: Python docs, "Integer string conversion length limitation"
+# (stdtypes.html#int-max-str-digits: the default limit is 4300 digits, json.loads included) and
+# sys.getrecursionlimit(); PostgreSQL docs, "JSON Types" (datatype-json.html: jsonb stores numbers
+# as numeric, whose range is up to 131072 digits before the decimal point, datatype-numeric.html).
 UNLOADABLE_JSON = {"nested 3000 deep": "[" * 3000 + "]" * 3000, "a 5001-digit number": '{"n": 1e5000}'}
 
 

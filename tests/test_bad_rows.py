@@ -2,7 +2,11 @@
 
 Rows a worker, an import or an operator's UPDATE can leave behind: timestamps at ``'infinity'``,
 ``'-infinity'``, past year 9999 or before year 1 (Python's ``datetime`` cannot hold any of them),
-``attempted_at`` NULL on a running job, an attempt counter at the top of its smallint. Each must
+``attempted_at`` NULL on a running job, an attempt counter at the top of its smallint. The odd
+times are PostgreSQL's own: the special values ``infinity`` and ``-infinity`` and the range of
+``timestamptz`` (4713 BC to 294276 AD), from the PostgreSQL documentation, "Date/Time Types",
+section 8.5.1.4 "Special Values" and Table 8.9 (datatype-datetime.html); Python's ``datetime``
+holds years 1 to 9999 only (``datetime.MINYEAR``/``MAXYEAR``, Python docs, datetime). Each must
 be processed like its neighbours, or skipped with a logged reason and counted in
 ``maintd_rows_skipped_total{service,reason}``; every other row is still processed and the pass
 succeeds. Passes run in-process (like tests/test_scheduler.py) through
