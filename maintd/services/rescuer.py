@@ -41,7 +41,7 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
-from typing import Annotated
+from typing import Annotated, Any, Iterator
 
 from prometheus_client import Counter
 from pydantic import AfterValidator, Field, ValidationInfo, model_validator
@@ -295,66 +295,50 @@ class Rescuer(Service):
                 return deadline
             after_seen, after_id = batch.last_seen, batch.last_id
 
-    def _rescue_without_sign(self, ctx: PassContext, params: dict, result: RescuerResult) -> None:
-        """Running jobs with no usable attempted_at/heartbeat_at: stuck, rescued, each logged."""
+    def _batches(self, ctx: PassContext, statement: str, params: dict, settings: dict | None = None) -> Iterator[Any]:
+        """One statement's batches, each committed, until one finds fewer than ``batch_size``
+        candidates; a batch a row of which moved meanwhile (40001) is redone, smaller."""
         while True:
             ctx.check_stop()
-            limit = ctx.redo_limit(self.config.batch_size)  # smaller when redone (40001)
+            limit = ctx.redo_limit(self.config.batch_size)
             try:
-                with ctx.transaction(settings=RESCUE_TRANSACTION) as conn:
-                    batch = conn.execute(ctx.sql(jobs.RESCUER_NO_SIGN_BATCH), {**params, "limit": limit}).one()
+                with ctx.transaction(settings=settings) as conn:
+                    batch = conn.execute(ctx.sql(statement), {**params, "limit": limit}).one()
             except DBAPIError as exc:
-                if ctx.moved_meanwhile(exc):
+                if ctx.moved_meanwhile(exc):  # finished, claimed or cancelled meanwhile
                     continue
                 raise
+            yield batch
+            if batch.candidates < limit:
+                return
+
+    def _rescue_without_sign(self, ctx: PassContext, params: dict, result: RescuerResult) -> None:
+        """Running jobs with no usable attempted_at/heartbeat_at: stuck, rescued, each logged."""
+        for batch in self._batches(ctx, jobs.RESCUER_NO_SIGN_BATCH, params, RESCUE_TRANSACTION):
             result.discarded += batch.discarded
             result.retried += batch.retried
             for job_id in batch.ids:
                 log.warning("rescued a running job with no usable attempted_at or heartbeat_at",
                             extra=kv(job_id=job_id))
-            if batch.candidates < limit:
-                return
 
     def _date_future_signs(self, ctx: PassContext, result: RescuerResult) -> None:
         """Running jobs whose sign of life lies in the future: dated now, one line per batch."""
-        while True:
-            ctx.check_stop()
-            limit = ctx.redo_limit(self.config.batch_size)  # smaller when redone (40001)
-            try:
-                with ctx.transaction() as conn:
-                    batch = conn.execute(ctx.sql(jobs.RESCUER_FUTURE_SIGN_BATCH), {
-                        "ahead": FUTURE_AHEAD.total_seconds(), "limit": limit}).one()
-            except DBAPIError as exc:
-                if ctx.moved_meanwhile(exc):  # finished meanwhile
-                    continue
-                raise
+        params = {"ahead": FUTURE_AHEAD.total_seconds()}
+        for batch in self._batches(ctx, jobs.RESCUER_FUTURE_SIGN_BATCH, params):
             result.dated += len(batch.ids)
             if batch.ids:
                 log.warning("dated now the sign of life of running jobs whose heartbeat_at or attempted_at lay "
                             "in the future (a worker writing its own clock?)",
                             extra=kv(count=len(batch.ids), job_ids=clip(batch.ids)))
-            if batch.candidates < limit:
-                return
 
     def _discard_exhausted(self, ctx: PassContext, params: dict, result: RescuerResult) -> None:
         """Waiting jobs with no attempt left (the claim passes them over): discarded, each logged."""
-        while True:
-            ctx.check_stop()
-            limit = ctx.redo_limit(self.config.batch_size)  # smaller when redone (40001)
-            try:
-                with ctx.transaction() as conn:
-                    batch = conn.execute(ctx.sql(jobs.RESCUER_EXHAUSTED_BATCH), {
-                        "now": params["now"], "instance": ctx.instance_id, "limit": limit}).one()
-            except DBAPIError as exc:
-                if ctx.moved_meanwhile(exc):  # claimed or cancelled meanwhile
-                    continue
-                raise
+        params = {"now": params["now"], "instance": ctx.instance_id}
+        for batch in self._batches(ctx, jobs.RESCUER_EXHAUSTED_BATCH, params):
             result.exhausted += len(batch.ids)
             for job_id in batch.ids:
                 log.warning("discarded a waiting job with no attempt left (attempt >= max_attempts)",
                             extra=kv(job_id=job_id))
-            if batch.candidates < limit:
-                return
 
     def observe(self, metrics, result: RescuerResult) -> None:
         if result.retried:
