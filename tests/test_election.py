@@ -56,6 +56,12 @@ CASES = [
      Bumped(epoch=7, lock_pid=4242, sent=100.0), 100.3, Step(LEAD, effect=Elected(TERM))),
     ("a late bump answer without a won lock is ignored", Following(), Bumped(7, 4242, 100.0), 100.3,
      Step(Following())),
+    # answers that do not belong to the state change nothing (the loop never sends a try with a lock
+    # won, nor a bump without one): a second win would restart the bump deadline, a failure unlock
+    ("a try answer with the lock already won is ignored", Following(won_at=99.0), Tried(True), 100.0,
+     Step(Following(won_at=99.0))),
+    ("a bump failure without a won lock is ignored", Following(retry_at=101.0), BumpFailed("x"), 100.3,
+     Step(Following(retry_at=101.0))),
     ("requests about a term do not concern a follower", Following(), Request("fenced", "x", 7), 100.0,
      Step(Following())),
     ("stop: a follower stops trying", Following(not_before=3.0), Request("stop", "shutdown"), 100.0,
