@@ -268,3 +268,21 @@ def test_a_head_of_many_short_lines_is_bounded_as_a_whole():
     finally:
         server.stop()
     assert reply.startswith(b"HTTP/1.1 431 ") and b"the request head is over 16384 bytes" in reply, reply[:200]
+
+
+def test_at_most_max_headers_fields_are_read_and_one_more_is_431():
+    """``Limits.max_headers`` (64) bounds the field count apart from the head's size: 64 fields
+    are read, a 65th gets 431 (each field costs an entry, and 16 KiB hold thousands)."""
+    server = HttpServer("127.0.0.1", 0, {"/healthz": lambda: text(200, "ok\n")})
+    server.start()
+
+    def head(fields: int) -> bytes:
+        extra = b"".join(b"X-%d: y\r\n" % i for i in range(fields - 2))
+        return b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + extra + b"\r\n"
+
+    try:
+        assert exchange(server.port, head(64)).startswith(b"HTTP/1.1 200 ")
+        reply = exchange(server.port, head(65))
+    finally:
+        server.stop()
+    assert reply.startswith(b"HTTP/1.1 431 ") and b"more than 64 header fields" in reply, reply[:200]
