@@ -97,6 +97,18 @@ def test_idle_connection_is_closed_after_the_idle_timeout(server):
         assert closed_by_server(s, 5) < 2.5
 
 
+def test_a_kept_alive_connection_idle_between_requests_is_closed_after_the_idle_timeout(server):
+    """The idle timeout holds between requests too (Go's IdleTimeout, nginx's keepalive_timeout):
+    a client that keeps its connection and sends nothing more does not keep a descriptor."""
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.settimeout(5)
+        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply = b""
+        while not reply.endswith(b"page\n"):
+            reply += s.recv(65536)
+        assert b"Connection: keep-alive" in reply
+        assert closed_by_server(s, 5) < 2.5
+
 def test_a_head_sent_slowly_gets_408_after_the_header_timeout(server):
     """Slowloris: a request head trickling in byte by byte is cut off, whatever the trickle."""
     with socket.create_connection(("127.0.0.1", server.port)) as s:
