@@ -362,6 +362,24 @@ def test_hand_over_above_the_cap_after_settle_others_targets_first():
     assert spread.balance() == 0
 
 
+def test_an_excess_counts_from_when_it_began_not_from_an_earlier_one():
+    """Above the cap only for ``settle`` without a break is a leadership handed over: an excess
+    that ended (a target given up, a replica back) starts the count again, so a brief excess
+    later is not handed over at once on the strength of an old one."""
+    units = [FakeUnit(f"t{i:02d}", leading=i < 6) for i in range(12)]
+    spread, _ = make_spread(units, ["r0", "r1", "r2"])  # cap 5: leading 6 is one above
+    assert spread.balance() == 0  # the excess began
+    for u in units:
+        u.leading = u.leading and spread.owns(u.name)  # back below the cap
+    assert spread.balance() == 0
+    time.sleep(0.35)  # longer than settle
+    for u in units[:6]:
+        u.leading = True  # above it again, just now
+    assert spread.balance() == 0
+    time.sleep(0.35)
+    assert spread.balance() == 1
+
+
 def test_a_target_handed_over_and_found_unled_stays_until_the_replicas_change():
     """A replica counts as live by its lock session alone, yet it may not lead a target it owns
     (that target's schema not ready there in a rolling upgrade, its database unreachable from
@@ -591,6 +609,23 @@ def test_a_target_whose_database_is_down_does_not_stop_the_others(pg_dsn, make_s
                         f"VALUES ('later', 'scheduled', now())")
         wait_for(lambda: execute(pg_dsn, f"SELECT state FROM \"{good[1]}\".jobs WHERE kind = 'later'")[0][0]
                  == "available", 10, what="a new job promoted")
+    finally:
+        daemon.stop()
+
+
+def test_a_target_whose_schema_is_not_migrated_is_not_ready(pg_dsn, make_schemas):
+    """A target whose schema is missing (or behind) is not started: nothing maintains it, so
+    /readyz says so by name, though its database answers (its lock session is the other
+    target's, which works) and the other target is led."""
+    good = make_schemas(1)[0]
+    missing = new_schema_name()  # never migrated
+    daemon = Daemon(multi_settings(pg_dsn, [{"schema": good}, {"schema": missing}]))
+    daemon.start()
+    try:
+        wait_for(lambda: daemon.targets[0].is_leader and daemon.targets[1].db_ok, 20, what="the good target led")
+        status, body = get(daemon.http_port, "/readyz")
+        assert status == 503 and f"1 of 2 targets: {missing} (not started" in body, body
+        assert not daemon.targets[1].is_leader and lock_holders(pg_dsn, missing) == []
     finally:
         daemon.stop()
 
