@@ -19,8 +19,8 @@ from pydantic import SecretStr
 from maintd.config import Settings
 from maintd.daemon import Daemon
 from maintd.queries import sql
-from maintd.db import HostOrder, advisory_key
-from maintd.election import Request
+from maintd.db import HostOrder, advisory_key, periodic_channel
+from maintd.election import Request, Timing
 from maintd.leader import ElectionLoop, LeaderFence, LeaderSessionError, acquire_once
 from maintd.services.base import NotLeader, PassContext
 from maintd.leader import Seat
@@ -125,6 +125,16 @@ def test_an_idle_follower_keeps_its_lock_session_with_the_shortest_lease(setting
         elector.stop()
 
 
+def test_a_proof_is_trusted_for_the_lease_less_one_renew_interval(settings):
+    """SPEC 3: the server ends a silent lock session ``lease`` after its last statement, and only
+    then can a successor win; a proof is trusted for lease - renew_interval from when it was sent,
+    so a leader stops trusting its term a whole interval before that (a clock that runs a little
+    fast, a proof that took a while to arrive). A won lock waits up to three leases for its bump."""
+    s = with_leader(settings, lease="3s", renew_interval="1s", retry_interval="0.2s")
+    loop = ElectionLoop(s, [Seat(s)], HostOrder(s.database_url.get_secret_value()))
+    assert loop.timing == Timing(renew=1.0, trust=2.0, bump_deadline=9.0, retry=0.2)
+
+
 def test_fence_refuses_a_stale_epoch_and_writes_nothing(settings, engine, schema):
     held = acquire_once(settings)
     assert held is not None
@@ -186,6 +196,27 @@ def test_a_write_after_the_lock_session_lost_the_lock_is_refused_at_commit(pg_ds
         other.close()
         a.stop()
     assert kinds(engine, schema) == []
+
+
+def test_a_write_is_refused_at_commit_once_the_term_is_no_longer_trusted(settings, engine, schema):
+    """The commit fence trusts a term only as the election does: a pass whose term lapsed on the
+    client side (no proof for lease - renew: the loop stuck in a call to a silent server), or
+    that the elector has left (a newer term, or none), must not commit, even while the database
+    still shows the term and its lock held: that server may be one the others no longer reach."""
+    elector, fence = acquire_once(settings)
+    t = fence.term
+    try:
+        for current in [dataclasses.replace(t, trusted_until=0.0), dataclasses.replace(t, epoch=t.epoch + 1), None]:
+            lapsed = LeaderFence(schema, t, lambda c=current: c)
+            ctx = PassContext.for_settings(settings, engine, None, fence=lapsed)  # type: ignore[arg-type]
+            with pytest.raises(NotLeader, match="^leadership lease expired or lost$"):
+                with ctx.transaction() as conn:
+                    conn.execute(sql("INSERT INTO {schema}.jobs (kind) VALUES ('untrusted')", schema))
+        assert elector.is_leader  # the database's part of the fence would have let them commit
+    finally:
+        elector.stop()
+    assert kinds(engine, schema) == []
+
 
 def test_second_acquire_fails_while_held(settings):
     held = acquire_once(settings)
@@ -371,6 +402,28 @@ def test_a_connect_trying_silent_hosts_within_their_timeouts_is_not_a_stall(sett
             s.close()
 
 
+def test_an_election_loop_held_past_its_timeouts_fails_healthz(settings, pg_dsn, schema):
+    """/healthz, the liveness probe, says so when the election loop is held in a call longer than
+    its own timeouts allow (lease + the longer of retry and renew: 4 s here): the lease is then
+    not renewed and no follower tries, and only a restart helps. Here the loop's thread is held
+    where a NOTIFY on the periodic channel hands it to the target."""
+    daemon = Daemon(with_leader(settings))
+    daemon.start()
+    release = threading.Event()
+    try:
+        target = daemon.targets[0]
+        wait_for(lambda: daemon.is_leader, 10, what="leadership")
+        assert daemon.health_problem() is None
+        target.seat.poke = lambda: release.wait(30)
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_notify(%s, '')", (periodic_channel(schema),))
+        wait_for(lambda: daemon.health_problem() is not None, 10, what="/healthz failing")
+        assert daemon.health_problem() == "leader election loop stalled (database connection hanging?)"
+    finally:
+        release.set()
+        daemon.stop()
+
+
 def test_run_once_lock_is_renewed_and_not_registered(settings, engine, schema):
     s = with_leader(settings)
     elector, fence = acquire_once(s)
@@ -490,6 +543,29 @@ def test_a_wake_that_lands_while_the_gate_is_asked_is_not_lost(settings, schema)
     elector.start()
     try:
         wait_for(lambda: len(asked) >= 2, 5, what="the gate asked again after the wake")
+    finally:
+        elector.stop()
+
+
+@pytest.mark.parametrize("held_back", ["not started", "its gate says wait"])
+def test_a_follower_with_nothing_to_try_sleeps_and_takes_no_lock(held_back, settings, pg_dsn, schema):
+    """A follower that may not try (its target not started: its schema missing or behind; or the
+    spread's gate holding it back: the join wait, another replica's target) takes no lock and
+    leaves the loop asleep until its wait ends: a loop that went round at once spent a core,
+    holding the interpreter the probes and the passes need."""
+    gate = NotingGate(lambda asked: 60.0)
+    elector = Recorder().elector(with_leader(settings), spread=gate if held_back != "not started" else None)
+    elector.seat.started = held_back != "not started"
+    elector.start()
+    try:
+        wait_for(lambda: elector.session.open and (gate.asked or held_back == "not started"), 10,
+                 what="the lock session")
+        cpu = time.process_time()
+        time.sleep(3)
+        cpu = time.process_time() - cpu
+        assert lock_holders(pg_dsn, schema) == [] and not elector.is_leader
+        assert len(gate.asked) <= 1, "the gate is asked again only when its wait ends (or a wake)"
+        assert cpu < 0.5, f"{cpu:.2f}s of CPU in 3s: the loop did not sleep"
     finally:
         elector.stop()
 
