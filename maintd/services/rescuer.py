@@ -184,6 +184,12 @@ class Rescuer(Service):
     METRICS = (JOBS_RESCUED,)
     config: RescuerConfig
 
+    def __init__(self, config: RescuerConfig):
+        super().__init__(config)
+        # Signs of life from the future are looked for once per interval, not at every precise
+        # wake (a pass every 50 ms while many jobs fall due): they are a minute ahead at least.
+        self._future_looked_at: datetime | None = None
+
     def rules(self) -> list[tuple[str | None, str | None, timedelta, timedelta | None]]:
         """(kind, queue, rescue_stuck_jobs_after, heartbeat_timeout) of each rule, the default
         first (rule 1 in the SQL), then the kinds', then the queues'."""
@@ -243,7 +249,9 @@ class Rescuer(Service):
         now = ctx.now()
         done = (result.retried, result.discarded)
         try:
-            self._date_future_signs(ctx, result)
+            if self._future_looked_at is None or now - self._future_looked_at >= self.config.interval:
+                self._date_future_signs(ctx, result)
+                self._future_looked_at = now
             self._rescue_without_sign(ctx, self._params(ctx, now), result)
             self._discard_exhausted(ctx, self._params(ctx, now), result)
             deadline = self._rescue(ctx, self._params(ctx, now), result)
