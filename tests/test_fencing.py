@@ -429,6 +429,8 @@ CASES = [
          rescuer, settings=NO_WAIT, notifies=True),
     Case("rescuer-no-sign-of-life", ("jobs.RESCUER_NO_SIGN_BATCH",), jobs("running"), rescuer,
          settings=NO_WAIT, notifies=True),
+    Case("rescuer-future-sign", ("jobs.RESCUER_FUTURE_SIGN_BATCH",),
+         jobs("running", attempted="now() + interval '10 years'"), rescuer, settings=NO_WAIT),
     Case("rescuer-exhausted", ("jobs.RESCUER_EXHAUSTED_BATCH",), jobs("available", attempt=5, max_attempts=5),
          rescuer, settings=NO_WAIT),
     Case("scheduler", ("jobs.SCHEDULER_PROMOTE", "jobs.NOTIFY_QUEUES"),
