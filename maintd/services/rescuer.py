@@ -252,9 +252,10 @@ class Rescuer(Service):
             if self._future_looked_at is None or now - self._future_looked_at >= self.config.interval:
                 self._date_future_signs(ctx, result)
                 self._future_looked_at = now
-            self._rescue_without_sign(ctx, self._params(ctx, now), result)
-            self._discard_exhausted(ctx, self._params(ctx, now), result)
-            deadline = self._rescue(ctx, self._params(ctx, now), result)
+            params = self._params(ctx, now)  # the rules and horizons, once per pass
+            self._rescue_without_sign(ctx, params, result)
+            self._discard_exhausted(ctx, params, result)
+            deadline = self._rescue(ctx, params, result)
         finally:  # also when the pass stops or fails half-way: say what was committed
             _log_rescued(result.retried - done[0], result.discarded - done[1])
         if deadline is not None:
