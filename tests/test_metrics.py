@@ -88,7 +88,10 @@ def test_label_values_from_the_database_reach_metrics_with_their_control_charact
     """A queue a worker named with a terminal escape (OSC 0 retitles an xterm) reached /metrics
     byte for byte: the exposition format escapes only backslash, quote and newline, so an
     operator reading it with curl had the escape run in their terminal. Label values are escaped
-    as in the logs; the series is kept across refreshes and removed once its queue is gone."""
+    as in the logs; the series is kept across refreshes and removed once its queue is gone.
+    Source: Prometheus, "Exposition formats", text format: a label value "can be any sequence of
+    UTF-8 characters, but the backslash (\\), double-quote ("), and line feed (\\n) characters have
+    to be escaped" (so ESC, BEL and U+202E pass through unless we escape them)."""
     from maintd.metrics import JobGauges
 
     metrics = Metrics(target="t")

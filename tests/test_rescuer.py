@@ -391,7 +391,11 @@ def test_a_sign_of_life_from_the_future_is_dated_now_and_the_job_rescued_after_i
     sign of life lay in the future, so the keyset reached it only then and its dead worker's job
     stayed running for ten years. Such a sign was given no later than now: it is dated now
     (logged, counted), and the job is rescued once its grace has passed with no newer sign. A sign
-    less than a minute ahead (clocks a little apart) is left alone."""
+    less than a minute ahead (clocks a little apart) is left alone. Why now is never too early:
+    PostgreSQL docs, "Current Date/Time" (functions-datetime.html): statement_timestamp() is the
+    start of the current statement, and "Read Committed Isolation Level" (transaction-iso.html): a
+    statement sees only what was committed before it began, so every sign a worker wrote with the
+    server's now() and we can see is at or before it."""
     from maintd.clock import FrozenClock
     from maintd.queries import jobs, render
 
