@@ -185,6 +185,7 @@ class ElectionLoop:
         os.set_blocking(self._wake_r, False)
         self._stopping = self._ever_connected = False
         self._read_at = -math.inf
+        self._unregistered: set[Seat] = set()  # targets whose daemons row the last connect could not write
         self._thread: threading.Thread | None = None
         cfg = settings.leader
         # REFRESH, or often enough that idle_session_timeout (the lease) never ends an idle follower's session
@@ -298,13 +299,22 @@ class ElectionLoop:
             log.warning("PostgreSQL before 14 has no idle_session_timeout: a frozen leader keeps "
                         "the lock until its TCP connection dies (fencing still prevents writes)")
         self._ever_connected = True
-        for seat in self.targets if self.register else []:
-            self._try(seat, lambda s: DaemonRegistry(s.schema, self.settings.instance_id).register(
-                lambda template, params: self.session.run(s.psql(template), params)), "could not register")
+        self._register(self.targets if self.register else [])
         self._set(healthy=True)
         self._read_at = -math.inf
         for seat in self.targets:  # NOTIFYs sent while the session was away were not delivered
             seat.poke()
+
+    def _register(self, seats: Sequence[Seat]) -> None:
+        """Write each target's ``daemons`` row from this session. One that cannot be written (a
+        read-only server) is written at a refresh once the server takes writes: until then,
+        `maintd status` and the other replicas' spread do not see this daemon alive."""
+        for seat in seats:
+            if self._try(seat, lambda s: DaemonRegistry(s.schema, self.settings.instance_id).register(
+                    lambda template, params: self.session.run(s.psql(template), params)), "could not register"):
+                self._unregistered.discard(seat)
+            else:
+                self._unregistered.add(seat)
 
     def round(self) -> None:
         """Requests, then one statement with every try, proof and unlock due, then the bumps and
@@ -436,6 +446,8 @@ class ElectionLoop:
         else:
             rows = self.session.run(q.WRITABLE)
         self._set(writable=bool(rows[0][0]))
+        if self.writable and self._unregistered:  # a schema not checked yet is not tried
+            self._register([seat for seat in self._unregistered if seat.started])
         if left := sorted(set(was or ()) - set(self.replicas or ())):  # when they left (/status: gone)
             for seat in self.targets:
                 self._try(seat, lambda s: self.session.run(s.psql(q_daemons.LEFT), {"ids": left}), "could not record")

@@ -20,6 +20,7 @@ import pytest
 from maintd import migrate
 from maintd.db import HostOrder, connect, make_engine
 from maintd.faults import sqlstate, transient
+from maintd.queries import daemons, psycopg_sql
 
 from .procs import START, DaemonProc, lock_holders, wait_for
 from .standby import StandbyPair
@@ -150,6 +151,12 @@ def test_a_read_only_primary_is_reported_and_maintenance_pauses(make_private_pg,
         time.sleep(3)  # cleaner interval 1 s (DaemonProc's fast settings): no error passes meanwhile
         after = d.http_get("/metrics")[1]
         assert (metric(after, 'maintd_service_runs_total{outcome="error",service="cleaner"') or 0.0) == errors
+        assert alive_daemons(pg.dsn) == {"ro-1"}
+        with psycopg.connect(pg.dsn, autocommit=True) as admin:  # its lock session cut: it reconnects,
+            # and cannot write its row (the new session's pid) while the server is read-only
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'maintd:ro-1'")
+        d.wait_log(r"reconnected to database", 15)
+        wait_for(lambda: alive_daemons(pg.dsn) == set(), 5, what="shown gone while its row cannot be written")
         with psycopg.connect(pg.dsn, autocommit=True) as admin:
             admin.execute("SET default_transaction_read_only = off")
             admin.execute("ALTER SYSTEM RESET default_transaction_read_only")
@@ -157,6 +164,8 @@ def test_a_read_only_primary_is_reported_and_maintenance_pauses(make_private_pg,
         wait_for(lambda: d.http_get("/readyz")[0] == 200, 10, what="ready again")
         assert metric(d.http_get("/metrics")[1], "maintd_database_writable") == 1.0
         assert "database is read-only: maintenance paused" in d.log()
+        wait_for(lambda: alive_daemons(pg.dsn) == {"ro-1"}, 5, what="alive again without another reconnect")
+        assert d.log().count("reconnected to database") == 1, d.log()
     finally:
         d.stop()
 
@@ -184,8 +193,20 @@ def test_a_daemon_started_on_a_read_only_primary_reports_it_once_not_an_error_pe
             admin.execute("SELECT pg_reload_conf()")
         wait_for(lambda: metric(d.http_get("/metrics")[1], "maintd_is_leader") == 1.0, 15, what="leads once writable")
         wait_for(lambda: d.http_get("/readyz")[0] == 200, 10, what=f"ready: {d.http_get('/readyz')} {d.log()}")
+        # Its row could not be written at connect: it is written once the server takes writes,
+        # so `maintd status` and the other replicas' spread see it alive without a reconnect.
+        wait_for(lambda: alive_daemons(pg.dsn) == {"ro-2"}, 5, what=f"registered alive: {registered_rows(pg.dsn)}")
     finally:
         d.stop()
+
+
+def registered_rows(dsn: str, schema: str = "maintd") -> list[tuple]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(psycopg_sql(daemons.REGISTERED, schema)).fetchall()
+
+
+def alive_daemons(dsn: str) -> set[str]:
+    return {row[0] for row in registered_rows(dsn) if row[5]}
 
 
 @pytest.mark.slow
