@@ -210,6 +210,37 @@ def test_a_pooler_switched_to_transaction_mode_under_a_leader_is_retried_not_fat
             d.stop()
 
 
+def test_a_lock_a_switched_pooler_keeps_on_a_pooled_backend_ends_with_that_backend_s_idleness(
+        pg_dsn, schema, tmp_path):
+    """Switched to transaction mode under a leader, PgBouncer links the client to another backend
+    after the lock session's next transaction and hands the old one, lock and all, to its next
+    client (here the daemon's own work pool); it runs no reset query in that mode. The lock session
+    set ``idle_session_timeout = lease`` on that backend (PostgreSQL 14+), and a setting stays with
+    the backend: once no client has used it for a lease, the server ends it and the lock with it,
+    well before PgBouncer's ``server_idle_timeout`` (600 s) or ``server_lifetime`` (3600 s) would.
+    No test terminate here: the daemon finds the switch itself at its next renewal."""
+    with PgBouncer(pg_dsn, pool_mode="session") as bouncer:
+        d = DaemonProc(bouncer.dsn, schema, "stranded", FAST_SERVICES, workdir=str(tmp_path))
+        try:
+            d.start()
+            wait_for(lambda: lock_holders(pg_dsn, schema) == ["maintd:stranded"], START, what="the lock")
+            [(backend, _)] = schema_advisory_locks(pg_dsn, schema)
+            bouncer.admin("SET pool_mode = 'transaction'")
+            d.wait_log(r"lost leadership reason=\"the lock connection reached a session it did not set up", 15)
+            wait_for(lambda: d.http_get("/readyz")[0] == 503, 10, what="/readyz to fail")
+            # Freed within a lease of that backend's last use (the work pool's idle reads included).
+            wait_for(lambda: not schema_advisory_locks(pg_dsn, schema), 4 * LEASE, interval=0.1,
+                     what=f"the stranded lock freed: {schema_advisory_locks(pg_dsn, schema)}")
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                assert conn.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
+                                    (backend,)).fetchone()[0] == 0, "the backend that held it is gone"
+            assert d.proc.poll() is None, d.log()[-1500:]
+            bouncer.admin("SET pool_mode = 'session'")
+            wait_for(lambda: lock_holders(pg_dsn, schema) == ["maintd:stranded"], 20, what="the lock again")
+        finally:
+            d.stop()
+
+
 @pytest.mark.slow
 def test_transaction_pooling_under_worker_traffic_a_direct_replica_leads(pg_dsn, schema, tmp_path):
     stop = threading.Event()
