@@ -8,12 +8,14 @@ import resource
 import threading
 
 import psycopg
+import pytest
 
 from maintd.config import Settings
 from maintd.db import HostOrder, advisory_key
-from maintd.lockconn import LockSession
+from maintd.identifiers import quote_ident
+from maintd.lockconn import LeaderSessionError, LockSession
 from maintd.queries import leader as q
-from maintd.queries import psycopg_sql
+from maintd.queries import Statements, psycopg_sql
 
 from .procs import wait_for
 from .tools import unavailable
@@ -148,3 +150,35 @@ def test_a_waiting_loop_reads_notifies_with_descriptors_above_fd_setsize(pg_dsn)
         for fd in filler:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_won_lock_is_bumped_only_on_the_session_that_was_set_up_and_holds_it(pg_dsn, schema):
+    """SPEC 3: a term starts (the epoch bumped) only from the session holding the lock just won.
+    The bump proves it first, on the very backend the bump will run on: held there, and the
+    session's own (its marker and checked backend; a pooler switched to transaction mode between
+    the try and the bump routes the statement to another client's backend, which may even hold
+    the lock, as PgBouncer hands a locked backend on). Either missing: no bump, no term."""
+    settings = Settings(database_url=pg_dsn, schema=schema, instance_id=f"bump-{os.getpid()}")
+    session = LockSession(settings, HostOrder(pg_dsn), lambda channel: None)
+    conn = session.connect([])
+    key, psql = advisory_key(schema), Statements(schema).psql
+    params = {"instance": settings.instance_id, "host": "h", "pid": os.getpid()}
+
+    def epochs() -> list[int]:
+        with psycopg.connect(pg_dsn, autocommit=True) as other:
+            return [r[0] for r in other.execute(f"SELECT epoch FROM {quote_ident(schema)}.leader")]
+
+    try:
+        before = epochs()
+        with pytest.raises(LeaderSessionError, match="not visible in this backend"):
+            session.bump(key, psql, params, 100)  # not won: not held here
+        assert session.round_trip([key], [], [])[0] == [True]
+        marker, session.marker = session.marker, "another client's"  # held here, but not ours
+        with pytest.raises(LeaderSessionError, match="not visible in this backend"):
+            session.bump(key, psql, params, 100)
+        assert epochs() == before, "a term was started from a session not set up"
+        session.marker = marker
+        epoch, pid, _ = session.bump(key, psql, params, 100)
+        assert pid == conn.info.backend_pid and epochs() == [epoch] and epoch == max(before, default=0) + 1
+    finally:
+        session.close()
