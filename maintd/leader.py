@@ -54,6 +54,7 @@ __all__ = ["ElectionLoop", "LeaderFence", "LeaderSessionError", "Seat", "Term", 
 BACKOFF_START, BACKOFF_CAP = 0.2, 5.0
 BUMP_SLICE_MS = 100  # the epoch bump's row-lock wait per round
 REFRESH = 1.0  # seconds between two reads of the live replicas (and whether the server takes writes)
+REGISTER_RETRY = 30.0  # seconds between two tries of a daemons row that could not be written
 
 
 def handover_channel(schema: str) -> str:
@@ -186,6 +187,7 @@ class ElectionLoop:
         self._stopping = self._ever_connected = False
         self._read_at = -math.inf
         self._unregistered: set[Seat] = set()  # targets whose daemons row the last connect could not write
+        self._register_at = 0.0  # when to try them again (monotonic), unless the server takes writes again first
         self._thread: threading.Thread | None = None
         cfg = settings.leader
         # REFRESH, or often enough that idle_session_timeout (the lease) never ends an idle follower's session
@@ -307,8 +309,10 @@ class ElectionLoop:
 
     def _register(self, seats: Sequence[Seat]) -> None:
         """Write each target's ``daemons`` row from this session. One that cannot be written (a
-        read-only server) is written at a refresh once the server takes writes: until then,
-        `maintd status` and the other replicas' spread do not see this daemon alive."""
+        read-only server) is written at the refresh that finds the server taking writes again, or
+        every ``REGISTER_RETRY`` s: until then, `maintd status` and the other replicas' spread do
+        not see this daemon alive."""
+        self._register_at = time.monotonic() + REGISTER_RETRY
         for seat in seats:
             if self._try(seat, lambda s: DaemonRegistry(s.schema, self.settings.instance_id).register(
                     lambda template, params: self.session.run(s.psql(template), params)), "could not register"):
@@ -445,8 +449,10 @@ class ElectionLoop:
                 break
         else:
             rows = self.session.run(q.WRITABLE)
+        writable_again = bool(rows[0][0]) and not self.writable
         self._set(writable=bool(rows[0][0]))
-        if self.writable and self._unregistered:  # a schema not checked yet is not tried
+        if self._unregistered and self.writable and (writable_again or time.monotonic() >= self._register_at):
+            # (a target whose schema is not checked yet is not tried)
             self._register([seat for seat in self._unregistered if seat.started])
         if left := sorted(set(was or ()) - set(self.replicas or ())):  # when they left (/status: gone)
             for seat in self.targets:
