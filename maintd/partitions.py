@@ -177,8 +177,12 @@ BEGIN
 END
 """),
     ("attach_partition(p_state text, p_name text, p_start timestamptz, p_end timestamptz)", "void",
-     "LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp", """
+     "LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp "
+     "SET \"TimeZone\" = 'UTC' SET \"DateStyle\" = 'ISO, MDY'", """
 BEGIN
+  -- The bounds are printed into the statement and read back, in ISO and UTC whatever the
+  -- caller's settings (migrate and --convert call it from the owner's session: before PostgreSQL
+  -- 18, "IST" printed in the SQL style was read back as Israel's time, 3.5 hours off).
   EXECUTE format('ALTER TABLE {schema}.%I ATTACH PARTITION {schema}.%I FOR VALUES FROM (%s) TO (%s)',
                  'jobs_' || p_state, p_name,
                  CASE WHEN p_start IS NULL THEN 'MINVALUE' ELSE quote_literal(p_start) END,

@@ -920,3 +920,42 @@ def test_partition_bounds_read_back_in_every_date_style_and_time_zone(pg_dsn, sc
         for style in DATE_STYLES:
             conn.execute("SELECT set_config('DateStyle', %s, false)", (style,))
             assert conn.execute(query).fetchall() == expected, style
+
+
+@pytest.mark.parametrize("zone", ["Asia/Kolkata", "Pacific/Chatham"])
+def test_migrate_in_a_session_of_another_date_style_and_zone_starts_the_partitions_at_the_step(pg_dsn, zone):
+    """The bounds written by migrate (and by --convert: both call start_partitions in the owner's
+    session) are the step of time, whatever that session's DateStyle and TimeZone. They were
+    printed into the ATTACH in the session's style: on PostgreSQL 15 a session in Asia/Kolkata with
+    DateStyle SQL wrote '... IST', read back as Israel's time, so the catch-alls met 3.5 hours in
+    the future (every completion until then a stray in the low catch-all, every partition after
+    it half an hour off the step)."""
+    from .conftest import new_schema_name
+
+    name = new_schema_name()
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{name}"')
+    dsn = pg_dsn + ("&" if "?" in pg_dsn else "?") + f"options=-c%20DateStyle%3DSQL%2CDMY%20-c%20TimeZone%3D{zone}"
+    migrate_engine = None
+    try:
+        from maintd.db import make_engine
+
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("SET TimeZone = 'UTC'")
+            before = conn.execute("SELECT date_trunc('hour', now())").fetchone()[0]
+        migrate_engine = make_engine(dsn, application_name="maintd-test-migrate", pooled=False)
+        with migrate_engine.connect() as conn:
+            assert conn.execute(text("SHOW DateStyle")).scalar() == "SQL, DMY"
+            migrate.upgrade(conn, name, layout=migrate.Layout("partitioned", HOUR, 2))
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("SET TimeZone = 'UTC'")
+            after = conn.execute("SELECT date_trunc('hour', now())").fetchone()[0]
+            for state in ("completed", "cancelled", "discarded"):
+                parts = conn.execute(f'SELECT * FROM "{name}".job_partitions(%s)', (state,)).fetchall()
+                assert parts[0][2] in (before, after), (state, parts[0])  # the low catch-all ends at this hour
+                assert all(p[1].minute == p[1].second == 0 for p in parts[1:]), parts
+    finally:
+        if migrate_engine is not None:
+            migrate_engine.dispose()
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
