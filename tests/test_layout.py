@@ -959,3 +959,17 @@ def test_migrate_in_a_session_of_another_date_style_and_zone_starts_the_partitio
             migrate_engine.dispose()
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+
+
+def test_dry_run_does_not_count_an_empty_low_catch_all_that_a_pass_leaves_where_it_is(engine, schema):
+    """The low catch-all's range is past the retention (the usual case: it ends where the first
+    partition starts) but no proper partition is, and it holds no row: a pass leaves it where it is
+    (nothing emptied, nothing detached). The dry run said it would empty and detach it, each time
+    partitions were to be made (once a step), with its stale row estimate as jobs deleted."""
+    now = server_now(engine)
+    restart(engine, schema, "completed", now - 3 * HOUR - MINUTE)  # ends at the hour before
+    service = partitioner(completed_retention="3h")
+    planned = run(service, engine, schema, now=now, dry_run=True)
+    done = run(service, engine, schema, now=now)
+    assert done.made >= 3 and (done.emptied, done.detached, done.deleted["completed"]) == (0, 0, 0)
+    assert (planned.emptied, planned.detached, planned.deleted["completed"]) == (0, 0, 0), planned

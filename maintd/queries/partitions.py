@@ -39,9 +39,12 @@ SELECT count(*) FROM pg_class AS c
    AND d.description = :marker
 """
 
-# Partitions a drop would detach, with the planner's row estimate (-1: never analyzed).
+# Partitions past a drop horizon, with the planner's row estimate (-1: never analyzed) and
+# whether their files hold anything (a new or emptied table's do not: nothing to empty). The low
+# catch-all (range_start NULL) is detached only along with a proper partition.
 EXPIRED = """
-SELECT p.partition_name, greatest(c.reltuples, 0)::bigint AS rows
+SELECT p.partition_name, p.range_start, greatest(c.reltuples, 0)::bigint AS rows,
+       pg_relation_size(c.oid) > 0 AS nonempty
   FROM {schema}.job_partitions(:state) AS p
   JOIN pg_class AS c ON c.oid = to_regclass(format('%I.%I', CAST(:schema_name AS text), p.partition_name))
  WHERE p.range_end <= :before

@@ -256,16 +256,20 @@ class Partitioner(Service):
 
     def _plan(self, ctx: PassContext, state: str, make_until: datetime, drop_before: datetime | None,
               result: PartitionerResult) -> None:
-        """Dry run: what a pass would detach (with the planner's estimates) and make."""
+        """Dry run: what a pass would empty and detach (with the planner's estimates) and make,
+        as maintain_partitions does: a partition is emptied when it holds rows, and the expired
+        ones are detached when a proper partition is among them (the low catch-all alone stays)."""
         with ctx.read() as conn:
             row = next(r for r in conn.execute(ctx.sql(q.LAYOUT)) if r.state == state)
-            if drop_before is not None:
-                for r in conn.execute(ctx.sql(q.EXPIRED), {"state": state, "before": drop_before,
-                                                            "schema_name": ctx.schema}):
-                    result.emptied += 1
-                    result.detached += 1
-                    result.deleted[state] += r.rows
-                    result.estimated = True
+            expired = [] if drop_before is None else conn.execute(ctx.sql(q.EXPIRED), {
+                "state": state, "before": drop_before, "schema_name": ctx.schema}).all()
+        for r in expired:
+            if r.nonempty:
+                result.emptied += 1
+                result.deleted[state] += r.rows
+                result.estimated = True
+        if any(r.range_start is not None for r in expired):
+            result.detached += len(expired)
         step, made = self.config.partitions.interval, 0
         while row.high_start + made * step < make_until:
             made += 1
