@@ -82,6 +82,12 @@ class NoAnswer(psycopg.OperationalError):
     """The server did not answer within a connection's ``answer_timeout``."""
 
 
+# Every session of maintd reads times and durations in the styles psycopg 3 parses, whatever the
+# database's or role's defaults (``ALTER DATABASE ... SET DateStyle = 'SQL, DMY'``): it loads
+# timestamps only in the ISO DateStyle and intervals only in the postgres IntervalStyle.
+PINNED = {"DateStyle": "ISO, MDY", "IntervalStyle": "postgres"}
+
+
 def connect(dsn: str, *, application_name: str, autocommit: bool = True,
             settings: dict[str, Any] | None = None, answer_timeout: float | None = None,
             **params: Any) -> psycopg.Connection:
@@ -96,9 +102,9 @@ def connect(dsn: str, *, application_name: str, autocommit: bool = True,
         raise
     conn.answer_timeout = answer_timeout
     set_json_loads(load_json, conn)
+    pinned = {**PINNED, **(settings or {})}
     try:
-        for key, value in (settings or {}).items():
-            conn.execute(psycopg_sql(catalog.SET_SESSION), {"name": key, "value": str(value)})
+        conn.execute(psycopg_sql(catalog.SET_SESSIONS), {"names": list(pinned), "values": [str(v) for v in pinned.values()]})
         conn.autocommit = autocommit
     except BaseException:
         conn.close()

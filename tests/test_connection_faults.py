@@ -9,15 +9,20 @@ invalid_authorization_specification.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import re
 import socket
 import time
 
 import psycopg
+import psycopg.conninfo
 import pytest
 
 from maintd import migrate
+from maintd.cli import main
 from maintd.db import HostOrder, connect, make_engine
 from maintd.faults import sqlstate, transient
 from maintd.queries import daemons, psycopg_sql
@@ -268,3 +273,46 @@ def test_a_schema_dropped_while_running_is_named_not_unreachable(pg_dsn, tmp_pat
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             for name in names:
                 conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+
+
+def test_a_database_with_other_date_and_interval_styles_is_maintained_and_shown(pg_dsn, tmp_path):
+    """A database (or role) may default to another DateStyle or IntervalStyle (PostgreSQL's
+    "Client Connection Defaults": ``ALTER DATABASE ... SET DateStyle = 'SQL, DMY'``). psycopg 3
+    loads timestamps only in the ISO DateStyle (else "can't parse timestamptz with DateStyle
+    'SQL, DMY'", every pass and `maintd status` failed) and intervals only in the postgres style:
+    maintd pins both in each session it opens."""
+    name = f"maintd_styles_{os.getpid()}"
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        admin.execute(f"DROP DATABASE IF EXISTS {name}")
+        admin.execute(f"CREATE DATABASE {name}")
+        admin.execute(f"ALTER DATABASE {name} SET DateStyle = 'SQL, DMY'")
+        admin.execute(f"ALTER DATABASE {name} SET IntervalStyle = 'iso_8601'")
+    dsn = psycopg.conninfo.make_conninfo(pg_dsn, dbname=name)
+    try:
+        migrated(dsn)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            assert conn.execute("SELECT now()::text").fetchone()[0][2] == "/"  # the database's style, as a client sees it
+            conn.execute("INSERT INTO maintd.jobs (kind, state, finalized_at) VALUES ('old', 'completed', now() - interval '30 days')")
+            conn.execute("INSERT INTO maintd.jobs (kind, state, scheduled_at) VALUES ('due', 'scheduled', now() - interval '1 minute')")
+        cfg = tmp_path / "styles.toml"
+        cfg.write_text(f'database_url = "{dsn}"\ninstance_id = "styles"\n')
+        for service in ("cleaner", "scheduler", "rescuer", "periodic", "partitioner"):
+            rc, out, err = run_cli("--config", str(cfg), "run-once", service)
+            assert rc == 0 and json.loads(out)["outcome"] == "success", (service, out, err)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            assert conn.execute("SELECT kind, state FROM maintd.jobs").fetchall() == [("due", "available")]
+        rc, out, err = run_cli("--config", str(cfg), "status", "--json")
+        assert rc == 0 and json.loads(out)["time"][4] == "-", (out, err)  # the server's time, ISO
+        rc, out, err = run_cli("--config", str(cfg), "jobs", "list")
+        assert rc == 0 and "due" in out, (out, err)
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def run_cli(*argv: str) -> tuple[int, str, str]:
+    """``maintd ...`` in this process, with its exit code, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(list(argv))
+    return rc, out.getvalue(), err.getvalue()

@@ -938,12 +938,15 @@ def test_migrate_in_a_session_of_another_date_style_and_zone_starts_the_partitio
     dsn = pg_dsn + ("&" if "?" in pg_dsn else "?") + f"options=-c%20DateStyle%3DSQL%2CDMY%20-c%20TimeZone%3D{zone}"
     migrate_engine = None
     try:
-        from maintd.db import make_engine
+        from sqlalchemy import create_engine
+        from sqlalchemy.pool import NullPool
 
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute("SET TimeZone = 'UTC'")
             before = conn.execute("SELECT date_trunc('hour', now())").fetchone()[0]
-        migrate_engine = make_engine(dsn, application_name="maintd-test-migrate", pooled=False)
+        # Not maintd's own engine, which pins the ISO DateStyle in its sessions (maintd.db.PINNED):
+        # the owner's session as it is (migrate's SQL run by hand, say), which the function must not trust.
+        migrate_engine = create_engine("postgresql+psycopg://", creator=lambda: psycopg.connect(dsn), poolclass=NullPool)
         with migrate_engine.connect() as conn:
             assert conn.execute(text("SHOW DateStyle")).scalar() == "SQL, DMY"
             migrate.upgrade(conn, name, layout=migrate.Layout("partitioned", HOUR, 2))

@@ -6,6 +6,10 @@ STATEMENT_TIME = "SELECT statement_timestamp()"
 
 # A session setting of a new connection (maintd.db.connect).
 SET_SESSION = "SELECT set_config(:name, :value, false)"
+# Several session settings in one round trip (names and values in step).
+SET_SESSIONS = """
+SELECT count(set_config(s.name, s.value, false))
+  FROM unnest(CAST(:names AS text[]), CAST(:values AS text[])) AS s(name, value)"""
 # A setting for the current transaction only (e.g. statement_timeout of a read).
 SET_LOCAL = "SELECT set_config(:name, :value, true)"
 
