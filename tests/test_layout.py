@@ -672,6 +672,35 @@ def test_dry_run_says_what_a_pass_would_do(engine, schema):
     assert partitions(engine, schema) == before
 
 
+
+def test_dry_run_counts_the_rows_a_pass_then_drops(engine, schema):
+    """SPEC 8.4: `run-once partitioner --dry-run` said "would delete 0 (estimated)" of partitions
+    never analyzed (reltuples -1: fewer rows than autovacuum's threshold, or not reached yet),
+    which the pass then emptied of 42 rows (counted exactly), and "emptied" every expired
+    partition, empty ones and all, and "detached" the low catch-all, which a pass never does."""
+    now = server_now(engine)
+    restart(engine, schema, "completed", now - 10 * HOUR)
+    run(partitioner(completed_retention=-1), engine, schema, now=now)
+    insert_final(engine, schema, "completed", now - 8 * HOUR, n=30)
+    insert_final(engine, schema, "completed", now - 5 * HOUR, n=12)
+    insert_final(engine, schema, "completed", now - 20 * HOUR, n=3)  # the low catch-all's
+    before = count(engine, schema)
+    dry = run(partitioner(completed_retention="3h"), engine, schema, now=now, dry_run=True)
+    real = run(partitioner(completed_retention="3h"), engine, schema, now=now)
+    assert before - count(engine, schema) == 45
+    assert dry.deleted == real.deleted == {"completed": 45, "cancelled": 0, "discarded": 0}
+    assert (dry.emptied, dry.detached, dry.estimated) == (real.emptied, real.detached, real.estimated) \
+        == (3, real.detached, False)
+    # Analyzed partitions: the estimate, as the pass counts them (said so).
+    insert_final(engine, schema, "completed", now - 2 * HOUR - 30 * MINUTE, n=7)
+    with engine.begin() as conn:
+        conn.execute(sql("ANALYZE {schema}.jobs", schema))
+    dry = run(partitioner(completed_retention="1h"), engine, schema, now=now, dry_run=True)
+    real = run(partitioner(completed_retention="1h"), engine, schema, now=now)
+    assert dry.deleted == real.deleted and dry.deleted["completed"] == 7
+    assert dry.estimated and real.estimated
+
+
 # -- rows moved to another partition meanwhile (SQLSTATE 40001) -----------------------------------
 
 def waiting_on_a_lock(pg_dsn: str, schema: str) -> bool:

@@ -39,14 +39,22 @@ SELECT count(*) FROM pg_class AS c
    AND d.description = :marker
 """
 
-# Partitions past a drop horizon, with the planner's row estimate (-1: never analyzed) and
-# whether their files hold anything (a new or emptied table's do not: nothing to empty). The low
-# catch-all (range_start NULL) is detached only along with a proper partition.
+# A dry run: the partitions a pass would empty (those with a row) and detach (the proper ones),
+# with their rows counted as maintain_partitions counts them: the planner's estimate once the
+# partition was analyzed, else exactly (through the parent: the range prunes to that partition).
 EXPIRED = """
-SELECT p.partition_name, p.range_start, greatest(c.reltuples, 0)::bigint AS rows,
-       pg_relation_size(c.oid) > 0 AS nonempty
+SELECT p.partition_name, p.range_start IS NOT NULL AS proper, r.nonempty, c.reltuples >= 0 AS estimated,
+       CASE WHEN NOT r.nonempty THEN 0
+            WHEN c.reltuples >= 0 THEN CAST(c.reltuples AS bigint)
+            ELSE (SELECT count(*) FROM {schema}.jobs AS j
+                   WHERE j.state = CAST(:state AS {schema}.job_state) AND j.finalized_at < p.range_end
+                     AND (p.range_start IS NULL OR j.finalized_at >= p.range_start)) END AS rows
   FROM {schema}.job_partitions(:state) AS p
   JOIN pg_class AS c ON c.oid = to_regclass(format('%I.%I', CAST(:schema_name AS text), p.partition_name))
+ CROSS JOIN LATERAL (
+   SELECT EXISTS (SELECT FROM {schema}.jobs AS j
+                   WHERE j.state = CAST(:state AS {schema}.job_state) AND j.finalized_at < p.range_end
+                     AND (p.range_start IS NULL OR j.finalized_at >= p.range_start)) AS nonempty) AS r
  WHERE p.range_end <= :before
 """
 

@@ -256,20 +256,19 @@ class Partitioner(Service):
 
     def _plan(self, ctx: PassContext, state: str, make_until: datetime, drop_before: datetime | None,
               result: PartitionerResult) -> None:
-        """Dry run: what a pass would empty and detach (with the planner's estimates) and make,
-        as maintain_partitions does: a partition is emptied when it holds rows, and the expired
-        ones are detached when a proper partition is among them (the low catch-all alone stays)."""
+        """Dry run: what a pass would detach (with the planner's estimates) and make."""
         with ctx.read() as conn:
             row = next(r for r in conn.execute(ctx.sql(q.LAYOUT)) if r.state == state)
-            expired = [] if drop_before is None else conn.execute(ctx.sql(q.EXPIRED), {
-                "state": state, "before": drop_before, "schema_name": ctx.schema}).all()
-        for r in expired:
-            if r.nonempty:
-                result.emptied += 1
-                result.deleted[state] += r.rows
-                result.estimated = True
-        if any(r.range_start is not None for r in expired):
-            result.detached += len(expired)
+            if drop_before is not None:
+                expired = conn.execute(ctx.sql(q.EXPIRED), {"state": state, "before": drop_before,
+                                                             "schema_name": ctx.schema}).all()
+                # As maintain_partitions: it empties those with rows, and detaches them all (the low
+                # catch-all among them) once a proper partition is past; alone, that one stays.
+                result.detached += len(expired) if any(r.proper for r in expired) else 0
+                for r in expired:
+                    result.emptied += r.nonempty
+                    result.deleted[state] += r.rows
+                    result.estimated = result.estimated or (r.nonempty and r.estimated)
         step, made = self.config.partitions.interval, 0
         while row.high_start + made * step < make_until:
             made += 1
