@@ -238,6 +238,23 @@ def test_dry_run_takes_no_slot(pg_dsn, schema, engine):
     assert jobs(engine, schema) == [] and len(slots(engine, schema)) == 1
 
 
+
+def test_dry_run_says_what_the_pass_then_does_with_a_unique_key(pg_dsn, schema, engine):
+    """SPEC 8.4: with a unique key and missed slots, `run-once periodic --dry-run` said "would
+    enqueue 3": each slot's transaction was rolled back before the next, so the key the first
+    slot's job would hold was free again for the others. The pass then enqueued 1 and skipped 2
+    (duplicate). The dry run now sees what its earlier slots would have done."""
+    settings = make_settings(pg_dsn, schema, unique_key=True, backfill="1h")
+    clock = FrozenClock(START)
+    run(settings, engine, clock)  # the baseline
+    clock.advance(30)
+    dry = run(settings, engine, clock, dry_run=True)
+    assert jobs(engine, schema) == [] and len(slots(engine, schema)) == 1
+    real = run(settings, engine, clock)
+    assert len(jobs(engine, schema)) == 1
+    assert (len(dry.enqueued), dry.skipped) == (len(real.enqueued), real.skipped) == (1, {"tick": {"duplicate": 2}})
+
+
 def test_bad_entries_are_config_errors_naming_the_entry():
     from maintd.config import ConfigError, load_settings
 

@@ -169,6 +169,7 @@ class PassContext:
     partial: Any = None  # the pass's result so far (see begin): what a stopped pass reports
     _conn: Any = field(default=None, repr=False)
     _in_session: bool = field(default=False, repr=False)
+    _rehearsal: Any = field(default=None, repr=False)  # a dry run's one transaction (see rehearsal)
 
     @classmethod
     def for_settings(cls, settings: "Settings", engine: Engine, clock: Clock, **kw: Any) -> "PassContext":
@@ -266,13 +267,43 @@ class PassContext:
             conn.close()
 
     @contextmanager
+    def rehearsal(self) -> Iterator[None]:
+        """In a dry run, the transactions opened meanwhile are savepoints of one transaction,
+        rolled back at the end: each sees what the earlier ones would have done (a unique key the
+        job of an earlier slot would hold), so the dry run says what the pass would do; nothing
+        stays. Outside a dry run, nothing changes. No :meth:`read` inside (it ends a transaction)."""
+        if not self.dry_run or self._rehearsal is not None:
+            yield
+            return
+        self.check_stop()
+        with self.query.timing(), self.engine.connect() as conn, self.query.tracking(conn):
+            self._rehearsal = conn
+            try:
+                yield
+            finally:
+                self._rehearsal = None
+                conn.rollback()
+
+    @contextmanager
+    def _rehearsed(self) -> Iterator[Connection]:
+        """A transaction of a :meth:`rehearsal`: a savepoint, kept when it ends well."""
+        conn = self._rehearsal
+        with conn.begin_nested():
+            yield conn
+
+    @contextmanager
     def transaction(self, *, statement_timeout_ms: int | None = None, fenced: bool = True,
                     settings: dict[str, str] | None = None) -> Iterator[Connection]:
-        """One short transaction. Commits on success; in a dry run it always rolls back. If it
-        wrote anything (and ``fenced``), the fence is checked right before COMMIT, in the same
-        transaction: a write commits only while this instance leads. ``statement_timeout_ms``
-        and ``settings`` (e.g. ``lock_timeout``) hold for this transaction only."""
+        """One short transaction. Commits on success; in a dry run it always rolls back (at the
+        end of a :meth:`rehearsal`). If it wrote anything (and ``fenced``), the fence is checked
+        right before COMMIT, in the same transaction: a write commits only while this instance
+        leads. ``statement_timeout_ms`` and ``settings`` (e.g. ``lock_timeout``) hold for this
+        transaction only."""
         self.check_stop()
+        if self._rehearsal is not None:
+            with self._rehearsed() as conn:
+                yield conn
+            return
         with self.query.timing(), self._checkout() as conn, self.query.tracking(conn):
             try:
                 local = dict(settings or {})

@@ -187,17 +187,18 @@ class PeriodicEnqueuer(Service):
         with ctx.transaction(fenced=False) as conn:
             hwms = {r.periodic_id: (r.hwm, r.taken_under) for r in conn.execute(
                 ctx.sql(periodic_slots.HIGH_WATER), {"ids": [e.job.id for e in entries]})}
-        for entry in entries:
-            ctx.check_stop()
-            try:
-                self._run_entry(ctx, entry, hwms.get(entry.job.id), now, result)
-            except (NotLeader, PassStopped):
-                raise
-            except Exception as exc:  # one broken entry never starves the others
-                result.fail(entry.job.id, describe_db_error(exc))
-                result.skip(entry.job.id, "error")
-                log.error("periodic entry failed", extra=kv(periodic_id=entry.job.id,
-                                                            error=describe_db_error(exc)))
+        with ctx.rehearsal():  # a dry run's slots see what its earlier ones would have done
+            for entry in entries:
+                ctx.check_stop()
+                try:
+                    self._run_entry(ctx, entry, hwms.get(entry.job.id), now, result)
+                except (NotLeader, PassStopped):
+                    raise
+                except Exception as exc:  # one broken entry never starves the others
+                    result.fail(entry.job.id, describe_db_error(exc))
+                    result.skip(entry.job.id, "error")
+                    log.error("periodic entry failed", extra=kv(periodic_id=entry.job.id,
+                                                                error=describe_db_error(exc)))
         if not ctx.dry_run:
             self._prune(ctx, now)
 
