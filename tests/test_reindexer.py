@@ -311,3 +311,40 @@ def test_its_cron_slots_are_the_server_s_time_not_the_host_s(pg_dsn, schema, set
         assert job.next_run_time == server_midnight - timedelta(minutes=5), job.next_run_time
     finally:
         runner.shutdown()
+
+
+def test_a_fenced_pass_counts_no_attempt_it_never_made(pg_dsn, schema, engine):
+    """SPEC 8.4: a pass whose leadership was refused before an index's rebuild reported that index
+    as ``planned`` (a dry run's word) and counted it in maintd_reindex_total{outcome="planned"},
+    an attempt that never happened. Indexes done before the refusal stay as they were."""
+    from maintd.metrics import Metrics
+    from maintd.passes import Outcome, execute_pass
+    from maintd.services.base import NotLeader
+
+    class RefusedAfter:
+        epoch = 4
+
+        def __init__(self, n):
+            self.n = n
+
+        def check(self, conn):
+            self.n -= 1
+            if self.n < 0:
+                raise NotLeader("epoch 4 is over")
+
+    settings = Settings(database_url=pg_dsn, schema=schema,
+                        reindexer={"enabled": True, "indexes": ["jobs_fetch_idx", "jobs_scheduled_idx"]})
+    metrics = Metrics(target=schema)
+    before = index_oids(pg_dsn, schema)
+    ctx = PassContext.for_settings(settings, engine, ServerClock(), fence=RefusedAfter(1))
+    record = execute_pass("reindexer", Reindexer(settings.reindexer), ctx, metrics)
+    assert record.outcome is Outcome.FENCED
+    after = index_oids(pg_dsn, schema)
+    assert after["jobs_fetch_idx"] != before["jobs_fetch_idx"]  # rebuilt before the refusal
+    assert after["jobs_scheduled_idx"] == before["jobs_scheduled_idx"]  # never tried
+    outcomes = {r["index"]: r["outcome"] for r in record.as_dict()["result"]["indexes"]}
+    assert outcomes == {"jobs_fetch_idx": "reindexed"}
+    text_ = metrics.render().decode()
+    assert 'outcome="planned"' not in text_, text_
+    summary = record.as_dict()["summary"]
+    assert summary.startswith("jobs_fetch_idx reindexed") and "jobs_scheduled_idx" not in summary, summary

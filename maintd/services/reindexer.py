@@ -31,7 +31,7 @@ from ..metrics import Family
 from ..queries import catalog
 from ..schedules import ScheduleTrigger, parse_schedule, schedule_trigger
 from ..sections import PositiveDuration, Scheduled
-from .base import PassContext, PassResult, PassStopped, Service
+from .base import NotLeader, PassContext, PassResult, PassStopped, Service
 
 class ReindexerConfig(Scheduled):
     enabled: bool = False
@@ -134,8 +134,12 @@ class Reindexer(Service):
                 continue
             report.bloat_percent = self._bloat(ctx, index, has_pgstattuple)
             artifacts = [n for n, r in catalog_rows.items() if is_artifact(n, index) and not r.valid]
-            if not self._reindex(ctx, report, artifacts):
-                break
+            try:
+                if not self._reindex(ctx, report, artifacts):
+                    break
+            except NotLeader:  # refused before its DDL (prove_leader): no attempt to report
+                result.indexes.remove(report)
+                raise
         refused = [r.index for r in result.indexes if r.outcome == "not_permitted"]
         if refused:  # one line for the pass, not one per index
             log.warning("cannot reindex", extra=kv(indexes=",".join(refused), error=NOT_PERMITTED))
