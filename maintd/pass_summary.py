@@ -82,7 +82,10 @@ def _cleaner(r: Result, verb: str) -> str:
 def _rescuer(r: Result, verb: str) -> str:
     n = _int(r.get("retried")) + _int(r.get("discarded")) + _int(r.get("exhausted"))
     parts = {k: r.get(k) for k in ("retried", "discarded", "exhausted")}
-    return f"{verb('rescued', 'would rescue')} {num(n)}{_parts(parts)}" + _waits(r)
+    line = f"{verb('rescued', 'would rescue')} {num(n)}{_parts(parts)}"
+    if _int(r.get("dated")):  # maintd_rows_skipped_total{reason="future_sign"}
+        line += f", dated now {num(_int(r['dated']))} (sign of life in the future)"
+    return line + _waits(r)
 
 
 def _scheduler(r: Result, verb: str) -> str:
@@ -108,6 +111,8 @@ def _periodic(r: Result, verb: str) -> str:
         line += f", skipped {num(n)}"
     if isinstance(r.get("errors"), Mapping) and r["errors"]:
         line += f", failed {', '.join(sorted(r['errors']))}"
+    if isinstance(r.get("invalid_rows"), Mapping) and r["invalid_rows"]:  # rows_skipped{reason="invalid_row"}
+        line += f", rows not used (error set) {', '.join(sorted(map(str, r['invalid_rows'])))}"
     return line
 
 

@@ -50,6 +50,11 @@ def test_each_service_says_what_it_did_in_words_and_counts():
     for service, (result, expected_counts, line) in cases.items():
         assert counts(service, result) == expected_counts, service
         assert describe(service, result) == line, service
+    # Rows a pass passed over or handled specially (maintd_rows_skipped_total) are said too.
+    assert describe("rescuer", {"retried": 0, "discarded": 0, "exhausted": 0, "dated": 3}) == \
+        "rescued 0, dated now 3 (sign of life in the future)"
+    assert describe("periodic", {"enqueued": [], "invalid_rows": {"b": "schedule: bad", "a": "kind: empty"}}) == \
+        "enqueued 0, rows not used (error set) a, b"
     # A failed pass has no result; an older record missing keys still reads.
     assert counts("cleaner", None) == {} and describe("cleaner", None) == ""
     assert describe("scheduler", {"promoted": {}}) == "promoted 0"
