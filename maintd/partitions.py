@@ -53,6 +53,10 @@ LIVE_PARTITION = "jobs_live"
 # What marks a table detached by maintain_partitions, for drop_detached_partitions.
 DETACHED_COMMENT = "maintd: detached partition, to be dropped"
 
+# An emptied partition's rows are counted exactly up to this many, beyond it estimated (a literal
+# in maintain_partitions, as of migration 0015; partitions.EXPIRED's :cap).
+EXACT_UP_TO = 100_000
+
 # Indexes of the live partition (the plain layout's names: migrations 0001 and 0005). The final
 # states' two are partitioned indexes on jobs itself (every partition gets its own).
 LIVE_INDEXES = {
@@ -363,7 +367,8 @@ DECLARE
   part jsonb;
   r record;
   n bigint;
-  nonempty boolean;
+  cap constant bigint := 100000;  -- EXACT_UP_TO
+  big boolean;
   needs_empty boolean;
   needs_drop boolean;
   needs_make boolean;
@@ -397,26 +402,27 @@ BEGIN
     RETURN;
   END IF;
   -- Empty what will be dropped, each partition under a lock on itself alone: TRUNCATE takes no
-  -- lock on jobs_<state>, so no completion waits for it, and leaves no dead tuple. Its rows: the
-  -- planner's estimate once the table was analyzed, else an exact count. A partition someone reads
-  -- right now is left to the next pass.
-  FOR r IN SELECT p.partition_name, p.range_start, p.range_end, c.reltuples
+  -- lock on jobs_<state>, so no completion waits for it, and leaves no dead tuple. Its rows: counted
+  -- up to cap, beyond it an estimate: the live rows the statistics follow (every insert and delete:
+  -- the cleaner's deletes since the last analyze are not counted again), else the planner's. A
+  -- partition someone reads right now is left to the next pass.
+  FOR r IN SELECT p.partition_name, p.range_start, p.range_end, c.reltuples,
+                  pg_stat_get_live_tuples(c.oid) AS live
              FROM {schema}.job_partitions(p_state) AS p
              JOIN pg_class AS c ON c.oid = to_regclass(format('{schema}.%I', p.partition_name))
             WHERE p.range_end <= p_drop_before LOOP
     BEGIN
       EXECUTE format('LOCK TABLE ONLY {schema}.%I IN ACCESS EXCLUSIVE MODE NOWAIT', r.partition_name);
-      EXECUTE format('SELECT EXISTS (SELECT FROM {schema}.%I)', r.partition_name) INTO nonempty;
-      IF nonempty THEN
-        IF r.reltuples >= 0 THEN
-          n := r.reltuples;
-        ELSE
-          EXECUTE format('SELECT count(*) FROM {schema}.%I', r.partition_name) INTO n;
+      EXECUTE format('SELECT count(*) FROM (SELECT FROM {schema}.%I LIMIT %s) AS l', r.partition_name, cap + 1) INTO n;
+      IF n > 0 THEN
+        big := n > cap;
+        IF big THEN
+          n := greatest(n, CASE WHEN r.live > 0 THEN r.live ELSE CAST(r.reltuples AS bigint) END);
         END IF;
         EXECUTE format('TRUNCATE ONLY {schema}.%I', r.partition_name);
         done := done || jsonb_build_array(jsonb_build_object(
           'action', 'emptied', 'partition_name', r.partition_name, 'range_start', r.range_start,
-          'range_end', r.range_end, 'row_count', n, 'estimated', r.reltuples >= 0));
+          'range_end', r.range_end, 'row_count', n, 'estimated', big));
       END IF;
     EXCEPTION WHEN lock_not_available THEN
       needs_drop := false;  -- not detached before it is emptied (its rows counted)

@@ -539,7 +539,7 @@ def test_expired_rows_go_while_a_completion_holds_the_state_table_and_nobody_que
             size = conn.execute("SELECT pg_relation_size(%s)", (home,)).fetchone()[0]
         assert result.busy == ["completed"] and result.emptied == 1 and result.detached == 0
         assert result.waited_seconds == 0  # nothing to make: one try a pass, no retries for empty tables
-        assert result.deleted["completed"] == 400 and result.estimated  # analyzed: the planner's figure
+        assert result.deleted["completed"] == 400 and not result.estimated  # counted (under EXACT_UP_TO), analyzed or not
         assert set(where(engine, schema)).isdisjoint(old) and set(kept) <= set(where(engine, schema))
         assert partitions(engine, schema) == before  # still attached, empty
         assert locked_out == 0 and elapsed < 5 and size == 0  # gone from the disk: no dead tuples
@@ -691,14 +691,45 @@ def test_dry_run_counts_the_rows_a_pass_then_drops(engine, schema):
     assert dry.deleted == real.deleted == {"completed": 45, "cancelled": 0, "discarded": 0}
     assert (dry.emptied, dry.detached, dry.estimated) == (real.emptied, real.detached, real.estimated) \
         == (3, real.detached, False)
-    # Analyzed partitions: the estimate, as the pass counts them (said so).
+    # Analyzed partitions: counted the same way.
     insert_final(engine, schema, "completed", now - 2 * HOUR - 30 * MINUTE, n=7)
     with engine.begin() as conn:
         conn.execute(sql("ANALYZE {schema}.jobs", schema))
     dry = run(partitioner(completed_retention="1h"), engine, schema, now=now, dry_run=True)
     real = run(partitioner(completed_retention="1h"), engine, schema, now=now)
     assert dry.deleted == real.deleted and dry.deleted["completed"] == 7
-    assert dry.estimated and real.estimated
+    assert dry.estimated == real.estimated
+
+
+
+def test_rows_the_cleaner_deleted_since_the_last_analyze_are_not_counted_again(engine, schema):
+    """SPEC 8.4: an expired partition was counted by its planner estimate once analyzed. The
+    cleaner deletes rows of such partitions (the low catch-all's strays, queues with a shorter
+    retention) and counts them; the drop then counted them again, as the estimate still held them:
+    1,000 deleted for 400 rows gone, maintd_jobs_deleted_total 600 over. Counted exactly now, up
+    to a cap (beyond it, the live-row statistics, which follow deletes, over the estimate)."""
+    now = server_now(engine)
+    restart(engine, schema, "completed", now - 10 * HOUR)
+    run(partitioner(completed_retention=-1), engine, schema, now=now)
+    insert_final(engine, schema, "completed", now - 20 * HOUR, n=1000)  # the low catch-all's
+    insert_final(engine, schema, "completed", now - 8 * HOUR, n=300, queue="short")
+    insert_final(engine, schema, "completed", now - 8 * HOUR, n=50)
+    with engine.begin() as conn:
+        conn.execute(sql("ANALYZE {schema}.jobs", schema))
+    cleaner = CleanerConfig(completed_retention="3h", queues={"short": {"completed_retention": "1h"}})
+    with engine.begin() as conn:  # what the cleaner deleted (and counted) since
+        gone = conn.execute(sql("DELETE FROM {schema}.jobs WHERE id IN (SELECT id FROM {schema}.jobs "
+                                "WHERE finalized_at < :t ORDER BY id LIMIT 600)", schema), {"t": now - 19 * HOUR}).rowcount
+        gone += conn.execute(sql("DELETE FROM {schema}.jobs WHERE queue = 'short'", schema)).rowcount
+    assert gone == 900
+    before = count(engine, schema)
+    dry = run(Partitioner(PartitionerConfig("partitioned", PartitionsConfig(interval=HOUR, premake=2), cleaner)),
+              engine, schema, now=now, dry_run=True)
+    result = run(Partitioner(PartitionerConfig("partitioned", PartitionsConfig(interval=HOUR, premake=2), cleaner)),
+                 engine, schema, now=now)
+    assert before - count(engine, schema) == 450
+    assert result.deleted["completed"] == dry.deleted["completed"] == 450
+    assert not result.estimated and not dry.estimated
 
 
 # -- rows moved to another partition meanwhile (SQLSTATE 40001) -----------------------------------

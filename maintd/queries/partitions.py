@@ -40,21 +40,22 @@ SELECT count(*) FROM pg_class AS c
 """
 
 # A dry run: the partitions a pass would empty (those with a row) and detach (the proper ones),
-# with their rows counted as maintain_partitions counts them: the planner's estimate once the
-# partition was analyzed, else exactly (through the parent: the range prunes to that partition).
+# with their rows counted as maintain_partitions counts them: exactly up to :cap (through the
+# parent: the range prunes to the partition), beyond it the live rows the statistics follow, else
+# the planner's estimate.
 EXPIRED = """
-SELECT p.partition_name, p.range_start IS NOT NULL AS proper, r.nonempty, c.reltuples >= 0 AS estimated,
-       CASE WHEN NOT r.nonempty THEN 0
-            WHEN c.reltuples >= 0 THEN CAST(c.reltuples AS bigint)
-            ELSE (SELECT count(*) FROM {schema}.jobs AS j
-                   WHERE j.state = CAST(:state AS {schema}.job_state) AND j.finalized_at < p.range_end
-                     AND (p.range_start IS NULL OR j.finalized_at >= p.range_start)) END AS rows
+SELECT p.partition_name, p.range_start IS NOT NULL AS proper, r.n > 0 AS nonempty, r.n > :cap AS estimated,
+       CASE WHEN r.n <= :cap THEN r.n
+            ELSE greatest(r.n, CASE WHEN pg_stat_get_live_tuples(c.oid) > 0 THEN pg_stat_get_live_tuples(c.oid)
+                                    ELSE CAST(c.reltuples AS bigint) END) END AS rows
   FROM {schema}.job_partitions(:state) AS p
   JOIN pg_class AS c ON c.oid = to_regclass(format('%I.%I', CAST(:schema_name AS text), p.partition_name))
  CROSS JOIN LATERAL (
-   SELECT EXISTS (SELECT FROM {schema}.jobs AS j
-                   WHERE j.state = CAST(:state AS {schema}.job_state) AND j.finalized_at < p.range_end
-                     AND (p.range_start IS NULL OR j.finalized_at >= p.range_start)) AS nonempty) AS r
+   SELECT count(*) AS n
+     FROM (SELECT FROM {schema}.jobs AS j
+            WHERE j.state = CAST(:state AS {schema}.job_state) AND j.finalized_at < p.range_end
+              AND (p.range_start IS NULL OR j.finalized_at >= p.range_start)
+            LIMIT :cap + 1) AS l) AS r
  WHERE p.range_end <= :before
 """
 

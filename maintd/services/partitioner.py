@@ -16,8 +16,9 @@ completions ``jobs_<state>`` may never be free at an instant: the last of ``TRIE
 for it in the lock queue, at most ``LAST_TRY_WAIT_MS`` (the completions in flight end within
 milliseconds; those arriving meanwhile wait behind it); after that the state is left to the next
 pass (``busy``). Detached tables are dropped in a fenced
-transaction of their own. Rows dropped count as deleted (``maintd_jobs_deleted_total``), from
-the planner's estimate when the partition was analyzed (``estimated``), else counted. A call
+transaction of their own. Rows dropped count as deleted (``maintd_jobs_deleted_total``),
+counted up to ``EXACT_UP_TO``, past that estimated (``estimated``): the rows the cleaner deleted
+since the last analyze are not counted again. A call
 that emptied partitions returns at once: its commit unlinks their old files while it holds no
 lock on ``jobs_<state>``, and the next call detaches them.
 """
@@ -37,7 +38,7 @@ from sqlalchemy.exc import OperationalError
 from ..durations import format_duration, parse_duration
 from ..logs import kv
 from ..metrics import Family
-from ..partitions import DETACHED_COMMENT
+from ..partitions import DETACHED_COMMENT, EXACT_UP_TO
 from ..queries import FINAL_STATES, catalog
 from ..queries import partitions as q
 from ..sections import DURATION_JSON, Section
@@ -127,7 +128,7 @@ class PartitionerResult(PassResult):
     detached: int = 0  # emptied partitions detached (dropped next)
     dropped: int = 0  # detached tables dropped
     deleted: dict[str, int] = field(default_factory=lambda: {s: 0 for s in FINAL_STATES})
-    estimated: bool = False  # some of ``deleted`` is the planner's estimate
+    estimated: bool = False  # some of ``deleted`` is an estimate (a partition past EXACT_UP_TO rows)
     busy: list[str] = field(default_factory=list)  # states left to the next pass (locks held)
     partitions: int = 0  # proper partitions, all final states
     stray_rows: int = 0  # rows in the catch-alls
@@ -256,12 +257,12 @@ class Partitioner(Service):
 
     def _plan(self, ctx: PassContext, state: str, make_until: datetime, drop_before: datetime | None,
               result: PartitionerResult) -> None:
-        """Dry run: what a pass would detach (with the planner's estimates) and make."""
+        """Dry run: what a pass would empty, detach (its rows counted as the pass counts them) and make."""
         with ctx.read() as conn:
             row = next(r for r in conn.execute(ctx.sql(q.LAYOUT)) if r.state == state)
             if drop_before is not None:
                 expired = conn.execute(ctx.sql(q.EXPIRED), {"state": state, "before": drop_before,
-                                                             "schema_name": ctx.schema}).all()
+                                                             "schema_name": ctx.schema, "cap": EXACT_UP_TO}).all()
                 # As maintain_partitions: it empties those with rows, and detaches them all (the low
                 # catch-all among them) once a proper partition is past; alone, that one stays.
                 result.detached += len(expired) if any(r.proper for r in expired) else 0
