@@ -271,7 +271,8 @@ class PassContext:
         """In a dry run, the transactions opened meanwhile are savepoints of one transaction,
         rolled back at the end: each sees what the earlier ones would have done (a unique key the
         job of an earlier slot would hold), so the dry run says what the pass would do; nothing
-        stays. Outside a dry run, nothing changes. No :meth:`read` inside (it ends a transaction)."""
+        stays. Outside a dry run, nothing changes. No :meth:`read` inside (it ends a transaction),
+        and the transactions' ``settings`` and timeout are not applied (they would outlive them)."""
         if not self.dry_run or self._rehearsal is not None:
             yield
             return
