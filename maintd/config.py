@@ -532,6 +532,11 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
             raise ConfigError([f"config: no permission to read {str(p)!r}"]) from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError([f"config: {p}: invalid TOML: {exc}"]) from None
+        except UnicodeDecodeError as exc:  # TOML is UTF-8: a file saved as Latin-1, say
+            raise ConfigError([f"config: {p}: invalid TOML: not UTF-8 (byte 0x{exc.object[exc.start]:02x} "
+                               f"at offset {exc.start})"]) from None
+        except RecursionError:  # tomllib parses nested arrays and tables recursively
+            raise ConfigError([f"config: {p}: invalid TOML: values nested too deeply"]) from None
     data.update(overrides)
     if path is not None and isinstance(data.get("crontab"), str):  # relative to the config file
         data["crontab"] = str(Path(path).parent / Path(data["crontab"]).expanduser())

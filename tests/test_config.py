@@ -501,3 +501,22 @@ def test_a_schema_of_47_characters_is_the_longest_and_its_channels_work(pg_dsn):
         for channel in (handover_channel(schema), periodic_channel(schema), notify_channel(schema), events_channel(schema)):
             conn.execute(f'LISTEN "{channel}"')
             conn.execute("SELECT pg_notify(%s, 'x')", [channel])
+
+
+@pytest.mark.parametrize("body,why", [
+    (b'schema = "caf\xe9"\n', "not UTF-8"),  # a file saved as Latin-1
+    (b"x = " + b"[" * 5000 + b"]" * 5000 + b"\n", "nested too deeply"),
+])
+def test_a_config_file_toml_cannot_read_exits_2_naming_the_file(tmp_path, capsys, body, why):
+    """A config file saved in Latin-1 exited 1 with Python's codec words ("'utf-8' codec can't
+    decode byte 0xe9 in position 12"), naming neither the file nor the config; a deeply nested
+    value exited 1 with "maximum recursion depth exceeded"."""
+    p = tmp_path / "maintd.toml"
+    p.write_bytes(body)
+    with pytest.raises(ConfigError) as err:
+        load_settings(p)
+    [line] = err.value.problems
+    assert line.startswith(f"config: {p}: invalid TOML: ") and why in line, line
+    assert main(["--config", str(p), "check-config"]) == 2
+    err_text = capsys.readouterr().err
+    assert f"config error: config: {p}: invalid TOML" in err_text and "Traceback" not in err_text
