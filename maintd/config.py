@@ -409,8 +409,15 @@ def _load_crontab(path: str, taken: set[str]) -> list[CrontabJob]:
         try:
             jobs.append(CrontabJob.from_entry(e))
         except ValidationError as exc:
-            raise ValueError(f"crontab: {e.source}:{e.line}: {exc.errors()[0]['msg']}") from None
+            err = exc.errors()[0]
+            field = CRONTAB_TERMS.get(str((*err.get("loc", ()), "")[0]), "")
+            msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+            raise ValueError(f"crontab: {e.source}:{e.line}: {field + ': ' if field else ''}{msg}") from None
     return jobs
+
+
+# A periodic entry's fields in a crontab line's words, for its errors.
+CRONTAB_TERMS = {"args": "payload", "unique_key": "jobKey", "kind": "task", "queue": "queue", "id": "id"}
 
 
 # What libpq's parse errors mean, in words of ours: its messages quote the text at fault, which

@@ -520,3 +520,37 @@ def test_a_config_file_toml_cannot_read_exits_2_naming_the_file(tmp_path, capsys
     assert main(["--config", str(p), "check-config"]) == 2
     err_text = capsys.readouterr().err
     assert f"config error: config: {p}: invalid TOML" in err_text and "Traceback" not in err_text
+
+
+@pytest.mark.parametrize("entry,problem", [
+    ("args = { a = nan }", "periodic[0] (id='p').args: a is nan: PostgreSQL's jsonb has no NaN or Infinity"),
+    ("args = { a = [1, -inf] }", "periodic[0] (id='p').args: a[1] is -inf: PostgreSQL's jsonb"),
+    ('args = { a = { b = "x\\u0000y" } }', "periodic[0] (id='p').args: a.b holds a NUL character"),
+    ('args = { "a\\u0000" = 1 }', "periodic[0] (id='p').args: key 'a\\x00' holds a NUL character"),
+    ("args = { at = 1979-05-27T07:32:00Z }", "periodic[0] (id='p').args: at is a TOML date-time"),
+    ("args = { d = [1979-05-27] }", "periodic[0] (id='p').args: d[0] is a TOML date"),
+    ('kind = "k\\u0000"', "periodic[0] (id='p').kind: holds a NUL character"),
+    ('queue = "q\\u0000"', "periodic[0] (id='p').queue: holds a NUL character"),
+    ('unique_key = "u\\u0000"', "periodic[0] (id='p').unique_key: holds a NUL character"),
+])
+def test_a_periodic_entry_postgresql_cannot_store_is_a_config_error(tmp_path, entry, problem):
+    """These passed check-config and `maintd run` started, then every slot of the entry failed
+    ("invalid input syntax for type json", "unsupported Unicode escape sequence", "PostgreSQL text
+    fields cannot contain NUL (0x00) bytes", "Object of type datetime is not JSON serializable"):
+    jsonb holds no NaN, Infinity or \\u0000, text no NUL, and JSON no date."""
+    lines = ["[[periodic]]", "id = 'p'", "schedule = '@hourly'"]
+    lines += [entry] + (["kind = 'k'"] if not entry.startswith("kind") else [])
+    with pytest.raises(ConfigError) as err:
+        load_settings(write(tmp_path, "\n".join(lines) + "\n"))
+    assert problem in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("args", ['{"a": NaN}', '{"a": [Infinity]}', '{"a": "\\u0000"}'])
+def test_periodic_add_with_args_jsonb_cannot_hold_exits_2(args, capsys, monkeypatch):
+    """`maintd periodic add ... --args '{"a": NaN}'` (Python's json takes NaN) exited 1 with the
+    server's "invalid input syntax for type json" after connecting (checked before connecting now:
+    the URL leads nowhere)."""
+    monkeypatch.setenv("MAINTD_DATABASE_URL", "postgresql://u@127.0.0.1:1/none?connect_timeout=1")
+    assert main(["periodic", "add", "p", "--schedule", "@hourly", "--kind", "k", "--args", args]) == 2
+    err = capsys.readouterr().err
+    assert "maintd periodic: error: args: " in err and "Traceback" not in err

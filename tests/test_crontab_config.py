@@ -197,3 +197,19 @@ def test_sighup_reloads_the_crontab_file(tmp_path, pg_dsn, schema, capsys):
     assert not daemon.reload_from_file()  # rejected: the old entries stay
     assert [e.id for e in daemon.targets[0].runner.services["periodic"].config] == ["first", "second"]
     daemon.stop()
+
+
+@pytest.mark.parametrize("crontab, message", [
+    ("0 4 * * * task {a: 'x\\u0000'}\n", "jobs.crontab:1: payload: a holds a NUL character"),
+    ("0 4 * * * task {'a\\u0000': 1}\n", "jobs.crontab:1: payload: key 'a\\x00' holds a NUL character"),
+    ("0 4 * * * task ?jobKey=a%00b\n", "jobs.crontab:1: jobKey: holds a NUL character"),
+])
+def test_a_crontab_line_postgresql_cannot_store_names_the_line_and_option(tmp_path, crontab, message, capsys):
+    """Loaded, then every slot failed ("unsupported Unicode escape sequence", "PostgreSQL text
+    fields cannot contain NUL (0x00) bytes"), as NaN in a payload is refused at load already."""
+    cfg = write_config(tmp_path, "postgresql://u@db.invalid/app", "maintd", crontab)
+    with pytest.raises(ConfigError) as err:
+        load_settings(cfg)
+    assert message in str(err.value), str(err.value)
+    assert main(["--config", cfg, "check-config"]) == 2
+    assert "Traceback" not in capsys.readouterr().err

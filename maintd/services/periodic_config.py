@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import math
 import re
+from datetime import date, datetime, time
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
@@ -39,6 +41,20 @@ class PeriodicJob(Scheduled):
             )
         return v
 
+    @field_validator("kind", "queue", "unique_key")
+    @classmethod
+    def _no_nul(cls, v: Any) -> Any:
+        if isinstance(v, str) and "\x00" in v:  # every enqueue would fail
+            raise ValueError("holds a NUL character (\\u0000), which PostgreSQL's text cannot store")
+        return v
+
+    @field_validator("args")
+    @classmethod
+    def _args(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if (problem := jsonb_problem(v)) is not None:
+            raise ValueError(problem)
+        return v
+
     @property
     def effective_unique_key(self) -> str | None:
         if self.unique_key is True:
@@ -65,3 +81,28 @@ class CrontabJob(PeriodicJob):
                    priority=e.priority, max_attempts=e.max_attempts, backfill=e.backfill,
                    args=e.payload, unique_key=e.job_key, line=f"{e.source}:{e.line}",
                    job_key_mode=(e.job_key_mode or "replace") if e.job_key else None)
+
+
+def jsonb_problem(args: dict[str, Any]) -> str | None:
+    """Why PostgreSQL's jsonb cannot hold ``args`` (each enqueue of the entry would fail), naming
+    the value's place (``a.b[1]``), or None. TOML and Python's json take NaN and Infinity, TOML has
+    dates, and both take \\u0000; jsonb has none of them."""
+    todo: list[tuple[str, Any]] = [("", args)]
+    while todo:
+        where, value = todo.pop()
+        if isinstance(value, dict):
+            if (key := next((k for k in value if "\x00" in k), None)) is not None:
+                return f"key {key!r} holds a NUL character (\\u0000), which PostgreSQL's jsonb cannot store"
+            todo += [(f"{where}.{k}" if where else k, x) for k, x in value.items()]
+        elif isinstance(value, list):
+            todo += [(f"{where}[{i}]", x) for i, x in enumerate(value)]
+        elif isinstance(value, str) and "\x00" in value:
+            return f"{where} holds a NUL character (\\u0000), which PostgreSQL's jsonb cannot store"
+        elif isinstance(value, float) and not math.isfinite(value):
+            return f"{where} is {value}: PostgreSQL's jsonb has no NaN or Infinity"
+        elif isinstance(value, (date, time)):
+            what = "date-time" if isinstance(value, datetime) else type(value).__name__
+            return f"{where} is a TOML {what}, which JSON has no type for: quote it as a string"
+        elif value is not None and not isinstance(value, (str, int, float)):
+            return f"{where} is a {type(value).__name__}, which JSON has no type for"
+    return None
