@@ -661,6 +661,8 @@ def _periodic_values(args: argparse.Namespace) -> dict:
         job_args = json.loads(args.args)
     except json.JSONDecodeError as exc:
         raise ValueError(f"args: not JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError("args: not JSON: nested too deeply") from None
     return {"id": args.id, "schedule": args.schedule, "timezone": args.timezone, "kind": args.kind,
             "queue": args.queue, "args": job_args, "priority": args.priority,
             "max_attempts": args.max_attempts, "backfill": args.backfill,

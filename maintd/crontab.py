@@ -214,6 +214,8 @@ def _parse_payload(text: str | None) -> dict[str, Any]:
         payload = json5.loads(text, parse_constant=_reject_constant, parse_float=_finite)
     except ValueError as exc:
         raise ValueError(f"invalid JSON5 payload: {exc}") from None
+    except RecursionError:
+        raise ValueError("invalid JSON5 payload: nested too deeply") from None
     if not isinstance(payload, dict):
         raise ValueError("the payload must be a JSON5 object")
     return payload

@@ -554,3 +554,11 @@ def test_periodic_add_with_args_jsonb_cannot_hold_exits_2(args, capsys, monkeypa
     assert main(["periodic", "add", "p", "--schedule", "@hourly", "--kind", "k", "--args", args]) == 2
     err = capsys.readouterr().err
     assert "maintd periodic: error: args: " in err and "Traceback" not in err
+
+
+def test_periodic_add_with_args_nested_too_deeply_exits_2(capsys, monkeypatch):
+    """It exited 1 with "maximum recursion depth exceeded while decoding a JSON array"."""
+    monkeypatch.setenv("MAINTD_DATABASE_URL", "postgresql://u@127.0.0.1:1/none?connect_timeout=1")
+    args = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    assert main(["periodic", "add", "p", "--schedule", "@hourly", "--kind", "k", "--args", args]) == 2
+    assert "maintd periodic: error: args: not JSON: nested too deeply" in capsys.readouterr().err

@@ -213,3 +213,14 @@ def test_a_crontab_line_postgresql_cannot_store_names_the_line_and_option(tmp_pa
     assert message in str(err.value), str(err.value)
     assert main(["--config", cfg, "check-config"]) == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_payload_nested_too_deeply_is_a_config_error_naming_the_line(tmp_path, capsys):
+    """It exited 1 with "maximum recursion depth exceeded while calling a Python object"."""
+    cfg = write_config(tmp_path, "postgresql://u@db.invalid/app", "maintd",
+                       "0 4 * * * ok\n0 4 * * * task " + "{a: " * 3000 + "1" + "}" * 3000 + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_settings(cfg)
+    assert "jobs.crontab:2: invalid JSON5 payload: nested too deeply" in str(err.value), str(err.value)
+    assert main(["--config", cfg, "check-config"]) == 2
+    assert "Traceback" not in capsys.readouterr().err
