@@ -308,9 +308,19 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 def cmd_migrate(args: argparse.Namespace) -> int:
     """Every target (or ``--target``'s); one that fails does not stop the others (exit 1)."""
     from . import migrate
-    from .db import describe_db_error
 
     targets = _targets(args)
+    try:
+        return _migrate_targets(targets, args)
+    except migrate.BadRevision as exc:  # a relative revision leading nowhere: usage, exit 2
+        flag = {"revision": "--revision", "downgrade": "--downgrade", "start": "--from"}[exc.option]
+        raise ConfigError([f"{flag} {exc.revision}: {exc}"]) from None
+
+
+def _migrate_targets(targets: list[Settings], args: argparse.Namespace) -> int:
+    from . import migrate
+    from .db import describe_db_error
+
     if args.sql:
         for settings in targets:
             start = args.start if args.start is not None else _schema_revision(settings)
@@ -324,6 +334,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     for settings in targets:
         try:
             _migrate_one(settings, args)
+        except migrate.BadRevision:
+            raise
         except Exception as exc:
             if len(targets) == 1:
                 raise

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import io
+import re
 import time
 import zlib
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from alembic import command
 from alembic.config import Config as AlembicConfig
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 from psycopg import errors as pg_errors
 from sqlalchemy import Connection, text
 from sqlalchemy.exc import DBAPIError
@@ -117,6 +119,16 @@ def current_revision(conn: Connection, schema: str) -> str | None:
 _UNKNOWN = object()  # a target revision that cannot be resolved without running Alembic
 
 
+class BadRevision(ValueError):
+    """A relative revision that leads to no migration (``head+1``, ``+1`` on a current schema):
+    bad usage. ``option`` is the argument at fault: ``revision``, ``downgrade`` or ``start``."""
+
+    def __init__(self, option: str, revision: str, exc: Exception):
+        self.option, self.revision = option, revision
+        why = str(exc).strip() or "no such revision"  # Alembic's bare assert for head+N
+        super().__init__(f"{why} (known: base, {', '.join(revisions())}, head; relative: -1, head-2, +1)")
+
+
 def revisions() -> list[str]:
     """The migrations' revision ids, oldest first."""
     return [script.revision for script in reversed(list(_scripts().walk_revisions()))]
@@ -146,11 +158,24 @@ def upgrade(conn: Connection, schema: str, revision: str = "head",
             layout: Layout = PLAIN) -> tuple[str | None, str | None]:
     """Apply migrations up to ``revision``. Returns (before, after). Safe to run concurrently.
     ``layout`` is what a new schema's jobs table is built as (an existing one is left as it is)."""
-    return _run(conn, schema, _resolve(revision), lambda cfg: command.upgrade(cfg, revision), layout)
+    return _run(conn, schema, _resolve(revision), _relative("revision", revision, command.upgrade), layout)
 
 
 def downgrade(conn: Connection, schema: str, revision: str) -> tuple[str | None, str | None]:
-    return _run(conn, schema, _resolve(revision), lambda cfg: command.downgrade(cfg, revision))
+    return _run(conn, schema, _resolve(revision), _relative("downgrade", revision, command.downgrade))
+
+
+def _relative(option: str, revision: str, step):
+    """Alembic's ``step(cfg, revision)``; a revision that resolves to none (Alembic raises only
+    when run, relative to the schema's revision) is :class:`BadRevision`."""
+    def action(cfg: AlembicConfig) -> None:
+        try:
+            step(cfg, revision)
+        except (CommandError, AssertionError) as exc:
+            if not re.fullmatch(r"\w*[+-][0-9]+", revision):
+                raise  # a named revision: the fault is elsewhere (the schema's own revision, say)
+            raise BadRevision(option, revision, exc) from None
+    return action
 
 
 def _run(conn: Connection, schema: str, target, action, layout: Layout = PLAIN) -> tuple[str | None, str | None]:
@@ -323,5 +348,9 @@ def offline_sql(schema: str, revision: str = "head", start: str | None = None, l
     buf = io.StringIO()
     cfg = alembic_config(schema, layout)
     cfg.attributes["output_buffer"] = buf
-    command.upgrade(cfg, f"{start}:{revision}" if begin is not None else revision, sql=True)
+    try:
+        command.upgrade(cfg, f"{start}:{revision}" if begin is not None else revision, sql=True)
+    except (CommandError, AssertionError) as exc:  # a relative --from or --revision leading nowhere
+        blamed = ("start", start) if begin is _UNKNOWN else ("revision", revision)
+        raise BadRevision(*blamed, exc) from None
     return buf.getvalue()

@@ -172,3 +172,26 @@ def test_0009_replaces_the_three_argument_drop_helper(pg_dsn):
             conn.commit()
     finally:
         engine.dispose()
+
+
+def test_a_relative_revision_that_leads_nowhere_exits_2_naming_the_option(pg_dsn, schema, tmp_path, capsys):
+    """SPEC 8.4: exit 2 for bad usage. `--revision head+1` exited 1 with "maintd: error:
+    AssertionError" (Alembic's bare assert), `--downgrade +1` and `--sql --from head+5` exited 1
+    with Alembic's words; the schema is left as it was."""
+    from maintd.cli import main
+
+    cfg = tmp_path / "maintd.toml"
+    cfg.write_text(f'database_url = "{pg_dsn}"\nschema = "{schema}"\n')
+    for argv, option in [(["migrate", "--revision", "head+1"], "--revision head+1"),
+                         (["migrate", "--revision", "0012+5"], "--revision 0012+5"),
+                         (["migrate", "--downgrade", "+1"], "--downgrade +1"),
+                         (["migrate", "--revision", "-1"], "--revision -1"),
+                         (["migrate", "--sql", "--from", "base", "--revision", "head+1"], "--revision head+1"),
+                         (["migrate", "--sql", "--from", "head+5"], "--from head+5")]:
+        assert main(["--config", str(cfg), *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert f"maintd: config error: {option}: " in err and "Traceback" not in err, (argv, err)
+    engine = make_engine(pg_dsn, application_name="t", pooled=False)
+    with engine.connect() as conn:
+        assert migrate.current_revision(conn, schema) == migrate.head_revision()
+    engine.dispose()
