@@ -577,13 +577,25 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
     try:
         after = datetime.fromisoformat(args.after) if args.after else None
+    except ValueError:
+        print(f"maintd schedule: error: --after {args.after!r}: use an ISO 8601 time (2026-03-01T12:00:00, "
+              "naive = in --timezone)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
         times = upcoming(args.expression, args.timezone, after, args.n)
     except ValueError as exc:
         print(f"maintd schedule: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if not times:
+        print(f"maintd schedule: error: --after {args.after}: no fire time after it within the years 1 to 9999",
+              file=sys.stderr)
+        return EXIT_USAGE
     for t in times:
         utc = t.astimezone(timezone.utc)
         print(f"{t.isoformat()}  ({utc.strftime('%Y-%m-%d %H:%M:%S')} UTC)")
+    if len(times) < args.n:
+        print("maintd schedule: no later fire time before the year 10000 (where Python's dates end)",
+              file=sys.stderr)
     return EXIT_OK
 
 

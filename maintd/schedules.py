@@ -400,7 +400,8 @@ def upcoming(expr: str, timezone: str = "UTC", after: datetime | None = None,
              n: int = 10) -> list[datetime]:
     """The next ``n`` slots of ``expr`` after ``after`` (default: now), in the schedule's zone.
 
-    A naive ``after`` is read as wall-clock time in ``timezone``. For ``maintd schedule``.
+    A naive ``after`` is read as wall-clock time in ``timezone``. For ``maintd schedule``. Fewer
+    than ``n`` when Python's datetime (year 9999) ends first.
     """
     if not 1 <= n <= 10_000:
         raise ValueError(f"n must be between 1 and 10000, got {n}")
@@ -411,8 +412,11 @@ def upcoming(expr: str, timezone: str = "UTC", after: datetime | None = None,
         t = t.replace(tzinfo=zone)
     out = []
     for _ in range(n):
-        t = schedule.next_after(t)
-        out.append(t.astimezone(zone))
+        try:
+            t = schedule.next_after(t)
+            out.append(t.astimezone(zone))
+        except OverflowError:  # past datetime.max
+            break
     return out
 
 

@@ -336,3 +336,21 @@ def test_an_unknown_zone_is_a_value_error_whatever_zoneinfo_raises(name):
 
     with pytest.raises(ValueError, match="unknown time zone"):
         load_timezone(name)
+
+
+@pytest.mark.parametrize("argv,shown,err", [
+    # Python's datetime ends with year 9999: the fire times before it, then a note (exit 0)
+    (["0 0 * * *", "--after", "9999-12-29T12:00:00", "-n", "5"], 2, "no later fire time before the year 10000"),
+    # none at all: nothing to show for this --after (exit 2)
+    (["@every 1h", "--after", "9999-12-31T23:30:00"], 0, "--after 9999-12-31T23:30:00: no fire time after it"),
+    (["@daily", "--after", "yesterday"], 0, "--after 'yesterday': use an ISO 8601 time"),
+])
+def test_maintd_schedule_at_the_end_of_time_or_with_a_bad_after(argv, shown, err, capsys):
+    """`maintd schedule '@every 1h' --after 9999-12-31T23:30:00` exited 1 with "maintd: error:
+    date value out of range" (and a daily schedule near the end printed nothing at all); a bad
+    --after was reported in Python's words without naming the option."""
+    from maintd.cli import main
+
+    assert main(["schedule", *argv]) == (0 if shown else 2)
+    out, text = capsys.readouterr()
+    assert len(out.splitlines()) == shown and err in text and "Traceback" not in text, (out, text)
