@@ -299,8 +299,11 @@ def _migrate(conn: Connection, schema: str, target, action, layout: Layout = PLA
     state = conn.execute(text(catalog.SCHEMA_PRIVILEGES), {"schema": schema}).one()
     before = current_revision(conn, schema) if state.schema_usage else None
     conn.commit()
-    if before == target and (state.versioned or target is None):
-        return before, before  # already there: no DDL, no CREATE privilege needed
+    # Already there: no DDL, no CREATE privilege needed (a schema the role cannot look into has
+    # no revision it could read: check_privileges names the USAGE it lacks).
+    readable = state.schema_usage or not state.schema_exists
+    if before == target and (state.versioned or target is None) and readable:
+        return before, before
     check_privileges(state, schema)
     if not state.schema_exists:
         conn.execute(text(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}"))

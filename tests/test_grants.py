@@ -475,6 +475,20 @@ def test_migrate_work_on_tables_of_another_owner_names_the_owner(pg_dsn, tmp_pat
             assert conn.execute(f'SELECT version_num FROM "{schema}".alembic_version').fetchone()[0] == migrate.head_revision()
 
 
+def test_migrate_by_a_role_that_cannot_see_the_schema_never_says_nothing_to_do(pg_dsn, schema, tmp_path):
+    """A role without USAGE on a migrated schema reads no revision: `migrate --downgrade base`
+    said "schema S is at revision base; nothing to do" (exit 0) while the schema stayed at head,
+    and the operator believed the tables were gone. It names the missing USAGE, as `migrate` does."""
+    with login_role(pg_dsn) as role:
+        res = cli("--config", write_config(tmp_path, schema), "migrate", "--downgrade", "base",
+                  env={"MAINTD_DATABASE_URL": role_dsn(pg_dsn, role)})
+        assert res.returncode == 1 and "nothing to do" not in res.stdout, (res.stdout, res.stderr)
+        [line] = res.stderr.strip().splitlines()
+        assert f"role '{role}' lacks USAGE on schema '{schema}'" in line, line
+    with psycopg.connect(pg_dsn) as conn:
+        assert conn.execute(f'SELECT version_num FROM "{schema}".alembic_version').fetchone()[0] == migrate.head_revision()
+
+
 def test_the_daemon_role_gets_the_owner_named_for_what_no_grant_of_its_own_gives(pg_dsn, tmp_path):
     """`maintd grants` deliberately leaves the conversion (DDL) and writing schedule rows out of
     the daemon's role: the error must say which role can, not advise the grants it already has.
