@@ -397,7 +397,7 @@ def test_a_sign_of_life_from_the_future_is_dated_now_and_the_job_rescued_after_i
     statement sees only what was committed before it began, so every sign a worker wrote with the
     server's now() and we can see is at or before it."""
     from maintd.clock import FrozenClock
-    from maintd.queries import jobs, render
+    from maintd.queries import render
 
     settings.rescuer.heartbeat_timeout = timedelta(seconds=2)
     with engine.begin() as conn:
