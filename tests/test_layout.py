@@ -774,6 +774,7 @@ class Reviver:
         self.watch = psycopg.connect(pg_dsn, autocommit=True)
         self.attempts: dict = {}
         self.revived: list[int] = []
+        self.threads: list[threading.Thread] = []
 
     def __call__(self, conn, cursor, statement, parameters, context, executemany):
         if not statement.lstrip().startswith("DELETE FROM") or "lo" not in (parameters or {}):
@@ -789,7 +790,9 @@ class Reviver:
             return
         self.conn.execute(f"SELECT * FROM {self.schema}.retry_jobs(ARRAY[%s::bigint])", row)  # not committed
         self.revived.append(row[0])
-        threading.Thread(target=self._commit_when_waited_for, args=(cursor.connection.info.backend_pid,)).start()
+        self.threads.append(threading.Thread(target=self._commit_when_waited_for,
+                                             args=(cursor.connection.info.backend_pid,)))
+        self.threads[-1].start()
 
     def _commit_when_waited_for(self, pid: int) -> None:
         deadline = time.monotonic() + 5
@@ -799,6 +802,10 @@ class Reviver:
         self.conn.commit()
 
     def close(self) -> None:
+        """After the commits: one whose batch never waited for its row (its 5 s wait ending after
+        the pass) would otherwise commit on a closed connection, an error in the next test."""
+        for thread in self.threads:
+            thread.join(10)
         self.conn.close()
         self.watch.close()
 
