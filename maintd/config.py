@@ -9,6 +9,7 @@ of :mod:`maintd.sections`, and :class:`Settings` assembles them.
 from __future__ import annotations
 
 import getpass
+import ipaddress
 import os
 import re
 import socket
@@ -70,6 +71,13 @@ def default_instance_id() -> str:
     return (host.lstrip("_.:-") or "maintd") + pid
 
 
+def _address(text: str, kind: type) -> None:
+    try:
+        kind(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not an {kind.__name__[:4]} address") from None
+
+
 class HttpConfig(Section):
     enabled: bool = True
     listen: str = "127.0.0.1:9464"
@@ -91,6 +99,12 @@ class HttpConfig(Section):
         host, sep, port = v.rpartition(":")
         if not sep or not port.isdigit() or not (0 <= int(port) <= 65535) or not host:
             raise ValueError("expected HOST:PORT, e.g. 127.0.0.1:9464")
+        if ":" in host or "[" in host or "]" in host:  # IPv6: only in brackets, as in a URL
+            if not (host.startswith("[") and host.endswith("]")):
+                raise ValueError("an IPv6 address goes in brackets, e.g. [::1]:9464")
+            _address(host[1:-1], ipaddress.IPv6Address)
+        elif re.fullmatch(r"[0-9.]+", host):
+            _address(host, ipaddress.IPv4Address)
         return v
 
     @property

@@ -185,6 +185,12 @@ def test_config_path_from_env(tmp_path, monkeypatch):
     ("[cleaner.queues.\"a\\u0001b\"]\ncompleted_retention = '1h'", "cleaner.queues: invalid queue name 'a\\x01b'"),
     ("[leader]\nlease = '2s'\nrenew_interval = '2s'", "leader.renew_interval"),
     ("[http]\nlisten = 'nope'", "http.listen"),
+    # An IPv6 address goes in brackets, as in a URL (RFC 3986 section 3.2.2); '[::1:9464' listened on ::1.
+    ("[http]\nlisten = '[::1:9464'", "http.listen: an IPv6 address goes in brackets"),
+    ("[http]\nlisten = '::1:9464'", "http.listen: an IPv6 address goes in brackets"),
+    ("[http]\nlisten = '[localhost]:80'", "http.listen: 'localhost' is not an IPv6 address"),
+    # Dotted-decimal IPv4 with four parts of 0-255 (Python's ipaddress, stricter than inet_aton).
+    ("[http]\nlisten = '256.1.1.1:80'", "http.listen: '256.1.1.1' is not an IPv4 address"),
     ("[log]\nformat = 'xml'", "log.format"),
     ("database_url = 'mysql://x@y/z'", "database_url"),
     ("schema = ", "invalid TOML"),
