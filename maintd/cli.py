@@ -6,7 +6,6 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
 from datetime import timezone
 from typing import Callable, Sequence
@@ -247,7 +246,7 @@ def revision(text: str) -> str:
     """A migration revision: an id, ``head``, ``base``, or relative (``-1``, ``head-1``)."""
     from . import migrate
 
-    relative = re.fullmatch(r"(\w*)[+-][0-9]+", text)
+    relative = migrate.RELATIVE.fullmatch(text)
     if migrate.known_revision(relative.group(1) or "head" if relative else text):
         return text
     known = ", ".join(["base", *migrate.revisions(), "head"])

@@ -117,6 +117,8 @@ def current_revision(conn: Connection, schema: str) -> str | None:
 
 
 _UNKNOWN = object()  # a target revision that cannot be resolved without running Alembic
+# A relative revision: steps from a named one (``head-1``) or from the schema's own (``+1``).
+RELATIVE = re.compile(r"(\w*)[+-][0-9]+")
 
 
 class BadRevision(ValueError):
@@ -172,7 +174,7 @@ def _relative(option: str, revision: str, step):
         try:
             step(cfg, revision)
         except (CommandError, AssertionError) as exc:
-            if not re.fullmatch(r"\w*[+-][0-9]+", revision):
+            if not RELATIVE.fullmatch(revision):
                 raise  # a named revision: the fault is elsewhere (the schema's own revision, say)
             raise BadRevision(option, revision, exc) from None
     return action
