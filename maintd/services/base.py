@@ -286,13 +286,6 @@ class PassContext:
                 conn.rollback()
 
     @contextmanager
-    def _rehearsed(self) -> Iterator[Connection]:
-        """A transaction of a :meth:`rehearsal`: a savepoint, kept when it ends well."""
-        conn = self._rehearsal
-        with conn.begin_nested():
-            yield conn
-
-    @contextmanager
     def transaction(self, *, statement_timeout_ms: int | None = None, fenced: bool = True,
                     settings: dict[str, str] | None = None) -> Iterator[Connection]:
         """One short transaction. Commits on success; in a dry run it always rolls back (at the
@@ -301,9 +294,9 @@ class PassContext:
         leads. ``statement_timeout_ms`` and ``settings`` (e.g. ``lock_timeout``) hold for this
         transaction only."""
         self.check_stop()
-        if self._rehearsal is not None:
-            with self._rehearsed() as conn:
-                yield conn
+        if self._rehearsal is not None:  # a savepoint of the rehearsal's transaction, kept when it ends well
+            with self._rehearsal.begin_nested():
+                yield self._rehearsal
             return
         with self.query.timing(), self._checkout() as conn, self.query.tracking(conn):
             try:

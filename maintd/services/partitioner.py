@@ -269,7 +269,7 @@ class Partitioner(Service):
                 for r in expired:
                     result.emptied += r.nonempty
                     result.deleted[state] += r.rows
-                    result.estimated = result.estimated or (r.nonempty and r.estimated)
+                    result.estimated = result.estimated or r.estimated  # past the cap: not empty
         step, made = self.config.partitions.interval, 0
         while row.high_start + made * step < make_until:
             made += 1
