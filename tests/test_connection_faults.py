@@ -9,8 +9,6 @@ invalid_authorization_specification.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -22,13 +20,13 @@ import psycopg.conninfo
 import pytest
 
 from maintd import migrate
-from maintd.cli import main
 from maintd.db import HostOrder, connect, make_engine
 from maintd.faults import sqlstate, transient
 from maintd.queries import daemons, psycopg_sql
 
 from .procs import START, DaemonProc, lock_holders, wait_for
 from .standby import StandbyPair
+from .test_operator_truth import _cli as run_cli
 
 
 def fill(dsn: str, n: int) -> list[psycopg.Connection]:
@@ -308,11 +306,3 @@ def test_a_database_with_other_date_and_interval_styles_is_maintained_and_shown(
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
             admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-
-
-def run_cli(*argv: str) -> tuple[int, str, str]:
-    """``maintd ...`` in this process, with its exit code, stdout and stderr."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(list(argv))
-    return rc, out.getvalue(), err.getvalue()
