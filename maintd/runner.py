@@ -297,20 +297,20 @@ class Runner:
                                            stop_event=threading.Event(), log=logging.getLogger(f"maintd.{name}"),
                                            statements=self.statements)
             self._active[name] = ctx
-        try:
+        try:  # the pass is active until its record is written: a demotion stops that write too
             record = execute_pass(name, service, ctx, self.metrics)
+            self.last_runs[name] = record.as_dict()
+            if record.outcome is Outcome.SUCCESS:
+                self._last_success[name] = record.finished_at
+            record.last_success_at = self._last_success.get(name)
+            if record.outcome is Outcome.FENCED:
+                if not stop_event.is_set():  # this term is still ours as far as the elector knows
+                    self.on_fenced(record.error or "fenced", fence)
+            elif record.outcome is not Outcome.STOPPED and worth_recording(self._recorded.get(name), record):
+                self._record(ctx, record)
         finally:
             self._active.pop(name, None)
             self._pass_ended.set()
-        self.last_runs[name] = record.as_dict()
-        if record.outcome is Outcome.SUCCESS:
-            self._last_success[name] = record.finished_at
-        record.last_success_at = self._last_success.get(name)
-        if record.outcome is Outcome.FENCED:
-            if not stop_event.is_set():  # this term is still ours as far as the elector knows
-                self.on_fenced(record.error or "fenced", fence)
-        elif record.outcome is not Outcome.STOPPED and worth_recording(self._recorded.get(name), record):
-            self._record(ctx, record)
         self._follow_up(name, service, record, stop_event)
 
     def _follow_up(self, name: str, service: Service, record: PassRecord, stop_event: threading.Event) -> None:

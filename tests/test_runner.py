@@ -117,6 +117,47 @@ def test_losing_leadership_stops_passes_within_a_second(settings, engine):
     assert sample(metrics, "maintd_service_runs_total", {"target": TARGET, "service": "rescuer", "outcome": "error"}) == 0
 
 
+class Done(Service):
+    """A pass that does something at once (so its record is written), and says when it has."""
+
+    def __init__(self, config, done: threading.Event):
+        super().__init__(config)
+        self.done = done
+
+    def run_once(self, ctx):
+        self.done.set()
+        return CountResult(1)
+
+
+def test_a_demotion_stops_a_finished_pass_s_record_too(settings, engine, schema):
+    """deactivate() returns once no pass of the term writes any more. A pass that had finished
+    but whose service_runs record still waited (here on a lock) used to count as ended: its
+    record landed after deactivate() returned; a test's DROP SCHEMA once deadlocked with such a
+    late write (CI, PostgreSQL 18)."""
+    done = threading.Event()
+    runner = Runner(settings, engine, Metrics(), build=lambda s: {"cleaner": Done(s.cleaner, done)})
+    runner.start()
+    try:
+        with engine.connect() as blocker:
+            blocker.execute(text(f'LOCK TABLE "{schema}".service_runs IN EXCLUSIVE MODE'))
+            runner.activate(NoFence())
+            wait_for(done.is_set, 5, what="the pass")
+            waiting = text("SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = "
+                           "CAST(:t AS regclass)")
+            wait_for(lambda: blocker.execute(waiting, {"t": f'"{schema}".service_runs'}).scalar() == 1,
+                     5, what="the record waiting on the lock")
+            t0 = time.monotonic()
+            runner.deactivate(timeout=2.0)
+            assert time.monotonic() - t0 < 1.0 and not runner._active
+            blocker.rollback()  # the lock goes: a record still on its way would land now
+        time.sleep(0.5)
+        with engine.connect() as conn:
+            written = conn.execute(text(f'SELECT count(*) FROM "{schema}".service_runs')).scalar()
+        assert written == 0
+    finally:
+        runner.shutdown()
+
+
 def test_execute_pass_reports_fenced(settings, engine, schema):
     """A pass whose write is refused by the fence is "fenced", and its write is rolled back; an
     idle pass (nothing to write) never asks the fence."""
