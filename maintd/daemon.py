@@ -23,7 +23,7 @@ from sqlalchemy import Engine
 from .clock import Clock, ServerClock
 from .config import ConfigError, Settings, _target_settings, load_settings, periodic_counts
 from .dashboard import Dashboard
-from .db import HostOrder, describe_db_error
+from .db import HostOrder, describe_db_error, replaced_params
 from .guardian import HealthMonitor, monitors
 from .faults import transient
 from .http import HttpServer, Recent, as_json, metrics_body, ready_metrics
@@ -172,6 +172,10 @@ class Daemon:
         for target in self.targets:
             for advice in PartitionerConfig.of(target.settings).advice():
                 log.warning("partitioned layout: many partitions", extra=kv(target=target.name, advice=advice))
+        for url, loop in zip(self.hosts, self.loops):
+            if replaced := replaced_params(url):
+                log.warning("database_url: parameters replaced by maintd's own",
+                            extra=kv(targets=",".join(seat.name for seat in loop.targets), **replaced))
         self.timetable.start()
         for i, probe in enumerate(self.probes):  # every second; a probe reads when something is due
             self.timetable.add_job(probe.run, IntervalTrigger(seconds=TICK), id=f"_probe:{i}")

@@ -27,13 +27,33 @@ from .logs import redact_dsn
 from .identifiers import quote_ident  # noqa: F401  (the migrations import it from here)
 from .queries import catalog, psycopg_sql
 
-KEEPALIVES = {
+KEEPALIVES = {  # defaults: a parameter the URL sets itself (``?keepalives_idle=30``) wins
     "keepalives": 1,
     "keepalives_idle": 5,
     "keepalives_interval": 2,
     "keepalives_count": 3,
     "connect_timeout": 5,
 }
+# What maintd sets on its sessions whatever the URL says: the name that tells its sessions apart
+# in pg_stat_activity, and the bounds of the election's timings (derived from leader.lease).
+OWN = {
+    "application_name": "maintd's session names (maintd:<instance>:lock, :work, ...)",
+    "connect_timeout": "leader.lease for the lock session, 3 s for the dashboard's reads",
+    "tcp_user_timeout": "leader.lease",
+}
+
+
+def replaced_params(dsn: str) -> dict[str, str]:
+    """The libpq parameters of ``dsn`` that maintd replaces with its own (see :data:`OWN`), each
+    with what it uses instead: said once at start, not silently dropped."""
+    given = conninfo_to_dict(libpq_dsn(dsn))
+    return {name: f"{given[name]} (maintd uses {OWN[name]})" for name in OWN if name in given}
+
+
+def _params(conninfo: str, params: dict[str, Any]) -> dict[str, Any]:
+    """libpq parameters for a connect: :data:`KEEPALIVES` where the URL sets none, then ``params``."""
+    given = conninfo_to_dict(conninfo)
+    return {**{k: v for k, v in KEEPALIVES.items() if k not in given}, **params}
 
 
 def libpq_dsn(dsn: str) -> str:
@@ -94,11 +114,12 @@ def connect(dsn: str, *, application_name: str, autocommit: bool = True,
     """A raw psycopg connection with TCP keepalives and the given session settings; ``params``
     are extra libpq parameters (e.g. ``tcp_user_timeout``); ``answer_timeout``: see
     :class:`BoundedConnection`."""
+    conninfo = libpq_dsn(dsn)
+    params = _params(conninfo, params)
     try:
-        conn = BoundedConnection.connect(libpq_dsn(dsn), autocommit=True,
-                                         application_name=application_name[:63], **{**KEEPALIVES, **params})
+        conn = BoundedConnection.connect(conninfo, autocommit=True, application_name=application_name[:63], **params)
     except psycopg.OperationalError as exc:
-        faults.diagnose(exc, make_conninfo(libpq_dsn(dsn), **{**KEEPALIVES, **params}))
+        faults.diagnose(exc, make_conninfo(conninfo, **params))
         raise
     conn.answer_timeout = answer_timeout
     set_json_loads(load_json, conn)

@@ -18,6 +18,7 @@ import time
 import psycopg
 import psycopg.conninfo
 import pytest
+from pydantic import SecretStr
 
 from maintd import migrate
 from maintd.db import HostOrder, connect, make_engine
@@ -306,3 +307,39 @@ def test_a_database_with_other_date_and_interval_styles_is_maintained_and_shown(
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
             admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def test_a_url_s_own_libpq_parameters_win_over_defaults_and_those_maintd_replaces_are_said(pg_dsn, configured,
+                                                                                         maintd_log):
+    """``?keepalives_idle=...&connect_timeout=...`` in database_url were silently replaced by
+    maintd's defaults. Now the URL's keepalives and connect timeout win (for the work pool;
+    the lock session and the dashboard's readers keep their own connect timeouts), and what
+    maintd must set itself (its session names, the lease's bounds) is said once at start."""
+    url = pg_dsn + ("&" if "?" in pg_dsn else "?") + \
+        "keepalives_idle=77&connect_timeout=9&application_name=mine&tcp_user_timeout=1234"
+    conn = connect(url, application_name="maintd-test")
+    try:
+        given = conn.info.get_parameters()
+        assert given["keepalives_idle"] == "77" and given["connect_timeout"] == "9", given
+        assert given["keepalives_interval"] == "2" and given["application_name"] == "maintd-test", given
+    finally:
+        conn.close()
+    from maintd.daemon import Daemon
+
+    settings = configured(instance_id="url-params", http={"enabled": False})
+    daemon = Daemon(settings.model_copy(update={"database_url": SecretStr(url)}))
+    daemon.start()
+    try:
+        wait_for(lambda: daemon.is_leader, 10, what="leadership")
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            names = [r[0] for r in admin.execute(
+                "SELECT application_name FROM pg_stat_activity WHERE application_name LIKE %s "
+                "OR application_name = 'mine'", ["maintd:url-params:%"])]
+        assert names and "mine" not in names, names
+    finally:
+        daemon.stop()
+    said = [line for line in maintd_log if "database_url: parameters replaced" in line]
+    assert len(said) == 1, said
+    assert "application_name=mine (maintd uses" in said[0] and "tcp_user_timeout=1234 (maintd uses leader.lease)" in said[0]
+    assert "connect_timeout=9 (maintd uses leader.lease for the lock session" in said[0]
+    assert "keepalives" not in said[0], said
