@@ -22,8 +22,10 @@ Notes on what is *not* granted:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import Connection, text
+from sqlalchemy.exc import DBAPIError
 
 from . import __version__
 from .config import validate_identifier
@@ -139,14 +141,46 @@ def render(schemas: list[str], role: str, *, worker: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
+class NotGranted(RuntimeError):
+    """``--apply`` run by a role that may not grant on the schema's objects (not their owner)."""
+
+
+# SQLSTATE 01007 privilege_not_granted: a GRANT by a role holding some of the privileges but not
+# their grant option is a warning, not an error ("no privileges were granted for ...", PostgreSQL's
+# GRANT page, "Notes"): the daemon's own role applying a worker's grants granted nothing, and said
+# it had granted them.
+PRIVILEGE_NOT_GRANTED = "01007"
+
+
 def apply(conn: Connection, schemas: list[str], role: str, *, worker: bool = False) -> int:
     """Run the grants on ``conn`` (as the owner role) in one transaction, under the migration lock
-    of each schema, so replicas applying them at once do not collide. Returns the statement count."""
+    of each schema, so replicas applying them at once do not collide. Returns the statement count.
+    Raises :class:`NotGranted`, with nothing granted, when the connected role may not grant them."""
+    refused: list[str] = []
+    raw = conn.connection.driver_connection
+
+    def on_notice(diag: Any) -> None:
+        if diag.sqlstate == PRIVILEGE_NOT_GRANTED:
+            refused.append(diag.message_primary)
+
+    raw.add_notice_handler(on_notice)
     count = 0
-    with conn.begin():
-        for schema in schemas:
-            conn.execute(text(catalog.ADVISORY_XACT_LOCK), {"k": lock_key(schema)})
-            for statement, _ in grant_statements(schema, role, worker=worker):
-                conn.execute(text(statement))
-                count += 1
+    try:
+        with conn.begin():
+            for schema in schemas:
+                conn.execute(text(catalog.ADVISORY_XACT_LOCK), {"k": lock_key(schema)})
+                owner, me = conn.execute(text(catalog.SCHEMA_OWNER), {"schema": schema}).one()
+                for statement, _ in grant_statements(schema, role, worker=worker):
+                    try:
+                        conn.execute(text(statement))
+                    except DBAPIError as exc:
+                        if getattr(exc.orig, "sqlstate", None) != "42501":
+                            raise
+                        refused.append(str(exc.orig).splitlines()[0])
+                    if refused:  # the transaction rolls back: nothing is granted
+                        raise NotGranted(f"{refused[0]}: role {me} may not grant on schema {schema}; run "
+                                         f"`maintd grants {role}{' --worker' if worker else ''} --apply` as the schema's owner, {owner}")
+                    count += 1
+    finally:
+        raw.remove_notice_handler(on_notice)
     return count

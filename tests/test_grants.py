@@ -609,6 +609,30 @@ def test_grants_apply_gives_a_role_exactly_the_declared_privileges(pg_dsn, schem
         assert effective_privileges(pg_dsn, schema, role) == declared(grants.WORKER if worker else grants.DAEMON)
 
 
+@pytest.mark.parametrize("grantor", ["daemon", "stranger"])
+def test_grants_apply_by_a_role_that_may_not_grant_fails_naming_the_owner_and_grants_nothing(
+        pg_dsn, schema, tmp_path, grantor):
+    """The daemon's own role applying a worker's grants: PostgreSQL's GRANT by a role that holds
+    the privileges without their grant option is only a warning ("no privileges were granted",
+    SQLSTATE 01007; PostgreSQL's GRANT page, Notes), and maintd printed "granted role ... (2
+    statements)" with exit 0 while the worker got nothing. A role with no privileges at all gets
+    an error, whose hint told it to run the very command it ran. Both now fail with exit 1, naming
+    the schema's owner, and nothing is granted."""
+    with login_role(pg_dsn, "maintd_g") as runner, login_role(pg_dsn, "maintd_w") as worker:
+        if grantor == "daemon":
+            apply_by_cli(pg_dsn, tmp_path, schema, runner, worker=False)
+        res = cli("--config", write_config(tmp_path, schema), "grants", worker, "--worker", "--apply",
+                  env={"MAINTD_DATABASE_URL": role_dsn(pg_dsn, runner)})
+        assert res.returncode == 1 and res.stdout == "", res.stdout + res.stderr
+        line = res.stderr.strip()
+        assert len(line.splitlines()) == 1, line
+        assert f"role {runner} may not grant on schema {schema}" in line, line
+        assert f"run `maintd grants {worker} --worker --apply` as the schema's owner, postgres" in line, line
+        assert "granted role" not in line, line
+        assert ("no privileges were granted" if grantor == "daemon" else "permission denied") in line, line
+        assert effective_privileges(pg_dsn, schema, worker) == {}
+
+
 def readme_worker_sql(schema: str) -> list[str]:
     """The worker statements of the README, verbatim, in psycopg's parameter style, for ``schema``."""
     from pathlib import Path

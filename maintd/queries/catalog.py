@@ -88,6 +88,11 @@ SELECT current_user AS role, current_database() AS database,
 TRY_ADVISORY_LOCK = "SELECT pg_try_advisory_lock(:k)"
 ADVISORY_UNLOCK = "SELECT pg_advisory_unlock(:k)"
 ADVISORY_XACT_LOCK = "SELECT pg_advisory_xact_lock(:k)"
+# Who may grant on a schema's objects: its owner (maintd's owner role), named in an error.
+SCHEMA_OWNER = """
+SELECT coalesce((SELECT CAST(nspowner AS regrole)::text FROM pg_namespace WHERE nspname = :schema), '?'),
+       current_user
+"""
 
 FUNCTION_EXISTS = "SELECT to_regprocedure(:f) IS NOT NULL"
 
