@@ -420,13 +420,43 @@ def test_a_sign_of_life_from_the_future_is_dated_now_and_the_job_rescued_after_i
         result = rescuer.run_once(PassContext.for_settings(settings, engine, FrozenClock(before)))
     assert (result.retried, result.discarded, result.skipped_rows()) == (0, 0, {"future_sign": 2})
     r = rows(engine, schema)
-    assert before <= r[ahead_10y].heartbeat_at <= server_now() and before <= r[ahead_2h].heartbeat_at <= server_now()
+    assert before <= r[ahead_10y].heartbeat_at <= server_now() and before <= r[ahead_2h].attempted_at <= server_now()
+    assert r[ahead_2h].heartbeat_at is None  # never heartbeated: its claim time is dated, not a heartbeat made up
     assert r[ahead_30s].heartbeat_at > server_now() + timedelta(seconds=20)
     assert [rec.fields["job_ids"] for rec in caplog.records
             if rec.getMessage().startswith("dated now the sign of life")] == [f"{min(ahead_10y, ahead_2h)},{max(ahead_10y, ahead_2h)}"]
     time.sleep(2.5)  # the grace passes with no newer sign
     result = rescuer.run_once(PassContext.for_settings(settings, engine, FrozenClock(server_now())))
     r = rows(engine, schema)
-    assert {i: r[i].state for i in (ahead_10y, ahead_2h, ahead_30s)} == {
-        ahead_10y: "retryable", ahead_2h: "retryable", ahead_30s: "running"}
+    assert {i: r[i].state for i in (ahead_10y, ahead_2h, ahead_30s)} == {  # ahead_2h: 1 h grace, no heartbeat
+        ahead_10y: "retryable", ahead_2h: "running", ahead_30s: "running"}
     assert result.skipped_rows() == {"future_sign": 0}
+
+
+def test_a_future_claim_time_is_dated_without_inventing_a_heartbeat(settings, engine, schema, caplog):
+    """A job claimed with a time in the server's future (a worker writing its own clock) that never
+    heartbeated: dating it now must keep it a job that never heartbeated, judged by
+    rescue_stuck_jobs_after (1 h), not by heartbeat_timeout (SPEC 2: that rule holds only for a
+    job that "has heartbeated"). Dating wrote heartbeat_at, so a live worker that does not
+    heartbeat lost its job heartbeat_timeout after the dating."""
+    from maintd.clock import FrozenClock
+
+    settings.rescuer.heartbeat_timeout = timedelta(minutes=2)
+    with engine.begin() as conn:
+        job = conn.execute(sql(
+            "INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at, attempted_by) "
+            "VALUES ('k', 'running', 1, now() + interval '2 hours', 'w1') RETURNING id", schema)).scalar_one()
+        before = conn.execute(text("SELECT now()")).scalar()
+    rescuer = Rescuer(settings.rescuer)
+    result = rescuer.run_once(PassContext.for_settings(settings, engine, FrozenClock(before)))
+    assert result.skipped_rows() == {"future_sign": 1}
+    dated = rows(engine, schema)[job]
+    assert dated.heartbeat_at is None, f"dating invented a heartbeat: heartbeat_at={dated.heartbeat_at}"
+    assert dated.attempted_at <= before + timedelta(minutes=1)
+    with engine.begin() as conn:  # ten minutes pass with no heartbeat (the worker does not send any)
+        conn.execute(sql("UPDATE {schema}.jobs SET attempted_at = attempted_at - interval '10 minutes', "
+                         "heartbeat_at = heartbeat_at - interval '10 minutes' WHERE id = :id", schema), {"id": job})
+        now = conn.execute(text("SELECT now()")).scalar()
+    result = Rescuer(settings.rescuer).run_once(PassContext.for_settings(settings, engine, FrozenClock(now)))
+    assert (result.retried, result.discarded) == (0, 0)
+    assert rows(engine, schema)[job].state == "running"

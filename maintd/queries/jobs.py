@@ -284,7 +284,10 @@ SELECT (SELECT count(*) FROM candidates) AS candidates,
 # writing its own clock's time, an import): the keyset above would reach them only then. Such a
 # sign was given no later than now, so it is dated now (the statement's time, never before a sign
 # committed by then): a live worker's next one replaces it, and a dead worker's job is stuck once
-# its grace has passed, like any other. Newest first, through jobs_running_idx backwards.
+# its grace has passed, like any other. The sign dated is the one that was given: heartbeat_at
+# if the job heartbeated, else attempted_at (a heartbeat_at written for a job that never
+# heartbeated would put it under heartbeat_timeout, which holds only for jobs that heartbeat).
+# Newest first, through jobs_running_idx backwards.
 RESCUER_FUTURE_SIGN_BATCH = """
 WITH candidates AS MATERIALIZED (
   SELECT id, ctid FROM {schema}.jobs
@@ -295,7 +298,9 @@ WITH candidates AS MATERIALIZED (
    LIMIT :limit
      FOR NO KEY UPDATE SKIP LOCKED
 ), dated AS (
-  UPDATE {schema}.jobs AS j SET heartbeat_at = statement_timestamp()
+  UPDATE {schema}.jobs AS j
+     SET heartbeat_at = CASE WHEN j.heartbeat_at IS NOT NULL THEN statement_timestamp() END,
+         attempted_at = CASE WHEN j.heartbeat_at IS NULL THEN statement_timestamp() ELSE j.attempted_at END
    WHERE j.ctid = ANY(ARRAY(SELECT ctid FROM candidates))
      AND j.id IN (SELECT id FROM candidates)
      AND j.state = 'running'

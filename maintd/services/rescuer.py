@@ -26,7 +26,9 @@ due, and a job the last batch saw stuck but could not take (locked) is left to t
 
 A running job whose sign of life lies more than ``FUTURE_AHEAD`` in the server's future (a worker
 writing its own clock's time, an import), which the keyset would reach only then, has it dated now
-(logged, counted as ``maintd_rows_skipped_total{reason="future_sign"}``): a live worker's next
+(``heartbeat_at``, or ``attempted_at`` for a job that never heartbeated, so that only jobs that
+heartbeat come under ``heartbeat_timeout``; logged, counted as
+``maintd_rows_skipped_total{reason="future_sign"}``): a live worker's next
 heartbeat replaces it, and a dead worker's job is rescued once its grace has passed.
 
 Waiting jobs (``available``, ``scheduled``, ``retryable``) with no attempt left (``attempt >=
