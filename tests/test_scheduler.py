@@ -145,6 +145,32 @@ def test_a_due_job_locked_by_another_session_does_not_hold_up_the_others(setting
     s = states(engine, schema)
     assert [s[i] for i in others] == ["available"] * 3 and s[held] == "scheduled"
 
+def test_a_due_job_it_cannot_take_does_not_make_a_precise_scheduler_spin(settings, engine, schema):
+    """A due job whose row another session holds is passed over; the precise pass must not ask for
+    another pass at that job's past due time (every MIN_WAKE, 20 passes a second for as long as
+    the row is held): it is left to the due-time probe, like the rescuer's locked stuck job. A
+    job due later is still waited for."""
+    settings.scheduler.interval = timedelta(seconds=3)
+    with engine.begin() as conn:
+        held = conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) VALUES "
+                                "('k', 'scheduled', clock_timestamp() - interval '1 second') RETURNING id",
+                                schema)).scalar()
+    holder = engine.connect()
+    holder.execute(sql("SELECT 1 FROM {schema}.jobs WHERE id = :id FOR UPDATE", schema), {"id": held})
+    try:
+        first = Scheduler(settings.scheduler).run_once(PassContext.for_settings(settings, engine, ServerClock()))
+        with engine.begin() as conn:
+            later = conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) VALUES "
+                                     "('k', 'scheduled', clock_timestamp() + interval '2 seconds') "
+                                     "RETURNING scheduled_at", schema)).scalar()
+        second = Scheduler(settings.scheduler).run_once(PassContext.for_settings(settings, engine, ServerClock()))
+    finally:
+        holder.rollback()
+        holder.close()
+    assert (first.total, first.wake_at()) == (0, None), f"asked for a pass at {first.wake_at()} for a held row"
+    assert (second.total, second.wake_at()) == (0, later)
+
+
 def test_statements_are_index_backed(settings, engine, schema):
     """Promotion, the idle probe and the dry-run count read jobs_scheduled_idx, with values known or
     as a generic prepared plan; never a Seq Scan. Half the other jobs wait, so that partitioned

@@ -471,9 +471,14 @@ RESCUER_PROBE = ["""(SELECT min(coalesce(heartbeat_at, attempted_at)) FROM {sche
      AND coalesce(heartbeat_at, attempted_at) >= '0001-01-02 00:00:00+00'
      AND coalesce(heartbeat_at, attempted_at) < '9999-12-31 00:00:00+00')"""]
 
+# After a batch that promoted fewer than its limit: the next due time to wait for, after the due
+# bound of SCHEDULER_PROMOTE (its :now). A row due by then that is still waiting is one the batch
+# could not take (held by another session): it is the due-time probe's (once a second), not a time
+# to wake for again and again (every MIN_WAKE while it is held).
 SCHEDULER_NEXT_DUE = """
 SELECT min(scheduled_at) FROM {schema}.jobs
  WHERE state IN ('scheduled', 'retryable')
+   AND scheduled_at > least(CAST(:now AS timestamptz), statement_timestamp())
    AND scheduled_at >= '0001-01-02 00:00:00+00' AND scheduled_at < '9999-12-31 00:00:00+00'
 """
 

@@ -133,12 +133,13 @@ class Scheduler(Service):
             next_due, limit = None, ctx.redo_limit(self.config.batch_size)  # smaller when redone (40001)
             try:
                 with ctx.transaction() as conn:
-                    rows = conn.execute(ctx.sql(jobs.SCHEDULER_PROMOTE), {"now": ctx.now(), "limit": limit}).all()
+                    now = ctx.now()
+                    rows = conn.execute(ctx.sql(jobs.SCHEDULER_PROMOTE), {"now": now, "limit": limit}).all()
                     if rows:
                         conn.execute(ctx.sql(jobs.NOTIFY_QUEUES), {"channel": channel, "queues": [r.queue for r in rows]})
                     promoted = sum(r.n for r in rows)
-                    if promoted < limit:
-                        next_due = conn.execute(ctx.sql(jobs.SCHEDULER_NEXT_DUE)).scalar()
+                    if promoted < limit:  # what is due and left is held by another session: not waited for
+                        next_due = conn.execute(ctx.sql(jobs.SCHEDULER_NEXT_DUE), {"now": now}).scalar()
             except DBAPIError as exc:
                 if ctx.moved_meanwhile(exc):  # cancelled (say) meanwhile
                     continue
