@@ -232,6 +232,28 @@ def test_batch_pause_after_batches_that_deleted_rows_never_after_a_targets_last(
     assert ctx.pauses in ([0.25] * 3, [0.25] * 4)
 
 
+class SleepingContext(PausingContext):
+    """Records the pauses a pass asks for, and sleeps them."""
+
+    def pause(self, seconds):
+        self.pauses.append(seconds)
+        PassContext.pause(self, seconds)
+
+
+def test_a_batch_pause_is_not_taken_for_a_slow_batch(settings, engine, schema, clock):
+    """The pause after a batch was timed as part of the batch: with a pause longer than
+    BATCH_TARGET every predicted range came out narrower than the last (0.2 s / 0.25 s), so a
+    backlog went in ever smaller batches, each followed by a pause (600 rows, batches of 100 at
+    most: 24 or 25 batches, not 8). A pause is idle time, not the batch's."""
+    settings.cleaner.batch_size = 100
+    settings.cleaner.batch_pause = timedelta(milliseconds=250)
+    insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=600, spread=True)
+    ctx = SleepingContext.for_settings(settings, engine, clock)
+    result = Cleaner(settings.cleaner).run_once(ctx)
+    assert result.deleted["completed"] == 600
+    assert result.batches <= 8, f"{result.batches} batches (and {len(ctx.pauses)} pauses) for 600 rows of 100"
+
+
 def test_a_stop_during_a_batch_pause_ends_the_pass_at_once(settings, engine, schema, clock):
     settings.cleaner.batch_size = 100
     settings.cleaner.batch_pause = timedelta(seconds=10)

@@ -358,6 +358,7 @@ class Cleaner(Service):
             except OperationalError as exc:
                 self._recover(exc, ctx, plan, predicted, limit, target, result)
                 continue
+            seconds = time.monotonic() - started  # the batch's own time: the pause is idle
             self._grow()
             if n:
                 result.batches += 1
@@ -366,7 +367,7 @@ class Cleaner(Service):
                 return
             if n:
                 ctx.pause(pause)
-            plan.advance(hi, n, limit, time.monotonic() - started, predicted)
+            plan.advance(hi, n, limit, seconds, predicted)
 
     def _delete_ancient(self, ctx: PassContext, target: Target, result: CleanerResult) -> None:
         """Rows finalized before ``FAR_PAST`` (odd but final, so expired): one index probe, in a
