@@ -254,6 +254,21 @@ def test_a_batch_pause_is_not_taken_for_a_slow_batch(settings, engine, schema, c
     assert result.batches <= 8, f"{result.batches} batches (and {len(ctx.pauses)} pauses) for 600 rows of 100"
 
 
+def test_a_pass_s_duration_leaves_out_its_batch_pauses(settings, engine, schema, clock):
+    """maintd_service_run_seconds and run-once's duration_seconds are the work (SPEC 7.4, 8.4):
+    the pauses between batches were counted in, a pass of 300 rows reported 1 s of 'work'."""
+    from maintd.passes import execute_pass
+
+    settings.cleaner.batch_size = 100
+    settings.cleaner.batch_pause = timedelta(milliseconds=250)
+    insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=300, spread=True)
+    ctx = SleepingContext.for_settings(settings, engine, clock)
+    record = execute_pass("cleaner", Cleaner(settings.cleaner), ctx)
+    assert record.result.deleted["completed"] == 300 and len(ctx.pauses) >= 2
+    assert record.seconds < 0.25, f"{record.seconds:.3f} s of work for {len(ctx.pauses)} pauses of 0.25 s"
+    assert record.result.waited() >= 0.25 * len(ctx.pauses)
+
+
 def test_a_stop_during_a_batch_pause_ends_the_pass_at_once(settings, engine, schema, clock):
     settings.cleaner.batch_size = 100
     settings.cleaner.batch_pause = timedelta(seconds=10)

@@ -138,10 +138,14 @@ class CleanerResult(PassResult):
     overflows: int = 0  # predicted batches rolled back because they held more than batch_size rows
     dry_run: bool = False
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> rows passed over
+    waited_seconds: float = 0.0  # batch pauses: idle, not work (out of the pass's duration)
 
     @property
     def total(self) -> int:
         return sum(self.deleted.values())
+
+    def waited(self) -> float:
+        return self.waited_seconds
 
     def skipped_rows(self) -> dict[str, int]:
         return self.skipped
@@ -366,8 +370,17 @@ class Cleaner(Service):
             if last:
                 return
             if n:
-                ctx.pause(pause)
+                self._pause(ctx, pause, result)
             plan.advance(hi, n, limit, seconds, predicted)
+
+    @staticmethod
+    def _pause(ctx: PassContext, seconds: float, result: CleanerResult) -> None:
+        """``batch_pause``, counted as waited (a stop during it ends the pass at once)."""
+        started = time.monotonic()
+        try:
+            ctx.pause(seconds)
+        finally:
+            result.waited_seconds += time.monotonic() - started
 
     def _delete_ancient(self, ctx: PassContext, target: Target, result: CleanerResult) -> None:
         """Rows finalized before ``FAR_PAST`` (odd but final, so expired): one index probe, in a
