@@ -156,6 +156,44 @@ def test_timeout_during_the_build_leaves_no_artifact(pg_dsn, schema, settings, e
     assert after["jobs_finalized_idx"] is True
 
 
+def test_a_rebuild_by_someone_else_is_left_alone_and_the_error_names_its_copy(pg_dsn, schema, settings, engine,
+                                                                              caplog):
+    """Another session's REINDEX CONCURRENTLY in progress has an invalid ``_ccnew`` too: the pass
+    cannot drop it (the other build holds the table) and gives up after lock_timeout, leaving the
+    other build to finish. The error said only 'canceling statement due to lock timeout' under
+    'reindex failed index=jobs_finalized_idx', as if the rebuild had timed out: it names the
+    leftover it could not drop."""
+    seed(pg_dsn, schema, 200)
+    settings.reindexer.indexes = ["jobs_finalized_idx"]
+    settings.reindexer.lock_timeout = timedelta(milliseconds=500)
+    blocker = psycopg.connect(pg_dsn)  # keeps the other build waiting, its copy invalid
+    blocker.execute(f'UPDATE "{schema}".jobs SET priority = 1 WHERE id = (SELECT min(id) FROM "{schema}".jobs)')
+    failed = []
+
+    def other_build():
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            try:
+                conn.execute(f'REINDEX INDEX CONCURRENTLY "{schema}".jobs_finalized_idx')
+            except psycopg.Error as exc:
+                failed.append(exc)
+
+    other = threading.Thread(target=other_build)
+    other.start()
+    try:
+        wait_for(lambda: indexes(pg_dsn, schema).get("jobs_finalized_idx_ccnew") is False, 10,
+                 what="the other session's build under way")
+        [report] = run(settings, engine).indexes
+    finally:
+        blocker.rollback()
+        blocker.close()
+        other.join()
+    assert report.outcome == "timeout" and report.artifacts_dropped == []
+    assert "jobs_finalized_idx_ccnew" in report.error, report.error
+    assert not failed and not [n for n in indexes(pg_dsn, schema) if "_cc" in n]  # the other build finished
+    assert any("jobs_finalized_idx_ccnew" in str(getattr(r, "fields", "")) for r in caplog.records
+               if "could not drop" in r.getMessage())
+
+
 def test_missing_configured_index_is_a_warning(pg_dsn, schema, settings, engine, caplog):
     settings.reindexer.indexes = ["jobs_nope_idx", "jobs_pkey"]
     result = run(settings, engine)

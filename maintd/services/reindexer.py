@@ -82,6 +82,7 @@ class IndexReport:
     bloat_percent: float | None = None
     artifacts_dropped: list[str] = field(default_factory=list)
     error: str | None = None
+    failed_on: str | None = None  # the leftover whose drop failed (None: the rebuild, if any)
 
 
 @dataclass
@@ -190,6 +191,8 @@ class Reindexer(Service):
         """Classify a failed build by SQLSTATE (a cancel we asked for is ``cancelled``)."""
         sqlstate = getattr(exc.orig, "sqlstate", None)
         report.error = describe_db_error(exc)
+        if report.failed_on is not None:
+            report.error = f"dropping the leftover index {report.failed_on}: {report.error}"
         if ctx.should_stop():
             report.outcome = "cancelled"
         else:
@@ -212,18 +215,24 @@ class Reindexer(Service):
         return self.config.lock_timeout + self.config.timeout
 
     def _drop(self, ctx: PassContext, name: str, report: IndexReport) -> None:
-        self._ddl(ctx, f"DROP INDEX CONCURRENTLY IF EXISTS {qualified(ctx.schema, name)}", self._drop_timeout)
+        try:
+            self._ddl(ctx, f"DROP INDEX CONCURRENTLY IF EXISTS {qualified(ctx.schema, name)}", self._drop_timeout)
+        except DBAPIError:
+            report.failed_on = name  # the error names the leftover (another session's build, say)
+            raise
         report.artifacts_dropped.append(name)
         log.info("dropped leftover index of a failed build", extra=kv(index=name))
 
     def _drop_leftovers(self, ctx: PassContext, report: IndexReport) -> None:
         """A cancelled REINDEX CONCURRENTLY leaves an invalid ``<index>_ccnew``: remove it now
         (even when the pass is stopping: this DDL is not cancelled by the stop flag)."""
+        name = report.index  # what the warning names: the index, then the leftover being dropped
         try:
             with ctx.engine.connect() as conn:
                 rows = conn.execute(text(catalog.JOBS_INDEXES), {"schema": ctx.schema}).all()
             for r in rows:
                 if is_artifact(r.name, report.index) and not r.valid:
+                    name = r.name
                     with ctx.autocommit(lock_timeout_ms=ms(self.config.lock_timeout),
                                         statement_timeout_ms=ms(self._drop_timeout)) as conn:
                         conn.exec_driver_sql(f"DROP INDEX CONCURRENTLY IF EXISTS {qualified(ctx.schema, r.name)}")
@@ -231,7 +240,7 @@ class Reindexer(Service):
                     log.info("dropped leftover of the cancelled build", extra=kv(index=r.name))
         except DBAPIError as exc:
             log.warning("could not drop the leftover index; the next pass will",
-                        extra=kv(index=report.index, error=describe_db_error(exc)))
+                        extra=kv(index=name, of=report.index, error=describe_db_error(exc)))
 
     def _size(self, ctx: PassContext, index: str) -> int | None:
         with ctx.engine.connect() as conn:
