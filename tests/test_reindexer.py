@@ -194,6 +194,34 @@ def test_a_rebuild_by_someone_else_is_left_alone_and_the_error_names_its_copy(pg
                if "could not drop" in r.getMessage())
 
 
+def test_a_rebuild_cancelled_by_a_stop_is_a_stopped_pass_not_a_success(pg_dsn, schema, settings, engine):
+    """A rebuild cancelled by a demotion or a shutdown (the runner's stop: flag set, query
+    cancelled) ended the pass normally, so it was recorded as a ``success`` (and set
+    maintd_service_last_success_timestamp_seconds) although it rebuilt nothing: a reindexer that
+    never gets to finish looked healthy. Its leftover is still dropped, and the index reported
+    ``cancelled``."""
+    from maintd.passes import Outcome, execute_pass
+    from maintd.runner import _stop
+
+    seed(pg_dsn, schema)
+    settings.reindexer.indexes = ["jobs_finalized_idx", "jobs_pkey"]
+    settings.reindexer.lock_timeout = timedelta(seconds=20)
+    blocker = psycopg.connect(pg_dsn)  # the build waits for its snapshot, its copy made
+    blocker.execute(f'SELECT count(*) FROM "{schema}".jobs')
+    ctx = PassContext.for_settings(settings, engine, ServerClock())
+    stop = threading.Timer(1.0, _stop, (ctx,))
+    release = threading.Timer(2.5, blocker.rollback)
+    stop.start(), release.start()
+    try:
+        record = execute_pass("reindexer", Reindexer(settings.reindexer), ctx)
+    finally:
+        stop.join(), release.join()
+        blocker.close()
+    assert [(r.index, r.outcome) for r in record.result.indexes] == [("jobs_finalized_idx", "cancelled")]
+    assert record.outcome is Outcome.STOPPED, (record.outcome, record.error)
+    assert not [n for n in indexes(pg_dsn, schema) if "_cc" in n]
+
+
 def test_missing_configured_index_is_a_warning(pg_dsn, schema, settings, engine, caplog):
     settings.reindexer.indexes = ["jobs_nope_idx", "jobs_pkey"]
     result = run(settings, engine)

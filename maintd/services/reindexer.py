@@ -144,6 +144,8 @@ class Reindexer(Service):
         refused = [r.index for r in result.indexes if r.outcome == "not_permitted"]
         if refused:  # one line for the pass, not one per index
             log.warning("cannot reindex", extra=kv(indexes=",".join(refused), error=NOT_PERMITTED))
+        if ctx.should_stop():  # cut short (demotion, shutdown): a stopped pass, with what it did
+            raise PassStopped()
         return result
 
     @staticmethod
