@@ -40,6 +40,12 @@ def quote_ident(name: str) -> str:
     return '"' + name + '"'
 
 
+def quote_catalog_name(name: str) -> str:
+    """Quote a name read from PostgreSQL's catalog (an index an operator made: ``Jobs_Kind``,
+    with spaces or quotes): any name, its double quotes doubled, as the server's ``%I`` does."""
+    return '"' + name.replace('"', '""') + '"'
+
+
 def qualified(schema: str, name: str) -> str:
     """``"schema"."name"`` for two validated identifiers."""
     return f"{quote_ident(schema)}.{quote_ident(name)}"

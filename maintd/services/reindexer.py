@@ -25,7 +25,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
 from ..db import describe_db_error, ms
-from ..identifiers import IDENT_RE, qualified, validate_identifier
+from ..identifiers import quote_catalog_name, quote_ident, validate_identifier
 from ..logs import kv
 from ..metrics import Family
 from ..queries import catalog
@@ -59,6 +59,12 @@ OUTCOMES = {"57014": "timeout", "55P03": "timeout"}  # query_canceled, lock_not_
 NEEDS_OWNER = ("42501",)
 NOT_PERMITTED = ("this role may not reindex it: REINDEX INDEX CONCURRENTLY needs ownership of the jobs "
                  "table (or MAINTAIN on it, PostgreSQL 17+): run the reindexer as the owner role")  # insufficient_privilege ("must be owner of index")
+
+
+def _qualified(schema: str, index: str) -> str:
+    """``"schema"."index"``: the schema validated, the index a name of the catalog (the default
+    list is every index of the table, whatever its name)."""
+    return f"{quote_ident(schema)}.{quote_catalog_name(index)}"
 
 
 def is_artifact(name: str, index: str) -> bool:
@@ -125,7 +131,7 @@ class Reindexer(Service):
                 break
             report = IndexReport(index=index, outcome="planned")
             result.indexes.append(report)
-            if index not in catalog_rows or not IDENT_RE.match(index):
+            if index not in catalog_rows:
                 report.outcome = "missing"
                 log.warning("configured index does not exist, skipping", extra=kv(index=index))
                 continue
@@ -174,7 +180,7 @@ class Reindexer(Service):
                 report.outcome = "skipped"
                 return True
             started = time.monotonic()
-            self._ddl(ctx, f"REINDEX INDEX CONCURRENTLY {qualified(ctx.schema, report.index)}", self.config.timeout)
+            self._ddl(ctx, f"REINDEX INDEX CONCURRENTLY {_qualified(ctx.schema, report.index)}", self.config.timeout)
             report.seconds = round(time.monotonic() - started, 3)
             report.outcome = "reindexed"
             report.bytes_after = self._size(ctx, report.index)
@@ -218,7 +224,7 @@ class Reindexer(Service):
 
     def _drop(self, ctx: PassContext, name: str, report: IndexReport) -> None:
         try:
-            self._ddl(ctx, f"DROP INDEX CONCURRENTLY IF EXISTS {qualified(ctx.schema, name)}", self._drop_timeout)
+            self._ddl(ctx, f"DROP INDEX CONCURRENTLY IF EXISTS {_qualified(ctx.schema, name)}", self._drop_timeout)
         except DBAPIError:
             report.failed_on = name  # the error names the leftover (another session's build, say)
             raise
@@ -237,7 +243,7 @@ class Reindexer(Service):
                     name = r.name
                     with ctx.autocommit(lock_timeout_ms=ms(self.config.lock_timeout),
                                         statement_timeout_ms=ms(self._drop_timeout)) as conn:
-                        conn.exec_driver_sql(f"DROP INDEX CONCURRENTLY IF EXISTS {qualified(ctx.schema, r.name)}")
+                        conn.exec_driver_sql(f"DROP INDEX CONCURRENTLY IF EXISTS {_qualified(ctx.schema, r.name)}")
                     report.artifacts_dropped.append(r.name)
                     log.info("dropped leftover of the cancelled build", extra=kv(index=r.name))
         except DBAPIError as exc:
@@ -246,12 +252,12 @@ class Reindexer(Service):
 
     def _size(self, ctx: PassContext, index: str) -> int | None:
         with ctx.engine.connect() as conn:
-            return conn.execute(text(catalog.RELATION_SIZE), {"qualified": qualified(ctx.schema, index)}).scalar()
+            return conn.execute(text(catalog.RELATION_SIZE), {"qualified": _qualified(ctx.schema, index)}).scalar()
 
     def _bloat(self, ctx: PassContext, index: str, has_pgstattuple: bool) -> float | None:
         """Estimated bloat in percent: ``pgstatindex`` when installed (and allowed), else the
         catalog estimate."""
-        queries = [(catalog.PGSTATINDEX_BLOAT, {"qualified": qualified(ctx.schema, index)})] if has_pgstattuple else []
+        queries = [(catalog.PGSTATINDEX_BLOAT, {"qualified": _qualified(ctx.schema, index)})] if has_pgstattuple else []
         queries.append((catalog.ESTIMATED_BLOAT, {"schema": ctx.schema, "index": index}))
         for query, params in queries:
             try:
