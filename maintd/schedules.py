@@ -140,6 +140,10 @@ class Schedule:
             yield t
             t = self.next_after(t)
 
+    def count_between(self, start: datetime, end: datetime) -> int:
+        """How many slots ``s`` with ``start < s <= end``, without keeping them."""
+        return sum(1 for _ in self.slots_between(start, end))
+
     def latest_at_or_before(self, t: datetime) -> datetime:
         """The most recent slot ``<= t``. Remembers the slot pair around the last answer, so
         repeated calls with a clock that moves forward by seconds do no date arithmetic."""
@@ -174,6 +178,9 @@ class IntervalSchedule(Schedule):
 
     def _previous(self, t: datetime) -> datetime:
         return EPOCH + self._index(t) * self.every
+
+    def count_between(self, start: datetime, end: datetime) -> int:
+        return max(0, self._index(end) - self._index(start))
 
 
 @dataclass(frozen=True)

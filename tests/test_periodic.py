@@ -443,3 +443,27 @@ def test_a_changed_schedule_still_runs_the_slots_both_schedules_have(pg_dsn, sch
     clock.advance(20)
     run(make_settings(pg_dsn, schema, schedule="@every 20s", backfill="1h"), engine, clock)
     assert [j.scheduled_at.second for j in jobs(engine, schema)] == [20, 40, 0]
+
+
+def test_a_long_outage_computes_the_slots_it_enqueues_not_every_slot_missed(pg_dsn, schema, engine, monkeypatch):
+    """A leader back after 3 days (or an entry added again after months): the pass made a list
+    of every slot since the entry's newest one, to enqueue the latest or the few in its backfill
+    window: 259,200 datetimes for an '@every 1s' entry (31 million, gigabytes, after a year).
+    Now only the slots it enqueues are computed; the others are counted."""
+    from maintd.schedules import IntervalSchedule
+
+    settings = Settings(database_url=pg_dsn, schema=schema, periodic=[
+        {"id": "fast", "schedule": "@every 1s", "kind": "k"},
+        {"id": "filled", "schedule": "@every 1s", "kind": "k", "backfill": "5s"}])
+    clock = FrozenClock(START)
+    run(settings, engine, clock)  # both baselined at 12:00:00
+    computed = []
+    real = IntervalSchedule.next_after
+    monkeypatch.setattr(IntervalSchedule, "next_after", lambda self, t: computed.append(t) or real(self, t))
+    clock.advance(3 * 86400)
+    result = run(settings, engine, clock)
+    assert [(e["periodic_id"], e["slot"][11:19]) for e in result.enqueued] == [
+        ("fast", "12:00:00"), *[("filled", f"11:59:{s}") for s in range(56, 60)], ("filled", "12:00:00")]
+    assert result.skipped == {"fast": {"outside_backfill": 3 * 86400 - 1},
+                              "filled": {"outside_backfill": 3 * 86400 - 5}}
+    assert len(computed) < 100, f"{len(computed)} slots computed to enqueue 6"

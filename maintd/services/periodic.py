@@ -50,6 +50,7 @@ PRUNE_BATCH = 10_000  # slot rows a prune statement deletes at most
 # their trigger's NOTIFY, passed on by the lock session, makes the next pass read them at once, and
 # the session pokes every target when it reconnects (NOTIFYs sent meanwhile were not delivered).
 ROWS_EVERY = timedelta(minutes=10)
+_TINY = timedelta(microseconds=1)
 KEEP_HISTORY = timedelta(days=7)
 ENQUEUED = Family(Counter, "maintd_periodic_enqueued", "Periodic jobs enqueued.", ("periodic_id",))
 SKIP_REASONS = ("duplicate", "disabled", "outside_backfill", "error")
@@ -227,16 +228,42 @@ class PeriodicEnqueuer(Service):
             return
         if entry.since is not None and (hwm is None or (changed or under is None) and entry.since > hwm):
             hwm = entry.since  # a new row, or one whose schedule changed: its slots count from the change
-        self._run_due(ctx, job, list(schedule.slots_between(hwm, now)) if hwm < latest else [], latest, now, result)
+        self._run_due(ctx, job, hwm, latest, now, result)
 
-    def _run_due(self, ctx: PassContext, job: PeriodicJob, due: list[datetime], latest: datetime,
-                 now: datetime, result: PeriodicResult) -> list[datetime]:
-        """Enqueue the slots missed: within ``backfill``, or (none) the latest only. Returns them."""
-        keep = [s for s in due if s >= now - job.backfill] if job.backfill is not None else due[-1:]
-        result.skip(job.id, "outside_backfill", len(due) - len(keep))
+    def _run_due(self, ctx: PassContext, job: PeriodicJob, after: datetime, latest: datetime, now: datetime,
+                 result: PeriodicResult, had: Schedule | None = None) -> list[datetime]:
+        """Enqueue the slots missed since ``after`` (with ``had``, those it has too): within
+        ``backfill``, or (none) the latest only; the others are counted. Returns those enqueued."""
+        keep, outside = self._due(job, after, latest, now, had) if after < latest else ([], 0)
+        result.skip(job.id, "outside_backfill", outside)
         for slot in keep:
             self._enqueue(ctx, job, slot, slot != latest, result)
         return keep
+
+    def _due(self, job: PeriodicJob, after: datetime, latest: datetime, now: datetime,
+             had: Schedule | None) -> tuple[list[datetime], int]:
+        """(the slots to enqueue, how many others): only the slots enqueued are kept, and for a
+        schedule unchanged, only they are computed (a list of every slot since ``after`` was 31
+        million datetimes for an '@every 1s' entry back after a year)."""
+        schedule = self.schedule(job)
+        # s > edge: inside the window (a window past year 1, a row's 1,000,000 days: from ``after``)
+        edge = after if job.backfill is None or job.backfill >= now - after else now - job.backfill - _TINY
+        if had is None:
+            if job.backfill is None:
+                return [latest], max(0, schedule.count_between(after, latest) - 1)
+            return list(schedule.slots_between(edge, now)), schedule.count_between(after, edge)
+        inside: list[datetime] = []
+        outside = 0
+        for s in schedule.slots_between(after, now):
+            if had.latest_at_or_before(s) != s:
+                continue
+            if job.backfill is None:
+                outside, inside = outside + len(inside), [s]
+            elif s > edge:
+                inside.append(s)
+            else:
+                outside += 1
+        return inside, outside
 
     def _baseline(self, ctx: PassContext, entry: PeriodicJob, slot: datetime, result: PeriodicResult) -> None:
         with ctx.transaction() as conn:
@@ -251,9 +278,7 @@ class PeriodicEnqueuer(Service):
         had too were missed, and run as usual; the others never were (a 05:00 job at 10:00, after
         a 03:00 one, would be a second run that day). Its latest slot is taken, with a job or
         without: it runs from the next one."""
-        due = [s for s in self.schedule(job).slots_between(hwm, now)
-               if old is not None and old.latest_at_or_before(s) == s] if hwm < latest else []
-        ran = self._run_due(ctx, job, due, latest, now, result)
+        ran = self._run_due(ctx, job, hwm, latest, now, result, old) if old is not None else []
         log.info("periodic entry's schedule changed: slots of the old one only are not run",
                  extra=kv(periodic_id=job.id, schedule=taken_under(job), missed=len(ran)))
         if latest in ran:
