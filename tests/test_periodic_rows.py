@@ -61,9 +61,19 @@ def one_pass(settings, engine, clock, service):
 
 
 def changed_at(engine, schema, when, row_id=None):
-    """Date the rows' last change (the trigger stamps the server's time) to a frozen clock's."""
+    """Date the rows' last change (the trigger stamps the server's time) to a frozen clock's; a
+    row created after it (the server's time) is dated as created then (a change of created_at is
+    one the trigger stamps, so first)."""
+    execute(engine, schema, "UPDATE {schema}.periodic_jobs SET created_at = :t "
+                            "WHERE (CAST(:id AS text) IS NULL OR id = :id) AND created_at > :t", {"t": when, "id": row_id})
     execute(engine, schema, "UPDATE {schema}.periodic_jobs SET updated_at = :t "
                             "WHERE CAST(:id AS text) IS NULL OR id = :id", {"t": when, "id": row_id})
+
+
+def created_at(engine, schema, when, row_id):
+    """Date a row's creation (and so its last change) to a frozen clock's."""
+    execute(engine, schema, "UPDATE {schema}.periodic_jobs SET created_at = :t WHERE id = :id", {"t": when, "id": row_id})
+    changed_at(engine, schema, when, row_id)
 
 
 @pytest.fixture
@@ -428,3 +438,21 @@ def test_a_slot_row_at_an_odd_time_never_stops_the_enqueuer(settings, engine, sc
     assert [j.scheduled_at for j in jobs_of(engine, schema, "odd")] == [T0]
     one_pass(settings, engine, FrozenClock(T0 + timedelta(minutes=10)), service)
     assert len(jobs_of(engine, schema, "odd")) == 2
+
+
+def test_a_row_removed_and_added_again_runs_from_its_new_creation_not_the_slots_in_between(settings, engine, schema):
+    """`maintd periodic remove hourly` at 07:30, `add hourly` again at 11:30 (same schedule, a
+    backfill of a day): the new row took the old one's newest slot (07:00) as its own, and its
+    first pass enqueued 08:00 to 12:00 at once, five runs for four hours the row did not exist
+    while a leader ran (SPEC 4: backfill is for slots missed while no leader ran). The new row
+    runs from its creation, like a row never seen."""
+    add_row(engine, schema, "hourly", schedule="0 * * * *", kind="hourly", backfill="1 day")
+    created_at(engine, schema, T0 - timedelta(hours=5, minutes=30), "hourly")
+    one_pass(settings, engine, FrozenClock(T0 - timedelta(hours=5) + timedelta(seconds=1)), PeriodicEnqueuer([]))
+    assert [j.scheduled_at for j in jobs_of(engine, schema, "hourly")] == [T0 - timedelta(hours=5)]
+    execute(engine, schema, "DELETE FROM {schema}.periodic_jobs WHERE id = 'hourly'")
+    add_row(engine, schema, "hourly", schedule="0 * * * *", kind="hourly", backfill="1 day")
+    created_at(engine, schema, T0 - timedelta(minutes=30), "hourly")
+    result = one_pass(settings, engine, FrozenClock(T0 + timedelta(seconds=1)), PeriodicEnqueuer([]))
+    assert [e["slot"] for e in result.enqueued] == [T0.isoformat()], result.enqueued
+    assert [j.scheduled_at for j in jobs_of(engine, schema, "hourly")] == [T0 - timedelta(hours=5), T0]

@@ -21,7 +21,9 @@ SELECT id, schedule, timezone, kind, queue, args, priority, max_attempts, unique
        backfill IS NOT NULL AND NOT backfill BETWEEN interval '0' AND interval '1000000 days' AS backfill_out_of_range,
        run_on_start, enabled, error,
        CASE WHEN updated_at BETWEEN """ + PYTHON_TIMES + """
-            THEN updated_at END AS updated_at
+            THEN updated_at END AS updated_at,
+       CASE WHEN created_at BETWEEN """ + PYTHON_TIMES + """
+            THEN created_at END AS created_at
   FROM {schema}.periodic_jobs ORDER BY id
 """
 

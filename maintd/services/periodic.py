@@ -228,6 +228,8 @@ class PeriodicEnqueuer(Service):
             return
         if entry.since is not None and (hwm is None or (changed or under is None) and entry.since > hwm):
             hwm = entry.since  # a new row, or one whose schedule changed: its slots count from the change
+        elif entry.created is not None and entry.created > hwm:
+            hwm = entry.created  # a row added again (its id's slots are the removed one's): from its creation
         self._run_due(ctx, job, hwm, latest, now, result)
 
     def _run_due(self, ctx: PassContext, job: PeriodicJob, after: datetime, latest: datetime, now: datetime,

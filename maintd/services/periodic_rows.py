@@ -27,11 +27,14 @@ from .base import PassContext
 @dataclass(frozen=True)
 class Entry:
     """A periodic entry and where it comes from. ``since``: for a row, when it last changed (a
-    change starts the row afresh from its next slot; a new row's missed slots count from it)."""
+    change starts the row afresh from its next slot; a new row's missed slots count from it).
+    ``created``: for a row, when it was inserted (the slots of its id before then were another
+    row's, or a config entry's: none of them is this row's to run)."""
 
     job: PeriodicJob
     origin: str  # "config", "crontab" or "table"
     since: datetime | None = None
+    created: datetime | None = None
 
 
 def row_problem(exc: ValidationError) -> str:
@@ -64,7 +67,7 @@ def to_entry(row: Any, taken: set[str]) -> tuple[Entry | None, str | None]:
         return None, row_problem(exc)
     except Exception as exc:  # a check that failed in an unforeseen way: this row's problem only
         return None, f"invalid: {exc}"[:500]
-    return Entry(job, "table", row.updated_at), None
+    return Entry(job, "table", row.updated_at, row.created_at), None
 
 
 class RowSource:
