@@ -155,6 +155,12 @@ class Runner:
         with self._lock:
             self.settings = settings
             old, self.services = self.services, self.build(settings)
+            for name, service in self.services.items():
+                if type(old.get(name)) is type(service):
+                    try:
+                        service.succeed(old[name])
+                    except Exception as exc:  # what it knew is lost; the new service still runs
+                        log.error("cannot carry a service over a reload", extra=kv(service=name, error=str(exc)))
             self._recorded = {}  # new settings: the first pass of each service is written
             self._stop_changed(old)
             if self._fence is None:

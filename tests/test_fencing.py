@@ -360,6 +360,15 @@ def periodic(env: Env, ctx: PassContext) -> Any:
     return PeriodicEnqueuer(env.settings.periodic).run_once(ctx)
 
 
+def periodic_after_a_removal(env: Env, ctx: PassContext) -> Any:
+    """A pass after the one that ran the entry 'gone', since removed (by a reload)."""
+    before = PeriodicEnqueuer([])
+    before._ids = {"gone"}  # what the replaced service's last pass ran
+    service = PeriodicEnqueuer(env.settings.periodic)
+    service.succeed(before)
+    return service.run_once(ctx)
+
+
 def reindexer(env: Env, ctx: PassContext) -> Any:
     return Reindexer(env.settings.reindexer).run_once(ctx)
 
@@ -448,6 +457,8 @@ CASES = [
          settings={"periodic": [{"id": "off", **HOURLY, "enabled": False}]}),
     Case("periodic-schedule-changed", ("periodic_slots.RESTAMP",), slot_of_another_schedule, periodic,
          settings={"periodic": [{"id": "moved", **HOURLY}]}),
+    Case("periodic-entry-removed", ("periodic_slots.MARK_REMOVED",), slots(("gone", "CAST(:t0 AS timestamptz)")),
+         periodic_after_a_removal),
     Case("periodic-row-error-note", ("periodic_jobs.SET_ERROR",), periodic_row, periodic),
     Case("periodic-prune", ("periodic_slots.PRUNE",),
          slots(("old", "CAST(:t0 AS timestamptz) - interval '100 days'"), ("old", "CAST(:t0 AS timestamptz)")),

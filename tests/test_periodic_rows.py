@@ -456,3 +456,33 @@ def test_a_row_removed_and_added_again_runs_from_its_new_creation_not_the_slots_
     result = one_pass(settings, engine, FrozenClock(T0 + timedelta(seconds=1)), PeriodicEnqueuer([]))
     assert [e["slot"] for e in result.enqueued] == [T0.isoformat()], result.enqueued
     assert [j.scheduled_at for j in jobs_of(engine, schema, "hourly")] == [T0 - timedelta(hours=5), T0]
+
+
+def test_an_entry_removed_by_a_reload_and_added_again_does_not_backfill_its_absence(settings, engine, schema):
+    """SPEC 4: backfill is for slots missed while no leader ran. A [[periodic]] entry removed by
+    SIGHUP and added again by another took its newest slot from before its removal as its own:
+    its backfill enqueued every slot of its absence at once, while a leader ran all along. Like a
+    disabled entry, it now runs from the slots after it came back."""
+    entry = PeriodicJob(id="often", schedule="@every 1s", kind="often", backfill="1h")
+    s = settings.model_copy(update={"http": settings.http.model_copy(update={"enabled": False}), "periodic": [entry]})
+
+    def server_now():
+        with engine.connect() as conn:
+            return conn.execute(sql("SELECT now()", schema)).scalar_one()
+
+    daemon = Daemon(s)
+    daemon.start()
+    try:
+        wait_for(lambda: len(jobs_of(engine, schema, "often")) >= 2, 10, what="the entry's jobs")
+        daemon.reload(s.model_copy(update={"periodic": []}))
+        removed = server_now()
+        time.sleep(4)
+        added = server_now()
+        daemon.reload(s)
+        wait_for(lambda: jobs_of(engine, schema, "often")[-1].scheduled_at > added + timedelta(seconds=1), 10,
+                 what="the entry's jobs again")
+    finally:
+        daemon.stop()
+    absent = [j.scheduled_at for j in jobs_of(engine, schema, "often")
+              if removed + timedelta(seconds=1) < j.scheduled_at < added]
+    assert absent == [], f"{len(absent)} jobs for slots while the entry was removed"

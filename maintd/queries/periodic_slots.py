@@ -51,6 +51,19 @@ WITH taken AS (
 SELECT slot FROM taken
 """
 
+# The newest slot of each id no longer configured (an entry removed by a reload, a row deleted or
+# refused): taken under no schedule now, so the entry added again runs from its next slot, not
+# backfilling its absence (a leader ran meanwhile). One index entry per id, as HIGH_WATER.
+REMOVED = "(removed)"
+MARK_REMOVED = """
+UPDATE {schema}.periodic_slots AS s SET schedule = '""" + REMOVED + """'
+  FROM unnest(CAST(:ids AS text[])) AS i(periodic_id)
+ CROSS JOIN LATERAL (SELECT h.slot FROM {schema}.periodic_slots AS h
+                      WHERE h.periodic_id = i.periodic_id AND h.slot BETWEEN """ + PYTHON_TIMES + """
+                      ORDER BY h.slot DESC LIMIT 1) AS n
+ WHERE s.periodic_id = i.periodic_id AND s.slot = n.slot AND s.schedule IS DISTINCT FROM '""" + REMOVED + """'
+"""
+
 LINK_JOB = """
 UPDATE {schema}.periodic_slots SET job_id = :job_id WHERE periodic_id = :periodic_id AND slot = :slot
 """

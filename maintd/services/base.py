@@ -479,6 +479,10 @@ class Service(abc.ABC):
         """What the service reads changed (a NOTIFY); True: run a pass now."""
         return False
 
+    def succeed(self, old: "Service") -> None:
+        """A reload replaced ``old`` (the same service) with this one: carry over what it knew."""
+        return None
+
     def quiet_until(self) -> datetime | None:
         """The daemon skips this service's scheduled passes (no connection, no record) until this
         server time, before which a pass cannot find anything to do; None: never skip. Passes

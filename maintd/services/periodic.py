@@ -168,11 +168,17 @@ class PeriodicEnqueuer(Service):
         upcoming = [self.schedule(e.job).next_after(now) for e in entries]
         self._quiet_until = min([now + ROWS_EVERY, *upcoming])
 
+    def succeed(self, old: Service) -> None:
+        """The ids of the entries the replaced service ran: those the reload removed are marked."""
+        self._ids = set(getattr(old, "_ids", ()))
+
     def run_once(self, ctx: PassContext) -> PeriodicResult:
         now = ctx.now()
         result = ctx.begin(PeriodicResult(dry_run=ctx.dry_run))
         entries = self.entries(ctx, result)
-        self._ids = {e.job.id for e in entries} | set(result.invalid_rows)
+        ids = {e.job.id for e in entries} | set(result.invalid_rows)
+        self._mark_removed(ctx, self._ids - ids)
+        self._ids = ids
         try:
             self._run_entries(ctx, entries, now, result)
         except BaseException:
@@ -180,6 +186,13 @@ class PeriodicEnqueuer(Service):
             raise
         self._quiet_after(now, entries, result)
         return result
+
+    def _mark_removed(self, ctx: PassContext, gone: set[str]) -> None:
+        """Entries gone since the last pass (see ``periodic_slots.MARK_REMOVED``): added again,
+        they do not count the slots of their absence as missed. Not in a dry run."""
+        if gone and not ctx.dry_run:
+            with ctx.transaction() as conn:
+                conn.execute(ctx.sql(periodic_slots.MARK_REMOVED), {"ids": sorted(gone)})
 
     def _run_entries(self, ctx: PassContext, entries: list[Entry], now: datetime,
                      result: PeriodicResult) -> None:
