@@ -486,3 +486,33 @@ def test_an_entry_removed_by_a_reload_and_added_again_does_not_backfill_its_abse
     absent = [j.scheduled_at for j in jobs_of(engine, schema, "often")
               if removed + timedelta(seconds=1) < j.scheduled_at < added]
     assert absent == [], f"{len(absent)} jobs for slots while the entry was removed"
+
+
+def test_a_removal_that_cannot_be_marked_keeps_no_entry_from_running_and_is_marked_next_pass(
+        pg_dsn, settings, engine, schema, maintd_log):
+    """Marking the newest slot of an id gone (MARK_REMOVED) is bookkeeping: when it fails (here
+    its row is locked past lock_timeout), the other entries run their slots in that pass all the
+    same, and the mark is made by the next pass."""
+    from maintd.db import make_engine
+
+    for row_id in ("a", "b"):
+        add_row(engine, schema, row_id, schedule="0 * * * *", kind=f"k.{row_id}")
+        created_at(engine, schema, T0 - timedelta(minutes=30), row_id)
+    service = PeriodicEnqueuer([])
+    short = make_engine(pg_dsn, application_name="maintd-test-short", session={"lock_timeout": "300ms"})
+    try:
+        one_pass(settings, short, FrozenClock(T0 + timedelta(seconds=1)), service)
+        execute(engine, schema, "DELETE FROM {schema}.periodic_jobs WHERE id = 'b'")
+        with engine.begin() as blocker:
+            blocker.execute(sql("SELECT * FROM {schema}.periodic_slots WHERE periodic_id = 'b' FOR UPDATE", schema))
+            result = one_pass(settings, short, FrozenClock(T0 + timedelta(hours=1, seconds=1)), service)
+        assert [e["slot"] for e in result.enqueued] == [(T0 + timedelta(hours=1)).isoformat()], result.enqueued
+        assert [j.scheduled_at for j in jobs_of(engine, schema, "k.a")] == [T0, T0 + timedelta(hours=1)]
+        assert any("could not mark removed periodic entries" in line and "b" in line for line in maintd_log)
+        one_pass(settings, short, FrozenClock(T0 + timedelta(hours=1, seconds=2)), service)
+    finally:
+        short.dispose()
+    with engine.connect() as conn:
+        marks = conn.execute(sql("SELECT schedule FROM {schema}.periodic_slots WHERE periodic_id = 'b' "
+                                 "ORDER BY slot DESC LIMIT 1", schema)).scalar()
+    assert marks == "(removed)"

@@ -177,8 +177,7 @@ class PeriodicEnqueuer(Service):
         result = ctx.begin(PeriodicResult(dry_run=ctx.dry_run))
         entries = self.entries(ctx, result)
         ids = {e.job.id for e in entries} | set(result.invalid_rows)
-        self._mark_removed(ctx, self._ids - ids)
-        self._ids = ids
+        self._ids = ids | self._mark_removed(ctx, self._ids - ids)
         try:
             self._run_entries(ctx, entries, now, result)
         except BaseException:
@@ -187,12 +186,20 @@ class PeriodicEnqueuer(Service):
         self._quiet_after(now, entries, result)
         return result
 
-    def _mark_removed(self, ctx: PassContext, gone: set[str]) -> None:
+    def _mark_removed(self, ctx: PassContext, gone: set[str]) -> set[str]:
         """Entries gone since the last pass (see ``periodic_slots.MARK_REMOVED``): added again,
-        they do not count the slots of their absence as missed. Not in a dry run."""
-        if gone and not ctx.dry_run:
+        they do not count the slots of their absence as missed. Not in a dry run. Returns the ids
+        still to mark: a failure is tried again next pass, and never keeps the entries from running."""
+        if not gone or ctx.dry_run:
+            return set()
+        try:
             with ctx.transaction() as conn:
                 conn.execute(ctx.sql(periodic_slots.MARK_REMOVED), {"ids": sorted(gone)})
+        except DBAPIError as exc:
+            log.warning("could not mark removed periodic entries; trying again next pass",
+                        extra=kv(periodic_ids=sorted(gone), error=describe_db_error(exc)))
+            return gone
+        return set()
 
     def _run_entries(self, ctx: PassContext, entries: list[Entry], now: datetime,
                      result: PeriodicResult) -> None:
