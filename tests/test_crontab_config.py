@@ -127,9 +127,12 @@ def test_job_key_modes_update_the_waiting_job(tmp_path, pg_dsn, schema, engine, 
     with engine.begin() as conn:  # a waiting job already holds the key
         JobQueue(schema).enqueue(conn, "sync", {"v": 1}, scheduled_at=later, unique_key="sync-all")
     _, service = one_pass(settings, engine, T0 - timedelta(minutes=1))
-    one_pass(settings, engine, T0, service)
+    result, _ = one_pass(settings, engine, T0, service)
     [job] = jobs(engine, schema, "sync")
     assert job.args["v"] == 2 and job.args["_cron"]["ts"] == "2026-03-02T04:00:00.000Z"
+    # No job was enqueued: the slot went to the waiting one (it was counted as enqueued).
+    assert result.enqueued == [] and result.skipped == {"sync": {"replaced": 1}}, result
+    assert result.summary() == "enqueued 0 jobs ids=- skipped=1"
     assert (job.scheduled_at == later) is keeps_run_at
     assert job.state == ("scheduled" if keeps_run_at else "available")
 

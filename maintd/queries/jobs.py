@@ -47,7 +47,7 @@ WITH new AS (
   ON CONFLICT DO NOTHING
   RETURNING id
 )
-SELECT id FROM replaced UNION ALL SELECT id FROM inserted
+SELECT id, true AS replaced FROM replaced UNION ALL SELECT id, false FROM inserted
 """
 
 # Every parameter of the workers' statements is typed in the SQL (CAST), so that any driver runs

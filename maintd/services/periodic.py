@@ -53,7 +53,7 @@ ROWS_EVERY = timedelta(minutes=10)
 _TINY = timedelta(microseconds=1)
 KEEP_HISTORY = timedelta(days=7)
 ENQUEUED = Family(Counter, "maintd_periodic_enqueued", "Periodic jobs enqueued.", ("periodic_id",))
-SKIP_REASONS = ("duplicate", "disabled", "outside_backfill", "error")
+SKIP_REASONS = ("duplicate", "replaced", "disabled", "outside_backfill", "error")
 SKIPPED = Family(Counter, "maintd_periodic_skipped", f"Periodic slots not enqueued (reason: {', '.join(SKIP_REASONS)}).",
                  ("periodic_id", "reason"))
 
@@ -357,6 +357,12 @@ class PeriodicEnqueuer(Service):
                 result.skip(entry.id, "duplicate")
                 return
             conn.execute(ctx.sql(periodic_slots.LINK_JOB), {"job_id": job.id, "periodic_id": entry.id, "slot": slot})
+        if getattr(job, "replaced", False):  # job_key_mode: the waiting job took the slot's args, no new job
+            result.skip(entry.id, "replaced")
+            if not ctx.dry_run:
+                log.info("periodic slot given to the waiting job", extra=kv(periodic_id=entry.id, slot=slot.isoformat(),
+                                                                            job_id=job.id))
+            return
         result.enqueued.append({"periodic_id": entry.id, "slot": slot.isoformat(),
                                 "job_id": None if ctx.dry_run else job.id, "backfilled": backfilled})
         if not ctx.dry_run:
