@@ -156,6 +156,31 @@ def test_timeout_during_the_build_leaves_no_artifact(pg_dsn, schema, settings, e
     assert after["jobs_finalized_idx"] is True
 
 
+def test_a_rebuild_failed_by_an_older_transaction_says_so_and_what_to_raise(pg_dsn, schema, settings, engine):
+    """A transaction that has read the jobs table and stays open (a report, pg_dump, a worker
+    holding its transaction through a job) makes REINDEX CONCURRENTLY wait for it, and
+    lock_timeout bounds those waits too: the rebuild failed with only "canceling statement due to
+    lock timeout", which reads as a lock someone held against maintd. PostgreSQL's REINDEX page
+    ("Rebuilding Indexes Concurrently"): each phase waits for the transactions that could use the
+    index; those waits take no lock that blocks a worker. The error now says so, and what to raise."""
+    seed(pg_dsn, schema, 200)
+    settings.reindexer.indexes = ["jobs_finalized_idx"]
+    settings.reindexer.lock_timeout = timedelta(milliseconds=500)
+    reader = psycopg.connect(pg_dsn)
+    reader.execute(f'SELECT count(*) FROM "{schema}".jobs')  # its transaction stays open
+    try:
+        [report] = run(settings, engine).indexes
+    finally:
+        reader.rollback()
+        reader.close()
+    assert report.outcome == "timeout"
+    assert "canceling statement due to lock timeout" in report.error, report.error
+    assert "a transaction older than the rebuild kept the jobs table for over reindexer.lock_timeout (0.5s)" \
+        in report.error and "raise lock_timeout" in report.error, report.error
+    run(settings, engine)  # the reader gone, the next pass drops the leftover the first could not
+    assert not [n for n in indexes(pg_dsn, schema) if "_cc" in n]
+
+
 def test_a_rebuild_by_someone_else_is_left_alone_and_the_error_names_its_copy(pg_dsn, schema, settings, engine,
                                                                               caplog):
     """Another session's REINDEX CONCURRENTLY in progress has an invalid ``_ccnew`` too: the pass

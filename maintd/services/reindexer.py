@@ -57,6 +57,11 @@ ARTIFACT_RE = re.compile(r"_cc(new|old)[0-9]*$")
 # SQLSTATE -> outcome of an index whose build failed (anything else: "error")
 OUTCOMES = {"57014": "timeout", "55P03": "timeout"}  # query_canceled, lock_not_available
 NEEDS_OWNER = ("42501",)
+# lock_timeout bounds REINDEX CONCURRENTLY's waits for the transactions older than each of its
+# phases, not only its lock: one open on the jobs table for longer (a reader, pg_dump, a worker
+# keeping its transaction through a job) fails the rebuild, while those waits block no one.
+OLDER_TRANSACTION = ("a transaction older than the rebuild kept the jobs table for over reindexer.lock_timeout "
+                     "({}); its waits block no worker: raise lock_timeout (up to timeout) to wait for such transactions")
 NOT_PERMITTED = ("this role may not reindex it: REINDEX INDEX CONCURRENTLY needs ownership of the jobs "
                  "table (or MAINTAIN on it, PostgreSQL 17+): run the reindexer as the owner role")  # insufficient_privilege ("must be owner of index")
 
@@ -205,6 +210,8 @@ class Reindexer(Service):
             report.outcome = "cancelled"
         else:
             report.outcome = OUTCOMES.get(sqlstate or "", "error")
+        if sqlstate == "55P03" and report.failed_on is None:
+            report.error += f" ({OLDER_TRANSACTION.format(_seconds(self.config.lock_timeout))})"
         if sqlstate in NEEDS_OWNER:
             report.error += (" (REINDEX CONCURRENTLY needs ownership of the jobs table's indexes: "
                              "run the reindexer as the owner)")
@@ -273,3 +280,7 @@ class Reindexer(Service):
             metrics[REINDEX].labels(r.index, r.outcome).inc()
             if r.outcome == "reindexed":
                 metrics[REINDEX_SECONDS].labels(r.index).set(r.seconds)
+
+
+def _seconds(td: timedelta) -> str:
+    return f"{td.total_seconds():g}s"
