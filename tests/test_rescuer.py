@@ -346,7 +346,7 @@ def test_signs_of_life_at_the_keyset_start_are_rescued(settings, engine, schema,
 def test_jobs_without_a_sign_of_life_are_counted_over_several_batches(settings, engine, schema, clock, caplog):
     """Running jobs with no attempted_at nor heartbeat_at, more than a batch of them, some out of
     attempts: each is rescued once, counted once (retried or discarded) across the batches, and
-    named in a warning."""
+    named in its batch's warning (one line per batch: a line per job made thousands a pass)."""
     settings.rescuer.batch_size = 2
     with engine.begin() as conn:
         ids = [r[0] for r in conn.execute(sql(
@@ -355,11 +355,28 @@ def test_jobs_without_a_sign_of_life_are_counted_over_several_batches(settings, 
             "FROM generate_series(1, 8) g RETURNING id", schema))]
     with caplog.at_level(logging.WARNING, logger="maintd.rescuer"):
         result = run(settings, engine, clock)
-    warned = [r.fields["job_id"] for r in caplog.records
-              if r.getMessage() == "rescued a running job with no usable attempted_at or heartbeat_at"]
-    assert sorted(warned) == sorted(ids)
+    lines = [r.fields for r in caplog.records
+             if r.getMessage() == "rescued running jobs with no usable attempted_at or heartbeat_at"]
+    assert sorted(int(i) for f in lines for i in f["job_ids"].split(",")) == sorted(ids)
+    assert len(lines) == 4 and all(f["count"] == len(f["job_ids"].split(",")) == 2 for f in lines), lines
     assert (result.retried, result.discarded) == (3, 5), result
     assert sorted(r.state for r in rows(engine, schema).values()) == ["discarded"] * 5 + ["retryable"] * 3
+
+
+def test_waiting_jobs_with_no_attempt_left_are_discarded_with_one_line_per_batch(settings, engine, schema, clock,
+                                                                                caplog):
+    """30 waiting jobs with attempt >= max_attempts in one batch: all discarded, one warning
+    with the count and the first ids (a warning per job made a line per row, thousands a pass)."""
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt, max_attempts) "
+                         "SELECT 'k', 'available', 3, 3 FROM generate_series(1, 30)", schema))
+    with caplog.at_level(logging.WARNING, logger="maintd.rescuer"):
+        result = run(settings, engine, clock)
+    lines = [r.fields for r in caplog.records
+             if r.getMessage() == "discarded waiting jobs with no attempt left (attempt >= max_attempts)"]
+    assert result.exhausted == 30 and len(lines) == 1, (result, lines)
+    assert lines[0]["count"] == 30 and lines[0]["job_ids"].endswith(",... (+10 more)"), lines
+    assert {r.state for r in rows(engine, schema).values()} == {"discarded"}
 
 
 def test_a_server_clock_stepped_back_since_the_daemon_read_it_rescues_no_live_job(settings, engine, schema):

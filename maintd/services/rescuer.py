@@ -324,13 +324,13 @@ class Rescuer(Service):
                 return
 
     def _rescue_without_sign(self, ctx: PassContext, params: dict, result: RescuerResult) -> None:
-        """Running jobs with no usable attempted_at/heartbeat_at: stuck, rescued, each logged."""
+        """Running jobs with no usable attempted_at/heartbeat_at: stuck, rescued, one line per batch."""
         for batch in self._batches(ctx, jobs.RESCUER_NO_SIGN_BATCH, params, RESCUE_TRANSACTION):
             result.discarded += batch.discarded
             result.retried += batch.retried
-            for job_id in batch.ids:
-                log.warning("rescued a running job with no usable attempted_at or heartbeat_at",
-                            extra=kv(job_id=job_id))
+            if batch.ids:
+                log.warning("rescued running jobs with no usable attempted_at or heartbeat_at",
+                            extra=kv(count=len(batch.ids), job_ids=clip(batch.ids)))
 
     def _date_future_signs(self, ctx: PassContext, result: RescuerResult) -> None:
         """Running jobs whose sign of life lies in the future: dated now, one line per batch."""
@@ -343,13 +343,13 @@ class Rescuer(Service):
                             extra=kv(count=len(batch.ids), job_ids=clip(batch.ids)))
 
     def _discard_exhausted(self, ctx: PassContext, params: dict, result: RescuerResult) -> None:
-        """Waiting jobs with no attempt left (the claim passes them over): discarded, each logged."""
+        """Waiting jobs with no attempt left (the claim passes them over): discarded, one line per batch."""
         params = {"now": params["now"], "instance": ctx.instance_id}
         for batch in self._batches(ctx, jobs.RESCUER_EXHAUSTED_BATCH, params):
             result.exhausted += len(batch.ids)
-            for job_id in batch.ids:
-                log.warning("discarded a waiting job with no attempt left (attempt >= max_attempts)",
-                            extra=kv(job_id=job_id))
+            if batch.ids:
+                log.warning("discarded waiting jobs with no attempt left (attempt >= max_attempts)",
+                            extra=kv(count=len(batch.ids), job_ids=clip(batch.ids)))
 
     def observe(self, metrics, result: RescuerResult) -> None:
         if result.retried:
