@@ -251,6 +251,7 @@ class ElectionLoop:
                     delay = BACKOFF_START
                 self.round()
                 if self._stopping and all(isinstance(t.state, Following) and t.state.won_at is None for t in self.targets):
+                    self._left()
                     break  # every lock released
                 self._sleep(min([self._read_at + self.refresh] + [t.next_due() for t in self.targets]))
             except Exception as exc:  # the loop survives anything a round meets
@@ -319,6 +320,13 @@ class ElectionLoop:
                 self._unregistered.discard(seat)
             else:
                 self._unregistered.add(seat)
+
+    def _left(self) -> None:
+        """Stopping: each registered target's ``daemons`` row says when this daemon left."""
+        for seat in self.targets if self.register else []:
+            if seat not in self._unregistered:
+                self._try(seat, lambda s: self.session.run(s.psql(q_daemons.STOPPED),
+                                                           {"instance": self.settings.instance_id}), "could not record")
 
     def round(self) -> None:
         """Requests, then one statement with every try, proof and unlock due, then the bumps and

@@ -91,6 +91,28 @@ def test_a_killed_replica_is_shown_gone_as_soon_as_its_session_is(pg_dsn, schema
         leader.stop()
 
 
+def test_a_daemon_stopped_cleanly_after_an_hour_is_shown_gone(pg_dsn, schema, engine):
+    """Its row is written when its lock session connects: one that ran for over an hour and then
+    stopped, with no live replica left to see it leave, vanished from `maintd status` at once
+    ("daemons: none alive", nothing gone). A daemon that stops records when it left."""
+    from maintd.daemon import Daemon
+
+    me = unique("clean")
+    daemon = Daemon(Settings(database_url=pg_dsn, schema=schema, instance_id=me, http={"enabled": False},
+                             leader={"lease": "3s", "renew_interval": "0.5s"}))
+    daemon.start()
+    try:
+        wait_for(lambda: [d["instance_id"] for d in collect_status(engine, schema)["daemons"]] == [me], START,
+                 what="the daemon registered")
+        with engine.begin() as conn:  # it connected two hours ago
+            conn.execute(sql("UPDATE {schema}.daemons SET last_seen_at = now() - interval '2 hours', "
+                             "started_at = now() - interval '2 hours'", schema))
+    finally:
+        daemon.stop()
+    st = collect_status(engine, schema)
+    assert st["daemons"] == [] and [d["instance_id"] for d in st["gone"]] == [me], st
+
+
 # -- row 11: periodic pause on an entry of the config or the crontab file ------------------------
 
 

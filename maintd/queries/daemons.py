@@ -34,6 +34,13 @@ UPDATE {schema}.daemons d SET last_seen_at = now()
  WHERE d.instance_id = ANY(CAST(:ids AS text[])) AND NOT """ + LIVE_SESSION + """
 """
 
+# A daemon that stops, on its lock session right before it closes: when it left (/status shows it
+# gone for an hour from then, not from when it connected, even with no live replica to see it).
+STOPPED = """
+UPDATE {schema}.daemons SET last_seen_at = now()
+ WHERE instance_id = :instance AND lock_pid = pg_backend_pid()
+"""
+
 # Every daemon registered within the last hour, with whether it is alive: whether its lock session
 # is connected now (a SIGKILLed replica's session ends with it, so it reads as gone at once; a
 # frozen one's within the lease). last_seen_at: now for a live daemon, else when it last (re)connected
