@@ -228,7 +228,7 @@ class Daemon:
             if problem != target.problem:
                 log.error("target not started, retrying in the background",
                           extra=kv(target=target.name, error=problem))
-            target.problem = problem
+            target.problem, target.schema_not_ready = problem, isinstance(exc, SchemaNotReady)
             return exc
         target.start()
         return None

@@ -35,6 +35,7 @@ class Target:
                              changes=changes)
         self.db_ok, self.writable = False, True
         self.problem: str | None = None  # why this target is not started (schema missing, ...)
+        self.schema_not_ready = False  # the problem: its schema was read, and is missing or behind
         self.maintenance_stall: str | None = None  # why the last term was given up, if stalled
 
     term = property(lambda self: self.seat.term)
@@ -116,6 +117,8 @@ class Target:
             return self.schema_problem() and "schema missing or behind: run `maintd migrate`"
         if not self.writable:
             return "database is read-only"
+        if self.problem is not None and self.schema_not_ready:  # checked: missing or behind
+            return "not started: its schema is missing or behind: run `maintd migrate`"
         if self.problem is not None:
             return "not started: its schema could not be checked (see /status or the log)"
         return self.health_problem() or "database unreachable (see /status or the log)"

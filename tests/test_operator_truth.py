@@ -113,6 +113,25 @@ def test_a_daemon_stopped_cleanly_after_an_hour_is_shown_gone(pg_dsn, schema, en
     assert st["daemons"] == [] and [d["instance_id"] for d in st["gone"]] == [me], st
 
 
+def test_readyz_says_a_target_whose_schema_is_missing_needs_maintd_migrate(pg_dsn, schema):
+    """A target whose schema was checked and found missing (or behind) was reported as one whose
+    schema "could not be checked", as for an unreachable database or a missing grant."""
+    from maintd.daemon import Daemon
+
+    missing = f"t_{uuid.uuid4().hex[:12]}"
+    daemon = Daemon(Settings(database_url=pg_dsn, instance_id=unique("ready"), http={"enabled": False},
+                             leader={"lease": "3s", "renew_interval": "0.5s"},
+                             targets=[{"name": "ok", "schema": schema}, {"name": "new", "schema": missing}]))
+    daemon.start()
+    try:
+        wait_for(lambda: daemon.targets[0].db_ok, START, what="the lock session")
+        status, _, body = daemon._readyz()
+        assert status == 503 and body.decode() == \
+            "not ready: 1 of 2 targets: new (not started: its schema is missing or behind: run `maintd migrate`)\n", body
+    finally:
+        daemon.stop()
+
+
 # -- row 11: periodic pause on an entry of the config or the crontab file ------------------------
 
 
