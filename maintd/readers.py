@@ -20,9 +20,10 @@ import threading
 from datetime import timedelta
 from typing import Callable
 
+from psycopg.conninfo import conninfo_to_dict
 from sqlalchemy import Engine, event
 
-from .db import load_any_time, make_engine, session_settings
+from .db import libpq_dsn, load_any_time, make_engine, session_settings
 
 KEPT = 2  # sessions a pool keeps open between reads
 MOST = 4  # sessions a pool opens at most (two renders; a CLI or a test may share it)
@@ -39,13 +40,21 @@ def reader_engine(dsn: str, instance_id: str, *, kept: int = KEPT, most: int = M
     session["default_transaction_read_only"] = "on"
     engine = make_engine(dsn, application_name=f"maintd:{instance_id}:read", session=session,
                          pool_size=kept, max_overflow=max(0, most - kept), pool_timeout=POOL_WAIT,
-                         connect_timeout=CONNECT_TIMEOUT,
+                         connect_timeout=CONNECT_TIMEOUT, **_primary(dsn),
                          answer_timeout=statement_timeout.total_seconds() + CONNECT_TIMEOUT)
     # A time no Python datetime holds ('infinity', Go's zero time, BC, past year 9999: SPEC 7.3) in
     # any row a reader reads loads as PostgreSQL's text of it, shown as is: one such row of the
     # leader, daemons, periodic_slots or jobs tables made a whole page or command fail.
     event.listen(engine, "connect", lambda dbapi_conn, _record: load_any_time(dbapi_conn))
     return engine
+
+
+def _primary(dsn: str) -> dict[str, str]:
+    """A multi-host URL without ``target_session_attrs`` reads the primary (read-only or not): the
+    leader's lock and the daemons' sessions are the primary's, a standby shows none of them."""
+    params = conninfo_to_dict(libpq_dsn(dsn))
+    multi = "," in str(params.get("host") or params.get("hostaddr") or "")
+    return {"target_session_attrs": "primary"} if multi and "target_session_attrs" not in params else {}
 
 
 class Readers:

@@ -132,6 +132,41 @@ def test_readyz_says_a_target_whose_schema_is_missing_needs_maintd_migrate(pg_ds
         daemon.stop()
 
 
+@pytest.mark.slow
+def test_status_through_a_multi_host_url_with_the_standby_first_reads_the_primary():
+    """pg_locks and pg_stat_activity are each server's own: read on a standby (the first host of
+    a multi-host URL after a failover, which libpq takes without target_session_attrs), the
+    leader read as none and every live daemon as gone. The readers ask for the primary (a
+    read-only primary will do: status only reads)."""
+    from maintd import migrate
+    from maintd.cli import _status_one
+    from maintd.daemon import Daemon
+    from maintd.db import make_engine
+
+    from .standby import StandbyPair
+
+    with StandbyPair() as pair:
+        engine = make_engine(pair.primary.dsn, application_name="maintd-test-migrate", pooled=False)
+        with engine.connect() as conn:
+            migrate.upgrade(conn, "maintd")
+        engine.dispose()
+        me = unique("sb")
+        daemon = Daemon(Settings(database_url=pair.primary.dsn, schema="maintd", instance_id=me,
+                                 http={"enabled": False}, leader={"lease": "3s", "renew_interval": "0.5s"}))
+        daemon.start()
+        try:
+            wait_for(lambda: daemon.is_leader, START, what="leading on the primary")
+            pair.wait_replayed()
+            url = (f"host=127.0.0.1,127.0.0.1 port={pair.standby.port},{pair.primary.port} user=postgres "
+                   f"dbname=postgres connect_timeout=3")
+            st, error = _status_one(Settings(database_url=url, schema="maintd", instance_id="reader"))
+            assert error is None, error
+            assert (st["leader"] or {}).get("instance_id") == me, st["leader"]
+            assert [d["instance_id"] for d in st["daemons"]] == [me] and st["gone"] == [], st
+        finally:
+            daemon.stop()
+
+
 # -- row 11: periodic pause on an entry of the config or the crontab file ------------------------
 
 
