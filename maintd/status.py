@@ -51,6 +51,8 @@ def collect_status(engine: Engine, schema: str, *, jobs: dict[str, Any] | None =
         conn.execute(text(catalog.SET_LOCAL), {"name": "statement_timeout", "value": str(STATUS_TIMEOUT_MS)})
         if not conn.execute(text(catalog.TABLE_EXISTS), {"qualified": qualified(schema, "leader")}).scalar():
             raise SchemaMissing(f"schema {schema!r} has no maintd tables: run `maintd migrate` first")
+        if (behind := _behind(conn, schema)) is not None:
+            raise SchemaMissing(behind)
         now = conn.execute(text(catalog.TRANSACTION_TIME)).scalar_one()
         lead = _rows(conn, leader.CURRENT, schema, {"classid": classid, "objid": objid})
         services = _rows(conn, service_runs.ALL, schema)
@@ -69,6 +71,17 @@ def collect_status(engine: Engine, schema: str, *, jobs: dict[str, Any] | None =
         if health:  # last: a failed read ends the transaction
             status["health"] = _health(conn, schema, show_query)
     return status
+
+
+def _behind(conn: Connection, schema: str) -> str | None:
+    """Why the schema is too old for this maintd's statements, if it is (one newer than this
+    maintd is read as it is)."""
+    from .migrate import current_revision, head_revision, revisions
+
+    current, head, known = current_revision(conn, schema), head_revision(), revisions()
+    if current in known and head in known and known.index(current) < known.index(head):
+        return f"schema {schema!r} is at revision {current}, this maintd needs {head}: run `maintd migrate`"
+    return None
 
 
 def _health(conn: Connection, schema: str, show_query: bool) -> dict[str, Any]:

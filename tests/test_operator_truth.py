@@ -250,6 +250,27 @@ def test_an_unmigrated_schema_says_run_migrate_first_everywhere(pg_dsn, tmp_path
         assert "Traceback" not in err
 
 
+def test_status_on_a_schema_behind_this_maintd_says_run_migrate(pg_dsn, tmp_path):
+    """A schema at an older revision (a rolling upgrade: the new binary first): `maintd status`
+    failed with "column d.lock_pid does not exist", naming nothing that fixes it."""
+    from maintd import migrate
+    from maintd.db import make_engine
+
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    engine = make_engine(pg_dsn, application_name="maintd-test-migrate", pooled=False)
+    try:
+        with engine.connect() as conn:
+            migrate.upgrade(conn, name, revision="0009")
+        for argv in (("status",), ("status", "--json")):
+            rc, out, err = _cli("--config", _config(tmp_path, pg_dsn, name), *argv)
+            assert rc == 1 and "at revision 0009" in err and "run `maintd migrate`" in err, (argv, err)
+    finally:
+        with engine.connect() as conn:
+            conn.execute(sql("DROP SCHEMA {schema} CASCADE", name))
+            conn.commit()
+        engine.dispose()
+
+
 def test_an_error_a_grant_fixes_names_maintd_grants(pg_dsn, schema, tmp_path):
     with login_role(pg_dsn, "no_grants") as role:
         cfg = _config(tmp_path, role_dsn(pg_dsn, role), schema)
