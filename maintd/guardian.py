@@ -200,12 +200,14 @@ class HealthMonitor:
                 log.debug("health history not written", extra=kv(target=member.name, error=describe_db_error(exc)))
 
     def status(self, name: str) -> dict[str, Any] | None:
-        """The last read as one target's /status shows it (None: this replica does not lead it)."""
-        report = self.last
+        """The last read as one target's /status shows it, with ``error`` while the reads fail
+        (None: this replica does not lead it)."""
+        report, error = self.last, self.error
         member = next((m for m in self.members if m.name == name), None)
-        if report is None or member is None or name not in self._led:
+        if member is None or name not in self._seen:
             return None
-        return report.status(member.schema)
+        out = report.status(member.schema) if report is not None and name in self._led else {}
+        return {**out, "error": error} if error is not None else out or None
 
     # -- a thread of its own --------------------------------------------------------------------
     def start(self) -> None:

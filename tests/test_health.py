@@ -658,6 +658,75 @@ def test_the_daemon_names_the_holder_warns_once_and_the_gauge_drops_back_within_
     assert metric(daemon, "maintd_xmin_horizon_age_seconds") is None  # a stopped leader exports none
 
 
+class LeadingMember:
+    """One target this replica leads, as :class:`maintd.guardian.HealthMonitor` sees it, whose
+    health connection goes to ``dsn`` (a real server, or a port nothing listens on)."""
+
+    def __init__(self, dsn: str, engine: Engine):
+        self.name, self.schema, self.dsn, self.engine = "maintd", "maintd", dsn, engine
+        self.settings = Settings(database_url=dsn, schema="maintd", instance_id="guard-1")
+        self.metrics = Metrics(target="maintd")
+
+    def leading(self) -> bool:
+        return True
+
+    def fence(self):
+        from maintd.services.base import NotLeader
+
+        raise NotLeader("no history in this test")
+
+    def connect(self) -> psycopg.Connection:
+        return psycopg.connect(self.dsn, autocommit=True, application_name="maintd:guard-1:health")
+
+    def live_counts(self, at):
+        return None
+
+
+def overview_html(settings: Settings, monitor) -> str:
+    from maintd.dashboard import Dashboard
+    from maintd.http import Request
+
+    status, _, body, _ = Dashboard(lambda: settings, health=monitor.status).index(Request("/", {"refresh": ["0"]}))
+    assert status == 200, body
+    return body.decode()
+
+
+def test_a_leaders_failed_health_read_is_shown_not_hidden_or_taken_for_a_follower(health_pg, health_engine):
+    """When the read failed, /status and the dashboard showed the last good read as if current
+    (forever, while reads kept failing), or, with no good read yet in this term, nothing, which
+    they take for "this replica does not lead the target". Now they carry the read's error."""
+    from maintd.embedded import free_port
+    from maintd.guardian import HealthMonitor
+    from maintd.status import format_health
+
+    member = LeadingMember(health_pg, health_engine)
+    monitor = HealthMonitor([member], lambda: Settings().health)
+    try:
+        assert monitor.run_once() is not None
+        good = monitor.status("maintd")
+        assert good is not None and "error" not in good
+        member.dsn = f"host=127.0.0.1 port={free_port()} user=postgres dbname=postgres connect_timeout=2"
+        with psycopg.connect(health_pg, autocommit=True) as admin:  # the monitor's session ends
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                          "WHERE application_name = 'maintd:guard-1:health'")
+        assert monitor.run_once() is None and monitor.run_once() is None  # and cannot reconnect
+        failed = monitor.status("maintd")
+        assert failed is not None and failed.get("error") and failed["at"] == good["at"], failed
+        assert 'id="health-error"' in overview_html(member.settings, monitor)
+    finally:
+        monitor.stop()
+    fresh = HealthMonitor([member], lambda: Settings().health)  # a new term whose first read fails
+    try:
+        assert fresh.run_once() is None
+        status = fresh.status("maintd")
+        assert status is not None and status.get("error"), status
+        assert "not read" in "\n".join(format_health(status))
+        html = overview_html(member.settings, fresh)
+        assert 'id="health-error"' in html and "does not lead" not in html
+    finally:
+        fresh.stop()
+
+
 # -- a standby's hot_standby_feedback ------------------------------------------------------------
 
 @pytest.mark.slow
