@@ -220,6 +220,55 @@ def test_a_lazy_vacuum_is_not_named_however_long_it_runs(health_pg, health_engin
             conn.execute("DROP TABLE IF EXISTS slow_vacuum")
 
 
+def test_a_parallel_vacuums_workers_are_not_named_either(health_pg, health_engine):
+    """VACUUM (PARALLEL n) vacuums indexes in parallel workers, which share its snapshot and its
+    PROC_IN_VACUUM (other vacuums ignore them too) but are not in pg_stat_progress_vacuum
+    themselves (their leader is): they were named as snapshot holders while they ran."""
+    with psycopg.connect(health_pg, autocommit=True) as conn:
+        conn.execute("DROP TABLE IF EXISTS par_vacuum")
+        conn.execute("CREATE TABLE par_vacuum AS SELECT g AS id FROM generate_series(1, 30000) AS g")
+        for i in range(3):
+            conn.execute(f"CREATE INDEX par_vacuum_{i} ON par_vacuum ((md5(id::text) || md5((id + {i})::text)))")
+        conn.execute("DELETE FROM par_vacuum WHERE id % 2 = 0")
+    slow = psycopg.connect(health_pg, autocommit=True,
+                           options="-c vacuum_cost_delay=20 -c vacuum_cost_limit=20 "
+                                   "-c min_parallel_index_scan_size=0")
+    done = threading.Event()
+
+    def vacuum() -> None:
+        try:
+            slow.execute("VACUUM (PARALLEL 2) par_vacuum")
+        except psycopg.Error:
+            pass  # cancelled below
+        finally:
+            done.set()
+
+    threading.Thread(target=vacuum, daemon=True).start()
+    try:
+        with psycopg.connect(health_pg, autocommit=True) as conn:
+            workers = wait_for(lambda: conn.execute(
+                "SELECT array_agg(pid) FROM pg_stat_activity WHERE leader_pid = %s AND backend_xmin IS NOT NULL",
+                (slow.info.backend_pid,)).fetchone()[0], 30, interval=0.05, what="the parallel workers")
+            conn.execute("INSERT INTO maintd.jobs (kind) SELECT 'parallel' FROM generate_series(1, 200)")
+            conn.execute("DELETE FROM maintd.jobs WHERE kind = 'parallel'")
+            consume_xids(health_pg)
+            conn.execute("SELECT pg_stat_force_next_flush()")  # before VACUUM's own count
+            conn.execute("VACUUM maintd.jobs")  # the workers' snapshot does not hold it back
+            assert conn.execute("SELECT pg_stat_get_dead_tuples('maintd.jobs'::regclass)").fetchone()[0] == 0
+            time.sleep(1.1)
+            named = [h for h in read(health_engine).horizon.holders if h.pid in workers]
+            still = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(%s)", (workers,)).fetchone()[0]
+            assert still, "the workers are done already: the test shows nothing"
+            assert named == [], named
+    finally:
+        with psycopg.connect(health_pg, autocommit=True) as conn:
+            conn.execute("SELECT pg_cancel_backend(%s)", (slow.info.backend_pid,))
+        done.wait(10)
+        slow.close()
+        with psycopg.connect(health_pg, autocommit=True) as conn:
+            conn.execute("DROP TABLE IF EXISTS par_vacuum")
+
+
 def test_a_logical_slot_holds_back_the_catalogs_not_the_jobs_table(health_pg, health_engine):
     """A logical slot's catalog_xmin: PostgreSQL's ComputeXidHorizons() applies it to catalog
     relations only. Named as such, and VACUUM indeed removes the jobs table's dead rows meanwhile."""

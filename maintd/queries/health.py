@@ -13,8 +13,9 @@ maintd's, no lock, no transaction id): one round trip each, per database, per ``
 #   database meanwhile (GetSnapshotData() reads the ids of all databases), so the workers' own
 #   snapshots keep vacuum from the rows deleted since; its snapshot holds back only its own
 #   database. Lazy VACUUMs (``pg_stat_progress_vacuum``, whose pids every role sees, where
-#   ``backend_type`` is hidden without pg_read_all_stats) and this read's own backend are left out
-#   (a lazy VACUUM's snapshot is ignored by other vacuums);
+#   ``backend_type`` is hidden without pg_read_all_stats), their parallel workers (``leader_pid``,
+#   which share their snapshot and PROC_IN_VACUUM) and this read's own backend are left out (a lazy
+#   VACUUM's snapshot is ignored by other vacuums);
 # * a prepared transaction, of any database (its id, like a running one's, is in every snapshot);
 # * a replication slot's ``xmin`` (a physical slot fed by hot_standby_feedback, or a logical one
 #   while it exports its snapshot) for the data, and its ``catalog_xmin`` (logical slots), which
@@ -49,7 +50,7 @@ WITH backends AS (
    CROSS JOIN LATERAL (SELECT a.datid IS NOT NULL AND a.datname <> current_database() AS elsewhere) AS o
    WHERE a.pid <> pg_backend_pid()
      AND (a.backend_xid IS NOT NULL OR (a.backend_xmin IS NOT NULL AND NOT elsewhere))
-     AND a.pid NOT IN (SELECT v.pid FROM pg_stat_progress_vacuum v)
+     AND NOT EXISTS (SELECT 1 FROM pg_stat_progress_vacuum v WHERE v.pid IN (a.pid, a.leader_pid))
 ), slots AS (
   SELECT s.slot_name, s.slot_type, s.active_pid, s.xmin, s.catalog_xmin,
          CAST(to_jsonb(s) ->> 'inactive_since' AS timestamptz) AS inactive_since,
