@@ -269,6 +269,46 @@ def test_a_parallel_vacuums_workers_are_not_named_either(health_pg, health_engin
             conn.execute("DROP TABLE IF EXISTS par_vacuum")
 
 
+def test_a_parallel_query_is_one_holder_not_one_per_worker(health_pg, health_engine, maintd_log):
+    """A parallel query's workers hold the snapshot their leader holds: each was named, and
+    warned about, as a holder of its own (a line per worker for every long report)."""
+    with psycopg.connect(health_pg, autocommit=True) as conn:
+        conn.execute("DROP TABLE IF EXISTS par_query")
+        conn.execute("CREATE TABLE par_query AS SELECT g AS id FROM generate_series(1, 20000) AS g")
+        conn.execute("ANALYZE par_query")
+    report = psycopg.connect(health_pg, autocommit=True, application_name="bi-report",
+                             options="-c max_parallel_workers_per_gather=2 -c parallel_setup_cost=0 "
+                                     "-c parallel_tuple_cost=0 -c min_parallel_table_scan_size=0")
+    def run() -> None:
+        try:
+            report.execute("SELECT count(*) FROM par_query WHERE pg_sleep(0.0005) IS NOT NULL")
+        except psycopg.Error:
+            pass  # cancelled below
+
+    query = threading.Thread(target=run, daemon=True)
+    query.start()
+    try:
+        with psycopg.connect(health_pg, autocommit=True) as conn:
+            workers = wait_for(lambda: conn.execute(
+                "SELECT array_agg(pid) FROM pg_stat_activity WHERE leader_pid = %s",
+                (report.info.backend_pid,)).fetchone()[0], 10, interval=0.05, what="the parallel workers")
+            consume_xids(health_pg)
+            time.sleep(1.2)
+            reader, warnings = HealthReader(), HolderWarnings()
+            hz = read(health_engine, reader).horizon
+            warnings.check(hz, timedelta(seconds=1), ["q"])
+            assert conn.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(%s)",
+                                (workers,)).fetchone()[0], "the workers are done already: the test shows nothing"
+        assert [h.pid for h in hz.holders] == [report.info.backend_pid], hz.holders
+        assert len([line for line in maintd_log if "vacuum is held back" in line]) == 1, maintd_log
+    finally:
+        with psycopg.connect(health_pg, autocommit=True) as conn:
+            conn.execute("SELECT pg_cancel_backend(%s)", (report.info.backend_pid,))
+            query.join(10)
+            conn.execute("DROP TABLE IF EXISTS par_query")
+        report.close()
+
+
 def test_a_logical_slot_holds_back_the_catalogs_not_the_jobs_table(health_pg, health_engine):
     """A logical slot's catalog_xmin: PostgreSQL's ComputeXidHorizons() applies it to catalog
     relations only. Named as such, and VACUUM indeed removes the jobs table's dead rows meanwhile."""

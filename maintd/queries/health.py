@@ -15,7 +15,9 @@ maintd's, no lock, no transaction id): one round trip each, per database, per ``
 #   database. Lazy VACUUMs (``pg_stat_progress_vacuum``, whose pids every role sees, where
 #   ``backend_type`` is hidden without pg_read_all_stats), their parallel workers (``leader_pid``,
 #   which share their snapshot and PROC_IN_VACUUM) and this read's own backend are left out (a lazy
-#   VACUUM's snapshot is ignored by other vacuums);
+#   VACUUM's snapshot is ignored by other vacuums). A parallel query's workers are their leader's
+#   holder, not holders of their own: they hold a copy of a snapshot of its (its xmin is at most
+#   theirs), and a transaction id only its (a parallel apply worker, another backend_type, has its own);
 # * a prepared transaction, of any database (its id, like a running one's, is in every snapshot);
 # * a replication slot's ``xmin`` (a physical slot fed by hot_standby_feedback, or a logical one
 #   while it exports its snapshot) for the data, and its ``catalog_xmin`` (logical slots), which
@@ -51,6 +53,7 @@ WITH backends AS (
    WHERE a.pid <> pg_backend_pid()
      AND (a.backend_xid IS NOT NULL OR (a.backend_xmin IS NOT NULL AND NOT elsewhere))
      AND NOT EXISTS (SELECT 1 FROM pg_stat_progress_vacuum v WHERE v.pid IN (a.pid, a.leader_pid))
+     AND NOT (a.backend_type = 'parallel worker' AND a.leader_pid IS NOT NULL)
 ), slots AS (
   SELECT s.slot_name, s.slot_type, s.active_pid, s.xmin, s.catalog_xmin,
          CAST(to_jsonb(s) ->> 'inactive_since' AS timestamptz) AS inactive_since,
