@@ -229,7 +229,8 @@ class HealthMonitor:
         due = 0.0
         while not self._stop.wait(POLL):
             try:
-                leading = {m.name for m in self.poll()}
+                # a new term's first read at once; none while disabled (its run clears the gauges)
+                leading = {m.name for m in self.poll()} if self.config().enabled else set()
                 if time.monotonic() >= due or leading - self._seen:
                     self.run_once()
                     due = time.monotonic() + self.config().interval.total_seconds()

@@ -816,6 +816,25 @@ def test_a_leaders_failed_health_read_is_shown_not_hidden_or_taken_for_a_followe
         fresh.stop()
 
 
+def test_a_disabled_health_read_does_not_spin_its_thread(health_pg, health_engine):
+    """health.enabled = false on a leader: its monitor thread ran run_once every poll (0.25 s),
+    because the targets it led never counted as seen, clearing every target's gauges each time
+    (200 targets: 800 clears a second). Now it runs once an interval, like an enabled one."""
+    from maintd.guardian import HealthMonitor
+
+    monitor = HealthMonitor([LeadingMember(health_pg, health_engine)], lambda: Settings(health={"enabled": False}).health)
+    runs = []
+    run_once = monitor.run_once
+    monitor.run_once = lambda: runs.append(1) or run_once()  # counted, then run as it is
+    monitor.start()
+    try:
+        time.sleep(2.0)
+    finally:
+        monitor.stop()
+    assert len(runs) == 1, f"{len(runs)} runs in 2 s"
+    assert monitor.status("maintd") is None
+
+
 # -- a standby's hot_standby_feedback ------------------------------------------------------------
 
 @pytest.mark.slow
