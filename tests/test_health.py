@@ -97,6 +97,24 @@ def test_a_repeatable_read_snapshot_is_named_without_its_query(health_pg, health
         assert texts and all(r[-1] is None for r in texts)
 
 
+def test_a_read_late_in_a_transaction_ages_holders_from_the_read_not_from_its_start(health_pg, health_engine):
+    """`maintd status` reads the health last in its transaction, after the job counts (up to 5 s):
+    ages counted from now() (the transaction's start) were short by that much, and a holder that
+    began meanwhile was aged 0 and not named at all."""
+    from maintd.health import read_once
+
+    with health_engine.connect() as conn:
+        conn.exec_driver_sql("SELECT 1")  # its transaction, and now(), begin here
+        with psycopg.connect(health_pg, application_name="late-report") as holder:
+            time.sleep(0.5)
+            holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            holder.execute("SELECT count(*) FROM maintd.jobs")
+            consume_xids(health_pg)
+            time.sleep(1.5)
+            h = held_by(read_once(conn, "maintd"), holder.info.backend_pid)
+            assert h.application_name == "late-report" and 1.4 <= h.age_seconds < 60, h
+
+
 def test_an_idle_in_transaction_session_holding_a_transaction_id_is_named(health_pg, health_engine):
     with psycopg.connect(health_pg, application_name="forgetful-worker") as holder:
         holder.execute("INSERT INTO maintd.jobs (kind) VALUES ('held')")  # an xid, then idle

@@ -81,8 +81,8 @@ SELECT 'replication_slot', 'catalog', active_pid, usename, application_name, cli
   FROM slots WHERE catalog_xmin IS NOT NULL
 """
 
-# The server's time: the ages count from it.
-NOW = "SELECT now() AS now"
+# The server's time as the read starts (not its transaction's: `maintd status` reads last): the ages count from it.
+NOW = "SELECT statement_timestamp() AS now"
 
 # Per table of the given schemas (plain tables, and partitioned ones with the leaves of their
 # partition tree summed: pg_partition_tree() lists nothing for a plain table), from the statistics
