@@ -82,6 +82,7 @@ NOT_MAINTENANCE: dict[str, str] = {
     **{f"periodic_jobs.{n}": "`maintd periodic` (an operator's command)" for n in ("UPSERT", "DELETE", "SET_ENABLED")},
     "daemons.REGISTER": "the registry of running daemons: every replica, leader or not, registers itself",
     "daemons.FORGET_STALE": "the registry of running daemons, pruned by whichever replica (re)connects",
+    "daemons.STOPPED": "the registry of running daemons: a replica, leader or not, says when it left",
     **{f"leader.{n}": "leadership itself: the election writes the term that the fence checks"
        for n in ("ROUND", "LOCK_ROW", "BUMP_EPOCH", "RELEASE", "HANDOVER_NOTIFY")},
     "leader.FENCE_WRITES": "the fence (FOR KEY SHARE of the leader row)",
