@@ -293,13 +293,18 @@ def show_job(conn: Connection, schema: str, job_id: int) -> dict[str, Any] | Non
 # ---------------------------------------------------------------- output
 
 def _cell(value: Any) -> str:
-    """One table cell: UTC times, control characters neutralised, long text cut."""
+    """One table cell: a field's text, long text cut."""
+    out = _field(value)
+    return out if len(out) <= CELL_WIDTH else out[:CELL_WIDTH - 3] + "..."
+
+
+def _field(value: Any) -> str:
+    """One value as text: UTC times, control characters neutralised, whole (``show``)."""
     if value is None:
         return "-"
     if isinstance(value, datetime):
         return value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
-    out = "".join(c if c.isprintable() else "?" for c in str(value))
-    return out if len(out) <= CELL_WIDTH else out[:CELL_WIDTH - 3] + "..."
+    return "".join(c if c.isprintable() else "?" for c in str(value))
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], indent: str = "  ") -> str:
@@ -383,7 +388,7 @@ def format_job(job: dict[str, Any]) -> str:
     for key in ("id", "state", "kind", "queue", "priority", "attempt", "max_attempts",
                 "scheduled_at", "created_at", "attempted_at", "attempted_by", "heartbeat_at",
                 "finalized_at", "unique_key"):
-        lines.append(f"{key + ':':<14}{_cell(job[key])}")
+        lines.append(f"{key + ':':<14}{_field(job[key])}")
     for key in ("args", "metadata", "errors"):
         body = json.dumps(job[key], indent=2, ensure_ascii=True, default=str)
         lines.append(f"{key}:" + ("\n" + "\n".join("  " + ln for ln in body.splitlines())))

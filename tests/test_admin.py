@@ -487,6 +487,20 @@ def test_cli_show_prints_args_metadata_errors(engine, schema, cli):
     assert rc == 1 and "maintd jobs: error: no job 999999999" in err  # as the README and the actions say
 
 
+def test_cli_show_prints_long_values_whole_and_escaped(engine, schema, cli):
+    """`show` cut kind, queue, unique_key and attempted_by at 48 characters as the list's cells
+    ("report:customer-000000000000000000000000001:2..."): the operator could not copy the key for
+    remove_job, nor tell two such jobs apart. Whole now, control characters still neutralised."""
+    key = "report:customer-" + "0" * 60 + "1:2026-11"
+    kind = "billing.invoices.regenerate_for_" + "x" * 80
+    with engine.begin() as conn:
+        job_id = JobQueue(schema).enqueue(conn, kind, queue="q\x1b[31m\nred", unique_key=key)
+    rc, out, err = cli("show", str(job_id))
+    assert rc == 0, err
+    assert f"unique_key:   {key}\n" in out and f"kind:         {kind}\n" in out, out
+    assert "\x1b" not in out and "queue:        q?[31m?red\n" in out, out
+
+
 # ---------------------------------------------------------------- maintd jobs: actions
 
 def test_cli_cancel_by_ids_reports_changed_and_skipped(engine, schema, cli):
