@@ -209,6 +209,25 @@ def test_retry_jobs_gives_an_available_job_out_of_attempts_one_more(engine, sche
     assert changed[exhausted]["attempt"] == 3 and changed[exhausted]["state"] == "available"
 
 
+def test_cli_retry_by_state_available_ends_on_a_job_at_the_attempt_limit(engine, schema, cli):
+    """An available job at attempt 32767 (README, "The attempt counter": an import's odd row)
+    cannot get one more attempt, yet retry_jobs "changed" it: scheduled_at = now() moved it
+    ahead of the keyset of `retry --state available`, so every batch retried it again and the
+    command never ended. It is left alone now (nothing to do), like a due job with attempts left."""
+    [stuck] = add(engine, schema, "available", attempt=32767, max_attempts=32767)
+    [exhausted] = add(engine, schema, "available", attempt=3, max_attempts=2)
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(out=cli(
+        "retry", "--state", "available", "--batch-size", "1", "--json")), daemon=True)
+    thread.start()
+    thread.join(timeout=20)
+    assert not thread.is_alive(), "`maintd jobs retry --state available` did not end"
+    rc, out, err = result["out"]
+    data = json.loads(out)
+    assert rc == 0 and data["changed"] == 1 and [j["id"] for j in data["jobs"]] == [exhausted], out + err
+    assert call(engine, schema, "retry_jobs", [stuck]) == {}
+
+
 def test_retry_jobs_skips_a_final_job_whose_key_a_live_job_took_meanwhile(pg_dsn, engine, schema):
     """A worker's enqueue of the same unique_key, not committed yet when retry_jobs read: the
     revival waited for it, then failed the whole call with 23505, the jobs it had changed rolled

@@ -183,7 +183,7 @@ def test_a_relative_revision_that_leads_nowhere_exits_2_naming_the_option(pg_dsn
     cfg = tmp_path / "maintd.toml"
     cfg.write_text(f'database_url = "{pg_dsn}"\nschema = "{schema}"\n')
     for argv, option in [(["migrate", "--revision", "head+1"], "--revision head+1"),
-                         (["migrate", "--revision", "0012+5"], "--revision 0012+5"),
+                         (["migrate", "--revision", "0012+50"], "--revision 0012+50"),
                          (["migrate", "--downgrade", "+1"], "--downgrade +1"),
                          (["migrate", "--revision", "-1"], "--revision -1"),
                          (["migrate", "--sql", "--from", "base", "--revision", "head+1"], "--revision head+1"),

@@ -25,7 +25,8 @@ class Action:
 ACTIONS: dict[str, Action] = {
     "retry": Action(
         "retried", "SELECT id, state::text AS state FROM {schema}.retry_jobs(CAST(:ids AS bigint[]))",
-        "j.state <> 'running' AND NOT (j.state = 'available' AND j.scheduled_at <= now() AND j.attempt < j.max_attempts)"
+        "j.state <> 'running' AND NOT (j.state = 'available' AND j.scheduled_at <= now()"
+        " AND (j.attempt < j.max_attempts OR j.attempt >= 32767))"
         f" AND NOT (j.state IN {_FINAL} AND j.unique_key IS NOT NULL AND EXISTS ("
         "SELECT 1 FROM {schema}.jobs AS o"
         f" WHERE o.unique_key = j.unique_key AND o.state NOT IN {_FINAL}))",
