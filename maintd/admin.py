@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 from sqlalchemy import Connection, text
 from sqlalchemy.exc import DBAPIError
 
-from .db import quote_ident
+from .db import describe_db_error, quote_ident
 from .queries import catalog, sql
 from .queries.admin import (ACTIONS, BY_IDS, LIST, REREAD, ROW, SHOW, Action, Filter,  # noqa: F401
                             filter_query)
@@ -57,6 +57,14 @@ class AdminError(Exception):
     """The database cannot serve the command (e.g. not migrated): exit 1."""
 
 
+class ActionFailed(Exception):
+    """A batch failed; ``report`` holds what the batches before it changed (committed)."""
+
+    def __init__(self, report: "Report", error: str):
+        super().__init__(error)
+        self.report = report
+
+
 # ---------------------------------------------------------------- the report
 
 @dataclass
@@ -69,6 +77,7 @@ class Report:
     not_found: list[int] = field(default_factory=list)  # ids given that no job has (at most KEEP_LISTED)
     not_found_count: int = 0
     batches: int = 0
+    error: str | None = None  # what stopped the command (the batches reported are committed)
     transitions: Counter = field(default_factory=Counter)  # (queue, from, to) -> jobs
     changed: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[dict[str, Any]] = field(default_factory=list)
@@ -103,6 +112,7 @@ class Report:
                          for (q, f, t), n in sorted(self.transitions.items())],
             "jobs": self.changed, "skipped_jobs": self.skipped,
             "truncated": max(self.changed_count, self.skipped_count) > KEEP_LISTED,
+            **({"error": self.error} if self.error is not None else {}),
         }
 
 
@@ -241,10 +251,14 @@ def run_action(conn: Connection, schema: str, name: str, *, ids: Sequence[int] =
     check_migrated(conn, schema)
     if dry_run:  # every batch transaction starts as BEGIN READ ONLY: the server refuses writes
         conn.execution_options(postgresql_readonly=True)
-    if ids:
-        run_ids(conn, schema, action, ids, base, report, batch_size=batch_size, dry_run=dry_run)
-    else:
-        run_filter(conn, schema, action, flt, base, report, batch_size=batch_size, dry_run=dry_run)
+    try:
+        if ids:
+            run_ids(conn, schema, action, ids, base, report, batch_size=batch_size, dry_run=dry_run)
+        else:
+            run_filter(conn, schema, action, flt, base, report, batch_size=batch_size, dry_run=dry_run)
+    except DBAPIError as exc:  # earlier batches are committed: the caller reports them
+        report.error = describe_db_error(exc)
+        raise ActionFailed(report, report.error) from exc
     return report
 
 
@@ -480,7 +494,13 @@ def _cmd_action(conn: Connection, schema: str, *, name: str, as_json: bool, **kw
     """Exit 0 when every job was found (skipped running or locked jobs are reported, not
     failures), 1 when a job id given does not exist: a typo or a job the cleaner deleted is
     something the operator must see."""
-    report = run_action(conn, schema, name, **kw)
+    try:
+        report = run_action(conn, schema, name, **kw)
+    except ActionFailed as exc:  # what the committed batches changed, then the error
+        print(_json(exc.report.as_json()) if as_json else format_report(exc.report))
+        print(f"maintd jobs: error: {exc} (stopped there: the report above covers the batches "
+              "done before it)", file=sys.stderr)
+        return EXIT_FAILURE
     print(_json(report.as_json()) if as_json else format_report(report))
     if report.not_found_count:
         ids = ", ".join(str(i) for i in report.not_found[:TEXT_ROWS])

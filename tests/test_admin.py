@@ -694,6 +694,28 @@ def test_filter_by_state_walks_the_index_keyset_without_repeats(engine, schema, 
     assert counts == {("a", "available"): 1200, ("b", "discarded"): 5, ("a", "completed"): 7}
 
 
+def test_cli_failure_after_committed_batches_still_reports_what_changed(engine, schema, cli):
+    """A batch that fails (here a trigger refusing one job; in production a statement timeout, a
+    lost connection) after earlier batches committed: the command printed only the error, so the
+    operator could not tell that jobs had been cancelled. The committed batches are reported,
+    then the error, exit 1."""
+    first, second = add(engine, schema, "available", queue="q", n=2)
+    [poison] = add(engine, schema, "available", queue="q", kind="poison")
+    with engine.begin() as conn:
+        conn.execute(sql(
+            "CREATE FUNCTION {schema}.refuse() RETURNS trigger LANGUAGE plpgsql AS"
+            " $$BEGIN RAISE EXCEPTION 'refused job %', NEW.id; END$$;"
+            " CREATE TRIGGER refuse BEFORE UPDATE ON {schema}.jobs FOR EACH ROW"
+            " WHEN (OLD.kind = 'poison') EXECUTE FUNCTION {schema}.refuse()", schema))
+    rc, out, err = cli("cancel", str(first), str(second), str(poison), "--batch-size", "2")
+    assert rc == 1 and f"refused job {poison}" in err, (rc, out, err)
+    assert "2 jobs cancelled" in out, out + err
+    assert {j["state"] for j in rows(engine, schema, [first, second]).values()} == {"cancelled"}
+    rc, out, err = cli("cancel", str(poison), "--json")
+    data = json.loads(out)
+    assert rc == 1 and data["changed"] == 0 and "refused job" in data["error"], out + err
+
+
 def test_cli_race_with_a_worker_completing_the_job_meanwhile(pg_dsn, engine, schema, cli):
     """The worker claims and completes a job in one open transaction (holding the row lock) while
     the operator cancels it: the CLI does not wait, reports it skipped as locked, and after the
