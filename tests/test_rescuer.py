@@ -15,7 +15,8 @@ from maintd.jobs import BACKOFF_CAP, ClaimedJob, JobQueue, backoff
 from maintd.metrics import Metrics
 from maintd.services.base import PassContext
 from maintd.queries.jobs import (RESCUER_BATCH, RESCUER_PROBE, RESCUER_COUNT_STUCK, RESCUER_EXHAUSTED_BATCH,
-                                 RESCUER_NO_SIGN_BATCH, RESCUER_COUNT_ODD, RESCUER_FUTURE_SIGN_BATCH)
+                                 RESCUER_NO_SIGN_BATCH, RESCUER_COUNT_ODD, RESCUER_FUTURE_SIGN_BATCH,
+                                 RESCUER_COUNT_FUTURE)
 from maintd.services.rescuer import Rescuer
 
 from .conftest import T0, run_concurrently
@@ -161,13 +162,15 @@ def test_dry_run(settings, engine, schema, clock):
 def test_dry_run_counts_what_every_batch_would_do(settings, engine, schema, clock):
     """The dry run counted only the stuck jobs in keyset order: running jobs with no usable sign
     of life and waiting jobs with no attempt left, which a real pass also handles, were left out
-    ("would rescue 0", then a pass discarded jobs)."""
+    ("would rescue 0", then a pass discarded jobs). Nor did it count a sign of life in the
+    server's future that the pass then dated."""
     running(engine, schema, seen_ago=timedelta(hours=2))
     with engine.begin() as conn:
         conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt, max_attempts, attempted_at) VALUES "
                          "('k', 'running', 1, 25, NULL), ('k', 'running', 25, 25, 'infinity'), "
                          "('k', 'running', 1, 25, '-infinity'), "
-                         "('k', 'available', 30, 25, NULL), ('k', 'running', 1, 25, now())", schema))
+                         "('k', 'available', 30, 25, NULL), ('k', 'running', 1, 25, now()), "
+                         "('k', 'running', 1, 25, now() + interval '2 hours')", schema))
 
     def states():  # (SELECT * would load the 'infinity', which Python's datetime cannot hold)
         with engine.connect() as conn:
@@ -175,10 +178,10 @@ def test_dry_run_counts_what_every_batch_would_do(settings, engine, schema, cloc
 
     before = states()
     planned = run(settings, engine, clock, dry_run=True)
-    assert (planned.retried, planned.discarded, planned.exhausted) == (3, 1, 1)
+    assert (planned.retried, planned.discarded, planned.exhausted, planned.dated) == (3, 1, 1, 1), planned
     assert states() == before
     done = run(settings, engine, clock)
-    assert (done.retried, done.discarded, done.exhausted) == (3, 1, 1)
+    assert (done.retried, done.discarded, done.exhausted, done.dated) == (3, 1, 1, 1), done
 
 
 def test_locked_rows_do_not_hide_later_stuck_jobs(settings, engine, schema, clock):
@@ -291,6 +294,8 @@ def test_statements_are_index_backed(settings, engine, schema, clock, layout):
             candidates, update = plan.split("CTE dated")
             assert "Index Scan Backward using jobs_running_idx" in candidates, plan
             assert "Tid Scan" in update and "Seq Scan" not in plan, plan
+            plan = explain(conn, RESCUER_COUNT_FUTURE, schema, {"ahead": 60}, generic=generic)
+            assert "jobs_running_idx" in plan and "Seq Scan" not in plan, plan
             plan = explain(conn, RESCUER_COUNT_ODD, schema, params, generic=generic)
             assert "jobs_running_idx" in plan and "jobs_exhausted_idx" in plan and "Seq Scan" not in plan, plan
             # the daemon's probe, idle: each of its reads one index entry (an OR of three

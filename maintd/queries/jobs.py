@@ -311,6 +311,14 @@ WITH candidates AS MATERIALIZED (
 SELECT (SELECT count(*) FROM candidates) AS candidates, ARRAY(SELECT id FROM dated ORDER BY id) AS ids
 """
 
+# A dry run's count of the running jobs RESCUER_FUTURE_SIGN_BATCH would date (same conditions).
+RESCUER_COUNT_FUTURE = """
+SELECT count(*) FROM {schema}.jobs
+ WHERE state = 'running'
+   AND coalesce(heartbeat_at, attempted_at) > statement_timestamp() + make_interval(secs => :ahead)
+   AND coalesce(heartbeat_at, attempted_at) < '9999-12-31 00:00:00+00'
+"""
+
 # Waiting jobs with no attempt left (attempt >= max_attempts: an import, an operator's UPDATE, or
 # reschedule_jobs lowering max_attempts), which the claim passes over: discarded with the reason
 # in errors. jobs_exhausted_idx (migration 0005) holds exactly these rows, so this is one probe

@@ -245,13 +245,16 @@ class Rescuer(Service):
                 now = ctx.now()
                 stuck = conn.execute(ctx.sql(jobs.RESCUER_COUNT_STUCK), {**self.horizons(now), "now": now}).one()
                 odd = conn.execute(ctx.sql(jobs.RESCUER_COUNT_ODD)).one()
+                if self._future_due(now):
+                    result.dated = conn.execute(ctx.sql(jobs.RESCUER_COUNT_FUTURE),
+                                                {"ahead": FUTURE_AHEAD.total_seconds()}).scalar()
             result.retried, result.discarded = stuck.retry + odd.retry, stuck.discard + odd.discard
             result.exhausted = odd.exhausted
             return result
         now = ctx.now()
         done = (result.retried, result.discarded)
         try:
-            if self._future_looked_at is None or now - self._future_looked_at >= self.config.interval:
+            if self._future_due(now):
                 self._date_future_signs(ctx, result)
                 self._future_looked_at = now
             params = self._params(ctx, now)  # the rules and horizons, once per pass
@@ -331,6 +334,10 @@ class Rescuer(Service):
             if batch.ids:
                 log.warning("rescued running jobs with no usable attempted_at or heartbeat_at",
                             extra=kv(count=len(batch.ids), job_ids=clip(batch.ids)))
+
+    def _future_due(self, now: datetime) -> bool:
+        """Whether this pass looks for future signs of life (once an interval)."""
+        return self._future_looked_at is None or now - self._future_looked_at >= self.config.interval
 
     def _date_future_signs(self, ctx: PassContext, result: RescuerResult) -> None:
         """Running jobs whose sign of life lies in the future: dated now, one line per batch."""
