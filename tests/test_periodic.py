@@ -467,3 +467,45 @@ def test_a_long_outage_computes_the_slots_it_enqueues_not_every_slot_missed(pg_d
     assert result.skipped == {"fast": {"outside_backfill": 3 * 86400 - 1},
                               "filled": {"outside_backfill": 3 * 86400 - 5}}
     assert len(computed) < 100, f"{len(computed)} slots computed to enqueue 6"
+
+
+def test_a_prune_that_fails_leaves_the_pass_a_success_and_is_tried_again_a_minute_later(
+        pg_dsn, schema, engine, maintd_log):
+    """The slot history's prune runs after the pass's slots are enqueued. It failed the whole
+    pass (here a lock held on an old slot row past lock_timeout), and, marked done before it ran,
+    was not tried again for an hour. Now it is logged, the pass stands, and the next pass a
+    minute later prunes."""
+    from maintd.db import make_engine
+
+    old = START - timedelta(days=100)
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.periodic_slots (periodic_id, slot, backfilled, instance_id) "
+                         "VALUES ('gone', :old, false, 'i'), ('gone', :newer, false, 'i')", schema),
+                     {"old": old, "newer": old + timedelta(minutes=1)})
+    settings = make_settings(pg_dsn, schema)
+    service = PeriodicEnqueuer(settings.periodic)
+    clock = FrozenClock(START)
+    short = make_engine(pg_dsn, application_name="maintd-test-short", session={"lock_timeout": "300ms"})
+    try:
+        run(settings, short, clock, service)  # the baseline; its prune runs too
+        with engine.connect() as conn:
+            assert conn.execute(sql("SELECT count(*) FROM {schema}.periodic_slots WHERE periodic_id = 'gone'",
+                                    schema)).scalar() == 1  # the newest of an id always stays
+            conn.execute(sql("INSERT INTO {schema}.periodic_slots (periodic_id, slot, backfilled, instance_id) "
+                             "VALUES ('gone', :old, false, 'i')", schema), {"old": old})
+            conn.commit()
+            conn.execute(sql("SELECT 1 FROM {schema}.periodic_slots WHERE slot = :old FOR UPDATE", schema),
+                         {"old": old})  # held: the next prune's DELETE waits past lock_timeout
+            clock.advance(3600 + 10)
+            result = run(settings, short, clock, service)
+            conn.rollback()
+        assert [e["slot"] for e in result.enqueued][-1:] == [(START + timedelta(seconds=3610)).replace(microsecond=0).isoformat()]
+        assert any("could not prune the periodic slots' history" in line for line in maintd_log)
+        clock.advance(30)
+        run(settings, short, clock, service)  # within the minute: not yet
+        assert old in [s for s in slots(engine, schema)]
+        clock.advance(40)
+        run(settings, short, clock, service)
+        assert old not in slots(engine, schema)
+    finally:
+        short.dispose()

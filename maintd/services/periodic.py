@@ -45,6 +45,7 @@ from .periodic_rows import Entry, RowSource
 log = logging.getLogger("maintd.periodic")
 
 PRUNE_EVERY = timedelta(hours=1)
+PRUNE_RETRY = timedelta(minutes=1)  # after a prune that failed
 PRUNE_BATCH = 10_000  # slot rows a prune statement deletes at most
 # Between idle passes, the rows of periodic_jobs are read again this often: a safety net only, as
 # their trigger's NOTIFY, passed on by the lock session, makes the next pass read them at once, and
@@ -370,17 +371,25 @@ class PeriodicEnqueuer(Service):
                                                        job_id=job.id, backfilled=backfilled))
 
     def _prune(self, ctx: PassContext, now: datetime) -> None:
+        """History older than the longest backfill window, once an hour. Bookkeeping: a failure
+        is logged and tried again a minute later; the slots enqueued by the pass stand."""
         if self._last_prune is not None and now - self._last_prune < PRUNE_EVERY:
             return
-        self._last_prune = now
         longest = max((e.backfill for e in self.config if e.backfill), default=timedelta(0))
         longest = max(longest, timedelta(days=31))  # rows' backfill windows are not known here
         params = {"before": now - max(KEEP_HISTORY, longest * 2), "limit": PRUNE_BATCH}
-        while True:  # each batch its own short transaction
-            with ctx.transaction() as conn:
-                if conn.execute(ctx.sql(periodic_slots.PRUNE), params).rowcount < PRUNE_BATCH:
-                    return
-            ctx.check_stop()
+        try:
+            while True:  # each batch its own short transaction
+                with ctx.transaction() as conn:
+                    if conn.execute(ctx.sql(periodic_slots.PRUNE), params).rowcount < PRUNE_BATCH:
+                        break
+                ctx.check_stop()
+        except DBAPIError as exc:
+            log.warning("could not prune the periodic slots' history; trying again in a minute",
+                        extra=kv(error=describe_db_error(exc)))
+            self._last_prune = now - PRUNE_EVERY + PRUNE_RETRY
+            return
+        self._last_prune = now
 
     def observe(self, metrics, result: PeriodicResult) -> None:
         """Count the pass; the series of ids gone (a row deleted, an entry removed) go too: an
