@@ -115,6 +115,23 @@ def test_dry_run(settings, engine, schema, clock):
     assert set(states(engine, schema).values()) == {"scheduled", "retryable"}  # nothing changed
 
 
+def test_a_dry_run_promotes_no_job_a_pass_would_not_when_the_clock_runs_ahead(settings, engine, schema):
+    """The pass promotes up to the earlier of its clock's reading and the server's own
+    statement time (a reading carried ahead of a server clock stepped back). The dry run counted
+    up to the reading alone: "would promote 1" for a job the pass then left scheduled."""
+    from maintd.clock import FrozenClock
+
+    with engine.begin() as conn:
+        server_now = conn.execute(sql("SELECT now()", schema)).scalar_one()
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) "
+                         "VALUES ('k', 'scheduled', CAST(:t AS timestamptz))", schema),
+                     {"t": server_now + timedelta(minutes=30)})
+    ahead = FrozenClock(server_now + timedelta(hours=1))
+    planned = run(settings, engine, ahead, dry_run=True)
+    done = run(settings, engine, ahead)
+    assert planned.promoted == done.promoted == {}, (planned.promoted, done.promoted)
+
+
 def test_two_schedulers_promote_each_job_once(pg_dsn, settings, engine, schema, clock):
     settings.scheduler.batch_size = 7
     add(engine, schema, state="scheduled", due_in=timedelta(seconds=-1), queue="q", n=500)

@@ -503,7 +503,8 @@ SELECT coalesce((SELECT min(scheduled_at) FROM {schema}.jobs
 
 SCHEDULER_COUNT_DUE = """
 SELECT queue, count(*) AS n FROM {schema}.jobs
- WHERE state IN ('scheduled', 'retryable') AND scheduled_at <= :now
+ WHERE state IN ('scheduled', 'retryable')
+   AND scheduled_at <= least(CAST(:now AS timestamptz), statement_timestamp())  -- SCHEDULER_PROMOTE's bound
  GROUP BY queue
 """
 
