@@ -22,6 +22,8 @@ after their xmin (before that they hold nothing back), a lower bound marked ``ex
 from __future__ import annotations
 
 import logging
+from bisect import bisect_right
+from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, Iterable, Sequence
@@ -37,6 +39,7 @@ from .queries import psycopg_sql
 log = logging.getLogger("maintd.health")
 
 SHOWN_AFTER = 1.0  # seconds: younger holders (every worker's transaction) are not named
+XID_SAMPLES = 10_000  # reads whose next transaction id is kept (a day at a read every 10 s)
 BACKEND_KINDS = ("transaction", "snapshot")  # one backend's transaction: a snapshot until it writes
 UNTIMED_KINDS = ("replication_slot", "standby_feedback")  # long-lived, often without a start time
 SHOWN = 5  # holders listed per scope, oldest horizon first
@@ -152,6 +155,8 @@ class HealthReader:
     def __init__(self, show_query: bool = False):
         self.show_query = show_query
         self._holding_since: dict[tuple, datetime] = {}
+        # (time, next transaction id) of each read, oldest first: when the counter passed an xmin
+        self._xids: deque[tuple[datetime, int]] = deque(maxlen=XID_SAMPLES)
         self._snapshot_since: dict[tuple, datetime] = {}  # (pid, xact start, xmin): held at least since
         self._full_at: datetime | None = None
         self._sizes_at: datetime | None = None
@@ -166,12 +171,14 @@ class HealthReader:
         execution. See :meth:`_plan` for what is read when."""
         schemas = sorted(schemas)
         cur = conn.cursor(row_factory=dict_row)
-        now = cur.execute(psycopg_sql(q.NOW), prepare=True).fetchone()["now"]
+        clock = cur.execute(psycopg_sql(q.NOW), prepare=True).fetchone()
+        now = clock["now"]
         rows = cur.execute(psycopg_sql(q.HOLDERS), {"show_query": self.show_query}, prepare=True).fetchall()
         full, sizes = self._plan(now, schemas)
         tables = cur.execute(psycopg_sql(q.TABLES), {"schemas": schemas, "all_tables": full, "sizes": sizes},
                              prepare=True).fetchall() if schemas else []
-        return HealthReport(at=now, horizon=self.horizon(rows, now), tables=self._tables(tables, full, schemas))
+        return HealthReport(at=now, horizon=self.horizon(rows, now, int(clock["next_xid"])),
+                            tables=self._tables(tables, full, schemas))
 
     def _plan(self, now: datetime, schemas: Sequence[str]) -> tuple[bool, str]:
         """(read every table, whose sizes): the jobs tables' rows every read, their sizes every
@@ -203,9 +210,12 @@ class HealthReader:
         self._last_tables.update(out)
         return out
 
-    def horizon(self, rows: Iterable[dict[str, Any]], now: datetime) -> Horizon:
-        """The holders of ``rows`` (:data:`maintd.queries.health.HOLDERS`) with their ages."""
+    def horizon(self, rows: Iterable[dict[str, Any]], now: datetime, next_xid: int | None = None) -> Horizon:
+        """The holders of ``rows`` (:data:`maintd.queries.health.HOLDERS`) with their ages;
+        ``next_xid``: the server's next transaction id as of ``now`` (a sample kept)."""
         rows = list(rows)
+        if next_xid is not None and (not self._xids or next_xid >= self._xids[-1][1]):
+            self._xids.append((now, next_xid))
         holders = [self._holder(r, now) for r in rows]
         self._holding_since = {k: v for k, v in self._holding_since.items()
                                if k in {h.key for h in holders}}
@@ -237,8 +247,18 @@ class HealthReader:
             return _with_age(holder, (now - since).total_seconds())
         if holder.age_xids == 0:  # no transaction id assigned after its xmin: holds nothing back yet
             return holder
-        first = self._holding_since.setdefault(holder.key, now)
+        first = min(self._holding_since.setdefault(holder.key, now), self._passed(holder.age_xids, now))
         return _with_age(holder, (now - first).total_seconds())
+
+    def _passed(self, age_xids: int, now: datetime) -> datetime:
+        """The first sampled time by which the counter had passed an xmin ``age_xids`` behind
+        the latest sample (its xmin was current before then: a standby's feedback that keeps
+        moving but stays behind is aged by how far behind it stays); ``now`` if none had."""
+        if not self._xids:
+            return now
+        xmin = self._xids[-1][1] - age_xids
+        i = bisect_right([n for _, n in self._xids], xmin)
+        return self._xids[i][0] if i < len(self._xids) else now
 
 
     def _snapshot_age(self, holder: Holder, statement_start: datetime | None, now: datetime) -> Holder:

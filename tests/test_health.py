@@ -486,6 +486,24 @@ def test_a_holder_without_a_start_time_ages_from_the_first_read_that_saw_it_hold
     assert reader.horizon([], T0 + timedelta(hours=2)) == Horizon()
 
 
+def test_a_holder_whose_xmin_moves_but_stays_behind_is_aged_by_when_its_xmin_was_current():
+    """A standby running overlapping 30-minute queries sends a feedback xmin that keeps moving
+    but stays about 30 minutes behind. Aged from the first read that saw each xmin, it was always
+    about 0 s old: the 5-minute warning and the seconds gauge never fired, only age_xids showed
+    it. Each read now samples the next transaction id, and an xmin is at least as old as the
+    first sample that had passed it (a lower bound: exact stays False)."""
+    reader = HealthReader()
+    reader.horizon([row()], T0, next_xid=1000)  # idle: holds nothing back
+    reader.horizon([row(xmin="1500", age_xids=500)], T0 + timedelta(minutes=10), next_xid=2000)
+    hz = reader.horizon([row(xmin="1600", age_xids=1400)], T0 + timedelta(minutes=20), next_xid=3000)
+    assert (hz.age_seconds, hz.holder.exact) == (600.0, False), hz  # 1600 was passed by 10:10
+    hz = reader.horizon([row(xmin="2500", age_xids=2500)], T0 + timedelta(minutes=40), next_xid=5000)
+    assert hz.age_seconds == 1200.0 and hz.holder.age_xids == 2500, hz  # passed by 10:20: over the 5-minute warning
+    # an xmin no sample had passed yet is aged, as before, from the first read that saw it
+    assert reader.horizon([row(xmin="5005", age_xids=5)], T0 + timedelta(minutes=41),
+                          next_xid=5010).age_seconds == 0.0
+
+
 def test_a_one_shot_read_names_a_slot_holding_back_and_says_its_age_is_unknown():
     """`maintd status` reads once: a holder PostgreSQL keeps no time for has age 0 there, and was
     dropped as younger than a second, so a stale physical slot holding back 50 million ids read

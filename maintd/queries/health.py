@@ -82,7 +82,7 @@ SELECT 'replication_slot', 'catalog', active_pid, usename, application_name, cli
 """
 
 # The server's time as the read starts (not its transaction's: `maintd status` reads last): the ages count from it.
-NOW = "SELECT statement_timestamp() AS now"
+NOW = "SELECT statement_timestamp() AS now, CAST(CAST(pg_snapshot_xmax(pg_current_snapshot()) AS text) AS bigint) AS next_xid"
 
 # Per table of the given schemas (plain tables, and partitioned ones with the leaves of their
 # partition tree summed: pg_partition_tree() lists nothing for a plain table), from the statistics
