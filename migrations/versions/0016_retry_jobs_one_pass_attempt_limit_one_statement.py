@@ -1,18 +1,28 @@
-"""retry_jobs leaves alone an available job due now at attempt 32767: it cannot get one more
-attempt, and "changing" it (scheduled_at = now()) made `maintd jobs retry --state available`
-retry it in every batch, never ending (SPEC 7.5)
+"""retry_jobs: the newest final job of each unique_key found in one pass, a job at attempt 32767
+left alone, and the keyed final jobs revived in one statement
 
-Revision ID: 0017
-Revises: 0016
+Revision ID: 0016
+Revises: 0015
 Create Date: 2026-11-29
 
-0012 made retry_jobs give an available job out of attempts one more (max_attempts = attempt + 1,
-at most 32767). A job at attempt 32767 (the README's odd row, "The attempt counter") cannot have
-one more: retry_jobs still returned it as changed, with scheduled_at = now(). That moved it ahead
-of the keyset of a ``--state available`` filter (queue, priority, scheduled_at, id), so the next
-batch found it again, retried it again, and so on: the command never ended (and counted the
-job once per batch). Such a job is now "nothing to do", like a due job with attempts left; the
-rescuer discards it. 0016's body otherwise.
+Three faults of 0012's body, fixed together (none of them changes the signature):
+
+* The newest final job of each unique_key was found by a subquery over the call's other
+  candidates, once per keyed job: quadratic (16,000 jobs took 13 s; `maintd jobs retry
+  --batch-size 1000000` hours). One grouped pass now.
+* 0012 made retry_jobs give an available job out of attempts one more (max_attempts = attempt + 1,
+  at most 32767). A job at attempt 32767 (the README's odd row, "The attempt counter") cannot have
+  one more: retry_jobs still returned it as changed, with scheduled_at = now(). That moved it ahead
+  of the keyset of a ``--state available`` filter, so every later batch retried it again and the
+  command never ended. Such a job is now "nothing to do"; the rescuer discards it.
+* Each final job with a unique_key was updated in a BEGIN ... EXCEPTION block of its own (a live
+  job with its key may have been enqueued meanwhile: a unique_violation leaves that one job final).
+  Each block is a subtransaction with a transaction id of its own: a `maintd jobs retry` batch of
+  1,000 such jobs opened 1,000. Past 64 in one transaction, PostgreSQL's per-backend cache of
+  subtransactions overflows, and every other session's snapshot must then look them up in
+  pg_subtrans until the transaction ends (the workers' claims included). Now the keyed jobs are
+  revived by one UPDATE in one block; only when that meets a conflict does it fall back to one
+  block per job.
 
 Same signature: ``CREATE OR REPLACE`` keeps the comment's place and the grants.
 """
@@ -21,8 +31,8 @@ from alembic import op
 
 from maintd.db import notify_channel, quote_ident
 
-revision = "0017"
-down_revision = "0016"
+revision = "0016"
+down_revision = "0015"
 branch_labels = None
 depends_on = None
 
@@ -65,20 +75,35 @@ BEGIN
     RETURNING j AS job
   )
   SELECT coalesce(array_agg(u.job), '{{}}') INTO changed FROM updated AS u;
-  FOREACH job_id IN ARRAY keyed LOOP
-    BEGIN  -- a live job with its key may have been enqueued meanwhile, not yet committed when read
-      UPDATE {{q}}.jobs AS j
-         SET state = 'available', scheduled_at = now(), finalized_at = NULL,
-             max_attempts = greatest(j.max_attempts, least(j.attempt + 1, 32767))
-       WHERE j.id = job_id AND j.state <> 'running'
-      RETURNING j.* INTO one;
-      IF FOUND THEN
-        changed := changed || one;
-      END IF;
+  IF cardinality(keyed) > 0 THEN
+    BEGIN  -- all at once: one subtransaction (one per job overflowed the backend's cache of 64)
+      WITH updated AS (
+        UPDATE {{q}}.jobs AS j
+           SET state = 'available', scheduled_at = now(), finalized_at = NULL,
+               max_attempts = greatest(j.max_attempts, least(j.attempt + 1, 32767))
+         WHERE j.id = ANY(keyed) AND j.state <> 'running'
+        RETURNING j AS job
+      )
+      SELECT changed || coalesce(array_agg(u.job), '{{}}') INTO changed FROM updated AS u;
     EXCEPTION WHEN unique_violation OR lock_not_available THEN
-      NULL;  -- the key is taken: the job stays final
+      -- a live job with one of the keys was enqueued meanwhile (not yet committed when read):
+      -- one job at a time, so that only the jobs whose key is taken stay final
+      FOREACH job_id IN ARRAY keyed LOOP
+        BEGIN
+          UPDATE {{q}}.jobs AS j
+             SET state = 'available', scheduled_at = now(), finalized_at = NULL,
+                 max_attempts = greatest(j.max_attempts, least(j.attempt + 1, 32767))
+           WHERE j.id = job_id AND j.state <> 'running'
+          RETURNING j.* INTO one;
+          IF FOUND THEN
+            changed := changed || one;
+          END IF;
+        EXCEPTION WHEN unique_violation OR lock_not_available THEN
+          NULL;  -- the key is taken: the job stays final
+        END;
+      END LOOP;
     END;
-  END LOOP;
+  END IF;
   PERFORM pg_notify('{{channel}}', x.queue) FROM (SELECT DISTINCT c.queue FROM unnest(changed) AS c) AS x;
   RETURN QUERY SELECT * FROM unnest(changed) AS c ORDER BY c.id;
 END
