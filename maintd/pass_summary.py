@@ -85,6 +85,8 @@ def _rescuer(r: Result, verb: str) -> str:
     line = f"{verb('rescued', 'would rescue')} {num(n)}{_parts(parts)}"
     if _int(r.get("dated")):  # maintd_rows_skipped_total{reason="future_sign"}
         line += f", dated now {num(_int(r['dated']))} (sign of life in the future)"
+    if _int(r.get("cleared")):  # maintd_rows_skipped_total{reason="stale_heartbeat"}
+        line += f", cleared {num(_int(r['cleared']))} heartbeat_at left from an earlier attempt"
     return line + _waits(r)
 
 

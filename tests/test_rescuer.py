@@ -440,7 +440,7 @@ def test_a_sign_of_life_from_the_future_is_dated_now_and_the_job_rescued_after_i
     before = server_now()
     with caplog.at_level(logging.WARNING, logger="maintd.rescuer"):
         result = rescuer.run_once(PassContext.for_settings(settings, engine, FrozenClock(before)))
-    assert (result.retried, result.discarded, result.skipped_rows()) == (0, 0, {"future_sign": 2})
+    assert (result.retried, result.discarded, result.skipped_rows()) == (0, 0, {"future_sign": 2, "stale_heartbeat": 0})
     r = rows(engine, schema)
     assert before <= r[ahead_10y].heartbeat_at <= server_now() and before <= r[ahead_2h].attempted_at <= server_now()
     assert r[ahead_2h].heartbeat_at is None  # never heartbeated: its claim time is dated, not a heartbeat made up
@@ -452,7 +452,7 @@ def test_a_sign_of_life_from_the_future_is_dated_now_and_the_job_rescued_after_i
     r = rows(engine, schema)
     assert {i: r[i].state for i in (ahead_10y, ahead_2h, ahead_30s)} == {  # ahead_2h: 1 h grace, no heartbeat
         ahead_10y: "retryable", ahead_2h: "running", ahead_30s: "running"}
-    assert result.skipped_rows() == {"future_sign": 0}
+    assert result.skipped_rows() == {"future_sign": 0, "stale_heartbeat": 0}
 
 
 def test_a_future_claim_time_is_dated_without_inventing_a_heartbeat(settings, engine, schema, caplog):
@@ -471,7 +471,7 @@ def test_a_future_claim_time_is_dated_without_inventing_a_heartbeat(settings, en
         before = conn.execute(text("SELECT now()")).scalar()
     rescuer = Rescuer(settings.rescuer)
     result = rescuer.run_once(PassContext.for_settings(settings, engine, FrozenClock(before)))
-    assert result.skipped_rows() == {"future_sign": 1}
+    assert result.skipped_rows() == {"future_sign": 1, "stale_heartbeat": 0}
     dated = rows(engine, schema)[job]
     assert dated.heartbeat_at is None, f"dating invented a heartbeat: heartbeat_at={dated.heartbeat_at}"
     assert dated.attempted_at <= before + timedelta(minutes=1)
@@ -480,5 +480,42 @@ def test_a_future_claim_time_is_dated_without_inventing_a_heartbeat(settings, en
                          "heartbeat_at = heartbeat_at - interval '10 minutes' WHERE id = :id", schema), {"id": job})
         now = conn.execute(text("SELECT now()")).scalar()
     result = Rescuer(settings.rescuer).run_once(PassContext.for_settings(settings, engine, FrozenClock(now)))
+    assert (result.retried, result.discarded) == (0, 0)
+    assert rows(engine, schema)[job].state == "running"
+
+
+def test_a_heartbeat_left_from_an_earlier_attempt_does_not_rescue_the_new_one(settings, engine, schema, clock):
+    """SPEC 2's claim sets attempted_at and leaves heartbeat_at as it was. A job that heartbeated
+    two hours ago in its first attempt, failed (or was rescued), and was claimed again five minutes
+    ago by such a worker is alive: its only sign of life in this attempt is the claim. The rescuer
+    judged it by the old heartbeat and gave it back at once, under the default rule and under
+    heartbeat_timeout alike, so two workers ran it. A heartbeat older than the attempt's start is
+    the earlier attempt's: it is cleared (counted, as a sign of life the rule cannot judge), and
+    the job is judged by its claim. One whose claim is itself past the grace is rescued."""
+    settings.rescuer.heartbeat_timeout = timedelta(minutes=2)
+    again = running(engine, schema, seen_ago=timedelta(minutes=5), heartbeat_ago=timedelta(hours=2), attempt=2)
+    dead = running(engine, schema, seen_ago=timedelta(hours=1, seconds=1), heartbeat_ago=timedelta(hours=2), attempt=2)
+    planned = run(settings, engine, clock, dry_run=True)
+    assert (planned.retried, planned.discarded) == (1, 0), planned
+    result = run(settings, engine, clock)
+    r = rows(engine, schema)
+    assert (r[again[0]].state, r[dead[0]].state) == ("running", "retryable"), "the new attempt was rescued"
+    assert r[again[0]].heartbeat_at is None and r[again[0]].attempted_at == T0 - timedelta(minutes=5)
+    assert (result.retried, result.skipped_rows()) == (1, {"future_sign": 0, "stale_heartbeat": 1})
+    assert r[dead[0]].heartbeat_at is None, "a rescued job keeps its last attempt's heartbeat for the next one"
+    assert run(settings, engine, clock).did_something() is False  # cleared once; nothing left to do
+
+
+def test_a_rescued_job_claimed_again_by_the_spec_claim_stays_running(settings, engine, schema, clock):
+    """The same through the rescue itself: a job rescued after its heartbeats stopped, claimed
+    again by SPEC 2's claim (which does not clear heartbeat_at), is not rescued by the next pass."""
+    settings.rescuer.heartbeat_timeout = timedelta(minutes=2)
+    [job] = running(engine, schema, seen_ago=timedelta(minutes=30), heartbeat_ago=timedelta(minutes=3))
+    assert run(settings, engine, clock).retried == 1
+    with engine.begin() as conn:  # SPEC 2's claim, a minute before the clock's now
+        conn.execute(sql("UPDATE {schema}.jobs SET state = 'running', attempt = attempt + 1, "
+                         "attempted_at = CAST(:t AS timestamptz), attempted_by = 'w2' WHERE id = :id", schema),
+                     {"t": T0 - timedelta(minutes=1), "id": job})
+    result = run(settings, engine, clock)
     assert (result.retried, result.discarded) == (0, 0)
     assert rows(engine, schema)[job].state == "running"

@@ -14,6 +14,8 @@ statement is rendered; each fragment used by more than one statement is defined 
 * ``{stuck}``: the rescuer's rule for a running job that shows no sign of life, under the job's
   own rule ``{rule}`` (bound by ``:stuck_befores`` and ``:hb_befores``, a NULL element without
   ``heartbeat_timeout``, each moved back by ``{ahead}``);
+* ``{stale_heartbeat}``: a running job whose heartbeat is an earlier attempt's and whose claim
+  is within its rule's grace (bound as ``{stuck}``): not stuck, its heartbeat to be cleared;
 * ``{ahead}``: how far ``:now`` (the daemon's carried reading of the server's clock) is ahead of
   the server's ``statement_timestamp()``, 0 when it is not;
 * ``{rule}``: which of the rescuer's rules (1-based) holds for a job: its kind's, else its
@@ -64,6 +66,13 @@ STUCK = """(coalesce(heartbeat_at, attempted_at) < (CAST(:stuck_befores AS times
           OR (heartbeat_at IS NOT NULL
               AND heartbeat_at < (CAST(:hb_befores AS timestamptz[]))[{rule}] - {ahead}))"""
 
+# A heartbeat older than the attempt's own start is an earlier attempt's (SPEC 2's claim sets
+# attempted_at and leaves heartbeat_at), while the claim itself is within the rule's grace: the
+# job is not stuck, though {stuck} (SPEC 2's rule, which jobs_running_idx serves) says it is. Such
+# a candidate has its heartbeat_at cleared instead of being rescued; NULL (no attempted_at) is false.
+STALE_HEARTBEAT = """(heartbeat_at < attempted_at
+          AND attempted_at >= (CAST(:stuck_befores AS timestamptz[]))[{rule}] - {ahead})"""
+
 # How far the daemon's reading of the server's clock (:now, carried forward on the host's
 # monotonic clock for up to 30 s) runs ahead of the server's own: the server's clock stepped back
 # since the reading. The rescuer's horizons move back by that much, so that a heartbeat written
@@ -104,6 +113,7 @@ RESCUE = """rescued AS (
                                     secs => (CAST(:delays AS float8[]))[least(greatest(j.attempt, 0), :cap) + 1])
                         END,
          finalized_at = CASE WHEN j.attempt >= j.max_attempts THEN CAST(:now AS timestamptz) END,
+         heartbeat_at = NULL,  -- this attempt's: the next one starts without (the error keeps when)
          errors = j.errors || jsonb_build_array(jsonb_build_object(
                     'at', CAST(:now AS timestamptz),
                     'attempt', j.attempt,
@@ -115,6 +125,7 @@ RESCUE = """rescued AS (
      AND j.id = c.id                                        -- alone, whatever the planner thinks of c
      AND j.state = 'running'
      AND j.attempt = c.attempt
+     AND {stale_heartbeat} IS NOT TRUE
      AND ({stuck} OR coalesce(heartbeat_at, attempted_at) IS NULL
           OR coalesce(heartbeat_at, attempted_at) < '0001-01-02 00:00:00+00'
           OR coalesce(heartbeat_at, attempted_at) >= '9999-12-31 00:00:00+00')
@@ -133,7 +144,7 @@ VALUES (CAST(:kind AS text), CAST(:queue AS text), CAST(:args AS jsonb), CAST(:p
 
 # Order matters: a fragment may hold the ones after it.
 FRAGMENTS = {"{enqueue}": ENQUEUE, "{rescue}": RESCUE, "{advisory_lock}": ADVISORY_LOCK, "{stuck}": STUCK,
-             "{ahead}": AHEAD, "{grace}": GRACE, "{rule}": RULE, "{announce}": ANNOUNCE, "{target_queues}": TARGET_QUEUES,
+             "{stale_heartbeat}": STALE_HEARTBEAT, "{ahead}": AHEAD, "{grace}": GRACE, "{rule}": RULE, "{announce}": ANNOUNCE, "{target_queues}": TARGET_QUEUES,
              "{final_states}": FINAL_STATES_SQL}
 
 _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")

@@ -225,7 +225,9 @@ SELECT count(*) FROM {schema}.jobs
 # the latest horizon of any rule (:scan_until), each checked against its own rule ({stuck}),
 # locked (rows a worker is finishing right now are skipped, not waited for: the worker's update
 # wins), then rescued by {rescue} (see maintd/queries/__init__.py), which re-checks the state, the
-# attempt and the stuck rule on the row as it is now, and announced by {announce}.
+# attempt and the stuck rule on the row as it is now, and announced by {announce}; or, for a
+# candidate whose heartbeat is an earlier attempt's ({stale_heartbeat}), that heartbeat cleared
+# (the two updates take disjoint rows).
 RESCUER_BATCH = """
 WITH candidates AS MATERIALIZED (
   SELECT id, ctid, attempt, coalesce(heartbeat_at, attempted_at) AS seen
@@ -237,11 +239,19 @@ WITH candidates AS MATERIALIZED (
    ORDER BY coalesce(heartbeat_at, attempted_at), id
    LIMIT :limit
      FOR NO KEY UPDATE SKIP LOCKED
-), {rescue}
+), {rescue}, cleared AS (
+  UPDATE {schema}.jobs AS j SET heartbeat_at = NULL
+    FROM candidates AS c
+   WHERE j.ctid = ANY(ARRAY(SELECT ctid FROM candidates))
+     AND j.id = c.id AND j.state = 'running' AND j.attempt = c.attempt
+     AND {stale_heartbeat}
+  RETURNING j.id
+)
 SELECT (SELECT count(*) FROM candidates) AS candidates,
        last.seen AS last_seen, last.id AS last_id,
        (SELECT count(*) FROM rescued WHERE discarded) AS discarded,
        (SELECT count(*) FROM rescued WHERE NOT discarded) AS retried,
+       ARRAY(SELECT id FROM cleared ORDER BY id) AS cleared,
        CASE WHEN :announce THEN {announce} ELSE 0 END AS announced
   FROM (SELECT 1) AS one
   LEFT JOIN LATERAL (SELECT seen, id FROM candidates ORDER BY seen DESC, id DESC LIMIT 1) AS last ON true
@@ -348,8 +358,9 @@ SELECT (SELECT count(*) FROM candidates) AS candidates,
 # A dry run's count of what RESCUER_BATCH would rescue (from year 1 on, as its keyset starts there;
 # earlier signs of life are RESCUER_COUNT_ODD's).
 RESCUER_COUNT_STUCK = """
-SELECT count(*) FILTER (WHERE attempt < max_attempts) AS retry,
-       count(*) FILTER (WHERE attempt >= max_attempts) AS discard
+SELECT count(*) FILTER (WHERE attempt < max_attempts AND {stale_heartbeat} IS NOT TRUE) AS retry,
+       count(*) FILTER (WHERE attempt >= max_attempts AND {stale_heartbeat} IS NOT TRUE) AS discard,
+       count(*) FILTER (WHERE {stale_heartbeat}) AS cleared
   FROM {schema}.jobs
  WHERE state = 'running'
    AND coalesce(heartbeat_at, attempted_at) >= '0001-01-02 00:00:00+00'

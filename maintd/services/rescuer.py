@@ -31,6 +31,12 @@ heartbeat come under ``heartbeat_timeout``; logged, counted as
 ``maintd_rows_skipped_total{reason="future_sign"}``): a live worker's next
 heartbeat replaces it, and a dead worker's job is rescued once its grace has passed.
 
+A running job whose ``heartbeat_at`` is older than its ``attempted_at`` carries an earlier
+attempt's heartbeat (SPEC 2's claim leaves it): by SPEC 2's rule it would be rescued as soon as its
+claim, though its worker is alive. A candidate whose claim is within its grace has that heartbeat
+cleared instead (logged, ``maintd_rows_skipped_total{reason="stale_heartbeat"}``), and is judged
+by its claim; a rescue clears ``heartbeat_at`` too, so the next attempt starts without one.
+
 Waiting jobs (``available``, ``scheduled``, ``retryable``) with no attempt left (``attempt >=
 max_attempts``), which the workers' claim passes over, are discarded with the reason appended to
 ``errors`` (through ``jobs_exhausted_idx``), counted as ``maintd_jobs_rescued_total{outcome=
@@ -155,6 +161,7 @@ class RescuerResult(PassResult):
     discarded: int = 0
     exhausted: int = 0  # waiting jobs with no attempt left, discarded
     dated: int = 0  # running jobs whose sign of life lay in the future, dated now
+    cleared: int = 0  # running jobs whose heartbeat was an earlier attempt's, cleared
     batches: int = 0
     next_pass_at: datetime | None = None  # precise timing: the next deadline, before the next tick
     dry_run: bool = False
@@ -163,15 +170,16 @@ class RescuerResult(PassResult):
         return self.next_pass_at
 
     def did_something(self) -> bool:
-        return self.retried + self.discarded + self.exhausted + self.dated > 0
+        return self.retried + self.discarded + self.exhausted + self.dated + self.cleared > 0
 
     def skipped_rows(self) -> dict[str, int]:
-        return {"future_sign": self.dated}
+        return {"future_sign": self.dated, "stale_heartbeat": self.cleared}
 
     def summary(self) -> str:
         verb = "would rescue" if self.dry_run else "rescued"
         return f"{verb} retried={self.retried} discarded={self.discarded}" + (
-            f" exhausted={self.exhausted}" if self.exhausted else "") + (f" dated={self.dated}" if self.dated else "")
+            f" exhausted={self.exhausted}" if self.exhausted else "") + (f" dated={self.dated}" if self.dated else "") + (
+            f" cleared={self.cleared}" if self.cleared else "")
 
 
 def _log_rescued(retried: int, discarded: int) -> None:
@@ -249,6 +257,7 @@ class Rescuer(Service):
                     result.dated = conn.execute(ctx.sql(jobs.RESCUER_COUNT_FUTURE),
                                                 {"ahead": FUTURE_AHEAD.total_seconds()}).scalar()
             result.retried, result.discarded = stuck.retry + odd.retry, stuck.discard + odd.discard
+            result.cleared = stuck.cleared
             result.exhausted = odd.exhausted
             return result
         now = ctx.now()
@@ -305,6 +314,11 @@ class Rescuer(Service):
                 result.batches += 1
             result.discarded += batch.discarded
             result.retried += batch.retried
+            result.cleared += len(batch.cleared)
+            if batch.cleared:
+                log.warning("cleared the heartbeat_at of running jobs left from an earlier attempt (a claim "
+                            "that does not clear it): they are judged by their claim's attempted_at",
+                            extra=kv(count=len(batch.cleared), job_ids=clip(batch.cleared)))
             if batch.candidates < limit:
                 return deadline
             after_seen, after_id = batch.last_seen, batch.last_id
