@@ -133,6 +133,13 @@ def connect(dsn: str, *, application_name: str, autocommit: bool = True,
     return conn
 
 
+def session_attrs(params: dict, attrs: str) -> dict[str, str]:
+    """``target_session_attrs = attrs`` for a multi-host URL (``params``, parsed) that sets none
+    (libpq would stop at the first host that answers), else nothing."""
+    multi = "," in str(params.get("host") or params.get("hostaddr") or "")
+    return {"target_session_attrs": attrs} if multi and "target_session_attrs" not in params else {}
+
+
 class HostOrder:
     """The order in which the hosts of a multi-host URL (``host=a,b target_session_attrs=
     read-write``) are tried. libpq tries them in the written order and spends a whole connect
@@ -147,8 +154,8 @@ class HostOrder:
     def __init__(self, dsn: str):
         self._dsn = libpq_dsn(dsn)
         params = conninfo_to_dict(self._dsn)
-        if "," in str(params.get("host") or params.get("hostaddr") or "") and "target_session_attrs" not in params:
-            params["target_session_attrs"] = "read-write"
+        if attrs := session_attrs(params, "read-write"):
+            params |= attrs
             self._dsn = make_conninfo("", **params)
         hosts = str(params.get("host") or "").split(",")
         ports = str(params.get("port") or "").split(",")

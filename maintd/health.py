@@ -257,10 +257,8 @@ class HealthReader:
         if not self._xids:
             return now
         xmin = self._xids[-1][1] - age_xids
-        i = bisect_right([n for _, n in self._xids], xmin)
+        i = bisect_right(self._xids, xmin, key=lambda sample: sample[1])
         return self._xids[i][0] if i < len(self._xids) else now
-
-
     def _snapshot_age(self, holder: Holder, statement_start: datetime | None, now: datetime) -> Holder:
         """Between statements a snapshot is its transaction's (REPEATABLE READ, a cursor): aged
         from the transaction's start. Mid-statement it may be the statement's own (READ COMMITTED):

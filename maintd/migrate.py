@@ -95,8 +95,12 @@ def check_ready(engine, schema: str) -> None:
     if current is None or not has_jobs:
         raise SchemaNotReady(f"schema {schema!r} has no maintd tables: run `maintd migrate` first")
     if current != head_revision():
-        raise SchemaNotReady(f"schema {schema!r} is at revision {current}, this maintd needs "
-                             f"{head_revision()}: run `maintd migrate`")
+        raise SchemaNotReady(behind(schema, current))
+
+
+def behind(schema: str, current: str | None) -> str:
+    """Why a schema at revision ``current`` is not ready for this maintd."""
+    return f"schema {schema!r} is at revision {current}, this maintd needs {head_revision()}: run `maintd migrate`"
 
 
 class MigratePermissionError(RuntimeError):

@@ -23,7 +23,7 @@ from typing import Callable
 from psycopg.conninfo import conninfo_to_dict
 from sqlalchemy import Engine, event
 
-from .db import libpq_dsn, load_any_time, make_engine, session_settings
+from .db import libpq_dsn, load_any_time, make_engine, session_attrs, session_settings
 
 KEPT = 2  # sessions a pool keeps open between reads
 MOST = 4  # sessions a pool opens at most (two renders; a CLI or a test may share it)
@@ -52,9 +52,7 @@ def reader_engine(dsn: str, instance_id: str, *, kept: int = KEPT, most: int = M
 def _primary(dsn: str) -> dict[str, str]:
     """A multi-host URL without ``target_session_attrs`` reads the primary (read-only or not): the
     leader's lock and the daemons' sessions are the primary's, a standby shows none of them."""
-    params = conninfo_to_dict(libpq_dsn(dsn))
-    multi = "," in str(params.get("host") or params.get("hostaddr") or "")
-    return {"target_session_attrs": "primary"} if multi and "target_session_attrs" not in params else {}
+    return session_attrs(conninfo_to_dict(libpq_dsn(dsn)), "primary")
 
 
 class Readers:

@@ -76,11 +76,11 @@ def collect_status(engine: Engine, schema: str, *, jobs: dict[str, Any] | None =
 def _behind(conn: Connection, schema: str) -> str | None:
     """Why the schema is too old for this maintd's statements, if it is (one newer than this
     maintd is read as it is)."""
-    from .migrate import current_revision, head_revision, revisions
+    from .migrate import behind, current_revision, head_revision, revisions
 
     current, head, known = current_revision(conn, schema), head_revision(), revisions()
     if current in known and head in known and known.index(current) < known.index(head):
-        return f"schema {schema!r} is at revision {current}, this maintd needs {head}: run `maintd migrate`"
+        return behind(schema, current)
     return None
 
 
