@@ -115,16 +115,22 @@ def windowed_counts(conn: Connection, schema: str, cap: int
     return out, {s: seen[INDEX[s]] >= cap for s in out}
 
 
-def final_counts(conn: Connection, schema: str, cap: int) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+def final_counts(conn: Connection, schema: str, cap: int
+                 ) -> tuple[dict[str, dict[str, int]], dict[str, int], set[str]]:
     """(state -> queue -> final jobs, each count reading at most the per-queue bound of
-    jobs_finalized_queue_idx; state -> that bound) for completed, cancelled and discarded."""
-    out, bounds = {}, {}
+    jobs_finalized_queue_idx; state -> that bound; the states with more than ``MAX_HEADS``
+    queues, whose queues past the first ``MAX_HEADS`` are not counted) for completed,
+    cancelled and discarded."""
+    out, bounds, cut = {}, {}, set()
     for state in FINAL_STATES:
-        queues = [r.queue for r in conn.execute(sql(FINAL_QUEUES, schema), {"state": state, "max_queues": MAX_HEADS})]
+        queues = [r.queue for r in conn.execute(sql(FINAL_QUEUES, schema),
+                                                {"state": state, "max_queues": MAX_HEADS + 1})]
+        if len(queues) > MAX_HEADS:
+            queues, _ = queues[:MAX_HEADS], cut.add(state)
         bounds[state] = per_queue_cap(cap, len(queues))
         out[state] = {r.queue: r.n for r in conn.execute(
             sql(FINAL_COUNTS, schema), {"state": state, "queues": queues, "cap": bounds[state]})} if queues else {}
-    return out, bounds
+    return out, bounds, cut
 
 
 def available_counts(conn: Connection, schema: str, cap: int
@@ -156,7 +162,7 @@ def queue_table(conn: Connection, schema: str, now: datetime, cap: int = CAP) ->
     window holds of it, or unknown (``?``) when it holds none of it."""
     avail, oldest, cut, limit = available_counts(conn, schema, cap)
     windowed, full = windowed_counts(conn, schema, cap)
-    finals, bounds = final_counts(conn, schema, cap)
+    finals, bounds, finals_cut = final_counts(conn, schema, cap)
     counted = {"available": avail, **windowed, **finals}
     bound = {"available": limit, **bounds}
     queues = sorted(set().union(*(set(w) for w in counted.values())))
@@ -166,12 +172,15 @@ def queue_table(conn: Connection, schema: str, now: datetime, cap: int = CAP) ->
         for s in JOB_STATES:
             n = counted[s].get(q, 0)
             capped = (n >= bound[s]) if s in bound else full[s]
+            capped = capped or (s in finals_cut and q not in counted[s])  # a queue past MAX_HEADS: "?"
             counts[s] = Count(n, "exact" if not capped else "atleast" if n else "unknown")
         age = (now - oldest[q]).total_seconds() if oldest.get(q) is not None else None
         rows.append({"queue": q, "counts": counts, "oldest_age": None if age is None else max(0.0, age)})
     capped_state = {s: (any(n >= bound[s] for n in counted[s].values()) if s in bound else full[s])
                     for s in JOB_STATES}
     capped_state["available"] = capped_state["available"] or cut
+    for s in finals_cut:  # queues past MAX_HEADS not counted: the sum is a lower bound
+        capped_state[s] = True
     guess = estimates(conn, schema) if any(capped_state.values()) else {}
     totals = {}
     for s in JOB_STATES:
@@ -180,7 +189,7 @@ def queue_table(conn: Connection, schema: str, now: datetime, cap: int = CAP) ->
             totals[s] = Count(n)
         else:  # past the bound: the statistics, or the lower bound if they know less
             totals[s] = Count(guess[s], "estimate") if guess.get(s, 0) > n else Count(n, "atleast")
-    return {"rows": rows, "totals": totals, "cut": cut,
+    return {"rows": rows, "totals": totals, "cut": cut or bool(finals_cut),
             "oldest_age": max((r["oldest_age"] for r in rows if r["oldest_age"] is not None),
                               default=None)}
 

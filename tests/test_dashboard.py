@@ -989,3 +989,26 @@ def test_final_counts_read_each_queue_s_entries_of_the_queue_index(engine, schem
                 plan = explain(conn, FINAL_COUNTS, schema, params, generic=generic)
                 assert "finalized_queue_idx" in plan and not seq_scans(plan, layout), (page_cost, generic, plan)
         conn.rollback()
+
+
+def test_final_states_past_the_queue_bound_are_not_an_exact_total(engine, schema):
+    """More queues holding completed jobs than the overview probes (MAX_HEADS): the total counted
+    only the first MAX_HEADS queues and called it exact, and the queues past them vanished."""
+    from maintd.dashboard import MAX_HEADS
+
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state, attempt, attempted_at, finalized_at)"
+                         " SELECT 'k', 'q' || lpad(g::text, 5, '0'), 'completed', 1, now(), now()"
+                         " FROM generate_series(1, :n) g", schema), {"n": MAX_HEADS + 5})
+        JobQueue(schema).enqueue(conn, "k", queue=f"q{MAX_HEADS + 5:05d}")  # past the bound, one completed
+    with engine.connect() as conn:
+        now = conn.execute(text("SELECT now()")).scalar_one()
+        table = queue_table(conn, schema, now)
+    last = next(r["counts"]["completed"] for r in table["rows"] if r["queue"] == f"q{MAX_HEADS + 5:05d}")
+    assert last.kind == "unknown", f"a queue past the bound shows {_count(last)} completed (it has 1)"
+    total = table["totals"]["completed"]
+    assert (total.value, total.kind) != (MAX_HEADS, "exact"), \
+        f"{MAX_HEADS + 5} completed jobs shown as exactly {_count(total)}"
+    assert total.kind == "atleast" or (total.kind == "estimate" and total.value >= MAX_HEADS)
+    assert table["cut"], "the queues past the bound are left out without the page saying so"
+    assert table["totals"]["available"].kind == "exact"  # the available jobs are all counted
