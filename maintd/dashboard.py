@@ -446,18 +446,32 @@ def list_jobs(conn: Connection, schema: str, f: JobFilter, *, page_size: int = P
 
 
 
-def _clip(s: Any) -> Any:
-    return s[:TEXT_LIMIT] + f"\n... ({len(s) - TEXT_LIMIT} more characters)" \
-        if isinstance(s, str) and len(s) > TEXT_LIMIT else s
+def _clip(s: Any, length: int | None = None) -> Any:
+    """``s`` cut at TEXT_LIMIT characters, saying how many more it has (of ``length`` in all:
+    the statement ships at most TEXT_LIMIT of a long text)."""
+    length = len(s) if length is None and isinstance(s, str) else length
+    return s[:TEXT_LIMIT] + f"\n... ({length - TEXT_LIMIT} more characters)" \
+        if isinstance(s, str) and length is not None and length > TEXT_LIMIT else s
 
 
 def job_detail(conn: Connection, schema: str, job_id: int) -> dict[str, Any] | None:
-    row = conn.execute(sql(JOB, schema), {"id": job_id}).mappings().first()
+    row = conn.execute(sql(JOB, schema), {"id": job_id, "limit": TEXT_LIMIT}).mappings().first()
     if row is None:
         return None
-    job = {k: _clip(v) for k, v in row.items()}
-    job["errors"] = [_error(load_json(text)) for text in row["errors"]]
+    job = {k: _clip(v) for k, v in row.items() if not k.endswith("_chars")}
+    job["args"], job["metadata"] = _clip(row["args"], row["args_chars"]), _clip(row["metadata"], row["metadata_chars"])
+    job["errors"] = [_error(load_json(text)) if chars <= TEXT_LIMIT else _clipped_error(load_json(text), chars)
+                     for text, chars in zip(row["errors"], row["error_chars"])]
     return job
+
+
+def _clipped_error(e: Any, chars: int) -> dict[str, Any]:
+    """An entry of errors of over TEXT_LIMIT characters, as the statement ships it (its at,
+    attempt and the start of its error or text)."""
+    e = e if isinstance(e, dict) else {"error": str(e)}
+    attempt, shown = e.get("attempt"), str(e.get("error"))[:TEXT_LIMIT]
+    return {"at": e.get("at"), "attempt": int(attempt) if _digits(str(attempt), 9) else attempt, "extra": {},
+            "error": shown + f"\n... ({chars - len(shown):,} more characters of this entry)"}
 
 
 def _error(e: Any) -> dict[str, Any]:

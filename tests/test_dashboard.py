@@ -1012,3 +1012,38 @@ def test_final_states_past_the_queue_bound_are_not_an_exact_total(engine, schema
     assert total.kind == "atleast" or (total.kind == "estimate" and total.value >= MAX_HEADS)
     assert table["cut"], "the queues past the bound are left out without the page saying so"
     assert table["totals"]["available"].kind == "exact"  # the available jobs are all counted
+
+
+def test_a_job_with_megabytes_of_args_and_errors_ships_only_what_its_page_shows(settings, engine, schema):
+    """A job's page showed 64 k characters of its args, metadata and each error, but read all of
+    them (50 errors of a few MB, args of hundreds of MB) into the daemon that holds the leader lock,
+    then clipped them there. The statement now ships at most TEXT_LIMIT characters of each."""
+    from maintd.dashboard import TEXT_LIMIT, job_detail
+    from maintd.queries.dashboard import JOB
+
+    big = 3 * TEXT_LIMIT
+    with engine.begin() as conn:
+        job_id = conn.execute(sql(
+            "INSERT INTO {schema}.jobs (kind, state, args, metadata, errors) "
+            "SELECT 'big', 'retryable', jsonb_build_object('blob', repeat('a', :n)), "
+            "       jsonb_build_object('blob', repeat('m', :n)), "
+            "       jsonb_build_array(jsonb_build_object('at', 't', 'attempt', 1, 'error', 'first'),"
+            "                         jsonb_build_object('attempt', 2, 'error', repeat('e', :n)),"
+            "                         jsonb_build_object('attempt', 3, 'error', 'x', 'trace', repeat('t', :n)),"
+            "                         to_jsonb(repeat('s', :n))) RETURNING id", schema), {"n": big}).scalar()
+    with engine.connect() as conn:
+        row = conn.execute(sql(JOB, schema), {"id": job_id, "limit": TEXT_LIMIT}).mappings().one()
+        shipped = {"args": len(row["args"]), "metadata": len(row["metadata"]),
+                   "errors": max(len(e) for e in row["errors"])}
+        assert max(shipped.values()) <= TEXT_LIMIT + 100, f"shipped {shipped} characters for a page of {TEXT_LIMIT}"
+        job = job_detail(conn, schema, job_id)
+        pretty = conn.execute(sql("SELECT length(jsonb_pretty(args)) FROM {schema}.jobs WHERE id = :id", schema),
+                              {"id": job_id}).scalar()
+    assert job["args"].startswith('{\n    "blob": "aaa') and len(job["args"]) < TEXT_LIMIT + 100
+    assert job["args"].endswith(f"({pretty - TEXT_LIMIT} more characters)"), job["args"][-80:]
+    errors = {e["attempt"]: e for e in job["errors"]}
+    assert errors[1]["error"] == "first" and errors[1]["at"] == "t"
+    assert errors[2]["error"].startswith("eee") and "more characters of this entry)" in errors[2]["error"]
+    assert errors[3]["error"].startswith("x\n... (") and "more characters of this entry)" in errors[3]["error"]
+    assert job["errors"][0]["error"].startswith('"sss') and "more characters" in job["errors"][0]["error"]
+    assert "more characters)" in job["metadata"]

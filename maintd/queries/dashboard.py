@@ -135,12 +135,23 @@ SELECT {keys} FROM {schema}.jobs WHERE {where} {after} ORDER BY {order} OFFSET :
 
 # The newest 50 errors each as its text, loaded one by one (db.load_json): one that Python cannot load
 # (nested too deep, an integer of over 4,300 digits) is shown as text, the others as they are.
+# Args, metadata and each error: at most :limit characters, with their whole length (*_chars), so
+# a job of hundreds of MB costs the daemon what its page shows, not the whole row. An error longer
+# than that comes as its at, attempt and the start of its error (or of its text).
 JOB = """
 SELECT id, kind, queue, state::text AS state, priority, attempt, max_attempts, scheduled_at,
        created_at, attempted_at, attempted_by, heartbeat_at, finalized_at, unique_key,
-       jsonb_pretty(args) AS args, jsonb_pretty(metadata) AS metadata,
+       left(p.args, :limit) AS args, length(p.args) AS args_chars,
+       left(p.metadata, :limit) AS metadata, length(p.metadata) AS metadata_chars,
        jsonb_array_length(errors) AS error_count,
-       ARRAY(SELECT e::text FROM jsonb_array_elements(errors) WITH ORDINALITY AS x(e, i)
-              WHERE i > jsonb_array_length(errors) - 50 ORDER BY i DESC) AS errors
-  FROM {schema}.jobs WHERE id = :id
+       ARRAY(SELECT CASE WHEN length(e::text) <= :limit THEN e::text
+                         ELSE jsonb_build_object('at', left(e->>'at', 100), 'attempt', left(e->>'attempt', 20),
+                                                 'error', left(coalesce(e->>'error', e::text), :limit))::text END
+               FROM jsonb_array_elements(errors) WITH ORDINALITY AS x(e, i)
+              WHERE i > jsonb_array_length(errors) - 50 ORDER BY i DESC) AS errors,
+       ARRAY(SELECT length(e::text) FROM jsonb_array_elements(errors) WITH ORDINALITY AS x(e, i)
+              WHERE i > jsonb_array_length(errors) - 50 ORDER BY i DESC) AS error_chars
+  FROM {schema}.jobs j
+ CROSS JOIN LATERAL (SELECT jsonb_pretty(j.args) AS args, jsonb_pretty(j.metadata) AS metadata) p
+ WHERE id = :id
 """
