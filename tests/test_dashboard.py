@@ -1047,3 +1047,12 @@ def test_a_job_with_megabytes_of_args_and_errors_ships_only_what_its_page_shows(
     assert errors[3]["error"].startswith("x\n... (") and "more characters of this entry)" in errors[3]["error"]
     assert job["errors"][0]["error"].startswith('"sss') and "more characters" in job["errors"][0]["error"]
     assert "more characters)" in job["metadata"]
+
+
+def test_the_running_list_says_the_order_it_is_in(settings, schema):
+    """/jobs?state=running is in jobs_running_idx's order (the longest without a sign of life
+    first), but the page said "By id."."""
+    status, _, body, _ = Dashboard(lambda: settings).jobs(Request("/jobs", {"state": ["running"]}))
+    page = unescape(body.decode())
+    assert status == 200 and "By id." not in page, "the running list says 'By id.' but is ordered by heartbeat"
+    assert "The longest without a heartbeat first" in page
