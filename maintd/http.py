@@ -137,12 +137,17 @@ class HttpServer:
         self.ready = dict(ready or {})
         self.listener = Listener(host, port, lambda method, target, headers: self.respond(target, headers),
                                  lambda path: self.lanes.get(path, "page"), limits,
-                                 ready=lambda method, target, headers: self.respond_ready(target))
+                                 ready=lambda method, target, headers: self.respond_ready(target, headers))
 
-    def respond_ready(self, raw_path: str) -> tuple[int, str, bytes, dict[str, str]] | None:
-        """On the listener's loop: the answer of an open path whose ``ready`` route has it
-        without work; else None (the request goes to its lane, to :meth:`respond`)."""
+    def respond_ready(self, raw_path: str, headers: Mapping[str, str] | None = None
+                      ) -> tuple[int, str, bytes, dict[str, str]] | None:
+        """On the listener's loop: a request without the token refused (so that a flood of them
+        takes no page worker from an operator who has it), or the answer of an open path whose
+        ``ready`` route has it without work; else None (the request goes to its lane, to
+        :meth:`respond`)."""
         path = raw_path.partition("?")[0]
+        if path not in self.open_paths and (refused := self._unauthorized(raw_path, headers or {})) is not None:
+            return refused
         route = self.ready.get(path) if path in self.open_paths else None
         result = route() if route is not None else None
         if result is None:
@@ -153,11 +158,8 @@ class HttpServer:
     def respond(self, raw_path: str, headers: Mapping[str, str]) -> tuple[int, str, bytes, dict[str, str]]:
         try:
             req = parse_request(raw_path, headers)
-            token = _secret(self.auth_token()) if self.auth_token else None
-            if token and req.path not in self.open_paths and not authorized(req, token):
-                return (401, "text/plain; charset=utf-8",
-                        b"unauthorized: send the http.auth_token as 'Authorization: Bearer TOKEN' "
-                        b"or as ?token=TOKEN\n", {**COMMON_HEADERS, "WWW-Authenticate": 'Bearer realm="maintd"'})
+            if req.path not in self.open_paths and (refused := self._unauthorized(raw_path, headers)) is not None:
+                return refused
             result = self._dispatch(req)
         except HttpError as exc:
             result = text(exc.status, exc.message + "\n")
@@ -167,6 +169,19 @@ class HttpServer:
             result = text(500, "internal error\n")
         status, ctype, body, *extra = result
         return status, ctype, body, {**COMMON_HEADERS, **(extra[0] if extra else {})}
+
+    def _unauthorized(self, raw_path: str, headers: Mapping[str, str]) -> tuple[int, str, bytes, dict[str, str]] | None:
+        """The 401 of a request without the token (None: no token is set, or it has it)."""
+        token = _secret(self.auth_token()) if self.auth_token else None
+        try:
+            if not token or authorized(parse_request(raw_path, headers), token):
+                return None
+        except HttpError as exc:  # a bad request: said here too, not by a page worker
+            status, ctype, body = text(exc.status, exc.message + "\n")
+            return status, ctype, body, dict(COMMON_HEADERS)
+        return (401, "text/plain; charset=utf-8",
+                b"unauthorized: send the http.auth_token as 'Authorization: Bearer TOKEN' "
+                b"or as ?token=TOKEN\n", {**COMMON_HEADERS, "WWW-Authenticate": 'Bearer realm="maintd"'})
 
     def _dispatch(self, req: Request) -> Response:
         route = self.routes.get(req.path)

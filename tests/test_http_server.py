@@ -512,3 +512,44 @@ def test_pipelined_requests_are_answered_in_the_order_they_came():
         server.stop()
     bodies = re.findall(rb"\r\n\r\n(ok\n|# metrics\n)", reply)
     assert bodies == [b"# metrics\n" if p == "/metrics" else b"ok\n" for p in paths], reply
+
+
+def test_requests_without_the_token_are_refused_on_the_loop_and_take_no_page_slot(gate):
+    """With ``http.auth_token`` set, a request without it was refused by a page worker: a flood
+    of them took the two page slots of the daemon, and the operator who had the token got "503
+    busy". The token is now checked on the listener's loop, so such a request never takes a slot:
+    with every slot rendering, it still gets its 401 at once, and an operator's pages are answered
+    while a flood without the token goes on."""
+    server = HttpServer("127.0.0.1", 0, {"/healthz": lambda: text(200, "ok\n")},
+                        pages={"/slow": gate.page, "/": lambda req: text(200, "page\n")}, limits=FAST,
+                        auth_token=lambda: "s3cret", ready={})
+    server.start()
+    try:
+        threads = [threading.Thread(target=get, args=(server.port, "/slow?token=s3cret", 15)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for _ in range(4):
+            assert gate.entered.acquire(timeout=5)  # every page slot rendering
+        status, body, _, seconds = get(server.port, "/")
+        assert status == 401 and seconds < 1, f"a request without the token got {status} {body!r}"
+        gate.opened.set()
+        for t in threads:
+            t.join(10)
+        stop = threading.Event()
+
+        def flood() -> None:
+            while not stop.is_set():
+                get(server.port, "/")
+
+        flooders = [threading.Thread(target=flood) for _ in range(8)]
+        for t in flooders:
+            t.start()
+        try:
+            answers = [get(server.port, "/?token=s3cret")[0] for _ in range(50)]
+        finally:
+            stop.set()
+            for t in flooders:
+                t.join(10)
+        assert answers == [200] * 50
+    finally:
+        server.stop()
