@@ -382,12 +382,13 @@ class Daemon:
             data["this_instance"] = {"instance_id": self.settings.instance_id, **target.status()}
             data["health"] = self.health_status(target.name)
             return as_json(status, data)
-        targets = []
+        targets, worst = [], 200
         for target in self.targets:
-            data, _ = self._target_status(target)
+            data, status = self._target_status(target)
+            worst = max(worst, status)  # a target that could not be read: 503, as the dashboard
             targets.append({"target": target.name, "schema": target.settings.schema, **data,
                             "this_instance": target.status(), "health": self.health_status(target.name)})
-        return as_json(200, {"targets": targets, "this_instance": {
+        return as_json(worst, {"targets": targets, "this_instance": {
             "instance_id": self.settings.instance_id, "leading": self.spread.leading(),
             "targets": len(self.targets), "replicas": self.spread.replicas, "cap": self.spread.cap}})
 

@@ -600,6 +600,9 @@ def test_a_target_whose_database_is_down_does_not_stop_the_others(pg_dsn, make_s
         for name, up in ((good[0], 1), ("down", 0), ("gone", 0), (good[1], 1)):
             assert f'maintd_database_up{{target="{name}"}} {up}.0' in metrics, name
         status, body = get(port, "/status")
+        # As with one target, and as the dashboard: a read that failed is a 503 (a monitor that
+        # checks the status code saw 200 while two targets could not be read at all).
+        assert status == 503, f"/status answered {status} with two targets unreadable"
         data = {t["target"]: t for t in json.loads(body)["targets"]}
         assert data[good[0]]["leader"]["instance_id"] == "multi-1"
         assert "error" in data["down"] and data["down"]["this_instance"]["database_ok"] is False
