@@ -107,7 +107,8 @@ def _add_setup_parsers(sub) -> None:
                                    "advisory lock, so replicas starting together migrate once.")
     m.add_argument("--sql", action="store_true",
                    help="print the SQL that would bring the schema from its revision now to --revision "
-                        "(a comment saying 'nothing to do' when it is there) instead of applying it")
+                        "(or down to --downgrade; a comment saying 'nothing to do' when it is there) "
+                        "instead of applying it")
     m.add_argument("--from", dest="start", metavar="REVISION", type=revision,
                    help="with --sql: start from REVISION ('base' for a new schema) instead of reading "
                         "the schema's revision from the database (no connection)")
@@ -321,9 +322,12 @@ def _migrate_targets(targets: list[Settings], args: argparse.Namespace) -> int:
     from .db import describe_db_error
 
     if args.sql:
+        if args.convert:
+            raise ConfigError(["--convert: does not go with --sql (the conversion runs online, in steps)"])
         for settings in targets:
             start = args.start if args.start is not None else _schema_revision(settings)
-            sys.stdout.write(migrate.offline_sql(settings.schema, args.revision, start, migrate.Layout.of(settings)))
+            sys.stdout.write(migrate.offline_sql(settings.schema, args.downgrade or args.revision, start,
+                                                 migrate.Layout.of(settings), down=bool(args.downgrade)))
         return EXIT_OK
     if args.convert and args.downgrade:
         raise ConfigError(["--convert: does not go with --downgrade"])

@@ -346,9 +346,11 @@ def check_privileges(state, schema: str) -> None:
             f"them): {fix}")
 
 
-def offline_sql(schema: str, revision: str = "head", start: str | None = None, layout: Layout = PLAIN) -> str:
-    """The SQL of the migrations from ``start`` (None: base) to ``revision``, for a DBA to review
-    or apply by hand; a comment saying so when there is nothing to do."""
+def offline_sql(schema: str, revision: str = "head", start: str | None = None, layout: Layout = PLAIN,
+                *, down: bool = False) -> str:
+    """The SQL of the migrations from ``start`` (None: base) to ``revision`` (down to it with
+    ``down``), for a DBA to review or apply by hand; a comment saying so when there is nothing
+    to do."""
     target = _resolve(revision)
     begin = None if start in (None, "base") else _resolve(start)
     if target is not _UNKNOWN and begin is not _UNKNOWN and begin == target:
@@ -358,8 +360,11 @@ def offline_sql(schema: str, revision: str = "head", start: str | None = None, l
     cfg = alembic_config(schema, layout)
     cfg.attributes["output_buffer"] = buf
     try:
-        command.upgrade(cfg, f"{start}:{revision}" if begin is not None else revision, sql=True)
+        if down:  # Alembic's offline downgrade needs its start named
+            command.downgrade(cfg, f"{start or 'base'}:{revision}", sql=True)
+        else:
+            command.upgrade(cfg, f"{start}:{revision}" if begin is not None else revision, sql=True)
     except (CommandError, AssertionError) as exc:  # a relative --from or --revision leading nowhere
-        blamed = ("start", start) if begin is _UNKNOWN else ("revision", revision)
+        blamed = ("start", start) if begin is _UNKNOWN else ("downgrade" if down else "revision", revision)
         raise BadRevision(*blamed, exc) from None
     return buf.getvalue()

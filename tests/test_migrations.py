@@ -195,3 +195,24 @@ def test_a_relative_revision_that_leads_nowhere_exits_2_naming_the_option(pg_dsn
     with engine.connect() as conn:
         assert migrate.current_revision(conn, schema) == migrate.head_revision()
     engine.dispose()
+
+
+def test_migrate_sql_with_downgrade_prints_the_downgrade(tmp_path, capsys):
+    """`migrate --sql --downgrade REV` printed the upgrade SQL (or 'nothing to do' on a current
+    schema) with exit 0: a DBA reviewing a downgrade saw none of the DROPs it would run.
+    `--sql --convert` likewise printed upgrade SQL; the conversion has no offline SQL."""
+    from maintd.cli import main
+
+    cfg = tmp_path / "maintd.toml"
+    cfg.write_text('database_url = "postgresql://nobody@127.0.0.1:1/none"\nschema = "acme_jobs"\n')
+    assert main(["--config", str(cfg), "migrate", "--sql", "--from", "head", "--downgrade", "0006"]) == 0
+    out = capsys.readouterr().out
+    assert "Running downgrade 0007 -> 0006" in out and "DROP TABLE acme_jobs.health_history" in out, out
+    assert "nothing to do" not in out and "Running upgrade" not in out
+    assert main(["--config", str(cfg), "migrate", "--sql", "--from", "0002", "--downgrade", "base"]) == 0
+    out = capsys.readouterr().out
+    assert "DROP TABLE acme_jobs.jobs" in out and "Running downgrade 0003" not in out, out
+    assert main(["--config", str(cfg), "migrate", "--sql", "--from", "0006", "--downgrade", "0006"]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert main(["--config", str(cfg), "migrate", "--sql", "--from", "base", "--convert", "partitioned"]) == 2
+    assert "--convert: does not go with --sql" in capsys.readouterr().err
