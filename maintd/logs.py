@@ -32,11 +32,12 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 def redact_dsn(dsn: str) -> str:
     """Mask every password in a text: a URL's ``user:password@`` (up to the last ``@`` before a
     space: a password may hold one, or a ``/``), a URL's query parameter ``password=...`` (up to
-    ``&`` or ``#``) and a key=value DSN's ``password=...`` (quoted, or up to the next space);
-    ``sslpassword`` (a client key's passphrase) too: any key that ends in ``password``."""
+    ``&`` or ``#``) and a key=value DSN's ``password=...`` (quoted, or up to the next space
+    not escaped by a backslash, as libpq reads it); ``sslpassword`` (a client key's passphrase)
+    too: any key that ends in ``password``."""
     dsn = re.sub(r"(://[^:/@?#\s]*:)\S*@", r"\1***@", dsn)
     dsn = re.sub(r"([?&]\w*password=)[^&#\s\"']*", r"\1***", dsn, flags=re.I)
-    return re.sub(r"((?<![?&\w])\w*password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", r"\1***", dsn, flags=re.I)
+    return re.sub(r"((?<![?&\w])\w*password\s*=\s*)('(?:[^'\\]|\\.)*'|(?:\\.|\S)+)", r"\1***", dsn, flags=re.I)
 
 
 # The target a line is about, in a daemon with several targets: set by each target's election

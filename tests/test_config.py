@@ -317,6 +317,8 @@ def test_every_problem_is_reported_one_per_line(tmp_path, monkeypatch):
     ("postgresql://u:pw@h/app?sslpassword=KEYPASS&sslmode=require",
      "postgresql://u:***@h/app?sslpassword=***&sslmode=require"),
     ("host=h sslpassword='k e y' dbname=app", "host=h sslpassword=*** dbname=app"),
+    # libpq's unquoted value: a backslash escapes the next character, a space too ("a\\ b" is "a b")
+    ("host=db password=sec\\ r\\\\et dbname=app", "host=db password=*** dbname=app"),
     # A password with an '@' or a '/' not percent-encoded (refused by check_dsn, but masked wherever
     # such a URL shows up): up to the last '@' of the URL, not the first.
     ("postgresql://daemon:D4em@nPw@127.0.0.1:5432/app", "postgresql://daemon:***@127.0.0.1:5432/app"),
@@ -324,6 +326,15 @@ def test_every_problem_is_reported_one_per_line(tmp_path, monkeypatch):
 ])
 def test_redact_dsn(dsn, shown):
     assert redact_dsn(dsn) == shown
+
+
+def test_check_config_masks_a_password_with_an_escaped_space(tmp_path, capsys):
+    """libpq reads ``password=sec\\ ret`` as the password "sec ret": check-config showed " ret"."""
+    p = write(tmp_path, 'database_url = \'host=db password=hunter\\ two dbname=app\'\n')
+    assert main(["--config", str(p), "check-config"]) == 0
+    out = capsys.readouterr().out
+    assert "two" not in out, out
+    assert json.loads(out)["database_url"] == "host=db password=*** dbname=app"
 
 
 def test_check_config_prints_redacted(tmp_path, capsys):
