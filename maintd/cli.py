@@ -1,4 +1,5 @@
-"""The ``maintd`` command line. Exit codes: 0 done, 1 runtime failure, 2 bad configuration or usage."""
+"""The ``maintd`` command line. Exit codes: 0 done, 1 runtime failure, 2 bad configuration or usage,
+130 interrupted (Ctrl-C)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from .config import ConfigError, Settings, load_settings
 from .services import SERVICES
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130  # as a shell reports SIGINT: `maintd migrate && deploy` must not go on
 
 DESCRIPTION = """\
 maintd keeps a Postgres jobs table healthy. Run two or three replicas: one wins an advisory-lock
@@ -34,7 +36,7 @@ examples:
   maintd --config maintd.toml status
 
 exit codes: 0 done, 1 runtime failure, 2 bad configuration or usage (a malformed database_url,
-  an unknown option, a job id out of range, ...)
+  an unknown option, a job id out of range, ...), 130 interrupted by Ctrl-C (SIGINT) before done
 
 an unreachable database (refused, no route, unknown host, no answer within connect_timeout 5 s):
   maintd run      waits for it: retries with backoff (0.2 s doubling to 5 s) while /readyz answers
@@ -751,8 +753,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in exc.problems:
             print(f"maintd: config error: {line}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        return EXIT_OK
+    except KeyboardInterrupt:  # cut off: not done (`maintd run` and `demo` stop on SIGINT themselves)
+        print("maintd: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # `maintd jobs list | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK

@@ -216,3 +216,37 @@ def test_migrate_sql_with_downgrade_prints_the_downgrade(tmp_path, capsys):
     assert "nothing to do" in capsys.readouterr().out
     assert main(["--config", str(cfg), "migrate", "--sql", "--from", "base", "--convert", "partitioned"]) == 2
     assert "--convert: does not go with --sql" in capsys.readouterr().err
+
+
+def test_migrate_interrupted_by_ctrl_c_does_not_exit_0(pg_dsn, tmp_path):
+    """Ctrl-C (SIGINT) ended every command with exit 0: `maintd migrate && deploy` went on to
+    deploy on a schema that was never migrated. It exits 130, as a shell does for SIGINT."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    schema = new_schema_name()
+    cfg = tmp_path / "maintd.toml"
+    cfg.write_text(f'database_url = "{pg_dsn}"\nschema = "{schema}"\n')
+    engine = make_engine(pg_dsn, application_name="t", pooled=False)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAINTD_")}
+    try:
+        with engine.connect() as holder:  # the migrate lock, held: the command waits for it
+            holder.execute(text("SELECT pg_advisory_lock(:k)"), {"k": migrate.lock_key(schema)})
+            proc = subprocess.Popen([sys.executable, "-m", "maintd", "--config", str(cfg), "migrate"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            deadline = time.monotonic() + 30
+            waiting = text("SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE :a")
+            while time.monotonic() < deadline and not holder.execute(waiting, {"a": "maintd:%:migrate"}).scalar():
+                holder.commit()
+                time.sleep(0.1)
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=30)
+            holder.execute(text("SELECT pg_advisory_unlock_all()"))
+        assert proc.returncode == 130, (proc.returncode, out, err)
+        assert "migrated" not in out and err == "maintd: interrupted\n", err
+    finally:
+        engine.dispose()
