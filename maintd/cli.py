@@ -698,8 +698,19 @@ def _periodic_values(args: argparse.Namespace) -> dict:
             "run_on_start": args.run_on_start, "unique_key": args.unique}
 
 
+def _schemas_by_database(targets: list[Settings]) -> dict[str, list[str]]:
+    """The targets' schemas (each once) by the database URL that reaches them."""
+    out: dict[str, list[str]] = {}
+    for t in targets:
+        on_it = out.setdefault(t.database_url.get_secret_value(), [])
+        if t.schema not in on_it:
+            on_it.append(t.schema)
+    return out
+
+
 def cmd_grants(args: argparse.Namespace) -> int:
     from .grants import apply, render, validate_role
+    from .logs import redact_dsn
 
     try:
         validate_role(args.role)
@@ -708,20 +719,21 @@ def cmd_grants(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     targets = _targets(args)  # every target's schema, or --target's
     schemas = list(dict.fromkeys(t.schema for t in targets))
+    by_database = _schemas_by_database(targets)
     if not args.apply:
-        sys.stdout.write(render(schemas, args.role, worker=args.worker))
+        for dsn, on_it in by_database.items():
+            if len(by_database) > 1:  # each database's script is run there (psql's ON_ERROR_STOP)
+                sys.stdout.write(f"-- database {redact_dsn(dsn)}: run the script below against it\n")
+            sys.stdout.write(render(on_it, args.role, worker=args.worker))
         return EXIT_OK
     from .db import make_engine
 
-    by_database: dict[str, list[str]] = {}
-    for t in targets:
-        by_database.setdefault(t.database_url.get_secret_value(), []).append(t.schema)
     n = 0
     for dsn, on_it in by_database.items():
         engine = make_engine(dsn, pooled=False, application_name=f"maintd:{targets[0].instance_id}:grants")
         try:
             with engine.connect() as conn:
-                n += apply(conn, list(dict.fromkeys(on_it)), args.role, worker=args.worker)
+                n += apply(conn, on_it, args.role, worker=args.worker)
         finally:
             engine.dispose()
     who = "a worker" if args.worker else "the daemon"

@@ -188,6 +188,27 @@ def test_grants_prints_quoted_statements_for_the_configured_schema(tmp_path):
         'GRANT SELECT, INSERT, UPDATE ON TABLE "acme_jobs"."jobs" TO "app_worker";']
 
 
+def test_grants_for_targets_in_two_databases_print_a_script_per_database(tmp_path):
+    """Targets in two databases got one script (one BEGIN ... COMMIT naming both schemas, no
+    database named): piped into psql on either database, as its header says, it failed on the
+    other's schema and granted nothing; two same-named schemas in two databases got one block
+    and the second database nothing. Now one script per database, headed by its (redacted) URL."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('database_url = "postgresql://owner:pw1@db1/app"\n'
+                   '[[targets]]\nschema = "aaa"\n[[targets]]\nschema = "bbb"\n'
+                   '[[targets]]\nname = "other_aaa"\nschema = "aaa"\ndatabase_url = "postgresql://owner:pw2@db2/app"\n')
+    res = cli("--config", str(cfg), "grants", "maintd_daemon")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("BEGIN;") == 2, res.stdout
+    first, second = res.stdout.split("BEGIN;")[1:]
+    assert "-- database postgresql://owner:***@db2/app" in first.split("COMMIT;")[1]  # the second's header
+    assert '"aaa"."jobs"' in first and '"bbb"."jobs"' in first.split("COMMIT;")[0]
+    assert '"aaa"."jobs"' in second and '"bbb"' not in second
+    assert "pw1" not in res.stdout and "pw2" not in res.stdout
+    one = cli("--config", str(cfg), "--target", "aaa", "grants", "maintd_daemon")
+    assert one.stdout.count("BEGIN;") == 1 and "-- database" not in one.stdout  # one database: as before
+
+
 @pytest.mark.parametrize("role", ['Maintd', 'a"b', "x; DROP ROLE postgres", "pg_monitor", "public",
                                   "1abc", "", "a" * 64])
 def test_a_bad_role_name_is_refused(role):
