@@ -795,3 +795,25 @@ def test_a_stepping_walk_halves_on_trouble_and_aims_at_half_a_short_timeout():
     plan.width = TINY
     assert not plan.narrow()  # a tie: the caller probes instead
     assert next_width(10 * SECOND, 10, 100, 0.02, target=0.01) == 5 * SECOND
+
+
+def test_a_statement_timeout_under_a_millisecond_still_bounds_every_batch(settings, engine, schema, clock):
+    """``statement_timeout = "0.0004"`` passes "greater than zero", and the cleaner's batches set
+    ``statement_timeout = 0`` from it: in PostgreSQL, no timeout at all (runtime-config-client:
+    "A value of zero (the default) disables the timeout"). Every bound is at least 1 ms, as the
+    rest of maintd's are (db.ms)."""
+    settings.statement_timeout = timedelta(microseconds=400)
+    insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=3)
+    seen: list[tuple] = []
+
+    class Recording(PassContext):
+        def transaction(self, **kw):
+            seen.append((kw.get("statement_timeout_ms"), (kw.get("settings") or {}).get("lock_timeout")))
+            return super().transaction(**kw)
+
+    try:
+        Cleaner(settings.cleaner).run_once(Recording.for_settings(settings, engine, clock))
+    except Exception:  # a 1 ms bound may end the batch: what matters is that there is one
+        pass
+    bounds = [ms for ms, _ in seen if ms is not None]
+    assert bounds and min(bounds) >= 1, f"batches ran with statement_timeout {bounds} (0: none)"

@@ -61,6 +61,7 @@ from pydantic import BeforeValidator, Field
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
+from ..db import ms
 from ..durations import parse_duration
 from ..logs import kv
 from ..metrics import Family
@@ -482,7 +483,7 @@ class Cleaner(Service):
 
     @staticmethod
     def _timeout_ms(ctx: PassContext) -> int:
-        return int(min(BATCH_TIMEOUT, ctx.statement_timeout).total_seconds() * 1000)
+        return ms(min(BATCH_TIMEOUT, ctx.statement_timeout))  # at least 1 ms: 0 is no timeout
 
     def _batch_settings(self, ctx: PassContext) -> dict[str, str]:
         """Per batch: a short lock wait (a locked row is skipped, not waited for until the
