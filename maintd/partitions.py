@@ -56,6 +56,9 @@ DETACHED_COMMENT = "maintd: detached partition, to be dropped"
 # An emptied partition's rows are counted exactly up to this many, beyond it estimated (a literal
 # in maintain_partitions, as of migration 0015; partitions.EXPIRED's :cap).
 EXACT_UP_TO = 100_000
+# The most partitions one call of maintain_partitions makes a state (a literal there: make_partitions'
+# and prepare_partitions' p_cap); a dry run counts as many.
+MAKE_CAP = 50
 
 # Indexes of the live partition (the plain layout's names: migrations 0001 and 0005). The final
 # states' two are partitioned indexes on jobs itself (every partition gets its own).

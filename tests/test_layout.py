@@ -1043,3 +1043,26 @@ def test_dry_run_does_not_count_an_empty_low_catch_all_that_a_pass_leaves_where_
     done = run(service, engine, schema, now=now)
     assert done.made >= 3 and (done.emptied, done.detached, done.deleted["completed"]) == (0, 0, 0)
     assert (planned.emptied, planned.detached, planned.deleted["completed"]) == (0, 0, 0), planned
+
+
+def test_dry_run_makes_what_a_pass_makes_after_a_burst_and_past_the_cap(engine, schema):
+    """A pass makes at most 50 partitions a state (make_partitions' cap), and after a burst in the
+    high catch-all closes it into the partition of its range and makes only the steps after it.
+    The dry run counted every step from the catch-all's start to premake ahead: "would made=13
+    closed=0 moved=0" for a pass that closed one, moved two rows and made two."""
+    now = server_now(engine)
+    restart(engine, schema, "completed", now - 10 * HOUR)
+    for k in range(10):
+        insert_final(engine, schema, "completed", now - timedelta(hours=k, minutes=30), n=5)
+    insert_final(engine, schema, "completed", "infinity")
+    insert_final(engine, schema, "completed", now + timedelta(days=30))
+    service = partitioner(completed_retention=-1)
+    dry = run(service, engine, schema, now=now, dry_run=True)
+    real = run(service, engine, schema, now=now)
+    assert (real.closed, real.moved) == (1, 2)
+    assert (dry.made, dry.closed, dry.moved) == (real.made, real.closed, real.moved), (dry.summary(), real.summary())
+    many = partitioner(completed_retention=-1, premake=120)
+    dry = run(many, engine, schema, now=now, dry_run=True)
+    real = run(many, engine, schema, now=now)
+    assert real.made == 3 * 50
+    assert dry.made == real.made, (dry.summary(), real.summary())

@@ -59,6 +59,16 @@ SELECT p.partition_name, p.range_start IS NOT NULL AS proper, r.n > 0 AS nonempt
  WHERE p.range_end <= :before
 """
 
+# A dry run: the high catch-all's latest row before :target (where a pass closes it: make_partitions),
+# and its rows from :beyond on (those the pass moves), through jobs (pruned to the catch-all).
+HIGH_LATEST = """
+SELECT max(j.finalized_at) FROM {schema}.jobs AS j
+ WHERE j.state = CAST(:state AS {schema}.job_state) AND j.finalized_at >= :start AND j.finalized_at < :target
+"""
+HIGH_BEYOND = """
+SELECT count(*) FROM {schema}.jobs AS j WHERE j.state = CAST(:state AS {schema}.job_state) AND j.finalized_at >= :beyond
+"""
+
 MAINTAIN = """
 SELECT action, partition_name, range_start, range_end, row_count, estimated
   FROM {schema}.maintain_partitions(:state, make_interval(secs => :step), :make_until, :drop_before, :lock_wait_ms)

@@ -38,7 +38,7 @@ from sqlalchemy.exc import OperationalError
 from ..durations import format_duration, parse_duration
 from ..logs import kv
 from ..metrics import Family
-from ..partitions import DETACHED_COMMENT, EXACT_UP_TO
+from ..partitions import DETACHED_COMMENT, EXACT_UP_TO, MAKE_CAP
 from ..queries import FINAL_STATES, catalog
 from ..queries import partitions as q
 from ..sections import DURATION_JSON, Section
@@ -257,7 +257,8 @@ class Partitioner(Service):
 
     def _plan(self, ctx: PassContext, state: str, make_until: datetime, drop_before: datetime | None,
               result: PartitionerResult) -> None:
-        """Dry run: what a pass would empty, detach (its rows counted as the pass counts them) and make."""
+        """Dry run: what a pass would empty, detach (its rows counted as the pass counts them), close,
+        move and make."""
         with ctx.read() as conn:
             row = next(r for r in conn.execute(ctx.sql(q.LAYOUT)) if r.state == state)
             if drop_before is not None:
@@ -270,10 +271,22 @@ class Partitioner(Service):
                     result.emptied += r.nonempty
                     result.deleted[state] += r.rows
                     result.estimated = result.estimated or r.estimated  # past the cap: not empty
-        step, made = self.config.partitions.interval, 0
-        while row.high_start + made * step < make_until:
-            made += 1
-        result.made += made
+            self._plan_make(conn, ctx, state, row.high_start, make_until, result)
+
+    def _plan_make(self, conn: Any, ctx: PassContext, state: str, start: datetime, make_until: datetime,
+                   result: PartitionerResult) -> None:
+        """Dry run: as make_partitions, the high catch-all closed after its latest row before the
+        step at or after ``make_until`` (its rows beyond moved), then at most MAKE_CAP steps made."""
+        if start >= make_until:
+            return
+        step = self.config.partitions.interval
+        target = start - ((start - make_until) // step) * step  # the step boundary at or after make_until
+        latest = conn.execute(ctx.sql(q.HIGH_LATEST), {"state": state, "start": start, "target": target}).scalar()
+        x = start if latest is None else start + ((latest - start) // step + 1) * step
+        if x > start:
+            result.closed += 1
+            result.moved += conn.execute(ctx.sql(q.HIGH_BEYOND), {"state": state, "beyond": x}).scalar()
+        result.made += (min(target, x + MAKE_CAP * step) - x) // step
 
     def _drop_detached(self, ctx: PassContext, result: PartitionerResult) -> None:
         if ctx.dry_run:
