@@ -1066,3 +1066,17 @@ def test_dry_run_makes_what_a_pass_makes_after_a_burst_and_past_the_cap(engine, 
     real = run(many, engine, schema, now=now)
     assert real.made == 3 * 50
     assert dry.made == real.made, (dry.summary(), real.summary())
+
+
+def test_dry_run_drops_what_a_pass_drops(engine, schema):
+    """A pass drops the tables it detaches (and those an earlier one left detached): the dry run
+    said "would ... detached=8 dropped=0" of a pass that then said "detached=8 dropped=8"."""
+    now = server_now(engine)
+    restart(engine, schema, "completed", now - 10 * HOUR)
+    run(partitioner(completed_retention=-1), engine, schema, now=now)
+    insert_final(engine, schema, "completed", now - timedelta(hours=9, minutes=30), n=3)
+    service = partitioner(completed_retention="3h")
+    dry = run(service, engine, schema, now=now, dry_run=True)
+    real = run(service, engine, schema, now=now)
+    assert real.dropped == real.detached >= 7
+    assert (dry.detached, dry.dropped) == (real.detached, real.dropped), (dry.summary(), real.summary())

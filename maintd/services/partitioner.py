@@ -177,7 +177,7 @@ class Partitioner(Service):
             if row.high_start < make_until or self._expired(row, drop_before):
                 self._maintain(ctx, state, make_until, drop_before, result, urgent=row.high_start < make_until)
         if detached or result.detached:
-            self._drop_detached(ctx, result)
+            self._drop_detached(ctx, result, pending=detached)
         if result.did_something() and not ctx.dry_run:  # what the pass left, not what it found
             with ctx.read() as conn:
                 states = {r.state: r for r in conn.execute(ctx.sql(q.LAYOUT))}
@@ -288,8 +288,11 @@ class Partitioner(Service):
             result.moved += conn.execute(ctx.sql(q.HIGH_BEYOND), {"state": state, "beyond": x}).scalar()
         result.made += (min(target, x + MAKE_CAP * step) - x) // step
 
-    def _drop_detached(self, ctx: PassContext, result: PartitionerResult) -> None:
+    def _drop_detached(self, ctx: PassContext, result: PartitionerResult, pending: int) -> None:
+        """The detached tables dropped: those left by an earlier pass (``pending``) and this one's
+        (a dry run counts them as dropped, as the pass would)."""
         if ctx.dry_run:
+            result.dropped += pending + result.detached
             return
         ctx.prove_leader()
         with ctx.transaction() as conn:
