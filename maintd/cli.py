@@ -405,8 +405,11 @@ def _convert_one(conn, settings: Settings, to: str) -> None:
     try:
         if to == "plain":
             convert.abandon(conn, settings.schema, say=say)
-        else:
-            convert.convert(conn, settings.schema, migrate.Layout.of(settings), say=say)
+        elif convert.convert(conn, settings.schema, migrate.Layout.of(settings), say=say) == "stopped":
+            raise convert.ConvertError(f"schema {settings.schema}: the conversion stopped; jobs is still plain")
+    except KeyboardInterrupt:  # not a success (main's exit 0): the table is plain, the trigger on it
+        raise convert.ConvertError(f"schema {settings.schema}: interrupted before --convert {to} finished; run "
+                                   "the same command again (a conversion resumes where it stopped)") from None
     finally:
         conn.rollback()
         migrate.release_lock(conn, key)

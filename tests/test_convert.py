@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -370,3 +371,27 @@ def test_an_unfinished_conversion_can_be_abandoned_and_the_plain_table_is_untouc
         assert back.returncode == 1 and "not supported" in back.stderr
     finally:
         owner.dispose()
+
+
+def test_a_conversion_interrupted_from_the_terminal_says_so_and_fails(engine, pg_dsn, schema, tmp_path):
+    """Ctrl-C in the middle of `maintd migrate --convert partitioned` exited 0, printing nothing:
+    a script (or an operator glancing at `$?`) took the table for converted while it was plain,
+    the sync trigger doubling every write. Now it says where it stopped and exits 1."""
+    seed(engine, schema, final=300_000, live=10)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'schema = "{schema}"\n[partitions]\npremake = 2\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAINTD_")}
+    proc = subprocess.Popen([sys.executable, "-m", "maintd", "--config", str(cfg), "migrate", "--convert",
+                             "partitioned"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**env, "MAINTD_DATABASE_URL": pg_dsn})
+    try:
+        while "final jobs:" not in (line := proc.stdout.readline()):
+            assert line, proc.stderr.read()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    with engine.connect() as conn:
+        assert not conn.execute(text("SELECT count(*) FROM pg_partitioned_table WHERE partrelid = to_regclass(:t)"),
+                                {"t": f"{schema}.jobs"}).scalar()  # still plain: the swap never came
+    assert proc.returncode == 1 and "run the same command again" in err, (proc.returncode, out, err)
