@@ -407,9 +407,10 @@ def _convert_one(conn, settings: Settings, to: str) -> None:
             convert.abandon(conn, settings.schema, say=say)
         elif convert.convert(conn, settings.schema, migrate.Layout.of(settings), say=say) == "stopped":
             raise convert.ConvertError(f"schema {settings.schema}: the conversion stopped; jobs is still plain")
-    except KeyboardInterrupt:  # not a success (main's exit 0): the table is plain, the trigger on it
-        raise convert.ConvertError(f"schema {settings.schema}: interrupted before --convert {to} finished; run "
-                                   "the same command again (a conversion resumes where it stopped)") from None
+    except KeyboardInterrupt:  # exit 130 (main): the table is plain still, the trigger on it
+        print(f"maintd: schema {settings.schema}: interrupted before --convert {to} finished; run the same "
+              "command again (a conversion resumes where it stopped)", file=sys.stderr)
+        raise
     finally:
         conn.rollback()
         migrate.release_lock(conn, key)

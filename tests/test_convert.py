@@ -376,7 +376,8 @@ def test_an_unfinished_conversion_can_be_abandoned_and_the_plain_table_is_untouc
 def test_a_conversion_interrupted_from_the_terminal_says_so_and_fails(engine, pg_dsn, schema, tmp_path):
     """Ctrl-C in the middle of `maintd migrate --convert partitioned` exited 0, printing nothing:
     a script (or an operator glancing at `$?`) took the table for converted while it was plain,
-    the sync trigger doubling every write. Now it says where it stopped and exits 1."""
+    the sync trigger doubling every write. Now it says where it stopped and exits 130, as any
+    command cut off by Ctrl-C."""
     seed(engine, schema, final=300_000, live=10)
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'schema = "{schema}"\n[partitions]\npremake = 2\n')
@@ -394,4 +395,4 @@ def test_a_conversion_interrupted_from_the_terminal_says_so_and_fails(engine, pg
     with engine.connect() as conn:
         assert not conn.execute(text("SELECT count(*) FROM pg_partitioned_table WHERE partrelid = to_regclass(:t)"),
                                 {"t": f"{schema}.jobs"}).scalar()  # still plain: the swap never came
-    assert proc.returncode == 1 and "run the same command again" in err, (proc.returncode, out, err)
+    assert proc.returncode == 130 and "run the same command again" in err, (proc.returncode, out, err)
