@@ -39,6 +39,8 @@ _HALF = timedelta(milliseconds=500)
 _SECOND = timedelta(seconds=1)
 # cronie treats a forward jump of more than three hours as a clock correction (src/cron.c).
 _CORRECTION = timedelta(hours=3)
+# How far apart a wildcard schedule's offset checks are (see CronSchedule._offset_change).
+_STRETCH = timedelta(hours=6)
 # Upper bound on candidates examined per call; real schedules need a handful.
 _MAX_CANDIDATES = 10_000
 
@@ -352,12 +354,50 @@ class CronSchedule(Schedule):
 
     def next_after(self, t: datetime) -> datetime:
         _require_aware(t)
+        if not self.fields.fixed_time and self._iter_zone is not UTC:
+            return self._wildcard_next(t)
         for slot in self._candidates(t):
             # In a repeated hour cronsim counts fixed-time slots from the wall clock, so the
             # first candidates can lie before ``t``; skip them.
             if slot > t:
                 return slot
         raise AssertionError("unreachable")  # pragma: no cover - _candidates raises first
+
+    def _wildcard_next(self, t: datetime) -> datetime:
+        """A wildcard job's first slot after ``t``: the first instant whose wall-clock minute
+        matches. cronsim steps such jobs in real time (an hour, then to the minute), which across
+        a change of offset that is not whole hours (Lord Howe's 30-minute DST) lands off the wall
+        clock's grid and skips slots; so within each stretch of one UTC offset, match the wall
+        clock (cronsim without a zone) and move to the next stretch when the match lies past it."""
+        start = t.astimezone(UTC)
+        for _ in range(_MAX_CANDIDATES):
+            offset = self._offset(start + _TINY)
+            wall = (start + offset).replace(tzinfo=None)
+            try:
+                slot = next(CronSim(self.fields.expr, wall)).replace(tzinfo=UTC) - offset
+            except StopIteration:
+                break
+            change = self._offset_change(start + _TINY, slot, offset)
+            if change is None:
+                return slot
+            start = change - _TINY
+        raise ValueError(f"schedule {self.text!r} has no slot within 50 years of {t.isoformat()}")
+
+    def _offset(self, t: datetime) -> timedelta:
+        return t.astimezone(self.zone).utcoffset()  # type: ignore[return-value]
+
+    def _offset_change(self, lo: datetime, hi: datetime, offset: timedelta) -> datetime | None:
+        """The first instant in ``(lo, hi]`` whose UTC offset is not ``offset`` (that of ``lo``),
+        or None: stepping six hours (no zone changes twice within that), then bisecting."""
+        while lo < hi:
+            step = hi if hi - lo <= _STRETCH else lo + _STRETCH
+            if self._offset(step) != offset:
+                while step - lo > _TINY:
+                    mid = lo + (step - lo) // 2
+                    lo, step = (mid, step) if self._offset(mid) == offset else (lo, mid)
+                return step
+            lo = step
+        return None
 
     def _previous(self, t: datetime) -> datetime:
         # cronsim walks back from ``start`` (exclusive) over whole seconds. In the second pass of

@@ -398,6 +398,19 @@ CASES: list[Case] = [
             "2026-11-01T01:45:00-05:00", "2026-11-01T02:00:00-05:00", tz="America/New_York"),
     nxt(CRON8, "0 * * * *", "2026-11-01T00:30-04:00", "2026-11-01T01:00:00-04:00",
         "2026-11-01T01:00:00-05:00", "2026-11-01T02:00:00-05:00", tz="America/New_York"),
+    # ... also across Lord Howe's 30-minute changes, where a step of whole hours in real time
+    # lands off the wall clock's hour (cronsim's iteration skipped these slots).
+    between(CRON8, "0 */2 * * *", "2026-04-05T00:30+11:00", "2026-04-05T04:00+10:30",
+            "2026-04-05T02:00:00+10:30", "2026-04-05T04:00:00+10:30", tz="Australia/Lord_Howe"),
+    between(CRON8, "31 * * * *", "2026-04-05T01:00+11:00", "2026-04-05T02:40+10:30",
+            "2026-04-05T01:31:00+11:00", "2026-04-05T01:31:00+10:30", "2026-04-05T02:31:00+10:30",
+            tz="Australia/Lord_Howe"),  # both passes of the repeated half hour
+    between(CRON8, "31 * * * *", "2025-10-05T01:00+10:30", "2025-10-05T03:40+11:00",
+            "2025-10-05T01:31:00+10:30", "2025-10-05T02:31:00+11:00", "2025-10-05T03:31:00+11:00",
+            tz="Australia/Lord_Howe"),  # 02:00 became 02:30: 02:31 still exists
+    between(CRON8, "*/15 2 * * *", "2026-04-05T01:00+10:30", "2026-04-05T03:00+10:30",
+            "2026-04-05T02:00:00+10:30", "2026-04-05T02:15:00+10:30", "2026-04-05T02:30:00+10:30",
+            "2026-04-05T02:45:00+10:30", tz="Australia/Lord_Howe"),
     nxt(CRON8, "*/15 * * * *", "2026-03-08T01:30", "2026-03-08T01:45:00-05:00",
         "2026-03-08T03:00:00-04:00", "2026-03-08T03:15:00-04:00", tz="America/New_York"),
     # "Time changes of more than 3 hours are considered to be corrections to the clock or the
