@@ -447,8 +447,8 @@ def upcoming(expr: str, timezone: str = "UTC", after: datetime | None = None,
              n: int = 10) -> list[datetime]:
     """The next ``n`` slots of ``expr`` after ``after`` (default: now), in the schedule's zone.
 
-    A naive ``after`` is read as wall-clock time in ``timezone``. For ``maintd schedule``. Fewer
-    than ``n`` when Python's datetime (year 9999) ends first.
+    A naive ``after`` is read as wall-clock time in ``timezone`` (see :func:`_wall_time`). For
+    ``maintd schedule``. Fewer than ``n`` when Python's datetime (year 9999) ends first.
     """
     if not 1 <= n <= 10_000:
         raise ValueError(f"n must be between 1 and 10000, got {n}")
@@ -456,7 +456,7 @@ def upcoming(expr: str, timezone: str = "UTC", after: datetime | None = None,
     zone = load_timezone(timezone)
     t = datetime.now(UTC) if after is None else after
     if t.tzinfo is None:
-        t = t.replace(tzinfo=zone)
+        t = _wall_time(t, zone)
     out = []
     for _ in range(n):
         try:
@@ -465,6 +465,24 @@ def upcoming(expr: str, timezone: str = "UTC", after: datetime | None = None,
         except OverflowError:  # past datetime.max
             break
     return out
+
+
+def _wall_time(naive: datetime, zone: ZoneInfo) -> datetime:
+    """``naive`` read in ``zone``: a repeated time is its first pass; one the clocks skip (02:30
+    when they go from 02:00 to 03:00) is the last instant before the jump, so the slot at the
+    jump's end that stands for the skipped times is after it (Python would read 02:30 as 03:30)."""
+    t = naive.replace(tzinfo=zone)
+    try:
+        if t.astimezone(UTC).astimezone(zone).replace(tzinfo=None) == naive:
+            return t
+        lo, hi = naive.replace(tzinfo=zone, fold=1).astimezone(UTC), t.astimezone(UTC)
+    except OverflowError:  # at the ends of Python's dates (no skipped times there): as it is
+        return t
+    offset = lo.astimezone(zone).utcoffset()
+    while hi - lo > _TINY:  # the jump lies between the two readings: find its instant
+        mid = lo + (hi - lo) // 2
+        lo, hi = (mid, hi) if mid.astimezone(zone).utcoffset() == offset else (lo, mid)
+    return lo
 
 
 class ScheduleTrigger(BaseTrigger):

@@ -326,6 +326,25 @@ def test_upcoming_lists_local_fire_times():
         upcoming("0 0 31 2 *")
 
 
+def test_upcoming_after_a_wall_time_the_clocks_skip_shows_the_slot_at_the_jump():
+    """`maintd schedule '30 2 * * *' --tz Europe/Berlin --after 2026-03-29T02:00` is how an
+    operator asks what the job does on the day clocks go from 02:00 to 03:00. Python reads a wall
+    time that does not exist with the offset before the jump (02:00 = 03:00 CEST), so the 03:00
+    run that stands for the skipped 02:30 (cronie man/cron.8) was left out as 'not after 03:00'."""
+    got = upcoming("30 2 * * *", "Europe/Berlin", datetime(2026, 3, 29, 2, 0), 2)
+    assert [x.isoformat() for x in got] == [
+        "2026-03-29T03:00:00+02:00", "2026-03-30T02:30:00+02:00"], got
+    got = upcoming("*/20 * * * *", "Europe/Berlin", datetime(2026, 3, 29, 2, 15), 2)
+    assert [x.isoformat() for x in got] == [
+        "2026-03-29T03:00:00+02:00", "2026-03-29T03:20:00+02:00"], got
+    # Times that exist are unchanged; a repeated one is its first pass.
+    got = upcoming("*/20 * * * *", "Europe/Berlin", datetime(2026, 10, 25, 2, 15), 4)
+    assert [x.isoformat() for x in got] == [
+        "2026-10-25T02:20:00+02:00", "2026-10-25T02:40:00+02:00",
+        "2026-10-25T02:00:00+01:00", "2026-10-25T02:20:00+01:00"], got
+    assert upcoming("0 0 * * *", "Asia/Tokyo", datetime(1, 1, 1), 1)[0].day == 2  # no OverflowError
+
+
 @pytest.mark.parametrize("name", ["America", "Europe/" + "x" * 300, "Mars/Olympus", "../etc/passwd", ""])
 def test_an_unknown_zone_is_a_value_error_whatever_zoneinfo_raises(name):
     """zoneinfo raises IsADirectoryError for a directory of the zone database ('America') and
