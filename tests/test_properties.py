@@ -91,7 +91,8 @@ def load(engine, schema, jobs):
 def rows_by_id(engine, schema):
     with engine.connect() as conn:
         return {r.id: r for r in conn.execute(sql(
-            "SELECT id, state::text AS state, scheduled_at, finalized_at, errors FROM {schema}.jobs", schema))}
+            "SELECT id, state::text AS state, scheduled_at, finalized_at, errors, heartbeat_at FROM {schema}.jobs",
+            schema))}
 
 
 def states(engine, schema):
@@ -135,22 +136,29 @@ def test_rescuer_touches_exactly_the_stuck_running_rows(pg_dsn, schema, engine, 
     after = rows_by_id(engine, schema)
     for i, j in zip(ids, jobs):
         seen = j["age"] if j["hb_age"] is None else j["hb_age"]
-        stuck = j["state"] == "running" and (
+        spec_stuck = j["state"] == "running" and (  # SPEC 2's rule: what the scan finds
             seen > timedelta(seconds=stuck_after)
             or (hb_timeout is not None and j["hb_age"] is not None and j["hb_age"] > timedelta(seconds=hb_timeout)))
+        # A heartbeat older than the claim is an earlier attempt's: with the claim within its
+        # grace, such a candidate is not rescued but has that heartbeat cleared.
+        stale = j["hb_age"] is not None and j["hb_age"] > j["age"] and j["age"] <= timedelta(seconds=stuck_after)
+        stuck = spec_stuck and not stale
         row = after[i]
+        if spec_stuck and stale:
+            assert row._asdict() == {**before[i]._asdict(), "heartbeat_at": None}, j
+            continue
         exhausted = j["state"] in ("available", "scheduled", "retryable") and j["attempt"] >= j["max_attempts"]
         if exhausted:  # waiting with no attempt left: the claim passes it over, the rescuer discards it
             assert (row.state, row.finalized_at) == ("discarded", NOW) and len(row.errors) == 1, j
         elif not stuck:
             assert row == before[i], j
         elif j["attempt"] >= j["max_attempts"]:
-            assert (row.state, row.finalized_at) == ("discarded", NOW), j
+            assert (row.state, row.finalized_at, row.heartbeat_at) == ("discarded", NOW, None), j
             assert row.scheduled_at == before[i].scheduled_at and len(row.errors) == 1
         else:
             # e^min(attempt, 10) seconds, the documented backoff (to the microsecond)
             delay = timedelta(seconds=math.exp(min(j["attempt"], 10)))
-            assert row.state == "retryable" and row.finalized_at is None, j
+            assert row.state == "retryable" and row.finalized_at is None and row.heartbeat_at is None, j
             assert abs(row.scheduled_at - (NOW + delay)) <= US, (j, row.scheduled_at)
             assert len(row.errors) == 1 and row.errors[0]["attempt"] == j["attempt"]
 
