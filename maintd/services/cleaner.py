@@ -111,7 +111,8 @@ class CleanerConfig(ServiceConfig):
 
 log = logging.getLogger("maintd.cleaner")
 
-JOBS_DELETED = Family(Counter, "maintd_jobs_deleted", "Final jobs deleted by the cleaner.", ("state",),
+JOBS_DELETED = Family(Counter, "maintd_jobs_deleted", "Final jobs deleted past their retention: by the cleaner, "
+                      "or with their partition by the partitioner.", ("state",),
                       known=tuple((state,) for state in FINAL_STATES))
 
 # Where a full scan starts: rows finalized earlier (BC, '-infinity') go first, in id batches

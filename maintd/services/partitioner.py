@@ -31,7 +31,7 @@ from datetime import datetime, timedelta
 from typing import Annotated, Any
 
 from prometheus_client import Gauge
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, model_validator
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
@@ -44,6 +44,9 @@ from ..queries import partitions as q
 from ..sections import DURATION_JSON, Section
 from .base import PassContext, PassResult, Service
 from .cleaner import JOBS_DELETED, CleanerConfig
+
+
+MOST_AHEAD = timedelta(days=365 * 1000)  # how far ahead partitions may be made
 
 
 def _partition_step(v: object) -> timedelta:
@@ -61,6 +64,13 @@ class PartitionsConfig(Section):
 
     interval: Annotated[timedelta, BeforeValidator(_partition_step), DURATION_JSON] = timedelta(hours=1)
     premake: int = Field(default=24, ge=1, le=1000)
+
+    @model_validator(mode="after")
+    def _ahead(self) -> "PartitionsConfig":
+        if self.premake * self.interval > MOST_AHEAD:  # past year 9999: no timestamp holds it
+            raise ValueError(f"premake: {self.premake} partitions of {format_duration(self.interval)} reach more "
+                             f"than {MOST_AHEAD.days // 365} years ahead: lower premake or interval")
+        return self
 
 
 log = logging.getLogger("maintd.partitioner")
