@@ -543,8 +543,8 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
     if path is not None:
         p = Path(path)
         try:
-            with p.open("rb") as fh:
-                data = tomllib.load(fh)
+            raw = p.read_bytes()
+            data = tomllib.loads(raw.removeprefix(b"\xef\xbb\xbf").decode())  # a byte-order mark is no text
         except FileNotFoundError:
             raise ConfigError([f"config: file {str(p)!r} not found"]) from None
         except IsADirectoryError:

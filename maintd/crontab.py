@@ -95,7 +95,7 @@ def load_crontab(path: str | os.PathLike[str]) -> list[CrontabEntry]:
     """Read and parse the crontab file at ``path``; errors name the path as given."""
     source = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark (Windows editors) is no text
             text = f.read()
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else str(exc)

@@ -581,3 +581,12 @@ def test_periodic_add_with_args_nested_too_deeply_exits_2(capsys, monkeypatch):
     args = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"
     assert main(["periodic", "add", "p", "--schedule", "@hourly", "--kind", "k", "--args", args]) == 2
     assert "maintd periodic: error: args: not JSON: nested too deeply" in capsys.readouterr().err
+
+
+def test_a_config_file_saved_with_a_byte_order_mark_is_read(tmp_path):
+    """A config saved by a Windows editor (UTF-8 with a byte-order mark) was refused as 'invalid
+    TOML: Invalid statement (at line 1, column 1)', which shows nothing wrong at that place. TOML
+    1.0 asks for UTF-8; the mark is a signature, not text (Unicode 15, section 23.8)."""
+    p = tmp_path / "maintd.toml"
+    p.write_bytes(b'\xef\xbb\xbfschema = "acme"\n')
+    assert load_settings(p).schema == "acme"

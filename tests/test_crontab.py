@@ -221,3 +221,14 @@ def test_entries_are_frozen_and_hashable():
         e.id = "other"  # type: ignore[misc]
     [again] = parse_crontab("* * * * * t {a: 1}")  # another object, equal and hashed alike
     assert again is not e and again == e and hash(again) == hash(e) and len({e, again}) == 1
+
+
+def test_a_crontab_saved_with_a_byte_order_mark_is_read(tmp_path):
+    """Editors on Windows save UTF-8 with a byte-order mark: line 1 was refused with "minute
+    '\\ufeff0' is not a number". The mark is not part of the text (Unicode 15, section 23.8:
+    U+FEFF at the start of a UTF-8 stream is a signature), so it is dropped, as Python's
+    'utf-8-sig' codec does."""
+    path = tmp_path / "jobs.crontab"
+    path.write_bytes(b"\xef\xbb\xbf0 4 * * * nightly\n")
+    [e] = load_crontab(path)
+    assert (e.schedule, e.kind, e.line) == ("0 4 * * *", "nightly", 1)
