@@ -22,6 +22,7 @@ from typing import Any, Literal
 from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
+from .durations import format_duration
 from .db import libpq_dsn
 from .identifiers import validate_identifier, validate_schema
 from .logs import redact_dsn
@@ -43,6 +44,9 @@ class ConfigError(Exception):
         super().__init__("\n".join(problems))
 
 
+LEADER_FLOOR = timedelta(milliseconds=100)
+
+
 class LeaderConfig(Section):
     lease: PositiveDuration = timedelta(seconds=10)
     renew_interval: PositiveDuration = timedelta(seconds=2)
@@ -56,6 +60,10 @@ class LeaderConfig(Section):
             raise ValueError("lease: must be at least 1s")
         if self.retry_interval * 2 > self.lease:  # a follower's idle lock session outlives its waits
             raise ValueError("retry_interval: must be at most half of leader.lease")
+        for key in ("renew_interval", "retry_interval"):  # '1ms' for '1m': a statement per millisecond
+            if getattr(self, key) < LEADER_FLOOR:
+                raise ValueError(f"{key}: must be at least {format_duration(LEADER_FLOOR)} (each is a statement "
+                                 "on the lock session; a typo such as '1ms' for '1m' would send one a millisecond)")
         return self
 
 

@@ -184,6 +184,8 @@ def test_config_path_from_env(tmp_path, monkeypatch):
     ("[cleaner.queues.\"\"]\ncompleted_retention = '1h'", "cleaner.queues: invalid queue name ''"),
     ("[cleaner.queues.\"a\\u0001b\"]\ncompleted_retention = '1h'", "cleaner.queues: invalid queue name 'a\\x01b'"),
     ("[leader]\nlease = '2s'\nrenew_interval = '2s'", "leader.renew_interval"),
+    ("[leader]\nrenew_interval = '1ms'", "leader.renew_interval: must be at least 100ms"),
+    ("[leader]\nretry_interval = '0.05'", "leader.retry_interval: must be at least 100ms"),
     ("[http]\nlisten = 'nope'", "http.listen"),
     # An IPv6 address goes in brackets, as in a URL (RFC 3986 section 3.2.2); '[::1:9464' listened on ::1.
     ("[http]\nlisten = '[::1:9464'", "http.listen: an IPv6 address goes in brackets"),
