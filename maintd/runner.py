@@ -210,6 +210,8 @@ class Runner:
             log.error("cannot schedule service", extra=kv(service=name, error=str(exc)))
             return False
         if trigger is None:  # driven by a probe of the database: its first pass of the term now
+            # and no ticks (a reload that turned precise timing on leaves none behind)
+            self._unschedule(filter(None, [self.timetable.get_job(self.prefix + name)]))
             self._add_wake(name, now)
             return True
         if isinstance(trigger, ScheduleTrigger) and not self._server_timed(name, trigger, now):

@@ -641,3 +641,34 @@ def test_a_follower_exports_the_enabled_services_series_at_0_and_keeps_them(sett
         assert exported() == {"deleted": 0.0, "runs": 0.0, "errors": 0.0}
     finally:
         runner.shutdown()
+
+
+class ProbedWhenPrecise(Service):
+    """Like the scheduler: with precise timing a probe drives its passes, else it ticks."""
+
+    def probe(self):
+        return ["(SELECT 1)"] if self.config.precise_timing else None
+
+    def run_once(self, ctx):
+        return CountResult(0)
+
+
+def test_a_reload_that_hands_a_service_to_its_probe_removes_its_ticks(settings, engine):
+    """``scheduler.precise_timing`` turned on by a reload: the probe drives the passes from then
+    on. Before, the interval job of the ticks stayed in the timetable beside the probe's wakes, so
+    the service ran on both (a pass every ``interval`` that the probe was there to save)."""
+    settings.scheduler.precise_timing = False
+    settings.scheduler.interval = timedelta(hours=1)
+    runner = Runner(settings, engine, Metrics(), build=fakes(scheduler=ProbedWhenPrecise))
+    runner.start()
+    try:
+        runner.activate(NoFence())
+        wait_for(lambda: runner.timetable.get_job("scheduler") is not None, 5, what="the ticks")
+        new = settings.model_copy(deep=True)
+        new.scheduler.precise_timing = True
+        runner.reload(new)
+        ticks = runner.timetable.get_job("scheduler")
+        assert ticks is None, f"the ticks stayed beside the probe: {ticks}"
+        assert runner.probed("scheduler")
+    finally:
+        runner.shutdown()
