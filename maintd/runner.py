@@ -44,7 +44,6 @@ def _about_target(method: Callable[..., Any]) -> Callable[..., Any]:
 
 IDLE_SUMMARY = "nothing to do (the database's probe)"
 WAKE_SUFFIX = ":wake:"  # one-off passes a service asked for (see Runner.wake), numbered
-WAKE_RETRY = 0.01  # seconds: a wake that found the pass which asked for it still finishing
 
 
 class Runner:
@@ -79,6 +78,7 @@ class Runner:
         self._paused = False  # the database takes no writes: no pass runs
         self._wakes: dict[str, tuple[str, datetime]] = {}  # service: its asked-for pass (job id, when)
         self._wake_seq = 0
+        self._deferred: set[str] = set()  # services asked for while their pass ran: again after it
         self._pushed: set[str] = set()  # services whose next tick was put off (quiet_until)
         self.prefix = prefix
         self.log_target = log_target
@@ -297,6 +297,9 @@ class Runner:
         with self._lock:
             fence, stop_event = self._fence, self._stop_event
             service = self.services.get(name)
+            if wake and name in self._active:  # asked for while a pass runs: one more once it ends
+                self._deferred.add(name)
+                return
             if fence is None or service is None or stop_event.is_set() or self._paused or name in self._active \
                     or (not wake and self._quiet(service)):
                 return
@@ -317,9 +320,14 @@ class Runner:
             elif record.outcome is not Outcome.STOPPED and worth_recording(self._recorded.get(name), record):
                 self._record(ctx, record)
         finally:
-            self._active.pop(name, None)
+            with self._lock:
+                self._active.pop(name, None)
+                again = name in self._deferred
+                self._deferred.discard(name)
             self._pass_ended.set()
         self._follow_up(name, service, record, stop_event)
+        if again:  # a wake came while it ran: one pass now
+            self.wake(name)
 
     def _follow_up(self, name: str, service: Service, record: PassRecord, stop_event: threading.Event) -> None:
         """What the pass said about the next one: run again at ``wake_at`` (a job falling due
@@ -402,9 +410,6 @@ class Runner:
     @_about_target
     def _wake_run(self, name: str, stop_event: threading.Event) -> None:
         if stop_event is not self._stop_event or stop_event.is_set():
-            return
-        if name in self._active:  # the pass that asked is still finishing: a little later
-            self.wake(name, self.clock.now() + timedelta(seconds=WAKE_RETRY))
             return
         self._run(name, wake=True)
 

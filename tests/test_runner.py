@@ -672,3 +672,33 @@ def test_a_reload_that_hands_a_service_to_its_probe_removes_its_ticks(settings, 
         assert runner.probed("scheduler")
     finally:
         runner.shutdown()
+
+
+class LongProbed(Service):
+    """Driven by a probe; its pass takes a second."""
+
+    def probe(self):
+        return ["(SELECT 1)"]
+
+    def run_once(self, ctx):
+        time.sleep(1.0)
+        return CountResult(0)
+
+
+def test_a_wake_during_a_long_pass_waits_for_it_without_spinning(settings, engine):
+    """The probe asks for a pass while one is running (a long cleaner pass: the probe still sees
+    expired rows). Before, the wake was put off by 10 ms again and again for as long as the pass
+    ran: a hundred one-off jobs a second for the whole pass. Now it runs once, after the pass."""
+    runner = Runner(settings, engine, Metrics(), build=fakes(cleaner=LongProbed))
+    runner.start()
+    try:
+        runner.activate(NoFence())
+        wait_for(lambda: "cleaner" in runner._active, 5, what="the first pass")
+        first = runner._wake_seq
+        runner.wake("cleaner")
+        wait_for(lambda: runner.metrics.registry.get_sample_value(
+            "maintd_service_runs_total", {"target": TARGET, "service": "cleaner", "outcome": "success"}) == 2,
+            10, what="the pass asked for during the first")
+        assert runner._wake_seq - first <= 3, f"{runner._wake_seq - first} wakes for one asked-for pass"
+    finally:
+        runner.shutdown()
