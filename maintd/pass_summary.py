@@ -10,6 +10,7 @@ floats.
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Any, Callable, Mapping
 
 Result = Mapping[str, Any]
@@ -97,10 +98,15 @@ def _scheduler(r: Result, verb: str) -> str:
 def _waits(r: Result) -> str:
     """The pass asked for the next one before the next tick (precise timing): when (UTC)."""
     at = r.get("next_pass_at")
-    at = at.isoformat() if hasattr(at, "isoformat") else at
-    if not isinstance(at, str) or len(at) < 19:
+    if isinstance(at, str):  # as stored: ISO 8601, or str() of a datetime; with or without a fraction
+        try:
+            at = datetime.fromisoformat(at)
+        except ValueError:
+            return ""
+    if not isinstance(at, datetime):
         return ""
-    return f"; next pass at {at[11:23]}"
+    at = at.astimezone(timezone.utc) if at.tzinfo is not None else at
+    return f"; next pass at {at:%H:%M:%S}.{at.microsecond // 1000:03d}"
 
 
 def _periodic(r: Result, verb: str) -> str:

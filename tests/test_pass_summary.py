@@ -118,3 +118,19 @@ def test_status_text_json_and_dashboard_show_what_each_pass_did(pg_dsn, schema, 
     assert "promoted 3 (default 2, mail 1)" in services["scheduler"]
     assert "enqueued 1 (nightly)" in services["periodic"]
     assert not any(RAW_FLOAT.search(re.sub(r'title="[^"]*"', "", row)) for row in services.values())
+
+
+def test_the_next_pass_is_shown_in_utc_whatever_form_its_time_was_stored_in():
+    """A due time on a whole second (a periodic slot: most of them) is stored without a fraction;
+    a server whose TimeZone is not UTC hands the time back with its own offset. Before, the line
+    cut the stored text at fixed positions: "next pass at 12:00:00+00:" and the server's local
+    time shown as UTC."""
+    def line(at: object) -> str:
+        return describe("scheduler", {"promoted": {"default": 1}, "next_pass_at": at, "dry_run": False})
+
+    assert line("2026-03-01T12:00:00+00:00").endswith("; next pass at 12:00:00.000"), line("2026-03-01T12:00:00+00:00")
+    assert line("2026-03-01 12:00:00+00:00").endswith("; next pass at 12:00:00.000")  # json default=str
+    assert line("2026-03-01T13:00:01.250193+01:00").endswith("; next pass at 12:00:01.250"), \
+        line("2026-03-01T13:00:01.250193+01:00")
+    assert line("2026-03-01T12:00:01.250193+00:00").endswith("; next pass at 12:00:01.250")
+    assert line("not a time") == "promoted 1 (default 1)"
