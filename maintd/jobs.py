@@ -31,6 +31,13 @@ def backoff(attempt: int) -> timedelta:
     return timedelta(seconds=math.exp(min(max(attempt, 0), BACKOFF_CAP)))
 
 
+def error_text(error: object) -> str:
+    """A failure's text as PostgreSQL's ``text`` holds it: ``str()`` of an exception, NUL bytes
+    and lone surrogates (bytes decoded with ``surrogateescape``) written as escapes."""
+    out = str(error).replace("\x00", "\\x00")
+    return out.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 @dataclass(frozen=True)
 class ClaimedJob:
     id: int
@@ -75,12 +82,14 @@ class JobQueue:
     def complete(self, conn: Connection, job: ClaimedJob) -> bool:
         return self._guarded(conn, q.COMPLETE, job)
 
-    def fail(self, conn: Connection, job: ClaimedJob, error: str, *, discard: bool = False) -> str | None:
+    def fail(self, conn: Connection, job: ClaimedJob, error: str | BaseException, *,
+             discard: bool = False) -> str | None:
         """Record a failure: ``retryable`` after ``backoff(attempt)``, or ``discarded`` when the
-        attempts are used up (or ``discard``). Returns the new state, ``None`` if not yours."""
+        attempts are used up (or ``discard``). Returns the new state, ``None`` if not yours.
+        ``error`` is any text or exception (see :func:`error_text`)."""
         row = conn.execute(self._sql(q.FAIL), {
             "id": job.id, "worker": job.attempted_by, "attempt": job.attempt, "discard": discard,
-            "backoff": backoff(job.attempt).total_seconds(), "error": error,
+            "backoff": backoff(job.attempt).total_seconds(), "error": error_text(error),
         }).first()
         return None if row is None else row[0]
 

@@ -246,3 +246,20 @@ def test_claim_uses_the_fetch_index(engine, schema, queue, layout):
         conn.rollback()
     for plan in plans:
         assert "jobs_fetch_idx" in plan and "Seq Scan" not in plan, plan
+
+
+@pytest.mark.parametrize("error", ["bad byte \x00 in a message", "undecodable \udcff name",
+                                   ValueError("an exception, not its text")])
+def test_fail_records_any_error_text(engine, schema, queue, error):
+    """A failure's text comes from anywhere (a subprocess's output, a file name read with
+    surrogateescape, the exception itself): PostgreSQL's text holds no NUL byte and no lone
+    surrogate. fail() must still retry the job and keep the message, not raise and leave it
+    running until the rescuer's hour is up."""
+    jid = _enqueue(engine, queue)
+    [job] = _claim(engine, queue)
+    with engine.begin() as conn:
+        assert queue.fail(conn, job, error) == "retryable", "fail() refused the error text"
+    row = _row(engine, schema, jid)
+    assert row["state"] == "retryable"
+    [entry] = row["errors"]
+    assert str(error).split(" ")[0] in entry["error"] and "\x00" not in entry["error"]
