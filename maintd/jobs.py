@@ -72,6 +72,11 @@ class JobQueue:
         return None if row is None else row[0]
 
     def claim(self, conn: Connection, queue: str, worker: str, limit: int = 1) -> list[ClaimedJob]:
+        """Up to ``limit`` due jobs of ``queue``, now ``running`` as ``worker``'s."""
+        if not isinstance(worker, str):
+            raise ValueError(f"worker must be a worker id (text), not {worker!r}")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"limit must be a number of jobs (0 or more), not {limit!r}")
         rows = conn.execute(self._sql(q.CLAIM), {"queue": queue, "worker": worker, "limit": limit})
         return [ClaimedJob(**row._mapping) for row in rows]
 

@@ -263,3 +263,17 @@ def test_fail_records_any_error_text(engine, schema, queue, error):
     assert row["state"] == "retryable"
     [entry] = row["errors"]
     assert str(error).split(" ")[0] in entry["error"] and "\x00" not in entry["error"]
+
+
+@pytest.mark.parametrize("worker, limit", [("w1", None), (None, 1), ("w1", -1), ("w1", True)])
+def test_claim_refuses_a_missing_worker_or_limit(engine, schema, queue, worker, limit):
+    """``limit=None`` reached the SQL as ``LIMIT NULL`` (no limit: the whole queue claimed by one
+    worker); ``worker=None`` claimed jobs no guarded update can finish (stuck until rescued)."""
+    _enqueue(engine, queue)
+    _enqueue(engine, queue)
+    with engine.begin() as conn, pytest.raises(ValueError):
+        queue.claim(conn, "default", worker, limit)
+    with engine.connect() as conn:
+        waiting = conn.execute(sql("SELECT count(*) FROM {schema}.jobs WHERE state = 'available'",
+                                   schema)).scalar()
+    assert waiting == 2

@@ -177,6 +177,19 @@ def test_each_worker_statement_runs_verbatim_with_server_side_parameters(readme_
         assert state_of(conn, c)[:3] == ("discarded", 1, True)
 
 
+def test_a_null_limit_or_worker_claims_nothing(readme_db):
+    """A worker in another language binding a missing value (Go's nil, JavaScript's undefined):
+    ``LIMIT NULL`` is no limit at all, and a NULL worker id makes jobs that no guarded update can
+    finish. Either must claim nothing, not the whole queue, nor jobs left to the rescuer's hour."""
+    with psycopg.connect(readme_db, autocommit=True) as conn:
+        run = Worker(conn, False)
+        for i in range(5):
+            run("enqueue", **enqueue_params(args=f'{{"customer": {i}}}'))
+        assert run("claim", worker="w-1", queue="reports", limit=None) == [], "NULL limit claimed jobs"
+        assert run("claim", worker=None, queue="reports", limit=1) == [], "NULL worker claimed a job"
+        assert conn.execute("SELECT count(*) FROM maintd.jobs WHERE state = 'available'").fetchone() == (5,)
+
+
 def test_an_untyped_parameter_is_what_fails(readme_db):
     """The statement the issue's user ran, with ``'error', :error`` untyped, fails the way the
     test above would if a CAST were lost (so that test can fail)."""

@@ -59,9 +59,9 @@ UPDATE {schema}.jobs
  WHERE id = ANY(ARRAY(
          SELECT id FROM {schema}.jobs
           WHERE state = 'available' AND queue = CAST(:queue AS text) AND scheduled_at <= now()
-            AND attempt < max_attempts
+            AND attempt < max_attempts AND CAST(:worker AS text) IS NOT NULL
           ORDER BY priority, scheduled_at, id
-          LIMIT CAST(:limit AS integer)
+          LIMIT coalesce(CAST(:limit AS integer), 0)
             FOR UPDATE SKIP LOCKED))
    AND state = 'available'
 RETURNING id, kind, queue, args, attempt, max_attempts, attempted_by, metadata
