@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy import Connection
@@ -63,7 +63,11 @@ class JobQueue:
                 queue: str = "default", priority: int = 0, max_attempts: int = 25,
                 scheduled_at: datetime | None = None, unique_key: str | None = None,
                 metadata: dict[str, Any] | None = None) -> int | None:
-        """Insert a job; returns its id, or ``None`` when a live job holds ``unique_key``."""
+        """Insert a job; returns its id, or ``None`` when a live job holds ``unique_key``.
+        A naive ``scheduled_at`` is UTC (as ``maintd jobs reschedule --at`` reads one), never the
+        session's TimeZone."""
+        if scheduled_at is not None and scheduled_at.tzinfo is None:
+            scheduled_at = scheduled_at.replace(tzinfo=timezone.utc)
         row = conn.execute(self._sql(q.ENQUEUE), {
             "kind": kind, "queue": queue, "args": json.dumps(args or {}), "priority": priority,
             "max_attempts": max_attempts, "scheduled_at": scheduled_at, "unique_key": unique_key,

@@ -277,3 +277,16 @@ def test_claim_refuses_a_missing_worker_or_limit(engine, schema, queue, worker, 
         waiting = conn.execute(sql("SELECT count(*) FROM {schema}.jobs WHERE state = 'available'",
                                    schema)).scalar()
     assert waiting == 2
+
+
+def test_enqueue_reads_a_naive_scheduled_at_as_utc(engine, schema, queue):
+    """``datetime.utcnow() + delay`` is naive: PostgreSQL read it in the caller's session TimeZone
+    (here New York), so the job ran five hours late (or, east of UTC, at once). UTC, as
+    ``maintd jobs reschedule --at`` reads a naive time."""
+    naive = datetime.now(timezone.utc).replace(tzinfo=None, microsecond=0) + timedelta(minutes=10)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("SET LOCAL TimeZone = 'America/New_York'")
+        jid = queue.enqueue(conn, "k", {}, scheduled_at=naive)
+    row = _row(engine, schema, jid)
+    assert row["scheduled_at"] == naive.replace(tzinfo=timezone.utc), "naive time not read as UTC"
+    assert row["state"] == "scheduled"
