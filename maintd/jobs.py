@@ -13,7 +13,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Mapping
 
 from sqlalchemy import Connection
 
@@ -29,6 +29,16 @@ BACKOFF_CAP = 10  # the backoff grows with the attempt up to this one, then stay
 def backoff(attempt: int) -> timedelta:
     """The one retry backoff (workers' failures and rescued jobs): e^min(attempt, 10) seconds."""
     return timedelta(seconds=math.exp(min(max(attempt, 0), BACKOFF_CAP)))
+
+
+def _json_object(name: str, value: Mapping[str, Any] | None) -> str:
+    """args and metadata as JSON: an object (None is ``{}``); anything else is the caller's bug,
+    not something to store (0 silently became ``{}``, a list stayed a list)."""
+    if value is None:
+        return "{}"
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name} must be a mapping (a JSON object), not {type(value).__name__}")
+    return json.dumps(dict(value))
 
 
 def error_text(error: object) -> str:
@@ -69,9 +79,9 @@ class JobQueue:
         if scheduled_at is not None and scheduled_at.tzinfo is None:
             scheduled_at = scheduled_at.replace(tzinfo=timezone.utc)
         row = conn.execute(self._sql(q.ENQUEUE), {
-            "kind": kind, "queue": queue, "args": json.dumps(args or {}), "priority": priority,
+            "kind": kind, "queue": queue, "args": _json_object("args", args), "priority": priority,
             "max_attempts": max_attempts, "scheduled_at": scheduled_at, "unique_key": unique_key,
-            "metadata": json.dumps(metadata or {}),
+            "metadata": _json_object("metadata", metadata),
         }).first()
         return None if row is None else row[0]
 

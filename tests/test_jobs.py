@@ -290,3 +290,17 @@ def test_enqueue_reads_a_naive_scheduled_at_as_utc(engine, schema, queue):
     row = _row(engine, schema, jid)
     assert row["scheduled_at"] == naive.replace(tzinfo=timezone.utc), "naive time not read as UTC"
     assert row["state"] == "scheduled"
+
+
+@pytest.mark.parametrize("field, value", [("args", 0), ("args", False), ("args", [1, 2]),
+                                          ("args", "to=a@b.c"), ("metadata", ["x"])])
+def test_enqueue_refuses_args_or_metadata_that_are_not_an_object(engine, schema, queue, field, value):
+    """args and metadata are JSON objects (SPEC 1: default '{}'; the claim hands args out as a
+    dict, the periodic enqueuer merges ``_cron`` into them). A falsy value was silently stored as
+    ``{}`` (the job ran without its argument), a list or a string as such (the worker's
+    ``job.args["to"]`` failing on every attempt until discarded)."""
+    kw = {"args": {"to": "a@b.c"}, field: value}
+    with engine.begin() as conn, pytest.raises(TypeError, match=field):
+        queue.enqueue(conn, "k", kw.pop("args"), **kw)
+    with engine.connect() as conn:
+        assert conn.execute(sql("SELECT count(*) FROM {schema}.jobs", schema)).scalar() == 0
