@@ -1080,3 +1080,21 @@ def test_dry_run_drops_what_a_pass_drops(engine, schema):
     real = run(service, engine, schema, now=now)
     assert real.dropped == real.detached >= 7
     assert (dry.detached, dry.dropped) == (real.detached, real.dropped), (dry.summary(), real.summary())
+
+
+def test_the_emptied_line_marks_a_row_count_that_is_an_estimate(engine, schema, caplog):
+    """Past EXACT_UP_TO rows an emptied partition's count is the statistics' estimate; the pass
+    summary said so ("(estimated)") while the log line gave the number as if counted."""
+    import logging
+
+    now = server_now(engine)
+    restart(engine, schema, "completed", now - 10 * HOUR)
+    run(partitioner(completed_retention=-1), engine, schema, now=now)
+    insert_final(engine, schema, "completed", now - timedelta(hours=9, minutes=30), n=100_001)
+    with engine.begin() as conn:
+        conn.execute(sql("ANALYZE {schema}.jobs", schema))
+    with caplog.at_level(logging.INFO, logger="maintd.partitioner"):
+        result = run(partitioner(completed_retention="3h"), engine, schema, now=now)
+    assert result.estimated
+    [rows] = [r.fields["rows"] for r in caplog.records if r.getMessage() == "partition emptied"]
+    assert str(rows).startswith("~"), f"an estimate logged as a count: rows={rows}"

@@ -261,9 +261,9 @@ class Partitioner(Service):
             elif r.action == "detached":
                 result.detached += 1
             if r.action not in ("made", "busy"):
+                rows = None if r.action == "detached" else f"~{r.row_count}" if r.estimated else r.row_count
                 log.info(f"partition {r.action}", extra=kv(state=state, partition=r.partition_name,
-                                                             start=r.range_start, end=r.range_end,
-                                                             rows=None if r.action == "detached" else r.row_count))
+                                                             start=r.range_start, end=r.range_end, rows=rows))
 
     def _plan(self, ctx: PassContext, state: str, make_until: datetime, drop_before: datetime | None,
               result: PartitionerResult) -> None:
