@@ -388,7 +388,7 @@ class Runner:
         """A probe of the database found nothing for ``name`` to do (a pass it drives, not run):
         counted as the idle pass it stands for (``maintd_service_runs_total``, the last success)."""
         with self._lock:
-            if self._fence is None or self._stop_event.is_set():
+            if self._fence is None or self._stop_event.is_set() or name in self._active:  # the pass says
                 return
             self._last_success[name] = at
             last = self.last_runs.get(name)

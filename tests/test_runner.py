@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from sqlalchemy import text
@@ -701,4 +701,22 @@ def test_a_wake_during_a_long_pass_waits_for_it_without_spinning(settings, engin
             10, what="the pass asked for during the first")
         assert runner._wake_seq - first <= 3, f"{runner._wake_seq - first} wakes for one asked-for pass"
     finally:
+        runner.shutdown()
+
+
+def test_a_probe_finding_nothing_while_a_pass_runs_counts_no_idle_pass(settings, engine):
+    """The probe reads the database between passes: one that found nothing while a pass of the
+    same service was running (its rows gone meanwhile, say) counted an idle success and made
+    "nothing to do" the service's last run in /status, while the real pass was still at work."""
+    metrics = Metrics()
+    runner = Runner(settings, engine, metrics, build=lambda s: {"rescuer": Slow(s.rescuer)})
+    runner.start()
+    try:
+        runner.activate(NoFence())
+        wait_for(lambda: runner._active, 5, what="the slow pass to start")
+        runner.idle("rescuer", datetime.now(timezone.utc))
+        runs = sample(metrics, "maintd_service_runs_total", {"target": TARGET, "service": "rescuer", "outcome": "success"})
+        assert runs == 0 and "rescuer" not in runner.last_runs, f"{runs} idle pass(es) counted during a pass"
+    finally:
+        runner.deactivate()
         runner.shutdown()
