@@ -530,6 +530,9 @@ def acquire_once(settings: Settings, wait: float = 0.0, *,
         loop.stop()
         if seat.failure is not None:  # the lock was won, not held by another instance
             raise RuntimeError(f"could not start a term: {seat.failure}")
+        if seat.bump_waiting:  # won too, but its epoch bump never got the leader row
+            raise RuntimeError("could not start a term: the previous leader's transactions held the leader row "
+                               "for all of --wait (they end within its statement timeout): try again, or raise --wait")
         return None
     loop.start()
     return loop, seat.fence()

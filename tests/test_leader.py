@@ -624,3 +624,21 @@ def test_a_daemon_of_another_deployment_with_the_same_id_does_not_keep_a_dead_re
         assert live() == ["twin"] and duplicate() is not None
     finally:
         other.close()
+
+
+def test_run_once_blocked_by_the_previous_leaders_transaction_says_so(settings, engine, schema):
+    """A run-once that won the lock but whose epoch bump waited, for all of --wait, on a
+    transaction of the previous leader (its fence holds the leader row FOR KEY SHARE until it
+    ends) was told "another instance holds the leader lock": no instance did. It now says
+    what held it, and leaves no lock behind."""
+    holder = engine.connect()
+    holder.execute(sql("SELECT epoch FROM {schema}.leader FOR KEY SHARE", schema))
+    try:
+        with pytest.raises(RuntimeError, match="previous leader's transactions"):
+            acquire_once(settings, wait=1.0)
+    finally:
+        holder.rollback()
+        holder.close()
+    again = acquire_once(settings)  # no lock was left behind
+    assert again is not None
+    again[0].stop()
