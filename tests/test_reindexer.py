@@ -455,3 +455,18 @@ def test_a_fenced_pass_counts_no_attempt_it_never_made(pg_dsn, schema, engine):
     assert 'outcome="planned"' not in text_, text_
     summary = record.as_dict()["summary"]
     assert summary.startswith("jobs_fetch_idx reindexed") and "jobs_scheduled_idx" not in summary, summary
+
+
+def test_a_configured_index_of_another_table_is_named_as_such(pg_dsn, schema, settings, engine, caplog):
+    """An index of another table of the schema (the periodic_jobs table's key, say) was reported
+    'configured index does not exist': it exists, and the reindexer rebuilds only the jobs
+    table's. The line and the report now say which table it belongs to."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        [(name,)] = conn.execute("SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+                                 "WHERE i.indrelid = to_regclass(%s) AND i.indisprimary", (f'"{schema}".periodic_jobs',)).fetchall()
+    settings.reindexer.indexes = [name]
+    [report] = run(settings, engine).indexes
+    assert (report.index, report.outcome) == (name, "missing")
+    said = [r.getMessage() for r in caplog.records if r.name == "maintd.reindexer"]
+    assert not any("does not exist" in m for m in said), said
+    assert "periodic_jobs" in (report.error or ""), report

@@ -41,6 +41,15 @@ SELECT c.relname AS name, i.indisvalid AS valid, pg_relation_size(c.oid) AS byte
  ORDER BY c.relname
 """
 
+# The table an index of the schema belongs to (a configured name that is not one of the jobs table's).
+INDEX_TABLE = """
+SELECT t.relname FROM pg_index i
+  JOIN pg_class c ON c.oid = i.indexrelid
+  JOIN pg_class t ON t.oid = i.indrelid
+  JOIN pg_namespace n ON n.oid = c.relnamespace
+ WHERE n.nspname = :schema AND c.relname = :index
+"""
+
 HAS_PGSTATTUPLE = "SELECT count(*) > 0 FROM pg_extension WHERE extname = 'pgstattuple'"
 
 # Leaf density of a btree: a fresh index is about 90 % full (the default fillfactor).

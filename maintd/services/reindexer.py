@@ -137,8 +137,7 @@ class Reindexer(Service):
             report = IndexReport(index=index, outcome="planned")
             result.indexes.append(report)
             if index not in catalog_rows:
-                report.outcome = "missing"
-                log.warning("configured index does not exist, skipping", extra=kv(index=index))
+                self._missing(ctx, report)
                 continue
             report.bytes_before = catalog_rows[index].bytes
             if not catalog_rows[index].can_reindex:
@@ -158,6 +157,18 @@ class Reindexer(Service):
         if ctx.should_stop():  # cut short (demotion, shutdown): a stopped pass, with what it did
             raise PassStopped()
         return result
+
+    @staticmethod
+    def _missing(ctx: PassContext, report: IndexReport) -> None:
+        """Not an index of the jobs table: none of that name, or another table's."""
+        report.outcome = "missing"
+        with ctx.engine.connect() as conn:
+            table = conn.execute(text(catalog.INDEX_TABLE), {"schema": ctx.schema, "index": report.index}).scalar()
+        if table is None:
+            log.warning("configured index does not exist, skipping", extra=kv(index=report.index))
+            return
+        report.error = f"an index of the {table} table, not of jobs (the reindexer rebuilds the jobs table's)"
+        log.warning("configured index is not the jobs table's, skipping", extra=kv(index=report.index, table=table))
 
     @staticmethod
     def _not_permitted(report: IndexReport) -> None:
