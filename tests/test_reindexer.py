@@ -470,3 +470,22 @@ def test_a_configured_index_of_another_table_is_named_as_such(pg_dsn, schema, se
     said = [r.getMessage() for r in caplog.records if r.name == "maintd.reindexer"]
     assert not any("does not exist" in m for m in said), said
     assert "periodic_jobs" in (report.error or ""), report
+
+
+def test_a_size_that_cannot_be_read_after_a_rebuild_leaves_it_reindexed(pg_dsn, schema, settings, engine):
+    """The rebuild is done when REINDEX returns; reading the new size is a report's detail. An
+    index dropped by someone else right then failed that read, and the rebuild was reported
+    ``error`` (counted in maintd_reindex_total{outcome="error"}), though it had succeeded."""
+    settings.reindexer.indexes = ["jobs_kind_dropped_idx"]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE INDEX jobs_kind_dropped_idx ON "{schema}".jobs (kind)')
+
+    class DroppedRightAfter(Reindexer):
+        def _size(self, ctx, index):
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:  # another session, right then
+                conn.execute(f'DROP INDEX "{schema}".jobs_kind_dropped_idx')
+            return super()._size(ctx, index)
+
+    [report] = DroppedRightAfter(settings.reindexer).run_once(
+        PassContext.for_settings(settings, engine, ServerClock())).indexes
+    assert (report.outcome, report.bytes_after, report.error) == ("reindexed", None, None), report

@@ -269,8 +269,14 @@ class Reindexer(Service):
                         extra=kv(index=name, of=report.index, error=describe_db_error(exc)))
 
     def _size(self, ctx: PassContext, index: str) -> int | None:
-        with ctx.engine.connect() as conn:
-            return conn.execute(text(catalog.RELATION_SIZE), {"qualified": _qualified(ctx.schema, index)}).scalar()
+        """The rebuilt index's size; None if it cannot be read (dropped meanwhile, say): the
+        rebuild itself is done."""
+        try:
+            with ctx.engine.connect() as conn:
+                return conn.execute(text(catalog.RELATION_SIZE), {"qualified": _qualified(ctx.schema, index)}).scalar()
+        except DBAPIError as exc:
+            log.warning("could not read the size of a rebuilt index", extra=kv(index=index, error=describe_db_error(exc)))
+            return None
 
     def _bloat(self, ctx: PassContext, index: str, has_pgstattuple: bool) -> float | None:
         """Estimated bloat in percent: ``pgstatindex`` when installed (and allowed), else the
