@@ -489,3 +489,25 @@ def test_a_size_that_cannot_be_read_after_a_rebuild_leaves_it_reindexed(pg_dsn, 
     [report] = DroppedRightAfter(settings.reindexer).run_once(
         PassContext.for_settings(settings, engine, ServerClock())).indexes
     assert (report.outcome, report.bytes_after, report.error) == ("reindexed", None, None), report
+
+
+def test_a_stop_before_a_rebuild_starts_reports_no_attempt(pg_dsn, schema, settings, engine):
+    """A demotion or shutdown that lands after an index is looked at but before its REINDEX is
+    sent cancelled nothing: that index was reported ``cancelled`` (and counted in
+    maintd_reindex_total{outcome="cancelled"}) though no rebuild was ever started."""
+    from maintd.passes import Outcome, execute_pass
+
+    settings.reindexer.indexes = ["jobs_pkey", "jobs_finalized_idx"]
+    before = index_oids(pg_dsn, schema)
+    ctx = PassContext.for_settings(settings, engine, ServerClock())
+
+    class StoppedWhileMeasuring(Reindexer):
+        def _bloat(self, ctx, index, has_pgstattuple):
+            if index == "jobs_finalized_idx":
+                ctx.stop_event.set()  # the demotion arrives now
+            return super()._bloat(ctx, index, has_pgstattuple)
+
+    record = execute_pass("reindexer", StoppedWhileMeasuring(settings.reindexer), ctx)
+    assert record.outcome is Outcome.STOPPED
+    assert [(r.index, r.outcome) for r in record.result.indexes] == [("jobs_pkey", "reindexed")], record.result
+    assert index_oids(pg_dsn, schema)["jobs_finalized_idx"] == before["jobs_finalized_idx"]

@@ -151,6 +151,8 @@ class Reindexer(Service):
             except NotLeader:  # refused before its DDL (prove_leader): no attempt to report
                 result.indexes.remove(report)
                 raise
+        if not ctx.dry_run:  # a stop before an index's rebuild was sent: no attempt to report
+            result.indexes = [r for r in result.indexes if r.outcome != "planned"]
         refused = [r.index for r in result.indexes if r.outcome == "not_permitted"]
         if refused:  # one line for the pass, not one per index
             log.warning("cannot reindex", extra=kv(indexes=",".join(refused), error=NOT_PERMITTED))
@@ -203,8 +205,8 @@ class Reindexer(Service):
             log.info("reindexed", extra=kv(index=report.index, seconds=report.seconds,
                                            bytes_before=report.bytes_before, bytes_after=report.bytes_after))
             return True
-        except PassStopped:
-            report.outcome = "cancelled"
+        except PassStopped:  # before its statement was sent (one cut short is a DBAPIError)
+            report.outcome = "cancelled" if report.artifacts_dropped else "planned"  # planned: nothing done
             return False
         except DBAPIError as exc:
             self._failed(ctx, report, exc)
