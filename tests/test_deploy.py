@@ -165,6 +165,18 @@ def test_deployment_shape():
     assert {i["envFrom"][0]["secretRef"]["name"] for i in pod["initContainers"]} == {"maintd-database-owner"}
 
 
+def test_pod_disruption_budget_lets_a_drain_evict_pods_that_are_not_ready():
+    """/readyz is 503 on every replica while the database is unreachable or read-only (a primary
+    failover, an outage) or the schema is behind. With the default unhealthyPodEvictionPolicy
+    (IfHealthyBudget) a not-ready pod is evicted only while the budget's minimum of ready pods
+    holds, so a node drain during such an outage waited until the database came back."""
+    pdb = next(d for _, d in k8s_docs() if d["kind"] == "PodDisruptionBudget")["spec"]
+    dep = next(d for _, d in k8s_docs() if d["kind"] == "Deployment")
+    assert pdb["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert pdb.get("unhealthyPodEvictionPolicy") == "AlwaysAllow", \
+        "pdb.yaml: a drain is blocked while no maintd pod is ready (database down or read-only)"
+
+
 def example_secrets() -> dict[str, str]:
     """Secret name -> the role its example DSN logs in as."""
     out = {}
