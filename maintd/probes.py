@@ -168,8 +168,11 @@ class ServiceProbe(_Batched):
             verdict = service.after_probe(rows[i], now)
             if verdict is None:
                 # Counted as the service's idle pass once per its interval (the scheduler's probe
-                # looks every second), as its ticks were.
-                if time.monotonic() - self._idled.get(target.name, -math.inf) >= service.config.interval.total_seconds():
+                # looks every second), as its ticks were. The looks come on a 1 s tick, a few ms
+                # early or late: within half a tick of the interval is the interval (compared
+                # exactly, about every other count waited for the next look).
+                interval = service.config.interval.total_seconds()
+                if time.monotonic() - self._idled.get(target.name, -math.inf) >= interval - TICK / 2:
                     self._idled[target.name] = time.monotonic()
                     target.runner.idle(self.service, now)
             else:

@@ -131,3 +131,36 @@ def test_the_live_counts_read_the_live_states_indexes_not_the_final_rows(engine,
         counts = {(r.queue, r.state): r.n for r in conn.execute(sql(jobs.COUNT_LIVE, schema))}
         conn.rollback()
     assert sum(counts.values()) == 5000 and len(counts) == 20
+
+
+def test_an_idle_service_counts_a_successful_pass_every_interval(configured):
+    """At idle the probes count the cleaner's, rescuer's and scheduler's passes without running
+    them, once per interval (maintd_service_runs_total{outcome="success"} and the last success,
+    which MaintdServiceStalled reads). The probe looks every interval on a 1 s tick, a few ms
+    early or late; an early look was under the interval and the count waited for the next one:
+    about half the counts were lost, and an idle cleaner (30 s) read its last success up to a
+    minute old. Before: 12-14 passes in 20 s at 1 s intervals."""
+    import time
+
+    from maintd.daemon import Daemon
+
+    from .procs import wait_for
+
+    fast = {"interval": "1s"}
+    daemon = Daemon(configured(instance_id="idle-count-1", http={"enabled": False}, cleaner=fast, rescuer=fast,
+                               scheduler=fast, leader={"lease": "3s", "renew_interval": "0.5s"}))
+    services = ("cleaner", "rescuer", "scheduler")
+
+    def successes() -> dict[str, float]:
+        return {s: daemon.metrics.registry.get_sample_value("maintd_service_runs_total", {
+            "target": daemon.settings.schema, "service": s, "outcome": "success"}) or 0 for s in services}
+
+    daemon.start()
+    try:
+        wait_for(lambda: daemon.is_leader and all(n >= 2 for n in successes().values()), 15, what="idle passes")
+        before, window = successes(), 20.0
+        time.sleep(window)
+        ran = {s: n - before[s] for s, n in successes().items()}
+    finally:
+        daemon.stop()
+    assert all(n >= 0.85 * window for n in ran.values()), f"idle passes counted in {window:.0f} s at 1 s intervals: {ran}"
