@@ -180,9 +180,10 @@ class Daemon:
         for i, probe in enumerate(self.probes):  # every second; a probe reads when something is due
             self.timetable.add_job(probe.run, IntervalTrigger(seconds=TICK), id=f"_probe:{i}")
         self.spread.hold()  # no tries until every target is started and the replicas are read
-        for loop in self.loops:
-            self._first_connect(loop)
-        failures = [f for f in (self._try_start(t) for t in self.targets) if f is not None]
+        silent = {url: exc for url, loop in zip(self.hosts, self.loops)
+                  if (exc := self._first_connect(loop)) is not None and transient(exc)}
+        failures = [f for f in (self._try_start(t, silent.get(t.settings.database_url.get_secret_value()))
+                                for t in self.targets) if f is not None]
         waiting = [t for t in self.targets if not t.started]
         if waiting and len(failures) == len(self.targets) and not any(transient(f) for f in failures):
             self.stop()
@@ -201,11 +202,13 @@ class Daemon:
                                             waiting=len(waiting)))
         return not self._stopping.is_set()
 
-    def _first_connect(self, loop: ElectionLoop) -> None:
+    def _first_connect(self, loop: ElectionLoop) -> Exception | None:
         """Open each lock session before its loop starts: a pooler that cannot keep a session
         (pool_mode=transaction) ends the start with exit 1 and no lock taken, and an instance id
         that a live daemon already uses, with exit 2. An outage is left to the loop's retries (and
-        the loop's first session that works is checked the same way: ``ElectionLoop.refused``)."""
+        the loop's first session that works is checked the same way: ``ElectionLoop.refused``).
+        Returns the outage (None: connected), so that its targets are not tried one by one, a
+        connect timeout each (a start past systemd's TimeoutStartSec with many targets)."""
         import psycopg
 
         from .lockconn import LeaderSessionError
@@ -218,10 +221,15 @@ class Daemon:
             raise
         except (psycopg.Error, OSError) as exc:
             log.warning("database unreachable, retrying", extra=kv(error=describe_db_error(exc)))
+            return exc
+        return None
 
-    def _try_start(self, target: Target) -> Exception | None:
-        """Start the target if its schema is ready; else why not."""
+    def _try_start(self, target: Target, unreachable: Exception | None = None) -> Exception | None:
+        """Start the target if its schema is ready; else why not. ``unreachable``: its database
+        did not answer the lock session just now; not asked again (the background retries do)."""
         try:
+            if unreachable is not None:
+                raise unreachable
             target.check_schema()
         except Exception as exc:
             problem = describe_db_error(exc)

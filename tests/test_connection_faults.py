@@ -343,3 +343,45 @@ def test_a_url_s_own_libpq_parameters_win_over_defaults_and_those_maintd_replace
     assert "application_name=mine (maintd uses" in said[0] and "tcp_user_timeout=1234 (maintd uses leader.lease)" in said[0]
     assert "connect_timeout=9 (maintd uses leader.lease for the lock session" in said[0]
     assert "keepalives" not in said[0], said
+
+
+def test_a_silent_database_at_start_costs_one_connect_timeout_not_one_per_target(pg_dsn):
+    """Under systemd (Type=notify, the default TimeoutStartSec of 90 s) the start must end in
+    bounded time. With the database silent (a partition: connects time out), start() tried
+    each target's schema in turn, a 5 s connect timeout each, after the lock session's own:
+    5 + 5 x N seconds before READY=1, so about 17 targets never started (the unit killed and
+    restarted them over and over), whatever the other databases' targets. Now a database whose
+    first connect timed out has its targets retried in the background at once; once it
+    answers they start."""
+    from sqlalchemy import text
+
+    from maintd.config import Settings
+    from maintd.daemon import Daemon
+
+    from .netproxy import NetProxy
+
+    schemas = [f"t_silent_{os.getpid()}_{i}" for i in range(6)]
+    engine = make_engine(pg_dsn, application_name="maintd-test-migrate", pooled=False)
+    with engine.connect() as conn:
+        for name in schemas:
+            migrate.upgrade(conn, name)
+    try:
+        with NetProxy.for_dsn(pg_dsn) as proxy:
+            proxy.blackhole()
+            daemon = Daemon(Settings(database_url=proxy.dsn(pg_dsn), schema=schemas[0], instance_id="silent-1",
+                                     http={"enabled": False}, targets=[{"schema": s} for s in schemas]))
+            started = time.monotonic()
+            try:
+                daemon.start()
+                took = time.monotonic() - started
+                assert took < 15, f"start() took {took:.0f} s with {len(schemas)} targets on a silent database"
+                proxy.heal()
+                wait_for(lambda: all(t.started for t in daemon.targets), 30, what="every target started once healed")
+            finally:
+                daemon.stop()
+    finally:
+        with engine.connect() as conn:
+            for name in schemas:
+                conn.execute(text(f'DROP SCHEMA IF EXISTS "{name}" CASCADE'))
+            conn.commit()
+        engine.dispose()
