@@ -101,6 +101,15 @@ def test_systemd_daemon_unit_runs_no_migration_as_the_runtime_role():
     assert unit_values(migrate, "Service", "EnvironmentFile") != unit_values(daemon, "Service", "EnvironmentFile")
 
 
+def test_systemd_does_not_restart_a_daemon_its_config_stops():
+    """Exit 2 is a bad configuration (README: exit codes), which no restart mends: the unit
+    restarted it ten times in 20 s, filling the journal with the same error, then gave up with
+    'start request repeated too quickly', which hid it. systemd.service(5), RestartPreventExitStatus=."""
+    daemon = parse_unit(DEPLOY / "systemd" / "maintd.service")
+    assert unit_values(daemon, "Service", "Restart") == ["on-failure"]
+    assert "2" in " ".join(unit_values(daemon, "Service", "RestartPreventExitStatus")).split()
+
+
 def k8s_docs():
     docs = []
     for path in sorted((DEPLOY / "kubernetes").glob("*.yaml")):
