@@ -116,7 +116,9 @@ def _add_setup_parsers(sub) -> None:
                         "the schema's revision from the database (no connection)")
     m.add_argument("--revision", default="head", type=revision, help="target revision (default: head)")
     m.add_argument("--downgrade", metavar="REVISION", type=revision,
-                   help="downgrade to REVISION ('base' removes every maintd table)")
+                   help="downgrade to REVISION ('base' removes every maintd table; below 0007 drops "
+                        "health_history, below 0003 periodic_jobs with the schedules `maintd periodic add` "
+                        "made: print it with --sql first)")
     m.add_argument("--convert", choices=["partitioned", "plain"],
                    help="partitioned: convert a live plain jobs table to the partitioned layout (SPEC "
                         "8.1): online, live jobs first, resumable; plain: abandon such a conversion "
@@ -323,6 +325,8 @@ def _migrate_targets(targets: list[Settings], args: argparse.Namespace) -> int:
     from . import migrate
     from .db import describe_db_error
 
+    if args.downgrade and args.revision != "head":
+        raise ConfigError(["--revision: does not go with --downgrade, which names the revision to go down to"])
     if args.sql:
         if args.convert:
             raise ConfigError(["--convert: does not go with --sql (the conversion runs online, in steps)"])

@@ -216,6 +216,10 @@ def test_migrate_sql_with_downgrade_prints_the_downgrade(tmp_path, capsys):
     assert "nothing to do" in capsys.readouterr().out
     assert main(["--config", str(cfg), "migrate", "--sql", "--from", "base", "--convert", "partitioned"]) == 2
     assert "--convert: does not go with --sql" in capsys.readouterr().err
+    # --revision beside --downgrade was ignored without a word: which one did the operator mean?
+    assert main(["--config", str(cfg), "migrate", "--sql", "--from", "head", "--downgrade", "0006",
+                 "--revision", "0005"]) == 2
+    assert "--revision: does not go with --downgrade" in capsys.readouterr().err
 
 
 def test_migrate_interrupted_by_ctrl_c_does_not_exit_0(pg_dsn, tmp_path):
