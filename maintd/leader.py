@@ -280,7 +280,8 @@ class ElectionLoop:
             log.warning(f"{what}, retrying", extra=kv(seconds=round(sleep, 1), error=error))
         else:
             log.exception("election loop error", extra=kv(error=error))
-        self._take_requests(time.monotonic())  # a request left queued would cut every backoff short
+        self._take_requests(time.monotonic())  # a request left queued would cut every backoff short,
+        self._drain_wake()  # and so would the wake-ups it left in the pipe
         self._sleep(time.monotonic() + sleep, session=False)
         return min(BACKOFF_CAP, delay * 2)
 
@@ -484,13 +485,16 @@ class ElectionLoop:
             self.sleeping, self.last_progress = False, time.monotonic()
         for fd, _ in ready:
             if fd == self._wake_r:
-                try:
-                    while os.read(self._wake_r, 4096):
-                        pass
-                except BlockingIOError:
-                    pass
+                self._drain_wake()
             else:
                 self.session.drain()
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
 
     def _notified(self, channel: str) -> None:
         seat, handover = self._by_channel.get(channel, (None, False))

@@ -642,3 +642,26 @@ def test_run_once_blocked_by_the_previous_leaders_transaction_says_so(settings, 
     again = acquire_once(settings)  # no lock was left behind
     assert again is not None
     again[0].stop()
+
+
+def test_the_first_backoff_after_a_failure_is_not_cut_short_by_an_earlier_request(settings, caplog):
+    """A request made before a connect failed was taken from the queue, but its wake-up byte was
+    left in the loop's pipe: the first backoff sleep returned at once, and the loop tried again
+    with no wait at all (two tries 1 ms apart)."""
+    import logging
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    down = with_leader(settings.model_copy(update={"database_url": SecretStr(f"postgresql://nobody@127.0.0.1:{port}/none")}))
+    elector = Recorder().elector(down)
+    elector.request_demotion("lease expired", epoch=7)  # queued, and a byte in the wake pipe
+    with caplog.at_level(logging.WARNING, logger="maintd.leader"):
+        elector.start()
+        try:
+            wait_for(lambda: sum("database unreachable" in r.getMessage() for r in caplog.records) >= 2, 10,
+                     what="two tries")
+        finally:
+            elector.stop()
+    first, second = [r.created for r in caplog.records if "database unreachable" in r.getMessage()][:2]
+    assert second - first >= 0.1, f"the first backoff (0.2 s +-30 %) lasted {second - first:.3f} s"
