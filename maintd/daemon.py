@@ -273,8 +273,9 @@ class Daemon:
         else:
             with ThreadPoolExecutor(min(32, len(self.loops)), thread_name_prefix="maintd-stop") as pool:
                 list(pool.map(lambda loop: loop.stop(timeout), self.loops))
+        deadline = time.monotonic() + 1.0  # one second for every target's passes, not one each
         for target in self.targets:
-            target.runner.deactivate(timeout=1.0)
+            target.runner.deactivate(timeout=max(0.0, deadline - time.monotonic()))
         for monitor in self.health:
             monitor.stop()
         self.changes.stop()

@@ -735,3 +735,26 @@ def test_a_daemon_with_several_targets_names_the_target_in_each_line(pg_dsn, mak
     stamped = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (debug|info|warning|error) ")
     assert all(stamped.match(line) for line in d.log().splitlines()), d.log()
     assert "released stale running jobs target=" + schemas[0] not in d.log()
+
+
+def test_stopping_waits_one_second_for_every_targets_hung_passes_not_one_each(pg_dsn, make_schemas):
+    """A stop gives the passes still running after their cancel a last second to end, then goes
+    on (the server frees the locks; the fence refuses what they would commit). It gave each
+    target its own second, one after another: with passes hung in four targets, four seconds,
+    and with many targets past systemd's TimeoutStopSec (a SIGKILL)."""
+    from maintd.clock import ServerClock
+    from maintd.services.base import PassContext
+
+    daemon = Daemon(multi_settings(pg_dsn, [{"schema": s} for s in make_schemas(4)]))
+    daemon.start()
+    try:
+        wait_for(lambda: all(t.is_leader for t in daemon.targets), 30, what="every target led")
+    except BaseException:
+        daemon.stop()
+        raise
+    for target in daemon.targets:  # a pass in each that ignores its stop (no query to cancel)
+        target.runner._active["hung"] = PassContext.for_settings(target.settings, target.engine, ServerClock())
+    started = time.monotonic()
+    daemon.stop()
+    took = time.monotonic() - started
+    assert took < 3.0, f"stopping took {took:.1f} s with hung passes in 4 targets"
