@@ -575,6 +575,10 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
         and k.upper().split("__")[0][len("MAINTD_"):].lower() not in _TOP_KEYS
     )
     problems = [f"{k}: unknown environment setting" for k in unknown_env]
+    # The settings match top-level keys in any case (for the environment's sake): in the file,
+    # 'Schema' would stand beside 'schema' and silently win over it. Keys are lower case there.
+    problems += [f"{k}: unknown key (keys are lower case: {k.lower()})" for k in data
+                 if k not in _TOP_KEYS and k.lower() in _TOP_KEYS]
     try:
         settings = Settings(**data)
     except ValidationError as exc:

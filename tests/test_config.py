@@ -200,6 +200,8 @@ def test_config_path_from_env(tmp_path, monkeypatch):
     ("[partitions]\ninterval = '30s'", "partitions.interval: must be at least 1m"),
     ("[partitions]\ninterval = '90.5s'", "partitions.interval: must be a whole number of seconds"),
     ("[partitions]\npremake = 0", "partitions.premake"),
+    # Matched in any case, 'Schema' stood beside 'schema' and won over it without a word.
+    ("schema = 'a'\nSchema = 'b'", "Schema: unknown key (keys are lower case: schema)"),
     # Made ahead past year 9999: every partitioner pass failed with Python's OverflowError.
     ("[partitions]\ninterval = '520w'\npremake = 1000", "partitions.premake: 1000 partitions of 520w"),
     ("[partitions]\nsteps = 3", "partitions.steps: unknown key"),
