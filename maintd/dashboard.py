@@ -543,7 +543,8 @@ class Links:
 
     def __init__(self, req: Request, target: str | None):
         self.token = (req.query.get("token") or [None])[0]
-        self.refresh = (req.query.get("refresh") or [None])[0]  # kept from page to page once given
+        refresh = (req.query.get("refresh") or [None])[0]  # kept from page to page once given,
+        self.refresh = refresh if refresh is not None and _refresh_ok(refresh) else None  # if valid
         self.target = target
 
     def __call__(self, path: str, **params: Any) -> str:
@@ -572,9 +573,13 @@ def refresh_seconds(req: Request, default: int) -> int:
     raw = req.arg("refresh")
     if raw is None:
         return default
-    if not (_digits(raw, 4) and (raw == "0" or 2 <= int(raw) <= 3600)):
+    if not _refresh_ok(raw):
         raise HttpError(400, f"refresh must be 0 (off) or 2 to 3600 seconds, not {raw!r}")
     return int(raw)
+
+
+def _refresh_ok(raw: str) -> bool:
+    return _digits(raw, 4) and (raw == "0" or 2 <= int(raw) <= 3600)
 
 
 class Dashboard:

@@ -728,6 +728,9 @@ def test_refresh_works_on_every_page_and_is_kept_from_page_to_page(settings, eng
         assert status == 200 and '<meta http-equiv="refresh" content="30">' in body.decode()
         status, _, body, _ = pages[page](Request(path, {"refresh": ["1"]}, params=params))
         assert status == 400 and "refresh must be 0 (off) or 2 to 3600 seconds" in unescape(body.decode())
+        # The error page's links dropped the bad value (they led to the same 400 again).
+        links = re.findall(r'href="(/[^"]*)"', unescape(body.decode()))
+        assert links and not any("refresh=1" in link for link in links), (path, links)
     # Defaults: the overview refreshes every 10 s, a job page does not.
     assert 'content="10"' in pages["/"](Request("/", {}))[2].decode()
     assert 'http-equiv="refresh"' not in pages["/jobs"](Request("/jobs", {}))[2].decode()
