@@ -131,7 +131,8 @@ class Target:
         return None
 
     def status(self) -> dict[str, Any]:
-        return {"target": self.name, "schema": self.settings.schema, "is_leader": self.is_leader,
+        term = self.term  # a term past its trust leads no more: its fence refuses every write
+        return {"target": self.name, "schema": self.settings.schema, "is_leader": term is not None and term.trusted(),
                 "database_ok": self.db_ok, "database_writable": self.writable, "problem": self.problem,
                 "last_runs": self.runner.last_runs}
 

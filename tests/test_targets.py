@@ -758,3 +758,19 @@ def test_stopping_waits_one_second_for_every_targets_hung_passes_not_one_each(pg
     daemon.stop()
     took = time.monotonic() - started
     assert took < 3.0, f"stopping took {took:.1f} s with hung passes in 4 targets"
+
+
+def test_status_says_not_leading_once_the_terms_trust_has_run_out(pg_dsn, make_schemas):
+    """A leader cut off from the database keeps its term until the loop's call to the silent
+    server times out (about two renew intervals), but from when the term's trust runs out its
+    fence refuses every write and maintd_is_leader reads 0; /status still said is_leader true,
+    so with the new leader elected meanwhile two replicas claimed the target for about 0.9 s."""
+    from maintd.election import Leading, Term
+
+    daemon = Daemon(multi_settings(pg_dsn, [{"schema": s} for s in make_schemas(1)]))  # never started
+    [target] = daemon.targets
+    now = time.monotonic()
+    target.seat.state = Leading(Term(7, 1, "multi-1", trusted_until=now + 60), renew_at=now + 1)
+    assert target.status()["is_leader"] is True
+    target.seat.state = Leading(Term(7, 1, "multi-1", trusted_until=now - 0.1), renew_at=now + 1)
+    assert target.status()["is_leader"] is False, "a term past its trust shown as leading"
