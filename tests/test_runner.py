@@ -97,13 +97,23 @@ def test_failing_pass_is_counted_and_never_overlaps(settings, engine, maintd_log
     assert errors and "error=boom" in errors[0] and "\n" not in errors[0]  # one readable line
 
 
-def test_losing_leadership_stops_passes_within_a_second(settings, engine):
-    metrics = Metrics()
+def slow_pass(settings, engine, metrics) -> Runner:
+    """A started, leading runner whose rescuer pass is under way (a 30 s query)."""
     runner = Runner(settings, engine, metrics, build=lambda s: {"rescuer": Slow(s.rescuer)})
     runner.start()
     try:
         runner.activate(NoFence())
         wait_for(lambda: runner._active, 5, what="the slow pass to start")
+    except BaseException:
+        runner.shutdown()
+        raise
+    return runner
+
+
+def test_losing_leadership_stops_passes_within_a_second(settings, engine):
+    metrics = Metrics()
+    runner = slow_pass(settings, engine, metrics)
+    try:
         time.sleep(0.2)
         t0 = time.monotonic()
         runner.deactivate()
@@ -709,11 +719,8 @@ def test_a_probe_finding_nothing_while_a_pass_runs_counts_no_idle_pass(settings,
     same service was running (its rows gone meanwhile, say) counted an idle success and made
     "nothing to do" the service's last run in /status, while the real pass was still at work."""
     metrics = Metrics()
-    runner = Runner(settings, engine, metrics, build=lambda s: {"rescuer": Slow(s.rescuer)})
-    runner.start()
+    runner = slow_pass(settings, engine, metrics)
     try:
-        runner.activate(NoFence())
-        wait_for(lambda: runner._active, 5, what="the slow pass to start")
         runner.idle("rescuer", datetime.now(timezone.utc))
         runs = sample(metrics, "maintd_service_runs_total", {"target": TARGET, "service": "rescuer", "outcome": "success"})
         assert runs == 0 and "rescuer" not in runner.last_runs, f"{runs} idle pass(es) counted during a pass"
