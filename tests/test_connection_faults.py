@@ -31,7 +31,20 @@ from .test_operator_truth import _cli as run_cli
 
 
 def fill(dsn: str, n: int) -> list[psycopg.Connection]:
-    return [psycopg.connect(dsn, autocommit=True) for _ in range(n)]
+    """``n`` connections. A backend just refused (or closed) keeps its slot until its process has
+    exited, so a free slot may read as taken for a moment ("too many clients"): wait for it."""
+    held: list[psycopg.Connection] = []
+    deadline = time.monotonic() + 10
+    while len(held) < n:
+        try:
+            held.append(psycopg.connect(dsn, autocommit=True))
+        except psycopg.OperationalError as exc:
+            if sqlstate(exc) != "53300" or time.monotonic() > deadline:
+                for conn in held:
+                    conn.close()
+                raise
+            time.sleep(0.05)
+    return held
 
 
 def migrated(dsn: str, schema: str = "maintd") -> None:
