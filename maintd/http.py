@@ -146,8 +146,14 @@ class HttpServer:
         ``ready`` route has it without work; else None (the request goes to its lane, to
         :meth:`respond`)."""
         path = raw_path.partition("?")[0]
-        if path not in self.open_paths and (refused := self._unauthorized(raw_path, headers or {})) is not None:
-            return refused
+        if path not in self.open_paths and self.auth_token:
+            try:
+                req = parse_request(raw_path, headers or {})
+            except HttpError as exc:  # a bad request: said here too, not by a page worker
+                status, ctype, body = text(exc.status, exc.message + "\n")
+                return status, ctype, body, dict(COMMON_HEADERS)
+            if (refused := self._unauthorized(req)) is not None:
+                return refused
         route = self.ready.get(path) if path in self.open_paths else None
         result = route() if route is not None else None
         if result is None:
@@ -158,7 +164,7 @@ class HttpServer:
     def respond(self, raw_path: str, headers: Mapping[str, str]) -> tuple[int, str, bytes, dict[str, str]]:
         try:
             req = parse_request(raw_path, headers)
-            if req.path not in self.open_paths and (refused := self._unauthorized(raw_path, headers)) is not None:
+            if (refused := self._unauthorized(req)) is not None:
                 return refused
             result = self._dispatch(req)
         except HttpError as exc:
@@ -170,15 +176,11 @@ class HttpServer:
         status, ctype, body, *extra = result
         return status, ctype, body, {**COMMON_HEADERS, **(extra[0] if extra else {})}
 
-    def _unauthorized(self, raw_path: str, headers: Mapping[str, str]) -> tuple[int, str, bytes, dict[str, str]] | None:
-        """The 401 of a request without the token (None: no token is set, or it has it)."""
+    def _unauthorized(self, req: Request) -> tuple[int, str, bytes, dict[str, str]] | None:
+        """The 401 of a request without the token (None: an open path, no token set, or it has it)."""
         token = _secret(self.auth_token()) if self.auth_token else None
-        try:
-            if not token or authorized(parse_request(raw_path, headers), token):
-                return None
-        except HttpError as exc:  # a bad request: said here too, not by a page worker
-            status, ctype, body = text(exc.status, exc.message + "\n")
-            return status, ctype, body, dict(COMMON_HEADERS)
+        if not token or req.path in self.open_paths or authorized(req, token):
+            return None
         return (401, "text/plain; charset=utf-8",
                 b"unauthorized: send the http.auth_token as 'Authorization: Bearer TOKEN' "
                 b"or as ?token=TOKEN\n", {**COMMON_HEADERS, "WWW-Authenticate": 'Bearer realm="maintd"'})
