@@ -443,6 +443,8 @@ class ElectionLoop:
     def _lose(self, reason: str) -> None:
         for seat in self.targets:
             self._apply(seat, Lost(reason), time.monotonic())
+        if self.spread is not None:  # a try granted and not answered is over
+            self.spread.forget([seat.name for seat in self.targets])
 
     def _refresh(self) -> None:
         """Every ``refresh`` s, one statement: the live replicas (the spread's R, from the first target

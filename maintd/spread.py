@@ -170,6 +170,12 @@ class Spread:
             lost = self._lost.get(name, (0, 0.0))[0] + 1
             self._lost[name] = (lost, time.monotonic() + min(self.lazy_max, self.retry * 2 ** (lost - 1)))
 
+    def forget(self, names: Sequence[str]) -> None:
+        """The lock session was lost: tries granted to ``names`` got no answer and count no more."""
+        with self._lock:
+            for name in names:
+                self._pending.pop(name, None)
+
     def refresh(self, at_once: bool = False) -> None:
         """Take the live replicas in (at most every ``REFRESH`` s, unless ``at_once``: an election
         loop read a change); the targets this replica owns now are tried at once."""

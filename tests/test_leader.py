@@ -484,6 +484,7 @@ class NotingGate:
 
     def __init__(self, answer):
         self.asked: list[float] = []
+        self.forgotten: list[str] = []
         self._answer = answer
 
     def gate(self, name, notified):
@@ -492,6 +493,9 @@ class NotingGate:
 
     def tried(self, name, won):
         pass
+
+    def forget(self, names):
+        self.forgotten.extend(names)
 
     def refresh(self, at_once=False):
         pass
@@ -543,6 +547,29 @@ def test_a_wake_that_lands_while_the_gate_is_asked_is_not_lost(settings, schema)
     elector.start()
     try:
         wait_for(lambda: len(asked) >= 2, 5, what="the gate asked again after the wake")
+    finally:
+        elector.stop()
+
+
+def test_a_try_the_gate_granted_is_forgotten_when_the_round_fails(settings, pg_dsn, schema):
+    """The gate counts a granted try as a leadership until ``tried``; a round that fails (the
+    session ended right after the gate answered) never says so: the loop tells the spread to
+    forget it, or it held a place under the cap for 30 s."""
+    elector = None
+
+    def answer(asked: list[float]) -> float:
+        if len(asked) == 1:  # the session dies between the gate's answer and the try
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute("SELECT pg_terminate_backend(%s)", (elector.session.backend,))
+            time.sleep(0.2)
+        return 0.0 if len(asked) == 1 else 60.0
+
+    gate = NotingGate(answer)
+    elector = Recorder().elector(with_leader(settings), spread=gate)
+    elector.start()
+    try:
+        wait_for(lambda: gate.forgotten, 10, what="the granted try forgotten")
+        assert gate.forgotten == [elector.seat.name] and not elector.is_leader
     finally:
         elector.stop()
 

@@ -264,6 +264,23 @@ def test_lazy_tries_falling_due_together_stop_at_the_cap():
     assert all(spread.gate(n) > 2.5 for n in theirs[1:3])  # still at the cap: no try
 
 
+def test_a_try_granted_but_never_sent_stops_counting_when_the_session_is_lost():
+    """A try the gate granted counts as a leadership until it is over. The lock session lost
+    before its answer (the round failed) ends it: otherwise it counted against the cap for
+    ``PENDING`` (30 s), and this replica's lazy tries of a dead replica's targets waited the
+    at-cap interval meanwhile."""
+    units = [FakeUnit(f"t{i:02d}") for i in range(12)]
+    spread, _ = make_spread(units, ["r0", "r1", "r2"])
+    for u in units:
+        u.leading = spread.owns(u.name)  # 4 own led, cap 5
+    theirs = [u.name for u in units if not spread.owns(u.name)]
+    time.sleep(spread.gate(theirs[0]) + 0.01)
+    assert spread.gate(theirs[0]) == 0  # granted: 4 led + 1 pending = the cap
+    assert spread.gate(theirs[1]) >= 3 * spread.lazy_max - 1e-9  # at the cap
+    spread.forget(theirs[:1])  # the election loop lost its session before the try's answer
+    assert 0 < spread.gate(theirs[2]) <= 0.2 + 1e-9  # below the cap again: 2-4 retry intervals
+
+
 def test_an_owner_at_its_cap_takes_its_own_targets_and_hands_the_others_over():
     """A survivor at its cap with other replicas' targets taken lazily: when a replica dies, its
     new own targets are tried at once (own leaderships count against the cap by themselves), and
