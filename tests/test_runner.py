@@ -10,7 +10,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 from sqlalchemy import text
-from sqlalchemy.exc import DataError
+from sqlalchemy.exc import DataError, DBAPIError
 
 from maintd.clock import ServerClock
 from maintd.queries import sql
@@ -460,6 +460,24 @@ def test_an_autocommit_ddl_connection_goes_back_to_the_pool_with_its_own_bounds(
             assert timeouts(conn) == (pid, "77ms", "1234ms")
         with engine.connect() as conn:
             assert timeouts(conn) == (pid, lock_timeout, statement_timeout)
+    finally:
+        engine.dispose()
+
+
+def test_an_autocommit_connection_whose_timeouts_could_not_all_be_set_goes_back_with_its_own(settings):
+    """The second SET failing (here a value the server refuses) left the first in force on the
+    pooled connection: the next pass on it ran with the DDL's lock_timeout."""
+    engine = maintenance_engine(settings)
+    ctx = PassContext.for_settings(settings, engine, ServerClock())
+    try:
+        with engine.connect() as conn:
+            pid, lock_timeout, statement_timeout = timeouts(conn)
+        with pytest.raises(DBAPIError, match="statement_timeout"):
+            with ctx.autocommit(lock_timeout_ms=77, statement_timeout_ms=-5):
+                pass
+        with engine.connect() as conn:
+            now = timeouts(conn)
+        assert now[1:] == (lock_timeout, statement_timeout)
     finally:
         engine.dispose()
 

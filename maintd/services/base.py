@@ -370,12 +370,12 @@ class PassContext:
         with self.engine.connect() as conn:
             conn = conn.execution_options(isolation_level="AUTOCOMMIT")
             was = conn.execute(text(catalog.TIMEOUTS)).one()._asdict()
-            _set_session(conn, lock_timeout=str(int(lock_timeout_ms)), statement_timeout=str(int(statement_timeout_ms)))
             raw = conn.connection.dbapi_connection
             bound = getattr(raw, "answer_timeout", None)  # db.BoundedConnection: follows the timeout
-            if bound is not None:
-                raw.answer_timeout = bound + statement_timeout_ms / 1000
-            try:
+            try:  # (a SET that fails leaves the ones before it in force: put back too)
+                _set_session(conn, lock_timeout=str(int(lock_timeout_ms)), statement_timeout=str(int(statement_timeout_ms)))
+                if bound is not None:
+                    raw.answer_timeout = bound + statement_timeout_ms / 1000
                 with self.query.tracking(conn):
                     yield conn
             finally:
