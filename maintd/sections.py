@@ -60,9 +60,20 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+PASS_FLOOR = timedelta(milliseconds=100)  # the shortest interval: '1ms' for '1m' is a typo
+
+
 class ServiceConfig(Section):
     enabled: bool = True
     interval: PositiveDuration = timedelta(seconds=30)
+
+    @field_validator("interval", check_fields=False)
+    @classmethod
+    def _floor(cls, v: timedelta) -> timedelta:
+        if v < PASS_FLOOR:
+            raise ValueError(f"must be at least {format_duration(PASS_FLOOR)} (a pass each; a typo "
+                             "such as '1ms' for '1m' would run one a millisecond)")
+        return v
 
 
 class Scheduled(Section):

@@ -186,6 +186,10 @@ def test_config_path_from_env(tmp_path, monkeypatch):
     ("[leader]\nlease = '2s'\nrenew_interval = '2s'", "leader.renew_interval"),
     ("[leader]\nrenew_interval = '1ms'", "leader.renew_interval: must be at least 100ms"),
     ("[leader]\nretry_interval = '0.05'", "leader.retry_interval: must be at least 100ms"),
+    # '1ms' for '1m' ran a pass a millisecond; the floor is the leader keys'.
+    ("[scheduler]\ninterval = '1ms'", "scheduler.interval: must be at least 100ms"),
+    ("[cleaner]\ninterval = '0.01s'", "cleaner.interval: must be at least 100ms"),
+    ("[[targets]]\nschema = 'a'\nrescuer = { interval = '5ms' }", "targets[0].rescuer.interval: must be at least 100ms"),
     ("[http]\nlisten = 'nope'", "http.listen"),
     # An IPv6 address goes in brackets, as in a URL (RFC 3986 section 3.2.2); '[::1:9464' listened on ::1.
     ("[http]\nlisten = '[::1:9464'", "http.listen: an IPv6 address goes in brackets"),

@@ -82,7 +82,7 @@ def sample(metrics, name, labels):
 def test_failing_pass_is_counted_and_never_overlaps(settings, engine, maintd_log):
     state = {"lock": threading.Lock(), "running": 0, "max_running": 0, "calls": 0}
     metrics = Metrics()
-    settings.cleaner.interval = timedelta(milliseconds=20)
+    settings.cleaner.interval = timedelta(milliseconds=100)
     runner = Runner(settings, engine, metrics, build=lambda s: {"cleaner": Flaky(s.cleaner, state)})
     runner.start()
     try:
