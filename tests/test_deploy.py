@@ -295,6 +295,24 @@ def test_grafana_dashboard_filters_every_query_by_target():
             assert "target" in [label.strip() for label in by.split(",")], expr
 
 
+def test_grafana_panels_carry_the_unit_of_what_they_plot():
+    """Grafana formats an axis by the panel's unit (grafana/packages/grafana-data/src/valueFormats/
+    categories.ts: 's' shows 7200 as '2 hour', 'bytes' as MiB, 'short' with SI suffixes): a
+    seconds panel without one showed '7.2 K'. A rate's panel says '/ s' in its title."""
+    for panel in dashboard()["panels"]:
+        unit = panel.get("fieldConfig", {}).get("defaults", {}).get("unit")
+        exprs = " ".join(t["expr"] for t in panel["targets"])
+        assert unit, f"panel {panel['title']!r} has no unit"
+        if re.search(r"_seconds(_bucket)?\{|\btime\(\) -", exprs):
+            assert unit == "s", (panel["title"], unit)
+        elif "_bytes{" in exprs:
+            assert unit == "bytes", (panel["title"], unit)
+        else:
+            assert unit in ("short", "none"), (panel["title"], unit)
+        if unit == "short" and "rate(" in exprs and "increase(" not in exprs:  # a count's rate
+            assert "/ s" in panel["title"], panel["title"]
+
+
 def test_dockerfile_runs_as_non_root():
     text = (ROOT / "Dockerfile").read_text()
     users = re.findall(r"^USER\s+(\S+)", text, re.M)
