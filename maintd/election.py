@@ -202,9 +202,11 @@ def _request(state: State, req: Request, now: float) -> Step:
         graceful = req.kind in ("handover", "stop")
         until = INF if stop else now + req.hold_off
         return Step(Releasing(state.term, req.reason, graceful, until), effect=Demoted(req.reason))
-    if not stop:
-        return Step(state)
-    if isinstance(state, Releasing):
+    releasing = isinstance(state, Releasing)
+    if not stop:  # the term being released keeps the longest hold-off asked for it
+        same = releasing and state.term is not None and req.epoch in (None, state.term.epoch)
+        return Step(replace(state, not_before=max(state.not_before, now + req.hold_off)) if same else state)
+    if releasing:
         return Step(replace(state, not_before=INF))
     if state.won_at is not None:
         return Step(Releasing(None, req.reason, False, INF))

@@ -121,6 +121,12 @@ CASES = [
      Lost("gone"), 103.2, Step(Following(not_before=105.0))),
     ("other requests while releasing change nothing", Releasing(TERM, "r", False, 105.0),
      Request("handover", "x", 7), 103.2, Step(Releasing(TERM, "r", False, 105.0))),
+    # a pass fenced and the passes found hung, both reported before the loop's next round: the
+    # second's hold-off (a replica whose connections work goes first) must not be lost
+    ("a later request's longer hold-off for the term being released holds", Releasing(TERM, "fenced", False, 103.0),
+     Request("stalled", "maintenance connections hang", 7, 30.0), 103.2, Step(Releasing(TERM, "fenced", False, 133.2))),
+    ("a request about another term changes no hold-off", Releasing(TERM, "r", False, 103.0),
+     Request("stalled", "hang", 6, 30.0), 103.2, Step(Releasing(TERM, "r", False, 103.0))),
     # a proof sent before stepping down, answered after: the term stays given up, the unlock still due
     ("a late renewal answer does not bring the term back", Releasing(TERM, "r", False, 103.0),
      Renewed(True, sent=102.5), 103.1, Step(Releasing(TERM, "r", False, 103.0))),
