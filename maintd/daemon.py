@@ -182,12 +182,17 @@ class Daemon:
         self.spread.hold()  # no tries until every target is started and the replicas are read
         silent = {url: exc for url, loop in zip(self.hosts, self.loops)
                   if (exc := self._first_connect(loop)) is not None and transient(exc)}
-        failures = [f for f in (self._try_start(t, silent.get(t.settings.database_url.get_secret_value()))
-                                for t in self.targets) if f is not None]
+        tried = [(t, self._try_start(t, silent.get(t.settings.database_url.get_secret_value()), quiet=True))
+                 for t in self.targets]
+        failures = [f for _, f in tried if f is not None]
         waiting = [t for t in self.targets if not t.started]
         if waiting and len(failures) == len(self.targets) and not any(transient(f) for f in failures):
-            self.stop()
+            self.stop()  # (the start ends: nothing said to be retried)
             raise failures[0] if isinstance(failures[0], SchemaNotReady) else SchemaNotReady(describe_db_error(failures[0]))
+        for target, failure in tried:
+            if failure is not None:
+                log.error("target not started, retrying in the background",
+                          extra=kv(target=target.name, error=target.problem))
         for loop in self.loops:
             loop.start()
         for monitor in self.health:
@@ -220,20 +225,22 @@ class Daemon:
             self.stop()
             raise
         except (psycopg.Error, OSError) as exc:
-            log.warning("database unreachable, retrying", extra=kv(error=describe_db_error(exc)))
+            if transient(exc):  # anything else ends the start, or is said per target
+                log.warning("database unreachable, retrying", extra=kv(error=describe_db_error(exc)))
             return exc
         return None
 
-    def _try_start(self, target: Target, unreachable: Exception | None = None) -> Exception | None:
-        """Start the target if its schema is ready; else why not. ``unreachable``: its database
-        did not answer the lock session just now; not asked again (the background retries do)."""
+    def _try_start(self, target: Target, unreachable: Exception | None = None, quiet: bool = False) -> Exception | None:
+        """Start the target if its schema is ready; else why not (logged when it changed, unless
+        ``quiet``). ``unreachable``: its database did not answer the lock session just now; not
+        asked again (the background retries do)."""
         try:
             if unreachable is not None:
                 raise unreachable
             target.check_schema()
         except Exception as exc:
             problem = describe_db_error(exc)
-            if problem != target.problem:
+            if problem != target.problem and not quiet:
                 log.error("target not started, retrying in the background",
                           extra=kv(target=target.name, error=problem))
             target.problem, target.schema_not_ready = problem, isinstance(exc, SchemaNotReady)

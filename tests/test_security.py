@@ -115,6 +115,9 @@ def test_unknown_role_is_one_line_exit_1(pg_dsn, tmp_path):
         assert res.returncode == 1, (args, res.stderr)
         assert 'role "nobody_here" does not exist' in res.stderr
         assert "Traceback" not in res.stderr and SECRET not in res.stderr
+        # A start that ends (exit 1) must not have said it retries: it said "database unreachable,
+        # retrying" and "target not started, retrying in the background" before exiting.
+        assert "retrying" not in res.stderr, res.stderr
 
 
 def test_role_without_privileges_is_one_line_exit_1(pg_dsn, schema, role, tmp_path):
@@ -129,6 +132,7 @@ def test_role_without_privileges_is_one_line_exit_1(pg_dsn, schema, role, tmp_pa
     not_log = [line for line in res.stderr.strip().splitlines()
                if not re.match(r"^\d{4}-\d\d-\d\dT\S+ (debug|info|warning|error) ", line)]
     assert len(not_log) == 1 and not_log[0].startswith("maintd: error: permission denied"), res.stderr
+    assert "retrying" not in res.stderr, res.stderr  # it exits: nothing is retried
 
 
 @pytest.mark.slow
