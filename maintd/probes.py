@@ -100,7 +100,9 @@ class CountProbe(_Batched):
         self._counted_at = -float("inf")
 
     def run(self) -> None:
-        leading = [t for t in self.targets if t.is_leader and not t.runner.paused]
+        # A read-only primary pauses maintenance (writes), not the counts (reads): stopped, they
+        # stayed at what they were before it, the backlog's age no longer growing.
+        leading = [t for t in self.targets if t.is_leader]
         if not leading:
             return
         new = [t for t in leading if t.runner.gauges.counts is None]

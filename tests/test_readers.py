@@ -179,3 +179,44 @@ def test_one_row_at_an_odd_time_never_hides_the_status_or_the_periodic_list(sett
         assert status == 200 and [e["id"] for e in data["periodic"]] == ["hourly", "nightly"], body[-300:]
     finally:
         daemon.readers.dispose()
+
+
+def test_a_leader_on_a_read_only_primary_keeps_counting_jobs(make_private_pg, monkeypatch):
+    """A read-only primary pauses maintenance (writes), not the counts (reads): the leader stopped
+    counting, so /status kept showing the counts from before (no note saying so) and
+    maintd_jobs and maintd_oldest_available_job_age_seconds froze where they were, the age no
+    longer growing (MaintdBacklogAgeGrowing cannot fire) while jobs waited."""
+    from maintd.probes import CountProbe
+
+    from .test_connection_faults import migrated
+
+    def sample(body: str, name: str, labels: str) -> float | None:
+        found = re.search(rf'^{name}{{{labels},target="maintd"}} (\S+)$', body, re.M)
+        return float(found.group(1)) if found else None
+
+    monkeypatch.setattr(CountProbe, "INTERVAL", 1.0)  # a count every second instead of every 15
+    pg = make_private_pg()
+    migrated(pg.dsn)
+    daemon = Daemon(Settings(database_url=pg.dsn, schema="maintd", instance_id="ro-count",
+                             http={"listen": "127.0.0.1:0"}))
+    daemon.start()
+    try:
+        [target] = daemon.targets
+        wait_for(lambda: daemon.is_leader and target.runner.gauges.counts is not None, 15, what="counts")
+        with psycopg.connect(pg.dsn, autocommit=True) as admin:
+            admin.execute("ALTER SYSTEM SET default_transaction_read_only = on")
+            admin.execute("SELECT pg_reload_conf()")
+        wait_for(lambda: target.runner.paused, 10, what="maintenance paused")
+        with psycopg.connect(pg.dsn, autocommit=True, options="-c default_transaction_read_only=off") as app:
+            app.execute("INSERT INTO maintd.jobs (kind, queue, scheduled_at) VALUES ('k', 'mail', now() - interval '1 min')")
+        try:
+            wait_for(lambda: get(daemon.http_port, "/status")[1]["jobs"] == [
+                {"queue": "mail", "state": "available", "count": 1}], 10, what="the job counted")
+        except AssertionError:
+            raise AssertionError(f"jobs of a read-only primary not counted: {get(daemon.http_port, '/status')[1]['jobs']}")
+        body = get(daemon.http_port, "/metrics")[1]
+        assert sample(body, "maintd_jobs", 'queue="mail",state="available"') == 1.0, body
+        assert (sample(body, "maintd_oldest_available_job_age_seconds", 'queue="mail"') or 0) >= 59, body
+        assert daemon.is_leader and target.runner.paused
+    finally:
+        daemon.stop()
