@@ -18,6 +18,7 @@ import time
 import psycopg
 import psycopg.conninfo
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 
 from maintd import migrate
@@ -143,9 +144,13 @@ def test_a_streaming_standby_listed_first_is_skipped_for_the_primary(tmp_path):
             d.stop()
 
 
-def metric(body: str, name: str) -> float | None:
-    found = re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", body, re.M)
-    return float(found.group(1)) if found else None
+def metric(body: str, name: str, **labels: str) -> float | None:
+    """The value of the one sample of ``name`` with (at least) these labels; None if none.
+    (It took labels inside ``name`` and then never matched: a check of it could not fail.)"""
+    found = [s.value for family in text_string_to_metric_families(body) for s in family.samples
+             if s.name == name and labels.items() <= s.labels.items()]
+    assert len(found) <= 1, (name, labels, found)
+    return found[0] if found else None
 
 
 @pytest.mark.slow
@@ -164,10 +169,11 @@ def test_a_read_only_primary_is_reported_and_maintenance_pauses(make_private_pg,
         assert "database is read-only" in d.http_get("/readyz")[1]
         body = d.http_get("/metrics")[1]
         assert metric(body, "maintd_database_writable") == 0.0
-        errors = metric(body, 'maintd_service_runs_total{outcome="error",service="cleaner"') or 0.0
+        errors = metric(body, "maintd_service_runs_total", service="cleaner", outcome="error")
+        assert errors is not None  # (every outcome's series is there from the start)
         time.sleep(3)  # cleaner interval 1 s (DaemonProc's fast settings): no error passes meanwhile
         after = d.http_get("/metrics")[1]
-        assert (metric(after, 'maintd_service_runs_total{outcome="error",service="cleaner"') or 0.0) == errors
+        assert metric(after, "maintd_service_runs_total", service="cleaner", outcome="error") == errors
         assert alive_daemons(pg.dsn) == {"ro-1"}
         with psycopg.connect(pg.dsn, autocommit=True) as admin:  # its lock session cut: it reconnects,
             # and cannot write its row (the new session's pid) while the server is read-only
