@@ -353,6 +353,35 @@ def test_a_logical_slot_holds_back_the_catalogs_not_the_jobs_table(health_pg, he
             conn.execute("SELECT pg_drop_replication_slot('maintd_test_slot')")
 
 
+def test_an_invalidated_slot_is_not_named_since_it_holds_nothing_back(health_pg, health_engine):
+    """A slot invalidated by max_slot_wal_keep_size (wal_status 'lost'; on PostgreSQL 16+ also by
+    idle_replication_slot_timeout, or a standby's conflict) keeps showing its xmin and catalog_xmin
+    in pg_replication_slots, but PostgreSQL no longer applies them (VACUUM's removable cutoff
+    passes them): it was named as a holder, aged, warned about for ever, until someone dropped it."""
+    with psycopg.connect(health_pg, autocommit=True) as conn:
+        conn.execute("ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'")
+        conn.execute("SELECT pg_reload_conf()")
+        conn.execute("SELECT pg_create_logical_replication_slot('maintd_lost_slot', 'test_decoding')")
+        try:
+            consume_xids(health_pg)
+            for _ in range(4):  # past max_slot_wal_keep_size: the checkpoint invalidates the slot
+                conn.execute("SELECT txid_current()")
+                conn.execute("SELECT pg_switch_wal()")
+            conn.execute("CHECKPOINT")
+            wal_status, catalog_xmin = conn.execute(
+                "SELECT wal_status, catalog_xmin FROM pg_replication_slots "
+                "WHERE slot_name = 'maintd_lost_slot'").fetchone()
+            assert (wal_status, catalog_xmin is not None) == ("lost", True), "not invalidated: the test shows nothing"
+            time.sleep(1.1)
+            horizon = read(health_engine).horizon
+            named = [h for h in horizon.holders + horizon.catalog_holders if h.name == "maintd_lost_slot"]
+            assert named == [], named
+        finally:
+            conn.execute("SELECT pg_drop_replication_slot('maintd_lost_slot')")
+            conn.execute("ALTER SYSTEM RESET max_slot_wal_keep_size")
+            conn.execute("SELECT pg_reload_conf()")
+
+
 def test_another_roles_session_without_pg_read_all_stats_is_named_with_what_it_may_see(health_pg):
     """Without pg_read_all_stats, PostgreSQL hides another role's state, client and start: the
     holder is still named (pid, user, application) and its age counts from the first read that

@@ -22,7 +22,9 @@ maintd's, no lock, no transaction id): one round trip each, per database, per ``
 # * a replication slot's ``xmin`` (a physical slot fed by hot_standby_feedback, or a logical one
 #   while it exports its snapshot) for the data, and its ``catalog_xmin`` (logical slots), which
 #   holds back the system catalogs only: PostgreSQL's ComputeXidHorizons() applies
-#   replication_slot_catalog_xmin to catalog relations, never to user tables such as jobs.
+#   replication_slot_catalog_xmin to catalog relations, never to user tables such as jobs. An
+#   invalidated slot (``wal_status`` 'lost', on every version since 13) still shows both, but
+#   PostgreSQL no longer applies them (ReplicationSlotsComputeRequiredXmin() skips it): left out.
 #
 # ``xmin`` is the holder's oldest transaction id as text (an identity, not compared here),
 # ``age_xids`` how many ids were assigned since (``age()``: 0 while nothing newer was assigned),
@@ -60,7 +62,7 @@ WITH backends AS (
          CAST(r.usename AS text) AS usename, r.application_name, host(r.client_addr) AS client_addr, r.state
     FROM pg_replication_slots s
     LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid
-   WHERE s.database IS NULL OR s.database = current_database()
+   WHERE (s.database IS NULL OR s.database = current_database()) AND s.wal_status IS DISTINCT FROM 'lost'
 )
 SELECT kind, 'data' AS scope, pid, usename, application_name, client_addr, state,
        CAST(oldest AS text) AS xmin, age(oldest) AS age_xids, since, statement_start, NULL AS name,
