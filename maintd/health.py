@@ -10,7 +10,8 @@ state, age) and, once it has been held longer than ``health.xmin_warn_after``, w
 one log line (:class:`HolderWarnings`). Its query text is read only with ``health.show_query``.
 
 Ages in seconds: a backend's from its transaction's start, a prepared transaction's from its
-PREPARE, an inactive slot's from ``inactive_since`` (PostgreSQL 17+). A snapshot read while its
+PREPARE, an inactive slot's from ``inactive_since`` (PostgreSQL 17+: when it was last released) or
+from when a read first saw it hold, whichever is earlier. A snapshot read while its
 statement runs is aged from the statement's start, or from the earliest start a read saw it hold
 since (a lower bound: READ COMMITTED takes a snapshot per statement, REPEATABLE READ keeps the
 first; PostgreSQL does not show which). PostgreSQL keeps no time for
@@ -243,12 +244,16 @@ class HealthReader:
                         detail=r["detail"], query=r["query"] if self.show_query else None)
         if since is not None and holder.kind == "snapshot":
             return self._snapshot_age(holder, r.get("statement_start"), now)
-        if since is not None:
+        if since is not None and holder.kind not in UNTIMED_KINDS:
             return _with_age(holder, (now - since).total_seconds())
         if holder.age_xids == 0:  # no transaction id assigned after its xmin: holds nothing back yet
             return holder
+        # A slot's inactive_since is when it was last released, not when its xmin began to hold
+        # (a consumer that connects and leaves resets it): the earlier of the two.
         first = min(self._holding_since.setdefault(holder.key, now), self._passed(holder.age_xids, now))
-        return _with_age(holder, (now - first).total_seconds())
+        if since is not None and since <= first:
+            return _with_age(holder, (now - since).total_seconds())
+        return replace(_with_age(holder, (now - first).total_seconds()), exact=False)
 
     def _passed(self, age_xids: int, now: datetime) -> datetime:
         """The first sampled time by which the counter had passed an xmin ``age_xids`` behind

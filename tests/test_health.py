@@ -353,6 +353,25 @@ def test_a_logical_slot_holds_back_the_catalogs_not_the_jobs_table(health_pg, he
             conn.execute("SELECT pg_drop_replication_slot('maintd_test_slot')")
 
 
+def test_a_slots_age_does_not_restart_when_a_consumer_comes_and_goes(health_pg, health_engine):
+    """PostgreSQL 17+'s inactive_since is when the slot was last released, not when its xmin began
+    to hold: every consumer that connected and left without confirming anything (a crash loop, a
+    peek) set the slot's age back to 0 while its xmin stayed where it was, and the alert never
+    fired. Now the age is the earliest of inactive_since and the first read that saw it hold."""
+    with psycopg.connect(health_pg, autocommit=True) as conn:
+        conn.execute("SELECT pg_create_logical_replication_slot('maintd_flap_slot', 'test_decoding')")
+        try:
+            consume_xids(health_pg)
+            reader = HealthReader()
+            read(health_engine, reader)
+            time.sleep(2.5)
+            conn.execute("SELECT count(*) FROM pg_logical_slot_peek_changes('maintd_flap_slot', NULL, NULL)")
+            [h] = [h for h in read(health_engine, reader).horizon.catalog_holders if h.name == "maintd_flap_slot"]
+            assert h.age_seconds >= 2.0, h
+        finally:
+            conn.execute("SELECT pg_drop_replication_slot('maintd_flap_slot')")
+
+
 def test_an_invalidated_slot_is_not_named_since_it_holds_nothing_back(health_pg, health_engine):
     """A slot invalidated by max_slot_wal_keep_size (wal_status 'lost'; on PostgreSQL 16+ also by
     idle_replication_slot_timeout, or a standby's conflict) keeps showing its xmin and catalog_xmin
