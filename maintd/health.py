@@ -75,10 +75,11 @@ class Holder:
         """Who it is, for the once-per-holder warning: a backend's transaction by its pid and its
         start, whatever it holds (a snapshot, then a transaction id too once it writes), or by its
         xmin when the start is hidden (another role's; a REPEATABLE READ snapshot's stays the
-        oldest when it writes); a prepared transaction, a slot or a standby at one xmin."""
+        oldest when it writes); a prepared transaction, a slot or a standby at one xmin (a slot
+        by its name alone: its active_pid changes whenever its consumer reconnects)."""
         if self.kind in BACKEND_KINDS:
             return ("backend", self.scope, self.pid, self.since.isoformat() if self.since else self.xmin)
-        return (self.kind, self.scope, self.pid, self.name, self.xmin)
+        return (self.kind, self.scope, None if self.kind == "replication_slot" else self.pid, self.name, self.xmin)
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)

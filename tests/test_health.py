@@ -624,6 +624,19 @@ def test_one_warning_per_holder_and_a_line_when_it_is_gone(maintd_log):
     assert sum("vacuum is held back" in line for line in maintd_log) == 2
 
 
+def test_a_slot_whose_consumer_reconnects_is_one_holder(maintd_log):
+    """A physical slot's xmin (a standby's hot_standby_feedback) stays where it is while its
+    standby reconnects: the slot's active_pid changes (or is NULL in between), and the slot was
+    keyed by it, so every reconnect logged "holder gone" and a new "vacuum is held back"."""
+    reader, warnings = HealthReader(), HolderWarnings()
+    slot = row(kind="replication_slot", name="standby_1", detail="physical", xmin="1000", age_xids=50)
+    for minutes, pid in ((1, 7), (6, 7), (7, None), (8, 8), (9, None), (10, 9)):
+        warnings.check(reader.horizon([{**slot, "pid": pid}], T0 + timedelta(minutes=minutes), next_xid=1050),
+                       timedelta(minutes=4), ["q"])
+    assert sum("vacuum is held back" in line for line in maintd_log) == 1, maintd_log
+    assert sum("xmin horizon holder gone" in line for line in maintd_log) == 0, maintd_log
+
+
 def test_a_snapshot_read_mid_statement_is_aged_from_the_earliest_start_seen_holding_it(maintd_log):
     """READ COMMITTED takes a snapshot per statement: a session with a transaction open for an
     hour that runs short statements holds each snapshot for the statement only. Aged from its
