@@ -1,7 +1,9 @@
 """Statements of the table-health read (SPEC 8.2) and its history (``{schema}.health_history``).
 
 ``HOLDERS`` and ``TABLES`` read PostgreSQL's own views and statistics functions only (no table of
-maintd's, no lock, no transaction id): one round trip each, per database, per ``health.interval``.
+maintd's, no transaction id): one round trip each, per database, per ``health.interval``. Their
+only locks are the ACCESS SHARE that ``pg_total_relation_size`` and ``pg_partition_tree`` take on
+each table, partition and index they size, bounded by the read's 5 s ``lock_timeout``.
 """
 
 # Everything that holds back the xmin horizon of this database, one row per holder:
