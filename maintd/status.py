@@ -62,6 +62,7 @@ def collect_status(engine: Engine, schema: str, *, jobs: dict[str, Any] | None =
             "schema": schema,
             "time": _iso(now),
             "leader": _leader(lead[0] if lead else None),
+            "database_writable": conn.execute(text(catalog.SERVER_WRITABLE)).scalar_one(),
             **replicas(_rows(conn, daemons.REGISTERED, schema)),
             "services": [{**r, **annotate(r["service"], r["result"])} for r in services],
             "layout": {k: _iso(v) for k, v in layout_summary(conn, schema).items()},
@@ -142,6 +143,8 @@ def format_status(st: dict[str, Any]) -> str:
                      f"epoch {lead['epoch']}, since {_time(lead['since'])})")
     else:
         lines.append("leader: none")
+    if st.get("database_writable") is False:
+        lines.append("database: read-only (maintenance paused)")
     if st["daemons"]:
         lines.append("daemons:")
         for d in st["daemons"]:

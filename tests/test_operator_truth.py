@@ -378,3 +378,30 @@ def test_status_and_periodic_list_escape_what_workers_wrote(pg_dsn, schema, tmp_
     assert rc == 0, err
     assert "\x1b" not in out and "FAKE: ok" not in [line.strip() for line in out.splitlines()]
     assert "p\\x1b[31m" in out and "* * * * *\\x1b[2J\\nFAKE: ok" in out, out
+
+
+def test_status_says_when_the_database_takes_no_writes(make_private_pg):
+    """A read-only primary (``ALTER SYSTEM SET default_transaction_read_only``) pauses maintenance
+    (SPEC 8.5). ``/status`` said so for its daemon; ``maintd status``, whose own sessions are
+    read-only by design, showed the leader and its last runs as if all were well. Its session's
+    ``reset_val`` is the server's value (the reader's own SET does not change it)."""
+    import psycopg
+
+    from maintd.readers import reader_engine
+
+    from .test_connection_faults import migrated
+
+    pg = make_private_pg()
+    migrated(pg.dsn)
+    engine = reader_engine(pg.dsn, "truth", kept=1, most=1)
+    try:
+        st = collect_status(engine, "maintd")
+        assert st["database_writable"] is True and "read-only" not in format_status(st)
+        with psycopg.connect(pg.dsn, autocommit=True) as admin:
+            admin.execute("ALTER SYSTEM SET default_transaction_read_only = on")
+            admin.execute("SELECT pg_reload_conf()")
+        wait_for(lambda: collect_status(engine, "maintd")["database_writable"] is False, 10,
+                 what="the reload seen by a kept session")
+        assert "database: read-only (maintenance paused)" in format_status(collect_status(engine, "maintd"))
+    finally:
+        engine.dispose()

@@ -3,6 +3,11 @@
 SERVER_TIME = "SELECT clock_timestamp()"
 TRANSACTION_TIME = "SELECT now()"  # the time the transaction began: one instant for all its reads
 STATEMENT_TIME = "SELECT statement_timestamp()"
+# Whether the server takes writes, from a session that made itself read-only (a reader): the
+# setting's reset_val is the server's (file, ALTER SYSTEM/DATABASE/ROLE), which a SET leaves alone.
+SERVER_WRITABLE = """
+SELECT NOT pg_is_in_recovery() AND reset_val = 'off' FROM pg_settings WHERE name = 'default_transaction_read_only'
+"""
 
 # A session setting of a new connection (maintd.db.connect).
 SET_SESSION = "SELECT set_config(:name, :value, false)"
