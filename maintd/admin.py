@@ -28,7 +28,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
 
 from sqlalchemy import Connection, text
 from sqlalchemy.exc import DBAPIError
@@ -81,6 +81,9 @@ class Report:
     transitions: Counter = field(default_factory=Counter)  # (queue, from, to) -> jobs
     changed: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[dict[str, Any]] = field(default_factory=list)
+    # --dry-run of retry: the unique_keys of final jobs revived by earlier batches (a live job
+    # holds them then, so a later batch's final job with one stays final, as the real run does)
+    revived_keys: set[str] = field(default_factory=set, repr=False)
 
     def add_changed(self, row: Any, to_state: str) -> None:
         self.changed_count += 1
@@ -101,6 +104,7 @@ class Report:
         self.changed_count += other.changed_count
         self.skipped_count += other.skipped_count
         self.transitions.update(other.transitions)
+        self.revived_keys |= other.revived_keys
         self.changed.extend(other.changed[:KEEP_LISTED - len(self.changed)])
         self.skipped.extend(other.skipped[:KEEP_LISTED - len(self.skipped)])
 
@@ -136,10 +140,19 @@ def skip_reason(action: Action, row: Any, now_state: str | None, revived_keys: s
 # ---------------------------------------------------------------- running an action
 
 def apply_batch(conn: Connection, schema: str, action: Action, rows: Sequence[Any],
-                params: dict[str, Any], report: Report, *, dry_run: bool) -> None:
-    """Change one batch through the SQL function (or predict it), and report every row."""
+                params: dict[str, Any], report: Report, *, dry_run: bool,
+                taken: Collection[str] = ()) -> None:
+    """Change one batch through the SQL function (or predict it, ``taken`` holding the keys that
+    earlier batches of the dry run revived), and report every row."""
     if dry_run:
+        held = {r.id for r in rows if r.state in FINAL_STATES and r.unique_key in taken}
+        for r in rows:
+            if r.id in held:
+                report.add_skipped(r.id, r, "its unique_key is held by a live job")
+        rows = [r for r in rows if r.id not in held]
         changed = {r.id: r.to_state for r in _revived(action, rows)}
+        report.revived_keys |= {r.unique_key for r in rows if r.id in changed and r.unique_key
+                                and r.state in FINAL_STATES and action.verb == "retried"}
     else:
         result = conn.execute(sql(action.call, schema), {**params, "ids": [r.id for r in rows]})
         changed = {c.id: c.state for c in result}
@@ -195,7 +208,8 @@ def run_ids(conn: Connection, schema: str, action: Action, ids: Iterable[int],
         def batch() -> tuple[list[Any], Report]:
             part = Report(report.action, report.verb, report.dry_run)
             found = conn.execute(sql(query, schema), {**params, "ids": chunk}).all()
-            apply_batch(conn, schema, action, found, params, part, dry_run=dry_run)
+            apply_batch(conn, schema, action, found, params, part, dry_run=dry_run,
+                        taken=report.revived_keys)
             return found, part
 
         rows, part = in_batch(conn, batch)
@@ -222,7 +236,8 @@ def run_filter(conn: Connection, schema: str, action: Action, flt: Filter,
             found = conn.execute(sql(query, schema), {**params, **flt.params(), **(keyset or {}),
                                                       "limit": batch_size}).all()
             if found:
-                apply_batch(conn, schema, action, found, params, part, dry_run=dry_run)
+                apply_batch(conn, schema, action, found, params, part, dry_run=dry_run,
+                            taken=report.revived_keys)
             return found, part
 
         rows, part = in_batch(conn, batch)

@@ -851,3 +851,16 @@ def test_a_job_whose_json_python_cannot_load_is_shown(cli, engine, schema, colum
     assert rc == 0 and "poison" in out and ("1" + "0" * 100 if "digit" in value else "[[[[") in out, err
     data = cli_json(cli, "show", str(job_id))
     assert data["kind"] == "poison" and isinstance(data[column], str), data[column][:100]
+
+
+@pytest.mark.parametrize("select", [("--batch-size", "1"), ("--state", "cancelled", "--batch-size", "1")])
+def test_retry_dry_run_across_batches_predicts_one_revival_per_unique_key(engine, schema, cli, select):
+    """Final jobs sharing a unique_key in different batches: the first batch revives one, and the
+    key is then held by a live job, so the next batch's is skipped. --dry-run changes nothing, so
+    each batch predicted its own revival: "2 jobs would be retried", then 1 was."""
+    twins = add(engine, schema, "cancelled", unique_key="K", n=2)
+    ids = list(map(str, twins)) if "--state" not in select else []
+    rc, out, err = cli("retry", *ids, *select, "--dry-run")
+    assert rc == 0 and "1 job would be retried" in out, out + err
+    rc, out, err = cli("retry", *ids, *select)
+    assert rc == 0 and "1 job retried" in out, out + err
