@@ -771,6 +771,7 @@ def test_cli_race_with_a_worker_completing_the_job_meanwhile(pg_dsn, engine, sch
 
 def _plan_params(state):
     return {"queue": "q1", "kind": None, "limit": 1000, "reason": None, "at": None, "offset": None,
+            "began": datetime.now(timezone.utc),
             "k0": "q1" if state == "available" else (datetime.now(timezone.utc) if state else 10),
             "k1": 0 if state == "available" else 10, "k2": datetime.now(timezone.utc), "k3": 10}
 
@@ -864,3 +865,35 @@ def test_retry_dry_run_across_batches_predicts_one_revival_per_unique_key(engine
     assert rc == 0 and "1 job would be retried" in out, out + err
     rc, out, err = cli("retry", *ids, *select)
     assert rc == 0 and "1 job retried" in out, out + err
+
+
+@pytest.mark.parametrize("state", ["discarded", "retryable"])
+def test_cli_retry_by_state_ends_while_workers_fail_the_retried_jobs_again(engine, schema, cli, state):
+    """`retry --state discarded` walks (finalized_at, id), `--state retryable` (scheduled_at, id).
+    A worker that fails a retried job again puts it back in that state at a later key, ahead of
+    the walk: the walk met it again and retried it again, and the command ran as long as the
+    workers kept failing the jobs. It now acts on the jobs no worker attempted since it began."""
+    ids = add(engine, schema, state, n=40, attempt=1, max_attempts=1 if state == "discarded" else 25)
+    stop = threading.Event()
+
+    def worker() -> None:  # claims every job made available and fails it at once
+        queue = JobQueue(schema)
+        while not stop.is_set():
+            with engine.begin() as conn:
+                for job in queue.claim(conn, "default", "w-fail", limit=10):
+                    queue.fail(conn, job, "boom", discard=state == "discarded")
+
+    threading.Thread(target=worker, daemon=True).start()
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(out=cli(
+        "retry", "--state", state, "--batch-size", "1", "--json")), daemon=True)
+    try:
+        thread.start()
+        thread.join(timeout=30)
+        assert not thread.is_alive(), f"`maintd jobs retry --state {state}` did not end"
+    finally:
+        stop.set()
+    rc, out, err = result["out"]
+    data = json.loads(out)
+    assert rc == 0 and data["changed"] == len(ids), out[:2000] + err
+    assert sorted(j["id"] for j in data["jobs"]) == ids

@@ -77,6 +77,13 @@ SELECT {row}, ({applies}) AS applies, ({to_state}) AS to_state, {keys}
  ORDER BY {order} LIMIT :limit
 """
 
+# A state filter's walk follows keys a worker moves ahead (a retried job failed again is discarded
+# or retryable at a later finalized_at/scheduled_at): jobs attempted since the walk began are left
+# out, or the walk meets them again, acts on them again, and lasts as long as the workers fail them.
+NOT_ATTEMPTED_SINCE = "(j.attempted_at IS NULL OR j.attempted_at < CAST(:began AS timestamptz))"
+
+NOW = "SELECT now()"
+
 REREAD = "SELECT id, state::text AS state FROM {schema}.jobs WHERE id = ANY(CAST(:ids AS bigint[]))"
 
 LIST = """
@@ -122,6 +129,8 @@ def filter_query(action: Action, flt: Filter, *, first: bool) -> str:
     report them), in the keyset order of the index serving the state filter."""
     keys = KEYSETS.get(flt.state, _ID)
     where = [f"(({action.applies}) OR j.state = 'running')", *flt.clauses()]
+    if keys != _ID:
+        where.append(NOT_ATTEMPTED_SINCE)
     if not first:
         cols = ", ".join(col for col, _ in keys)
         marks = ", ".join(f"CAST(:k{i} AS {typ})" for i, (_, typ) in enumerate(keys))
