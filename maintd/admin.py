@@ -10,7 +10,8 @@ Selection. Jobs come by ids (in chunks of ``--batch-size``) or by ``--state/--qu
 filters. A filter walks the matching jobs in keyset order over the index that serves it (the
 state's partial index, else the primary key), ``--batch-size`` jobs (default 1,000) per
 transaction, so cancelling a million jobs is a thousand short transactions, never one long
-one; each batch's changes are committed (and their NOTIFYs delivered) before the next. A
+one; each batch's changes are committed (and their NOTIFYs delivered) before the next. A walk
+acts on the jobs that existed when it began (a job enqueued since has a higher id), and a
 ``--state`` walk leaves out jobs a worker attempted since it began (a retried job failed again
 comes back in that state at a later key: it would be met and acted on again).
 
@@ -37,7 +38,7 @@ from sqlalchemy.exc import DBAPIError
 
 from .db import describe_db_error, quote_ident
 from .queries import catalog, sql
-from .queries.admin import (ACTIONS, BY_IDS, LIST, NOW, REREAD, ROW, SHOW, Action,  # noqa: F401
+from .queries.admin import (ACTIONS, BY_IDS, LIST, REREAD, ROW, SHOW, WALK_START, Action,  # noqa: F401
                             Filter, filter_query)
 from .durations import parse_duration
 from .queries import FINAL_STATES, JOB_STATES
@@ -228,18 +229,19 @@ def run_ids(conn: Connection, schema: str, action: Action, ids: Iterable[int],
 
 def run_filter(conn: Connection, schema: str, action: Action, flt: Filter,
                params: dict[str, Any], report: Report, *, batch_size: int, dry_run: bool) -> None:
-    """Walk the filter's jobs in keyset order, one transaction per batch (of the jobs no worker
-    attempted since the walk began, when the order is not by id: see NOT_ATTEMPTED_SINCE)."""
+    """Walk the filter's jobs in keyset order, one transaction per batch: the jobs that existed
+    when the walk began (see WALK_START) and, when the order is not by id, that no worker
+    attempted since (see NOT_ATTEMPTED_SINCE)."""
     keyset: dict[str, Any] | None = None
     with conn.begin():
-        began = conn.execute(sql(NOW, schema)).scalar()
+        start = conn.execute(sql(WALK_START, schema)).one()._asdict()
     while True:
         query = filter_query(action, flt, first=keyset is None)
 
         def batch() -> tuple[list[Any], Report]:
             part = Report(report.action, report.verb, report.dry_run)
             found = conn.execute(sql(query, schema), {**params, **flt.params(), **(keyset or {}),
-                                                      "began": began, "limit": batch_size}).all()
+                                                      **start, "limit": batch_size}).all()
             if found:
                 apply_batch(conn, schema, action, found, params, part, dry_run=dry_run,
                             taken=report.revived_keys)

@@ -771,7 +771,7 @@ def test_cli_race_with_a_worker_completing_the_job_meanwhile(pg_dsn, engine, sch
 
 def _plan_params(state):
     return {"queue": "q1", "kind": None, "limit": 1000, "reason": None, "at": None, "offset": None,
-            "began": datetime.now(timezone.utc),
+            "began": datetime.now(timezone.utc), "upto": 2 ** 62,
             "k0": "q1" if state == "available" else (datetime.now(timezone.utc) if state else 10),
             "k1": 0 if state == "available" else 10, "k2": datetime.now(timezone.utc), "k3": 10}
 
@@ -897,3 +897,38 @@ def test_cli_retry_by_state_ends_while_workers_fail_the_retried_jobs_again(engin
     data = json.loads(out)
     assert rc == 0 and data["changed"] == len(ids), out[:2000] + err
     assert sorted(j["id"] for j in data["jobs"]) == ids
+
+
+def test_cli_cancel_by_queue_ends_while_producers_enqueue_into_that_queue(engine, schema, cli):
+    """A filter without ``--state`` walks the primary key, and jobs enqueued after the command
+    began get higher ids, ahead of the walk: `cancel --queue q` cancelled them too and ended only
+    when a batch came back short, never while producers outpaced it. It now acts on the jobs that
+    existed when it began (the highest id read once, at the start)."""
+    ids = add(engine, schema, queue="q", n=30)
+    stop = threading.Event()
+
+    def producer() -> None:
+        while not stop.is_set():
+            add(engine, schema, queue="q", n=5)
+
+    threading.Thread(target=producer, daemon=True).start()
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(out=cli(
+        "cancel", "--queue", "q", "--batch-size", "1", "--json")), daemon=True)
+    try:
+        thread.start()
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "`maintd jobs cancel --queue q` did not end"
+    finally:
+        stop.set()
+    rc, out, err = result["out"]
+    data = json.loads(out)
+    assert rc == 0, out[:2000] + err
+    # Every job up to the highest id when it began (the producer's first ones too), none after.
+    now = rows(engine, schema)
+    upto = max(i for i, r in now.items() if r["state"] == "cancelled")
+    assert set(ids) <= {i for i, r in now.items() if r["state"] == "cancelled"}
+    assert {r["state"] for i, r in now.items() if i <= upto} == {"cancelled"}
+    assert data["changed"] == sum(1 for i in now if i <= upto)
+    later = [r for i, r in now.items() if i > upto]
+    assert later and {r["state"] for r in later} == {"available"}

@@ -82,7 +82,11 @@ SELECT {row}, ({applies}) AS applies, ({to_state}) AS to_state, {keys}
 # out, or the walk meets them again, acts on them again, and lasts as long as the workers fail them.
 NOT_ATTEMPTED_SINCE = "(j.attempted_at IS NULL OR j.attempted_at < CAST(:began AS timestamptz))"
 
-NOW = "SELECT now()"
+# Where a filter's walk starts: the time (above), and the highest id then, since every walk acts on
+# the jobs that existed when it began (a job enqueued since has a higher id: a walk by id met every
+# new job, and never ended while producers outpaced it).
+WALK_START = "SELECT now() AS began, coalesce(max(id), 0) AS upto FROM {schema}.jobs"
+EXISTED = "j.id <= CAST(:upto AS bigint)"
 
 REREAD = "SELECT id, state::text AS state FROM {schema}.jobs WHERE id = ANY(CAST(:ids AS bigint[]))"
 
@@ -128,7 +132,7 @@ def filter_query(action: Action, flt: Filter, *, first: bool) -> str:
     """The batch query of a filter: matching jobs the action applies to, plus running ones (to
     report them), in the keyset order of the index serving the state filter."""
     keys = KEYSETS.get(flt.state, _ID)
-    where = [f"(({action.applies}) OR j.state = 'running')", *flt.clauses()]
+    where = [f"(({action.applies}) OR j.state = 'running')", *flt.clauses(), EXISTED]
     if keys != _ID:
         where.append(NOT_ATTEMPTED_SINCE)
     if not first:
