@@ -516,3 +516,32 @@ def test_a_removal_that_cannot_be_marked_keeps_no_entry_from_running_and_is_mark
         marks = conn.execute(sql("SELECT schedule FROM {schema}.periodic_slots WHERE periodic_id = 'b' "
                                  "ORDER BY slot DESC LIMIT 1", schema)).scalar()
     assert marks == "(removed)"
+
+
+def test_an_error_note_that_cannot_be_written_keeps_no_entry_from_running_and_is_written_next_pass(
+        pg_dsn, settings, engine, schema, maintd_log):
+    """Writing a row's ``error`` is bookkeeping: when the row is locked by an application's
+    transaction (an edit under way), the pass failed as a whole and no entry ran, pass after pass,
+    for as long as the lock was held. Now the other entries run, and the note is written once the
+    row is free."""
+    from maintd.db import make_engine
+
+    add_row(engine, schema, "good", schedule="0 * * * *", kind="good")
+    add_row(engine, schema, "bad", schedule="61 * * * *", kind="bad")
+    created_at(engine, schema, T0 - timedelta(minutes=30), "good")
+    created_at(engine, schema, T0 - timedelta(minutes=30), "bad")
+    service = PeriodicEnqueuer([PeriodicJob(id="conf", schedule="0 * * * *", kind="conf", run_on_start=True)])
+    short = make_engine(pg_dsn, application_name="maintd-test-short", session={"lock_timeout": "300ms"})
+    try:
+        with engine.begin() as blocker:
+            blocker.execute(sql("SELECT * FROM {schema}.periodic_jobs WHERE id = 'bad' FOR UPDATE", schema))
+            result = one_pass(settings, short, FrozenClock(T0 + timedelta(seconds=1)), service)
+        assert sorted(e["periodic_id"] for e in result.enqueued) == ["conf", "good"], result.enqueued
+        assert any("could not write a periodic_jobs row's error" in line and "bad" in line for line in maintd_log)
+        assert row_error(engine, schema, "bad") is None  # not written yet, nor counted
+        assert result.invalid_rows == {} and service.quiet_until() is None
+        again = one_pass(settings, short, FrozenClock(T0 + timedelta(seconds=2)), service)
+        assert list(again.invalid_rows) == ["bad"]  # rows_skipped{reason="invalid_row"}: once
+    finally:
+        short.dispose()
+    assert row_error(engine, schema, "bad").startswith("schedule:")

@@ -142,9 +142,9 @@ class PeriodicEnqueuer(Service):
     def entries(self, ctx: PassContext, result: PeriodicResult) -> list[Entry]:
         """The configured entries, then the usable rows (their ``error`` kept up to date)."""
         rows, notes = self._rows.entries(ctx, {e.job.id for e in self._configured})
-        self._rows.note(ctx, notes)
+        unwritten = self._rows.note(ctx, notes)
         for row_id, problem in notes.items():
-            if problem is not None:
+            if problem is not None and row_id not in unwritten:  # counted once, when noted
                 result.invalid_rows[row_id] = problem
                 log.warning("periodic_jobs row not used", extra=kv(periodic_id=row_id, error=problem))
         return self._configured + rows
@@ -163,7 +163,7 @@ class PeriodicEnqueuer(Service):
         return True
 
     def _quiet_after(self, now: datetime, entries: list[Entry], result: PeriodicResult) -> None:
-        if result.failed() or result.invalid_rows or result.dry_run:
+        if result.failed() or result.invalid_rows or result.dry_run or self._rows.unwritten:
             self._quiet_until = None
             return
         upcoming = [self.schedule(e.job).next_after(now) for e in entries]

@@ -12,16 +12,22 @@ write it to the row's ``error``; every other entry keeps running.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from pydantic import ValidationError
+from sqlalchemy.exc import DBAPIError
 
 from .periodic_config import PeriodicJob
-from ..db import UnloadableJson
+from ..db import UnloadableJson, describe_db_error
+from ..logs import kv
 from ..queries import periodic_jobs
 from .base import PassContext
+
+log = logging.getLogger("maintd.periodic")
+NOTE_LOCK_WAIT_MS = "500"  # a row's error note waits no longer for an application's lock on the row
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,7 @@ class RowSource:
         # The last validation, by (version, ids taken): a pass at every slot re-validated every
         # row (31 ms for 1,000 rows, every second with an '@every 1s' entry among them).
         self._validated: tuple[tuple, tuple[list[Entry], dict[str, str | None]]] | None = None
+        self.unwritten: set[str] = set()  # ids whose error note the last pass could not write
 
     def rows(self, ctx: PassContext) -> list[Any]:
         with ctx.transaction(fenced=False) as conn:
@@ -105,11 +112,22 @@ class RowSource:
         self._validated = (key, (entries, notes))
         return entries, notes
 
-    def note(self, ctx: PassContext, notes: dict[str, str | None]) -> None:
-        """Write (or clear) the rows' ``error``; the version check then re-reads them."""
+    def note(self, ctx: PassContext, notes: dict[str, str | None]) -> set[str]:
+        """Write (or clear) the rows' ``error``, each in its own transaction; the version check
+        then re-reads them. Bookkeeping: a row an application holds locked (an edit under way)
+        is logged and noted by a later pass; it never keeps the entries from running. Returns
+        (and keeps in ``unwritten``) the ids whose note is still to be written."""
+        self.unwritten = set()
         if not notes or ctx.dry_run:
-            return
-        with ctx.transaction() as conn:
-            for row_id, error in notes.items():
-                conn.execute(ctx.sql(periodic_jobs.SET_ERROR), {"id": row_id, "error": error})
-        self._version = None
+            return self.unwritten
+        for row_id, error in notes.items():
+            try:
+                with ctx.transaction(settings={"lock_timeout": NOTE_LOCK_WAIT_MS}) as conn:
+                    conn.execute(ctx.sql(periodic_jobs.SET_ERROR), {"id": row_id, "error": error})
+            except DBAPIError as exc:
+                self.unwritten.add(row_id)
+                log.warning("could not write a periodic_jobs row's error; trying again next pass",
+                            extra=kv(periodic_id=row_id, error=describe_db_error(exc)))
+            else:
+                self._version = None
+        return self.unwritten
