@@ -545,3 +545,16 @@ def test_an_error_note_that_cannot_be_written_keeps_no_entry_from_running_and_is
     finally:
         short.dispose()
     assert row_error(engine, schema, "bad").startswith("schedule:")
+
+
+def test_a_row_with_run_on_start_added_while_no_leader_ran_is_backfilled_too(settings, engine, schema):
+    """``run_on_start`` enqueues a new row's current slot at once; with ``backfill`` too, the
+    slots it missed since it was added (no leader ran) were lost: only the current one ran."""
+    add_row(engine, schema, "both", schedule="*/10 * * * *", kind="both", backfill="1 hour", run_on_start=True)
+    add_row(engine, schema, "late", schedule="*/10 * * * *", kind="late", backfill="1 hour", run_on_start=True)
+    created_at(engine, schema, T0 - timedelta(minutes=35), "both")
+    created_at(engine, schema, T0 + timedelta(minutes=5), "late")  # added after its latest slot
+    one_pass(settings, engine, FrozenClock(T0 + timedelta(minutes=5, seconds=1)), PeriodicEnqueuer(settings.periodic))
+    assert [j.scheduled_at for j in jobs_of(engine, schema, "both")] == [
+        T0 - timedelta(minutes=30), T0 - timedelta(minutes=20), T0 - timedelta(minutes=10), T0]
+    assert [j.scheduled_at for j in jobs_of(engine, schema, "late")] == [T0]  # at once, as before

@@ -241,11 +241,11 @@ class PeriodicEnqueuer(Service):
         if changed and entry.since is None:  # a config or crontab entry, changed at a time unknown
             self._changed(ctx, job, hwm, self._taken_under(under), latest, now, result)
             return
-        if hwm is None and (job.run_on_start or entry.since is None):
-            if job.run_on_start:
-                self._enqueue(ctx, job, latest, False, result)
-            else:
-                self._baseline(ctx, job, latest, result)
+        if hwm is None and job.run_on_start and (entry.since is None or job.backfill is None or entry.since >= latest):
+            self._enqueue(ctx, job, latest, False, result)  # a new row with backfill: from its creation, below
+            return
+        if hwm is None and entry.since is None:
+            self._baseline(ctx, job, latest, result)
             return
         if entry.since is not None and (hwm is None or (changed or under is None) and entry.since > hwm):
             hwm = entry.since  # a new row, or one whose schedule changed: its slots count from the change
