@@ -509,3 +509,21 @@ def test_a_prune_that_fails_leaves_the_pass_a_success_and_is_tried_again_a_minut
         assert old not in slots(engine, schema)
     finally:
         short.dispose()
+
+
+def test_the_metric_series_of_an_entry_removed_by_a_reload_go_with_it(pg_dsn, schema, engine):
+    """A reload builds a new enqueuer: it knew the old one's ids but not which of them its
+    metric series carried, so the series of an entry the reload removed stayed until a restart."""
+    both = Settings(database_url=pg_dsn, schema=schema, periodic=[
+        {"id": "kept", "schedule": "@every 10s", "kind": "k", "run_on_start": True},
+        {"id": "gone", "schedule": "@every 10s", "kind": "g", "run_on_start": True}])
+    metrics, clock = Metrics(target="t"), FrozenClock(START)
+    old = PeriodicEnqueuer(both.periodic)
+    old.observe(metrics, run(both, engine, clock, old))
+    new = PeriodicEnqueuer(both.periodic[:1])
+    new.succeed(old)  # what the runner does on a reload
+    clock.advance(10)
+    new.observe(metrics, run(both, engine, clock, new))
+    ids = {s.labels["periodic_id"] for m in metrics.registry.collect() for s in m.samples
+           if s.name in ("maintd_periodic_enqueued_total", "maintd_periodic_skipped_total")}
+    assert ids == {"kept"}

@@ -170,8 +170,10 @@ class PeriodicEnqueuer(Service):
         self._quiet_until = min([now + ROWS_EVERY, *upcoming])
 
     def succeed(self, old: Service) -> None:
-        """The ids of the entries the replaced service ran: those the reload removed are marked."""
+        """The ids of the entries the replaced service ran: those the reload removed are marked,
+        and the metric series it made for them go."""
         self._ids = set(getattr(old, "_ids", ()))
+        self._labelled = set(getattr(old, "_labelled", ()))
 
     def run_once(self, ctx: PassContext) -> PeriodicResult:
         now = ctx.now()
