@@ -527,3 +527,30 @@ def test_the_metric_series_of_an_entry_removed_by_a_reload_go_with_it(pg_dsn, sc
     ids = {s.labels["periodic_id"] for m in metrics.registry.collect() for s in m.samples
            if s.name in ("maintd_periodic_enqueued_total", "maintd_periodic_skipped_total")}
     assert ids == {"kept"}
+
+
+def test_a_changed_schedule_stopped_after_a_missed_slot_runs_no_slot_only_the_new_one_has(pg_dsn, schema, engine):
+    """'0 * * * *' changed to '*/30 * * * *' while down, noticed at 11:40: 11:00 (both had it) is
+    missed and runs, 11:30 (the new one's only) is taken without a job. A pass stopped between the
+    two (a demotion, a second reload) left 11:00 taken under the new schedule: the next pass saw
+    nothing changed and ran 11:30 as a missed slot."""
+    from maintd.services.base import PassStopped
+
+    class StoppedOnce(PeriodicEnqueuer):
+        stops = 1
+
+        def _baseline(self, ctx, entry, slot, result):
+            if self.stops:
+                self.stops -= 1
+                raise PassStopped()
+            super()._baseline(ctx, entry, slot, result)
+
+    day = datetime(2026, 3, 1, tzinfo=UTC)
+    clock = FrozenClock(day + timedelta(hours=10, seconds=1))
+    run(make_settings(pg_dsn, schema, id="h", schedule="0 * * * *"), engine, clock)  # baseline 10:00
+    clock.set(day + timedelta(hours=11, minutes=40))
+    changed = make_settings(pg_dsn, schema, id="h", schedule="*/30 * * * *")
+    with pytest.raises(PassStopped):
+        run(changed, engine, clock, StoppedOnce(changed.periodic))
+    run(changed, engine, clock)
+    assert [j.scheduled_at for j in jobs(engine, schema)] == [day + timedelta(hours=11)]

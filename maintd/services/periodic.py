@@ -241,7 +241,7 @@ class PeriodicEnqueuer(Service):
         hwm, under = newest or (None, None)
         changed = hwm is not None and under is not None and under != taken_under(job)
         if changed and entry.since is None:  # a config or crontab entry, changed at a time unknown
-            self._changed(ctx, job, hwm, self._taken_under(under), latest, now, result)
+            self._changed(ctx, job, hwm, under, latest, now, result)
             return
         if hwm is None and job.run_on_start and (entry.since is None or job.backfill is None or entry.since >= latest):
             self._enqueue(ctx, job, latest, False, result)  # a new row with backfill: from its creation, below
@@ -256,13 +256,14 @@ class PeriodicEnqueuer(Service):
         self._run_due(ctx, job, hwm, latest, now, result)
 
     def _run_due(self, ctx: PassContext, job: PeriodicJob, after: datetime, latest: datetime, now: datetime,
-                 result: PeriodicResult, had: Schedule | None = None) -> list[datetime]:
-        """Enqueue the slots missed since ``after`` (with ``had``, those it has too): within
-        ``backfill``, or (none) the latest only; the others are counted. Returns those enqueued."""
+                 result: PeriodicResult, had: Schedule | None = None, stamp: str | None = None) -> list[datetime]:
+        """Enqueue the slots missed since ``after`` (with ``had``, those it has too, taken under
+        ``stamp``): within ``backfill``, or (none) the latest only; the others are counted.
+        Returns those enqueued."""
         keep, outside = self._due(job, after, latest, now, had) if after < latest else ([], 0)
         result.skip(job.id, "outside_backfill", outside)
         for slot in keep:
-            self._enqueue(ctx, job, slot, slot != latest, result)
+            self._enqueue(ctx, job, slot, slot != latest, result, stamp)
         return keep
 
     def _due(self, job: PeriodicJob, after: datetime, latest: datetime, now: datetime,
@@ -296,23 +297,24 @@ class PeriodicEnqueuer(Service):
                                                         "instance": ctx.instance_id, "schedule": taken_under(entry)})
         result.baselined.append(entry.id)
 
-    def _changed(self, ctx: PassContext, job: PeriodicJob, hwm: datetime, old: Schedule | None,
+    def _changed(self, ctx: PassContext, job: PeriodicJob, hwm: datetime, under: str,
                  latest: datetime, now: datetime, result: PeriodicResult) -> None:
         """The entry's schedule or time zone changed since its newest slot was taken (a config or
         crontab entry: when, unknown). Of the new schedule's slots since then, those the old one
         had too were missed, and run as usual; the others never were (a 05:00 job at 10:00, after
         a 03:00 one, would be a second run that day). Its latest slot is taken, with a job or
         without: it runs from the next one."""
-        ran = self._run_due(ctx, job, hwm, latest, now, result, old) if old is not None else []
+        old = self._taken_under(under)
+        # The missed slots are taken under the old schedule (``under``): a pass stopped before the
+        # end sees the change again, not a new schedule whose slots since the last one were missed.
+        ran = self._run_due(ctx, job, hwm, latest, now, result, old, under) if old is not None else []
         log.info("periodic entry's schedule changed: slots of the old one only are not run",
                  extra=kv(periodic_id=job.id, schedule=taken_under(job), missed=len(ran)))
-        if latest in ran:
-            return
-        if latest > hwm:
+        if latest > hwm and latest not in ran:
             self._baseline(ctx, job, latest, result)
             return
-        with ctx.transaction() as conn:  # no new slot since the newest taken: that one says the new schedule
-            conn.execute(ctx.sql(periodic_slots.RESTAMP), {"periodic_id": job.id, "slot": hwm,
+        with ctx.transaction() as conn:  # the newest slot taken now says the new schedule
+            conn.execute(ctx.sql(periodic_slots.RESTAMP), {"periodic_id": job.id, "slot": max(latest, hwm),
                                                            "schedule": taken_under(job)})
 
     def _skip_disabled(self, ctx: PassContext, entry: PeriodicJob, slot: datetime, previous: datetime | None,
@@ -328,22 +330,22 @@ class PeriodicEnqueuer(Service):
             result.skip(entry.id, "disabled")
 
     def _enqueue(self, ctx: PassContext, entry: PeriodicJob, slot: datetime, backfilled: bool,
-                 result: PeriodicResult) -> None:
+                 result: PeriodicResult, stamp: str | None = None) -> None:
         try:
-            self._enqueue_once(ctx, entry, slot, backfilled, result)
+            self._enqueue_once(ctx, entry, slot, backfilled, result, stamp)
         except DBAPIError as exc:
             # The waiting job holding the entry's key (job key mode) was moved to another
             # partition meanwhile (cancelled, say): taken and enqueued again, as it is now.
             if not ctx.moved_meanwhile(exc):
                 raise
-            self._enqueue_once(ctx, entry, slot, backfilled, result)
+            self._enqueue_once(ctx, entry, slot, backfilled, result, stamp)
 
     def _enqueue_once(self, ctx: PassContext, entry: PeriodicJob, slot: datetime, backfilled: bool,
-                      result: PeriodicResult) -> None:
+                      result: PeriodicResult, stamp: str | None = None) -> None:
         with ctx.transaction() as conn:
             taken = conn.execute(ctx.sql(periodic_slots.TAKE), {
                 "periodic_id": entry.id, "slot": slot, "backfilled": backfilled,
-                "instance": ctx.instance_id, "schedule": taken_under(entry)}).first()
+                "instance": ctx.instance_id, "schedule": stamp or taken_under(entry)}).first()
             if taken is None:
                 result.skip(entry.id, "duplicate")
                 return
