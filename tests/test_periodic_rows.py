@@ -558,3 +558,18 @@ def test_a_row_with_run_on_start_added_while_no_leader_ran_is_backfilled_too(set
     assert [j.scheduled_at for j in jobs_of(engine, schema, "both")] == [
         T0 - timedelta(minutes=30), T0 - timedelta(minutes=20), T0 - timedelta(minutes=10), T0]
     assert [j.scheduled_at for j in jobs_of(engine, schema, "late")] == [T0]  # at once, as before
+
+
+def test_what_the_enqueuer_keeps_per_row_goes_with_the_row(settings, engine, schema):
+    """An application that makes and deletes rows (a schedule per customer, say) must not grow the
+    leader's memory: the parsed schedules and the disabled rows' marks of deleted rows went only
+    with a restart."""
+    service = PeriodicEnqueuer(settings.periodic)
+    for rnd in range(3):
+        for i in range(40):
+            add_row(engine, schema, f"r{rnd}-{i}", schedule=f"@every {rnd * 40 + i + 2}s", enabled=i % 2 == 0)
+        one_pass(settings, engine, FrozenClock(T0 + timedelta(minutes=rnd)), service)
+        execute(engine, schema, "DELETE FROM {schema}.periodic_jobs")
+    one_pass(settings, engine, FrozenClock(T0 + timedelta(minutes=4)), service)
+    assert len(service._disabled_seen) == 0
+    assert len(service._schedules) <= 40, len(service._schedules)

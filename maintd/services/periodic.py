@@ -181,6 +181,7 @@ class PeriodicEnqueuer(Service):
         entries = self.entries(ctx, result)
         ids = {e.job.id for e in entries} | set(result.invalid_rows)
         self._ids = ids | self._mark_removed(ctx, self._ids - ids)
+        self._forget(entries)
         try:
             self._run_entries(ctx, entries, now, result)
         except BaseException:
@@ -188,6 +189,16 @@ class PeriodicEnqueuer(Service):
             raise
         self._quiet_after(now, entries, result)
         return result
+
+    def _forget(self, entries: list[Entry]) -> None:
+        """What is kept per entry goes with it: an application that makes and deletes rows (a
+        schedule per customer) must not grow the leader's memory. (A schedule a slot was taken
+        under is parsed again when needed.)"""
+        ids, live = {e.job.id for e in entries}, {(e.job.schedule, e.job.timezone) for e in entries}
+        if self._disabled_seen.keys() - ids:
+            self._disabled_seen = {k: v for k, v in self._disabled_seen.items() if k in ids}
+        if len(self._schedules) > 2 * len(live) + 16:
+            self._schedules = {k: v for k, v in self._schedules.items() if k in live}
 
     def _mark_removed(self, ctx: PassContext, gone: set[str]) -> set[str]:
         """Entries gone since the last pass (see ``periodic_slots.MARK_REMOVED``): added again,
