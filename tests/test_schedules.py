@@ -373,3 +373,30 @@ def test_maintd_schedule_at_the_end_of_time_or_with_a_bad_after(argv, shown, err
     assert main(["schedule", *argv]) == (0 if shown else 2)
     out, text = capsys.readouterr()
     assert len(out.splitlines()) == shown and err in text and "Traceback" not in text, (out, text)
+
+
+@pytest.mark.parametrize("expr, zone", [
+    ("* * * * *", "UTC"), ("*/7 3-5 * * *", "Europe/Berlin"), ("30 2 * * *", "America/New_York"),
+    ("0,30 * 29 2 *", "Australia/Lord_Howe"), ("15 1 1-7 * 1", "America/Santiago"), ("*/20 * * * 0", "Asia/Kolkata"),
+])
+def test_counting_a_long_outage_s_slots_is_exact_and_does_not_walk_them(expr, zone):
+    """The slots missed over a long outage are counted (SPEC: the ones outside ``backfill`` are
+    reported skipped). Walking them cost one step per slot: a year of '* * * * *' took 15 s in the
+    first pass after the outage. Days whose offset does not change are counted from the fields;
+    the count must equal the walk's, across every DST change (Lord Howe's 30-minute one,
+    Santiago's at midnight, New York's skipped and repeated 02:30)."""
+    schedule = parse_schedule(expr, zone)
+    rng = random.Random(expr)
+    for _ in range(6):
+        start = datetime(2024, 1, 1, tzinfo=timezone.utc) + timedelta(minutes=rng.randrange(0, 60 * 24 * 300))
+        end = start + timedelta(minutes=rng.randrange(1, 60 * 24 * 90))
+        assert schedule.count_between(start, end) == sum(1 for _ in schedule.slots_between(start, end)), (start, end)
+    if expr != "* * * * *":  # a whole year, every change of its zone (walked: 10,000 slots at most)
+        a, b = datetime(2023, 12, 31, 23, 30, tzinfo=timezone.utc), datetime(2025, 1, 1, 0, 30, tzinfo=timezone.utc)
+        assert schedule.count_between(a, b) == sum(1 for _ in schedule.slots_between(a, b))
+    t0 = time.process_time()
+    year = schedule.count_between(datetime(2023, 6, 1, 0, 0, 30, tzinfo=timezone.utc),
+                                  datetime(2024, 6, 1, tzinfo=timezone.utc))
+    assert time.process_time() - t0 < 2.0, "a year counted slot by slot"
+    if expr == "* * * * *":
+        assert year == 366 * 24 * 60  # 00:01 on 2023-06-01 to 00:00 on 2024-06-01, Feb 29 included
