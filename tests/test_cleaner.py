@@ -817,3 +817,20 @@ def test_a_statement_timeout_under_a_millisecond_still_bounds_every_batch(settin
         pass
     bounds = [ms for ms, _ in seen if ms is not None]
     assert bounds and min(bounds) >= 1, f"batches ran with statement_timeout {bounds} (0: none)"
+
+
+def test_a_tie_one_microsecond_before_the_horizon_keeps_the_row_exactly_at_it(configured, schema, engine, clock):
+    """More than a batch finalized one microsecond before the horizon, most of them in a queue kept
+    longer: the tie batch deletes fewer than batch_size rows and moves one microsecond on, onto
+    the horizon itself. The range from there is empty; it was read as a tie at the horizon, and
+    the row finalized exactly at the horizon (not older than the retention) was deleted."""
+    settings = configured(cleaner={
+        "batch_size": 5, "completed_retention": "1h", "cancelled_retention": -1, "discarded_retention": -1,
+        "queues": {"billing": {"completed_retention": "30d"}}})
+    just_before = HOUR + timedelta(microseconds=1)
+    kept = insert(engine, schema, state="completed", queue="billing", finalized_ago=just_before, n=10)
+    gone = insert(engine, schema, state="completed", finalized_ago=just_before, n=2)
+    exact = insert(engine, schema, state="completed", finalized_ago=HOUR)  # not older: kept
+    result = run(settings, engine, clock)
+    assert remaining(engine, schema) == set(kept + exact)
+    assert result.deleted["completed"] == len(gone)

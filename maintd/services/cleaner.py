@@ -432,15 +432,18 @@ class Cleaner(Service):
                 last = probed is None
                 hi = plan.horizon if probed is None else probed
             args = {**target.params(plan.horizon), "lo": plan.lo, "hi": hi, "limit": limit}
-            if hi == plan.lo:
+            # A tie: the probe found more than a batch at ``lo`` itself. Not an empty last range
+            # (``lo`` moved onto the horizon past a tie): the rows at the horizon are kept.
+            tied = hi == plan.lo and not last
+            if tied:
                 stmt = jobs.CLEANER_DELETE_TIED
             else:
                 stmt = jobs.CLEANER_DELETE_RANGE_SKIP_LOCKED if plan.skip_locked else jobs.CLEANER_DELETE_RANGE
             n = conn.execute(ctx.sql(target.statement(stmt)), args).rowcount
             if n > limit:
                 raise _Overflow()
-            if plan.skip_locked or (hi == plan.lo and n < limit):  # SKIP LOCKED left only locked rows
-                self._report_locked(ctx, conn, {**args, "hi": max(hi, plan.lo + TINY)}, result)
+            if plan.skip_locked or (tied and n < limit):  # SKIP LOCKED left only locked rows
+                self._report_locked(ctx, conn, {**args, "hi": plan.lo + TINY if tied else hi}, result)
         return hi, last, n
 
     @staticmethod
