@@ -834,3 +834,33 @@ def test_a_tie_one_microsecond_before_the_horizon_keeps_the_row_exactly_at_it(co
     result = run(settings, engine, clock)
     assert remaining(engine, schema) == set(kept + exact)
     assert result.deleted["completed"] == len(gone)
+
+
+@pytest.mark.slow
+def test_a_locked_row_in_a_stepping_walk_is_passed_over_not_probed_for_ever(configured, schema, engine, clock):
+    """Probes time out (too many entries for a 5 ms statement timeout), so the walk steps in
+    predicted ranges. One expired row is locked by another session: its range waits for the lock,
+    then is redone skipping it. That redo was a probe, which timed out again, and again (the
+    stepped width halved, unused): the pass never ended. Now a stepping walk redoes the same
+    predicted range with SKIP LOCKED, and the pass ends with only the locked row left."""
+    ids = insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=200_000, spread=True)
+    with engine.begin() as conn:  # no vacuum: the index-only probes fetch from the heap, slow
+        leaves = conn.execute(sql("SELECT relid::regclass::text FROM pg_partition_tree("
+                                  "'{schema}.jobs'::regclass) WHERE isleaf", schema)).scalars().all()
+        for table in leaves or [f'"{schema}".jobs']:
+            conn.execute(sql(f"ALTER TABLE {table} SET (autovacuum_enabled = off)", schema))
+    settings = configured(statement_timeout="5ms", cleaner={
+        "batch_size": 1_000_000, "cancelled_retention": -1, "discarded_retention": -1})
+    ctx = PassContext.for_settings(settings, engine, clock)
+    stop = threading.Timer(120, ctx.stop_event.set)  # generous: the pass takes a few seconds
+    holder = engine.connect()
+    holder.execute(sql("SELECT 1 FROM {schema}.jobs WHERE id = :id FOR UPDATE", schema), {"id": ids[-60_000]})
+    stop.start()
+    try:
+        result = Cleaner(settings.cleaner).run_once(ctx)
+    finally:
+        stop.cancel()
+        holder.rollback()
+        holder.close()
+    assert result.timeouts > 0 and result.skipped_rows() == {"locked": 1}, result
+    assert remaining(engine, schema) == {ids[-60_000]}

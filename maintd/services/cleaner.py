@@ -38,7 +38,8 @@ doubles. Each range walks only its own entries, and its DELETE (a plain index sc
 dead ones it meets so later scans skip them. Predicted ranges aim at half the statement timeout
 when that is shorter than ``BATCH_TARGET``. The size lives on the service
 instance, so it carries over from pass to pass. A final row locked by someone else makes the
-range DELETE give up after ``LOCK_WAIT_MS`` and redo that batch with ``SKIP LOCKED``. On the
+range DELETE give up after ``LOCK_WAIT_MS`` and redo that batch with ``SKIP LOCKED`` (probed,
+or, stepping, the same predicted range). On the
 partitioned layout a row moved to another partition meanwhile (``retry_jobs``: SQLSTATE 40001)
 halves the batch size as a timeout does (and a predicted range), and the batch is redone: a table
 busy with such moves still loses its expired rows, in smaller batches.
@@ -202,7 +203,9 @@ class RangePlan:
 
     @property
     def predicted(self) -> bool:
-        return self.width is not None and not self.skip_locked
+        """Whether the next batch is ``lo + width``. A range redone skipping a locked row is
+        probed (exact), unless probes time out (stepping): then it is the same predicted range."""
+        return self.width is not None and (self.stepping or not self.skip_locked)
 
     def skip_lock_holders(self) -> None:
         self.skip_locked = True  # the rows skipped are looked at again by the next pass
