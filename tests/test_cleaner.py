@@ -15,7 +15,7 @@ from sqlalchemy import event
 from sqlalchemy.exc import OperationalError
 
 from maintd.clock import ServerClock
-from maintd.queries import for_queue, sql
+from maintd.queries import for_queue, render, sql
 from maintd.metrics import Metrics
 from maintd.services.base import PassContext, PassStopped
 from maintd.queries import jobs as q
@@ -864,3 +864,48 @@ def test_a_locked_row_in_a_stepping_walk_is_passed_over_not_probed_for_ever(conf
         holder.close()
     assert result.timeouts > 0 and result.skipped_rows() == {"locked": 1}, result
     assert remaining(engine, schema) == {ids[-60_000]}
+
+
+def probe_values(cleaner, engine, schema) -> tuple:
+    """What the daemon's probe (maintd/probes.py) reads for the cleaner: the fragments of
+    ``cleaner.probe()`` as one row."""
+    columns = ", ".join(render(column, schema) for column in cleaner.probe())
+    with engine.connect() as conn:
+        return tuple(conn.execute(sql(f"SELECT {columns}", schema)).one())
+
+
+@pytest.mark.parametrize("when,retention,due", [
+    ("-infinity", "7d", True), ("0044-03-15 00:00:00+00 BC", "7d", True),  # expired: a pass
+    ("-infinity", -1, None),  # kept forever: no pass
+    ("infinity", "7d", None), ("10000-01-01 00:00:00+00", "7d", None),  # never expires
+])
+def test_the_probe_reads_odd_finalized_at_and_asks_for_a_pass_only_when_one_is_expired(
+        configured, schema, engine, when, retention, due):
+    """The probe reads the oldest finalized_at of each state. A '-infinity' or BC one (an import,
+    Go's zero time) or, as a state's only row, an 'infinity' one failed to load into Python: the
+    probe failed, the target was set aside and probed alone, and every look ran a cleaner pass,
+    even for a state kept forever. It reads them now, and asks for a pass when one is expired."""
+    settings = configured(cleaner={"discarded_retention": retention})
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, finalized_at) "
+                         "VALUES ('k', 'discarded', CAST(:when AS timestamptz))", schema), {"when": when})
+    insert(engine, schema, state="completed", finalized_ago=HOUR)  # young: no pass for it
+    cleaner = Cleaner(settings.cleaner)
+    values = probe_values(cleaner, engine, schema)
+    assert cleaner.after_probe(values, T0) is due, values
+
+
+def test_the_probe_reads_one_index_entry_per_state(settings, engine, schema, layout):
+    """The probe runs every interval on every replica's leader: each state's oldest row is the
+    first entry of a finalized index, never a scan of the table."""
+    with engine.begin() as conn:
+        conn.execute(sql(
+            "INSERT INTO {schema}.jobs (kind, state, finalized_at) "
+            "SELECT 'k', (ARRAY['completed', 'cancelled', 'discarded'])[1 + g % 3]::{schema}.job_state, "
+            "now() - (g || ' seconds')::interval FROM generate_series(1, 30000) g", schema))
+        conn.execute(sql("ANALYZE {schema}.jobs", schema))
+    columns = ", ".join(Cleaner(settings.cleaner).probe())
+    with engine.connect() as conn:
+        plan = explain(conn, f"SELECT {columns}", schema, {})
+        conn.rollback()
+    assert plan.count("_finalized_idx") >= 3 and not seq_scans(plan, layout), plan

@@ -459,9 +459,14 @@ NEXT_DUE = """(SELECT CASE WHEN (SELECT min(scheduled_at) FROM {schema}.jobs
                              AND scheduled_at >= '0001-01-02 00:00:00+00'
                              AND scheduled_at < '9999-12-31 00:00:00+00') END)"""
 
-# The cleaner's: the oldest finalized_at of each final state (jobs_finalized_idx).
-OLDEST_FINALIZED = [f"""(SELECT min(finalized_at) FROM {{schema}}.jobs
-  WHERE state = '{state}' AND finalized_at IS NOT NULL)""" for state in ("completed", "cancelled", "discarded")]
+# The cleaner's: the oldest finalized_at of each final state (jobs_finalized_idx), only values a
+# Python datetime holds, so an odd row never fails the read: one before year 1 ('-infinity', BC)
+# reads as year 1 (expired), one from year 9999 on ('infinity') as NULL (never expires).
+OLDEST_FINALIZED = [f"""(SELECT CASE WHEN m < '0001-01-02 00:00:00+00' THEN CAST('0001-01-02 00:00:00+00' AS timestamptz)
+                   WHEN m < '9999-12-31 00:00:00+00' THEN m END
+  FROM (SELECT min(finalized_at) AS m FROM {{schema}}.jobs
+         WHERE state = '{state}' AND finalized_at IS NOT NULL) AS oldest)"""
+                    for state in ("completed", "cancelled", "discarded")]
 
 # The rescuer's: the oldest usable sign of life of a running job (jobs_running_idx; only values a
 # Python datetime holds, so an odd row never fails the read; NULL: none), whether one has no
