@@ -909,3 +909,24 @@ def test_the_probe_reads_one_index_entry_per_state(settings, engine, schema, lay
         plan = explain(conn, f"SELECT {columns}", schema, {})
         conn.rollback()
     assert plan.count("_finalized_idx") >= 3 and not seq_scans(plan, layout), plan
+
+
+def test_a_locked_row_in_a_tie_larger_than_a_batch_is_the_only_one_counted_as_passed_over(
+        settings, engine, schema, clock):
+    """A predicted range reaches a tie larger than a batch (a mass cancel) holding a row another
+    session locked: the range waits for the lock and is redone skipping it, and the probe finds
+    the tie. Each tie batch skips locked rows itself: the rows of the tie it left for the next
+    tie batch were counted and logged as locked too (a batch's worth, for one locked row)."""
+    settings.cleaner.batch_size = 100
+    before = insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=1000, spread=True)  # up to it
+    tied = insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=250)
+    holder = engine.connect()
+    holder.execute(sql("SELECT 1 FROM {schema}.jobs WHERE id = :id FOR UPDATE", schema), {"id": tied[-1]})
+    try:
+        result = run(settings, engine, clock)
+    finally:
+        holder.rollback()
+        holder.close()
+    assert remaining(engine, schema) == {tied[-1]}
+    assert result.deleted["completed"] == len(before + tied) - 1
+    assert result.skipped_rows() == {"locked": 1}

@@ -445,7 +445,9 @@ class Cleaner(Service):
             n = conn.execute(ctx.sql(target.statement(stmt)), args).rowcount
             if n > limit:
                 raise _Overflow()
-            if plan.skip_locked or (tied and n < limit):  # SKIP LOCKED left only locked rows
+            # What SKIP LOCKED left is locked, once the batch is through its range: a tie batch
+            # that deleted ``limit`` rows leaves the rest of the tie to the next one.
+            if (tied and n < limit) or (plan.skip_locked and not tied):
                 self._report_locked(ctx, conn, {**args, "hi": plan.lo + TINY if tied else hi}, result)
         return hi, last, n
 
