@@ -930,3 +930,27 @@ def test_a_locked_row_in_a_tie_larger_than_a_batch_is_the_only_one_counted_as_pa
     assert remaining(engine, schema) == {tied[-1]}
     assert result.deleted["completed"] == len(before + tied) - 1
     assert result.skipped_rows() == {"locked": 1}
+
+
+def test_a_batch_of_jobs_finalized_before_year_1_that_times_out_shrinks_as_a_range_does(
+        configured, schema, engine, clock, slow_deletes):
+    """An import at '-infinity' larger than a short statement timeout lets one DELETE of
+    batch_size rows delete: the range batches halve on a timeout, these failed the pass at once,
+    on every pass, before any expired row of the state (or any later target) was looked at."""
+    settings = configured(statement_timeout="300ms", cleaner={
+        "batch_size": 1000, "cancelled_retention": -1, "discarded_retention": -1})
+
+    class Cleaner1(Cleaner):
+        def _shrink(self):
+            super()._shrink()
+            slow_deletes(False)  # the twice smaller batch goes through
+
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, finalized_at) "
+                         "SELECT 'k', 'completed', '-infinity' FROM generate_series(1, 10)", schema))
+    expired = insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=5)
+    kept = insert(engine, schema, state="completed", finalized_ago=HOUR)
+    cleaner = Cleaner1(settings.cleaner)
+    result = run(settings, engine, clock, cleaner=cleaner)
+    assert result.deleted["completed"] == 10 + len(expired) and result.timeouts == 1
+    assert cleaner.batch_size == 500 and remaining(engine, schema) == set(kept)

@@ -405,7 +405,13 @@ class Cleaner(Service):
                 if ctx.moved_meanwhile(exc):  # redone smaller
                     self._shrink()
                     continue
-                raise
+                if getattr(exc.orig, "sqlstate", None) != QUERY_CANCELED or ctx.should_stop() or limit <= MIN_BATCH:
+                    raise
+                result.timeouts += 1  # redone smaller, as a range batch is
+                self._shrink()
+                log.warning("delete batch hit the statement timeout, shrinking the batch",
+                            extra=kv(state=target.state, batch_size=self.batch_size))
+                continue
             if n:
                 result.batches += 1
                 result.deleted[target.state] += n
