@@ -954,3 +954,26 @@ def test_a_batch_of_jobs_finalized_before_year_1_that_times_out_shrinks_as_a_ran
     result = run(settings, engine, clock, cleaner=cleaner)
     assert result.deleted["completed"] == 10 + len(expired) and result.timeouts == 1
     assert cleaner.batch_size == 500 and remaining(engine, schema) == set(kept)
+
+
+def test_a_locked_job_finalized_before_year_1_does_not_fail_the_default_targets_start(configured, schema, engine,
+                                                                                    clock):
+    """A default target with an overridden queue starts at the first expired row of its queues.
+    A '-infinity' row that its deletion before year 1 passed over (locked by another session) was
+    that first row: it failed to load, and the pass failed. The row is passed over; the rest go."""
+    settings = configured(cleaner={"completed_retention": "1h", "cancelled_retention": -1,
+                                   "discarded_retention": -1, "queues": {"billing": {"completed_retention": "30d"}}})
+    with engine.begin() as conn:
+        ancient = conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, finalized_at) "
+                                   "VALUES ('k', 'completed', '-infinity') RETURNING id", schema)).scalar_one()
+    expired = insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=3)
+    kept = insert(engine, schema, state="completed", queue="billing", finalized_ago=2 * DAY)
+    holder = engine.connect()
+    holder.execute(sql("SELECT 1 FROM {schema}.jobs WHERE id = :id FOR UPDATE", schema), {"id": ancient})
+    try:
+        result = run(settings, engine, clock)
+    finally:
+        holder.rollback()
+        holder.close()
+    assert result.deleted["completed"] == len(expired)
+    assert remaining(engine, schema) == {ancient, *kept}

@@ -126,7 +126,8 @@ OFFSET :limit LIMIT 1
 # Where a default target's pass starts: the oldest final row of the state among the queues it
 # covers, found by a loose index scan of jobs_finalized_queue_idx (one probe per distinct queue of
 # the state), so rows kept by a longer per-queue retention are not walked to get there. NULL:
-# nothing of these queues is older than the horizon.
+# nothing of these queues is older than the horizon. One before year 1 (passed over by the deletion
+# of those, locked) reads as year 1, where the walk starts anyway: no Python datetime holds it.
 CLEANER_FIRST_EXPIRED = """
 WITH RECURSIVE oldest AS (
   (SELECT queue, finalized_at FROM {schema}.jobs
@@ -139,8 +140,9 @@ WITH RECURSIVE oldest AS (
        AND queue > oldest.queue
      ORDER BY queue, finalized_at LIMIT 1) AS next
 )
-SELECT min(finalized_at) FROM oldest
- WHERE queue <> ALL(CAST(:excluded AS text[])) AND finalized_at < :horizon
+SELECT CASE WHEN m < '0001-01-02 00:00:00+00' THEN CAST('0001-01-02 00:00:00+00' AS timestamptz) ELSE m END
+  FROM (SELECT min(finalized_at) AS m FROM oldest
+         WHERE queue <> ALL(CAST(:excluded AS text[])) AND finalized_at < :horizon) AS first
 """
 
 CLEANER_DELETE_RANGE = """
