@@ -575,6 +575,12 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
         and k.upper().split("__")[0][len("MAINTD_"):].lower() not in _TOP_KEYS
     )
     problems = [f"{k}: unknown environment setting" for k in unknown_env]
+    # MAINTD_TARGETS__0__SCHEMA reads as a table keyed '0' ('targets: Input should be a valid list')
+    by_index = sorted(k for k in environ if re.fullmatch(r"MAINTD_(TARGETS|PERIODIC)__\d+(__.*)?", k.upper()))
+    problems += [f"{k}: a list is not set item by item: give it whole, as JSON, in {k.upper().split('__')[0]} "
+                 """(as in MAINTD_TARGETS='[{"schema": "a"}]')""" for k in by_index]
+    if by_index:
+        raise ConfigError(problems)
     # The settings match top-level keys in any case (for the environment's sake): in the file,
     # 'Schema' would stand beside 'schema' and silently win over it. Keys are lower case there.
     problems += [f"{k}: unknown key (keys are lower case: {k.lower()})" for k in data

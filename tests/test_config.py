@@ -286,6 +286,21 @@ def test_bad_env_value_names_the_key(monkeypatch):
         load_settings()
 
 
+@pytest.mark.parametrize("name", ["MAINTD_TARGETS__0__SCHEMA", "maintd_periodic__1__kind"])
+def test_a_list_item_set_by_index_names_the_variable_and_the_json_form(monkeypatch, name):
+    """pydantic-settings reads ``MAINTD_TARGETS__0__SCHEMA`` as a table keyed '0': the error was
+    'targets: Input should be a valid list', naming no variable and no way out."""
+    monkeypatch.setenv(name, "a")
+    with pytest.raises(ConfigError) as err:
+        load_settings()
+    key = name.upper().split("__")[0]
+    assert err.value.problems == [f"{name}: a list is not set item by item: give it whole, as JSON, in {key} "
+                                  f"(as in MAINTD_TARGETS='[{{\"schema\": \"a\"}}]')"]
+    monkeypatch.delenv(name)
+    monkeypatch.setenv("MAINTD_TARGETS", '[{"schema": "a"}, {"schema": "b"}]')
+    assert [t.schema for t in load_settings().targets] == ["a", "b"]
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_settings(tmp_path / "nope.toml")
