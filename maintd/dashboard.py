@@ -191,7 +191,8 @@ def queue_table(conn: Connection, schema: str, now: datetime, cap: int = CAP) ->
             totals[s] = Count(guess[s], "estimate") if guess.get(s, 0) > n else Count(n, "atleast")
     return {"rows": rows, "totals": totals, "cut": cut or bool(finals_cut),
             "oldest_age": max((r["oldest_age"] for r in rows if r["oldest_age"] is not None),
-                              default=None)}
+                              default=None),
+            "oldest_atleast": cut}  # queues of available jobs past the bound: it may wait there
 
 
 # -- the rest of the overview -------------------------------------------------------------------

@@ -1017,6 +1017,28 @@ def test_final_states_past_the_queue_bound_are_not_an_exact_total(engine, schema
     assert table["totals"]["available"].kind == "exact"  # the available jobs are all counted
 
 
+def test_the_oldest_available_age_past_the_queue_bound_is_a_lower_bound(engine, schema, settings):
+    """More queues of available jobs than the overview probes: the oldest waiting job may sit in
+    a queue past the bound, and the age of the oldest among the probed ones was shown as the
+    oldest of all (too young, with no mark)."""
+    from maintd.dashboard import MAX_HEADS
+
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state, scheduled_at)"
+                         " SELECT 'k', 'q' || lpad(g::text, 5, '0'), 'available', now() - interval '1 minute'"
+                         " FROM generate_series(1, :n) g", schema), {"n": MAX_HEADS + 5})
+        conn.execute(sql("UPDATE {schema}.jobs SET scheduled_at = now() - interval '3 hours'"
+                         " WHERE queue = :q", schema), {"q": f"q{MAX_HEADS + 5:05d}"})
+    with engine.connect() as conn:
+        now = conn.execute(text("SELECT now()")).scalar_one()
+        table = queue_table(conn, schema, now)
+    assert table["cut"]
+    assert table["oldest_age"] < 3600 and table["oldest_atleast"], table["oldest_age"]
+    status, _, body, _ = Dashboard(lambda: settings).index(Request("/", {"refresh": ["0"]}))
+    card = body.decode().split('id="oldest-available"', 1)[1].split("</div>\n  </div>", 1)[0]
+    assert status == 200 and "at least" in card, card
+
+
 def test_a_job_with_megabytes_of_args_and_errors_ships_only_what_its_page_shows(settings, engine, schema):
     """A job's page showed 64 k characters of its args, metadata and each error, but read all of
     them (50 errors of a few MB, args of hundreds of MB) into the daemon that holds the leader lock,
