@@ -932,3 +932,18 @@ def test_cli_cancel_by_queue_ends_while_producers_enqueue_into_that_queue(engine
     assert data["changed"] == sum(1 for i in now if i <= upto)
     later = [r for i, r in now.items() if i > upto]
     assert later and {r["state"] for r in later} == {"available"}
+
+
+def test_a_reschedule_that_keeps_the_run_time_is_predicted_as_the_function_changes_it(engine, schema):
+    """Python API: ``reschedule`` with neither ``at`` nor ``offset`` keeps each job's run time (the
+    function's NULL keeps a field). The dry run took the NULL time as never due and predicted
+    'scheduled' for a due job the function makes available."""
+    due = add(engine, schema, "scheduled", due_in=timedelta(minutes=-5))
+    later = add(engine, schema, "scheduled", due_in=timedelta(hours=1))
+    predicted, done = {}, {}
+    for dry_run, out in ((True, predicted), (False, done)):
+        with engine.connect() as conn:
+            report = admin.run_action(conn, schema, "reschedule", ids=due + later, params={"priority": 3},
+                                      dry_run=dry_run)
+        out.update({j["id"]: j["to"] for j in report.changed})
+    assert predicted == done == {due[0]: "available", later[0]: "scheduled"}

@@ -48,7 +48,7 @@ ACTIONS: dict[str, Action] = {
         f" run_at => {RUN_AT}, priority => CAST(:priority AS int),"
         " max_attempts => CAST(:max_attempts AS int))",
         IDLE,
-        f"CASE WHEN {RUN_AT} <= now() THEN 'available' WHEN j.state = 'retryable' THEN 'retryable'"
+        f"CASE WHEN coalesce({RUN_AT}, j.scheduled_at) <= now() THEN 'available' WHEN j.state = 'retryable' THEN 'retryable'"
         " ELSE 'scheduled' END"),
 }
 
