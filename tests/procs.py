@@ -20,8 +20,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import psycopg
 
@@ -372,3 +373,19 @@ def audited_writes(dsn: str, schema: str) -> list[dict]:
         cur = conn.execute(f'SELECT * FROM "{schema}".write_audit ORDER BY seq')
         names = [d.name for d in cur.description]
         return [dict(zip(names, row)) for row in cur.fetchall()]
+
+
+@contextmanager
+def jobs_locked(engine: Any, schema: str, ids: int | list[int]) -> Iterator[None]:
+    """The jobs ``ids`` (one id or a list) locked FOR UPDATE by another session (a worker's
+    transaction) while the block runs."""
+    from maintd.queries import sql
+
+    holder = engine.connect()
+    try:
+        holder.execute(sql("SELECT 1 FROM {schema}.jobs WHERE id = ANY(:ids) FOR UPDATE", schema),
+                       {"ids": [ids] if isinstance(ids, int) else list(ids)})
+        yield
+    finally:
+        holder.rollback()
+        holder.close()

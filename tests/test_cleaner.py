@@ -26,6 +26,7 @@ from maintd.services.cleaner import (
 
 from .conftest import T0, run_concurrently
 from .plans import at_page_costs, explain, index_names, seq_scans
+from .procs import jobs_locked
 
 # Every test here runs on both jobs layouts (SPEC 8.1): tests/conftest.py.
 pytestmark = pytest.mark.both_layouts
@@ -411,13 +412,8 @@ def test_two_cleaners_at_once_delete_each_row_once(settings, engine, schema, clo
 def test_a_locked_final_row_is_skipped_then_deleted_by_the_next_pass(settings, engine, schema, clock):
     cleaner = Cleaner(settings.cleaner)
     ids = insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=10, spread=True)
-    holder = engine.connect()
-    holder.execute(sql("SELECT 1 FROM {schema}.jobs WHERE id = :id FOR UPDATE", schema), {"id": ids[4]})
-    try:
+    with jobs_locked(engine, schema, ids[4]):
         result = run(settings, engine, clock, cleaner=cleaner)
-    finally:
-        holder.rollback()
-        holder.close()
     assert result.deleted["completed"] == 9 and result.timeouts == 0
     assert remaining(engine, schema) == {ids[4]}
     clock.advance(30)
@@ -432,13 +428,8 @@ def test_a_skip_locked_batch_keeps_the_row_exactly_at_the_horizon(settings, engi
     horizon too, and the row finalized exactly at the horizon (not older than the retention) stays."""
     ids = insert(engine, schema, state="completed", finalized_ago=DAY + MS, n=10, spread=True)
     exact = insert(engine, schema, state="completed", finalized_ago=DAY)
-    holder = engine.connect()
-    holder.execute(sql("SELECT 1 FROM {schema}.jobs WHERE id = :id FOR UPDATE", schema), {"id": ids[4]})
-    try:
+    with jobs_locked(engine, schema, ids[4]):
         result = run(settings, engine, clock)
-    finally:
-        holder.rollback()
-        holder.close()
     assert result.skipped_rows() == {"locked": 1}
     assert result.deleted["completed"] == 9
     assert remaining(engine, schema) == {ids[4], *exact}
@@ -920,13 +911,8 @@ def test_a_locked_row_in_a_tie_larger_than_a_batch_is_the_only_one_counted_as_pa
     settings.cleaner.batch_size = 100
     before = insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=1000, spread=True)  # up to it
     tied = insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=250)
-    holder = engine.connect()
-    holder.execute(sql("SELECT 1 FROM {schema}.jobs WHERE id = :id FOR UPDATE", schema), {"id": tied[-1]})
-    try:
+    with jobs_locked(engine, schema, tied[-1]):
         result = run(settings, engine, clock)
-    finally:
-        holder.rollback()
-        holder.close()
     assert remaining(engine, schema) == {tied[-1]}
     assert result.deleted["completed"] == len(before + tied) - 1
     assert result.skipped_rows() == {"locked": 1}
@@ -968,12 +954,7 @@ def test_a_locked_job_finalized_before_year_1_does_not_fail_the_default_targets_
                                    "VALUES ('k', 'completed', '-infinity') RETURNING id", schema)).scalar_one()
     expired = insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=3)
     kept = insert(engine, schema, state="completed", queue="billing", finalized_ago=2 * DAY)
-    holder = engine.connect()
-    holder.execute(sql("SELECT 1 FROM {schema}.jobs WHERE id = :id FOR UPDATE", schema), {"id": ancient})
-    try:
+    with jobs_locked(engine, schema, ancient):
         result = run(settings, engine, clock)
-    finally:
-        holder.rollback()
-        holder.close()
     assert result.deleted["completed"] == len(expired)
     assert remaining(engine, schema) == {ancient, *kept}

@@ -29,7 +29,7 @@ from maintd.services.base import NoFence, PassContext
 from maintd.services.rescuer import DELAYS, FAR_PAST, Rescuer
 from maintd.services.scheduler import MIN_WAKE
 
-from .procs import wait_for
+from .procs import wait_for, jobs_locked
 from .conftest import T0
 from .plans import explain
 
@@ -334,13 +334,8 @@ def test_a_job_the_rescue_cannot_take_does_not_make_it_spin(settings, engine, sc
     at its past deadline, again and again: it leaves it to the next tick."""
     settings = rules(settings, rescue_stuck_jobs_after="10s", interval="3s")
     locked = add(engine, schema, at=timedelta(seconds=-20))
-    holder = engine.connect()
-    holder.execute(sql("SELECT id FROM {schema}.jobs WHERE id = ANY(:ids) FOR UPDATE", schema), {"ids": locked})
-    try:
+    with jobs_locked(engine, schema, locked):
         result = Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, ServerClock()))
-    finally:
-        holder.rollback()
-        holder.close()
     assert (result.retried, result.wake_at()) == (0, None)
 
 

@@ -21,6 +21,7 @@ from maintd.services.rescuer import Rescuer
 
 from .conftest import T0, run_concurrently
 from .plans import at_page_costs, explain
+from .procs import jobs_locked
 
 # Every test here runs on both jobs layouts (SPEC 8.1): tests/conftest.py.
 pytestmark = pytest.mark.both_layouts
@@ -189,13 +190,8 @@ def test_locked_rows_do_not_hide_later_stuck_jobs(settings, engine, schema, cloc
     settings.rescuer.batch_size = 5
     locked = running(engine, schema, seen_ago=timedelta(hours=5), n=5)
     later = running(engine, schema, seen_ago=timedelta(hours=2), n=7)
-    holder = engine.connect()
-    holder.execute(sql("SELECT id FROM {schema}.jobs WHERE id = ANY(:ids) FOR UPDATE", schema), {"ids": locked})
-    try:
+    with jobs_locked(engine, schema, locked):
         result = run(settings, engine, clock)
-    finally:
-        holder.rollback()
-        holder.close()
     assert result.retried == 7
     r = rows(engine, schema)
     assert all(r[i].state == "retryable" for i in later)

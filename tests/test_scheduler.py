@@ -21,7 +21,7 @@ from maintd.services.scheduler import MIN_WAKE, Scheduler, SchedulerResult
 
 from .conftest import T0, run_concurrently
 from .plans import explain
-from .procs import wait_for
+from .procs import wait_for, jobs_locked
 
 # Every test here runs on both jobs layouts (SPEC 8.1): tests/conftest.py.
 pytestmark = pytest.mark.both_layouts
@@ -172,18 +172,13 @@ def test_a_due_job_it_cannot_take_does_not_make_a_precise_scheduler_spin(setting
         held = conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) VALUES "
                                 "('k', 'scheduled', clock_timestamp() - interval '1 second') RETURNING id",
                                 schema)).scalar()
-    holder = engine.connect()
-    holder.execute(sql("SELECT 1 FROM {schema}.jobs WHERE id = :id FOR UPDATE", schema), {"id": held})
-    try:
+    with jobs_locked(engine, schema, held):
         first = Scheduler(settings.scheduler).run_once(PassContext.for_settings(settings, engine, ServerClock()))
         with engine.begin() as conn:
             later = conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) VALUES "
                                      "('k', 'scheduled', clock_timestamp() + interval '2 seconds') "
                                      "RETURNING scheduled_at", schema)).scalar()
         second = Scheduler(settings.scheduler).run_once(PassContext.for_settings(settings, engine, ServerClock()))
-    finally:
-        holder.rollback()
-        holder.close()
     assert (first.total, first.wake_at()) == (0, None), f"asked for a pass at {first.wake_at()} for a held row"
     assert (second.total, second.wake_at()) == (0, later)
 
