@@ -511,3 +511,40 @@ def test_a_stop_before_a_rebuild_starts_reports_no_attempt(pg_dsn, schema, setti
     assert record.outcome is Outcome.STOPPED
     assert [(r.index, r.outcome) for r in record.result.indexes] == [("jobs_pkey", "reindexed")], record.result
     assert index_oids(pg_dsn, schema)["jobs_finalized_idx"] == before["jobs_finalized_idx"]
+
+
+def test_a_maintain_holder_rebuilds_and_names_the_leftover_only_the_owner_may_drop(pg_dsn, pg_version, schema,
+                                                                                  settings, caplog):
+    """PostgreSQL 17+: MAINTAIN on the jobs table allows REINDEX, not DROP INDEX (owner only). Such
+    a role tried to drop an earlier build's leftover first, got 'must be owner of index ..._ccnew',
+    and failed the index with '(REINDEX CONCURRENTLY needs ownership ...)': the index was never
+    rebuilt again, on any pass, and the log promised 'the next pass will' drop it. The rebuild now
+    runs; the leftover is kept, named, with what the owner must do, and the pass fails."""
+    if pg_version < 17:
+        pytest.skip("MAINTAIN is PostgreSQL 17+")
+    role = f"maintd_maint_{uuid.uuid4().hex[:8]}"
+    seed(pg_dsn, schema, 200)
+    make_invalid(pg_dsn, schema, "jobs_fetch_idx_ccnew")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {role} LOGIN")
+        conn.execute(f'GRANT USAGE ON SCHEMA "{schema}" TO {role}')
+        conn.execute(f'GRANT SELECT, INSERT, UPDATE, DELETE, MAINTAIN ON ALL TABLES IN SCHEMA "{schema}" TO {role}')
+    before = index_oids(pg_dsn, schema)
+    engine = make_engine(pg_dsn.replace("postgres@", f"{role}@", 1), application_name="t")
+    try:
+        settings.reindexer.indexes = ["jobs_fetch_idx"]
+        dry = run(settings, engine, dry_run=True)
+        assert dry.indexes[0].artifacts_dropped == [], dry.indexes[0]  # it would not drop it
+        result = run(settings, engine)
+    finally:
+        engine.dispose()
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f'REVOKE ALL ON ALL TABLES IN SCHEMA "{schema}" FROM {role}')
+            conn.execute(f'REVOKE ALL ON SCHEMA "{schema}" FROM {role}')
+            conn.execute(f"DROP ROLE {role}")
+    [report] = result.indexes
+    assert report.outcome == "reindexed", (report.outcome, report.error)
+    assert index_oids(pg_dsn, schema)["jobs_fetch_idx"] != before["jobs_fetch_idx"]
+    assert report.leftovers_kept == ["jobs_fetch_idx_ccnew"] and result.failed(), report
+    assert "DROP INDEX" in report.error and "owner" in report.error and "REINDEX CONCURRENTLY needs" not in report.error
+    assert not any("the next pass will" in r.getMessage() for r in caplog.records)

@@ -29,18 +29,20 @@ SELECT coalesce((SELECT c.relkind = 'p' FROM pg_class c
                   WHERE c.oid = to_regclass(format('%I.jobs', CAST(:schema AS text)))), false)
 """
 
-# can_reindex: whether this role may REINDEX (and DROP) the index: a superuser, a member of the
-# table's owner role, or (PostgreSQL 17+) a holder of MAINTAIN on the table.
+# can_reindex: whether this role may REINDEX the index: a superuser, a member of the table's
+# owner role, or (PostgreSQL 17+) a holder of MAINTAIN on the table. can_drop: whether it may DROP
+# it (a failed build's leftover): the owner only, MAINTAIN does not allow it.
 JOBS_INDEXES = """
 SELECT c.relname AS name, i.indisvalid AS valid, pg_relation_size(c.oid) AS bytes,
-       (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
-       OR pg_has_role(current_user, t.relowner, 'USAGE')
-       OR CASE WHEN current_setting('server_version_num')::int >= 170000
-               THEN has_table_privilege(t.oid, 'MAINTAIN') ELSE false END AS can_reindex
+       o.owns OR CASE WHEN current_setting('server_version_num')::int >= 170000
+                      THEN has_table_privilege(t.oid, 'MAINTAIN') ELSE false END AS can_reindex,
+       o.owns AS can_drop
   FROM pg_index i
   JOIN pg_class c ON c.oid = i.indexrelid
   JOIN pg_class t ON t.oid = i.indrelid
   JOIN pg_namespace n ON n.oid = t.relnamespace
+ CROSS JOIN LATERAL (SELECT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
+                            OR pg_has_role(current_user, c.relowner, 'USAGE') AS owns) o
  WHERE n.nspname = :schema AND c.relkind = 'i'
    AND t.relname IN ('jobs', 'jobs_live')  -- the partitioned layout's live partition (SPEC 8.1)
  ORDER BY c.relname

@@ -3,7 +3,8 @@
 Before each index it drops leftovers of an earlier failed concurrent build of that index (invalid
 ``<index>_ccnew``/``_ccold`` indexes, numbered too) with ``DROP INDEX CONCURRENTLY``. A build that
 is cancelled (timeout, lost leadership, shutdown) leaves such an invalid index behind: it is
-dropped right away. With ``bloat_threshold`` set, indexes whose estimated bloat is below it are
+dropped right away. A role with MAINTAIN but not ownership (PostgreSQL 17+) may rebuild, not drop:
+it rebuilds, and names the leftovers it keeps (a failed pass). With ``bloat_threshold`` set, indexes whose estimated bloat is below it are
 skipped (``pgstattuple``'s ``pgstatindex`` when installed, a catalog estimate otherwise).
 
 DDL cannot run inside the fenced transaction, so the fence is checked in a short transaction right
@@ -64,6 +65,10 @@ OLDER_TRANSACTION = ("a transaction older than the rebuild kept the jobs table f
                      "({}); its waits block no worker: raise lock_timeout (up to timeout) to wait for such transactions")
 NOT_PERMITTED = ("this role may not reindex it: REINDEX INDEX CONCURRENTLY needs ownership of the jobs "
                  "table (or MAINTAIN on it, PostgreSQL 17+): run the reindexer as the owner role")  # insufficient_privilege ("must be owner of index")
+# MAINTAIN (PostgreSQL 17+) allows REINDEX but not DROP INDEX: a failed build's leftover stays.
+KEPT_LEFTOVER = ("left the leftover index {} of a failed build: DROP INDEX needs ownership of the jobs table "
+                 "(MAINTAIN allows REINDEX, not DROP): the owner role must drop it (DROP INDEX CONCURRENTLY), "
+                 "or run the reindexer as the owner role")
 
 
 def _qualified(schema: str, index: str) -> str:
@@ -93,6 +98,7 @@ class IndexReport:
     bloat_percent: float | None = None
     artifacts_dropped: list[str] = field(default_factory=list)
     error: str | None = None
+    leftovers_kept: list[str] = field(default_factory=list)  # leftovers this role may not drop (MAINTAIN)
     failed_on: str | None = None  # the leftover whose drop failed (None: the rebuild, if any)
 
 
@@ -105,9 +111,10 @@ class ReindexerResult(PassResult):
         return bool(self.indexes)
 
     def failed(self) -> bool:
-        """A build that failed, or (not in a dry run, which only reports it) an index this role
-        may not rebuild."""
-        return any(r.outcome in ("error", "timeout") or (r.outcome == "not_permitted" and not self.dry_run)
+        """A build that failed, or (not in a dry run, which only reports them) an index this role
+        may not rebuild or a leftover it may not drop."""
+        return any(r.outcome in ("error", "timeout")
+                   or (not self.dry_run and (r.outcome == "not_permitted" or r.leftovers_kept))
                    for r in self.indexes)
 
     def summary(self) -> str:
@@ -144,7 +151,7 @@ class Reindexer(Service):
                 self._not_permitted(report)
                 continue
             report.bloat_percent = self._bloat(ctx, index, has_pgstattuple)
-            artifacts = [n for n, r in catalog_rows.items() if is_artifact(n, index) and not r.valid]
+            artifacts = self._leftovers(catalog_rows, report)
             try:
                 if not self._reindex(ctx, report, artifacts):
                     break
@@ -171,6 +178,16 @@ class Reindexer(Service):
             return
         report.error = f"an index of the {table} table, not of jobs (the reindexer rebuilds the jobs table's)"
         log.warning("configured index is not the jobs table's, skipping", extra=kv(index=report.index, table=table))
+
+    @staticmethod
+    def _leftovers(catalog_rows: dict, report: IndexReport) -> list[str]:
+        """The index's leftovers (invalid ``_ccnew``/``_ccold``) this role may drop; those it may
+        not (MAINTAIN without ownership) are kept, named in the report and a warning."""
+        found = [r for n, r in catalog_rows.items() if is_artifact(n, report.index) and not r.valid]
+        kept = [r.name for r in found if not r.can_drop]
+        if kept:
+            _keep(report, kept)
+        return [r.name for r in found if r.can_drop]
 
     @staticmethod
     def _not_permitted(report: IndexReport) -> None:
@@ -259,7 +276,9 @@ class Reindexer(Service):
             with ctx.engine.connect() as conn:
                 rows = conn.execute(text(catalog.JOBS_INDEXES), {"schema": ctx.schema}).all()
             for r in rows:
-                if is_artifact(r.name, report.index) and not r.valid:
+                if is_artifact(r.name, report.index) and not r.valid and not r.can_drop:
+                    _keep(report, [r.name])
+                elif is_artifact(r.name, report.index) and not r.valid:
                     name = r.name
                     with ctx.autocommit(lock_timeout_ms=ms(self.config.lock_timeout),
                                         statement_timeout_ms=ms(self._drop_timeout)) as conn:
@@ -299,6 +318,18 @@ class Reindexer(Service):
             metrics[REINDEX].labels(r.index, r.outcome).inc()
             if r.outcome == "reindexed":
                 metrics[REINDEX_SECONDS].labels(r.index).set(r.seconds)
+
+
+def _keep(report: IndexReport, names: list[str]) -> None:
+    """Leftovers this role may not drop: named in the report (a failed pass) and a warning (after
+    the error of a failed rebuild, if any)."""
+    new = [n for n in names if n not in report.leftovers_kept]
+    if not new:
+        return
+    report.leftovers_kept.extend(new)
+    said = KEPT_LEFTOVER.format(", ".join(new))
+    report.error = said if report.error is None else f"{report.error}; {said}"
+    log.warning("cannot drop a leftover index", extra=kv(index=report.index, leftovers=",".join(new), error=said))
 
 
 def _seconds(td: timedelta) -> str:
