@@ -48,9 +48,17 @@ SELECT c.relname AS name, i.indisvalid AS valid, pg_relation_size(c.oid) AS byte
  ORDER BY c.relname
 """
 
-# The table an index of the schema belongs to (a configured name that is not one of the jobs table's).
+# The table an index of the schema belongs to (a configured name that is not one of the jobs table's),
+# whether it is a partitioned index (the partitioned layout's jobs_finalized_idx, say), and then its
+# piece on the live partition (SPEC 8.1), if any.
 INDEX_TABLE = """
-SELECT t.relname FROM pg_index i
+SELECT t.relname AS table, c.relkind = 'I' AS partitioned,
+       (SELECT p.relname FROM pg_inherits h
+          JOIN pg_class p ON p.oid = h.inhrelid
+          JOIN pg_index pi ON pi.indexrelid = p.oid
+          JOIN pg_class pt ON pt.oid = pi.indrelid
+         WHERE h.inhparent = c.oid AND pt.relname = 'jobs_live' AND pt.relnamespace = n.oid) AS live_piece
+  FROM pg_index i
   JOIN pg_class c ON c.oid = i.indexrelid
   JOIN pg_class t ON t.oid = i.indrelid
   JOIN pg_namespace n ON n.oid = c.relnamespace

@@ -65,6 +65,9 @@ OLDER_TRANSACTION = ("a transaction older than the rebuild kept the jobs table f
                      "({}); its waits block no worker: raise lock_timeout (up to timeout) to wait for such transactions")
 NOT_PERMITTED = ("this role may not reindex it: REINDEX INDEX CONCURRENTLY needs ownership of the jobs "
                  "table (or MAINTAIN on it, PostgreSQL 17+): run the reindexer as the owner role")  # insufficient_privilege ("must be owner of index")
+PARTITIONED_INDEX = ("a partitioned index of jobs (the partitioned layout): the reindexer rebuilds the indexes of "
+                     "the live partition jobs_live{}; the final states' partitions are not rebuilt (retention "
+                     "drops them)")
 # MAINTAIN (PostgreSQL 17+) allows REINDEX but not DROP INDEX: a failed build's leftover stays.
 KEPT_LEFTOVER = ("left the leftover index {} of a failed build: DROP INDEX needs ownership of the jobs table "
                  "(MAINTAIN allows REINDEX, not DROP): the owner role must drop it (DROP INDEX CONCURRENTLY), "
@@ -172,12 +175,16 @@ class Reindexer(Service):
         """Not an index of the jobs table: none of that name, or another table's."""
         report.outcome = "missing"
         with ctx.engine.connect() as conn:
-            table = conn.execute(text(catalog.INDEX_TABLE), {"schema": ctx.schema, "index": report.index}).scalar()
-        if table is None:
+            found = conn.execute(text(catalog.INDEX_TABLE), {"schema": ctx.schema, "index": report.index}).first()
+        if found is None:
             log.warning("configured index does not exist, skipping", extra=kv(index=report.index))
             return
-        report.error = f"an index of the {table} table, not of jobs (the reindexer rebuilds the jobs table's)"
-        log.warning("configured index is not the jobs table's, skipping", extra=kv(index=report.index, table=table))
+        if found.partitioned and found.table == "jobs":
+            report.error = PARTITIONED_INDEX.format(f", its piece there is {found.live_piece}" if found.live_piece else "")
+            log.warning("configured index is a partitioned index of jobs, skipping", extra=kv(index=report.index))
+            return
+        report.error = f"an index of the {found.table} table, not of jobs (the reindexer rebuilds the jobs table's)"
+        log.warning("configured index is not the jobs table's, skipping", extra=kv(index=report.index, table=found.table))
 
     @staticmethod
     def _leftovers(catalog_rows: dict, report: IndexReport) -> list[str]:
