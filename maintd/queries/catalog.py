@@ -73,7 +73,8 @@ SELECT greatest(0, 90 - avg_leaf_density)::float8 AS bloat
   FROM pgstatindex(CAST(:qualified AS regclass))
 """
 
-# Catalog estimate: pages the index would need at 90 % fill for its tuples, vs its size.
+# Catalog estimate: pages the index would need at 90 % fill for its tuples, vs its size. The
+# widths are the statistics of the index's own table (jobs, or the partitioned layout's jobs_live).
 ESTIMATED_BLOAT = """
 SELECT CASE WHEN c.relpages <= 1 OR c.reltuples <= 0 THEN 0
             ELSE greatest(0, 100 * (1 - (c.reltuples * (8 + coalesce(w.width, 8))
@@ -83,8 +84,9 @@ SELECT CASE WHEN c.relpages <= 1 OR c.reltuples <= 0 THEN 0
   LEFT JOIN LATERAL (
        SELECT sum(s.avg_width)::float8 AS width
          FROM pg_index i
+         JOIN pg_class t ON t.oid = i.indrelid
          JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)
-         JOIN pg_stats s ON s.schemaname = n.nspname AND s.tablename = 'jobs' AND s.attname = a.attname
+         JOIN pg_stats s ON s.schemaname = n.nspname AND s.tablename = t.relname AND s.attname = a.attname
         WHERE i.indexrelid = c.oid) w ON true
  WHERE n.nspname = :schema AND c.relname = :index
 """
