@@ -584,3 +584,26 @@ def test_the_catalog_bloat_estimate_of_a_fresh_index_is_low_on_both_layouts(pg_d
     settings.reindexer.bloat_threshold = 30
     [fresh] = run(settings, engine).indexes
     assert fresh.outcome == "skipped" and fresh.bloat_percent < 30, fresh
+
+
+def test_a_leftover_of_a_long_non_ascii_name_is_found_under_its_cut_name(pg_dsn, schema, settings, engine):
+    """PostgreSQL cuts a name to fit 63 *bytes*, at a character's boundary: the leftover of a long
+    name with two-byte characters is 62 bytes, fewer than 63 characters, and was taken for
+    another index: never dropped, never reported."""
+    seed(pg_dsn, schema, 100)
+    long_name = "jobs" + "é" * 29  # 62 bytes
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE INDEX "{long_name}" ON "{schema}".jobs (created_at)')
+    with psycopg.connect(pg_dsn) as blocker, psycopg.connect(pg_dsn, autocommit=True) as conn:
+        blocker.execute(f'UPDATE "{schema}".jobs SET priority = 1 WHERE id = (SELECT min(id) FROM "{schema}".jobs)')
+        conn.execute("SET lock_timeout = '300ms'")
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            conn.execute(f'REINDEX INDEX CONCURRENTLY "{schema}"."{long_name}"')
+        blocker.rollback()
+    [leftover] = [name for name in indexes(pg_dsn, schema) if name.endswith("_ccnew")]
+    assert leftover == "jobs" + "é" * 26 + "_ccnew", leftover
+    reports = {r.index: r for r in run(settings, engine).indexes}  # the default list: every index of jobs
+    assert leftover not in reports, reports
+    report = reports[long_name]
+    assert report.outcome == "reindexed" and report.artifacts_dropped == [leftover], report
+    assert leftover not in indexes(pg_dsn, schema)

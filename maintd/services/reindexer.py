@@ -83,12 +83,13 @@ def _qualified(schema: str, index: str) -> str:
 def is_artifact(name: str, index: str) -> bool:
     """Whether ``name`` is a leftover of a concurrent build of ``index``: ``<index>_ccnew``,
     ``_ccold`` (numbered when taken). PostgreSQL cuts the index's name so that the whole fits
-    63 bytes (ChooseRelationName): a leftover of a longer name is 63 long and starts with a cut."""
+    63 bytes (ChooseRelationName), at a character's boundary: a leftover of a longer name starts
+    with a cut and is 63 bytes long, down to 60 when the cut fell inside a (UTF-8) character."""
     found = ARTIFACT_RE.search(name)
     if found is None:
         return False
     base = name[:found.start()]
-    return base == index or (len(name) == 63 and len(base) < len(index) and index.startswith(base))
+    return base == index or (len(name.encode()) >= 60 and len(base) < len(index) and index.startswith(base))
 
 
 @dataclass
