@@ -515,3 +515,43 @@ def test_a_rescued_job_claimed_again_by_the_spec_claim_stays_running(settings, e
     result = run(settings, engine, clock)
     assert (result.retried, result.discarded) == (0, 0)
     assert rows(engine, schema)[job].state == "running"
+
+
+def test_a_claim_over_a_go_zero_heartbeat_neither_spins_the_pass_nor_is_rescued_live(settings, engine, schema,
+                                                                                      clock):
+    """A worker that writes Go's zero time.Time (year 1, before the keyset's start) as heartbeat_at
+    and claims by SPEC 2 (attempted_at = now, heartbeat_at left) runs a live job whose only sign
+    of life in this attempt is its claim. The batch for running jobs with no usable sign took it
+    as a candidate and, by the stale-heartbeat rule, did not rescue it, nor clear it: the batch
+    found as many candidates as its limit again and again, and the pass never ended. Such a
+    heartbeat is now cleared like any other earlier attempt's, and the job judged by its claim;
+    the dry run says the same."""
+    settings.rescuer.batch_size = 1
+    with engine.begin() as conn:
+        [live] = [r[0] for r in conn.execute(sql(
+            "INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at, heartbeat_at) "
+            "VALUES ('k', 'running', 2, CAST(:t AS timestamptz) - interval '5 minutes', "
+            "'0001-01-01 00:00:00+00') RETURNING id", schema), {"t": T0})]
+    planned = run(settings, engine, clock, dry_run=True)
+    assert (planned.retried, planned.discarded, planned.cleared) == (0, 0, 1), planned
+    ctx = PassContext.for_settings(settings, engine, clock)
+    done: list = []
+
+    def pass_():
+        try:
+            done.append(Rescuer(settings.rescuer).run_once(ctx))
+        except Exception as exc:  # PassStopped: the stop below ended a pass that never ended
+            done.append(exc)
+
+    worker = threading.Thread(target=pass_, daemon=True)
+    worker.start()
+    worker.join(20)
+    ctx.stop_event.set()  # a pass still looping ends at its next batch
+    worker.join(20)
+    assert done and not isinstance(done[0], Exception), (
+        "the pass never ended: the batch of jobs without a usable sign found the same candidate again", done)
+    assert (done[0].retried, done[0].discarded, done[0].skipped_rows()) == (
+        0, 0, {"future_sign": 0, "stale_heartbeat": 1}), done[0]
+    job = rows(engine, schema)[live]
+    assert (job.state, job.heartbeat_at) == ("running", None)
+    assert run(settings, engine, clock).did_something() is False

@@ -16,6 +16,9 @@ statement is rendered; each fragment used by more than one statement is defined 
   ``heartbeat_timeout``, each moved back by ``{ahead}``);
 * ``{stale_heartbeat}``: a running job whose heartbeat is an earlier attempt's and whose claim
   is within its rule's grace (bound as ``{stuck}``): not stuck, its heartbeat to be cleared;
+* ``{clear_stale}``: the rescuer's update of its locked ``candidates`` whose heartbeat is an
+  earlier attempt's (``{stale_heartbeat}``): that heartbeat cleared (``cleared``, their ids), so
+  they are judged by their claim; disjoint from ``{rescue}``'s rows;
 * ``{ahead}``: how far ``:now`` (the daemon's carried reading of the server's clock) is ahead of
   the server's ``statement_timestamp()``, 0 when it is not;
 * ``{rule}``: which of the rescuer's rules (1-based) holds for a job: its kind's, else its
@@ -132,6 +135,16 @@ RESCUE = """rescued AS (
   RETURNING j.id, j.queue, j.kind, j.attempt, j.state::text AS outcome, j.state = 'discarded' AS discarded
 )"""
 
+# Unqualified columns in the WHERE are the jobs row's, as in RESCUE.
+CLEAR_STALE = """cleared AS (
+  UPDATE {schema}.jobs AS j SET heartbeat_at = NULL
+    FROM candidates AS c
+   WHERE j.ctid = ANY(ARRAY(SELECT ctid FROM candidates))
+     AND j.id = c.id AND j.state = 'running' AND j.attempt = c.attempt
+     AND {stale_heartbeat}
+  RETURNING j.id
+)"""
+
 # A job's INSERT, before its ON CONFLICT: due now ('available') or later ('scheduled'). Every
 # parameter is typed in the SQL, so that any driver (psql's \bind, server-side binding) can run it.
 ENQUEUE = """INSERT INTO {schema}.jobs (kind, queue, args, priority, max_attempts, scheduled_at, state,
@@ -143,7 +156,7 @@ VALUES (CAST(:kind AS text), CAST(:queue AS text), CAST(:args AS jsonb), CAST(:p
         CAST(:unique_key AS text), CAST(:metadata AS jsonb))"""
 
 # Order matters: a fragment may hold the ones after it.
-FRAGMENTS = {"{enqueue}": ENQUEUE, "{rescue}": RESCUE, "{advisory_lock}": ADVISORY_LOCK, "{stuck}": STUCK,
+FRAGMENTS = {"{enqueue}": ENQUEUE, "{rescue}": RESCUE, "{clear_stale}": CLEAR_STALE, "{advisory_lock}": ADVISORY_LOCK, "{stuck}": STUCK,
              "{stale_heartbeat}": STALE_HEARTBEAT, "{ahead}": AHEAD, "{grace}": GRACE, "{rule}": RULE, "{announce}": ANNOUNCE, "{target_queues}": TARGET_QUEUES,
              "{final_states}": FINAL_STATES_SQL}
 

@@ -241,14 +241,7 @@ WITH candidates AS MATERIALIZED (
    ORDER BY coalesce(heartbeat_at, attempted_at), id
    LIMIT :limit
      FOR NO KEY UPDATE SKIP LOCKED
-), {rescue}, cleared AS (
-  UPDATE {schema}.jobs AS j SET heartbeat_at = NULL
-    FROM candidates AS c
-   WHERE j.ctid = ANY(ARRAY(SELECT ctid FROM candidates))
-     AND j.id = c.id AND j.state = 'running' AND j.attempt = c.attempt
-     AND {stale_heartbeat}
-  RETURNING j.id
-)
+), {rescue}, {clear_stale}
 SELECT (SELECT count(*) FROM candidates) AS candidates,
        last.seen AS last_seen, last.id AS last_id,
        (SELECT count(*) FROM rescued WHERE discarded) AS discarded,
@@ -261,7 +254,10 @@ SELECT (SELECT count(*) FROM candidates) AS candidates,
 
 # Running jobs with no usable sign of life (attempted_at and heartbeat_at NULL, before year 1:
 # '-infinity', BC, or from 9999-12-31 on: 'infinity'), which the keyset above cannot reach (or, for
-# the far future, would reach never): stuck by definition, rescued the same way. The years are
+# the far future, would reach never): stuck by definition, rescued the same way; or, for a
+# candidate whose heartbeat is an earlier attempt's (Go's zero time left by a claim that does not
+# clear it), that heartbeat cleared, so that it is judged by its claim in the keyset above (left
+# alone, it was a candidate of every batch, and the pass never ended). The years are
 # literals (maintd.services.rescuer.FAR_PAST), so that even a generic plan knows the ranges are
 # empty and reads the index.
 RESCUER_NO_SIGN_BATCH = """
@@ -284,11 +280,12 @@ WITH candidates AS MATERIALIZED (
      AND state = 'running'
    LIMIT :limit
      FOR NO KEY UPDATE SKIP LOCKED
-), {rescue}
+), {rescue}, {clear_stale}
 SELECT (SELECT count(*) FROM candidates) AS candidates,
        (SELECT count(*) FROM rescued WHERE discarded) AS discarded,
        (SELECT count(*) FROM rescued WHERE NOT discarded) AS retried,
        ARRAY(SELECT id FROM rescued) AS ids,
+       ARRAY(SELECT id FROM cleared ORDER BY id) AS cleared,
        CASE WHEN :announce THEN {announce} ELSE 0 END AS announced
 """
 
@@ -371,11 +368,12 @@ SELECT count(*) FILTER (WHERE attempt < max_attempts AND {stale_heartbeat} IS NO
 """
 
 # A dry run's count of what the two batches above would handle: running jobs with no usable sign
-# of life (rescued by RESCUER_NO_SIGN_BATCH) and waiting jobs with no attempt left (discarded by
+# of life (rescued, or their earlier attempt's heartbeat cleared, by RESCUER_NO_SIGN_BATCH) and waiting jobs with no attempt left (discarded by
 # RESCUER_EXHAUSTED_BATCH), each read by its index as those batches read it.
 RESCUER_COUNT_ODD = """
-SELECT count(*) FILTER (WHERE state = 'running' AND attempt < max_attempts) AS retry,
-       count(*) FILTER (WHERE state = 'running' AND attempt >= max_attempts) AS discard,
+SELECT count(*) FILTER (WHERE state = 'running' AND attempt < max_attempts AND {stale_heartbeat} IS NOT TRUE) AS retry,
+       count(*) FILTER (WHERE state = 'running' AND attempt >= max_attempts AND {stale_heartbeat} IS NOT TRUE) AS discard,
+       count(*) FILTER (WHERE state = 'running' AND {stale_heartbeat}) AS cleared,
        count(*) FILTER (WHERE state <> 'running') AS exhausted
   FROM {schema}.jobs
  WHERE id = ANY(ARRAY(

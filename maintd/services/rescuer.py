@@ -189,6 +189,15 @@ def _log_rescued(retried: int, discarded: int) -> None:
                  extra=kv(count=retried + discarded, retried=retried, discarded=discarded))
 
 
+def _count_cleared(result: RescuerResult, cleared: list[int]) -> None:
+    """A batch's candidates whose earlier attempt's heartbeat it cleared: counted, one line."""
+    result.cleared += len(cleared)
+    if cleared:
+        log.warning("cleared the heartbeat_at of running jobs left from an earlier attempt (a claim "
+                    "that does not clear it): they are judged by their claim's attempted_at",
+                    extra=kv(count=len(cleared), job_ids=clip(cleared)))
+
+
 class Rescuer(Service):
 
     METRICS = (JOBS_RESCUED,)
@@ -251,13 +260,14 @@ class Rescuer(Service):
         if ctx.dry_run:  # what each of the three batches would do
             with ctx.transaction() as conn:
                 now = ctx.now()
-                stuck = conn.execute(ctx.sql(jobs.RESCUER_COUNT_STUCK), {**self.horizons(now), "now": now}).one()
-                odd = conn.execute(ctx.sql(jobs.RESCUER_COUNT_ODD)).one()
+                horizons = {**self.horizons(now), "now": now}
+                stuck = conn.execute(ctx.sql(jobs.RESCUER_COUNT_STUCK), horizons).one()
+                odd = conn.execute(ctx.sql(jobs.RESCUER_COUNT_ODD), horizons).one()
                 if self._future_due(now):
                     result.dated = conn.execute(ctx.sql(jobs.RESCUER_COUNT_FUTURE),
                                                 {"ahead": FUTURE_AHEAD.total_seconds()}).scalar()
             result.retried, result.discarded = stuck.retry + odd.retry, stuck.discard + odd.discard
-            result.cleared = stuck.cleared
+            result.cleared = stuck.cleared + odd.cleared
             result.exhausted = odd.exhausted
             return result
         now = ctx.now()
@@ -314,11 +324,7 @@ class Rescuer(Service):
                 result.batches += 1
             result.discarded += batch.discarded
             result.retried += batch.retried
-            result.cleared += len(batch.cleared)
-            if batch.cleared:
-                log.warning("cleared the heartbeat_at of running jobs left from an earlier attempt (a claim "
-                            "that does not clear it): they are judged by their claim's attempted_at",
-                            extra=kv(count=len(batch.cleared), job_ids=clip(batch.cleared)))
+            _count_cleared(result, batch.cleared)
             if batch.candidates < limit:
                 return deadline
             after_seen, after_id = batch.last_seen, batch.last_id
@@ -341,10 +347,12 @@ class Rescuer(Service):
                 return
 
     def _rescue_without_sign(self, ctx: PassContext, params: dict, result: RescuerResult) -> None:
-        """Running jobs with no usable attempted_at/heartbeat_at: stuck, rescued, one line per batch."""
+        """Running jobs with no usable attempted_at/heartbeat_at: stuck, rescued, one line per batch
+        (or, with an earlier attempt's heartbeat and a claim within its grace, that heartbeat cleared)."""
         for batch in self._batches(ctx, jobs.RESCUER_NO_SIGN_BATCH, params, RESCUE_TRANSACTION):
             result.discarded += batch.discarded
             result.retried += batch.retried
+            _count_cleared(result, batch.cleared)
             if batch.ids:
                 log.warning("rescued running jobs with no usable attempted_at or heartbeat_at",
                             extra=kv(count=len(batch.ids), job_ids=clip(batch.ids)))
