@@ -555,3 +555,32 @@ def test_a_claim_over_a_go_zero_heartbeat_neither_spins_the_pass_nor_is_rescued_
     job = rows(engine, schema)[live]
     assert (job.state, job.heartbeat_at) == ("running", None)
     assert run(settings, engine, clock).did_something() is False
+
+
+def test_an_infinite_heartbeat_over_a_fresh_claim_is_dated_not_rescued(settings, engine, schema):
+    """A heartbeat_at of 'infinity' (or from 9999-12-31 on) is a sign of life from the future like
+    one ten years ahead, which is dated now: given no later than now. The batch for jobs with no
+    usable sign took it as none, and rescued at once a job claimed a minute ago whose worker may
+    well be alive (SPEC 2's rule never finds it stuck): two workers ran it. Such a heartbeat is
+    now dated now, and the job rescued once its grace passes with no newer sign. A job with no
+    sign but an 'infinite' claim time is still rescued at once (it has no usable sign at all)."""
+    from maintd.clock import FrozenClock
+
+    settings.rescuer.precise_timing = False
+    with engine.begin() as conn:
+        live, last_day, claim_only = [r[0] for r in conn.execute(sql(
+            "INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at, attempted_by, heartbeat_at) "
+            "VALUES ('k', 'running', 1, now() - interval '1 minute', 'w1', 'infinity'), "
+            "       ('k', 'running', 1, now() - interval '1 minute', 'w1', '9999-12-31 12:00:00+00'), "
+            "       ('k', 'running', 1, 'infinity', 'w1', NULL) RETURNING id", schema))]
+        now = conn.execute(text("SELECT now()")).scalar()
+    planned = run(settings, engine, FrozenClock(now), dry_run=True)
+    assert (planned.retried, planned.discarded, planned.dated) == (1, 0, 2), planned
+    result = Rescuer(settings.rescuer).run_once(PassContext.for_settings(settings, engine, FrozenClock(now)))
+    with engine.connect() as conn:
+        got = {r.id: r for r in conn.execute(sql(
+            "SELECT id, state::text AS state, heartbeat_at < '9999-01-01' AS dated FROM {schema}.jobs", schema))}
+    assert {i: got[i].state for i in (live, last_day, claim_only)} == {
+        live: "running", last_day: "running", claim_only: "retryable"}, "a job with a fresh claim was rescued"
+    assert got[live].dated and got[last_day].dated
+    assert (result.retried, result.skipped_rows()) == (1, {"future_sign": 2, "stale_heartbeat": 0}), result
