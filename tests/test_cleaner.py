@@ -20,7 +20,7 @@ from maintd.metrics import Metrics
 from maintd.services.base import PassContext, PassStopped
 from maintd.queries import jobs as q
 from maintd.services.cleaner import (
-    BATCH_TARGET, FAR_PAST, FILL, GROW_AFTER, GROWTH, MIN_BATCH, Cleaner, CleanerResult,
+    BATCH_TARGET, COUNT_PLANNING, FAR_PAST, FIRST_ID, FILL, GROW_AFTER, GROWTH, MIN_BATCH, Cleaner, CleanerResult,
     next_width,
 )
 
@@ -617,15 +617,17 @@ def test_every_statement_is_index_backed(settings, engine, schema, layout):
             "FROM generate_series(1, 100000) g", schema))
         conn.execute(sql("ANALYZE {schema}.jobs", schema))
     default = {"state": "completed", "horizon": T0, "lo": T0 - timedelta(days=9999), "hi": T0 - DAY,
-               "queue": None, "excluded": ["q1"], "limit": 1000}
+               "queue": None, "excluded": ["q1"], "limit": 1000, "from_at": "-infinity", "from_id": FIRST_ID}
     one_queue = {**default, "queue": "q2", "excluded": []}
     statements = [q.CLEANER_DELETE_RANGE, q.CLEANER_DELETE_RANGE_SKIP_LOCKED, q.CLEANER_DELETE_TIED,
-                  q.CLEANER_COUNT_EXPIRED, q.CLEANER_DELETE_ANCIENT]
+                  q.CLEANER_DELETE_ANCIENT]
     by_time, by_queue = index_names(layout, "jobs_finalized_idx ", "jobs_finalized_queue_idx ")
     either = (by_time, by_queue)  # PG 18 may skip-scan the second
     cases = [(q.CLEANER_PROBE, default, (by_time,)),
              (q.CLEANER_FIRST_EXPIRED, default, (by_queue,)),
-             (q.CLEANER_PROBE_QUEUE, one_queue, (by_queue,))]
+             (q.CLEANER_PROBE_QUEUE, one_queue, (by_queue,)),
+             (q.CLEANER_COUNT_CHUNK, default, (by_time,)),
+             (for_queue(q.CLEANER_COUNT_CHUNK_QUEUE), one_queue, (by_queue,))]
     cases += [(stmt, {**default, "far_past": FAR_PAST}, either) for stmt in statements]
     cases += [(for_queue(stmt), {**one_queue, "far_past": FAR_PAST},
                either if stmt is q.CLEANER_DELETE_TIED else (by_queue,))
@@ -958,3 +960,81 @@ def test_a_locked_job_finalized_before_year_1_does_not_fail_the_default_targets_
         result = run(settings, engine, clock)
     assert result.deleted["completed"] == len(expired)
     assert remaining(engine, schema) == {ancient, *kept}
+
+
+def test_a_dry_run_counts_in_chunks_that_fit_a_short_statement_timeout(configured, schema, engine, clock):
+    """The dry run counted each target in one statement under the session's statement_timeout,
+    while a pass works in batches of at most 5 s each that halve on a timeout: on a large backlog
+    or under a short statement_timeout, ``run-once cleaner --dry-run`` failed where the pass
+    succeeds. It now counts in keyset chunks of jobs_finalized_idx that halve on a timeout, and
+    says what the pass then deletes."""
+    insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=400_000, spread=True)
+    kept = insert(engine, schema, state="completed", finalized_ago=HOUR, n=3)
+    settings = configured(statement_timeout="20ms",
+                          cleaner={"cancelled_retention": -1, "discarded_retention": -1})
+    from maintd.passes import maintenance_engine
+    work = maintenance_engine(settings, pool_size=2)  # the session's statement_timeout, as the daemon's
+    try:
+        dry = run(settings, work, clock, dry_run=True)
+        assert dry.deleted["completed"] == 400_000 and dry.timeouts > 0, dry
+        assert run(settings, work, clock).deleted == dry.deleted
+    finally:
+        work.dispose()
+    assert remaining(engine, schema) == set(kept)
+
+
+def test_a_dry_run_in_small_chunks_counts_what_the_pass_deletes_at_every_edge(configured, schema, engine, clock,
+                                                                              monkeypatch):
+    """Chunks of 3 index entries through rows at every edge the pass has: before year 1 ('-infinity',
+    BC; in a queue kept forever too), a tie larger than a chunk, one microsecond before the horizon
+    and exactly at it, a queue kept longer, one kept shorter, one kept forever, and other states."""
+    import maintd.services.cleaner as cleaner_module
+    monkeypatch.setattr(cleaner_module, "COUNT_CHUNK", 3)
+    settings = configured(cleaner={
+        "batch_size": 4, "completed_retention": "1h", "cancelled_retention": "1h",
+        "queues": {"billing": {"completed_retention": "30d"}, "fast": {"completed_retention": "1m"},
+                   "vault": {"completed_retention": -1, "cancelled_retention": "2h"}}})
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state, finalized_at) "
+                         "SELECT 'k', q, 'completed', f FROM unnest(ARRAY['default', 'billing', 'vault', 'fast']) q "
+                         "CROSS JOIN unnest(ARRAY[timestamptz '-infinity', timestamptz '0044-03-15 00:00:00+00 BC', "
+                         "timestamptz '0001-01-01 00:00:00+00', timestamptz '0001-01-02 00:00:00+00']) f", schema))
+    us = timedelta(microseconds=1)
+    for queue in ("default", "billing", "vault", "fast", "other"):
+        for state in ("completed", "cancelled", "discarded"):
+            for ago in (HOUR + us, HOUR, HOUR - us, 2 * HOUR + us, 2 * HOUR, 30 * DAY + us, 30 * DAY,
+                        MINUTE + us, MINUTE, 7 * DAY + us, 7 * DAY, 400 * DAY):
+                insert(engine, schema, state=state, queue=queue, finalized_ago=ago, n=2)
+        insert(engine, schema, state="completed", queue=queue, finalized_ago=3 * DAY, n=7)  # a tie
+        insert(engine, schema, state="completed", queue=queue, finalized_ago=2 * HOUR, n=11, spread=True)
+    dry = run(settings, engine, clock, dry_run=True)
+    before = remaining(engine, schema)
+    real = run(settings, engine, clock)
+    assert dry.deleted == real.deleted and real.total == len(before) - len(remaining(engine, schema)), (dry, real)
+
+
+@pytest.mark.parametrize("analyzed", [False, True])
+def test_a_dry_run_chunk_walks_the_index_in_order_even_on_stale_statistics(settings, engine, schema, layout,
+                                                                            analyzed):
+    """A chunk is bounded by its LIMIT only when it walks its index in order, whatever the
+    statistics say: on a backlog just inserted (not analyzed yet) the planner took a Bitmap Heap
+    Scan of every expired row and a Sort, 400,000 rows read for a chunk of 101."""
+    insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=50_000, spread=True)
+    insert(engine, schema, state="completed", queue="q2", finalized_ago=2 * DAY, n=50_000, spread=True)
+    if analyzed:
+        with engine.begin() as conn:
+            conn.execute(sql("ANALYZE {schema}.jobs", schema))
+    default = {"state": "completed", "horizon": T0 - DAY, "queue": None, "excluded": ["q1"], "limit": 100,
+               "from_at": "-infinity", "from_id": FIRST_ID}
+    by_time, by_queue = index_names(layout, "jobs_finalized_idx ", "jobs_finalized_queue_idx ")
+    cases = [(q.CLEANER_COUNT_CHUNK, default, by_time),
+             (for_queue(q.CLEANER_COUNT_CHUNK_QUEUE), {**default, "queue": "q2", "excluded": []}, by_queue)]
+    with engine.connect() as conn:
+        for name, value in COUNT_PLANNING.items():
+            conn.execute(sql("SELECT set_config(:name, :value, true)", schema), {"name": name, "value": value})
+        for stmt, params, index in cases:
+            for generic in (False, True):
+                plan = explain(conn, stmt, schema, params, generic=generic)
+                assert ("Index Scan using" in plan or "Index Only Scan using" in plan) and index in plan, (generic, plan)
+                assert "Sort" not in plan and "Bitmap" not in plan and not seq_scans(plan, layout), (generic, plan)
+        conn.rollback()

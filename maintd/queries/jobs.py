@@ -213,13 +213,34 @@ SELECT EXISTS (SELECT 1 FROM {schema}.jobs
                   AND finalized_at IS NOT NULL AND finalized_at < '0001-01-02 00:00:00+00')
 """
 
-# Dry run: what a full pass would delete (one index range count per target).
-CLEANER_COUNT_EXPIRED = """
-SELECT count(*) FROM {schema}.jobs
- WHERE state = CAST(:state AS {schema}.job_state)
-   AND finalized_at IS NOT NULL AND finalized_at < :horizon
-   AND {target_queues}
+# A dry run's count of what a pass deletes, in chunks: the next :limit index entries of the state
+# from (:from_at, :from_id) on, in (finalized_at, id) order, up to the horizon; of those, the rows
+# of the target's queues, and where the next chunk starts (NULL: this one reached the horizon).
+# Each entry is read once (a row kept by a longer override too), so a chunk reads at most
+# :limit + 1 of them. The position is text, as it may lie before year 1 ('-infinity', BC), which
+# no Python datetime holds.
+def _count_chunk(walked: str) -> str:
+    return """
+WITH walk AS (
+  SELECT j.finalized_at, j.id, j.queue, row_number() OVER (ORDER BY j.finalized_at, j.id) AS k
+    FROM {schema}.jobs AS j
+   WHERE j.state = CAST(:state AS {schema}.job_state) AND """ + walked + """
+     AND j.finalized_at IS NOT NULL AND j.finalized_at < :horizon
+     AND (j.finalized_at, j.id) >= (CAST(:from_at AS timestamptz), CAST(:from_id AS bigint))
+   ORDER BY j.finalized_at, j.id
+   LIMIT :limit + 1
+)
+SELECT count(*) FILTER (WHERE k <= :limit AND {target_queues}) AS n,
+       max(CAST(finalized_at AS text)) FILTER (WHERE k > :limit) AS next_at,
+       max(id) FILTER (WHERE k > :limit) AS next_id
+  FROM walk
 """
+
+
+# Over jobs_finalized_idx (a default target: the entries of every queue, counted for its own),
+# or jobs_finalized_queue_idx (a per-queue target: that queue's entries only).
+CLEANER_COUNT_CHUNK = _count_chunk("true")
+CLEANER_COUNT_CHUNK_QUEUE = _count_chunk("j.queue = :queue")
 
 # -- rescuer ------------------------------------------------------------------------------------
 
