@@ -213,24 +213,42 @@ SELECT EXISTS (SELECT 1 FROM {schema}.jobs
                   AND finalized_at IS NOT NULL AND finalized_at < '0001-01-02 00:00:00+00')
 """
 
+# Whether another session holds a row (a lock of any mode, or an update or delete not committed
+# yet): what makes the pass's DELETE wait for it and then pass it over (SKIP LOCKED). Read from the
+# row's xmax, without a lock of the dry run's own (none may be taken in a read-only transaction:
+# "cannot execute SELECT FOR KEY SHARE in a read-only transaction"): the row is held while its
+# xmax is a transaction in progress. xmax has 32 bits, pg_xact_status wants the full id: the one
+# below the snapshot's xmax ``n`` with those low bits (``d``: how far xmax lies after n, modulo
+# 2^32; an xmax from n on began after the snapshot, so it is in progress). A row held by several
+# sessions at once (shared locks) has a MultiXactId for xmax, which this reads as the transaction
+# of that number, normally long over: such a row is counted as one the pass would delete.
+# (pg_xact_status is NULL for a transaction too old to know: not held, never NULL, which would
+# leave the row out of both counts.)
+ROW_HELD = """coalesce(x <> 0 AND (d < 2147483648 OR (n + d - 4294967296 >= 3 AND
+          pg_xact_status(CAST(CAST(n + d - 4294967296 AS text) AS xid8)) = 'in progress')), false)"""
+
 # A dry run's count of what a pass deletes, in chunks: the next :limit index entries of the state
 # from (:from_at, :from_id) on, in (finalized_at, id) order, up to the horizon; of those, the rows
-# of the target's queues, and where the next chunk starts (NULL: this one reached the horizon).
-# Each entry is read once (a row kept by a longer override too), so a chunk reads at most
-# :limit + 1 of them. The position is text, as it may lie before year 1 ('-infinity', BC), which
-# no Python datetime holds.
+# of the target's queues, and of them those another session holds (the pass passes them over),
+# and where the next chunk starts (NULL: this one reached the horizon). Each entry is read once
+# (a row kept by a longer override too), so a chunk reads at most :limit + 1 of them. The position
+# is text, as it may lie before year 1 ('-infinity', BC), which no Python datetime holds.
 def _count_chunk(walked: str) -> str:
     return """
 WITH walk AS (
-  SELECT j.finalized_at, j.id, j.queue, row_number() OVER (ORDER BY j.finalized_at, j.id) AS k
-    FROM {schema}.jobs AS j
+  SELECT j.finalized_at, j.id, j.queue, CAST(CAST(j.xmax AS text) AS bigint) AS x, snap.n,
+         mod(CAST(CAST(j.xmax AS text) AS bigint) - mod(snap.n, 4294967296) + 4294967296, 4294967296) AS d,
+         row_number() OVER (ORDER BY j.finalized_at, j.id) AS k
+    FROM {schema}.jobs AS j,
+         (SELECT CAST(CAST(pg_snapshot_xmax(pg_current_snapshot()) AS text) AS bigint) AS n) AS snap
    WHERE j.state = CAST(:state AS {schema}.job_state) AND """ + walked + """
      AND j.finalized_at IS NOT NULL AND j.finalized_at < :horizon
      AND (j.finalized_at, j.id) >= (CAST(:from_at AS timestamptz), CAST(:from_id AS bigint))
    ORDER BY j.finalized_at, j.id
    LIMIT :limit + 1
 )
-SELECT count(*) FILTER (WHERE k <= :limit AND {target_queues}) AS n,
+SELECT count(*) FILTER (WHERE k <= :limit AND {target_queues} AND NOT """ + ROW_HELD + """) AS n,
+       count(*) FILTER (WHERE k <= :limit AND {target_queues} AND """ + ROW_HELD + """) AS held,
        max(CAST(finalized_at AS text)) FILTER (WHERE k > :limit) AS next_at,
        max(id) FILTER (WHERE k > :limit) AS next_id
   FROM walk

@@ -28,7 +28,8 @@ per-queue retention are not walked again every pass for that: a per-queue target
 queue through ``jobs_finalized_queue_idx (state, queue, finalized_at, id)``, and a default target
 with overridden queues starts at the first expired row of the queues it covers, found by a loose
 scan of that index (one probe per distinct queue of the state). Rows skipped because another
-session held their lock are looked at again by the next pass.
+session held their lock are looked at again by the next pass; ``--dry-run`` counts them as
+skipped too, read from their ``xmax`` (it takes no lock: none may be taken read-only).
 
 A batch that hits its statement timeout halves the batch size (down to ``MIN_BATCH``); three
 successes in a row double it again, up to ``batch_size``. A *probe* that hits it is walking
@@ -362,7 +363,8 @@ class Cleaner(Service):
                      result: CleanerResult) -> tuple[str | None, int]:
         """Count one chunk from ``start`` (finalized_at as text, id) on; returns where the next one
         starts (None: the horizon is reached). A chunk that hits the statement timeout is halved
-        (down to ``MIN_BATCH``), three successes double it again, as a batch of the pass."""
+        (down to ``MIN_BATCH``), three successes double it again, as a batch of the pass. Rows
+        another session holds are counted as the pass counts them: skipped, locked."""
         stmt = jobs.CLEANER_COUNT_CHUNK if target.queue is None else jobs.CLEANER_COUNT_CHUNK_QUEUE
         while True:
             ctx.check_stop()
@@ -382,6 +384,8 @@ class Cleaner(Service):
             if self._chunk_successes >= GROW_AFTER and self._chunk < COUNT_CHUNK:
                 self._chunk, self._chunk_successes = min(COUNT_CHUNK, self._chunk * 2), 0
             result.deleted[target.state] += row.n
+            if row.held:
+                result.skipped["locked"] = result.skipped.get("locked", 0) + row.held
             return row.next_at, row.next_id
 
     def _clean(self, ctx: PassContext, target: Target, plan: RangePlan, result: CleanerResult) -> None:
