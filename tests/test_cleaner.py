@@ -1081,3 +1081,25 @@ def test_a_dry_run_counts_a_row_several_sessions_hold_once(settings, engine, sch
             holder.rollback()
             holder.close()
     assert dry.deleted["completed"] + dry.skipped_rows().get("locked", 0) == 5, dry
+
+
+def test_a_locked_row_of_a_per_queue_target_is_the_only_one_counted_as_passed_over(configured, schema, engine,
+                                                                                     clock):
+    """A queue kept shorter than the others, one of its expired rows held by another session: its
+    range is redone skipping that row, and the rows left in the range were listed over every queue,
+    so the other queues' rows there (not expired for their own retention) were counted and logged
+    as locked too."""
+    settings = configured(cleaner={"completed_retention": "1h", "cancelled_retention": -1,
+                                   "discarded_retention": -1, "queues": {"fast": {"completed_retention": "1m"}}})
+    fast = insert(engine, schema, state="completed", queue="fast", finalized_ago=10 * MINUTE, n=5, spread=True)
+    kept = insert(engine, schema, state="completed", finalized_ago=10 * MINUTE, n=20, spread=True)
+    holder = engine.connect()
+    holder.execute(sql("SELECT 1 FROM {schema}.jobs WHERE id = :id FOR UPDATE", schema), {"id": fast[2]})
+    try:
+        dry = run(settings, engine, clock, dry_run=True)
+        real = run(settings, engine, clock)
+    finally:
+        holder.rollback()
+        holder.close()
+    assert remaining(engine, schema) == {fast[2], *kept} and real.deleted["completed"] == 4
+    assert real.skipped_rows() == {"locked": 1} and dry.skipped_rows() == real.skipped_rows(), (real, dry)

@@ -500,14 +500,17 @@ class Cleaner(Service):
             # What SKIP LOCKED left is locked, once the batch is through its range: a tie batch
             # that deleted ``limit`` rows leaves the rest of the tie to the next one.
             if (tied and n < limit) or (plan.skip_locked and not tied):
-                self._report_locked(ctx, conn, {**args, "hi": plan.lo + TINY if tied else hi}, result)
+                self._report_locked(ctx, conn, target.statement(jobs.CLEANER_LEFT_IN_RANGE),
+                                    {**args, "hi": plan.lo + TINY if tied else hi}, result)
         return hi, last, n
 
     @staticmethod
-    def _report_locked(ctx: PassContext, conn, args: dict, result: CleanerResult) -> None:
-        """The expired rows a SKIP LOCKED delete left in its range: held by another session. One
-        line per batch, with the count and the first few ids (a session may hold thousands)."""
-        ids = conn.execute(ctx.sql(jobs.CLEANER_LEFT_IN_RANGE), args).scalars().all()
+    def _report_locked(ctx: PassContext, conn, stmt: str, args: dict, result: CleanerResult) -> None:
+        """The expired rows a SKIP LOCKED delete left in its range (``stmt``, for the target's
+        queues: a per-queue target's range holds other queues' rows, kept): held by another
+        session. One line per batch, with the count and the first few ids (a session may hold
+        thousands)."""
+        ids = conn.execute(ctx.sql(stmt), args).scalars().all()
         if not ids:
             return
         log.warning("passed over expired jobs locked by another session (retried next pass)",
