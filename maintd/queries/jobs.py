@@ -202,6 +202,17 @@ DELETE FROM {schema}.jobs
    AND state = CAST(:state AS {schema}.job_state) AND finalized_at < :far_past
 """
 
+# After the last deletion of those, in its transaction: the rows it passed over (held by another
+# session), as CLEANER_LEFT_IN_RANGE. The year is a literal, as in CLEANER_ANY_ANCIENT below.
+CLEANER_LEFT_ANCIENT = """
+SELECT id FROM {schema}.jobs
+ WHERE state = CAST(:state AS {schema}.job_state)
+   AND finalized_at IS NOT NULL AND finalized_at < '0001-01-02 00:00:00+00'
+   AND {target_queues}
+ ORDER BY finalized_at, id
+ LIMIT :limit
+"""
+
 # Asked on every pass, normally of an empty range. The year is a literal (FAR_PAST of
 # maintd.services.cleaner), as in RESCUER_NO_SIGN_BATCH: with ``finalized_at < :far_past`` the
 # generic plan the server caches after five runs guessed a third of the rows that old, and took

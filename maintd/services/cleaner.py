@@ -445,8 +445,10 @@ class Cleaner(Service):
             try:
                 with ctx.transaction(statement_timeout_ms=self._timeout_ms(ctx),
                                      settings=self._batch_settings(ctx)) as conn:
-                    n = conn.execute(ctx.sql(target.statement(jobs.CLEANER_DELETE_ANCIENT)), {
-                        **target.params(FAR_PAST), "far_past": FAR_PAST, "limit": limit}).rowcount
+                    args = {**target.params(FAR_PAST), "far_past": FAR_PAST, "limit": limit}
+                    n = conn.execute(ctx.sql(target.statement(jobs.CLEANER_DELETE_ANCIENT)), args).rowcount
+                    if n < limit:  # the last: what it passed over is held by another session
+                        self._report_locked(ctx, conn, target.statement(jobs.CLEANER_LEFT_ANCIENT), args, result)
             except OperationalError as exc:
                 if ctx.moved_meanwhile(exc):  # redone smaller
                     self._shrink()
