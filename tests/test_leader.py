@@ -198,6 +198,30 @@ def test_a_write_after_the_lock_session_lost_the_lock_is_refused_at_commit(pg_ds
     assert kinds(engine, schema) == []
 
 
+def test_a_fenced_write_holds_off_the_next_epoch_bump_until_it_commits(pg_dsn, settings, engine, schema):
+    """The commit fence's check and the COMMIT are two steps: a successor that bumped the epoch
+    between them would lead while the old term's write still commits. The check locks the leader
+    row FOR KEY SHARE, so the bump's row lock (LOCK_ROW, FOR UPDATE) waits for the fenced
+    transaction to end; only then may the next term start."""
+    from maintd.queries import leader as q_leader
+    from maintd.queries import psycopg_sql
+
+    elector, fence = acquire_once(settings)
+    successor = psycopg.connect(pg_dsn, autocommit=True)
+    successor.execute("SET lock_timeout = '500ms'")
+    try:
+        with engine.begin() as conn:
+            conn.execute(sql("INSERT INTO {schema}.jobs (kind) VALUES ('fenced')", schema))
+            fence.check_writes(conn)  # the term's own: passes, COMMIT follows
+            with pytest.raises(psycopg.errors.LockNotAvailable):
+                successor.execute(psycopg_sql(q_leader.LOCK_ROW, schema))
+        assert successor.execute(psycopg_sql(q_leader.LOCK_ROW, schema)).fetchone()[0] == fence.term.epoch
+    finally:
+        successor.close()
+        elector.stop()
+    assert kinds(engine, schema) == ["fenced"]
+
+
 def test_a_write_is_refused_at_commit_once_the_term_is_no_longer_trusted(settings, engine, schema):
     """The commit fence trusts a term only as the election does: a pass whose term lapsed on the
     client side (no proof for lease - renew: the loop stuck in a call to a silent server), or
