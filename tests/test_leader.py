@@ -222,6 +222,26 @@ def test_a_fenced_write_holds_off_the_next_epoch_bump_until_it_commits(pg_dsn, s
     assert kinds(engine, schema) == ["fenced"]
 
 
+def test_the_commit_fence_checks_each_part_of_the_term(settings, engine, schema):
+    """The commit fence (FENCE_WRITES) refuses a term that differs from the recorded one in any
+    part, as the DDL proof (FENCE) does: its epoch, its lock session, its instance. The instance
+    guards the edge where a successor's lock session got the dead leader's server pid and holds
+    the lock before its epoch bump (epoch and lock session then both match the old term's)."""
+    elector, fence = acquire_once(settings)
+    t = fence.term
+    try:
+        for wrong in [dataclasses.replace(t, epoch=t.epoch - 1), dataclasses.replace(t, lock_pid=1),
+                      dataclasses.replace(t, instance_id="someone-else")]:
+            fence_w = LeaderFence(schema, wrong, lambda w=wrong: w)
+            ctx = PassContext.for_settings(settings, engine, None, fence=fence_w)  # type: ignore[arg-type]
+            with pytest.raises(NotLeader, match=f"^epoch {wrong.epoch} is no longer the leader's$"):
+                with ctx.transaction() as conn:
+                    conn.execute(sql("INSERT INTO {schema}.jobs (kind) VALUES ('wrong')", schema))
+    finally:
+        elector.stop()
+    assert kinds(engine, schema) == []
+
+
 def test_a_write_is_refused_at_commit_once_the_term_is_no_longer_trusted(settings, engine, schema):
     """The commit fence trusts a term only as the election does: a pass whose term lapsed on the
     client side (no proof for lease - renew: the loop stuck in a call to a silent server), or
