@@ -85,6 +85,19 @@ def test_retention_edges_per_state(settings, engine, schema, clock, state, reten
     assert old[0] not in remaining(engine, schema)
 
 
+def test_more_than_a_batch_at_the_horizon_itself_is_kept_after_a_full_batch_before_it(settings, engine, schema, clock):
+    """A batch's end is probed in [lo, horizon): a probe that also looked at the horizon itself
+    ended a full batch there, and the next, from the horizon, found more than a batch at that
+    instant and took it for a tie to delete: rows exactly retention old (not older: kept) went."""
+    settings.cleaner.batch_size = 100
+    old = insert(engine, schema, state="completed", finalized_ago=DAY + HOUR, n=100)
+    exact = insert(engine, schema, state="completed", finalized_ago=DAY, n=150)
+    result = run(settings, engine, clock)
+    assert result.deleted["completed"] == 100
+    assert remaining(engine, schema) == set(exact)
+    assert not set(old) & remaining(engine, schema)
+
+
 class SteppedBack(ServerClock):
     """The server's clock, read just before it stepped back 60 s (an NTP step): that reading,
     carried forward on the host's monotonic clock, runs 60 s ahead of the server's until the next
