@@ -380,6 +380,32 @@ def test_waiting_jobs_with_no_attempt_left_are_discarded_with_one_line_per_batch
     assert {r.state for r in rows(engine, schema).values()} == {"discarded"}
 
 
+def test_a_waiting_job_with_no_attempt_left_held_by_another_session_does_not_stall_the_pass(settings, engine,
+                                                                                            schema, clock):
+    """A session holding one exhausted waiting job's row (an operator's transaction, an
+    application's SELECT ... FOR UPDATE) must not stall the rescuer's pass (and every stuck job
+    behind it) until that session ends: the row is passed over, the others discarded."""
+    with engine.begin() as conn:
+        held, *others = conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt, max_attempts) "
+                                         "SELECT 'k', 'available', 3, 3 FROM generate_series(1, 4) "
+                                         "RETURNING id", schema)).scalars().all()
+    holder = engine.connect()
+    holder.execute(sql("SELECT 1 FROM {schema}.jobs WHERE id = :id FOR UPDATE", schema), {"id": held})
+    results: list = []
+    passer = threading.Thread(target=lambda: results.append(run(settings, engine, clock)), daemon=True)
+    try:
+        passer.start()
+        passer.join(10)
+        assert not passer.is_alive(), "the pass waited for the locked row"
+    finally:
+        holder.rollback()
+        holder.close()
+        passer.join(60)
+    assert results[0].exhausted == 3
+    r = rows(engine, schema)
+    assert [r[i].state for i in others] == ["discarded"] * 3 and r[held].state == "available"
+
+
 def test_a_server_clock_stepped_back_since_the_daemon_read_it_rescues_no_live_job(settings, engine, schema):
     """The daemon reads the server's clock and carries it forward on the host's monotonic clock
     for up to 30 s (maintd.clock.ServerClock). If the server's clock steps back meanwhile (an NTP
