@@ -529,6 +529,29 @@ def test_the_metric_series_of_an_entry_removed_by_a_reload_go_with_it(pg_dsn, sc
     assert ids == {"kept"}
 
 
+def test_an_entry_removed_by_a_reload_marks_only_its_newest_slot(pg_dsn, schema, engine):
+    """Only an id's newest slot says it was removed (it is the high-water mark): its older slots
+    are history, and keep the schedule they were taken under. Marking every slot of the id
+    rewrote the whole history of the entry (millions of rows for an '@every 1s' one) in one
+    statement."""
+    both = Settings(database_url=pg_dsn, schema=schema, periodic=[
+        {"id": "kept", "schedule": "@every 10s", "kind": "k", "run_on_start": True},
+        {"id": "gone", "schedule": "@every 10s", "kind": "g", "run_on_start": True}])
+    clock = FrozenClock(START)
+    old = PeriodicEnqueuer(both.periodic)
+    for _ in range(3):
+        run(both, engine, clock, old)
+        clock.advance(10)
+    new = PeriodicEnqueuer(both.periodic[:1])
+    new.succeed(old)  # what the runner does on a reload
+    run(both, engine, clock, new)
+    with engine.connect() as conn:
+        taken = conn.execute(sql("SELECT schedule FROM {schema}.periodic_slots WHERE periodic_id = 'gone' "
+                                 "ORDER BY slot", schema)).scalars().all()
+    assert len(taken) == 3 and taken[-1] == "(removed)"
+    assert "(removed)" not in taken[:-1], taken
+
+
 def test_a_changed_schedule_stopped_after_a_missed_slot_runs_no_slot_only_the_new_one_has(pg_dsn, schema, engine):
     """'0 * * * *' changed to '*/30 * * * *' while down, noticed at 11:40: 11:00 (both had it) is
     missed and runs, 11:30 (the new one's only) is taken without a job. A pass stopped between the
