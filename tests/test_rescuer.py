@@ -60,6 +60,17 @@ def run(settings, engine, clock, **kw):
     return Rescuer(settings.rescuer).run_once(PassContext.for_settings(settings, engine, clock, **kw))
 
 
+def run_past_locks(settings, engine, clock, seconds: float = 10.0):
+    """A pass while rows are held by another session: one that waits for them fails the test in
+    ``seconds``, not at the suite's timeout (the pass runs in a thread)."""
+    results: list = []
+    passer = threading.Thread(target=lambda: results.append(run(settings, engine, clock)), daemon=True)
+    passer.start()
+    passer.join(seconds)
+    assert not passer.is_alive(), "the pass waited for a locked row"
+    return results[0]
+
+
 def test_stuck_edges_and_retry_with_backoff(settings, engine, schema, clock, caplog):
     hour = timedelta(hours=1)
     stuck = running(engine, schema, seen_ago=hour + timedelta(seconds=1), attempt=3)
@@ -191,7 +202,7 @@ def test_locked_rows_do_not_hide_later_stuck_jobs(settings, engine, schema, cloc
     locked = running(engine, schema, seen_ago=timedelta(hours=5), n=5)
     later = running(engine, schema, seen_ago=timedelta(hours=2), n=7)
     with jobs_locked(engine, schema, locked):
-        result = run(settings, engine, clock)
+        result = run_past_locks(settings, engine, clock)
     assert result.retried == 7
     r = rows(engine, schema)
     assert all(r[i].state == "retryable" for i in later)
@@ -389,19 +400,9 @@ def test_a_waiting_job_with_no_attempt_left_held_by_another_session_does_not_sta
         held, *others = conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt, max_attempts) "
                                          "SELECT 'k', 'available', 3, 3 FROM generate_series(1, 4) "
                                          "RETURNING id", schema)).scalars().all()
-    holder = engine.connect()
-    holder.execute(sql("SELECT 1 FROM {schema}.jobs WHERE id = :id FOR UPDATE", schema), {"id": held})
-    results: list = []
-    passer = threading.Thread(target=lambda: results.append(run(settings, engine, clock)), daemon=True)
-    try:
-        passer.start()
-        passer.join(10)
-        assert not passer.is_alive(), "the pass waited for the locked row"
-    finally:
-        holder.rollback()
-        holder.close()
-        passer.join(60)
-    assert results[0].exhausted == 3
+    with jobs_locked(engine, schema, held):
+        result = run_past_locks(settings, engine, clock)
+    assert result.exhausted == 3
     r = rows(engine, schema)
     assert [r[i].state for i in others] == ["discarded"] * 3 and r[held].state == "available"
 
