@@ -1105,14 +1105,9 @@ def test_a_locked_job_finalized_before_year_1_is_counted_as_passed_over_by_the_p
         ancient = conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, finalized_at) "
                                    "SELECT 'k', 'completed', '-infinity' FROM generate_series(1, 3) "
                                    "RETURNING id", schema)).scalars().all()
-    holder = engine.connect()
-    holder.execute(sql("SELECT 1 FROM {schema}.jobs WHERE id = :id FOR UPDATE", schema), {"id": ancient[1]})
-    try:
+    with jobs_locked(engine, schema, ancient[1]):
         dry = run(settings, engine, clock, dry_run=True)
         real = run(settings, engine, clock)
-    finally:
-        holder.rollback()
-        holder.close()
     assert real.deleted["completed"] == 2 and remaining(engine, schema) == {ancient[1]}
     assert real.skipped_rows() == {"locked": 1} and dry.skipped_rows() == real.skipped_rows(), (real, dry)
 
@@ -1127,13 +1122,8 @@ def test_a_locked_row_of_a_per_queue_target_is_the_only_one_counted_as_passed_ov
                                    "discarded_retention": -1, "queues": {"fast": {"completed_retention": "1m"}}})
     fast = insert(engine, schema, state="completed", queue="fast", finalized_ago=10 * MINUTE, n=5, spread=True)
     kept = insert(engine, schema, state="completed", finalized_ago=10 * MINUTE, n=20, spread=True)
-    holder = engine.connect()
-    holder.execute(sql("SELECT 1 FROM {schema}.jobs WHERE id = :id FOR UPDATE", schema), {"id": fast[2]})
-    try:
+    with jobs_locked(engine, schema, fast[2]):
         dry = run(settings, engine, clock, dry_run=True)
         real = run(settings, engine, clock)
-    finally:
-        holder.rollback()
-        holder.close()
     assert remaining(engine, schema) == {fast[2], *kept} and real.deleted["completed"] == 4
     assert real.skipped_rows() == {"locked": 1} and dry.skipped_rows() == real.skipped_rows(), (real, dry)

@@ -40,6 +40,19 @@ def index_oids(pg_dsn, schema):
             "WHERE n.nspname = %s AND t.relname = 'jobs'", (schema,)).fetchall())
 
 
+def leave_ccnew(pg_dsn, schema, name):
+    """Index ``name`` on jobs, and PostgreSQL's own leftover of a REINDEX CONCURRENTLY of it: the
+    build cut off by its lock_timeout while an older transaction holds the table."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE INDEX "{name}" ON "{schema}".jobs (created_at)')
+    with psycopg.connect(pg_dsn) as blocker, psycopg.connect(pg_dsn, autocommit=True) as conn:
+        blocker.execute(f'UPDATE "{schema}".jobs SET priority = 1 WHERE id = (SELECT min(id) FROM "{schema}".jobs)')
+        conn.execute("SET lock_timeout = '300ms'")
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            conn.execute(f'REINDEX INDEX CONCURRENTLY "{schema}"."{name}"')
+        blocker.rollback()
+
+
 def make_invalid(pg_dsn, schema, name):
     """A real leftover: a concurrent unique build that fails on duplicates stays behind, invalid."""
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
@@ -101,14 +114,7 @@ def test_a_leftover_of_an_index_with_a_long_name_is_found_under_its_cut_name(pg_
 
     seed(pg_dsn, schema, 100)
     long_name = "jobs_created_at_idx_" + "x" * 40
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(f'CREATE INDEX "{long_name}" ON "{schema}".jobs (created_at)')
-    with psycopg.connect(pg_dsn) as blocker, psycopg.connect(pg_dsn, autocommit=True) as conn:
-        blocker.execute(f'UPDATE "{schema}".jobs SET priority = 1 WHERE id = (SELECT min(id) FROM "{schema}".jobs)')
-        conn.execute("SET lock_timeout = '300ms'")
-        with pytest.raises(psycopg.errors.LockNotAvailable):
-            conn.execute(f'REINDEX INDEX CONCURRENTLY "{schema}"."{long_name}"')
-        blocker.rollback()
+    leave_ccnew(pg_dsn, schema, long_name)
     [leftover] = [name for name, valid in indexes(pg_dsn, schema).items() if name.endswith("_ccnew")]
     assert leftover == long_name[:57] + "_ccnew" and indexes(pg_dsn, schema)[leftover] is False
     assert is_artifact(leftover, long_name) and is_artifact(long_name[:56] + "_ccnew1", long_name)
@@ -597,14 +603,7 @@ def test_a_leftover_of_a_long_non_ascii_name_is_found_under_its_cut_name(pg_dsn,
     another index: never dropped, never reported."""
     seed(pg_dsn, schema, 100)
     long_name = "jobs" + "é" * 29  # 62 bytes
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(f'CREATE INDEX "{long_name}" ON "{schema}".jobs (created_at)')
-    with psycopg.connect(pg_dsn) as blocker, psycopg.connect(pg_dsn, autocommit=True) as conn:
-        blocker.execute(f'UPDATE "{schema}".jobs SET priority = 1 WHERE id = (SELECT min(id) FROM "{schema}".jobs)')
-        conn.execute("SET lock_timeout = '300ms'")
-        with pytest.raises(psycopg.errors.LockNotAvailable):
-            conn.execute(f'REINDEX INDEX CONCURRENTLY "{schema}"."{long_name}"')
-        blocker.rollback()
+    leave_ccnew(pg_dsn, schema, long_name)
     [leftover] = [name for name in indexes(pg_dsn, schema) if name.endswith("_ccnew")]
     assert leftover == "jobs" + "é" * 26 + "_ccnew", leftover
     reports = {r.index: r for r in run(settings, engine).indexes}  # the default list: every index of jobs
