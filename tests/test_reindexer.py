@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from urllib.parse import urlsplit
 
@@ -328,15 +329,28 @@ def test_bloat_threshold_skips_healthy_indexes(own_database):
     assert fresh.bytes_before == bloated.bytes_after
 
 
-def test_role_without_ownership_gets_a_clear_error(pg_dsn, schema, settings):
+@contextmanager
+def role_engine(pg_dsn, schema, privileges="SELECT, INSERT, UPDATE, DELETE"):
+    """An engine of a new role with USAGE on the schema and ``privileges`` on its tables (not
+    their owner); the role dropped afterwards."""
     role = f"maintd_noown_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute(f"CREATE ROLE {role} LOGIN")
         conn.execute(f'GRANT USAGE ON SCHEMA "{schema}" TO {role}')
-        conn.execute(f'GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA "{schema}" TO {role}')
-    dsn = pg_dsn.replace("postgres@", f"{role}@", 1)
-    engine = make_engine(dsn, application_name="t")
+        conn.execute(f'GRANT {privileges} ON ALL TABLES IN SCHEMA "{schema}" TO {role}')
+    engine = make_engine(pg_dsn.replace("postgres@", f"{role}@", 1), application_name="t")
     try:
+        yield engine
+    finally:
+        engine.dispose()
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f'REVOKE ALL ON ALL TABLES IN SCHEMA "{schema}" FROM {role}')
+            conn.execute(f'REVOKE ALL ON SCHEMA "{schema}" FROM {role}')
+            conn.execute(f"DROP ROLE {role}")
+
+
+def test_role_without_ownership_gets_a_clear_error(pg_dsn, schema, settings):
+    with role_engine(pg_dsn, schema) as engine:
         settings.reindexer.indexes = ["jobs_pkey"]
         result = run(settings, engine)
         [report] = result.indexes
@@ -348,12 +362,6 @@ def test_role_without_ownership_gets_a_clear_error(pg_dsn, schema, settings):
         dry = run(settings, engine, dry_run=True)
         assert dry.indexes and {r.outcome for r in dry.indexes} == {"not_permitted"} and not dry.failed()
         assert all("run the reindexer as the owner role" in r.error for r in dry.indexes)
-    finally:
-        engine.dispose()
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute(f'REVOKE ALL ON ALL TABLES IN SCHEMA "{schema}" FROM {role}')
-            conn.execute(f'REVOKE ALL ON SCHEMA "{schema}" FROM {role}')
-            conn.execute(f"DROP ROLE {role}")
 
 
 def test_runner_does_not_schedule_it_when_disabled(pg_dsn, schema, settings, engine):
@@ -528,27 +536,14 @@ def test_a_maintain_holder_rebuilds_and_names_the_leftover_only_the_owner_may_dr
     runs; the leftover is kept, named, with what the owner must do, and the pass fails. Before 17
     there is no MAINTAIN: the same role without ownership may do neither, and is told so."""
     maintain = pg_version >= 17
-    role = f"maintd_maint_{uuid.uuid4().hex[:8]}"
     seed(pg_dsn, schema, 200)
     make_invalid(pg_dsn, schema, "jobs_fetch_idx_ccnew")
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(f"CREATE ROLE {role} LOGIN")
-        conn.execute(f'GRANT USAGE ON SCHEMA "{schema}" TO {role}')
-        conn.execute(f'GRANT SELECT, INSERT, UPDATE, DELETE{", MAINTAIN" if maintain else ""} '
-                     f'ON ALL TABLES IN SCHEMA "{schema}" TO {role}')
     before = index_oids(pg_dsn, schema)
-    engine = make_engine(pg_dsn.replace("postgres@", f"{role}@", 1), application_name="t")
-    try:
+    with role_engine(pg_dsn, schema, "SELECT, INSERT, UPDATE, DELETE" + (", MAINTAIN" if maintain else "")) as engine:
         settings.reindexer.indexes = ["jobs_fetch_idx"]
         dry = run(settings, engine, dry_run=True)
         assert dry.indexes[0].artifacts_dropped == [], dry.indexes[0]  # it would not drop it
         result = run(settings, engine)
-    finally:
-        engine.dispose()
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute(f'REVOKE ALL ON ALL TABLES IN SCHEMA "{schema}" FROM {role}')
-            conn.execute(f'REVOKE ALL ON SCHEMA "{schema}" FROM {role}')
-            conn.execute(f"DROP ROLE {role}")
     [report] = result.indexes
     if not maintain:  # PostgreSQL 15, 16: nothing tried, and said why
         assert report.outcome == "not_permitted" and result.failed(), report
