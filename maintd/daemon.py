@@ -182,7 +182,7 @@ class Daemon:
         self.spread.hold()  # no tries until every target is started and the replicas are read
         silent = {url: exc for url, loop in zip(self.hosts, self.loops)
                   if (exc := self._first_connect(loop)) is not None and transient(exc)}
-        tried = [(t, self._try_start(t, silent.get(t.settings.database_url.get_secret_value()), quiet=True))
+        tried = [(t, self._try_start(t, silent.get(t.settings.database_url.get_secret_value())))
                  for t in self.targets]
         failures = [f for _, f in tried if f is not None]
         waiting = [t for t in self.targets if not t.started]
@@ -191,8 +191,7 @@ class Daemon:
             raise failures[0] if isinstance(failures[0], SchemaNotReady) else SchemaNotReady(describe_db_error(failures[0]))
         for target, failure in tried:
             if failure is not None:
-                log.error("target not started, retrying in the background",
-                          extra=kv(target=target.name, error=target.problem))
+                _not_started(target)
         for loop in self.loops:
             loop.start()
         for monitor in self.health:
@@ -230,28 +229,30 @@ class Daemon:
             return exc
         return None
 
-    def _try_start(self, target: Target, unreachable: Exception | None = None, quiet: bool = False) -> Exception | None:
-        """Start the target if its schema is ready; else why not (logged when it changed, unless
-        ``quiet``). ``unreachable``: its database did not answer the lock session just now; not
-        asked again (the background retries do)."""
+    @staticmethod
+    def _try_start(target: Target, unreachable: Exception | None = None) -> Exception | None:
+        """Start the target if its schema is ready; else why not (also in ``target.problem``).
+        ``unreachable``: its database did not answer the lock session just now; not asked again
+        (the background retries do)."""
         try:
             if unreachable is not None:
                 raise unreachable
             target.check_schema()
         except Exception as exc:
-            problem = describe_db_error(exc)
-            if problem != target.problem and not quiet:
-                log.error("target not started, retrying in the background",
-                          extra=kv(target=target.name, error=problem))
-            target.problem, target.schema_not_ready = problem, isinstance(exc, SchemaNotReady)
+            target.problem, target.schema_not_ready = describe_db_error(exc), isinstance(exc, SchemaNotReady)
             return exc
         target.start()
         return None
 
     def _retry_targets(self, waiting: list[Target]) -> None:
+        """Every 0.5 s, doubling up to 5 s; a target's problem is logged again only when it changed."""
         delay = 0.5
         while waiting and not self._stopping.wait(delay):
+            was = {t.name: t.problem for t in waiting}
             waiting = [t for t in waiting if self._try_start(t) is not None]
+            for target in waiting:
+                if target.problem != was[target.name]:
+                    _not_started(target)
             delay = min(5.0, delay * 2)
 
     def _on_signals(self, signals: list[int]) -> bool:
@@ -492,3 +493,7 @@ class Daemon:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         return 0
+
+
+def _not_started(target: Target) -> None:
+    log.error("target not started, retrying in the background", extra=kv(target=target.name, error=target.problem))

@@ -37,13 +37,15 @@ def make_schemas(pg_dsn):
     engine = make_engine(pg_dsn, application_name="maintd-test-migrate", pooled=False)
 
     def make(n: int) -> list[str]:
-        names = [new_schema_name() for _ in range(n)]
-        with engine.connect() as conn:
-            for name in names:
-                migrate.upgrade(conn, name)
-        made.extend(names)
-        return names
+        return [make.migrate(new_schema_name()) for _ in range(n)]
 
+    def migrate_one(name: str) -> str:
+        with engine.connect() as conn:
+            migrate.upgrade(conn, name)
+        made.append(name)
+        return name
+
+    make.migrate = migrate_one  # type: ignore[attr-defined]
     yield make
     with engine.connect() as conn:
         conn.execute(text("SET lock_timeout = '20s'"))
@@ -633,10 +635,11 @@ def test_a_target_whose_database_is_down_does_not_stop_the_others(pg_dsn, make_s
         daemon.stop()
 
 
-def test_a_target_whose_schema_is_not_migrated_is_not_ready(pg_dsn, make_schemas):
+def test_a_target_whose_schema_is_not_migrated_is_not_ready(pg_dsn, make_schemas, maintd_log):
     """A target whose schema is missing (or behind) is not started: nothing maintains it, so
     /readyz says so by name, though its database answers (its lock session is the other
-    target's, which works) and the other target is led."""
+    target's, which works) and the other target is led. The log says so once, not at every
+    background retry, and the target starts once `maintd migrate` has run."""
     good = make_schemas(1)[0]
     missing = new_schema_name()  # never migrated
     daemon = Daemon(multi_settings(pg_dsn, [{"schema": good}, {"schema": missing}]))
@@ -646,6 +649,13 @@ def test_a_target_whose_schema_is_not_migrated_is_not_ready(pg_dsn, make_schemas
         status, body = get(daemon.http_port, "/readyz")
         assert status == 503 and f"1 of 2 targets: {missing} (not started" in body, body
         assert not daemon.targets[1].is_leader and lock_holders(pg_dsn, missing) == []
+        time.sleep(4)  # retries at 0.5, 1.5 and 3.5 s: each sees the same problem
+        said = [line for line in maintd_log if "target not started" in line]
+        assert len(said) == 1 and f"target={missing} " in said[0] and "maintd migrate" in said[0], said
+        make_schemas.migrate(missing)
+        wait_for(lambda: daemon.targets[1].is_leader, 20, what="the migrated target led")
+        assert get(daemon.http_port, "/readyz")[0] == 200
+        assert len([line for line in maintd_log if "target not started" in line]) == 1, maintd_log
     finally:
         daemon.stop()
 
