@@ -189,11 +189,13 @@ def test_dry_run_counts_what_every_batch_would_do(settings, engine, schema, cloc
             return dict(conn.execute(sql("SELECT id, state FROM {schema}.jobs", schema)).all())
 
     before = states()
+    # (the claim of 'infinity' is a sign from the future, dated like the one two hours ahead: see
+    # test_an_infinite_heartbeat_or_claim_is_dated_not_rescued)
     planned = run(settings, engine, clock, dry_run=True)
-    assert (planned.retried, planned.discarded, planned.exhausted, planned.dated) == (3, 1, 1, 1), planned
+    assert (planned.retried, planned.discarded, planned.exhausted, planned.dated) == (3, 0, 1, 2), planned
     assert states() == before
     done = run(settings, engine, clock)
-    assert (done.retried, done.discarded, done.exhausted, done.dated) == (3, 1, 1, 1), done
+    assert (done.retried, done.discarded, done.exhausted, done.dated) == (3, 0, 1, 2), done
 
 
 def test_locked_rows_do_not_hide_later_stuck_jobs(settings, engine, schema, clock):
@@ -584,13 +586,13 @@ def test_a_claim_over_a_go_zero_heartbeat_neither_spins_the_pass_nor_is_rescued_
     assert run(settings, engine, clock).did_something() is False
 
 
-def test_an_infinite_heartbeat_over_a_fresh_claim_is_dated_not_rescued(settings, engine, schema):
+def test_an_infinite_heartbeat_or_claim_is_dated_not_rescued(settings, engine, schema):
     """A heartbeat_at of 'infinity' (or from 9999-12-31 on) is a sign of life from the future like
     one ten years ahead, which is dated now: given no later than now. The batch for jobs with no
     usable sign took it as none, and rescued at once a job claimed a minute ago whose worker may
     well be alive (SPEC 2's rule never finds it stuck): two workers ran it. Such a heartbeat is
-    now dated now, and the job rescued once its grace passes with no newer sign. A job with no
-    sign but an 'infinite' claim time is still rescued at once (it has no usable sign at all)."""
+    now dated now, and the job rescued once its grace passes with no newer sign. So is a claim
+    time of 'infinity' with no heartbeat: its worker may be alive too (before: rescued at once)."""
     from maintd.clock import FrozenClock
 
     settings.rescuer.precise_timing = False
@@ -602,12 +604,14 @@ def test_an_infinite_heartbeat_over_a_fresh_claim_is_dated_not_rescued(settings,
             "       ('k', 'running', 1, 'infinity', 'w1', NULL) RETURNING id", schema))]
         now = conn.execute(text("SELECT now()")).scalar()
     planned = run(settings, engine, FrozenClock(now), dry_run=True)
-    assert (planned.retried, planned.discarded, planned.dated) == (1, 0, 2), planned
+    assert (planned.retried, planned.discarded, planned.dated) == (0, 0, 3), planned
     result = Rescuer(settings.rescuer).run_once(PassContext.for_settings(settings, engine, FrozenClock(now)))
     with engine.connect() as conn:
         got = {r.id: r for r in conn.execute(sql(
-            "SELECT id, state::text AS state, heartbeat_at < '9999-01-01' AS dated FROM {schema}.jobs", schema))}
+            "SELECT id, state::text AS state, coalesce(heartbeat_at, attempted_at) < '9999-01-01' AS dated, "
+            "heartbeat_at IS NULL AS no_heartbeat FROM {schema}.jobs", schema))}
     assert {i: got[i].state for i in (live, last_day, claim_only)} == {
-        live: "running", last_day: "running", claim_only: "retryable"}, "a job with a fresh claim was rescued"
-    assert got[live].dated and got[last_day].dated
-    assert (result.retried, result.skipped_rows()) == (1, {"future_sign": 2, "stale_heartbeat": 0}), result
+        live: "running", last_day: "running", claim_only: "running"}, "a job with a fresh claim was rescued"
+    assert got[live].dated and got[last_day].dated and got[claim_only].dated
+    assert got[claim_only].no_heartbeat, "the claim is dated, not a heartbeat written for a job that never sent one"
+    assert (result.retried, result.skipped_rows()) == (0, {"future_sign": 3, "stale_heartbeat": 0}), result

@@ -302,16 +302,15 @@ SELECT (SELECT count(*) FROM candidates) AS candidates,
   LEFT JOIN LATERAL (SELECT seen, id FROM candidates ORDER BY seen DESC, id DESC LIMIT 1) AS last ON true
 """
 
-# Running jobs with no usable sign of life (attempted_at and heartbeat_at NULL, before year 1:
-# '-infinity', BC, or a claim from 9999-12-31 on: 'infinity', with no heartbeat), which the keyset
-# above cannot reach (or, for the far future, would reach never): stuck by definition, rescued the
-# same way (a heartbeat from 9999-12-31 on is a sign from the future: RESCUER_FUTURE_SIGN_BATCH
-# dates it; taken for none, a job claimed a minute ago was rescued at once); or, for a
-# candidate whose heartbeat is an earlier attempt's (Go's zero time left by a claim that does not
-# clear it), that heartbeat cleared, so that it is judged by its claim in the keyset above (left
-# alone, it was a candidate of every batch, and the pass never ended). The years are
-# literals (maintd.services.rescuer.FAR_PAST), so that even a generic plan knows the ranges are
-# empty and reads the index.
+# Running jobs with no usable sign of life (attempted_at and heartbeat_at NULL, or before year 1:
+# '-infinity', BC), which the keyset above cannot reach: stuck by definition, rescued the same
+# way; or, for a candidate whose heartbeat is an earlier attempt's (Go's zero time left by a claim
+# that does not clear it), that heartbeat cleared, so that it is judged by its claim in the keyset
+# above (left alone, it was a candidate of every batch, and the pass never ended). A sign from
+# 9999-12-31 on ('infinity', a heartbeat or a claim) is one from the future, which
+# RESCUER_FUTURE_SIGN_BATCH dates: taken for none, a job claimed a minute ago was rescued at once,
+# and two workers ran it. The year is a literal (maintd.services.rescuer.FAR_PAST), so that even a
+# generic plan knows the range is empty and reads the index.
 RESCUER_NO_SIGN_BATCH = """
 WITH candidates AS MATERIALIZED (
   SELECT id, ctid, attempt, coalesce(heartbeat_at, attempted_at) AS seen
@@ -324,11 +323,7 @@ WITH candidates AS MATERIALIZED (
              WHERE state = 'running'
                AND coalesce(heartbeat_at, attempted_at) < '0001-01-02 00:00:00+00'
              ORDER BY coalesce(heartbeat_at, attempted_at) LIMIT :limit)
-           UNION ALL
-           (SELECT id FROM {schema}.jobs
-             WHERE state = 'running'
-               AND coalesce(heartbeat_at, attempted_at) >= '9999-12-31 00:00:00+00' AND heartbeat_at IS NULL
-             ORDER BY coalesce(heartbeat_at, attempted_at) DESC LIMIT :limit)))
+))
      AND state = 'running'
    LIMIT :limit
      FOR NO KEY UPDATE SKIP LOCKED
@@ -348,15 +343,13 @@ SELECT (SELECT count(*) FROM candidates) AS candidates,
 # its grace has passed, like any other. The sign dated is the one that was given: heartbeat_at
 # if the job heartbeated, else attempted_at (a heartbeat_at written for a job that never
 # heartbeated would put it under heartbeat_timeout, which holds only for jobs that heartbeat). A
-# heartbeat from 9999-12-31 on ('infinity') is one too; a claim time that far ahead with no
-# heartbeat is no usable sign (RESCUER_NO_SIGN_BATCH). Newest first, through jobs_running_idx
-# backwards.
+# sign from 9999-12-31 on ('infinity', a heartbeat or a claim) is one too. Newest first, through
+# jobs_running_idx backwards.
 RESCUER_FUTURE_SIGN_BATCH = """
 WITH candidates AS MATERIALIZED (
   SELECT id, ctid FROM {schema}.jobs
    WHERE state = 'running'
      AND coalesce(heartbeat_at, attempted_at) > statement_timestamp() + make_interval(secs => :ahead)
-     AND (coalesce(heartbeat_at, attempted_at) < '9999-12-31 00:00:00+00' OR heartbeat_at IS NOT NULL)
    ORDER BY coalesce(heartbeat_at, attempted_at) DESC
    LIMIT :limit
      FOR NO KEY UPDATE SKIP LOCKED
@@ -368,7 +361,6 @@ WITH candidates AS MATERIALIZED (
      AND j.id IN (SELECT id FROM candidates)
      AND j.state = 'running'
      AND coalesce(j.heartbeat_at, j.attempted_at) > statement_timestamp() + make_interval(secs => :ahead)
-     AND (coalesce(j.heartbeat_at, j.attempted_at) < '9999-12-31 00:00:00+00' OR j.heartbeat_at IS NOT NULL)
   RETURNING j.id
 )
 SELECT (SELECT count(*) FROM candidates) AS candidates, ARRAY(SELECT id FROM dated ORDER BY id) AS ids
@@ -379,7 +371,6 @@ RESCUER_COUNT_FUTURE = """
 SELECT count(*) FROM {schema}.jobs
  WHERE state = 'running'
    AND coalesce(heartbeat_at, attempted_at) > statement_timestamp() + make_interval(secs => :ahead)
-   AND (coalesce(heartbeat_at, attempted_at) < '9999-12-31 00:00:00+00' OR heartbeat_at IS NOT NULL)
 """
 
 # Waiting jobs with no attempt left (attempt >= max_attempts: an import, an operator's UPDATE, or
@@ -435,10 +426,6 @@ SELECT count(*) FILTER (WHERE state = 'running' AND attempt < max_attempts AND {
          UNION ALL
          SELECT id FROM {schema}.jobs
           WHERE state = 'running' AND coalesce(heartbeat_at, attempted_at) < '0001-01-02 00:00:00+00'
-         UNION ALL
-         SELECT id FROM {schema}.jobs
-          WHERE state = 'running' AND coalesce(heartbeat_at, attempted_at) >= '9999-12-31 00:00:00+00'
-            AND heartbeat_at IS NULL
          UNION ALL
          SELECT id FROM {schema}.jobs
           WHERE state IN ('available', 'scheduled', 'retryable') AND attempt >= max_attempts))
@@ -525,7 +512,7 @@ OLDEST_FINALIZED = [f"""(SELECT CASE WHEN m < '0001-01-02 00:00:00+00' THEN CAST
 
 # The rescuer's: the oldest usable sign of life of a running job (jobs_running_idx; only values a
 # Python datetime holds, so an odd row never fails the read; NULL: none), whether one has no
-# usable sign at all (or a heartbeat from 9999-12-31 on, to date), whether a waiting job has no attempt left (jobs_exhausted_idx), and the newest
+# usable sign at all (or one from 9999-12-31 on, to date), whether a waiting job has no attempt left (jobs_exhausted_idx), and the newest
 # usable sign of life (one in the server's future is dated now: RESCUER_FUTURE_SIGN_BATCH).
 RESCUER_PROBE = ["""(SELECT min(coalesce(heartbeat_at, attempted_at)) FROM {schema}.jobs WHERE state = 'running'
      AND coalesce(heartbeat_at, attempted_at) >= '0001-01-02 00:00:00+00'
