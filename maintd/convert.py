@@ -148,6 +148,13 @@ def _prepare(conn: Connection, schema: str, layout: Layout, say: Callable[[str],
             conn.execute(sql(template, schema))
         conn.connection.dbapi_connection.execute(render(q.SYNC_FUNCTION, schema))  # no parameter markers
         conn.commit()
+    elif not conn.execute(text(q.HAS_TRIGGER), {"t": jobs}).scalar():
+        # jobs_conv without its trigger: writes since it went were not repeated there (the copied
+        # rows would come back as they were copied), so the copy starts over
+        say(f"schema {schema}: the sync trigger was gone; copying again from the start")
+        for template in q.RESTART_COPY:
+            conn.execute(sql(template, schema))
+        conn.commit()
     if not conn.execute(text(q.HAS_TRIGGER), {"t": jobs}).scalar():
         _with_lock_timeout(conn, sql(q.CREATE_TRIGGER, schema), "the sync trigger")
     row = conn.execute(sql(q.PROGRESS, schema)).one()

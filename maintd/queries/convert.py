@@ -47,6 +47,12 @@ CREATE TRIGGER jobs_convert_sync AFTER INSERT OR UPDATE OR DELETE ON {schema}.jo
 FOR EACH ROW EXECUTE FUNCTION {schema}.jobs_convert_sync()
 """
 PROGRESS = "SELECT phase, cursor, copied FROM {schema}.jobs_convert_progress"
+# A copy that no trigger followed for a while (an abandon cut off after dropping it): started over,
+# before the trigger is made again (nothing is seen, so every row is copied as it is then).
+RESTART_COPY = (
+    "TRUNCATE {schema}.jobs_conv, {schema}.jobs_convert_seen",
+    "UPDATE {schema}.jobs_convert_progress SET phase = 'live', cursor = 0, copied = 0",
+)
 
 # Step 2, copy: one phase's rows (``{states}``), a batch at a time from the cursor.
 COUNT_PHASE = "SELECT count(*) FROM {schema}.jobs WHERE state IN {states}"
