@@ -139,6 +139,8 @@ def _prepare(conn: Connection, schema: str, layout: Layout, say: Callable[[str],
     jobs = f"{quote_ident(schema)}.jobs"
     if not conn.execute(text(catalog.TABLE_EXISTS), {"qualified": f"{jobs}_conv"}).scalar():
         say(f"schema {schema}: preparing jobs_conv (partitioned), the seen ids and the sync trigger")
+        for template in q.STALE:
+            conn.execute(sql(template, schema))
         conn.execute(sql(q.CREATE_CONV, schema))
         for statement in [*partitions.partitions_ddl(schema, "jobs_conv", "_conv"),
                           *partitions.start_sql(schema, layout.step),

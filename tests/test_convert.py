@@ -441,3 +441,39 @@ def test_a_conversion_resumed_after_its_trigger_was_gone_copies_again_what_chang
         assert after == expected
     finally:
         owner.dispose()
+
+
+def test_a_conversion_after_an_abandon_cut_off_past_the_copy_starts_afresh(engine, pg_dsn, schema, monkeypatch):
+    """`--convert plain` cut off after dropping jobs_conv left the seen ids, the progress row and the
+    trigger function: the next `--convert partitioned` failed on them ("relation jobs_convert_seen
+    already exists") until the abandon was run again."""
+    seed(engine, schema, final=30, live=30)
+    monkeypatch.setattr(convert, "BATCH", 10)
+    owner = make_engine(pg_dsn, application_name="convert", pooled=False)
+    try:
+        with owner.connect() as conn:
+            batches = []
+            stop_after = lambda: (batches.append(1), len(batches) > 2)[1]
+            assert convert.convert(conn, schema, LAYOUT, say=lambda _: None, stop=stop_after) == "stopped"
+        calls = []
+        real = convert._with_lock_timeout
+
+        def cut_off(conn, statement, what):
+            calls.append(what)
+            if len(calls) > 2:  # the trigger and jobs_conv dropped
+                raise KeyboardInterrupt
+            return real(conn, statement, what)
+
+        with owner.connect() as conn, monkeypatch.context() as m:
+            m.setattr(convert, "_with_lock_timeout", cut_off)
+            with pytest.raises(KeyboardInterrupt):
+                convert.abandon(conn, schema, say=lambda _: None)
+        with engine.connect() as conn:
+            expected = dict(conn.execute(sql("SELECT id, state::text FROM {schema}.jobs", schema)).all())
+        with owner.connect() as conn:
+            assert convert.convert(conn, schema, LAYOUT, say=lambda _: None) == "done"
+        with engine.connect() as conn:
+            after = dict(conn.execute(sql("SELECT id, state::text FROM {schema}.jobs", schema)).all())
+        assert after == expected
+    finally:
+        owner.dispose()

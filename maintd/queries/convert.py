@@ -89,6 +89,9 @@ ABANDON = (
     "DROP FUNCTION IF EXISTS {schema}.jobs_convert_sync()",
 )
 
+# Before a new jobs_conv: what an abandon cut off after dropping the copy left behind.
+STALE = ABANDON[1:]
+
 # Step 4, clean up.
 # After the swap, in a transaction of its own; again by a later run when a conversion was cut off
 # between the two (IF EXISTS: whatever is left).
