@@ -300,8 +300,9 @@ class Runner:
             if wake and name in self._active:  # asked for while a pass runs: one more once it ends
                 self._deferred.add(name)
                 return
+            # Disabled by a reload meanwhile: a wake asked for before it (a probe, a follow-up) runs no pass.
             if fence is None or service is None or stop_event.is_set() or self._paused or name in self._active \
-                    or (not wake and self._quiet(service)):
+                    or not _says_enabled(name, service) or (not wake and self._quiet(service)):
                 return
             # Its own stop: set with the term's (deactivate), or alone when a reload changes it.
             ctx = PassContext.for_settings(self.settings, self.engine, self.clock, fence=fence,

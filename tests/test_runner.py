@@ -745,3 +745,37 @@ def test_a_probe_finding_nothing_while_a_pass_runs_counts_no_idle_pass(settings,
     finally:
         runner.deactivate()
         runner.shutdown()
+
+
+
+class Counted(Service):
+    """Counts its passes."""
+
+    def __init__(self, config, calls: list):
+        super().__init__(config)
+        self.calls = calls
+
+    def run_once(self, ctx):
+        self.calls.append(time.monotonic())
+        return CountResult(1)
+
+
+def test_a_wake_that_comes_after_a_reload_disabled_the_service_runs_no_pass(settings, engine):
+    """A wake asked for before a reload disabled the service (the probe's read in flight, which
+    found a job due; a precise-timing pass's follow-up) came after it: the disabled scheduler
+    promoted jobs once more. A disabled service runs no pass, however it is asked for."""
+    calls: list = []
+    settings.scheduler.interval = timedelta(hours=1)
+    runner = Runner(settings, engine, Metrics(), build=lambda s: {"scheduler": Counted(s.scheduler, calls)})
+    runner.start()
+    try:
+        runner.activate(NoFence())
+        wait_for(lambda: len(calls) == 1, 5, what="the first pass")
+        new = settings.model_copy(deep=True)
+        new.scheduler.enabled = False
+        runner.reload(new)
+        runner.wake("scheduler")  # the probe's verdict, read before the reload
+        time.sleep(1.0)
+        assert len(calls) == 1, f"{len(calls) - 1} pass(es) of a disabled service"
+    finally:
+        runner.shutdown()
