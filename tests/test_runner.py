@@ -779,3 +779,52 @@ def test_a_wake_that_comes_after_a_reload_disabled_the_service_runs_no_pass(sett
         assert len(calls) == 1, f"{len(calls) - 1} pass(es) of a disabled service"
     finally:
         runner.shutdown()
+
+
+class HangingClock(ServerClock):
+    """The server's time, read by a statement that hangs once ``hang`` is set (as on a frozen
+    server)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hang = threading.Event()
+        self.hanging = threading.Event()
+
+    def sync(self, conn):
+        if self.hang.is_set():
+            self.hanging.set()
+            conn.execute(text("SELECT pg_sleep(30)"))
+        super().sync(conn)
+
+
+class Fresh(Service):
+    """Reads the server's time afresh first, as every cleaner pass does."""
+
+    def run_once(self, ctx):
+        ctx.now(fresh=True)
+        return CountResult(0)
+
+
+def test_a_pass_hanging_on_the_server_s_time_is_stopped_and_severed(settings, engine):
+    """A pass's first statement is often the read of the server's time (the cleaner's, every
+    pass). It was not tracked: a demotion did not cancel it and sever_stalled did not shut its
+    socket, so on a frozen server the pass hung on until the answer timeout (statement timeout +
+    lease), holding a thread, a pooled connection and the service (the next term's passes of it
+    wait for it)."""
+    clock = HangingClock()
+    settings.cleaner.interval = timedelta(milliseconds=200)
+    runner = Runner(settings, engine, Metrics(), clock=clock, build=fakes(cleaner=Fresh))
+    runner.start()
+    try:
+        clock.hang.set()
+        runner.activate(NoFence())
+        wait_for(clock.hanging.is_set, 5, what="the pass reading the server's time")
+        time.sleep(0.2)
+        assert runner.stalled_for() > 0.1  # the hang is seen
+        t0 = time.monotonic()
+        runner.deactivate(timeout=5.0)
+        took = time.monotonic() - t0
+        assert not runner._active and took < 3.0, f"the pass still ran {took:.1f} s after the demotion"
+    finally:
+        clock.hang.clear()
+        runner.shutdown()

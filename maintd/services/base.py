@@ -186,8 +186,10 @@ class PassContext:
         last reading is old, or (``fresh``) now: a reading carried forward runs ahead of the
         server's clock for up to 30 s after that clock steps back, which a retention must not."""
         if getattr(self.clock, "due", False) or (fresh and hasattr(self.clock, "sync")):
-            outside = self.query.stalled_for() == 0.0
-            with self.query.timing() if outside else nullcontext(), self._checkout() as conn:
+            self.check_stop()  # no new statement once stopped (a cancel is sent once)
+            outside = self.query.stalled_for() == 0.0  # (inside, the transaction is timed and tracked)
+            with self.query.timing() if outside else nullcontext(), self._checkout() as conn, \
+                    self.query.tracking(conn) if outside else nullcontext():  # a demotion cancels it
                 self.clock.sync(conn)  # type: ignore[attr-defined]  (in a transaction: that one's connection)
                 if outside:
                     conn.rollback()  # end the read's transaction: a probe may follow in autocommit
