@@ -828,3 +828,29 @@ def test_a_pass_hanging_on_the_server_s_time_is_stopped_and_severed(settings, en
     finally:
         clock.hang.clear()
         runner.shutdown()
+
+
+def test_a_cancel_that_arrives_late_never_hits_the_connection_s_next_user(engine, monkeypatch):
+    """A demotion cancels the statement a pass is running; the cancel request goes out from a
+    thread of its own and may arrive after that statement has ended (a short one: the read of
+    the server's time). The connection went back to the pool at once, and the cancel hit
+    whatever its next user ran there (a probe, the next term's pass, a test's SELECT: "canceling
+    statement due to user request"). Its release now waits for the cancel to be delivered."""
+    import psycopg
+
+    from maintd.services.base import RunningQuery
+
+    real = psycopg.Connection.cancel_safe
+
+    def late(self, *args, **kwargs):  # the cancel's own connection takes a while (a busy server)
+        time.sleep(0.3)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.Connection, "cancel_safe", late)
+    query = RunningQuery()
+    with engine.connect() as conn:
+        with query.tracking(conn):
+            conn.execute(text("SELECT 1"))
+            query.cancel()  # the statement has ended already
+        conn.rollback()
+        conn.execute(text("SELECT pg_sleep(0.8)"))  # the connection's next user: not cancelled

@@ -95,6 +95,8 @@ class RunningQuery:
     def __init__(self) -> None:
         self._conn: Connection | None = None
         self._since: float | None = None  # monotonic start of the fenced transaction now open
+        self._lock = threading.Lock()
+        self._cancelling: threading.Thread | None = None  # a cancel of the tracked connection on its way
 
     @property
     def active(self) -> bool:
@@ -116,11 +118,17 @@ class RunningQuery:
 
     @contextmanager
     def tracking(self, conn: Connection) -> Iterator[Connection]:
+        """While open, :meth:`cancel` and :meth:`sever` reach ``conn``. A cancel on its way when
+        it ends is waited for (up to ``CANCEL_TIMEOUT``): arriving later, it would cancel what the
+        connection's next user runs (the pool hands it on at once); an idle session ignores it."""
         self._conn = conn
         try:
             yield conn
         finally:
-            self._conn = None
+            with self._lock:
+                self._conn, cancelling, self._cancelling = None, self._cancelling, None
+            if cancelling is not None:
+                cancelling.join(CANCEL_TIMEOUT)
 
     def sever(self) -> None:
         """Shut the running query's socket down (a silent server never answers a cancel)."""
@@ -133,21 +141,23 @@ class RunningQuery:
             pass
 
     def cancel(self) -> None:
-        conn = self._conn
-        try:
-            raw = conn.connection.dbapi_connection if conn is not None else None
-        except Exception:  # pragma: no cover - the connection may be gone already
-            raw = None
-        if raw is None:
-            return
-
-        def cancel() -> None:
+        with self._lock:
+            conn = self._conn
             try:
-                raw.cancel_safe(timeout=CANCEL_TIMEOUT)
-            except Exception:  # the pass ends anyway: statement timeout or a dead connection
-                pass
+                raw = conn.connection.dbapi_connection if conn is not None else None
+            except Exception:  # pragma: no cover - the connection may be gone already
+                raw = None
+            if raw is None or (self._cancelling is not None and self._cancelling.is_alive()):
+                return  # nothing running, or a cancel on its way already
 
-        threading.Thread(target=cancel, name="maintd-cancel", daemon=True).start()
+            def cancel() -> None:
+                try:
+                    raw.cancel_safe(timeout=CANCEL_TIMEOUT)
+                except Exception:  # the pass ends anyway: statement timeout or a dead connection
+                    pass
+
+            self._cancelling = threading.Thread(target=cancel, name="maintd-cancel", daemon=True)
+            self._cancelling.start()
 
 
 @dataclass
