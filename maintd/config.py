@@ -574,7 +574,7 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
         if k.upper().startswith("MAINTD_") and k.upper() not in _KNOWN_ENV
         and k.upper().split("__")[0][len("MAINTD_"):].lower() not in _TOP_KEYS
     )
-    problems = [f"{k}: unknown environment setting" for k in unknown_env]
+    problems = [f"{k}: unknown environment setting" for k in unknown_env] + _names_read_lower(environ)
     # MAINTD_TARGETS__0__SCHEMA reads as a table keyed '0' ('targets: Input should be a valid list')
     by_index = sorted(k for k in environ if re.fullmatch(r"MAINTD_(TARGETS|PERIODIC)__\d+(__.*)?", k.upper()))
     problems += [f"{k}: a list is not set item by item: give it whole, as JSON, in {k.upper().split('__')[0]} "
@@ -594,6 +594,25 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
     if problems:
         raise ConfigError(problems)
     return settings
+
+
+# MAINTD_CLEANER__QUEUES__<NAME>[__<KEY>]: the per-queue (or per-kind) tables a variable may reach.
+_NAMED_TABLE_ENV = re.compile(r"(MAINTD_(?:CLEANER__QUEUES|RESCUER__QUEUES|RESCUER__KINDS))__(.+?)(?:__|$)", re.I)
+
+
+def _names_read_lower(environ: Any) -> list[str]:
+    """Variables naming a queue or kind in mixed case: a variable's name is read in lower case,
+    so ``..._QUEUES__Billing__...`` would set queue 'billing' and leave 'Billing' as it was (an
+    upper-case name is the variables' convention for a lower-case queue, as in ``..._VIDEO__...``)."""
+    problems = []
+    for k in sorted(environ):
+        found = _NAMED_TABLE_ENV.match(k)
+        name = found.group(2) if found else ""
+        if name != name.lower() and name != name.upper():
+            problems.append(f"{k}: names are case-sensitive and a variable's name is read in lower case "
+                            f"({name.lower()!r}): give the table whole, as JSON, in {found.group(1).upper()}="
+                            f"'{{\"{name}\": {{...}}}}'")
+    return problems
 
 
 def _env_json_problem(error: str, environ: Any) -> str:

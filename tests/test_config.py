@@ -301,6 +301,32 @@ def test_a_list_item_set_by_index_names_the_variable_and_the_json_form(monkeypat
     assert [t.schema for t in load_settings().targets] == ["a", "b"]
 
 
+@pytest.mark.parametrize("name,table,key,value", [
+    ("MAINTD_CLEANER__QUEUES__Billing__COMPLETED_RETENTION", "MAINTD_CLEANER__QUEUES", "completed_retention", "1h"),
+    ("MAINTD_RESCUER__KINDS__SendEmail__HEARTBEAT_TIMEOUT", "MAINTD_RESCUER__KINDS", "heartbeat_timeout", "1h"),
+    ("MAINTD_CLEANER__QUEUES__Billing", "MAINTD_CLEANER__QUEUES", "completed_retention",
+     '{"completed_retention": "1h"}'),
+])
+def test_a_mixed_case_queue_or_kind_in_a_variable_name_is_refused(monkeypatch, name, table, key, value):
+    """A variable's name is read in lower case: MAINTD_CLEANER__QUEUES__Billing__... set the
+    retention of a queue 'billing', and queue 'Billing' silently kept the default (a -1 meant to
+    keep its jobs forever deleted them after 24h)."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as err:
+        load_settings()
+    assert len(err.value.problems) == 1 and err.value.problems[0].startswith(f"{name}: ")
+    assert table + "='{" in err.value.problems[0]
+    monkeypatch.delenv(name)
+    monkeypatch.setenv(table, json.dumps({"Billing": {key: "1h"}}))
+    section, table_name = table.lower().removeprefix("maintd_").split("__")
+    assert list(getattr(getattr(load_settings(), section), table_name)) == ["Billing"]
+
+
+def test_an_upper_case_queue_in_a_variable_name_reads_lower_case(monkeypatch):
+    monkeypatch.setenv("MAINTD_CLEANER__QUEUES__BILLING__COMPLETED_RETENTION", "1h")
+    assert list(load_settings().cleaner.queues) == ["billing"]
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_settings(tmp_path / "nope.toml")
