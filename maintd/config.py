@@ -27,7 +27,7 @@ from .db import libpq_dsn
 from .identifiers import validate_identifier, validate_schema
 from .logs import redact_dsn
 from .queries import FINAL_STATES
-from .sections import PositiveDuration, Section
+from .sections import PositiveDuration, Section, ServerTimeout
 from .services.cleaner import CleanerConfig, QueueRetention
 from .services.partitioner import PartitionsConfig
 from .services.periodic_config import CrontabJob, PeriodicJob
@@ -48,7 +48,7 @@ LEADER_FLOOR = timedelta(milliseconds=100)
 
 
 class LeaderConfig(Section):
-    lease: PositiveDuration = timedelta(seconds=10)
+    lease: ServerTimeout = timedelta(seconds=10)
     renew_interval: PositiveDuration = timedelta(seconds=2)
     retry_interval: PositiveDuration = timedelta(seconds=1)
 
@@ -221,7 +221,7 @@ with warnings.catch_warnings():
         database_url: SecretStr = SecretStr("postgresql://localhost/postgres")
         schema: str = "maintd"
         instance_id: str = Field(default_factory=lambda: default_instance_id(), max_length=INSTANCE_ID_MAX)
-        statement_timeout: PositiveDuration = timedelta(seconds=30)
+        statement_timeout: ServerTimeout = timedelta(seconds=30)
         # "plain" (one jobs table) or "partitioned" (SPEC 8.1): what `maintd migrate` builds for
         # a new schema, and whether the leader keeps the partitions (premade, strays, retention).
         layout: Layout = "plain"

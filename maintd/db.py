@@ -62,7 +62,8 @@ def libpq_dsn(dsn: str) -> str:
 
 
 def ms(td: timedelta) -> int:
-    return max(1, int(td.total_seconds() * 1000))
+    """Milliseconds for a server timeout: at least 1 (0 is none), at most the server's longest."""
+    return min(2**31 - 1, max(1, int(td.total_seconds() * 1000)))
 
 
 class BoundedConnection(psycopg.Connection):

@@ -47,8 +47,22 @@ def _retention(v: object) -> timedelta | None:
     return parse_duration(v)
 
 
+# The server takes its timeouts (statement_timeout, lock_timeout, idle_session_timeout) in
+# milliseconds as a 32-bit integer: a longer one fails every session that sets it.
+SERVER_TIMEOUT_MAX = timedelta(milliseconds=2**31 - 1)
+
+
+def _server_timeout(v: object) -> timedelta:
+    td = _positive_duration(v)
+    if td > SERVER_TIMEOUT_MAX:
+        raise ValueError(f"must be at most {format_duration(timedelta(seconds=SERVER_TIMEOUT_MAX // timedelta(seconds=1)))} "
+                         f"(PostgreSQL's longest timeout, {2**31 - 1} ms)")
+    return td
+
+
 DURATION_JSON = PlainSerializer(format_duration, return_type=str, when_used="json")
 PositiveDuration = Annotated[timedelta, BeforeValidator(_positive_duration), DURATION_JSON]
+ServerTimeout = Annotated[timedelta, BeforeValidator(_server_timeout), DURATION_JSON]
 Retention = Annotated[timedelta | None, BeforeValidator(_retention), DURATION_JSON]
 OptionalDuration = Annotated[
     timedelta | None, BeforeValidator(lambda v: None if v is None else _positive_duration(v)),

@@ -327,6 +327,23 @@ def test_an_upper_case_queue_in_a_variable_name_reads_lower_case(monkeypatch):
     assert list(load_settings().cleaner.queues) == ["billing"]
 
 
+@pytest.mark.parametrize("section,key", [
+    (None, "statement_timeout"), ("reindexer", "timeout"), ("reindexer", "lock_timeout"), ("leader", "lease"),
+])
+def test_a_timeout_beyond_postgresqls_range_is_a_config_error(section, key):
+    """These are sent to the server as milliseconds (statement_timeout, lock_timeout,
+    idle_session_timeout), at most 2147483647: statement_timeout = "30d" passed check-config and
+    then every pass and command failed with 'invalid value for parameter "statement_timeout"'."""
+    def load(value):
+        return load_settings(None, **({key: value} if section is None else {section: {key: value}}))
+    with pytest.raises(ConfigError) as err:
+        load("30d")
+    name = key if section is None else f"{section}.{key}"
+    assert err.value.problems == [f"{name}: must be at most 3w3d20h31m23s (PostgreSQL's longest timeout, "
+                                  "2147483647 ms)"]
+    assert load("3w3d20h31m23s") is not None
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_settings(tmp_path / "nope.toml")

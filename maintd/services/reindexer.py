@@ -31,15 +31,15 @@ from ..logs import kv
 from ..metrics import Family
 from ..queries import catalog
 from ..schedules import ScheduleTrigger, parse_schedule, schedule_trigger
-from ..sections import PositiveDuration, Scheduled
+from ..sections import Scheduled, ServerTimeout
 from .base import NotLeader, PassContext, PassResult, PassStopped, Service
 
 class ReindexerConfig(Scheduled):
     enabled: bool = False
     schedule: str = "0 0 * * *"
     indexes: list[str] = Field(default_factory=list)
-    timeout: PositiveDuration = timedelta(minutes=1)
-    lock_timeout: PositiveDuration = timedelta(seconds=5)
+    timeout: ServerTimeout = timedelta(minutes=1)
+    lock_timeout: ServerTimeout = timedelta(seconds=5)
     bloat_threshold: float | None = Field(default=None, ge=0, le=100)
 
     @field_validator("indexes")
