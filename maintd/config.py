@@ -571,7 +571,7 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
         data["crontab"] = str(Path(path).parent / Path(data["crontab"]).expanduser())
     unknown_env = sorted(
         k for k in environ
-        if k.upper().startswith("MAINTD_") and k.upper() not in _KNOWN_ENV
+        if k.upper().startswith("MAINTD_") and k.upper() not in _KNOWN_ENV and not _service_link(k, environ)
         and k.upper().split("__")[0][len("MAINTD_"):].lower() not in _TOP_KEYS
     )
     problems = [f"{k}: unknown environment setting" for k in unknown_env] + _names_read_lower(environ)
@@ -627,3 +627,13 @@ def _env_json_problem(error: str, environ: Any) -> str:
 _TOP_KEYS = frozenset(Settings.model_fields)  # what a MAINTD_<KEY>[__...] variable may name
 # Variables of the maintd environment that are not settings.
 _KNOWN_ENV = {"MAINTD_CONFIG"}
+# Kubernetes' service links: for a Service named maintd (or maintd-<x>), every pod of the
+# namespace gets MAINTD_[<X>_]SERVICE_HOST, ..._SERVICE_PORT[_<NAME>], ..._PORT[_<N>_TCP[_ADDR...]].
+_SERVICE_LINK_RE = re.compile(r"SERVICE_HOST|SERVICE_PORT(?:_\w+)?|PORT(?:_\d+_(?:TCP|UDP|SCTP)(?:_(?:PROTO|PORT|ADDR))?)?")
+
+
+def _service_link(name: str, environ: Any) -> bool:
+    """A variable of a Kubernetes service link: its group's ``..._SERVICE_HOST`` is set too."""
+    prefixes = {k.upper().removesuffix("SERVICE_HOST") for k in environ if k.upper().endswith("_SERVICE_HOST")}
+    return any(name.upper().startswith(p) and _SERVICE_LINK_RE.fullmatch(name.upper()[len(p):])
+               for p in prefixes if p.startswith("MAINTD_"))

@@ -207,6 +207,41 @@ def test_configmap_toml_is_a_valid_maintd_config(tmp_path):
     assert settings.http.listen == "0.0.0.0:9464" and settings.log.format == "json"
 
 
+def service_link_variables(name: str, ports: list[dict]) -> dict[str, str]:
+    """What the kubelet puts in the environment of every pod of a namespace for a Service (the
+    "service links", on unless the pod says enableServiceLinks: false)."""
+    prefix, out = name.upper().replace("-", "_"), {}
+    out[f"{prefix}_SERVICE_HOST"], out[f"{prefix}_SERVICE_PORT"] = "10.0.0.7", str(ports[0]["port"])
+    out[f"{prefix}_PORT"] = f"tcp://10.0.0.7:{ports[0]['port']}"
+    for port in ports:
+        if "name" in port:
+            out[f"{prefix}_SERVICE_PORT_{port['name'].upper().replace('-', '_')}"] = str(port["port"])
+        tcp = f"{prefix}_PORT_{port['port']}_{port.get('protocol', 'TCP')}"
+        out.update({tcp: f"tcp://10.0.0.7:{port['port']}", f"{tcp}_PROTO": "tcp", f"{tcp}_PORT": str(port["port"]),
+                    f"{tcp}_ADDR": "10.0.0.7"})
+    return out
+
+
+@pytest.mark.parametrize("service", ["maintd", "maintd-metrics"])
+def test_the_pods_start_beside_the_service_variables_kubernetes_gives_them(tmp_path, monkeypatch, service):
+    """service.yaml's Service is named maintd: the kubelet gives every pod created after it
+    MAINTD_SERVICE_HOST, MAINTD_PORT_9464_TCP and the like, which the daemon refused as unknown
+    settings (exit 2: every pod of the Deployment in CrashLoopBackOff)."""
+    svc = next(d for _, d in k8s_docs() if d["kind"] == "Service")
+    cm = next(d for _, d in k8s_docs() if d["kind"] == "ConfigMap")
+    p = tmp_path / "maintd.toml"
+    p.write_text(cm["data"]["maintd.toml"])
+    for name in [k for k in os.environ if k.startswith("MAINTD_")]:
+        monkeypatch.delenv(name)
+    for key, value in service_link_variables(service if service != "maintd" else svc["metadata"]["name"],
+                                             svc["spec"]["ports"]).items():
+        monkeypatch.setenv(key, value)
+    assert load_settings(p).http.listen == "0.0.0.0:9464"
+    monkeypatch.setenv("MAINTD_CLEANR__ENABLED", "false")  # a typo is still one
+    with pytest.raises(Exception, match="MAINTD_CLEANR__ENABLED: unknown environment setting"):
+        load_settings(p)
+
+
 # SPEC 7.3's counter, registered by the metrics of the second round.
 ANNOUNCED_METRICS = {"maintd_rows_skipped_total"}
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
