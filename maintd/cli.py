@@ -770,8 +770,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[command](args)
     except ConfigError as exc:
-        for line in exc.problems:
-            print(f"maintd: config error: {line}", file=sys.stderr)
+        from .logs import escape
+
+        for line in exc.problems:  # keys and values as the file or a variable wrote them
+            print(f"maintd: config error: {escape(line)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:  # cut off: not done (`maintd run` and `demo` stop on SIGINT themselves)
         print("maintd: interrupted", file=sys.stderr)

@@ -344,6 +344,20 @@ def test_a_timeout_beyond_postgresqls_range_is_a_config_error(section, key):
     assert load("3w3d20h31m23s") is not None
 
 
+def test_a_config_error_cannot_forge_a_line_or_drive_the_terminal(tmp_path, capsys, monkeypatch):
+    """Keys of the file (and names of queues) went to stderr, the journal under systemd, as they
+    were: a quoted TOML key holding a newline wrote a line of its own, an ESC sequence reached
+    the terminal (SPEC 8.5: control characters are escaped)."""
+    p = write(tmp_path, '"evil\\nmaintd: config ok\\u001b[2J" = 1\n'
+                        '[cleaner.queues."q\\u001b[31m"]\ncompleted_retention = "x"\n')
+    monkeypatch.setenv("MAINTD_LEADER__LEASE", "1\x1b[2Jh")
+    assert main(["--config", str(p), "check-config"]) == 2
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and len(err.splitlines()) == 3, err
+    assert all(line.startswith("maintd: config error: ") for line in err.splitlines()), err
+    assert "evil\\nmaintd: config ok\\x1b[2J: unknown key" in err
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_settings(tmp_path / "nope.toml")
