@@ -15,13 +15,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Mapping
+from typing import Any, Callable, Collection, Generic, Mapping, TypeVar
 from urllib.parse import parse_qs, unquote
 
 from .listener import INLINE, Limits, Listener
 from .metrics import CONTENT_TYPE_LATEST
 
 log = logging.getLogger("maintd.http")
+T = TypeVar("T")
 
 # (status, content type, body) and optionally extra headers.
 Response = tuple[int, str, bytes] | tuple[int, str, bytes, dict[str, str]]
@@ -222,7 +223,7 @@ def metrics_body(render: Callable[[], bytes]) -> tuple[int, str, bytes]:
     return 200, CONTENT_TYPE_LATEST, render()
 
 
-class Recent:
+class Recent(Generic[T]):
     """``render()``'s last result while it is at most ``max_age`` seconds old, rendered again by
     one caller at a time: however many clients scrape ``/metrics`` at once, it is rendered at
     most once per ``max_age``. A render holds the interpreter's lock, which the listener's loop
@@ -231,15 +232,16 @@ class Recent:
 
     While one caller renders, the others take the last result rather than wait for the next, and
     :meth:`ready` (on the listener's loop) hands it out without a thread: a flood of scrapers
-    waiting behind the render filled the metrics lane, and Prometheus' own scrape got ``503``."""
+    waiting behind the render filled the metrics lane, and Prometheus' own scrape got ``503``.
+    ``/status`` is kept so too: each one read the database (14 statements), once per request."""
 
-    def __init__(self, render: Callable[[], bytes], max_age: float = 0.5):
+    def __init__(self, render: Callable[[], T], max_age: float = 0.5):
         self.render, self.max_age = render, max_age
         self._lock = threading.Lock()
-        self._body: bytes | None = None
+        self._body: T | None = None
         self._at = self._asked = float("-inf")
 
-    def __call__(self) -> bytes:
+    def __call__(self) -> T:
         if not self._lock.acquire(blocking=self._body is None):
             return self._body  # being rendered by another caller: the last one meanwhile
         try:
@@ -249,7 +251,7 @@ class Recent:
         finally:
             self._lock.release()
 
-    def ready(self) -> bytes | None:
+    def ready(self) -> T | None:
         """The last result while it is fresh, or while the next one was asked for less than
         ``max_age`` ago; else None, and the caller is the one that asks (calls this object)."""
         now = time.monotonic()
@@ -259,7 +261,7 @@ class Recent:
         return None
 
 
-def ready_metrics(scrape: Recent) -> tuple[int, str, bytes] | None:
+def ready_metrics(scrape: Recent[bytes]) -> tuple[int, str, bytes] | None:
     """The ``/metrics`` answer when it needs no render (see :meth:`Recent.ready`)."""
     body = scrape.ready()
     return None if body is None else (200, CONTENT_TYPE_LATEST, body)

@@ -241,3 +241,36 @@ def test_max_queues_holds_across_live_and_final_counts_and_no_queue_flips(settin
     get = lambda queue, state: metrics.registry.get_sample_value(
         "maintd_jobs", {"target": "maintd", "queue": queue, "state": state})
     assert (get("A0", "completed"), get("_other", "available"), get("_other", "completed")) == (10, 15, None)
+
+
+def test_a_flood_of_status_requests_reads_the_database_at_most_twice_a_second(settings, schema):
+    """Each /status read the database through the readers (14 statements a request here): 200
+    requests, from a client without any token when none is set, cost 200 reads, as many as
+    the two page threads could serve. It is now read at most once per half second, as
+    /metrics is rendered, whoever asks."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sqlalchemy import event
+
+    daemon = Daemon(settings)
+    daemon.start()
+    try:
+        port = daemon.http_port
+        wait_for(lambda: daemon.is_leader, 10, what="leadership")
+        engine = daemon.readers.engine(settings.database_url.get_secret_value())
+        statements: list[str] = []
+        event.listen(engine, "before_cursor_execute", lambda _c, _cur, stmt, *_a: statements.append(stmt))
+        time.sleep(0.6)  # past any earlier answer's age
+        assert _get(port, "/status")[0] == 200
+        one = len(statements)  # the statements of one /status
+        assert one > 0
+        statements.clear()
+        started = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:  # as many as the page threads: none turned away
+            answers = list(pool.map(lambda _: _get(port, "/status")[0], range(200)))
+        took = time.monotonic() - started
+        assert set(answers) == {200}, answers
+        reads = len(statements) / one
+        assert reads <= took / 0.5 + 3, f"{reads:.0f} reads of /status in {took:.1f} s"
+    finally:
+        daemon.stop()
