@@ -154,8 +154,8 @@ class Daemon:
                 "/healthz": self._healthz,
                 "/readyz": self._readyz,
                 "/status": status,
-            }, pages=Dashboard(lambda: self.settings, readers=self.readers,
-                               health=self.health_status).pages(),  # /, /jobs, /jobs/{id}
+            }, pages=Dashboard(lambda: self.settings, readers=self.readers, health=self.health_status,
+                               max_age=scrape.max_age).pages(),  # /, /jobs, /jobs/{id}
                auth_token=lambda: self.settings.http.auth_token,  # all but the probes and /metrics
                ready={"/metrics": lambda: ready_metrics(scrape)})  # on the loop while no render is due
         except OSError as exc:

@@ -31,7 +31,7 @@ from . import charts, history
 from .config import PeriodicJob, Settings
 from .db import UnloadableJson, advisory_key, describe_db_error, load_json, quote_ident
 from .queries import catalog, sql
-from .http import HttpError, Request, Response
+from .http import HttpError, Recent, Request, Response
 from .readers import Readers
 from .layout_status import layout_summary
 from .queries import FINAL_STATES, JOB_STATES
@@ -588,10 +588,13 @@ class Dashboard:
 
     def __init__(self, settings: Callable[[], Settings], *, readers: Readers | None = None,
                  page_size: int = PAGE_SIZE, scan_window: int = SCAN_WINDOW, cap: int = CAP,
-                 refresh: int = REFRESH_SECONDS, health: Callable[[str], dict[str, Any] | None] | None = None):
+                 refresh: int = REFRESH_SECONDS, health: Callable[[str], dict[str, Any] | None] | None = None,
+                 max_age: float | None = None):
         """``readers``: the daemon's reader pools (else pools of its own); ``health``: a target's
-        table health as the daemon read it last (None: not read here)."""
+        table health as the daemon read it last (None: not read here); ``max_age``: the overview's
+        figures are read at most once per ``max_age`` seconds however many ask (None: each time)."""
         self.health = health
+        self._overview = None if max_age is None else Recent(self._read_overview, max_age)
         self.settings, self.page_size, self.scan_window = settings, page_size, scan_window
         self.cap, self.refresh = cap, refresh
         self.env = make_env()
@@ -645,7 +648,7 @@ class Dashboard:
         req.only({"refresh"})
         refresh = refresh_seconds(req, self.refresh)
         targets = self.targets()
-        data = overview(targets, cap=self.cap, health=self.health)
+        data = self._overview() if self._overview is not None else self._read_overview()
         now = next((d["now"] for d in data if "now" in d), None)
         multi = len(targets) > 1
         return self.render("index.html", 503 if any("error" in d for d in data) else 200,
@@ -653,6 +656,9 @@ class Dashboard:
                            warn_after=self.settings().health.xmin_warn_after.total_seconds(),
                            link=Links(req, None), links={d["name"]: Links(req, d["name"] if multi else None)
                                                          for d in data})
+
+    def _read_overview(self) -> list[dict[str, Any]]:
+        return overview(self.targets(), cap=self.cap, health=self.health)
 
     def _filter(self, req: Request) -> JobFilter:
         req.only({"state", "queue", "after", "target", "refresh"})

@@ -435,6 +435,38 @@ def test_auth_token_guards_pages_and_status_but_not_probes(settings, schema):
         daemon.stop()
 
 
+def test_a_flood_of_overview_requests_reads_the_database_at_most_twice_a_second(settings, schema):
+    """Each overview read the database (20 statements a request here), a GET or a HEAD, from any
+    client when no token is set: 100 requests cost 100 reads, as many as the two page threads
+    could serve. Its figures are now read at most once per half second, however many ask; each
+    page is still rendered for its own request (its links, its token, its refresh)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sqlalchemy import event
+
+    daemon = start_daemon(settings)
+    try:
+        port = daemon.http_port
+        engine = daemon.readers.engine(settings.database_url.get_secret_value())
+        statements: list[str] = []
+        event.listen(engine, "before_cursor_execute", lambda _c, _cur, stmt, *_a: statements.append(stmt))
+        time.sleep(0.6)  # past any earlier answer's age
+        assert fetch(port, "/")[0] == 200
+        one = len(statements)  # the statements of one overview
+        assert one > 0
+        statements.clear()
+        started = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:  # as many as the page threads: none turned away
+            answers = list(pool.map(lambda i: fetch(port, f"/?refresh={2 + i % 2}"), range(100)))
+        took = time.monotonic() - started
+        assert {status for status, _, _ in answers} == {200}
+        assert all(f'content="{2 + i % 2}"' in body for i, (_, body, _) in enumerate(answers))
+        reads = len(statements) / one
+        assert reads <= took / 0.5 + 3, f"{reads:.0f} reads of the overview in {took:.1f} s"
+    finally:
+        daemon.stop()
+
+
 def test_token_given_by_link_follows_the_person_through_the_pages(browser, settings, engine, schema):
     q = JobQueue(schema)
     with engine.begin() as conn:
