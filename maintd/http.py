@@ -47,6 +47,7 @@ class Request:
     query: dict[str, list[str]]
     headers: Mapping[str, str] = field(default_factory=dict)
     params: dict[str, str] = field(default_factory=dict)
+    raw_query: str = ""  # as sent, before percent-decoding
 
     def arg(self, name: str) -> str | None:
         """The single value of query parameter ``name`` (``None`` if absent)."""
@@ -73,7 +74,7 @@ def parse_request(raw_path: str, headers: Mapping[str, str]) -> Request:
         query = parse_qs(qs, keep_blank_values=True, max_num_fields=MAX_QUERY_FIELDS)
     except ValueError:
         raise HttpError(400, f"too many query parameters (at most {MAX_QUERY_FIELDS})") from None
-    return Request(path=path, query=query, headers=headers)
+    return Request(path=path, query=query, headers=headers, raw_query=qs)
 
 
 def match_page(pages: Mapping[str, Callable[[Request], Response]], path: str
@@ -97,18 +98,41 @@ def match_page(pages: Mapping[str, Callable[[Request], Response]], path: str
     return None
 
 
-def bearer_or_query_token(req: Request) -> str | None:
+def bearer_or_query_token(req: Request) -> list[str]:
+    """The Bearer credential, else the first ``?token=``: percent-decoded, and as written (a
+    token may hold '+' or '%', which a link pasted by hand does not encode)."""
     auth = req.headers.get("Authorization") or ""
     scheme, _, cred = auth.strip().partition(" ")
     if scheme.lower() == "bearer" and cred.strip():
-        return cred.strip()
-    values = req.query.get("token")
-    return values[0] if values else None
+        return [cred.strip()]
+    values, raw = req.query.get("token"), _raw_token(req)
+    return [*values[:1], *([raw] if raw is not None else [])] if values else []
+
+
+def _raw_token(req: Request) -> str | None:
+    """The first ``?token=`` as written."""
+    return next((v for k, _, v in (f.partition("=") for f in req.raw_query.split("&")) if k == "token"), None)
+
+
+def matching_token(req: Request, expected: str) -> str | None:
+    """The given token that is ``expected`` (each compared in constant time), or None."""
+    want = expected.encode()
+    hits = [given for given in bearer_or_query_token(req) if hmac.compare_digest(given.encode(), want)]
+    return hits[0] if hits else None
 
 
 def authorized(req: Request, expected: str) -> bool:
-    given = bearer_or_query_token(req)
-    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+    return matching_token(req, expected) is not None
+
+
+def with_matched_token(req: Request, expected: str | None) -> dict[str, list[str]]:
+    """The query, its ``token`` in the form that matched ``expected`` (as written or decoded), so
+    that the links a page makes from it carry the token on."""
+    raw = _raw_token(req)
+    decoded = req.query.get("token", [raw])[0]
+    if expected and raw is not None and decoded != raw and matching_token(req, expected) == raw:
+        return {**req.query, "token": [raw]}
+    return req.query
 
 
 def _secret(value: Any) -> str | None:
@@ -194,7 +218,9 @@ class HttpServer:
         if found is None:
             return text(404, "not found\n")
         page, params = found
-        return page(Request(path=req.path, query=req.query, headers=req.headers, params=params))
+        query = with_matched_token(req, _secret(self.auth_token()) if self.auth_token else None)
+        return page(Request(path=req.path, query=query, headers=req.headers, params=params,
+                            raw_query=req.raw_query))
 
     @property
     def address(self) -> tuple[str, int]:

@@ -553,3 +553,24 @@ def test_requests_without_the_token_are_refused_on_the_loop_and_take_no_page_slo
         assert answers == [200] * 50
     finally:
         server.stop()
+
+
+def test_a_token_with_plus_or_percent_is_taken_in_a_link_as_written_or_percent_encoded():
+    """http.auth_token takes any printable ASCII (``openssl rand -base64 32`` gives '+', '/' and
+    '='), but ``?token=TOKEN`` was read as a form field only: a '+' became a space and '%41' an
+    'A', so the README's ``?token=TOKEN`` link was a 401 with the right token. It is now taken
+    as written too (and still percent-encoded, as the dashboard's own links carry it)."""
+    from urllib.parse import quote
+
+    token = "Ab+9/x%41z=="
+    server = HttpServer("127.0.0.1", 0, {}, pages={"/": lambda req: text(200, req.query["token"][0])},
+                        limits=FAST, auth_token=lambda: token, ready={})
+    server.start()
+    try:  # the page gets the token as it matched (its links carry it on)
+        assert get(server.port, "/?token=" + token)[:2] == (200, token.encode())
+        assert get(server.port, "/?token=" + quote(token, safe=""))[:2] == (200, token.encode())
+        assert get(server.port, "/?refresh=0&token=" + token)[0] == 200
+        assert get(server.port, "/?token=" + token.replace("+", " ").replace(" ", "%20"))[0] == 401
+        assert get(server.port, "/?token=" + token[:-1])[0] == 401
+    finally:
+        server.stop()
