@@ -11,7 +11,9 @@ layout (SPEC 8.1) while workers and the daemon keep running. Run by the schema's
 2. *Copy*, live jobs first (``available``, ``scheduled``, ``running``, ``retryable``), then final
    ones, each in id order, ``BATCH`` rows per transaction: the rows are locked ``FOR SHARE`` (a
    worker changing one waits for that batch; a claim skips it), then those not seen yet are
-   copied and noted. A row changed after its copy is repeated by the trigger; one changed before
+   copied and noted. A row another transaction holds is waited for at most ``LOCK_TIMEOUT_MS``;
+   held longer (a worker keeping its job's row locked while it runs), the batch gives its rows
+   back, copies those before it, and waits for that row alone, a try at a time, until it is free. A row changed after its copy is repeated by the trigger; one changed before
    it was seen already. The cursor is in the progress row after every batch: an interrupted
    conversion resumes there, and the trigger keeps ``jobs_conv`` current meanwhile.
 3. *Swap*, in one transaction holding ``jobs`` for a few milliseconds (its ACCESS EXCLUSIVE lock
@@ -185,6 +187,14 @@ def _lock_timeout(conn: Connection) -> None:
     conn.execute(text(catalog.SET_LOCAL), {"name": "lock_timeout", "value": str(LOCK_TIMEOUT_MS)})
 
 
+@dataclass
+class Batch:
+    ids: list[int]  # locked FOR SHARE by this transaction: to copy
+    cursor: int  # every row of the phase up to it is copied (or seen) once this commits
+    last: bool  # no row of the phase after it
+    held: int | None = None  # the row another transaction held longer than LOCK_TIMEOUT_MS
+
+
 def _copy(conn: Connection, schema: str, phase: str, states: str, progress: Progress,
           say: Callable[[str], None], stop: Callable[[], bool]) -> bool:
     """Copy one phase's rows, batch by batch, from the cursor on. False when stopped."""
@@ -192,26 +202,55 @@ def _copy(conn: Connection, schema: str, phase: str, states: str, progress: Prog
         progress.phase, progress.cursor = phase, 0
     total = conn.execute(sql(q.COUNT_PHASE, schema, states=states)).scalar()
     conn.commit()
-    lock_batch, copy, save = (sql(t, schema, states=states) for t in (q.LOCK_BATCH, q.COPY, q.SAVE_PROGRESS))
-    done, last_said = 0, 0.0
+    copy, save = (sql(t, schema, states=states) for t in (q.COPY, q.SAVE_PROGRESS))
+    done, last_said, held = 0, 0.0, None
     while True:
         if stop():
             return False
-        ids = conn.execute(lock_batch, {"cursor": progress.cursor, "n": BATCH}).scalars().all()
-        copied = conn.execute(copy, {"ids": ids}).rowcount if ids else 0
-        progress.cursor = max(ids, default=progress.cursor)
+        batch = _lock_batch(conn, schema, states, progress.cursor, 1 if held else BATCH)
+        copied = conn.execute(copy, {"ids": batch.ids}).rowcount if batch.ids else 0
+        progress.cursor = batch.cursor
         progress.copied += copied
-        last = len(ids) < BATCH
-        conn.execute(save, {"phase": "swap" if last and phase == "final" else phase, "cursor": progress.cursor,
-                            "copied": progress.copied})
+        conn.execute(save, {"phase": "swap" if batch.last and phase == "final" else phase,
+                            "cursor": progress.cursor, "copied": progress.copied})
         conn.commit()
-        done += len(ids)
-        if last or time.monotonic() - last_said > 2:
+        done += len(batch.ids)
+        if batch.held is not None and batch.held != held:
+            say(f"{phase} jobs: waiting for job {batch.held}, whose row another transaction holds (a worker "
+                "running it?); the rows before it are copied, the workers are not held up")
+        held = batch.held
+        if batch.last or time.monotonic() - last_said > 2:
             say(f"{phase} jobs: {done} of about {total} read; {progress.copied} copied in all (rows "
                 "already carried over by the trigger or an earlier run are not copied again)")
             last_said = time.monotonic()
-        if last:
+        if batch.last:
             return True
+
+
+def _lock_batch(conn: Connection, schema: str, states: str, cursor: int, n: int) -> Batch:
+    """The next ``n`` rows of the phase after ``cursor``, locked FOR SHARE, each waited for at most
+    LOCK_TIMEOUT_MS. When another transaction holds one longer (a worker keeping its job's row
+    locked while it runs), the rows locked so far are given back (the workers completing them
+    would wait too), and those before the held row that no one holds are locked without waiting:
+    the cursor stops before the held row, which is never skipped."""
+    try:
+        _lock_timeout(conn)
+        ids = conn.execute(sql(q.LOCK_BATCH, schema, states=states), {"cursor": cursor, "n": n}).scalars().all()
+        return Batch(ids, max(ids, default=cursor), len(ids) < n)
+    except OperationalError as exc:
+        conn.rollback()
+        if getattr(exc.orig, "sqlstate", None) != "55P03":
+            raise
+    ahead = conn.execute(sql(q.PEEK_BATCH, schema, states=states), {"cursor": cursor, "n": n}).scalars().all()
+    if not ahead:  # gone meanwhile
+        return Batch([], cursor, False)
+    _lock_timeout(conn)
+    free = conn.execute(sql(q.LOCK_FREE, schema, states=states), {"cursor": cursor, "upto": ahead[-1]}).scalars().all()
+    locked = set(free)
+    held = next((i for i in ahead if i not in locked), None)
+    if held is None:  # let go meanwhile
+        return Batch(free, ahead[-1], False)
+    return Batch([i for i in free if i < held], held - 1, False, held)
 
 
 def _swap(conn: Connection, schema: str, say: Callable[[str], None]) -> float:

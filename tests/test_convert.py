@@ -477,3 +477,57 @@ def test_a_conversion_after_an_abandon_cut_off_past_the_copy_starts_afresh(engin
         assert after == expected
     finally:
         owner.dispose()
+
+
+def test_a_job_row_held_long_by_a_worker_stops_neither_the_workers_nor_a_row_of_the_copy(engine, pg_dsn, schema):
+    """A worker that keeps its job's row locked while the job runs: the copy's batch waited for it
+    with no bound, holding FOR SHARE on the batch's earlier rows, and the workers completing those
+    jobs waited with it (SPEC 8.1: any lock on jobs held at most about 1 s). The batch waits a
+    short while, gives its rows back, copies those before the held row and waits for that one
+    alone, saying so; no row is skipped."""
+    seed(engine, schema, final=300, live=300)
+    with engine.connect() as conn:
+        live = conn.execute(sql("SELECT id FROM {schema}.jobs WHERE state = 'available' ORDER BY id",
+                                schema)).scalars().all()
+    early, held = live[10], live[len(live) // 2]
+    holder = psycopg.connect(pg_dsn)
+    owner = make_engine(pg_dsn, application_name="convert", pooled=False)
+    lines: list[str] = []
+    out: list = []
+    try:
+        holder.execute(f'SELECT id FROM "{schema}".jobs WHERE id = %s FOR UPDATE', (held,))
+
+        def run() -> None:
+            try:
+                with owner.connect() as conn:
+                    out.append(convert.convert(conn, schema, LAYOUT, say=lines.append))
+            except BaseException as exc:  # the test reports it
+                out.append(exc)
+        converting = threading.Thread(target=run)
+        converting.start()
+        time.sleep(1.5)  # the copy has reached the held row
+        with psycopg.connect(pg_dsn, autocommit=True) as worker:
+            worker.execute("SET lock_timeout = '6s'")
+            started = time.monotonic()
+            try:
+                worker.execute(f"UPDATE \"{schema}\".jobs SET state = 'completed', finalized_at = now() "
+                               "WHERE id = %s", (early,))
+            except psycopg.errors.LockNotAvailable:
+                pass
+            waited = time.monotonic() - started
+        assert waited < 3.0, (waited, lines)
+        assert converting.is_alive()  # still waiting for the held row
+        assert any(f"waiting for job {held}" in ln for ln in lines), lines
+        holder.execute(f"UPDATE \"{schema}\".jobs SET state = 'running' WHERE id = %s", (held,))
+        holder.commit()
+        converting.join(60)
+        assert out == ["done"], (out, lines)
+    finally:
+        holder.close()
+        owner.dispose()
+    with engine.connect() as conn:
+        rows = dict(conn.execute(sql("SELECT id, state::text FROM {schema}.jobs", schema)).all())
+        kind = conn.execute(text("SELECT relkind FROM pg_class WHERE oid = to_regclass(:t)"),
+                            {"t": f"{schema}.jobs"}).scalar()
+    assert kind == "p" and len(rows) == 601
+    assert rows[early] == "completed" and rows[held] == "running"

@@ -59,6 +59,13 @@ COUNT_PHASE = "SELECT count(*) FROM {schema}.jobs WHERE state IN {states}"
 LOCK_BATCH = """
 SELECT id FROM {schema}.jobs WHERE id > :cursor AND state IN {states} ORDER BY id LIMIT :n FOR SHARE
 """
+# A batch whose wait for a row ran out (another transaction holds it): its ids read without a lock,
+# then those of them no one holds locked without waiting (the first one missing is the held row).
+PEEK_BATCH = "SELECT id FROM {schema}.jobs WHERE id > :cursor AND state IN {states} ORDER BY id LIMIT :n"
+LOCK_FREE = """
+SELECT id FROM {schema}.jobs WHERE id > :cursor AND id <= :upto AND state IN {states} ORDER BY id
+   FOR SHARE SKIP LOCKED
+"""
 SAVE_PROGRESS = "UPDATE {schema}.jobs_convert_progress SET phase = :phase, cursor = :cursor, copied = :copied"
 
 # Step 3, swap, under LOCK_JOBS.
