@@ -107,8 +107,13 @@ def abandon(conn: Connection, schema: str, say: Callable[[str], None] = print) -
     of the workers meanwhile, and its copy); the plain table is untouched. Returns ``"done"`` or
     ``"nothing"``; a table already partitioned is not converted back (ConvertError)."""
     if conn.execute(text(catalog.JOBS_PARTITIONED), {"schema": schema}).scalar():
+        left = conn.execute(text(catalog.TABLE_EXISTS),
+                            {"qualified": f"{quote_ident(schema)}.jobs_convert_progress"}).scalar()
         conn.rollback()
-        raise ConvertError(f"schema {schema}: jobs is partitioned; converting it back to plain is not supported")
+        raise ConvertError(f"schema {schema}: jobs is partitioned; converting it back to plain is not supported"
+                           + ("; a conversion was cut off after its swap, before its clean-up: "
+                              "`maintd migrate --convert partitioned` drops what it left (jobs_plain, the old "
+                              "plain table, and the progress tables)" if left else ""))
     qualified = f"{quote_ident(schema)}.jobs"
     made = conn.execute(text(q.HAS_TRIGGER), {"t": qualified}).scalar() or any(
         conn.execute(text(catalog.TABLE_EXISTS), {"qualified": f"{qualified}_{t}"}).scalar()

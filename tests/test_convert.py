@@ -531,3 +531,30 @@ def test_a_job_row_held_long_by_a_worker_stops_neither_the_workers_nor_a_row_of_
                             {"t": f"{schema}.jobs"}).scalar()
     assert kind == "p" and len(rows) == 601
     assert rows[early] == "completed" and rows[held] == "running"
+
+
+def test_converting_back_after_a_swap_cut_off_before_its_clean_up_says_what_finishes_it(engine, pg_dsn, schema,
+                                                                                         tmp_path, monkeypatch):
+    """Swapped, then cut off before the clean-up: jobs_plain (a whole copy of the table) is left.
+    `--convert plain` said only that converting back is not supported, and nothing told the
+    operator that `--convert partitioned` drops what is left."""
+    seed(engine, schema, final=50, live=10)
+    owner = make_engine(pg_dsn, application_name="convert", pooled=False)
+
+    def killed(conn, schema):
+        raise KeyboardInterrupt
+
+    try:
+        with owner.connect() as conn, monkeypatch.context() as m:
+            m.setattr(convert, "_clean_up", killed)
+            with pytest.raises(KeyboardInterrupt):
+                convert.convert(conn, schema, LAYOUT, say=lambda _: None)
+    finally:
+        owner.dispose()
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'schema = "{schema}"\n')
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MAINTD_")}, "MAINTD_DATABASE_URL": pg_dsn}
+    back = subprocess.run([sys.executable, "-m", "maintd", "--config", str(cfg), "migrate", "--convert", "plain"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert back.returncode == 1 and "not supported" in back.stderr, back.stderr
+    assert "--convert partitioned" in back.stderr and "jobs_plain" in back.stderr, back.stderr
