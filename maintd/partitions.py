@@ -375,12 +375,14 @@ DECLARE
   needs_empty boolean;
   needs_drop boolean;
   needs_make boolean;
+  held boolean := false;
 BEGIN
   -- One state's partitions: empty, then detach, those whose whole range ends by p_drop_before
   -- (NULL: none), and make them up to p_make_until. Every lock is taken with NOWAIT (someone holds
   -- it now: try again later), but jobs_<state>'s with p_lock_wait_ms > 0 when partitions must be
   -- made: waited for at most that long (at most 1 s). Does nothing (takes no lock) when nothing is
-  -- due. Returns what it did; a row 'busy' when jobs_<state>'s lock was held (the emptying stands).
+  -- due. Returns what it did; a row 'busy' when jobs_<state>'s lock was held (the emptying stands),
+  -- or when an expired partition was held and nothing was to be made (nothing else said so).
   IF p_state NOT IN ('completed', 'cancelled', 'discarded') THEN
     RAISE EXCEPTION 'maintain_partitions: % is not a final state', p_state USING ERRCODE = '22023';
   END IF;
@@ -429,11 +431,15 @@ BEGIN
       END IF;
     EXCEPTION WHEN lock_not_available THEN
       needs_drop := false;  -- not detached before it is emptied (its rows counted)
+      held := true;
     END;
   END LOOP;
   -- Anything emptied: return, so that the caller commits (the old files are unlinked then, while
   -- this transaction holds locks on the emptied partitions alone) and calls again to detach them.
   IF jsonb_array_length(done) > 0 OR (NOT coalesce(needs_drop, false) AND NOT coalesce(needs_make, false)) THEN
+    IF held AND NOT coalesce(needs_make, false) THEN  -- left to the next pass: said, not silent
+      done := done || jsonb_build_array(jsonb_build_object('action', 'busy'));
+    END IF;
     RETURN QUERY SELECT * FROM jsonb_to_recordset(done) AS (action text, partition_name text,
       range_start timestamptz, range_end timestamptz, row_count bigint, estimated boolean);
     RETURN;

@@ -604,6 +604,28 @@ def test_an_expired_partition_being_read_is_neither_emptied_nor_detached(engine,
     assert set(where(engine, schema)).isdisjoint(read)
 
 
+def test_an_expired_partition_held_by_a_long_reader_is_reported_busy_when_nothing_else_is_due(engine, pg_dsn, schema):
+    """A reader holding the only expired partition, with no partition to make: maintain_partitions
+    returned no row, and the pass said nothing (no ``busy`` in its summary, log or status) while
+    the partition stayed, pass after pass. It says busy, as when jobs_<state>'s lock is held."""
+    now = server_now(engine)
+    restart(engine, schema, "completed", now - 10 * HOUR)
+    run(partitioner(completed_retention=-1), engine, schema, now=now)
+    read = insert_final(engine, schema, "completed", now - timedelta(hours=9, minutes=30), n=3)
+    home = where(engine, schema)[read[0]].split(".", 1)[1]
+    reader = psycopg.connect(pg_dsn)
+    try:
+        reader.execute(f"SELECT count(*) FROM {schema}.{home}")  # holds AccessShare until rollback
+        result = run(partitioner(completed_retention="3h"), engine, schema, now=now)
+        assert (result.made, result.emptied, result.detached) == (0, 0, 0)
+        assert result.busy == ["completed"] and "busy=completed" in result.summary(), result.summary()
+        reader.rollback()
+    finally:
+        reader.close()
+    again = run(partitioner(completed_retention="3h"), engine, schema, now=now)
+    assert again.deleted["completed"] == 3 and again.busy == []
+
+
 def test_a_partition_let_go_while_the_call_waits_for_the_state_table_is_not_detached_unemptied(engine, pg_dsn, schema):
     """The race the busy partition's guard in maintain_partitions is for: a reader holds an expired
     partition (so it is not emptied) and jobs_completed, and lets both go while the call waits for
