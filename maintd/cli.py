@@ -21,7 +21,8 @@ EXIT_INTERRUPTED = 130  # as a shell reports SIGINT: `maintd migrate && deploy` 
 DESCRIPTION = """\
 maintd keeps a Postgres jobs table healthy. Run two or three replicas: one wins an advisory-lock
 leadership and runs the maintenance services (cleaner, rescuer, scheduler, periodic enqueuer,
-reindexer); the others wait to take over within seconds.
+reindexer, and the partitioner of the partitioned layout); the others wait to take over within
+seconds.
 
 Configuration comes from a TOML file (--config or MAINTD_CONFIG) and MAINTD_* environment
 variables (MAINTD_CLEANER__ENABLED=false). See config.example.toml for every key.
@@ -349,7 +350,7 @@ def _migrate_targets(targets: list[Settings], args: argparse.Namespace) -> int:
             if len(targets) == 1:
                 raise
             failed += 1
-            print(f"maintd: error: target {settings.target_name}: {describe_db_error(exc)}", file=sys.stderr)
+            _stderr(f"maintd: error: target {settings.target_name}: {describe_db_error(exc)}")
     return EXIT_FAILURE if failed else EXIT_OK
 
 
@@ -412,8 +413,8 @@ def _convert_one(conn, settings: Settings, to: str) -> None:
         elif convert.convert(conn, settings.schema, migrate.Layout.of(settings), say=say) == "stopped":
             raise convert.ConvertError(f"schema {settings.schema}: the conversion stopped; jobs is still plain")
     except KeyboardInterrupt:  # exit 130 (main): the table is plain still, the trigger on it
-        print(f"maintd: schema {settings.schema}: interrupted before --convert {to} finished; run the same "
-              "command again (a conversion resumes where it stopped)", file=sys.stderr)
+        _stderr(f"maintd: schema {settings.schema}: interrupted before --convert {to} finished; run the same "
+              "command again (a conversion resumes where it stopped)")
         raise
     finally:
         conn.rollback()
@@ -431,10 +432,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         return daemon.run_forever()
     except DuplicateInstance as exc:
-        print(f"maintd: config error: {exc}", file=sys.stderr)
+        _stderr(f"maintd: config error: {exc}")
         return EXIT_USAGE
     except (SchemaNotReady, HttpListenError, LeaderSessionError) as exc:
-        print(f"maintd: error: {exc}", file=sys.stderr)
+        _stderr(f"maintd: error: {exc}")
         return EXIT_FAILURE
 
 
@@ -459,8 +460,8 @@ def cmd_run_once(args: argparse.Namespace) -> int:
         if not args.dry_run:  # the lock is renewed in a thread meanwhile; losing it stops the pass
             held = acquire_once(settings, wait=args.wait, on_demoted=lambda reason: stop_event.set())
             if held is None:
-                print(f"maintd: error: another instance holds the leader lock ({_current_leader(engine, settings)});"
-                      " stop it, use --wait, or run with --dry-run", file=sys.stderr)
+                _stderr(f"maintd: error: another instance holds the leader lock ({_current_leader(engine, settings)});"
+                      " stop it, use --wait, or run with --dry-run")
                 return EXIT_FAILURE
             fence = held[1]
         ctx = PassContext.for_settings(settings, engine, ServerClock(), fence=fence, dry_run=args.dry_run,
@@ -502,7 +503,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not top.targets:
         st, error = _status_one(targets[0])
         if error:
-            print(f"maintd: error: {error}", file=sys.stderr)
+            _stderr(f"maintd: error: {error}")
             return EXIT_FAILURE
         print(json.dumps(st, indent=2, default=str) if args.json else format_status_text(st))
         return EXIT_OK
@@ -576,10 +577,10 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         finally:
             engine.dispose()
     except UsageError as exc:
-        print(f"maintd jobs: error: {exc}", file=sys.stderr)
+        _stderr(f"maintd jobs: error: {exc}")
         return EXIT_USAGE
     except AdminError as exc:
-        print(f"maintd jobs: error: {exc}", file=sys.stderr)
+        _stderr(f"maintd jobs: error: {exc}")
         return EXIT_FAILURE
 
 
@@ -591,24 +592,22 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     try:
         after = datetime.fromisoformat(args.after) if args.after else None
     except ValueError:
-        print(f"maintd schedule: error: --after {args.after!r}: use an ISO 8601 time (2026-03-01T12:00:00, "
-              "naive = in --timezone)", file=sys.stderr)
+        _stderr(f"maintd schedule: error: --after {args.after!r}: use an ISO 8601 time (2026-03-01T12:00:00, "
+              "naive = in --timezone)")
         return EXIT_USAGE
     try:
         times = upcoming(args.expression, args.timezone, after, args.n)
     except ValueError as exc:
-        print(f"maintd schedule: error: {exc}", file=sys.stderr)
+        _stderr(f"maintd schedule: error: {exc}")
         return EXIT_USAGE
     if not times:
-        print(f"maintd schedule: error: --after {args.after}: no fire time after it within the years 1 to 9999",
-              file=sys.stderr)
+        _stderr(f"maintd schedule: error: --after {args.after}: no fire time after it within the years 1 to 9999")
         return EXIT_USAGE
     for t in times:
         utc = t.astimezone(timezone.utc)
         print(f"{t.isoformat()}  ({utc.strftime('%Y-%m-%d %H:%M:%S')} UTC)")
     if len(times) < args.n:
-        print("maintd schedule: no later fire time before the year 10000 (where Python's dates end)",
-              file=sys.stderr)
+        _stderr("maintd schedule: no later fire time before the year 10000 (where Python's dates end)")
     return EXIT_OK
 
 
@@ -620,13 +619,13 @@ def cmd_periodic(args: argparse.Namespace) -> int:
     settings = _load(args)
     configured = {e.id: e for e in settings.periodic_entries}
     if args.periodic_action != "list" and args.id in configured:
-        print(f"maintd periodic: error: {_configured_elsewhere(configured[args.id], args)}", file=sys.stderr)
+        _stderr(f"maintd periodic: error: {_configured_elsewhere(configured[args.id], args)}")
         return EXIT_USAGE
     if args.periodic_action == "add":
         try:
             job = table.validated(_periodic_values(args))
         except ValueError as exc:
-            print(f"maintd periodic: error: {exc}", file=sys.stderr)
+            _stderr(f"maintd periodic: error: {exc}")
             return EXIT_USAGE
     dsn = settings.database_url.get_secret_value()
     if args.periodic_action == "list":  # a reader (SPEC 8.5)
@@ -648,7 +647,7 @@ def cmd_periodic(args: argparse.Namespace) -> int:
             except Exception as exc:
                 if getattr(getattr(exc, "orig", None), "sqlstate", None) != "42501":
                     raise
-                print(f"maintd periodic: error: {_rows_role_hint(exc, settings.schema)}", file=sys.stderr)
+                _stderr(f"maintd periodic: error: {_rows_role_hint(exc, settings.schema)}")
                 return EXIT_FAILURE
         else:
             enabled = args.periodic_action == "resume"
@@ -657,8 +656,7 @@ def cmd_periodic(args: argparse.Namespace) -> int:
     finally:
         engine.dispose()
     if not done and args.periodic_action != "add":
-        print(f"maintd periodic: error: periodic {args.id}: not found (`maintd periodic list` shows the ids)",
-              file=sys.stderr)
+        _stderr(f"maintd periodic: error: periodic {args.id}: not found (`maintd periodic list` shows the ids)")
         return EXIT_FAILURE
     print(f"periodic {args.id}: {what}")
     return EXIT_OK if done else EXIT_FAILURE
@@ -723,7 +721,7 @@ def cmd_grants(args: argparse.Namespace) -> int:
     try:
         validate_role(args.role)
     except ValueError as exc:
-        print(f"maintd: error: {exc}", file=sys.stderr)
+        _stderr(f"maintd: error: {exc}")
         return EXIT_USAGE
     targets = _targets(args)  # every target's schema, or --target's
     schemas = list(dict.fromkeys(t.schema for t in targets))
@@ -763,6 +761,14 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def _stderr(line: str) -> None:
+    """One line for the operator: names and values from the config, the server or the arguments
+    in it with their control characters escaped (a newline would forge a line of its own)."""
+    from .logs import escape
+
+    print(escape(line), file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -770,13 +776,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[command](args)
     except ConfigError as exc:
-        from .logs import escape
-
         for line in exc.problems:  # keys and values as the file or a variable wrote them
-            print(f"maintd: config error: {escape(line)}", file=sys.stderr)
+            _stderr(f"maintd: config error: {line}")
         return EXIT_USAGE
     except KeyboardInterrupt:  # cut off: not done (`maintd run` and `demo` stop on SIGINT themselves)
-        print("maintd: interrupted", file=sys.stderr)
+        _stderr("maintd: interrupted")
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # `maintd jobs list | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -784,7 +788,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # one clear line, never a stack trace or a password
         from .db import describe_db_error
 
-        print(f"maintd: error: {describe_db_error(exc)}", file=sys.stderr)
+        _stderr(f"maintd: error: {describe_db_error(exc)}")
         return EXIT_FAILURE
 
 

@@ -358,6 +358,18 @@ def test_a_config_error_cannot_forge_a_line_or_drive_the_terminal(tmp_path, caps
     assert "evil\\nmaintd: config ok\\x1b[2J: unknown key" in err
 
 
+def test_a_runtime_error_cannot_drive_the_terminal(pg_dsn, capsys, monkeypatch):
+    """The one line a failed command prints holds what the server said, names included: a
+    database named with an ESC sequence reached the terminal as it was."""
+    from psycopg.conninfo import make_conninfo
+
+    monkeypatch.setenv("MAINTD_DATABASE_URL", make_conninfo(pg_dsn, dbname="\x1b[31mnope"))
+    assert main(["status"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("maintd: error: ") and "\\x1b[31mnope" in err, err
+    assert "\x1b" not in err and len(err.splitlines()) == 1, err
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_settings(tmp_path / "nope.toml")
