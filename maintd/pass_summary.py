@@ -24,6 +24,11 @@ def _sum(v: Any) -> int:
     return sum(_int(n) for n in v.values()) if isinstance(v, Mapping) else 0
 
 
+def _maps(v: Any) -> list[Mapping[str, Any]]:
+    """The mappings of a stored list (anything else: none)."""
+    return [i for i in v if isinstance(i, Mapping)] if isinstance(v, list) else []
+
+
 def num(n: int) -> str:
     return f"{n:,}"
 
@@ -59,8 +64,7 @@ def counts(service: str, result: Result | None) -> dict[str, int]:
         enqueued = result.get("enqueued")
         return {"enqueued": len(enqueued) if isinstance(enqueued, list) else 0}
     if service == "reindexer":
-        indexes = result.get("indexes") or []
-        return {"reindexed": sum(1 for i in indexes if isinstance(i, Mapping) and i.get("outcome") == "reindexed")}
+        return {"reindexed": sum(1 for i in _maps(result.get("indexes")) if i.get("outcome") == "reindexed")}
     return {}
 
 
@@ -110,7 +114,7 @@ def _waits(r: Result) -> str:
 
 
 def _periodic(r: Result, verb: str) -> str:
-    enqueued = [e for e in r.get("enqueued") or [] if isinstance(e, Mapping)]
+    enqueued = _maps(r.get("enqueued"))
     ids = sorted({str(e.get("periodic_id")) for e in enqueued})
     line = f"{verb('enqueued', 'would enqueue')} {num(len(enqueued))}" + (f" ({', '.join(ids)})" if ids else "")
     skipped = r.get("skipped")
@@ -125,12 +129,13 @@ def _periodic(r: Result, verb: str) -> str:
 
 
 def _reindexer(r: Result, verb: str) -> str:
-    indexes = [i for i in r.get("indexes") or [] if isinstance(i, Mapping)]
+    indexes = _maps(r.get("indexes"))
     if not indexes:
         return "no index to reindex"
     out = []
     for i in indexes:
-        took = f" in {seconds(i['seconds'])}" if i.get("outcome") == "reindexed" and i.get("seconds") else ""
+        took = i.get("seconds") if isinstance(i.get("seconds"), (int, float)) else None
+        took = f" in {seconds(took)}" if i.get("outcome") == "reindexed" and took else ""
         out.append(f"{i.get('index')} {i.get('outcome')}{took}")
     return ", ".join(out)
 

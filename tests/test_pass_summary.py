@@ -134,3 +134,24 @@ def test_the_next_pass_is_shown_in_utc_whatever_form_its_time_was_stored_in():
         line("2026-03-01T13:00:01.250193+01:00")
     assert line("2026-03-01T12:00:01.250193+00:00").endswith("; next pass at 12:00:01.250")
     assert line("not a time") == "promoted 1 (default 1)"
+
+
+def test_a_stored_result_of_another_shape_never_fails_the_line():
+    """``service_runs.result`` is JSON another version (or a hand) may have written: a value of
+    another type (the reindexer's ``seconds`` as text, ``indexes`` or ``enqueued`` a number) made
+    the summary raise, and with it `maintd status` and the dashboard."""
+    keys = ("deleted", "batches", "timeouts", "skipped", "retried", "discarded", "exhausted", "dated",
+            "cleared", "promoted", "next_pass_at", "enqueued", "errors", "invalid_rows", "indexes",
+            "layout", "estimated", "emptied", "busy", "partitions", "dry_run")
+    odd = (5, 1.5, "x", True, None, [1], ["x"], {"a": "b"}, {"a": [1]},
+           [{"index": "i", "outcome": "reindexed", "seconds": "slow"}],
+           [{"index": "i", "outcome": "reindexed", "seconds": [1]}], [{"periodic_id": ["x"]}])
+    for service in (*DESCRIBE_SERVICES, "unknown"):
+        for key in keys:
+            for value in odd:
+                result = {key: value}
+                assert isinstance(describe(service, result), str), (service, result)
+                assert all(isinstance(v, int) for v in counts(service, result).values()), (service, result)
+
+
+DESCRIBE_SERVICES = ("cleaner", "rescuer", "scheduler", "periodic", "reindexer", "partitioner")
