@@ -417,24 +417,27 @@ def _first_error(section: str, exc: ValidationError) -> str:
 
 
 def _load_crontab(path: str, taken: set[str]) -> list[CrontabJob]:
-    """The crontab's lines as periodic entries; ids are shared with ``[[periodic]]``."""
+    """The crontab's lines as periodic entries; ids are shared with ``[[periodic]]``. Every bad
+    line is reported, whether its syntax or its entry (a NUL in its payload) is at fault."""
     from .crontab import load_crontab
 
-    try:
-        entries = load_crontab(path)
-    except ValueError as exc:
-        raise ValueError(f"crontab: {exc}") from None
-    jobs = []
-    for e in entries:
+    jobs: list[CrontabJob] = []
+
+    def to_job(e: Any) -> None:
         if e.id in taken:
-            raise ValueError(f"crontab: {e.source}:{e.line}: id {e.id!r} is also a [[periodic]] entry's")
+            raise ValueError(f"id {e.id!r} is also a [[periodic]] entry's")
         try:
             jobs.append(CrontabJob.from_entry(e))
         except ValidationError as exc:
             err = exc.errors()[0]
             field = CRONTAB_TERMS.get(str((*err.get("loc", ()), "")[0]), "")
             msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
-            raise ValueError(f"crontab: {e.source}:{e.line}: {field + ': ' if field else ''}{msg}") from None
+            raise ValueError(f"{field + ': ' if field else ''}{msg}") from None
+
+    try:
+        load_crontab(path, to_job)
+    except ValueError as exc:
+        raise ValueError(f"crontab: {exc}") from None
     return jobs
 
 

@@ -17,7 +17,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import parse_qsl
 
 import json5
@@ -65,9 +65,11 @@ class CrontabEntry:
     line: int = 0
 
 
-def parse_crontab(text: str, source: str = "crontab") -> list[CrontabEntry]:
+def parse_crontab(text: str, source: str = "crontab",
+                  check: Callable[[CrontabEntry], None] | None = None) -> list[CrontabEntry]:
     """The entries of a crontab file's text; ``ValueError`` naming every bad line (one
-    ``SOURCE:LINE: ...`` per line of its message), two lines with the same id included."""
+    ``SOURCE:LINE: ...`` per line of its message), two lines with the same id included, and
+    those ``check`` (the caller's own rules for an entry) raises ``ValueError`` for."""
     entries: list[CrontabEntry] = []
     errors: list[str] = []
     first_line: dict[str, int] = {}
@@ -85,14 +87,22 @@ def parse_crontab(text: str, source: str = "crontab") -> list[CrontabEntry]:
                           f"{first_line[entry.id]}); give one of them ?id=...")
             continue
         first_line[entry.id] = number
+        try:
+            if check is not None:
+                check(entry)
+        except ValueError as exc:
+            errors.append(f"{source}:{number}: {exc}")
+            continue
         entries.append(entry)
     if errors:
         raise ValueError("\n".join(errors))
     return entries
 
 
-def load_crontab(path: str | os.PathLike[str]) -> list[CrontabEntry]:
-    """Read and parse the crontab file at ``path``; errors name the path as given."""
+def load_crontab(path: str | os.PathLike[str],
+                 check: Callable[[CrontabEntry], None] | None = None) -> list[CrontabEntry]:
+    """Read and parse the crontab file at ``path`` (see :func:`parse_crontab`); errors name the
+    path as given."""
     source = os.fspath(path)
     try:
         with open(path, encoding="utf-8-sig") as f:  # a byte-order mark (Windows editors) is no text
@@ -100,7 +110,7 @@ def load_crontab(path: str | os.PathLike[str]) -> list[CrontabEntry]:
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else str(exc)
         raise ValueError(f"{source}: cannot read crontab: {reason}") from None
-    return parse_crontab(text, source)
+    return parse_crontab(text, source, check)
 
 
 def _parse_line(line: str, source: str, number: int) -> CrontabEntry:

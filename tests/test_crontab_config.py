@@ -227,3 +227,19 @@ def test_a_payload_nested_too_deeply_is_a_config_error_naming_the_line(tmp_path,
     assert "jobs.crontab:2: invalid JSON5 payload: nested too deeply" in str(err.value), str(err.value)
     assert main(["--config", cfg, "check-config"]) == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_line_postgresql_cannot_store_is_reported_with_every_other_bad_line(tmp_path, capsys):
+    """Issue 28 again: a payload or jobKey holding NUL (checked as a periodic entry) was reported
+    only when no line had a syntax error, and then only the first such line."""
+    cfg = write_config(tmp_path, "postgresql://u@db.invalid/app", "maintd",
+                       "0 4 * * * a ?jobKey=%00\n0 4 * * * b {x: '\\u0000'}\n0 4 * * * ok\n"
+                       "61 4 * * * c\n")
+    with pytest.raises(ConfigError) as err:
+        load_settings(cfg)
+    lines = [p.split(": ", 2)[1].rsplit(":", 1)[1] for p in err.value.problems]
+    assert lines == ["1", "2", "4"], err.value.problems
+    assert "jobs.crontab:1: jobKey: holds a NUL character" in str(err.value)
+    assert "jobs.crontab:2: payload: x holds a NUL character" in str(err.value)
+    assert main(["--config", cfg, "check-config"]) == 2
+    assert "Traceback" not in capsys.readouterr().err
