@@ -38,6 +38,7 @@ _FILL_PART = re.compile(r"([0-9]+)([smhdw])")
 _MAX = re.compile(r"^[0-9]+$")
 _QUEUE = re.compile(r"^[-a-zA-Z0-9_:]+$")
 _PRIORITY = re.compile(r"^-?[0-9]+$")
+_JSON5_PLACE = re.compile(r"^<string>:\d+ (.*) at column (\d+)$")  # json5's syntax errors
 _JOB_KEY_MODES = ("replace", "preserve_run_at")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 OPTIONS = ("id", "fill", "max", "queue", "priority", "jobKey", "jobKeyMode")
@@ -78,7 +79,7 @@ def parse_crontab(text: str, source: str = "crontab",
         if not line or line.startswith("#"):
             continue
         try:
-            entry = _parse_line(line, source, number)
+            entry = _parse_line(line, source, number, len(raw) - len(raw.lstrip()))
         except ValueError as exc:
             errors.append(f"{source}:{number}: {exc}")
             continue
@@ -113,7 +114,8 @@ def load_crontab(path: str | os.PathLike[str],
     return parse_crontab(text, source, check)
 
 
-def _parse_line(line: str, source: str, number: int) -> CrontabEntry:
+def _parse_line(line: str, source: str, number: int, indent: int = 0) -> CrontabEntry:
+    """One stripped line; ``indent``: the blanks stripped before it, for the columns of errors."""
     m = _LINE.match(line)
     if not m:
         raise ValueError("expected 'MIN HOUR DOM MON DOW TASK [?OPTS] [{PAYLOAD}]'")
@@ -122,8 +124,10 @@ def _parse_line(line: str, source: str, number: int) -> CrontabEntry:
     task, opts, payload = _split_command(m.group(6))
     _check_length("task", task)
     options = _parse_options(opts or "")
+    # The payload ends the line: its '{' is at this (0-based) column of the line as written.
+    start = indent + len(line) - len(payload or "")
     return CrontabEntry(id=options.pop("id", task), schedule=schedule, kind=task,
-                        payload=_parse_payload(payload), source=source, line=number, **options)
+                        payload=_parse_payload(payload, start), source=source, line=number, **options)
 
 
 def _split_command(command: str) -> tuple[str, str | None, str | None]:
@@ -217,18 +221,26 @@ def _fill(value: str) -> timedelta | None:
     return timedelta(seconds=seconds) if seconds else None
 
 
-def _parse_payload(text: str | None) -> dict[str, Any]:
+def _parse_payload(text: str | None, start: int = 0) -> dict[str, Any]:
+    """The payload ``text``, whose '{' is at column ``start`` (0-based) of its line."""
     if text is None:
         return {}
     try:
         payload = json5.loads(text, parse_constant=_reject_constant, parse_float=_finite)
     except ValueError as exc:
-        raise ValueError(f"invalid JSON5 payload: {exc}") from None
+        raise ValueError(f"invalid JSON5 payload: {_in_line(str(exc), start)}") from None
     except RecursionError:
         raise ValueError("invalid JSON5 payload: nested too deeply") from None
     if not isinstance(payload, dict):
         raise ValueError("the payload must be a JSON5 object")
     return payload
+
+
+def _in_line(message: str, start: int) -> str:
+    """json5's ``<string>:1 Unexpected " " at column 8``, which counts from the payload's '{',
+    as ``Unexpected " " at column 29``, counted in the line as an editor shows it."""
+    m = _JSON5_PLACE.match(message)
+    return message if m is None else f"{m.group(1)} at column {start + int(m.group(2))}"
 
 
 def _reject_constant(name: str) -> float:

@@ -146,7 +146,7 @@ def test_every_bad_line_is_reported_not_just_the_first():
     assert str(err.value).splitlines() == [
         "jobs.crontab:3: minute 61 out of range 0-59",
         "jobs.crontab:4: unknown option 'nope' (supported: id, fill, max, queue, priority, jobKey, jobKeyMode)",
-        "jobs.crontab:6: invalid JSON5 payload: <string>:1 Unexpected end of input at column 4",
+        "jobs.crontab:6: invalid JSON5 payload: Unexpected end of input at column 16",
         "jobs.crontab:7: duplicate id 'ok' (also on line 2); give one of them ?id=...",
     ]
 
@@ -232,3 +232,21 @@ def test_a_crontab_saved_with_a_byte_order_mark_is_read(tmp_path):
     path.write_bytes(b"\xef\xbb\xbf0 4 * * * nightly\n")
     [e] = load_crontab(path)
     assert (e.schedule, e.kind, e.line) == ("0 4 * * *", "nightly", 1)
+
+
+@pytest.mark.parametrize("line, column, found", [
+    ("0 4 * * * task ?id=x {a: 1,, }", 29, '" "'),
+    ("  0 4 * * * task {a: [1, 2}", 28, "end of input"),
+    ("0 4 * * * task {}}", 18, '"}"'),
+])
+def test_a_payload_error_names_its_column_in_the_line(line, column, found):
+    """The JSON5 parser's column counts from the payload's '{', and its message began
+    '<string>:1': "crontab:1: invalid JSON5 payload: <string>:1 Unexpected " " at column 8" for
+    a fault in the line's 29th column. The column is now the line's, as an editor shows it."""
+    with pytest.raises(ValueError) as err:
+        parse_crontab("# header\n" + line + "\n")
+    message = str(err.value)
+    assert message.startswith("crontab:2: invalid JSON5 payload: "), message
+    assert "<string>" not in message
+    assert message.endswith(f"at column {column}"), message
+    assert found in message
