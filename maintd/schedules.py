@@ -58,6 +58,13 @@ SHORTCUTS = {
 _MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
 _DAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")
 _NUMBER = re.compile(r"[0-9]{1,9}")
+# Quartz's (and croniter's, AWS's) day extensions, which cronie has not: named as such in errors.
+_EXTENSIONS = (
+    (re.compile(r"\?"), "'?' (no specific value)"),
+    (re.compile(r"(?i)L|LW|[0-9]{1,2}L|[a-z]{3}L"), "'L' (the last day)"),
+    (re.compile(r"(?i)[0-9]{1,2}W"), "'W' (the nearest weekday)"),
+    (re.compile(r"(?i)[0-9a-z]{1,3}#[0-9]"), "'#' (the nth weekday)"),
+)
 
 
 @dataclass(frozen=True)
@@ -299,6 +306,10 @@ def _value(spec: _Spec, token: str) -> int:
             raise ValueError(f"{spec.name} {n} out of range {spec.lo}-{spec.hi}")
         return n
     named = spec.name_value(token)
+    extension = next((what for pattern, what in _EXTENSIONS if pattern.fullmatch(token)), None)
+    if named is None and extension is not None and spec.name in ("day-of-month", "day-of-week"):
+        raise ValueError(f"{spec.name} {token!r}: {extension}, an extension of Quartz and croniter, "
+                         "is not supported (cron expressions follow cronie)")
     if named is None:
         what = f"a number or a name ({', '.join(spec.names)})" if spec.names else "a number"
         raise ValueError(f"{spec.name} {token!r} is not {what}")

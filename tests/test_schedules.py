@@ -400,3 +400,23 @@ def test_counting_a_long_outage_s_slots_is_exact_and_does_not_walk_them(expr, zo
     assert time.process_time() - t0 < 2.0, "a year counted slot by slot"
     if expr == "* * * * *":
         assert year == 366 * 24 * 60  # 00:01 on 2023-06-01 to 00:00 on 2024-06-01, Feb 29 included
+
+
+@pytest.mark.parametrize("expr, field, sign", [
+    ("0 0 L * *", "day-of-month 'L'", "'L'"),
+    ("0 0 15W * *", "day-of-month '15W'", "'W'"),
+    ("0 0 LW * *", "day-of-month 'LW'", "'L'"),
+    ("0 0 * * 5L", "day-of-week '5L'", "'L'"),
+    ("0 0 * * fri#3", "day-of-week 'fri#3'", "'#'"),
+    ("0 0 * * 1#2", "day-of-week '1#2'", "'#'"),
+    ("0 0 ? * mon", "day-of-month '?'", "'?'"),
+])
+def test_quartz_extensions_are_named_as_not_supported(expr, field, sign):
+    """croniter, Quartz and AWS write 'L', 'W', '#' and '?'; cronie has none of them. The error
+    said "day-of-month 'L' is not a number", as for a typing mistake, leaving an operator who
+    ported such a schedule to guess that the extension is what maintd lacks."""
+    with pytest.raises(ValueError) as err:
+        parse_schedule(expr)
+    message = str(err.value)
+    assert message.startswith(field), message
+    assert sign in message and "not supported" in message, message
