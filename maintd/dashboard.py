@@ -278,6 +278,7 @@ def target_overview(target: Target, *, cap: int = CAP,
         leader, daemons = leadership(conn, schema)
         data = {
             "name": target.name, "schema": schema, "now": now, "leader": leader, "daemons": daemons,
+            "writable": conn.execute(text(catalog.SERVER_WRITABLE)).scalar(),  # else maintenance is paused
             "services": service_runs(conn, schema), "queues": queue_table(conn, schema, now, cap),
             "periodic": periodic_rows(conn, schema, target.periodic, now),
             "discarded": [dict(r) for r in conn.execute(sql(DISCARDED, schema),

@@ -403,5 +403,14 @@ def test_status_says_when_the_database_takes_no_writes(make_private_pg):
         wait_for(lambda: collect_status(engine, "maintd")["database_writable"] is False, 10,
                  what="the reload seen by a kept session")
         assert "database: read-only (maintenance paused)" in format_status(collect_status(engine, "maintd"))
+        # The dashboard said nothing of it either: the leader and its runs, as if all were well.
+        dashboard = Dashboard(lambda: Settings(database_url=pg.dsn, schema="maintd"))
+        status, _, body, _ = dashboard.pages()["/"](Request("/", {}))
+        assert status == 200 and 'id="read-only"' in body.decode(), body.decode()[:2000]
+        with psycopg.connect(pg.dsn, autocommit=True) as admin:
+            admin.execute("ALTER SYSTEM RESET default_transaction_read_only")
+            admin.execute("SELECT pg_reload_conf()")
+        wait_for(lambda: 'id="read-only"' not in dashboard.pages()["/"](Request("/", {}))[2].decode(), 10,
+                 what="the notice gone once the server takes writes")
     finally:
         engine.dispose()
