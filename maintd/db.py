@@ -184,9 +184,10 @@ class HostOrder:
         return make_conninfo("", **{**self._params, "host": ",".join(hosts), "port": ",".join(ports)})
 
     def _move(self, host: str | None, port: int | str | None, first: bool) -> None:
-        key = (str(host), str(port))
         with self._lock:
-            if key in self._servers:
+            # a host written without a port is on the default one, which the session reports by number
+            key = next((s for s in self._servers if s in ((str(host), str(port)), (str(host), ""))), None)
+            if key is not None:
                 self._servers.remove(key)
                 self._servers.insert(0 if first else len(self._servers), key)
 

@@ -182,3 +182,15 @@ def test_a_won_lock_is_bumped_only_on_the_session_that_was_set_up_and_holds_it(p
         assert pid == conn.info.backend_pid and epochs() == [epoch] and epoch == max(before, default=0) + 1
     finally:
         session.close()
+
+
+def test_a_multi_host_url_without_ports_still_puts_a_silent_host_last():
+    """``postgresql://u@a,b/db`` (every host on the default port): the session reports the port
+    it reached (5432), which the URL never wrote; the frozen host must still go last (and the host
+    reached first), or every reconnect spends a whole connect timeout on it first."""
+    order = HostOrder("postgresql://u@a,b/db")
+    hosts = lambda: psycopg.conninfo.conninfo_to_dict(order.dsn())["host"]
+    order.silent("a", 5432)
+    assert hosts() == "b,a"
+    order.reached("a", 5432)
+    assert hosts() == "a,b"
