@@ -32,8 +32,8 @@ from sqlalchemy import Connection
 
 from .config import Settings
 from .db import HostOrder, advisory_key, describe_db_error, periodic_channel
-from .election import (BumpBlocked, BumpFailed, Bumped, Demoted, Elected, Following, Leading, Lost, Notified, Released, Renewed,
-                       Request, Round, State, Step, Term, Timing, Tried, due, leading_term, step)
+from .election import (BumpBlocked, BumpFailed, Bumped, Demoted, Elected, Following, Leading, Lost, Notified, Released,
+                       Releasing, Renewed, Request, Round, State, Step, Term, Timing, Tried, due, leading_term, step)
 from .faults import transient
 from .lockconn import LeaderSessionError, LockSession
 from .logs import about_target, kv
@@ -147,6 +147,12 @@ class Seat:
         ``gate_at`` (a write from another thread could be overwritten by a gate asked meanwhile)."""
         if self.loop is not None:
             self.loop.request(self, None)
+
+    def gave_up(self, reason: str) -> None:
+        """A won lock is given back without a term: said, and a next win's wait is said again."""
+        self.bump_waiting, self.failure = False, reason
+        with about_target(self.log_name):
+            log.warning("gave the won lock back without a term", extra=kv(reason=reason))
 
     def effect(self, effect: Elected | Demoted | None, was: Term | None) -> None:
         if effect is None:
@@ -378,9 +384,11 @@ class ElectionLoop:
                 self._apply(seat, event, now)
 
     def _apply(self, seat: Seat, event: object, now: float) -> str | None:
-        was = seat.term
+        was, following = seat.term, isinstance(seat.state, Following)
         result: Step = step(seat.state, event, now, self.timing, self.settings.instance_id)
         seat.state = result.state
+        if following and isinstance(event, Round) and isinstance(result.state, Releasing):
+            seat.gave_up(result.state.reason)  # a won lock whose bump stayed blocked past its deadline
         seat.effect(result.effect, was)
         return result.send
 

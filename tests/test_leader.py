@@ -736,3 +736,25 @@ def test_the_first_backoff_after_a_failure_is_not_cut_short_by_an_earlier_reques
             elector.stop()
     first, second = [r.created for r in caplog.records if "database unreachable" in r.getMessage()][:2]
     assert second - first >= 0.1, f"the first backoff (0.2 s +-30 %) lasted {second - first:.3f} s"
+
+
+def test_a_won_lock_given_back_after_its_bump_stayed_blocked_says_so(settings, engine, schema, maintd_log):
+    """A won lock whose epoch bump stays blocked past its deadline (3 leases: an old leader's
+    fenced transaction, a long DDL say, holds the leader row) is given back. That was silent: the
+    log said "waiting for the previous leader's transactions" once and then nothing, not when the
+    lock was given back, nor when the next win waited again, while the target stayed unled."""
+    quick = with_leader(settings, lease="1s", renew_interval="0.3s", retry_interval="0.2s")  # deadline 3 s
+    holder = engine.connect()
+    holder.execute(sql("SELECT epoch FROM {schema}.leader FOR KEY SHARE", schema))
+    elector = Recorder().elector(quick)
+    elector.start()
+    try:
+        gave_up = lambda: [line for line in maintd_log if "stayed blocked" in line]
+        wait_for(lambda: gave_up(), 10, what="the give-up said")
+        waits = lambda: sum("waiting for the previous leader's transactions" in line for line in maintd_log)
+        wait_for(lambda: waits() >= 2, 10, what="the next win's wait said again")
+        assert not elector.is_leader
+    finally:
+        holder.rollback()
+        holder.close()
+        elector.stop()
