@@ -57,6 +57,13 @@ REFRESH = 1.0  # seconds between two reads of the live replicas (and whether the
 REGISTER_RETRY = 30.0  # seconds between two tries of a daemons row that could not be written
 
 
+def session_lost(exc: psycopg.Error) -> bool:
+    """Whether an error may have ended the lock session, not only its statement: a lock or
+    statement timeout on one target's table (a migration's ALTER TABLE) is that target's."""
+    return isinstance(exc, psycopg.OperationalError) and not isinstance(
+        exc, (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled))
+
+
 def handover_channel(schema: str) -> str:
     return f"{schema}_maintd_leader"
 
@@ -442,7 +449,7 @@ class ElectionLoop:
             statement(seat)
             return True
         except psycopg.Error as exc:
-            if isinstance(exc, psycopg.OperationalError):
+            if session_lost(exc):
                 raise
             with about_target(seat.log_name):
                 log.debug(failed, extra=kv(error=describe_db_error(exc)))

@@ -758,3 +758,21 @@ def test_a_won_lock_given_back_after_its_bump_stayed_blocked_says_so(settings, e
         holder.rollback()
         holder.close()
         elector.stop()
+
+
+def test_a_lock_on_a_bookkeeping_table_costs_no_leadership(settings, engine, schema):
+    """The loop's reads and writes of one target's ``daemons`` table (the live replicas every
+    second, the registration) meet a lock held there (a migration's ALTER TABLE, an admin's
+    LOCK TABLE) as a lock_timeout: a statement error of that target, not a lost session. It closed
+    the lock session: every target of the database lost its term, and no term lasted while the
+    lock was held."""
+    quick = with_leader(settings, lease="6s")  # renew 1 s (the session's lock_timeout), trust 5 s
+    rec = Recorder()
+    with rec.leading(quick) as elector:
+        with engine.connect() as locker:
+            locker.execute(sql("LOCK TABLE {schema}.daemons IN ACCESS EXCLUSIVE MODE", schema))
+            time.sleep(4.0)  # several reads of the live replicas, each meeting the lock
+            locker.rollback()
+        time.sleep(1.0)
+        assert elector.is_leader
+        assert [e for e in rec.events if e[0] == "demoted"] == []
