@@ -115,6 +115,7 @@ NOT_MAINTENANCE.update({f"convert.{name}": CONVERT for name in (
     "LOCK_JOBS", "DROP_FUNCTION", "DROP_TRIGGER", "RENAME_INDEX", *(f"RENAME_TABLES[{i}]" for i in range(4)),
     "RESTART_IDS", "GRANT_TABLE", "COMMENT_FUNCTION", "REVOKE_FUNCTION", "GRANT_FUNCTION",
     *(f"CLEAN_UP[{i}]" for i in range(4)), "ABANDON_TRIGGER", *(f"ABANDON[{i}]" for i in range(4)),
+    "LOCK_FREE", *(f"RESTART_COPY[{i}]" for i in range(2)), *(f"STALE[{i}]" for i in range(3)),
 )})
 
 
