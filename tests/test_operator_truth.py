@@ -414,3 +414,36 @@ def test_status_says_when_the_database_takes_no_writes(make_private_pg):
                  what="the notice gone once the server takes writes")
     finally:
         engine.dispose()
+
+
+# -- README "Day to day", as an operator types it on an installed host ------------------------------
+
+
+def test_the_day_to_day_commands_run_as_written_on_an_installed_host(pg_dsn, schema, tmp_path, engine):
+    """The README's "Day to day" block, run as written in a shell on a host installed as
+    "Production install" says: config.example.toml in /etc/maintd/maintd.toml, the runtime role's
+    DSN in /etc/maintd/maintd.env, which the unit reads (EnvironmentFile=) and an operator's shell
+    does not. The block gave no DSN: each command used the example's
+    postgresql://localhost/postgres and failed (refused, or "run `maintd migrate` first" there)."""
+    from pathlib import Path
+
+    from sqlalchemy import text
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    start = readme.index("Day to day")
+    block = re.compile(r"```sh\n(.*?)```", re.S).search(readme, start).group(1)
+    etc = tmp_path / "etc" / "maintd"
+    etc.mkdir(parents=True)
+    example = (root / "config.example.toml").read_text()
+    assert '\nschema = "maintd"\n' in example
+    (etc / "maintd.toml").write_text(example.replace('\nschema = "maintd"\n', f'\nschema = "{schema}"\n'))
+    (etc / "maintd.env").write_text(f"MAINTD_DATABASE_URL={pg_dsn}\n")
+    with engine.begin() as conn:
+        conn.execute(text(f'INSERT INTO "{schema}".jobs (kind, state, finalized_at) '
+                          "VALUES ('day.to.day', 'discarded', now())"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAINTD_")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    res = subprocess.run(["bash", "-e", "-c", block.replace("/etc/maintd/", f"{etc}/")], env=env,
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 0 and "day.to.day" in res.stdout, res.stdout + res.stderr
