@@ -36,7 +36,7 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
 from sqlalchemy import Connection, text
 from sqlalchemy.exc import DBAPIError
 
-from .db import describe_db_error, quote_ident
+from .db import connected_to, describe_db_error, quote_ident
 from .queries import catalog, sql
 from .queries.admin import (ACTIONS, BY_IDS, LIST, REREAD, ROW, SHOW, WALK_START, Action,  # noqa: F401
                             Filter, filter_query)
@@ -289,7 +289,7 @@ def check_migrated(conn: Connection, schema: str) -> None:
         found = conn.execute(text(catalog.FUNCTION_EXISTS),
                              {"f": f"{quote_ident(schema)}.retry_jobs(bigint[])"}).scalar()
     if not found:
-        raise AdminError(f"schema {schema} has no admin functions (revision 0002): "
+        raise AdminError(f"schema {schema} has no admin functions (revision 0002) in {connected_to(conn)}: "
                          "run `maintd migrate` first")
 
 

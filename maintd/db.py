@@ -253,6 +253,11 @@ def make_engine(dsn: str, *, application_name: str, session: dict[str, Any] | No
         exc = ctx.original_exception
         if exc is not None and exc.args and isinstance(exc.args[0], str):
             exc.args = (redact_dsn(exc.args[0]),) + tuple(exc.args[1:])
+        if ctx.sqlalchemy_exception is not None and ctx.connection is not None:
+            try:  # for describe_db_error: "not migrated" names where it looked
+                ctx.sqlalchemy_exception.maintd_where = connected_to(ctx.connection)
+            except Exception:  # a connection gone with the error: nothing to name
+                pass
 
     return engine
 
@@ -324,6 +329,14 @@ def events_channel(schema: str) -> str:
     return "maintd_events" if schema == "maintd" else f"{schema}_maintd_events"
 
 
+def connected_to(conn: Connection) -> str:
+    """Where ``conn`` is, for an error that holds only there (``database 'app' on db1:5432 as
+    'maintd_daemon'``): a schema missing in the wrong database (a shell without the unit's
+    DSN) must not read as one to migrate. No password."""
+    info = conn.connection.dbapi_connection.info
+    return f"database {info.dbname!r} on {info.host}:{info.port} as {info.user!r}"
+
+
 # What fixes an error: a missing grant ("permission denied", not "must be owner": a grant cannot
 # give ownership), or a schema `maintd migrate` has not made (an error naming one of maintd's own
 # objects; a missing index named in the reindexer's config is not that).
@@ -352,6 +365,8 @@ def describe_db_error(exc: BaseException) -> str:
     msg = str(orig).strip().splitlines()
     line = redact_dsn(msg[0] if msg else exc.__class__.__name__)
     hint = _hint(getattr(orig, "sqlstate", None), line)
+    if hint == MIGRATE_HINT and getattr(exc, "maintd_where", None):
+        hint = f"the schema is not migrated in {exc.maintd_where}: run `maintd migrate` first"
     return f"{line} ({hint})" if hint and hint not in line else line
 
 

@@ -87,13 +87,15 @@ class SchemaNotReady(RuntimeError):
 
 def check_ready(engine, schema: str) -> None:
     """Raise :class:`SchemaNotReady` unless the schema has maintd's tables at this maintd's revision."""
+    from .db import connected_to
     from .identifiers import qualified
 
     with engine.connect() as conn:
         current = current_revision(conn, schema)
         has_jobs = conn.execute(text(catalog.TABLE_EXISTS), {"qualified": qualified(schema, "jobs")}).scalar()
+        where = connected_to(conn)
     if current is None or not has_jobs:
-        raise SchemaNotReady(f"schema {schema!r} has no maintd tables: run `maintd migrate` first")
+        raise SchemaNotReady(f"schema {schema!r} has no maintd tables in {where}: run `maintd migrate` first")
     if current != head_revision():
         raise SchemaNotReady(behind(schema, current))
 

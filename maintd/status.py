@@ -16,7 +16,7 @@ import psycopg
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
-from .db import advisory_key, describe_db_error
+from .db import advisory_key, connected_to, describe_db_error
 from .health import elsewhere
 from .identifiers import qualified
 from .layout_status import format_layout, layout_summary
@@ -50,7 +50,8 @@ def collect_status(engine: Engine, schema: str, *, jobs: dict[str, Any] | None =
     with engine.connect() as conn:
         conn.execute(text(catalog.SET_LOCAL), {"name": "statement_timeout", "value": str(STATUS_TIMEOUT_MS)})
         if not conn.execute(text(catalog.TABLE_EXISTS), {"qualified": qualified(schema, "leader")}).scalar():
-            raise SchemaMissing(f"schema {schema!r} has no maintd tables: run `maintd migrate` first")
+            raise SchemaMissing(f"schema {schema!r} has no maintd tables in {connected_to(conn)}: "
+                                "run `maintd migrate` first")
         if (behind := _behind(conn, schema)) is not None:
             raise SchemaMissing(behind)
         now = conn.execute(text(catalog.TRANSACTION_TIME)).scalar_one()

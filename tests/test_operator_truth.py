@@ -250,6 +250,26 @@ def test_an_unmigrated_schema_says_run_migrate_first_everywhere(pg_dsn, tmp_path
         assert "Traceback" not in err
 
 
+def test_an_unmigrated_schema_error_names_the_database_it_looked_in(pg_dsn, tmp_path):
+    """"run `maintd migrate` first" is also what a command connected to the wrong database says
+    (a shell without the unit's EnvironmentFile: config.example.toml's localhost/postgres); an
+    operator who obeys it there makes the schema in that wrong database. The line names the
+    database, host and role it read, never the password."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(pg_dsn)
+    dbname = url.path.lstrip("/") or url.username
+    cfg = _config(tmp_path, pg_dsn, f"t_{uuid.uuid4().hex[:12]}")  # no such schema
+    for argv in (("status",), ("jobs", "list"), ("jobs", "retry", "1"), ("periodic", "list"),
+                 ("run-once", "cleaner", "--dry-run")):
+        rc, out, err = _cli("--config", cfg, *argv)
+        assert rc == 1 and "run `maintd migrate` first" in out + err, (argv, out, err)
+        assert f"database {dbname!r} on {url.hostname}:{url.port or 5432} as {url.username!r}" in out + err, \
+            (argv, out + err)
+        if url.password:
+            assert url.password not in out + err
+
+
 def test_status_on_a_schema_behind_this_maintd_says_run_migrate(pg_dsn, tmp_path):
     """A schema at an older revision (a rolling upgrade: the new binary first): `maintd status`
     failed with "column d.lock_pid does not exist", naming nothing that fixes it."""
