@@ -105,6 +105,7 @@ class Horizon:
     age_xids: int = 0
     holders: tuple[Holder, ...] = ()  # data scope, older than SHOWN_AFTER, oldest xmin first
     catalog_holders: tuple[Holder, ...] = ()  # catalog scope, the same
+    unaged: int = 0  # other roles' sessions holding ids back, their start hidden, not yet aged
 
     @property
     def holder(self) -> Holder | None:
@@ -117,7 +118,8 @@ class Horizon:
                 "holder": holder.as_dict() if holder else None,
                 "holders": [h.as_dict() for h in self.holders[:SHOWN]],
                 "more_holders": max(0, len(self.holders) - SHOWN),
-                "catalog_holders": [h.as_dict() for h in self.catalog_holders[:SHOWN]]}
+                "catalog_holders": [h.as_dict() for h in self.catalog_holders[:SHOWN]],
+                "unaged": self.unaged}
 
 
 @dataclass(frozen=True)
@@ -232,9 +234,12 @@ class HealthReader:
                 h.age_seconds >= SHOWN_AFTER or (h.kind in UNTIMED_KINDS and h.age_xids > 0))]
             return tuple(sorted(shown, key=lambda h: (-h.age_xids, -h.age_seconds)))
 
+        shown = named("data")
+        unaged = sum(1 for h in data if h.kind in BACKEND_KINDS and h.since is None and h.age_xids > 0
+                     and h not in shown)
         return Horizon(age_seconds=max((h.age_seconds for h in data), default=0.0),
                        age_xids=max((h.age_xids for h in data), default=0),
-                       holders=named("data"), catalog_holders=named("catalog"))
+                       holders=shown, catalog_holders=named("catalog"), unaged=unaged)
 
     def _holder(self, r: dict[str, Any], now: datetime) -> Holder:
         since = r["since"]

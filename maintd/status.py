@@ -180,12 +180,16 @@ def format_health(h: dict[str, Any]) -> list[str]:
     hz = h["horizon"]
     lines = [f"health (read at {h['at']}):",
              f"  xmin horizon: {_age(hz['age_seconds'])}, {hz['age_xids']:,} transaction ids"]
-    if hz["holder"] is None:
+    if hz["holder"] is None and not hz.get("unaged"):
         lines.append("  held by: nothing older than a second")
     for i, holder in enumerate(hz["holders"]):
         lines.append(f"  {'held by' if i == 0 else '   also'}: {_holder(holder)}")
     if hz.get("more_holders"):
         lines.append(f"     and {hz['more_holders']} more")
+    if n := hz.get("unaged"):  # PostgreSQL hides their start from this role: no age on one read
+        lines.append(f"  {'held by' if hz['holder'] is None else '   also'}: {n:,} session{'s' if n > 1 else ''} "
+                     f"of another role{'s' if n > 1 else ''}, for a time this read cannot tell (their start "
+                     "is hidden: GRANT pg_read_all_stats, or see the daemon's /status and log)")
     for holder in hz["catalog_holders"]:
         lines.append(f"  catalogs only (not jobs): {_holder(holder)}")
     lines.append("  tables:")

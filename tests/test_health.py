@@ -572,6 +572,27 @@ def test_a_one_shot_read_names_a_slot_holding_back_and_says_its_age_is_unknown()
     assert "nothing older than a second" not in text
 
 
+def test_a_one_shot_read_does_not_say_nothing_holds_the_horizon_when_another_roles_session_does():
+    """`maintd status` as the runtime role (README's install: `GRANT pg_read_all_stats` is
+    optional): a worker role's forgotten transaction, its start hidden, holding back 301 ids read
+    "xmin horizon: 0 s, 301 transaction ids / held by: nothing older than a second", however long
+    it had been open. It is still not named on one read (most such sessions are workers' short
+    transactions), but the line says that sessions of other roles hold it for a time this read
+    cannot tell, and what shows it."""
+    from maintd.status import format_health
+
+    hidden = row(kind="transaction", pid=8, usename="app_worker", application_name="metabase",
+                 client_addr=None, state=None, detail=None, age_xids=301)
+    hz = HealthReader().horizon([hidden], T0)
+    assert hz.holders == ()
+    text = "\n".join(format_health({"at": "T0", "tables": [], "horizon": hz.as_dict()}))
+    assert "nothing older than a second" not in text, text
+    assert "1 session of another role" in text and "pg_read_all_stats" in text, text
+    quiet = HealthReader().horizon([{**hidden, "age_xids": 0}], T0)  # holds nothing back yet
+    assert "held by: nothing older than a second" in "\n".join(
+        format_health({"at": "T0", "tables": [], "horizon": quiet.as_dict()}))
+
+
 def test_a_table_gone_loses_its_series_and_no_other_targets_series_goes():
     """With many targets in one process, a read applies each target's gauges given the tables it
     set last time (no scan of every target's series, which made a read of 200 targets quadratic);
