@@ -23,7 +23,11 @@ if context.is_offline_mode():
         dialect_opts={"paramstyle": "named"},
     )
     with context.begin_transaction():
-        context.execute(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}")
+        # Only when missing: PostgreSQL checks CREATE on the database before IF NOT EXISTS, and
+        # the owner role (its schema made for it by a superuser) has none.
+        q = quote_ident(schema)
+        context.execute(f"DO $$BEGIN IF to_regnamespace('{q}') IS NULL THEN "
+                        f"CREATE SCHEMA IF NOT EXISTS {q}; END IF; END$$")
         context.run_migrations()
 else:
     connection = config.attributes["connection"]

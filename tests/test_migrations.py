@@ -254,3 +254,38 @@ def test_migrate_interrupted_by_ctrl_c_does_not_exit_0(pg_dsn, tmp_path):
         assert "migrated" not in out and err == "maintd: interrupted\n", err
     finally:
         engine.dispose()
+
+
+def test_the_printed_ddl_runs_as_the_readme_owner_role(pg_dsn):
+    """README "Production install": a superuser makes the schema (CREATE SCHEMA maintd
+    AUTHORIZATION maintd_owner) and the owner, with no CREATE on the database, runs the
+    migrations. `maintd migrate` does; the script `maintd migrate --sql` prints for a DBA began
+    with CREATE SCHEMA IF NOT EXISTS, which PostgreSQL refuses such a role even when the schema
+    exists ("permission denied for database"), so every printed script failed as the owner: the
+    whole DDL and each upgrade's."""
+    import subprocess
+
+    import psycopg
+
+    from .test_grants import login_role, role_dsn
+    from .test_readme_sql import psql_with_bind
+
+    name = new_schema_name()
+    with login_role(pg_dsn, "owner") as owner:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f'CREATE SCHEMA "{name}" AUTHORIZATION "{owner}"')
+        try:
+            dsn = role_dsn(pg_dsn, owner)
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                assert conn.execute("SELECT has_database_privilege(current_database(), 'CREATE')").fetchone() == (False,)
+            # as a DBA applies it: `maintd migrate --sql | psql -v ON_ERROR_STOP=1 "$OWNER_URL"`
+            for script in (migrate.offline_sql(name, "0016"), migrate.offline_sql(name, start="0016")):
+                res = subprocess.run([psql_with_bind(), "-X", "-q", "-v", "ON_ERROR_STOP=1", dsn], input=script,
+                                     capture_output=True, text=True, timeout=120)
+                assert res.returncode == 0, res.stderr
+            with psycopg.connect(dsn) as conn:
+                assert conn.execute(f'SELECT version_num FROM "{name}".alembic_version').fetchone() == \
+                    (migrate.head_revision(),)
+        finally:
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
