@@ -467,3 +467,18 @@ def test_the_day_to_day_commands_run_as_written_on_an_installed_host(pg_dsn, sch
     res = subprocess.run(["bash", "-e", "-c", block.replace("/etc/maintd/", f"{etc}/")], env=env,
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert res.returncode == 0 and "day.to.day" in res.stdout, res.stdout + res.stderr
+
+
+def test_the_session_names_the_readme_gives_are_the_ones_maintd_uses():
+    """An operator looks for maintd's sessions in pg_stat_activity by the names the README gives.
+    "Configuration" said the lock session was `maintd:<instance>:lock`; it is `maintd:<instance>`
+    (as "Leadership" says), and nothing is named `...:lock`."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    said = set(re.findall(r"`maintd:<(?:instance|instance_id|id)>((?::\w+)?)`", readme))
+    used = set()
+    for path in (root / "maintd").rglob("*.py"):
+        used |= set(re.findall(r'application_name=f"maintd:\{[^}]+\}((?::\w+)?)"', path.read_text()))
+    assert "" in used and said and said <= used, (said - used, used)
