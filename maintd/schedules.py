@@ -21,10 +21,12 @@ slots without talking to the others. Schedules take aware datetimes and return s
 from __future__ import annotations
 
 import calendar
+import math
 import re
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta, timezone
 from datetime import time as dtime
+from itertools import islice
 from typing import Callable, Iterator
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -448,6 +450,49 @@ class CronSchedule(Schedule):
             if slot <= t:
                 return slot
         raise AssertionError("unreachable")  # pragma: no cover - _candidates raises first
+
+
+def _sparser(a: Schedule, b: Schedule, start: datetime, end: datetime) -> tuple[Schedule, Schedule, int]:
+    """The schedule with fewer slots in ``(start, end]`` (two ``@every`` ones: their common
+    multiple, which has exactly the slots both have), the other, and how many it has there."""
+    if isinstance(a, IntervalSchedule) and isinstance(b, IntervalSchedule):
+        every = timedelta(microseconds=math.lcm(a.every // _TINY, b.every // _TINY))
+        both = IntervalSchedule(f"@every {every}", every)
+        return both, both, both.count_between(start, end)
+    counts = a.count_between(start, end), b.count_between(start, end)
+    return (a, b, counts[0]) if counts[0] <= counts[1] else (b, a, counts[1])
+
+
+def common_slots(a: Schedule, b: Schedule, start: datetime, end: datetime) -> Iterator[datetime]:
+    """The slots ``a`` and ``b`` both have in ``(start, end]``, oldest first: the sparser one's,
+    each asked of the other."""
+    few, other, _ = _sparser(a, b, start, end)
+    return (s for s in few.slots_between(start, end) if other.latest_at_or_before(s) == s)
+
+
+def count_common(a: Schedule, b: Schedule, start: datetime, end: datetime, walk: int) -> int:
+    """How many slots ``a`` and ``b`` both have in ``(start, end]``. Exact for two ``@every``
+    schedules and when the sparser one has at most ``walk`` slots there; otherwise an estimate:
+    its slot count times the share of its first ``walk`` slots the other has too."""
+    few, other, total = _sparser(a, b, start, end)
+    if few is other:
+        return total
+    shared = sum(other.latest_at_or_before(s) == s for s in islice(few.slots_between(start, end), walk))
+    return shared if total <= walk else round(total * shared / walk)
+
+
+def latest_common(a: Schedule, b: Schedule, start: datetime, end: datetime, walk: int) -> datetime | None:
+    """The latest slot ``a`` and ``b`` both have in ``(start, end]``, walking the sparser one back
+    from ``end`` at most ``walk`` slots; None when there is none within them."""
+    few, other, _ = _sparser(a, b, start, end)
+    s = few.latest_at_or_before(end)
+    for _ in range(walk):
+        if s <= start:
+            return None
+        if other.latest_at_or_before(s) == s:
+            return s
+        s = few.latest_at_or_before(s - _TINY)
+    return None
 
 
 def parse_schedule(text: str, timezone: str = "UTC") -> Schedule:

@@ -577,3 +577,33 @@ def test_a_changed_schedule_stopped_after_a_missed_slot_runs_no_slot_only_the_ne
         run(changed, engine, clock, StoppedOnce(changed.periodic))
     run(changed, engine, clock)
     assert [j.scheduled_at for j in jobs(engine, schema)] == [day + timedelta(hours=11)]
+
+
+def test_a_schedule_changed_after_a_long_outage_is_not_walked_slot_by_slot(pg_dsn, schema, engine):
+    """'@every 1s' entries changed to '@every 2s' while no leader ran for a year: the pass walked
+    each of the new schedule's 15.8 million slots since the newest one taken, asking the old
+    schedule about each, for minutes (the leader's pass making no progress). Now the backfill
+    window is walked, the slots before it are counted, and without a backfill the latest slot both
+    schedules have is found walking back from now."""
+    import time
+
+    def settings(every, cron):
+        return Settings(database_url=pg_dsn, schema=schema, periodic=[
+            {"id": "fast", "schedule": every, "kind": "k"},
+            {"id": "filled", "schedule": every, "kind": "k", "backfill": "5s"},
+            {"id": "minutes", "schedule": cron, "kind": "k", "backfill": "3m"}])
+
+    clock = FrozenClock(START)
+    run(settings("@every 1s", "* * * * *"), engine, clock)  # all baselined at 12:00:00 (2026)
+    clock.advance(365 * 86400)
+    began = time.monotonic()
+    result = run(settings("@every 2s", "*/2 * * * *"), engine, clock)
+    took = time.monotonic() - began
+    assert took < 10, f"the pass took {took:.0f} s"
+    assert [(e["periodic_id"], e["slot"][:19]) for e in result.enqueued] == [
+        ("fast", "2027-03-01T12:00:00"),
+        *[("filled", f"2027-03-01T11:59:{s}") for s in (56, 58)], ("filled", "2027-03-01T12:00:00"),
+        ("minutes", "2027-03-01T11:58:00"), ("minutes", "2027-03-01T12:00:00")]
+    assert result.skipped == {"fast": {"outside_backfill": 365 * 43200 - 1},
+                              "filled": {"outside_backfill": 365 * 43200 - 3},
+                              "minutes": {"outside_backfill": 365 * 720 - 2}}

@@ -37,7 +37,7 @@ from ..db import describe_db_error
 from ..logs import clip, kv
 from ..metrics import Family
 from ..queries import jobs, periodic_slots
-from ..schedules import Schedule, parse_schedule
+from ..schedules import Schedule, common_slots, count_common, latest_common, parse_schedule
 from .base import NotLeader, PassContext, PassResult, PassStopped, Service
 from .periodic_config import PeriodicJob
 from .periodic_rows import Entry, RowSource
@@ -53,6 +53,9 @@ PRUNE_BATCH = 10_000  # slot rows a prune statement deletes at most
 ROWS_EVERY = timedelta(minutes=10)
 _TINY = timedelta(microseconds=1)
 KEEP_HISTORY = timedelta(days=7)
+# Slots of a changed schedule walked at most to find the latest both schedules have, or to count
+# exactly those before the backfill window (see PeriodicEnqueuer._due_both).
+CHANGED_WALK = 5_000
 ENQUEUED = Family(Counter, "maintd_periodic_enqueued", "Periodic jobs enqueued.", ("periodic_id",))
 SKIP_REASONS = ("duplicate", "replaced", "disabled", "outside_backfill", "error")
 SKIPPED = Family(Counter, "maintd_periodic_skipped", f"Periodic slots not enqueued (reason: {', '.join(SKIP_REASONS)}).",
@@ -285,22 +288,27 @@ class PeriodicEnqueuer(Service):
         schedule = self.schedule(job)
         # s > edge: inside the window (a window past year 1, a row's 1,000,000 days: from ``after``)
         edge = after if job.backfill is None or job.backfill >= now - after else now - job.backfill - _TINY
-        if had is None:
-            if job.backfill is None:
-                return [latest], max(0, schedule.count_between(after, latest) - 1)
-            return list(schedule.slots_between(edge, now)), schedule.count_between(after, edge)
-        inside: list[datetime] = []
-        outside = 0
-        for s in schedule.slots_between(after, now):
-            if had.latest_at_or_before(s) != s:
-                continue
-            if job.backfill is None:
-                outside, inside = outside + len(inside), [s]
-            elif s > edge:
-                inside.append(s)
-            else:
-                outside += 1
-        return inside, outside
+        if had is not None:
+            return self._due_both(job, schedule, had, after, edge, now)
+        if job.backfill is None:
+            return [latest], max(0, schedule.count_between(after, latest) - 1)
+        return list(schedule.slots_between(edge, now)), schedule.count_between(after, edge)
+
+    @staticmethod
+    def _due_both(job: PeriodicJob, schedule: Schedule, had: Schedule, after: datetime, edge: datetime,
+                  now: datetime) -> tuple[list[datetime], int]:
+        """``_due`` for a changed schedule: of the slots both schedules have, those in the backfill
+        window, or (none) the latest, found walking back from ``now`` at most ``CHANGED_WALK`` slots
+        (an older one is not run). Only the window is listed: the slots before it are counted, exactly
+        when the sparser schedule has at most ``CHANGED_WALK`` there (or both are ``@every``), else
+        estimated from its first ``CHANGED_WALK`` (a year of '@every 1s' was 31 million slots walked)."""
+        if job.backfill is None:
+            last = latest_common(schedule, had, after, now, CHANGED_WALK)
+            if last is None:
+                return [], count_common(schedule, had, after, now, CHANGED_WALK)
+            return [last], count_common(schedule, had, after, last - _TINY, CHANGED_WALK)
+        inside = list(common_slots(schedule, had, edge, now))
+        return inside, count_common(schedule, had, after, edge, CHANGED_WALK) if edge > after else 0
 
     def _baseline(self, ctx: PassContext, entry: PeriodicJob, slot: datetime, result: PeriodicResult) -> None:
         with ctx.transaction() as conn:
