@@ -279,7 +279,9 @@ def test_a_pass_s_duration_leaves_out_its_batch_pauses(settings, engine, schema,
     ctx = SleepingContext.for_settings(settings, engine, clock)
     record = execute_pass("cleaner", Cleaner(settings.cleaner), ctx)
     assert record.result.deleted["completed"] == 300 and len(ctx.pauses) >= 2
-    assert record.seconds < 0.25, f"{record.seconds:.3f} s of work for {len(ctx.pauses)} pauses of 0.25 s"
+    # Pauses counted in, the duration is at least their sum; the work alone is less (0.276 s was
+    # seen on a loaded CI machine, where a bound of one pause failed though nothing was counted in).
+    assert record.seconds < 0.25 * len(ctx.pauses), f"{record.seconds:.3f} s of work for {len(ctx.pauses)} pauses of 0.25 s"
     assert record.result.waited() >= 0.25 * len(ctx.pauses)
 
 

@@ -655,7 +655,9 @@ def test_a_target_whose_schema_is_not_migrated_is_not_ready(pg_dsn, make_schemas
         make_schemas.migrate(missing)
         wait_for(lambda: daemon.targets[1].is_leader, 20, what="the migrated target led")
         assert get(daemon.http_port, "/readyz")[0] == 200
-        assert len([line for line in maintd_log if "target not started" in line]) == 1, maintd_log
+        # (a retry during the migration may see it half-way, "at revision 0003": a new problem, said once)
+        said = [line for line in maintd_log if "target not started" in line]
+        assert len(said) == len(set(said)), said
     finally:
         daemon.stop()
 
