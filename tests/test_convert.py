@@ -398,45 +398,54 @@ def test_a_conversion_interrupted_from_the_terminal_says_so_and_fails(engine, pg
     assert proc.returncode == 130 and "run the same command again" in err, (proc.returncode, out, err)
 
 
+def _stopped_then_abandon_cut_off(engine, owner, schema: str, monkeypatch, *, drops: int) -> None:
+    """60 jobs, a conversion stopped after two batches of 10, then `--convert plain` cut off
+    (Ctrl-C) once ``drops`` of its lock-bounded drops have run."""
+    seed(engine, schema, final=30, live=30)
+    monkeypatch.setattr(convert, "BATCH", 10)
+    with owner.connect() as conn:
+        batches = []
+        stop_after = lambda: (batches.append(1), len(batches) > 2)[1]
+        assert convert.convert(conn, schema, LAYOUT, say=lambda _: None, stop=stop_after) == "stopped"
+    calls = []
+    real = convert._with_lock_timeout
+
+    def cut_off(conn, statement, what):
+        calls.append(what)
+        if len(calls) > drops:
+            raise KeyboardInterrupt
+        return real(conn, statement, what)
+
+    with owner.connect() as conn, monkeypatch.context() as m:
+        m.setattr(convert, "_with_lock_timeout", cut_off)
+        with pytest.raises(KeyboardInterrupt):
+            convert.abandon(conn, schema, say=lambda _: None)
+
+
+def _states(engine, schema: str) -> dict[int, str]:
+    with engine.connect() as conn:
+        return dict(conn.execute(sql("SELECT id, state::text FROM {schema}.jobs", schema)).all())
+
+
 def test_a_conversion_resumed_after_its_trigger_was_gone_copies_again_what_changed_meanwhile(engine, pg_dsn, schema,
                                                                                              monkeypatch):
     """`--convert plain` drops the sync trigger first, then the copy: cut off between the two (Ctrl-C,
     a lock never free), it left jobs_conv and the seen ids, no longer followed. A conversion run
     again resumed from them: the jobs completed, deleted or changed meanwhile were carried over as
     they had been copied (a deleted job came back, a completed one ran again)."""
-    seed(engine, schema, final=30, live=30)
-    monkeypatch.setattr(convert, "BATCH", 10)
     q = JobQueue(schema)
     owner = make_engine(pg_dsn, application_name="convert", pooled=False)
     try:
-        with owner.connect() as conn:
-            batches = []
-            stop_after = lambda: (batches.append(1), len(batches) > 2)[1]
-            assert convert.convert(conn, schema, LAYOUT, say=lambda _: None, stop=stop_after) == "stopped"
-        calls = []
-        real = convert._with_lock_timeout
-
-        def cut_off(conn, statement, what):
-            calls.append(what)
-            if len(calls) > 1:
-                raise KeyboardInterrupt
-            return real(conn, statement, what)
-
-        with owner.connect() as conn, monkeypatch.context() as m:
-            m.setattr(convert, "_with_lock_timeout", cut_off)
-            with pytest.raises(KeyboardInterrupt):
-                convert.abandon(conn, schema, say=lambda _: None)
+        _stopped_then_abandon_cut_off(engine, owner, schema, monkeypatch, drops=1)  # the trigger dropped
         with engine.begin() as conn:  # no trigger follows these
             job = q.claim(conn, "q", "w")[0]
             assert q.complete(conn, job)
             gone = conn.execute(sql("DELETE FROM {schema}.jobs WHERE id = (SELECT min(id) FROM {schema}.jobs "
                                     "WHERE state = 'available') RETURNING id", schema)).scalar()
-        with engine.connect() as conn:
-            expected = dict(conn.execute(sql("SELECT id, state::text FROM {schema}.jobs", schema)).all())
+        expected = _states(engine, schema)
         with owner.connect() as conn:
             assert convert.convert(conn, schema, LAYOUT, say=lambda _: None) == "done"
-        with engine.connect() as conn:
-            after = dict(conn.execute(sql("SELECT id, state::text FROM {schema}.jobs", schema)).all())
+        after = _states(engine, schema)
         assert gone not in after and after[job.id] == "completed"
         assert after == expected
     finally:
@@ -447,34 +456,13 @@ def test_a_conversion_after_an_abandon_cut_off_past_the_copy_starts_afresh(engin
     """`--convert plain` cut off after dropping jobs_conv left the seen ids, the progress row and the
     trigger function: the next `--convert partitioned` failed on them ("relation jobs_convert_seen
     already exists") until the abandon was run again."""
-    seed(engine, schema, final=30, live=30)
-    monkeypatch.setattr(convert, "BATCH", 10)
     owner = make_engine(pg_dsn, application_name="convert", pooled=False)
     try:
-        with owner.connect() as conn:
-            batches = []
-            stop_after = lambda: (batches.append(1), len(batches) > 2)[1]
-            assert convert.convert(conn, schema, LAYOUT, say=lambda _: None, stop=stop_after) == "stopped"
-        calls = []
-        real = convert._with_lock_timeout
-
-        def cut_off(conn, statement, what):
-            calls.append(what)
-            if len(calls) > 2:  # the trigger and jobs_conv dropped
-                raise KeyboardInterrupt
-            return real(conn, statement, what)
-
-        with owner.connect() as conn, monkeypatch.context() as m:
-            m.setattr(convert, "_with_lock_timeout", cut_off)
-            with pytest.raises(KeyboardInterrupt):
-                convert.abandon(conn, schema, say=lambda _: None)
-        with engine.connect() as conn:
-            expected = dict(conn.execute(sql("SELECT id, state::text FROM {schema}.jobs", schema)).all())
+        _stopped_then_abandon_cut_off(engine, owner, schema, monkeypatch, drops=2)  # the trigger and jobs_conv
+        expected = _states(engine, schema)
         with owner.connect() as conn:
             assert convert.convert(conn, schema, LAYOUT, say=lambda _: None) == "done"
-        with engine.connect() as conn:
-            after = dict(conn.execute(sql("SELECT id, state::text FROM {schema}.jobs", schema)).all())
-        assert after == expected
+        assert _states(engine, schema) == expected
     finally:
         owner.dispose()
 
