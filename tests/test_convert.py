@@ -493,7 +493,11 @@ def test_a_job_row_held_long_by_a_worker_stops_neither_the_workers_nor_a_row_of_
                 out.append(exc)
         converting = threading.Thread(target=run)
         converting.start()
-        time.sleep(1.5)  # the copy has reached the held row
+        # the copy has reached the held row and given the batch's other rows back (a fixed 1.5 s
+        # was too short for the preparation on a loaded CI machine); the defect never says so
+        deadline = time.monotonic() + 60
+        while not any(f"waiting for job {held}" in ln for ln in lines) and time.monotonic() < deadline:
+            time.sleep(0.05)
         with psycopg.connect(pg_dsn, autocommit=True) as worker:
             worker.execute("SET lock_timeout = '6s'")
             started = time.monotonic()
