@@ -6,7 +6,8 @@ skip with its reason), and exits non-zero when pytest failed, when it collected 
 which a plain ``pytest || exit 1`` takes for success), when any test was skipped (under
 ``CI=true`` a missing tool or server fails its test, tests/tools.py, so a skip in CI means a test
 that found a way around that, not a reason to pass), or when any was deselected (``-m``, ``-k``,
-``--deselect``: counted by .ci/count_deselected.py).
+``--deselect``: counted by .ci/count_deselected.py). ``--only-with-fixture NAME`` (that plugin's)
+leaves out the tests that do not use the fixture NAME: counted apart and printed, not a failure.
 
 What the environment could add is kept out: ``PYTEST_ADDOPTS`` is dropped (``-m 'not slow'``
 there would deselect the failover scenarios), and the cache plugin is off (``--lf`` and ``--sw``
@@ -48,10 +49,18 @@ def environment(deselected: str) -> dict[str, str]:
     return env
 
 
-def deselected_count(path: str) -> int:
-    """The most any session deselected (xdist workers each collect the whole suite)."""
+def deselected_count(path: str) -> tuple[int, str]:
+    """The most any session deselected (xdist workers each collect the whole suite), and what
+    ``--only-with-fixture`` left out, as "N tests without FIXTURE" ("" when nothing)."""
+    dropped, apart = 0, ""
     with open(path) as counts:
-        return max((int(line) for line in counts if line.strip()), default=0)
+        for line in counts:
+            if line.startswith("without "):
+                _, name, n = line.split()
+                apart = f"{n} tests without {name}"
+            elif line.strip():
+                dropped = max(dropped, int(line))
+    return dropped, apart
 
 
 def main(args: list[str]) -> int:
@@ -83,7 +92,10 @@ def main(args: list[str]) -> int:
         if skipped:
             print("strict_pytest: skipped tests fail the CI run (install what they need; tests/tools.py)")
             return 1
-        if dropped := deselected_count(deselected):
+        dropped, apart = deselected_count(deselected)
+        if apart:
+            print(f"strict_pytest: {apart} left out (--only-with-fixture: they do not use it)")
+        if dropped:
             print(f"strict_pytest: {dropped} tests deselected (-m, -k or --deselect): CI runs them all")
             return 1
         return 0

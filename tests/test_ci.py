@@ -94,6 +94,10 @@ def test_unavailable_skips_locally_and_fails_under_ci(tmp_path):
 
 
 TWO = "import pytest\n\ndef test_ok():\n    pass\n\n@pytest.mark.slow\ndef test_slow():\n    pass\n"
+# .ci/run's second pass: only the tests that reach the suite's server (a fixture, here through another)
+SERVER = ("import pytest\n\n@pytest.fixture\ndef srv():\n    return 1\n\n@pytest.fixture\ndef eng(srv):\n"
+          "    return srv\n\ndef test_free():\n    pass\n\ndef test_direct(srv):\n    pass\n\n"
+          "@pytest.mark.slow\ndef test_through(eng):\n    pass\n")
 
 
 @pytest.mark.parametrize("tests,args,addopts,rc,said", [
@@ -107,8 +111,15 @@ TWO = "import pytest\n\ndef test_ok():\n    pass\n\n@pytest.mark.slow\ndef test_
     (TWO, ("-m", "not slow", "-p", "xdist", "-n", "2"), None, 1, "strict_pytest: 1 tests deselected"),
     (TWO, (), "-m 'not slow'", 0, "strict_pytest: 2 tests, 0 skipped;"),
     (TWO, ("--lf",), None, 4, "unrecognized arguments: --lf"),
+    (SERVER, ("--only-with-fixture", "srv"), None, 0,
+     "strict_pytest: 1 tests without srv left out (--only-with-fixture: they do not use it)\n"),
+    (SERVER, ("--only-with-fixture", "srv", "-p", "xdist", "-n", "2"), None, 0, "strict_pytest: 2 tests, 0 skipped;"),
+    (SERVER, ("--only-with-fixture", "srv", "-m", "not slow"), None, 1, "strict_pytest: 1 tests deselected"),
+    (SERVER, ("--only-with-fixture", "nothing_uses_it"), None, 1, "strict_pytest: pytest collected no tests"),
 ], ids=["passes", "a-skip-fails", "a-failure-fails", "no-tests-fail", "a-collection-error-fails",
-        "a-deselection-fails", "a-deselection-under-xdist-fails", "addopts-are-ignored", "no-cache-to-rerun"])
+        "a-deselection-fails", "a-deselection-under-xdist-fails", "addopts-are-ignored", "no-cache-to-rerun",
+        "only-with-a-fixture-leaves-out-the-others", "only-with-a-fixture-under-xdist",
+        "only-with-a-fixture-and-a-deselection-fails", "only-with-a-fixture-no-one-uses-fails"])
 def test_strict_pytest_fails_on_skips_failures_no_tests_and_deselections(tmp_path, tests, args, addopts, rc, said):
     """.ci/run's gate: green only when every collected test ran and passed; PYTEST_ADDOPTS from
     the environment is ignored (its -m 'not slow' would pass CI on a subset)."""
@@ -173,3 +184,27 @@ def test_strict_pytest_adds_no_variable_that_maintd_would_refuse(monkeypatch):
     assert not named.upper().startswith("MAINTD_"), named
     assert [k for k in env if k.upper().startswith("MAINTD_") and k not in os.environ] == []
     assert "PYTEST_ADDOPTS" not in env
+
+
+def test_the_second_pass_leaves_out_only_tests_that_cannot_reach_the_suite_s_server():
+    """.ci/run's PostgreSQL 15 pass runs only the tests that use ``pg_dsn`` (``--only-with-fixture``).
+    That is sound while the fixture is the one way to the suite's server: conftest reads
+    ``MAINTD_TEST_DATABASE_URL`` once, uses it in ``pg_dsn`` alone, and removes it from every test's
+    environment (so a CLI a test starts cannot find it); no test module reads it."""
+    run = (ROOT / ".ci" / "run").read_text()
+    assert 'run_pytest --only-with-fixture pg_dsn' in run
+    conftest = ast.parse((TESTS / "conftest.py").read_text())
+    users = {fn.name for fn in ast.walk(conftest) if isinstance(fn, ast.FunctionDef)
+             for node in ast.walk(fn) if isinstance(node, ast.Name) and node.id == "TEST_DATABASE_URL"}
+    assert users == {"pg_dsn"}, users
+    assert 'monkeypatch.delenv("MAINTD_TEST_DATABASE_URL"' in (TESTS / "conftest.py").read_text()
+    for path in TESTS.glob("*.py"):
+        if path.name == "conftest.py":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        names = [node for node in ast.walk(tree)
+                 if (isinstance(node, ast.Name) and node.id == "TEST_DATABASE_URL")
+                 or (isinstance(node, ast.alias) and node.name == "TEST_DATABASE_URL")
+                 or (isinstance(node, ast.Constant) and node.value == "MAINTD_TEST_DATABASE_URL"
+                     and path.name not in ("test_config.py", "test_ci.py"))]  # which names, not values
+        assert not names, f"{path.name} reaches the suite's server without pg_dsn"
