@@ -73,8 +73,9 @@ def format_duration(td: timedelta | None) -> str:
     if td is None:
         return "-1"
     total = td.total_seconds()
-    if total != int(total):
-        return f"{int(round(total * 1000))}ms"
+    if td.microseconds:  # milliseconds, with the microseconds as decimals ("0.4ms", not "0ms")
+        whole, micros = divmod(td // timedelta(microseconds=1), 1000)
+        return f"{whole}.{micros:03d}".rstrip("0").rstrip(".") + "ms"
     total = int(total)
     if total == 0:
         return "0s"

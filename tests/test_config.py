@@ -57,6 +57,20 @@ def test_duration_round_trip(seconds):
     assert parse_duration(format_duration(td)) == td
 
 
+@given(st.integers(min_value=1, max_value=10 * 365 * 86400 * 10**6))
+def test_a_duration_with_a_fraction_of_a_second_round_trips_to_the_microsecond(micros):
+    """0.4 ms was shown as '0ms' (a rescuer or partitioner message naming 0ms < 0ms); every
+    fraction is shown in milliseconds, with decimals where it has them."""
+    td = timedelta(microseconds=micros)
+    assert parse_duration(format_duration(td)) == td, format_duration(td)
+
+
+@pytest.mark.parametrize("micros,shown", [(400, "0.4ms"), (1, "0.001ms"), (1_500_000, "1500ms"),
+                                          (2_000_000, "2s"), (90_061_000_000, "1d1h1m1s")])
+def test_format_duration_shows_what_it_holds(micros, shown):
+    assert format_duration(timedelta(microseconds=micros)) == shown
+
+
 def test_defaults_match_spec():
     s = Settings()
     assert s.schema == "maintd"
