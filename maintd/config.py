@@ -17,9 +17,9 @@ import tomllib
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_origin
 
-from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from .durations import format_duration
@@ -578,6 +578,9 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
         and k.upper().split("__")[0][len("MAINTD_"):].lower() not in _TOP_KEYS
     )
     problems = [f"{k}: unknown environment setting" for k in unknown_env] + _names_read_lower(environ)
+    problems += [f"{k}: {top} is one value, not a table of keys: set MAINTD_{top.upper()}" for k in sorted(environ)
+                 if "__" in k and (top := k.upper().split("__")[0][len("MAINTD_"):].lower()) in _ONE_VALUE_KEYS
+                 and k.upper().startswith("MAINTD_")]
     # MAINTD_TARGETS__0__SCHEMA reads as a table keyed '0' ('targets: Input should be a valid list')
     by_index = sorted(k for k in environ if re.fullmatch(r"MAINTD_(TARGETS|PERIODIC)__\d+(__.*)?", k.upper()))
     problems += [f"{k}: a list is not set item by item: give it whole, as JSON, in {k.upper().split('__')[0]} "
@@ -628,6 +631,10 @@ def _env_json_problem(error: str, environ: Any) -> str:
 
 
 _TOP_KEYS = frozenset(Settings.model_fields)  # what a MAINTD_<KEY>[__...] variable may name
+# MAINTD_SCHEMA__X names a key of a value that has none: the environment source ignored it
+_ONE_VALUE_KEYS = frozenset(k for k, f in Settings.model_fields.items()
+                            if not (isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel))
+                            and get_origin(f.annotation) is not list)
 # Variables of the maintd environment that are not settings.
 _KNOWN_ENV = {"MAINTD_CONFIG"}
 # Kubernetes' service links: for a Service named maintd (or maintd-<x>), every pod of the

@@ -315,6 +315,17 @@ def test_a_list_item_set_by_index_names_the_variable_and_the_json_form(monkeypat
     assert [t.schema for t in load_settings().targets] == ["a", "b"]
 
 
+@pytest.mark.parametrize("name,key", [("MAINTD_SCHEMA__X", "schema"), ("MAINTD_STATEMENT_TIMEOUT__MS", "statement_timeout"),
+                                      ("MAINTD_DATABASE_URL__HOST", "database_url")])
+def test_a_sub_key_of_a_single_value_is_refused_not_ignored(monkeypatch, name, key):
+    """``MAINTD_SCHEMA__X`` was dropped by the environment source without a word: the operator
+    believed a setting the daemon never read (every other unread MAINTD_ variable is refused)."""
+    monkeypatch.setenv(name, "a")
+    with pytest.raises(ConfigError) as err:
+        load_settings()
+    assert err.value.problems == [f"{name}: {key} is one value, not a table of keys: set MAINTD_{key.upper()}"]
+
+
 @pytest.mark.parametrize("name,table,key,value", [
     ("MAINTD_CLEANER__QUEUES__Billing__COMPLETED_RETENTION", "MAINTD_CLEANER__QUEUES", "completed_retention", "1h"),
     ("MAINTD_RESCUER__KINDS__SendEmail__HEARTBEAT_TIMEOUT", "MAINTD_RESCUER__KINDS", "heartbeat_timeout", "1h"),
