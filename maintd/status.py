@@ -244,12 +244,12 @@ def _bytes(n: int) -> str:
 def _format_runs(runs: list[dict[str, Any]]) -> list[str]:
     if not runs:
         return ["  (no pass recorded yet)"]
-    lines = []
+    lines, width = [], max(10, *(len(r["service"]) for r in runs))  # 'partitioner' is 11
     for r in runs:
         extra = f"; error: {r['error']}" if r.get("error") else ""
         took = _took(r.get("started_at"), r.get("finished_at"))
         summary = r.get("summary") or describe(r["service"], r.get("result"))
-        lines.append(f"  {r['service']:<10} {r['outcome']:<8} at {_time(r['finished_at'])} by {r['instance_id']}"
+        lines.append(f"  {r['service']:<{width}} {r['outcome']:<8} at {_time(r['finished_at'])} by {r['instance_id']}"
                      f"{took}: {summary or 'nothing to report'}{extra}")
     return lines
 

@@ -274,3 +274,17 @@ def test_a_flood_of_status_requests_reads_the_database_at_most_twice_a_second(se
         assert reads <= took / 0.5 + 3, f"{reads:.0f} reads of /status in {took:.1f} s"
     finally:
         daemon.stop()
+
+
+def test_the_services_column_is_as_wide_as_the_longest_service_name():
+    """'partitioner' (11 letters) ran into its outcome in a 10-wide column: its line was out of
+    step with every other service's."""
+    from maintd.status import _format_runs
+
+    run = {"outcome": "success", "finished_at": "2026-03-01T12:00:05+00:00", "started_at": "2026-03-01T12:00:05+00:00",
+           "instance_id": "a", "summary": "done"}
+    lines = _format_runs([{**run, "service": s} for s in ("cleaner", "partitioner", "rescuer")])
+    assert len({ln.index("success") for ln in lines}) == 1, lines
+    assert lines[1].startswith("  partitioner success "), lines
+    lines = _format_runs([{**run, "service": "cleaner"}])
+    assert lines[0].startswith("  cleaner    success "), lines  # as the walkthrough shows it
