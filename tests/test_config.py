@@ -660,7 +660,10 @@ def test_a_config_file_toml_cannot_read_exits_2_naming_the_file(tmp_path, capsys
 
 @pytest.mark.parametrize("entry,problem", [
     ("args = { a = nan }", "periodic[0] (id='p').args: a is nan: PostgreSQL's jsonb has no NaN or Infinity"),
-    ("args = { a = [1, -inf] }", "periodic[0] (id='p').args: a[1] is -inf: PostgreSQL's jsonb"),
+    ("args = { a = [1, -inf] }", "periodic[0] (id='p').args: a[1] is -inf (a number past a double's range, "
+                                 "as 1e400, reads as infinite): PostgreSQL's jsonb"),
+    ("args = { a = 1e400 }", "periodic[0] (id='p').args: a is inf (a number past a double's range, as 1e400, "
+                             "reads as infinite): PostgreSQL's jsonb has no NaN or Infinity"),
     ('args = { a = { b = "x\\u0000y" } }', "periodic[0] (id='p').args: a.b holds a NUL character"),
     ('args = { "a\\u0000" = 1 }', "periodic[0] (id='p').args: key 'a\\x00' holds a NUL character"),
     ("args = { at = 1979-05-27T07:32:00Z }", "periodic[0] (id='p').args: at is a TOML date-time"),

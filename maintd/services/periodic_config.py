@@ -99,7 +99,8 @@ def jsonb_problem(args: dict[str, Any]) -> str | None:
         elif isinstance(value, str) and "\x00" in value:
             return f"{where} holds a NUL character (\\u0000), which PostgreSQL's jsonb cannot store"
         elif isinstance(value, float) and not math.isfinite(value):
-            return f"{where} is {value}: PostgreSQL's jsonb has no NaN or Infinity"
+            big = "" if math.isnan(value) else " (a number past a double's range, as 1e400, reads as infinite)"
+            return f"{where} is {value}{big}: PostgreSQL's jsonb has no NaN or Infinity"
         elif isinstance(value, (date, time)):
             what = "date-time" if isinstance(value, datetime) else type(value).__name__
             return f"{where} is a TOML {what}, which JSON has no type for: quote it as a string"
