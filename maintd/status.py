@@ -178,8 +178,9 @@ def format_health(h: dict[str, Any]) -> list[str]:
     if h.get("error"):
         return ["health:", f"  (not read: {h['error']})"]
     hz = h["horizon"]
-    lines = [f"health (read at {h['at']}):",
-             f"  xmin horizon: {_age(hz['age_seconds'])}, {hz['age_xids']:,} transaction ids"]
+    # held by sessions whose start is hidden alone: "0 s" would be false
+    age = "for a time this read cannot tell" if hz["holder"] is None and hz.get("unaged") else _age(hz["age_seconds"])
+    lines = [f"health (read at {h['at']}):", f"  xmin horizon: {age}, {hz['age_xids']:,} transaction ids"]
     if hz["holder"] is None and not hz.get("unaged"):
         lines.append("  held by: nothing older than a second")
     for i, holder in enumerate(hz["holders"]):

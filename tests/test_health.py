@@ -588,6 +588,7 @@ def test_a_one_shot_read_does_not_say_nothing_holds_the_horizon_when_another_rol
     text = "\n".join(format_health({"at": "T0", "tables": [], "horizon": hz.as_dict()}))
     assert "nothing older than a second" not in text, text
     assert "1 session of another role" in text and "pg_read_all_stats" in text, text
+    assert "xmin horizon: for a time this read cannot tell, 301 transaction ids" in text, text  # not "0 s"
     quiet = HealthReader().horizon([{**hidden, "age_xids": 0}], T0)  # holds nothing back yet
     assert "held by: nothing older than a second" in "\n".join(
         format_health({"at": "T0", "tables": [], "horizon": quiet.as_dict()}))
