@@ -190,6 +190,26 @@ def test_a_null_limit_or_worker_claims_nothing(readme_db):
         assert conn.execute("SELECT count(*) FROM maintd.jobs WHERE state = 'available'").fetchone() == (5,)
 
 
+def test_a_null_backoff_is_the_standard_one(readme_db):
+    """A worker binding no backoff (Go's nil) made scheduled_at NULL: the statement failed on the
+    column's NOT NULL and the job stayed running until the rescuer's hour. NULL is the standard
+    backoff, maintd.jobs.backoff's e^min(attempt, 10) seconds, computed in the SQL."""
+    from maintd.jobs import backoff
+
+    with psycopg.connect(readme_db, autocommit=True) as conn:
+        run = Worker(conn, False)
+        (job,), = run("enqueue", **enqueue_params())
+        run("claim", worker="w-1", queue="reports", limit=1)
+        assert run("fail", discard=None, backoff=None, error="x", id=job, worker="w-1", attempt=1) == [("retryable",)]
+        delay = state_of(conn, job)[4].total_seconds()
+        assert backoff(1).total_seconds() - 1 < delay <= backoff(1).total_seconds(), delay
+        for attempt in (0, 1, 5, 10, 11, 32767):  # the cap, as the Python function has it
+            sql = next(s for s in worker_statements() if "'error'" in s)
+            formula = re.search(r"coalesce\(CAST\(:backoff AS float8\),\s*(exp\(.*?\)\))", sql).group(1)
+            seconds, = conn.execute(f"SELECT {formula} FROM (SELECT %s::smallint AS attempt) AS j", (attempt,)).fetchone()
+            assert seconds == pytest.approx(backoff(attempt).total_seconds()), attempt
+
+
 def test_an_untyped_parameter_is_what_fails(readme_db):
     """The statement the issue's user ran, with ``'error', :error`` untyped, fails the way the
     test above would if a CAST were lost (so that test can fail)."""

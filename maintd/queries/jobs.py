@@ -88,7 +88,8 @@ UPDATE {schema}.jobs
    SET state = CASE WHEN attempt >= max_attempts OR CAST(:discard AS boolean)
                     THEN 'discarded' ELSE 'retryable' END::{schema}.job_state,
        scheduled_at = CASE WHEN attempt >= max_attempts OR CAST(:discard AS boolean) THEN scheduled_at
-                           ELSE now() + make_interval(secs => CAST(:backoff AS float8)) END,
+                           ELSE now() + make_interval(secs => coalesce(CAST(:backoff AS float8),
+                                                             exp(least(greatest(attempt, 0), 10)))) END,
        finalized_at = CASE WHEN attempt >= max_attempts OR CAST(:discard AS boolean) THEN now() END,
        errors = errors || jsonb_build_array(jsonb_build_object(
                    'at', now(), 'attempt', attempt, 'error', CAST(:error AS text)))
