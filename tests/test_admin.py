@@ -883,7 +883,8 @@ def test_cli_retry_by_state_ends_while_workers_fail_the_retried_jobs_again(engin
                 for job in queue.claim(conn, "default", "w-fail", limit=10):
                     queue.fail(conn, job, "boom", discard=state == "discarded")
 
-    threading.Thread(target=worker, daemon=True).start()
+    failing = threading.Thread(target=worker, daemon=True)
+    failing.start()
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(out=cli(
         "retry", "--state", state, "--batch-size", "1", "--json")), daemon=True)
@@ -893,6 +894,8 @@ def test_cli_retry_by_state_ends_while_workers_fail_the_retried_jobs_again(engin
         assert not thread.is_alive(), f"`maintd jobs retry --state {state}` did not end"
     finally:
         stop.set()
+        # before the schema goes: a claim after the drop failed the next test ("jobs does not exist")
+        failing.join(timeout=30)
     rc, out, err = result["out"]
     data = json.loads(out)
     assert rc == 0 and data["changed"] == len(ids), out[:2000] + err
@@ -911,7 +914,8 @@ def test_cli_cancel_by_queue_ends_while_producers_enqueue_into_that_queue(engine
         while not stop.is_set():
             add(engine, schema, queue="q", n=5)
 
-    threading.Thread(target=producer, daemon=True).start()
+    producing = threading.Thread(target=producer, daemon=True)
+    producing.start()
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(out=cli(
         "cancel", "--queue", "q", "--batch-size", "1", "--json")), daemon=True)
@@ -921,6 +925,7 @@ def test_cli_cancel_by_queue_ends_while_producers_enqueue_into_that_queue(engine
         assert not thread.is_alive(), "`maintd jobs cancel --queue q` did not end"
     finally:
         stop.set()
+        producing.join(timeout=30)  # before the schema goes (see above)
     rc, out, err = result["out"]
     data = json.loads(out)
     assert rc == 0, out[:2000] + err
