@@ -164,3 +164,21 @@ def test_an_idle_service_counts_a_successful_pass_every_interval(configured):
     finally:
         daemon.stop()
     assert all(n >= 0.85 * window for n in ran.values()), f"idle passes counted in {window:.0f} s at 1 s intervals: {ran}"
+
+
+def test_the_exported_families_are_the_readmes_and_carry_no_created_series():
+    """/metrics exports what the README lists and nothing else: prometheus_client added a
+    ``*_created`` gauge family beside every counter and histogram (maintd_service_runs_created,
+    one series per queue of maintd_jobs_promoted_created...), names no README or alert knows, and
+    Prometheus ingests them as series of their own (the counters' cardinality doubled)."""
+    import re
+    from pathlib import Path
+
+    metrics = Metrics(target="t")
+    metrics.known_series(list(FAMILIES), FAMILIES)
+    metrics[JOBS_PROMOTED].labels("q").inc()
+    body = metrics.render().decode()
+    assert "_created" not in body
+    readme = set(re.findall(r"maintd_[a-z_]+", (Path(__file__).parent.parent / "README.md").read_text()))
+    exported = set(re.findall(r"^# TYPE (\S+) ", body, re.M))
+    assert exported <= readme, exported - readme
