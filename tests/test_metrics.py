@@ -182,3 +182,14 @@ def test_the_exported_families_are_the_readmes_and_carry_no_created_series():
     readme = set(re.findall(r"maintd_[a-z_]+", (Path(__file__).parent.parent / "README.md").read_text()))
     exported = set(re.findall(r"^# TYPE (\S+) ", body, re.M))
     assert exported <= readme, exported - readme
+
+
+def test_the_reindex_counters_help_names_what_it_counts():
+    """maintd_reindex_total counts every index a pass looked at, by outcome: ``skipped`` (below
+    bloat_threshold), ``missing`` and ``not_permitted`` were never attempted, yet its HELP said
+    "Reindex attempts by outcome.", and a rate of it read as rebuilds."""
+    from maintd.services.reindexer import REINDEX
+
+    for outcome in ("reindexed", "skipped", "missing", "not_permitted", "timeout", "cancelled", "error"):
+        assert outcome in REINDEX.doc, outcome
+    assert not REINDEX.doc.startswith("Reindex attempts")

@@ -50,7 +50,9 @@ class ReindexerConfig(Scheduled):
 
 log = logging.getLogger("maintd.reindexer")
 
-REINDEX = Family(Counter, "maintd_reindex", "Reindex attempts by outcome.", ("index", "outcome"))
+REINDEX = Family(Counter, "maintd_reindex", "Indexes a pass looked at, by outcome: reindexed; skipped (below "
+                 "bloat_threshold), missing, not_permitted (not attempted); timeout, cancelled, error (failed).",
+                 ("index", "outcome"))
 REINDEX_SECONDS = Family(Gauge, "maintd_reindex_duration_seconds", "How long the last reindex of an index took.",
                          ("index",))
 
