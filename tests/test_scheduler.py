@@ -476,3 +476,28 @@ def test_a_waiting_precise_scheduler_holds_no_thread_and_no_connection(settings,
                  what="the promotion")
     # (the pass that promoted may still be recording itself: its connection is back when it ends)
     wait_for(lambda: not runner._active and engine.pool.checkedout() == 0, 2, what="the pass's connection back")
+
+
+def test_a_job_falling_due_during_a_batch_is_waited_for_when_the_clock_runs_ahead(settings, engine, schema):
+    """The pass's clock runs ahead of the server's (a carried reading's drift, or the 30 s after
+    the server's clock stepped back). A batch promotes up to its statement's time; a job falling
+    due while that batch runs (here it takes 0.6 s) was not promoted by it, and must still be the
+    next due time the pass asks to be woken for. The next-due read bounded itself by its own,
+    later, statement time: the job was neither promoted nor waited for, and sat 'scheduled' until
+    the due-time probe's next look (up to a second, not MIN_WAKE)."""
+    settings.scheduler.interval = timedelta(seconds=5)
+    with engine.begin() as conn:
+        conn.execute(sql("CREATE FUNCTION {schema}.slow_promotion() RETURNS trigger LANGUAGE plpgsql AS $$ "
+                         "BEGIN PERFORM pg_sleep(0.6); RETURN NEW; END $$", schema))
+        conn.execute(sql("CREATE TRIGGER slow BEFORE UPDATE OF state ON {schema}.jobs FOR EACH ROW "
+                         "WHEN (OLD.kind = 'slow') EXECUTE FUNCTION {schema}.slow_promotion()", schema))
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) VALUES "
+                         "('slow', 'scheduled', clock_timestamp() - interval '1 second')", schema))
+        late = conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) VALUES "
+                                "('k', 'scheduled', clock_timestamp() + interval '0.3 seconds') RETURNING id",
+                                schema)).scalar()
+    clock = AheadClock(1.0)
+    result = Scheduler(settings.scheduler).run_once(PassContext.for_settings(settings, engine, clock))
+    assert result.total == 1 and states(engine, schema)[late] == "scheduled"
+    assert result.wake_at() is not None, "a job due during the batch was neither promoted nor waited for"
+    assert result.wake_at() <= clock.now() + timedelta(seconds=MIN_WAKE)

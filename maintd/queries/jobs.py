@@ -541,11 +541,14 @@ RESCUER_PROBE = ["""(SELECT min(coalesce(heartbeat_at, attempted_at)) FROM {sche
 # After a batch that promoted fewer than its limit: the next due time to wait for, after the due
 # bound of SCHEDULER_PROMOTE (its :now). A row due by then that is still waiting is one the batch
 # could not take (held by another session): it is the due-time probe's (once a second), not a time
-# to wake for again and again (every MIN_WAKE while it is held).
+# to wake for again and again (every MIN_WAKE while it is held). In the batch's transaction, so
+# the server's side of the bound is now() (the transaction's start, never after the batch's
+# statement_timestamp()), not this statement's own later time: with :now ahead of the server's
+# clock, a job falling due while the batch ran was taken for one it had passed over.
 SCHEDULER_NEXT_DUE = """
 SELECT min(scheduled_at) FROM {schema}.jobs
  WHERE state IN ('scheduled', 'retryable')
-   AND scheduled_at > least(CAST(:now AS timestamptz), statement_timestamp())
+   AND scheduled_at > least(CAST(:now AS timestamptz), now())
    AND scheduled_at >= '0001-01-02 00:00:00+00' AND scheduled_at < '9999-12-31 00:00:00+00'
 """
 
