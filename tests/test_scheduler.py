@@ -501,3 +501,51 @@ def test_a_job_falling_due_during_a_batch_is_waited_for_when_the_clock_runs_ahea
     assert result.total == 1 and states(engine, schema)[late] == "scheduled"
     assert result.wake_at() is not None, "a job due during the batch was neither promoted nor waited for"
     assert result.wake_at() <= clock.now() + timedelta(seconds=MIN_WAKE)
+
+
+def test_a_full_notify_queue_does_not_stop_promotion(make_private_pg, pg_version, layout, caplog):
+    """PostgreSQL's NOTIFY queue is one for the whole server, and a session that LISTENs (on any
+    channel, for any application) and then sits idle in a transaction keeps every notification
+    from being freed; once the queue is full, COMMIT of any transaction that notifies fails
+    ("too many notifications in the NOTIFY queue", SQLSTATE 54000). The promotion and its NOTIFY
+    were one transaction, so every pass failed and no scheduled or retryable job became available
+    for as long as that session stayed (the default queue is 8 GB: days of traffic, then an
+    outage). Promotion matters more than the wake-up (workers poll): the batch is redone without
+    the NOTIFY, and a warning says why."""
+    import logging
+
+    from maintd import migrate
+    from maintd.config import Settings
+    from maintd.db import make_engine
+
+    from .conftest import TEST_PARTITIONS, migrate_layout
+
+    if pg_version < 17:
+        pytest.skip("max_notify_queue_pages (the queue's size) is a setting from PostgreSQL 17 on")
+    pg = make_private_pg({"max_notify_queue_pages": "64"})  # the least: 512 kB
+    engine = make_engine(pg.dsn, application_name="maintd-test", pool_size=4)
+    with engine.connect() as conn:
+        migrate.upgrade(conn, "maintd", layout=migrate_layout(layout))
+    stuck = psycopg.connect(pg.dsn)
+    filler = psycopg.connect(pg.dsn, autocommit=True)
+    try:
+        stuck.execute("LISTEN some_other_application")
+        stuck.commit()
+        stuck.execute("SELECT 1")  # and now idle in a transaction, never reading
+        with pytest.raises(psycopg.errors.ProgramLimitExceeded):
+            for i in range(1000):
+                filler.execute("SELECT pg_notify('some_other_application', repeat('x', 7000) || %s)", (str(i),))
+        with engine.begin() as conn:
+            conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state, scheduled_at) SELECT 'k', 'a', "
+                             "'scheduled', now() - interval '1 second' FROM generate_series(1, 3)", "maintd"))
+        settings = Settings(database_url=pg.dsn, schema="maintd", layout=layout, partitions=TEST_PARTITIONS,
+                            instance_id="test-1")
+        with caplog.at_level(logging.WARNING, logger="maintd"):
+            result = Scheduler(settings.scheduler).run_once(PassContext.for_settings(settings, engine, ServerClock()))
+        assert result.promoted == {"a": 3}
+        assert set(states(engine, "maintd").values()) == {"available"}
+        assert any("NOTIFY queue" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    finally:
+        stuck.close()
+        filler.close()
+        engine.dispose()

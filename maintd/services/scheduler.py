@@ -2,7 +2,9 @@
 
 Each batch is one fenced transaction that promotes up to ``batch_size`` due jobs (found through
 ``jobs_scheduled_idx``, locked ``SKIP LOCKED``) and sends ``NOTIFY <channel>, '<queue>'`` once per
-affected queue; PostgreSQL delivers the notifications only if the transaction commits.
+affected queue; PostgreSQL delivers the notifications only if the transaction commits. While the
+server's NOTIFY queue is full (a listening session idle in a transaction), such a COMMIT fails: the
+pass then promotes without NOTIFY and logs a warning (workers poll), rather than promote nothing.
 
 Promotion lag. Workers claim ``available`` jobs with ``scheduled_at <= now()``, so promoting a job
 before it is due would be harmless to workers using that SQL, but it would make ``available`` lie
@@ -37,6 +39,7 @@ from prometheus_client import Counter
 from pydantic import Field
 from sqlalchemy.exc import DBAPIError
 
+from .. import faults
 from ..db import notify_channel
 from ..metrics import Family
 from ..queries import jobs
@@ -47,6 +50,14 @@ MIN_WAKE = 0.05  # seconds: at most ~20 wake-ups a second, whatever the due time
 PROBE_EVERY = 1.0  # seconds: the due-time probe's period, the lag bound for a job due sooner than known
 
 
+# COMMIT of a transaction that notifies fails with this while the server's NOTIFY queue is full
+# (one for all databases: a session that LISTENs, on any channel, and stays idle in a transaction
+# keeps every notification from being freed). Promotion matters more than the wake-up (workers
+# poll): the pass goes on without NOTIFY.
+NOTIFY_QUEUE_FULL = "54000"
+NOTIFY_QUEUE_FULL_LOG = ("the server's NOTIFY queue is full (a session that LISTENs is idle in a transaction: "
+                         "see pg_notification_queue_usage() and pg_stat_activity): jobs promoted without "
+                         "waking the workers")
 SUMMARY_QUEUES = 10  # queues named in a pass's summary line (the largest), the rest counted
 JOBS_PROMOTED = Family(Counter, "maintd_jobs_promoted", "Scheduled/retryable jobs made available.", ("queue",))
 
@@ -127,21 +138,26 @@ class Scheduler(Service):
             probe = conn.execute(ctx.sql(jobs.SCHEDULER_PROBE), {"now": ctx.now()}).one()
         if not probe.due:
             return probe.next_due
-        channel = notify_channel(ctx.schema)
+        channel, notify = notify_channel(ctx.schema), True
         while True:
             ctx.check_stop()
-            next_due, limit = None, ctx.redo_limit(self.config.batch_size)  # smaller when redone (40001)
+            limit = ctx.redo_limit(self.config.batch_size)  # smaller when redone (40001)
+            next_due, rows = None, []
             try:
                 with ctx.transaction() as conn:
                     now = ctx.now()
                     rows = conn.execute(ctx.sql(jobs.SCHEDULER_PROMOTE), {"now": now, "limit": limit}).all()
-                    if rows:
+                    if rows and notify:
                         conn.execute(ctx.sql(jobs.NOTIFY_QUEUES), {"channel": channel, "queues": [r.queue for r in rows]})
                     promoted = sum(r.n for r in rows)
                     if promoted < limit:  # what is due and left is held by another session: not waited for
                         next_due = conn.execute(ctx.sql(jobs.SCHEDULER_NEXT_DUE), {"now": now}).scalar()
             except DBAPIError as exc:
                 if ctx.moved_meanwhile(exc):  # cancelled (say) meanwhile
+                    continue
+                if notify and rows and faults.sqlstate(exc) == NOTIFY_QUEUE_FULL:
+                    notify = False  # this batch redone, and the pass's next ones run, without NOTIFY
+                    ctx.log.warning(NOTIFY_QUEUE_FULL_LOG, extra={"fields": {"schema": ctx.schema}})
                     continue
                 raise
             if rows:
