@@ -486,8 +486,6 @@ SELECT queue, count(*) AS n FROM promoted GROUP BY queue
 # Wake the workers of each queue (delivered only if the transaction commits).
 NOTIFY_QUEUES = "SELECT pg_notify(:channel, q) FROM unnest(CAST(:queues AS text[])) AS q"
 
-# The next due time the daemon can wait for: a row due at 'infinity' (or past year 9999) is never
-# due, and one due at '-infinity' is promoted by the batch; neither is a time to wait for.
 # -- the services' probes (maintd.probes.ServiceProbe: scalar subqueries, one statement over the
 # targets of a database; each one index entry) ---------------------------------------------------
 
