@@ -575,12 +575,11 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
     unknown_env = sorted(
         k for k in environ
         if k.upper().startswith("MAINTD_") and k.upper() not in _KNOWN_ENV and not _service_link(k, environ)
-        and k.upper().split("__")[0][len("MAINTD_"):].lower() not in _TOP_KEYS
+        and _top_key(k) not in _TOP_KEYS
     )
     problems = [f"{k}: unknown environment setting" for k in unknown_env] + _names_read_lower(environ)
-    problems += [f"{k}: {top} is one value, not a table of keys: set MAINTD_{top.upper()}" for k in sorted(environ)
-                 if "__" in k and (top := k.upper().split("__")[0][len("MAINTD_"):].lower()) in _ONE_VALUE_KEYS
-                 and k.upper().startswith("MAINTD_")]
+    problems += [f"{k}: {_top_key(k)} is one value, not a table of keys: set MAINTD_{_top_key(k).upper()}"
+                 for k in sorted(environ) if "__" in k and k.upper().startswith("MAINTD_") and _top_key(k) in _ONE_VALUE_KEYS]
     # MAINTD_TARGETS__0__SCHEMA reads as a table keyed '0' ('targets: Input should be a valid list')
     by_index = sorted(k for k in environ if re.fullmatch(r"MAINTD_(TARGETS|PERIODIC)__\d+(__.*)?", k.upper()))
     problems += [f"{k}: a list is not set item by item: give it whole, as JSON, in {k.upper().split('__')[0]} "
@@ -631,6 +630,13 @@ def _env_json_problem(error: str, environ: Any) -> str:
 
 
 _TOP_KEYS = frozenset(Settings.model_fields)  # what a MAINTD_<KEY>[__...] variable may name
+
+
+def _top_key(name: str) -> str:
+    """The setting a ``MAINTD_<KEY>[__...]`` variable names: ``schema`` for ``MAINTD_SCHEMA__X``."""
+    return name.upper().split("__")[0][len("MAINTD_"):].lower()
+
+
 # MAINTD_SCHEMA__X names a key of a value that has none: the environment source ignored it
 _ONE_VALUE_KEYS = frozenset(k for k, f in Settings.model_fields.items()
                             if not (isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel))

@@ -41,6 +41,7 @@ from sqlalchemy.exc import DBAPIError
 
 from .. import faults
 from ..db import notify_channel
+from ..logs import kv
 from ..metrics import Family
 from ..queries import jobs
 from ..sections import PositiveDuration, ServiceConfig
@@ -157,7 +158,7 @@ class Scheduler(Service):
                     continue
                 if notify and rows and faults.sqlstate(exc) == NOTIFY_QUEUE_FULL:
                     notify = False  # this batch redone, and the pass's next ones run, without NOTIFY
-                    ctx.log.warning(NOTIFY_QUEUE_FULL_LOG, extra={"fields": {"schema": ctx.schema}})
+                    ctx.log.warning(NOTIFY_QUEUE_FULL_LOG, extra=kv(schema=ctx.schema))
                     continue
                 raise
             if rows:
