@@ -16,6 +16,9 @@ _UNITS = {
     "ms": 0.001,
 }
 _PART = re.compile(r"(\d+(?:\.\d+)?)(ms|w|d|h|m|s)")
+# A capital M is a month in some tools (humantime's "1M", ISO 8601's P1M) and a minute here: a
+# retention of "1M" meant as a month would delete after a minute, so it is refused, not guessed.
+_CAPITAL_M = re.compile(r"\dM(?![sS])")
 # Larger than any retention anyone means and still far inside timedelta's range.
 MAX_SECONDS = 100 * 365 * 86400
 
@@ -30,6 +33,9 @@ def parse_duration(value: object) -> timedelta:
         seconds = float(value)
     elif isinstance(value, str):
         text = value.strip().lower()
+        if _CAPITAL_M.search(value):
+            raise ValueError(f"invalid duration {value!r}: 'M' reads as a month in some tools and a minute "
+                             "in others: write 'm' for minutes, or days ('30d') for about a month")
         if not text:
             raise ValueError("empty duration")
         try:

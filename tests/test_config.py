@@ -38,7 +38,8 @@ def write(tmp_path: Path, body: str) -> Path:
 @pytest.mark.parametrize("text,seconds", [
     ("30s", 30), ("5m", 300), ("1h", 3600), ("7d", 7 * 86400), ("2w", 14 * 86400),
     ("4w3d2h1m", 4 * 604800 + 3 * 86400 + 7200 + 60), ("500ms", 0.5), ("1.5h", 5400),
-    ("90", 90), (45, 45), (2.5, 2.5), ("0", 0), (" 10s ", 10), ("1H30M", 5400),
+    ("90", 90), (45, 45), (2.5, 2.5), ("0", 0), (" 10s ", 10), ("1H30m", 5400), ("1D2H", 93600),
+    ("500MS", 0.5), ("2W", 14 * 86400),
 ])
 def test_parse_duration(text, seconds):
     assert parse_duration(text).total_seconds() == pytest.approx(seconds)
@@ -49,6 +50,15 @@ def test_parse_duration(text, seconds):
 def test_parse_duration_rejects(bad):
     with pytest.raises(ValueError):
         parse_duration(bad)
+
+
+@pytest.mark.parametrize("text", ["1M", "1H30M", "6M", "1.5M", "2w1M"])
+def test_a_capital_m_is_refused_not_read_as_minutes(text):
+    """"1M" was read as a minute (the phrase was lower-cased). Rust's humantime reads "1M" as a
+    month (docs.rs/humantime, parse_duration: "months, month, M"), and ISO 8601's P1M is one too:
+    a retention written "1M" for a month deleted after a minute. Refused, naming both readings."""
+    with pytest.raises(ValueError, match="'M' reads as a month in some tools and a minute"):
+        parse_duration(text)
 
 
 @given(st.integers(min_value=0, max_value=10 * 365 * 86400))
@@ -170,6 +180,7 @@ def test_config_path_from_env(tmp_path, monkeypatch):
     ("[cleaner]\nbatchsize = 5", "cleaner.batchsize: unknown key"),
     ("[cleaner]\ninterval = 'soon'", "cleaner.interval"),
     ("[cleaner]\ncompleted_retention = '-5s'", "cleaner.completed_retention"),
+    ("[cleaner]\ncompleted_retention = '1M'", "cleaner.completed_retention: invalid duration '1M': 'M' reads as a month"),
     ("[rescuer]\nrescue_stuck_jobs_after = '10m'\njob_timeout = '10m'",
      "rescuer.rescue_stuck_jobs_after: must be greater than rescuer.job_timeout"),
     ("[rescuer]\nrescue_stuck_jobs_after = '0s'", "rescuer.rescue_stuck_jobs_after"),
