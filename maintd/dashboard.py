@@ -36,7 +36,7 @@ from .readers import Readers
 from .layout_status import layout_summary
 from .queries import FINAL_STATES, JOB_STATES
 from .pass_summary import describe
-from .schedules import parse_schedule
+from .schedules import parse_schedule, zone_read
 from .queries import daemons as q_daemons
 from .queries import periodic_jobs as q_periodic
 from .queries import leader as q_leader
@@ -240,7 +240,7 @@ def periodic_rows(conn: Connection, schema: str, entries: Sequence[PeriodicJob],
         except ValueError:
             nxt = None
         slot = last.get(e.id)
-        rows.append({"id": e.id, "schedule": e.schedule, "timezone": e.timezone, "kind": e.kind,
+        rows.append({"id": e.id, "schedule": e.schedule, "timezone": zone_read(e.schedule, e.timezone), "kind": e.kind,
                      "queue": e.queue, "enabled": e.enabled, "next_slot": nxt,
                      "origin": origin.get(e.id, "table"), "error": errors.get(e.id),
                      "last_slot": slot.slot if slot else None, "last_job_id": slot.job_id if slot else None})

@@ -13,7 +13,7 @@ from sqlalchemy import Engine
 from .config import PeriodicJob, Settings
 from .logs import escaped
 from .queries import catalog, periodic_jobs, periodic_slots, sql
-from .schedules import parse_schedule
+from .schedules import parse_schedule, zone_read
 from .services.periodic_rows import row_problem
 
 
@@ -37,7 +37,7 @@ def list_entries(engine: Engine, settings: Settings) -> list[dict[str, Any]]:
         except ValueError:
             next_slot = None
         out.append({"id": e["id"], "origin": e["origin"], "schedule": e["schedule"],
-                    "timezone": e["timezone"], "kind": e["kind"], "queue": e["queue"],
+                    "timezone": zone_read(e["schedule"], e["timezone"]), "kind": e["kind"], "queue": e["queue"],
                     "enabled": e["enabled"], "last_slot": hwms.get(e["id"]),
                     "next_slot": next_slot if e["enabled"] else None, "error": e["error"]})
     return out

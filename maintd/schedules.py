@@ -495,6 +495,13 @@ def latest_common(a: Schedule, b: Schedule, start: datetime, end: datetime, walk
     return None
 
 
+def zone_read(text: str, timezone: str) -> str | None:
+    """The time zone a schedule is read in, to show beside it: None for ``@every`` (slots counted
+    from the Unix epoch, in no zone), so an interval does not seem to follow a zone it ignores."""
+    lowered = " ".join(str(text).split()).lower()
+    return None if lowered == "@every" or lowered.startswith("@every ") else timezone
+
+
 def parse_schedule(text: str, timezone: str = "UTC") -> Schedule:
     """Parse ``*/15 * * * *``, ``@hourly`` or ``@every 30s`` evaluated in ``timezone``.
 

@@ -355,18 +355,25 @@ def test_dashboard_and_status_show_rows_and_config_entries_by_origin(pg_dsn, sch
     from maintd.periodic_table import list_entries
 
     settings = Settings(database_url=pg_dsn, schema=schema, instance_id="t", periodic=[
-        {"id": "from-config", "schedule": "0 3 * * *", "kind": "c"}])
+        {"id": "from-config", "schedule": "0 3 * * *", "kind": "c", "timezone": "Europe/Paris"},
+        {"id": "interval", "schedule": "@every 1h", "kind": "c", "timezone": "Asia/Tokyo"}])
     add_row(engine, schema, "from-table", schedule="*/5 * * * *")
     add_row(engine, schema, "broken", schedule="61 * * * *")
     execute(engine, schema, "UPDATE {schema}.periodic_jobs SET error = 'schedule: bad' WHERE id = 'broken'")
     with engine.connect() as conn:
         shown = {r["id"]: r for r in periodic_rows(conn, schema, settings.periodic_entries, T0)}
     assert {k: v["origin"] for k, v in shown.items()} == {
-        "from-config": "config", "from-table": "table", "broken": "table"}
+        "from-config": "config", "interval": "config", "from-table": "table", "broken": "table"}
     assert shown["from-table"]["next_slot"] == T0 + timedelta(minutes=5)
     assert shown["broken"]["error"] == "schedule: bad"
-    listed = {e["id"]: e["origin"] for e in list_entries(engine, settings)}  # /status's "periodic"
-    assert listed == {"from-config": "config", "from-table": "table", "broken": "table"}
+    listed = {e["id"]: e for e in list_entries(engine, settings)}  # /status's "periodic"
+    assert {k: e["origin"] for k, e in listed.items()} == {
+        "from-config": "config", "interval": "config", "from-table": "table", "broken": "table"}
+    # The zone a schedule is read in is shown; an @every interval counts from the epoch in no
+    # zone, and showed "(Asia/Tokyo)" beside it as if it followed that zone's clock.
+    for entries in (shown, listed):
+        assert entries["from-config"]["timezone"] == "Europe/Paris"
+        assert entries["interval"]["timezone"] is None
 
 
 def test_the_metric_series_of_a_deleted_row_go_with_it(settings, engine, schema):
