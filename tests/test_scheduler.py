@@ -515,10 +515,10 @@ def test_a_full_notify_queue_does_not_stop_promotion(layout, caplog):
     the queue's size is a setting (max_notify_queue_pages) from PostgreSQL 17 on, and filling
     PostgreSQL 15's fixed 8 GB would take the suite's whole budget.
 
-    Source: PostgreSQL's documentation, sql-notify.html (Notes: "The queue is quite large (8GB in
-    a standard installation)... If the queue becomes full, transactions calling NOTIFY will fail at
-    commit", and a session that keeps a transaction open holds back the queue's cleanup) and
-    runtime-config-resource.html (max_notify_queue_pages, PostgreSQL 17)."""
+    Source: PostgreSQL's documentation, sql-notify.html, Notes (a full queue fails the COMMIT of
+    every transaction that notifies; the queue is 8 GB in a standard installation; a session that
+    LISTENs and stays in a transaction stops its cleanup), and runtime-config-resource.html
+    (max_notify_queue_pages, PostgreSQL 17)."""
     from maintd.embedded import EmbeddedPostgres
 
     with EmbeddedPostgres(settings={"max_notify_queue_pages": "64"}) as pg:  # the least: 512 kB
