@@ -6,7 +6,8 @@ layout (SPEC 8.1) while workers and the daemon keep running. Run by the schema's
 1. *Prepare* (once): ``jobs_conv``, partitioned like a new table (maintd/partitions.py), its index
    names suffixed ``_conv``; ``jobs_convert_seen`` (ids already in ``jobs_conv``); a progress row;
    and a trigger on ``jobs`` that repeats every insert, update and delete in ``jobs_conv`` (in the
-   writer's transaction, as the owner: ``SECURITY DEFINER``) and notes the id as seen. Creating
+   writer's transaction, as the owner: ``SECURITY DEFINER``) and notes the id as seen; a second
+   one empties ``jobs_conv`` and the seen ids when ``jobs`` is truncated. Creating
    the trigger waits at most ``LOCK_TIMEOUT`` for the writers of the moment (and is tried again).
 2. *Copy*, live jobs first (``available``, ``scheduled``, ``running``, ``retryable``), then final
    ones, each in id order, ``BATCH`` rows per transaction: the rows are locked ``FOR SHARE`` (a
@@ -123,9 +124,10 @@ def abandon(conn: Connection, schema: str, say: Callable[[str], None] = print) -
         say(f"schema {schema}: no conversion under way; nothing to do")
         return "nothing"
     _check_owner(conn, schema)
-    _with_lock_timeout(conn, sql(q.ABANDON_TRIGGER, schema), "dropping the sync trigger")
+    _with_lock_timeout(conn, "dropping the sync triggers", sql(q.ABANDON_TRIGGER, schema),
+                       sql(q.ABANDON_TRUNCATE_TRIGGER, schema))
     for template in q.ABANDON:
-        _with_lock_timeout(conn, sql(template, schema), "dropping the copy")
+        _with_lock_timeout(conn, "dropping the copy", sql(template, schema))
     say(f"schema {schema}: the unfinished conversion is dropped; jobs stays plain")
     return "done"
 
@@ -157,27 +159,29 @@ def _prepare(conn: Connection, schema: str, layout: Layout, say: Callable[[str],
             conn.execute(sql(template, schema))
         conn.connection.dbapi_connection.execute(render(q.SYNC_FUNCTION, schema))  # no parameter markers
         conn.commit()
-    elif not conn.execute(text(q.HAS_TRIGGER), {"t": jobs}).scalar():
-        # jobs_conv without its trigger: writes since it went were not repeated there (the copied
-        # rows would come back as they were copied), so the copy starts over
+    elif conn.execute(text(q.HAS_TRIGGER), {"t": jobs}).scalar() < 2:
+        # jobs_conv without its triggers: writes since they went were not repeated there (the
+        # copied rows would come back as they were copied), so the copy starts over
         say(f"schema {schema}: the sync trigger was gone; copying again from the start")
         for template in q.RESTART_COPY:
             conn.execute(sql(template, schema))
         conn.commit()
-    if not conn.execute(text(q.HAS_TRIGGER), {"t": jobs}).scalar():
-        _with_lock_timeout(conn, sql(q.CREATE_TRIGGER, schema), "the sync trigger")
+    if conn.execute(text(q.HAS_TRIGGER), {"t": jobs}).scalar() < 2:
+        _with_lock_timeout(conn, "the sync triggers", *(sql(t, schema) for t in (
+            q.ABANDON_TRIGGER, q.ABANDON_TRUNCATE_TRIGGER, q.CREATE_TRIGGER, q.CREATE_TRUNCATE_TRIGGER)))
     row = conn.execute(sql(q.PROGRESS, schema)).one()
     conn.commit()
     return Progress(*row)
 
 
-def _with_lock_timeout(conn: Connection, statement: TextClause, what: str) -> float:
-    """Run DDL that locks ``jobs``, waiting at most LOCK_TIMEOUT_MS per try; returns how long the
-    lock was held (the try that got it)."""
+def _with_lock_timeout(conn: Connection, what: str, *statements: TextClause) -> float:
+    """Run DDL that locks ``jobs`` (in one transaction), waiting at most LOCK_TIMEOUT_MS per try;
+    returns how long the lock was held (the try that got it)."""
     for _ in range(SWAP_TRIES):
         try:
             _lock_timeout(conn)
-            conn.execute(statement)
+            for statement in statements:
+                conn.execute(statement)
             conn.commit()
             return 0.0
         except OperationalError as exc:
@@ -289,6 +293,7 @@ def _swap_locked(conn: Connection, schema: str, functions: list, acl: list) -> N
     for f in functions:
         conn.execute(sql(q.DROP_FUNCTION, schema, signature=_signature(schema, f)))
     conn.execute(sql(q.DROP_TRIGGER, schema))
+    conn.execute(sql(q.DROP_TRUNCATE_TRIGGER, schema))
     for renames in (q.PLAIN_INDEXES, q.CONV_INDEXES):  # the plain table's first: it frees the names
         for old, new in conn.execute(text(renames), {"schema": schema}).all():
             conn.execute(sql(q.RENAME_INDEX, schema, old=quote_ident(old), new=quote_ident(new)))

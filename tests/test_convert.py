@@ -159,6 +159,30 @@ def test_an_interrupted_conversion_resumes_where_it_stopped(engine, pg_dsn, sche
     assert after == expected and expected[job.id] == "completed" and late in after
 
 
+def test_a_truncate_during_a_conversion_empties_the_copy_too(engine, pg_dsn, schema):
+    """A TRUNCATE fires no row trigger (PostgreSQL's documentation, sql-createtrigger.html: TRUNCATE
+    triggers are statement-level only), so the sync trigger never saw one: the rows already copied
+    stayed in jobs_conv, and at the swap a queue emptied in an emergency came back and ran again."""
+    seed(engine, schema, final=12000, live=3000)
+    q = JobQueue(schema)
+    batches = []
+    owner = make_engine(pg_dsn, application_name="convert", pooled=False)
+    try:
+        with owner.connect() as conn:
+            stop_after = lambda: (batches.append(1), len(batches) > 2)[1]
+            assert convert.convert(conn, schema, LAYOUT, say=lambda _: None, stop=stop_after) == "stopped"
+        with owner.begin() as conn:
+            assert conn.execute(sql("SELECT count(*) FROM {schema}.jobs_conv", schema)).scalar() > 0
+            conn.execute(sql("TRUNCATE {schema}.jobs", schema))
+        with engine.begin() as conn:
+            after_it = q.enqueue(conn, "after-the-truncate", queue="q")
+        with owner.connect() as conn:
+            assert convert.convert(conn, schema, LAYOUT, say=lambda _: None) == "done"
+    finally:
+        owner.dispose()
+    assert list(_states(engine, schema)) == [after_it]
+
+
 def test_a_conversion_cut_off_after_its_swap_is_cleaned_up_by_the_next_run(engine, pg_dsn, schema, monkeypatch):
     """The swap commits, then the clean-up runs in a transaction of its own: a run killed between
     the two left jobs_plain (a whole copy of the table), the progress tables and the trigger
@@ -410,11 +434,11 @@ def _stopped_then_abandon_cut_off(engine, owner, schema: str, monkeypatch, *, dr
     calls = []
     real = convert._with_lock_timeout
 
-    def cut_off(conn, statement, what):
+    def cut_off(conn, what, *statements):
         calls.append(what)
         if len(calls) > drops:
             raise KeyboardInterrupt
-        return real(conn, statement, what)
+        return real(conn, what, *statements)
 
     with owner.connect() as conn, monkeypatch.context() as m:
         m.setattr(convert, "_with_lock_timeout", cut_off)

@@ -111,6 +111,7 @@ NOT_MAINTENANCE: dict[str, str] = {
 CONVERT = "`maintd migrate --convert partitioned` (the owner role, a one-off conversion)"
 NOT_MAINTENANCE.update({f"convert.{name}": CONVERT for name in (
     "CREATE_CONV", "CREATE_SEEN", "CREATE_PROGRESS", "START_PROGRESS", "SYNC_FUNCTION", "CREATE_TRIGGER",
+    "CREATE_TRUNCATE_TRIGGER", "DROP_TRUNCATE_TRIGGER", "ABANDON_TRUNCATE_TRIGGER",
     "LOCK_BATCH", "COPY", "SAVE_PROGRESS",
     "LOCK_JOBS", "DROP_FUNCTION", "DROP_TRIGGER", "RENAME_INDEX", *(f"RENAME_TABLES[{i}]" for i in range(4)),
     "RESTART_IDS", "GRANT_TABLE", "COMMENT_FUNCTION", "REVOKE_FUNCTION", "GRANT_FUNCTION",

@@ -19,7 +19,8 @@ SELECT 'foreign key', c.conname || ' of ' || CAST(CAST(c.conrelid AS regclass) A
  WHERE c.contype = 'f' AND to_regclass(:t) IN (c.conrelid, c.confrelid)
 UNION
 SELECT 'trigger', t.tgname FROM pg_trigger AS t
- WHERE t.tgrelid = to_regclass(:t) AND NOT t.tgisinternal AND t.tgname <> 'jobs_convert_sync'
+ WHERE t.tgrelid = to_regclass(:t) AND NOT t.tgisinternal
+   AND t.tgname NOT IN ('jobs_convert_sync', 'jobs_convert_truncate')
 UNION
 SELECT 'index', i.relname FROM pg_index AS x JOIN pg_class AS i ON i.oid = x.indexrelid
  WHERE x.indrelid = to_regclass(:t) AND i.relname <> ALL(CAST(:own AS text[]))
@@ -39,12 +40,20 @@ PARTITION BY LIST (state)
 CREATE_SEEN = "CREATE TABLE {schema}.jobs_convert_seen (id bigint PRIMARY KEY)"
 CREATE_PROGRESS = "CREATE TABLE {schema}.jobs_convert_progress (phase text NOT NULL, cursor bigint NOT NULL, copied bigint NOT NULL)"
 START_PROGRESS = "INSERT INTO {schema}.jobs_convert_progress VALUES ('live', 0, 0)"
+# The sync triggers made (2 when both are; they are made and dropped together).
 HAS_TRIGGER = """
-SELECT count(*) FROM pg_trigger WHERE tgrelid = to_regclass(:t) AND tgname = 'jobs_convert_sync'
+SELECT count(*) FROM pg_trigger
+ WHERE tgrelid = to_regclass(:t) AND tgname IN ('jobs_convert_sync', 'jobs_convert_truncate')
 """
 CREATE_TRIGGER = """
 CREATE TRIGGER jobs_convert_sync AFTER INSERT OR UPDATE OR DELETE ON {schema}.jobs
 FOR EACH ROW EXECUTE FUNCTION {schema}.jobs_convert_sync()
+"""
+# A TRUNCATE of jobs fires no row trigger: without this one, the rows already copied came back
+# at the swap (jobs emptied in an emergency ran again).
+CREATE_TRUNCATE_TRIGGER = """
+CREATE TRIGGER jobs_convert_truncate AFTER TRUNCATE ON {schema}.jobs
+FOR EACH STATEMENT EXECUTE FUNCTION {schema}.jobs_convert_sync()
 """
 PROGRESS = "SELECT phase, cursor, copied FROM {schema}.jobs_convert_progress"
 # A copy that no trigger followed for a while (an abandon cut off after dropping it): started over,
@@ -73,6 +82,7 @@ LOCK_JOBS = "LOCK TABLE {schema}.jobs IN ACCESS EXCLUSIVE MODE"
 LAST_ID = "SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM {schema}.jobs_id_seq"
 DROP_FUNCTION = "DROP FUNCTION {signature}"
 DROP_TRIGGER = "DROP TRIGGER jobs_convert_sync ON {schema}.jobs"
+DROP_TRUNCATE_TRIGGER = "DROP TRIGGER jobs_convert_truncate ON {schema}.jobs"
 RENAME_INDEX = "ALTER INDEX {schema}.{old} RENAME TO {new}"
 RENAME_TABLES = (
     "ALTER SEQUENCE {schema}.jobs_id_seq RENAME TO jobs_plain_id_seq",
@@ -89,6 +99,7 @@ GRANT_FUNCTION = "GRANT EXECUTE ON FUNCTION {signature} TO {grantee}"
 # An unfinished conversion abandoned (`--convert plain`): the trigger first (under a short
 # lock_timeout, as it was made), then everything step 1 made. The plain table is untouched.
 ABANDON_TRIGGER = "DROP TRIGGER IF EXISTS jobs_convert_sync ON {schema}.jobs"
+ABANDON_TRUNCATE_TRIGGER = "DROP TRIGGER IF EXISTS jobs_convert_truncate ON {schema}.jobs"
 ABANDON = (
     "DROP TABLE IF EXISTS {schema}.jobs_conv",
     "DROP TABLE IF EXISTS {schema}.jobs_convert_seen",
@@ -109,11 +120,16 @@ CLEAN_UP = (
     "DROP FUNCTION IF EXISTS {schema}.jobs_convert_sync()",
 )
 
-# Repeats a change of a plain row in jobs_conv (pruned to the row's partition), and notes the id.
+# Repeats a change of a plain row in jobs_conv (pruned to the row's partition), and notes the id;
+# a TRUNCATE of jobs empties the copy and the seen ids with it (the rows after it are all new).
 SYNC_FUNCTION = """
 CREATE FUNCTION {schema}.jobs_convert_sync() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
 BEGIN
+  IF TG_OP = 'TRUNCATE' THEN
+    TRUNCATE {schema}.jobs_conv, {schema}.jobs_convert_seen;
+    RETURN NULL;
+  END IF;
   IF TG_OP <> 'INSERT' THEN
     IF OLD.finalized_at IS NULL THEN
       DELETE FROM {schema}.jobs_conv AS c WHERE c.id = OLD.id AND c.state = OLD.state;
