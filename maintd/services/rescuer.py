@@ -14,6 +14,9 @@ wait), and updated. ``scheduled_at = now + backoff(attempt)`` uses :func:`maintd
 tabulated here and passed as an array. The update re-checks ``state = 'running'``, the same
 attempt and the stuck condition, so a job completed or re-claimed in between is never overwritten.
 Each rescued job is announced on :func:`maintd.db.events_channel` (``stalled``, sent on commit).
+While the server's NOTIFY queue is full (a listening session idle in a transaction), a COMMIT that
+notifies fails: the batch is redone, and the rest of the pass runs, without the events (logged),
+rather than rescue nothing.
 
 Precise timing (SPEC 7.7, ``precise_timing``, default): after its batches, a pass reads the
 earliest stuck deadline from now on (one probe of ``jobs_running_idx`` per distinct grace, see
@@ -55,6 +58,7 @@ from prometheus_client import Counter
 from pydantic import AfterValidator, Field, ValidationInfo, model_validator
 from sqlalchemy.exc import DBAPIError
 
+from .. import faults
 from ..db import events_channel
 from ..durations import format_duration
 from ..jobs import BACKOFF_CAP, backoff
@@ -63,7 +67,7 @@ from ..metrics import Family
 from ..queries import jobs
 from ..sections import OptionalDuration, PositiveDuration, Section, ServiceConfig, names_like_queues
 from .base import PassContext, PassResult, Service
-from .scheduler import MIN_WAKE
+from .scheduler import MIN_WAKE, NOTIFY_QUEUE_FULL
 
 
 class RescueRule(Section):
@@ -151,6 +155,10 @@ FUTURE_AHEAD = timedelta(minutes=1)
 # rescue either: whatever commits after it durably (a worker's claim) flushes the WAL up to its
 # own commit, which holds the rescue's. Saves a WAL flush per batch (~3 ms here).
 RESCUE_TRANSACTION = {"synchronous_commit": "off"}
+# A rescue matters more than its events (as promotion does more than the scheduler's NOTIFY).
+EVENTS_QUEUE_FULL_LOG = ("the server's NOTIFY queue is full (a session that LISTENs is idle in a transaction: "
+                         "see pg_notification_queue_usage() and pg_stat_activity): jobs rescued without "
+                         "their stalled events")
 # backoff(k) in seconds for k = 0 .. BACKOFF_CAP (the statement indexes it by attempt)
 DELAYS = [backoff(k).total_seconds() for k in range(BACKOFF_CAP + 1)]
 
@@ -196,6 +204,16 @@ def _count_cleared(result: RescuerResult, cleared: list[int]) -> None:
         log.warning("cleared the heartbeat_at of running jobs left from an earlier attempt (a claim "
                     "that does not clear it): they are judged by their claim's attempted_at",
                     extra=kv(count=len(cleared), job_ids=clip(cleared)))
+
+
+def _events_failed(exc: DBAPIError, params: dict) -> bool:
+    """Whether a batch's COMMIT failed because the server's NOTIFY queue is full (SQLSTATE 54000)
+    while it announced: then the pass's ``params`` announce nothing from now on (logged once)."""
+    if not params.get("announce") or faults.sqlstate(exc) != NOTIFY_QUEUE_FULL:
+        return False
+    params["announce"] = False
+    log.warning(EVENTS_QUEUE_FULL_LOG)
+    return True
 
 
 class Rescuer(Service):
@@ -319,6 +337,8 @@ class Rescuer(Service):
             except DBAPIError as exc:
                 if ctx.moved_meanwhile(exc):  # a worker finished a candidate meanwhile
                     continue
+                if _events_failed(exc, params):  # redone without the events
+                    continue
                 raise
             if batch.retried or batch.discarded:
                 result.batches += 1
@@ -340,6 +360,8 @@ class Rescuer(Service):
                     batch = conn.execute(ctx.sql(statement), {**params, "limit": limit}).one()
             except DBAPIError as exc:
                 if ctx.moved_meanwhile(exc):  # finished, claimed or cancelled meanwhile
+                    continue
+                if _events_failed(exc, params):  # redone without the events
                     continue
                 raise
             yield batch
