@@ -357,6 +357,24 @@ def test_signs_of_life_at_the_keyset_start_are_rescued(settings, engine, schema,
     assert {i: r.state for i, r in rows(engine, schema).items()} == {1: "retryable", 2: "retryable", 3: "retryable"}
 
 
+def test_a_job_with_an_id_of_zero_or_below_seen_exactly_at_the_keyset_start_is_rescued(settings, engine, schema,
+                                                                                       clock):
+    """The id column is an identity BY DEFAULT (an import may write any bigint, 0 and negative ones
+    included), and the keyset started just after (FAR_PAST, 0): a job seen exactly at FAR_PAST
+    with an id of 0 or below was neither the keyset's (not after that start) nor the no-sign
+    batch's (not before FAR_PAST), so it stayed running for ever, while the dry run counted it
+    and the probe asked for a pass every interval (SPEC 7.3: every other row is processed)."""
+    with engine.begin() as conn:
+        for job_id in (0, -7, -(2 ** 63)):
+            conn.execute(sql("INSERT INTO {schema}.jobs (id, kind, state, attempt, attempted_at) "
+                             "VALUES (:id, 'k', 'running', 1, '0001-01-02 00:00:00+00')", schema), {"id": job_id})
+    assert run(settings, engine, clock, dry_run=True).retried == 3
+    result = run(settings, engine, clock)
+    assert (result.retried, result.discarded) == (3, 0)
+    assert {i: r.state for i, r in rows(engine, schema).items()} == {0: "retryable", -7: "retryable",
+                                                                      -(2 ** 63): "retryable"}
+
+
 def test_jobs_without_a_sign_of_life_are_counted_over_several_batches(settings, engine, schema, clock, caplog):
     """Running jobs with no attempted_at nor heartbeat_at, more than a batch of them, some out of
     attempts: each is rescued once, counted once (retried or discarded) across the batches, and

@@ -147,6 +147,9 @@ JOBS_RESCUED = Family(Counter, "maintd_jobs_rescued", "Stuck running jobs rescue
 
 # Where the keyset starts; earlier signs of life (and none at all) are RESCUER_NO_SIGN_BATCH's.
 FAR_PAST = datetime(1, 1, 2, tzinfo=timezone.utc)
+# Just before (FAR_PAST, any id): the keyset's (seen, id) > KEYSET_START holds exactly for seen >=
+# FAR_PAST, whatever the id (an identity BY DEFAULT: an import may write 0 or a negative one).
+KEYSET_START = (FAR_PAST - timedelta(microseconds=1), 2 ** 63 - 1)
 # A sign of life further ahead of the server's clock than this is dated now (RESCUER_FUTURE_SIGN_BATCH).
 FUTURE_AHEAD = timedelta(minutes=1)
 # A rescue's commit does not wait for its WAL flush (synchronous_commit = off for that transaction
@@ -323,7 +326,7 @@ class Rescuer(Service):
     def _rescue(self, ctx: PassContext, params: dict, result: RescuerResult) -> datetime | None:
         """Batches in keyset order until one finds fewer than ``batch_size`` candidates; with
         precise timing, the last one also reads the next time to look again (None: the next tick)."""
-        after_seen, after_id = FAR_PAST, 0
+        after_seen, after_id = KEYSET_START
         while True:
             ctx.check_stop()
             limit = ctx.redo_limit(self.config.batch_size)  # smaller when redone (40001)
