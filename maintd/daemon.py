@@ -113,7 +113,7 @@ class Daemon:
             self.reads[engine] = [CountProbe(engine, mine)] + [
                 ServiceProbe(engine, mine, name) for name, spec in SERVICES.items() if spec.cls.probe is not Service.probe]
             self.probes += self.reads[engine]
-        self.loops = [ElectionLoop(settings, [t.seat for t in self.targets
+        self.loops = [ElectionLoop(settings, [t for t in self.targets
                                               if t.settings.database_url.get_secret_value() == url],
                                    hosts, spread=self.spread) for url, hosts in self.hosts.items()]
         # One table-health monitor per database (SPEC 8.2), for the targets this replica leads there.

@@ -93,7 +93,7 @@ class TargetMember:
         return bool(self.target.is_leader)
 
     def fence(self) -> Fence:
-        return self.target.seat.fence()
+        return self.target.fence()
 
     @property
     def engine(self) -> Engine:

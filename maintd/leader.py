@@ -102,27 +102,37 @@ class LeaderFence:
 
 
 class Seat:
-    """A target's place in its database's election: the state its loop advances, the spread's
-    bookkeeping, and what the loop calls (``on_elected``, ``on_demoted``, ``poke``, ``on_health``,
-    ``on_writable``)."""
+    """A target's place in its database's election: the state its loop advances and the spread's
+    bookkeeping. The loop calls its hooks on its own thread (no-ops here; a daemon's
+    :class:`maintd.target.Target` is a seat and acts on them)."""
 
-    def __init__(self, settings: Settings, *, on_elected: Callable[[Term], None] = lambda term: None,
-                 on_demoted: Callable[[str], None] = lambda reason: None, log_name: str | None = None):
+    def __init__(self, settings: Settings, *, log_name: str | None = None):
         self.settings, self.name, self.schema = settings, settings.target_name, settings.schema
         self.log_name, self.key = log_name, advisory_key(settings.schema)
         self.statements = Statements(settings.schema)
         self.psql = self.statements.psql
         self.channels = {handover_channel(self.schema): True, periodic_channel(self.schema): False}
-        self.on_elected, self.on_demoted = on_elected, on_demoted
-        self.poke: Callable[[], None] = lambda: None
-        self.on_health: Callable[[bool], None] = lambda ok: None
-        self.on_writable: Callable[[bool], None] = lambda writable: None
         self.state: State = Following()
         self.loop: ElectionLoop | None = None
         self.started = False  # the loop tries for it only once started (its schema checked)
         self.keep_trying = True  # run-once: a term lost is not taken again
         self.gate_at, self.notified, self.bump_waiting = 0.0, False, False
         self.failure: str | None = None  # why the last try's won lock gave no term (None: lost, or not tried)
+
+    def on_elected(self, term: Term) -> None:
+        """A term began."""
+
+    def on_demoted(self, reason: str) -> None:
+        """The term ended (lost, given up or released)."""
+
+    def poke(self) -> None:
+        """A NOTIFY on the target's periodic channel, or a reconnect that may have missed one."""
+
+    def on_health(self, ok: bool) -> None:
+        """The lock session works (True) or was lost."""
+
+    def on_writable(self, writable: bool) -> None:
+        """The server takes writes, or is read-only."""
 
     @property
     def term(self) -> Term | None:
@@ -537,8 +547,10 @@ def acquire_once(settings: Settings, wait: float = 0.0, *,
     """For ``run-once``: the lock (trying for up to ``wait`` s), renewed by the loop's thread until
     ``loop.stop()`` releases it; a term lost is not taken again. None if another instance holds
     it. Database errors while connecting propagate."""
-    seat = Seat(settings, on_demoted=on_demoted or (lambda reason: None))
+    seat = Seat(settings)
     seat.keep_trying = False
+    if on_demoted is not None:
+        seat.on_demoted = on_demoted  # type: ignore[method-assign]
     loop = ElectionLoop(settings, [seat], HostOrder(settings.database_url.get_secret_value()), register=False)
     loop.connect()
     seat.started = True

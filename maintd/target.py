@@ -1,6 +1,6 @@
-"""One target of a daemon (SPEC 7.9): its :class:`~maintd.leader.Seat` in its database's election,
-its service runner, metrics and health. A daemon runs one :class:`Target` per target, one or many,
-all alike."""
+"""One target of a daemon (SPEC 7.9): its :class:`~maintd.leader.Seat` in its database's election
+(it is one), its service runner, metrics and health. A daemon runs one :class:`Target` per target,
+one or many, all alike."""
 
 from __future__ import annotations
 
@@ -23,34 +23,28 @@ log = logging.getLogger("maintd")
 __all__ = ["SchemaNotReady", "Target"]
 
 
-class Target:
+class Target(Seat):
     def __init__(self, settings: Settings, engine: Engine, metrics: Metrics, clock: Clock, timetable: Any,
                  *, name_in_logs: bool, changes: Any = None):
-        self.settings, self.name, self.engine, self.metrics = settings, settings.target_name, engine, metrics
-        log_name = self.name if name_in_logs else None
-        self.seat = Seat(settings, on_elected=self._elected, on_demoted=self._demoted, log_name=log_name)
-        self.seat.poke, self.seat.on_health, self.seat.on_writable = self._poke, self._health, self._writable
+        super().__init__(settings, log_name=settings.target_name if name_in_logs else None)
+        self.engine, self.metrics = engine, metrics
         self.runner = Runner(settings, engine, metrics, clock=clock, on_fenced=self._fenced, timetable=timetable,
-                             prefix=f"{self.name}:", log_target=log_name, statements=self.seat.statements,
+                             prefix=f"{self.name}:", log_target=self.log_name, statements=self.statements,
                              changes=changes)
         self.db_ok, self.writable = False, True
         self.problem: str | None = None  # why this target is not started (schema missing, ...)
         self.schema_not_ready = False  # the problem: its schema was read, and is missing or behind
         self.maintenance_stall: str | None = None  # why the last term was given up, if stalled
 
-    term = property(lambda self: self.seat.term)
-    is_leader = property(lambda self: self.seat.is_leader)
-    started = property(lambda self: self.seat.started)
-
     def check_schema(self) -> None:
         check_ready(self.engine, self.settings.schema)
 
     def start(self) -> None:
-        self.seat.started, self.problem = True, None
-        self.seat.wake()
+        self.started, self.problem = True, None
+        self.wake()
 
     def reload(self, settings: Settings) -> None:
-        self.settings = self.seat.settings = settings
+        self.settings = settings
         self.runner.reload(settings)
 
     def hand_over(self, reason: str, hold_off: float) -> None:
@@ -58,40 +52,36 @@ class Target:
         session kept) and do not try for it again for ``hold_off`` seconds (the spread)."""
         term = self.term  # once: the loop may end the term meanwhile
         if term is not None:
-            self.seat.request(Request("handover", reason, term.epoch, hold_off))
-
-    def wake(self) -> None:
-        """The spread made this replica the target's owner: its follower asks the gate again now."""
-        self.seat.wake()
+            self.request(Request("handover", reason, term.epoch, hold_off))
 
     # -- from the election loop ----------------------------------------------------------------------
-    def _elected(self, term: Term) -> None:
+    def on_elected(self, term: Term) -> None:
         self.maintenance_stall = None
-        if self.seat.loop is not None and self.seat.loop.session.hosts.multi_host:
+        if self.loop is not None and self.loop.session.hosts.multi_host:
             # Idle pooled connections may lead to a server that has since gone silent (a frozen
             # old primary): a term starts with fresh ones, to the server the lock session reached.
             self.engine.dispose()
         self.metrics.is_leader.set(1)
         self.metrics.leadership_changes.inc()
-        self.runner.activate(self.seat.fence())
+        self.runner.activate(self.fence())
 
-    def _demoted(self, reason: str) -> None:
+    def on_demoted(self, reason: str) -> None:
         self.metrics.is_leader.set(0)
         self.metrics.leadership_changes.inc()
         self.runner.deactivate(timeout=0)  # the loop waits for no pass: the fence refuses them
 
-    def _poke(self) -> None:
+    def poke(self) -> None:
         self.runner.poke()
 
     def _fenced(self, reason: str, fence: Any) -> None:
         """The database refused a pass of the current term: give that term up."""
-        self.seat.request(Request("fenced", reason, fence.epoch))
+        self.request(Request("fenced", reason, fence.epoch))
 
-    def _health(self, ok: bool) -> None:
+    def on_health(self, ok: bool) -> None:
         self.db_ok = ok
         self.metrics.up.set(1 if ok else 0)
 
-    def _writable(self, writable: bool) -> None:
+    def on_writable(self, writable: bool) -> None:
         self.writable = writable
         self.metrics.writable.set(1 if writable else 0)
         self.runner.pause(not writable)
@@ -100,7 +90,7 @@ class Target:
     def health_problem(self) -> str | None:
         """None while this target's election goes round, else why not. A replica that gave up a
         term because its maintenance hung is healthy again once it follows."""
-        loop, cfg = self.seat.loop, self.settings.leader
+        loop, cfg = self.loop, self.settings.leader
         if not self.started or loop is None:
             return None
         if not loop.alive:
@@ -146,7 +136,7 @@ class Target:
         if not term.trusted():  # the loop may be stuck in a call to a silent server: stop the passes now
             self.metrics.is_leader.set(0)
             self.runner.deactivate(timeout=0)
-            self.seat.request(Request("fenced", "lease expired", term.epoch))
+            self.request(Request("fenced", "lease expired", term.epoch))
         elif (stalled := max(self.runner.stalled_for(), reads_stalled)) > lease:
             # Maintenance transactions hang (the server or the network silent while the lock session
             # is fine): give the term up, and let a replica whose connections work go first.
@@ -156,4 +146,4 @@ class Target:
             self.metrics.is_leader.set(0)
             self.runner.deactivate(timeout=0)
             self.runner.sever_stalled(lease)  # a silent server answers no cancel either
-            self.seat.request(Request("stalled", "maintenance connections hang", term.epoch, 3 * lease))
+            self.request(Request("stalled", "maintenance connections hang", term.epoch, 3 * lease))

@@ -51,11 +51,23 @@ def kinds(engine, schema):
         return [r[0] for r in conn.execute(sql("SELECT kind FROM {schema}.jobs ORDER BY id", schema))]
 
 
+class RecordingSeat(Seat):
+    def __init__(self, settings: Settings, rec: "Recorder"):
+        super().__init__(settings)
+        self.rec = rec
+
+    def on_elected(self, term):
+        self.rec.elected(term)
+
+    def on_demoted(self, reason):
+        self.rec.demoted(reason)
+
+
 class Elector:
     """One target's election on a loop of its own (a daemon's, minus its runner)."""
 
     def __init__(self, settings: Settings, rec: "Recorder", spread=None):
-        self.seat = Seat(settings, on_elected=rec.elected, on_demoted=rec.demoted)
+        self.seat = RecordingSeat(settings, rec)
         self.seat.started = True
         self.loop = ElectionLoop(settings, [self.seat], HostOrder(settings.database_url.get_secret_value()),
                                  spread=spread)
@@ -373,14 +385,14 @@ def test_lease_expiry_stops_passes_at_once_and_gives_up_the_term(settings):
         target = daemon.targets[0]
         wait_for(lambda: daemon.is_leader and target.runner._jobs(), 10, what="leadership")
         epoch = target.term.epoch
-        state = target.seat.state  # the lease could have run out:
-        target.seat.state = dataclasses.replace(state, term=dataclasses.replace(
+        state = target.state  # the lease could have run out:
+        target.state = dataclasses.replace(state, term=dataclasses.replace(
             state.term, trusted_until=time.monotonic() - 1), renew_at=float("inf"))
-        target.seat.keep_trying = False  # no new term until the old one's jobs are seen gone
+        target.keep_trying = False  # no new term until the old one's jobs are seen gone
         daemon.tick()
         assert target.runner._fence is None  # at once: no pass starts any more
         wait_for(lambda: target.runner._jobs() == [], 2, what="the term's jobs removed")
-        target.seat.keep_trying = True
+        target.keep_trying = True
         target.start()
         wait_for(lambda: daemon.is_leader and target.term.epoch == epoch + 1, 10,
                  what="a fresh term")
@@ -458,7 +470,7 @@ def test_an_election_loop_held_past_its_timeouts_fails_healthz(settings, pg_dsn,
         target = daemon.targets[0]
         wait_for(lambda: daemon.is_leader, 10, what="leadership")
         assert daemon.health_problem() is None
-        target.seat.poke = lambda: release.wait(30)
+        target.poke = lambda: release.wait(30)
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute("SELECT pg_notify(%s, '')", (periodic_channel(schema),))
         wait_for(lambda: daemon.health_problem() is not None, 10, what="/healthz failing")

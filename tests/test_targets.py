@@ -697,7 +697,7 @@ def test_targets_share_one_lock_session_and_one_target_s_new_term_does_not_stall
         assert term_a.lock_pid == term_b.lock_pid
         with psycopg.connect(pg_dsn) as blocker:  # a fenced write of a's old term, in flight
             blocker.execute(f'SELECT 1 FROM "{a}".leader FOR KEY SHARE')
-            unit[a].seat.request(Request("fenced", "test: give a up", term_a.epoch))
+            unit[a].request(Request("fenced", "test: give a up", term_a.epoch))
             wait_for(lambda: not unit[a].is_leader and lock_holders(pg_dsn, a) != [], 5,
                      what="a's lock taken again, its epoch bump waiting")
             time.sleep(2 * 3.0)  # two leases: b renews every second meanwhile
@@ -799,7 +799,7 @@ def test_status_says_not_leading_once_the_terms_trust_has_run_out(pg_dsn, make_s
     daemon = Daemon(multi_settings(pg_dsn, [{"schema": s} for s in make_schemas(1)]))  # never started
     [target] = daemon.targets
     now = time.monotonic()
-    target.seat.state = Leading(Term(7, 1, "multi-1", trusted_until=now + 60), renew_at=now + 1)
+    target.state = Leading(Term(7, 1, "multi-1", trusted_until=now + 60), renew_at=now + 1)
     assert target.status()["is_leader"] is True
-    target.seat.state = Leading(Term(7, 1, "multi-1", trusted_until=now - 0.1), renew_at=now + 1)
+    target.state = Leading(Term(7, 1, "multi-1", trusted_until=now - 0.1), renew_at=now + 1)
     assert target.status()["is_leader"] is False, "a term past its trust shown as leading"
