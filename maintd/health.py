@@ -5,9 +5,11 @@ read for every schema at once.
 
 A *holder* is anything that keeps VACUUM from removing rows deleted after its oldest transaction
 id: a backend's transaction or snapshot, a prepared transaction, a replication slot, a standby's
-``hot_standby_feedback``. Each is named (kind, pid, user, application_name, client address,
-state, age) and, once it has been held longer than ``health.xmin_warn_after``, warned about in
-one log line (:class:`HolderWarnings`). Its query text is read only with ``health.show_query``.
+``hot_standby_feedback``, and on PostgreSQL 15 ``vacuum_defer_cleanup_age`` (kind ``setting``:
+that many ids behind the rest, aged by when the counter was there). Each is named (kind, pid,
+user, application_name, client address, state, age) and, once it has been held longer than
+``health.xmin_warn_after``, warned about in one log line (:class:`HolderWarnings`). Its query
+text is read only with ``health.show_query``.
 
 Ages in seconds: a backend's from its transaction's start, a prepared transaction's from its
 PREPARE, an inactive slot's from ``inactive_since`` (PostgreSQL 17+: when it was last released) or
@@ -43,6 +45,7 @@ SHOWN_AFTER = 1.0  # seconds: younger holders (every worker's transaction) are n
 XID_SAMPLES = 10_000  # reads whose next transaction id is kept (a day at a read every 10 s)
 BACKEND_KINDS = ("transaction", "snapshot")  # one backend's transaction: a snapshot until it writes
 UNTIMED_KINDS = ("replication_slot", "standby_feedback")  # long-lived, often without a start time
+SETTING = "setting"  # PostgreSQL 15's vacuum_defer_cleanup_age: ids behind the rest, no start of its own
 SHOWN = 5  # holders listed per scope, oldest horizon first
 READ_TIMEOUT_MS = 5000  # the statement timeout of the monitor's connection
 FULL_EVERY = timedelta(minutes=1)  # the jobs tables' sizes
@@ -54,7 +57,7 @@ class Holder:
     """One holder of the xmin horizon. ``scope`` is ``data`` (holds back every table of the
     database, jobs too) or ``catalog`` (a logical slot's ``catalog_xmin``: system catalogs only)."""
 
-    kind: str  # transaction, snapshot, prepared_transaction, replication_slot, standby_feedback
+    kind: str  # transaction, snapshot, prepared_transaction, replication_slot, standby_feedback, setting
     scope: str
     pid: int | None
     user: str | None
@@ -76,7 +79,10 @@ class Holder:
         start, whatever it holds (a snapshot, then a transaction id too once it writes), or by its
         xmin when the start is hidden (another role's; a REPEATABLE READ snapshot's stays the
         oldest when it writes); a prepared transaction, a slot or a standby at one xmin (a slot
-        by its name alone: its active_pid changes whenever its consumer reconnects)."""
+        by its name alone: its active_pid changes whenever its consumer reconnects); a setting
+        by its name (its xmin follows the counter)."""
+        if self.kind == SETTING:
+            return (self.kind, self.scope, self.name)
         if self.kind in BACKEND_KINDS:
             return ("backend", self.scope, self.pid, self.since.isoformat() if self.since else self.xmin)
         return (self.kind, self.scope, None if self.kind == "replication_slot" else self.pid, self.name, self.xmin)
@@ -228,10 +234,10 @@ class HealthReader:
         data = [h for h in holders if h.scope == "data"]
 
         def named(scope: str) -> tuple[Holder, ...]:
-            # A slot or a standby's feedback is never a worker's short transaction: named as soon
+            # A slot, a standby's feedback or a setting is never a worker's short transaction: named as soon
             # as it holds anything back, its age unknown on a first read (`maintd status`'s only).
             shown = [h for h in holders if h.scope == scope and (
-                h.age_seconds >= SHOWN_AFTER or (h.kind in UNTIMED_KINDS and h.age_xids > 0))]
+                h.age_seconds >= SHOWN_AFTER or (h.kind in UNTIMED_KINDS + (SETTING,) and h.age_xids > 0))]
             return tuple(sorted(shown, key=lambda h: (-h.age_xids, -h.age_seconds)))
 
         shown = named("data")
@@ -254,6 +260,8 @@ class HealthReader:
             return _with_age(holder, (now - since).total_seconds())
         if holder.age_xids == 0:  # no transaction id assigned after its xmin: holds nothing back yet
             return holder
+        if holder.kind == SETTING:  # its xmin follows the counter: aged by when the counter was there
+            return replace(_with_age(holder, (now - self._passed(holder.age_xids, now)).total_seconds()), exact=False)
         # A slot's inactive_since is when it was last released, not when its xmin began to hold
         # (a consumer that connects and leaves resets it): the earlier of the two.
         first = min(self._holding_since.setdefault(holder.key, now), self._passed(holder.age_xids, now))

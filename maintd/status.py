@@ -207,7 +207,7 @@ def _holder(h: dict[str, Any]) -> str:
     (4,512 xids)`` and the query when shown."""
     parts = [h["kind"].replace("_", " ")]
     if h.get("name"):
-        parts.append(repr(h["name"]) + (f" ({h['detail']})" if h["kind"] == "replication_slot" else ""))
+        parts.append(repr(h["name"]) + (f" ({h['detail']})" if h["kind"] in ("replication_slot", "setting") else ""))
     for key, label in (("pid", "pid"), ("user", "user"), ("application_name", "app"),
                        ("client_addr", "client"), ("state", "state")):
         if h.get(key) not in (None, ""):

@@ -998,3 +998,48 @@ def test_a_standbys_hot_standby_feedback_is_named_with_and_without_a_slot():
                 assert "replication slot 'standby_slot'" in slot.describe()
         finally:
             engine.dispose()
+
+
+# -- PostgreSQL 15's vacuum_defer_cleanup_age -----------------------------------------------------
+
+def test_vacuum_defer_cleanup_age_on_postgresql_15_is_named_as_what_holds_the_horizon():
+    """PostgreSQL 15's vacuum_defer_cleanup_age (removed in 16) holds the horizon that many
+    transaction ids behind the oldest holder, or behind the next id when nothing else holds it
+    (ComputeXidHorizons() retreats the data horizon by it; PostgreSQL 15 docs, runtime-config-
+    replication: "Specifies the number of transactions by which VACUUM and HOT updates will defer
+    cleanup of dead row versions"). With nothing else holding, the read said the horizon was 0 s
+    and 0 xids, "held by: nothing", while VACUUM removed none of the jobs table's dead rows. On a
+    PostgreSQL 15 of its own whatever the suite's server: the setting exists on 15 only."""
+    with private_server(15, {"vacuum_defer_cleanup_age": "100000", "autovacuum": "off"}) as pg:
+        engine = make_engine(pg.dsn, application_name="maintd-test-health", pooled=False)
+        try:
+            with engine.connect() as conn:
+                migrate.upgrade(conn, "maintd")
+            with psycopg.connect(pg.dsn, autocommit=True) as conn:
+                conn.execute("INSERT INTO maintd.jobs (kind) SELECT 'deferred' FROM generate_series(1, 200)")
+                conn.execute("DELETE FROM maintd.jobs WHERE kind = 'deferred'")
+                consume_xids(pg.dsn)
+                conn.execute("VACUUM maintd.jobs")
+                dead = conn.execute("SELECT pg_stat_get_dead_tuples('maintd.jobs'::regclass)").fetchone()[0]
+                assert dead >= 200, "VACUUM removed the rows: the setting held nothing back, the test shows nothing"
+            horizon = read(engine).horizon
+            h = horizon.holder
+            assert h is not None, horizon
+            assert (h.kind, h.scope, h.name, h.exact) == ("setting", "data", "vacuum_defer_cleanup_age", False)
+            assert h.age_xids >= 100_000 and horizon.age_xids >= 100_000
+            assert "vacuum_defer_cleanup_age" in h.describe()
+            from maintd.status import format_health
+
+            text = "\n".join(format_health(read(engine).status("maintd")))
+            assert "held by: setting 'vacuum_defer_cleanup_age' (100000 transactions behind the rest)" in text, text
+            with psycopg.connect(pg.dsn, application_name="forgetful-worker") as holder:
+                holder.execute("INSERT INTO maintd.jobs (kind) VALUES ('held')")  # an xid, then idle
+                consume_xids(pg.dsn, 5)
+                time.sleep(1.1)
+                horizon = read(engine).horizon
+                assert horizon.holder.name == "vacuum_defer_cleanup_age"  # behind the transaction
+                [t] = [x for x in horizon.holders if x.pid == holder.info.backend_pid]
+                assert horizon.holder.age_xids == t.age_xids + 100_000, horizon
+                holder.rollback()
+        finally:
+            engine.dispose()

@@ -26,7 +26,11 @@ each table, partition and index they size, bounded by the read's 5 s ``lock_time
 #   holds back the system catalogs only: PostgreSQL's ComputeXidHorizons() applies
 #   replication_slot_catalog_xmin to catalog relations, never to user tables such as jobs. An
 #   invalidated slot (``wal_status`` 'lost', on every version since 13) still shows both, but
-#   PostgreSQL no longer applies them (ReplicationSlotsComputeRequiredXmin() skips it): left out.
+#   PostgreSQL no longer applies them (ReplicationSlotsComputeRequiredXmin() skips it): left out;
+# * PostgreSQL 15's ``vacuum_defer_cleanup_age`` (gone in 16: ``current_setting(.., true)`` is NULL
+#   there): ComputeXidHorizons() retreats the data horizon by that many ids behind the oldest of
+#   the rest (the next id when nothing else holds), so it is a holder of its own, that many ids
+#   older than the oldest data row above (its ``xmin``: that id, 32 bits like the others').
 #
 # ``xmin`` is the holder's oldest transaction id as text (an identity, not compared here),
 # ``age_xids`` how many ids were assigned since (``age()``: 0 while nothing newer was assigned),
@@ -65,7 +69,7 @@ WITH backends AS (
     FROM pg_replication_slots s
     LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid
    WHERE (s.database IS NULL OR s.database = current_database()) AND s.wal_status IS DISTINCT FROM 'lost'
-)
+), held AS (
 SELECT kind, 'data' AS scope, pid, usename, application_name, client_addr, state,
        CAST(oldest AS text) AS xmin, age(oldest) AS age_xids, since, statement_start, NULL AS name,
        detail, query
@@ -83,6 +87,16 @@ UNION ALL
 SELECT 'replication_slot', 'catalog', active_pid, usename, application_name, client_addr, state,
        CAST(catalog_xmin AS text), age(catalog_xmin), inactive_since, NULL, slot_name, slot_type, NULL
   FROM slots WHERE catalog_xmin IS NOT NULL
+)
+SELECT * FROM held
+UNION ALL
+SELECT 'setting', 'data', NULL, NULL, NULL, NULL, NULL,
+       CAST(mod(CAST(CAST(pg_snapshot_xmax(pg_current_snapshot()) AS text) AS bigint) % 4294967296 - d.behind
+                + 4294967296, 4294967296) AS text),
+       d.behind, NULL, NULL, 'vacuum_defer_cleanup_age', d.defer || ' transactions behind the rest', NULL
+  FROM (SELECT defer, defer + coalesce((SELECT max(age_xids) FROM held WHERE scope = 'data'), 0) AS behind
+          FROM (SELECT CAST(current_setting('vacuum_defer_cleanup_age', true) AS bigint) AS defer) s) d
+ WHERE d.defer > 0
 """
 
 # The server's time as the read starts (not its transaction's: `maintd status` reads last): the ages count from it.
