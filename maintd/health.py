@@ -87,6 +87,17 @@ class Holder:
             return ("backend", self.scope, self.pid, self.since.isoformat() if self.since else self.xmin)
         return (self.kind, self.scope, None if self.kind == "replication_slot" else self.pid, self.name, self.xmin)
 
+    @property
+    def warned_as(self) -> tuple:
+        """Who it is for the warning: its :attr:`key`, except a standby's feedback (its walsender)
+        and a slot (its name), whose xmin moves on while a replica's overlapping queries keep it
+        behind: one holder, however often its xmin (and so its key, which ages it) moves."""
+        if self.kind == "standby_feedback":
+            return (self.kind, self.scope, self.pid)
+        if self.kind == "replication_slot":
+            return (self.kind, self.scope, self.name)
+        return self.key
+
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["since"] = self.since.isoformat() if self.since else None
@@ -320,7 +331,8 @@ def read_once(conn: Connection, schema: str, *, show_query: bool = False) -> Hea
 
 class HolderWarnings:
     """One warning line per holder once it is older than ``warn_after``; one info line when a
-    holder warned about is gone."""
+    holder warned about is gone, or younger than half ``warn_after`` (a standby or a slot that
+    caught up: the next time it falls behind is warned about again)."""
 
     def __init__(self) -> None:
         self._warned: dict[tuple, Holder] = {}
@@ -329,14 +341,14 @@ class HolderWarnings:
         """Log for the holders of the jobs table's horizon (data scope); returns those newly
         warned about."""
         limit = warn_after.total_seconds()
-        present = {h.key: h for h in horizon.holders}
+        present = {h.warned_as: h for h in horizon.holders}
         new = [h for k, h in present.items() if h.age_seconds >= limit and k not in self._warned]
         for holder in sorted(new, key=lambda h: -h.age_seconds):
-            self._warned[holder.key] = holder
+            self._warned[holder.warned_as] = holder
             log.warning("vacuum is held back: dead jobs cannot be removed while this holds the xmin "
                         "horizon", extra=kv(holder=holder.describe(), **_fields(holder),
                                             targets=",".join(targets)))
-        for key in [k for k in self._warned if k not in present]:
+        for key in [k for k in self._warned if k not in present or present[k].age_seconds < limit / 2]:
             gone = self._warned.pop(key)
             log.info("xmin horizon holder gone", extra=kv(holder=gone.describe(), kind=gone.kind,
                                                           pid=gone.pid, targets=",".join(targets)))

@@ -659,6 +659,23 @@ def test_a_slot_whose_consumer_reconnects_is_one_holder(maintd_log):
     assert sum("xmin horizon holder gone" in line for line in maintd_log) == 0, maintd_log
 
 
+def test_a_standby_that_caught_up_and_falls_behind_again_is_warned_about_again(maintd_log):
+    """A standby's feedback is one holder while its xmin moves (its walsender), so its warning
+    is not repeated at every move; once it has caught up (younger than half xmin_warn_after) it is
+    released with the "gone" line, and falling behind again is a new warning."""
+    reader, warnings = HealthReader(), HolderWarnings()
+    reader.horizon([row()], T0, next_xid=1000)
+    # held (passed at 1 min), moved but still 7 min behind, caught up, behind again (from 10 min)
+    steps = ((1, "1000", 1100), (7, "1000", 2000), (8, "1050", 2600), (9, "2600", 2601), (10, "2601", 2700),
+             (16, "2601", 3000))
+    for minutes, xmin, next_xid in steps:
+        warnings.check(reader.horizon([row(xmin=xmin, age_xids=next_xid - int(xmin))],
+                                      T0 + timedelta(minutes=minutes), next_xid=next_xid),
+                       timedelta(minutes=5), ["q"])
+    assert sum("vacuum is held back" in line for line in maintd_log) == 2, maintd_log
+    assert sum("xmin horizon holder gone" in line for line in maintd_log) == 1, maintd_log
+
+
 def test_a_snapshot_read_mid_statement_is_aged_from_the_earliest_start_seen_holding_it(maintd_log):
     """READ COMMITTED takes a snapshot per statement: a session with a transaction open for an
     hour that runs short statements holds each snapshot for the statement only. Aged from its
@@ -1043,3 +1060,52 @@ def test_vacuum_defer_cleanup_age_on_postgresql_15_is_named_as_what_holds_the_ho
                 holder.rollback()
         finally:
             engine.dispose()
+
+
+@pytest.mark.slow
+def test_a_standby_that_stays_behind_while_its_xmin_moves_is_warned_about_once(maintd_log):
+    """A standby whose queries overlap (one starts before the last ends: reports on a replica)
+    sends a feedback xmin that moves on while staying minutes behind (PostgreSQL docs, Hot
+    Standby: with hot_standby_feedback the standby's queries hold back the primary's cleanup).
+    The standby is one holder, named by its walsender; it was keyed by its xmin as well, so each
+    move logged "xmin horizon holder gone" and a new "vacuum is held back": a line pair per read
+    (every 15 s) for as long as the replica's reports ran, against SPEC 8.2's once per holder."""
+    from .standby import StandbyPair
+
+    with StandbyPair() as pair:
+        with psycopg.connect(pair.standby.dsn, autocommit=True) as standby:
+            standby.execute("ALTER SYSTEM SET hot_standby_feedback = on")
+            standby.execute("ALTER SYSTEM SET wal_receiver_status_interval = '1s'")  # feedback each second
+            standby.execute("SELECT pg_reload_conf()")
+        engine = make_engine(pair.primary.dsn, application_name="maintd-test-health", pooled=False)
+        reader, warnings = HealthReader(), HolderWarnings()
+
+        def feedback():
+            consume_xids(pair.primary.dsn)
+            horizon = read(engine, reader, ()).horizon
+            warnings.check(horizon, timedelta(seconds=1), ["q"])
+            return next((h for h in horizon.holders if h.kind == "standby_feedback"), None)
+
+        try:
+            with psycopg.connect(pair.standby.dsn, application_name="report-1") as first, \
+                    psycopg.connect(pair.standby.dsn, application_name="report-2") as second:
+                first.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+                first.execute("SELECT count(*) FROM pg_class")
+                held = wait_for(lambda: (h := feedback()) and h.age_seconds >= 1.0 and h, 30, interval=0.3,
+                                what="the standby's feedback held past xmin_warn_after")
+                pair.wait_replayed()  # the standby's next snapshot sees the ids consumed since
+                second.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+                second.execute("SELECT count(*) FROM pg_class")
+                feedback()  # a read that sees ids assigned after the second report's xmin
+                time.sleep(1.2)  # the second report too is held past xmin_warn_after: overlapping reports
+                first.rollback()  # the feedback moves on to the second report's xmin, still behind
+                wait_for(lambda: (h := feedback()) and h.xmin != held.xmin and h.age_seconds >= 1.0, 30,
+                         interval=0.3, what="the standby's feedback moved, still held past xmin_warn_after")
+                for _ in range(3):
+                    feedback()
+                second.rollback()
+        finally:
+            engine.dispose()
+    warned = [line for line in maintd_log if "vacuum is held back" in line and "kind=standby_feedback" in line]
+    gone = [line for line in maintd_log if "holder gone" in line and "kind=standby_feedback" in line]
+    assert (len(warned), len(gone)) == (1, 0), maintd_log
