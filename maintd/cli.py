@@ -663,15 +663,16 @@ def cmd_periodic(args: argparse.Namespace) -> int:
 
 
 def _rows_role_hint(exc: Exception, schema: str) -> str:
-    """A role without INSERT or DELETE on periodic_jobs: not a grant `maintd grants` would give
-    (the daemon's role only reads rows and writes their error note), so say who may."""
+    """A role that may not write rows of periodic_jobs: not a grant `maintd grants` would give
+    (the daemon's role only reads rows and writes their error note), so say who may, and all that
+    `add` (an upsert with RETURNING) and `remove` (a DELETE with WHERE and RETURNING) need."""
     from .identifiers import quote_ident
     from .logs import redact_dsn
 
     line = redact_dsn(str(exc.orig).strip().splitlines()[0])  # type: ignore[attr-defined]
     return (f"{line} (`maintd periodic add` and `remove` write rows of periodic_jobs, which "
             "`maintd grants` leaves to the applications' roles: run them as the schema's owner, or "
-            f"GRANT INSERT, UPDATE, DELETE ON {quote_ident(schema)}.periodic_jobs TO the role)")
+            f"GRANT SELECT, INSERT, UPDATE, DELETE ON {quote_ident(schema)}.periodic_jobs TO the role)")
 
 
 def _configured_elsewhere(entry, args: argparse.Namespace) -> str:

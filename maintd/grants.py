@@ -63,7 +63,7 @@ DAEMON: tuple[TableGrant, ...] = (
                "exactly-once slot per periodic entry; DELETE prunes old history"),
     TableGrant("periodic_jobs", ("SELECT", "UPDATE"),
                "periodic schedules kept as rows; UPDATE writes the daemon's error note on a bad row "
-               "(applications that add schedules need INSERT/UPDATE/DELETE of their own)"),
+               "(applications that add schedules need SELECT/INSERT/UPDATE/DELETE of their own)"),
     TableGrant("health_history", ("SELECT", "INSERT", "DELETE"),
                "the dashboard's charts: the leader's samples (INSERT ... ON CONFLICT needs SELECT); "
                "DELETE: the cleaner prunes old ones"),

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import uuid
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 import psycopg
@@ -531,7 +532,7 @@ def test_the_daemon_role_gets_the_owner_named_for_what_no_grant_of_its_own_gives
         assert res.returncode == 1
         [line] = res.stderr.strip().splitlines()
         assert "permission denied for table periodic_jobs" in line and "maintd grants ROLE --apply" not in line
-        assert "schema's owner" in line and f'GRANT INSERT, UPDATE, DELETE ON "{schema}".periodic_jobs' in line
+        assert "schema's owner" in line and f'GRANT SELECT, INSERT, UPDATE, DELETE ON "{schema}".periodic_jobs' in line
         owner_env = {"MAINTD_DATABASE_URL": role_dsn(pg_dsn, owner)}
         res = cli("--config", cfg, "periodic", "add", "r1", "--schedule", "@hourly", "--kind", "report", env=owner_env)
         assert res.returncode == 0, res.stderr
@@ -543,6 +544,39 @@ def test_the_daemon_role_gets_the_owner_named_for_what_no_grant_of_its_own_gives
         with psycopg.connect(pg_dsn) as conn:  # nothing was converted
             assert conn.execute(f"SELECT relkind FROM pg_class WHERE oid = '\"{schema}\".jobs'::regclass").fetchone()[0] == "r"
             assert conn.execute(f'SELECT count(*) FROM "{schema}".periodic_jobs').fetchone()[0] == 1
+
+
+REPO = Path(__file__).resolve().parent.parent
+PERIODIC_PRIVILEGES = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE)\b")
+
+
+def test_a_role_given_what_the_readme_or_the_hint_names_adds_pauses_and_removes_schedules(pg_dsn, schema, tmp_path):
+    """`maintd periodic add` is an ``INSERT ... ON CONFLICT DO UPDATE ... RETURNING`` and `remove` a
+    ``DELETE ... WHERE ... RETURNING``: PostgreSQL asks UPDATE of the first and SELECT of both
+    (https://www.postgresql.org/docs/current/sql-insert.html: "INSERT with an ON CONFLICT DO UPDATE
+    clause requires UPDATE privilege", and SELECT for columns read by RETURNING or the conflict's
+    target; https://www.postgresql.org/docs/current/sql-delete.html: SELECT for the WHERE and
+    RETURNING). The README said they "need INSERT and DELETE on `periodic_jobs`" and the error's
+    hint "GRANT INSERT, UPDATE, DELETE": a role given either could not add a schedule (walking the
+    README as a newcomer: "permission denied for table periodic_jobs" again)."""
+    readme = (REPO / "README.md").read_text()
+    said = re.search(r"`add` and `remove` need (.+?) on\s+`periodic_jobs`", readme, re.S)
+    assert said, "the README no longer says what `periodic add` and `remove` need"
+    readme_privileges = ", ".join(PERIODIC_PRIVILEGES.findall(said.group(1)))
+    with login_role(pg_dsn) as role:
+        apply(pg_dsn, f'GRANT USAGE ON SCHEMA "{schema}" TO "{role}"')
+        cfg, env = write_config(tmp_path, schema), {"MAINTD_DATABASE_URL": role_dsn(pg_dsn, role)}
+        add = ("periodic", "add", "r1", "--schedule", "@hourly", "--kind", "report")
+        res = cli("--config", cfg, *add, env=env)
+        assert res.returncode == 1, res.stdout
+        hint = re.search(r"GRANT ([A-Z, ]+) ON \S+\.periodic_jobs TO the role", res.stderr)
+        assert hint, res.stderr
+        for source, privileges in (("README", readme_privileges), ("hint", hint.group(1))):
+            apply(pg_dsn, f'REVOKE ALL ON "{schema}".periodic_jobs FROM "{role}"; '
+                          f'GRANT {privileges} ON "{schema}".periodic_jobs TO "{role}"')
+            for action in (add, ("periodic", "pause", "r1"), ("periodic", "remove", "r1")):
+                res = cli("--config", cfg, *action, env=env)
+                assert res.returncode == 0, f"{source}'s GRANT {privileges}: {' '.join(action)}: {res.stderr}"
 
 
 @pytest.mark.parametrize("wait", ["0", "3"], ids=["at-once", "wait"])
