@@ -66,7 +66,7 @@ DAEMON: tuple[TableGrant, ...] = (
                "(applications that add schedules need SELECT/INSERT/UPDATE/DELETE of their own)"),
     TableGrant("health_history", ("SELECT", "INSERT", "DELETE"),
                "the dashboard's charts: the leader's samples (INSERT ... ON CONFLICT needs SELECT); "
-               "DELETE: the cleaner prunes old ones"),
+               "DELETE: the leader prunes samples older than two days (hourly)"),
 )
 
 # Functions the daemon calls whose EXECUTE is revoked from PUBLIC: the partitioned layout's DDL

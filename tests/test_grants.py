@@ -764,3 +764,15 @@ def test_each_function_grant_says_what_that_function_does():
     assert "drop" in reasons["drop_detached_partitions()"] and "count" in reasons["catch_all_rows()"]
     assert all(r.startswith("partitioned layout: ") and r.endswith("(runs as the schema's owner)")
                for r in reasons.values())
+
+
+def test_the_history_grant_names_who_deletes_its_rows():
+    """`maintd grants` said the DELETE on health_history is for "the cleaner", which prunes nothing
+    there since the health read's history writer took the pruning over (hourly, whether the
+    cleaner is enabled or not: README "Dashboard", tests/test_history.py): an operator with the
+    cleaner off would revoke a DELETE the leader still needs."""
+    from maintd import history
+
+    [reason] = [g.why for g in grants.DAEMON if g.table == "health_history"]
+    assert "PRUNE" in inspect.getsource(history) and "cleaner" not in reason, reason
+    assert "DELETE" in reason and "two days" in reason, reason
