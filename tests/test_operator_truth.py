@@ -482,3 +482,53 @@ def test_the_session_names_the_readme_gives_are_the_ones_maintd_uses():
     for path in (root / "maintd").rglob("*.py"):
         used |= set(re.findall(r'application_name=f"maintd:\{[^}]+\}((?::\w+)?)"', path.read_text()))
     assert "" in used and said and said <= used, (said - used, used)
+
+
+def test_the_readme_upgrade_steps_give_the_runtime_role_the_tables_a_release_adds(pg_dsn, tmp_path):
+    """"Upgrades" said: run `maintd migrate` with the new version, then restart the replicas. A
+    migration grants nothing (its DDL runs as the owner), so a table the release adds (here 0007's
+    health_history) was out of the runtime role's reach and the new daemon met "permission denied"
+    on it; the systemd unit and the Kubernetes init containers run `maintd grants ROLE --apply`
+    after the migration, the README's own steps did not. The steps run as the README writes them."""
+    from pathlib import Path
+
+    from sqlalchemy import text
+
+    from maintd import migrate
+    from maintd.db import make_engine
+
+    from .conftest import new_schema_name
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("### Upgrades"):]
+    section = section[:section.index("\n## ")]
+    steps = [s for s in re.findall(r"`(maintd [^`]+)`", section) if not s.startswith("maintd migrate --")]
+    schema = new_schema_name()
+    engine = make_engine(pg_dsn, application_name="maintd-test-upgrade", pooled=False)
+    with engine.connect() as conn:
+        migrate.upgrade(conn, schema, revision="0006")
+    try:
+        with login_role(pg_dsn) as role:
+            with engine.begin() as conn:  # what the runtime role had before the upgrade (and more)
+                conn.execute(text(f'GRANT USAGE ON SCHEMA "{schema}" TO "{role}"; GRANT SELECT, INSERT, UPDATE, '
+                                  f'DELETE ON ALL TABLES IN SCHEMA "{schema}" TO "{role}"'))
+            cfg = tmp_path / "maintd.toml"
+            cfg.write_text(f'schema = "{schema}"\n')
+            env = {k: v for k, v in os.environ.items() if not k.startswith("MAINTD_")}
+            env["MAINTD_DATABASE_URL"] = pg_dsn  # the owner's connection (here a superuser's)
+            for step in steps:
+                argv = step.replace("ROLE", role).split()
+                res = subprocess.run([sys.executable, "-m", "maintd", "--config", str(cfg), *argv[1:]],
+                                     capture_output=True, text=True, timeout=120, env=env)
+                assert res.returncode == 0, (step, res.stdout, res.stderr)
+            with engine.connect() as conn:
+                assert conn.execute(text(f'SELECT version_num FROM "{schema}".alembic_version')).scalar() \
+                    == migrate.head_revision(), steps
+                held = conn.execute(text("SELECT has_table_privilege(:role, :table, 'INSERT')"),
+                                    {"role": role, "table": f'"{schema}".health_history'}).scalar()
+            assert held, f"the README's upgrade steps {steps} leave the runtime role without the new table"
+    finally:
+        with engine.connect() as conn:
+            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+            conn.commit()
+        engine.dispose()
