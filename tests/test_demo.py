@@ -163,3 +163,17 @@ def test_demo_from_a_folder_holding_maintd_killed_leaves_no_process(tmp_path):
         proc.wait()
     wait_for(lambda: not marked(mark), 15, what=f"no process left (left: {marked(mark)})")
     assert "ImportError" not in "".join(lines)
+
+
+def test_the_readme_names_the_daemon_whose_guardian_speaks_in_the_demo_it_shows():
+    """"Try it" runs `maintd demo` (until Ctrl-C): the leader demo-a is killed at 30 s and the
+    report holds its snapshot at 45 s, so the guardian line comes from demo-b, the leader by then
+    (a 72 s run here: `maintd demo: guardian of demo-b: vacuum is held back ...`). The README
+    showed `guardian of demo-a`, which only a `--duration` run prints (its report comes first)."""
+    from maintd.demo import FIRST_KILL, HOLD_AT
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    start = readme.index("## Try it")
+    shown = re.findall(r"`guardian of (demo-[ab]):", readme[start:readme.index("\n## ", start + 1)])
+    leader = "demo-b" if HOLD_AT > FIRST_KILL else "demo-a"
+    assert shown and shown[0] == leader, (shown, FIRST_KILL, HOLD_AT)
