@@ -37,7 +37,7 @@ KEEPALIVES = {  # defaults: a parameter the URL sets itself (``?keepalives_idle=
 # What maintd sets on its sessions whatever the URL says: the name that tells its sessions apart
 # in pg_stat_activity, and the bounds of the election's timings (derived from leader.lease).
 OWN = {
-    "application_name": "maintd's session names (maintd:<instance>:lock, :work, ...)",
+    "application_name": "maintd's session names (maintd:<instance> for the lock session, :work, :read, ...)",
     "connect_timeout": "leader.lease for the lock session, 3 s for the dashboard's reads",
     "tcp_user_timeout": "leader.lease",
 }

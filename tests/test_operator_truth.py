@@ -532,3 +532,22 @@ def test_the_readme_upgrade_steps_give_the_runtime_role_the_tables_a_release_add
             conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
             conn.commit()
         engine.dispose()
+
+
+def test_the_start_warning_for_a_urls_application_name_names_the_sessions_maintd_uses():
+    """A URL's own application_name is replaced, with a warning at start saying what maintd uses
+    instead: "maintd's session names (maintd:<instance>:lock, :work, ...)". The lock session is
+    `maintd:<instance>` (README "Configuration" and "Leadership"; the test above fixed the README's
+    `:lock`), and no session is named `...:lock`: an operator looking for it found nothing."""
+    from pathlib import Path
+
+    from maintd.db import replaced_params
+
+    root = Path(__file__).resolve().parent.parent
+    used = set()
+    for path in (root / "maintd").rglob("*.py"):
+        used |= set(re.findall(r'application_name=f"maintd:\{[^}]+\}(?::(\w+))?"', path.read_text()))
+    said = replaced_params("postgresql://db.internal/app?application_name=billing")["application_name"]
+    assert "maintd:<instance>" in said, said
+    suffixes = set(re.findall(r":(\w+)", said.split("maintd:<instance>", 1)[1]))
+    assert suffixes and suffixes <= used, (said, used)
