@@ -460,8 +460,10 @@ def cmd_run_once(args: argparse.Namespace) -> int:
         if not args.dry_run:  # the lock is renewed in a thread meanwhile; losing it stops the pass
             held = acquire_once(settings, wait=args.wait, on_demoted=lambda reason: stop_event.set())
             if held is None:
+                advice = (f"still held after waiting {args.wait:g} s: stop it, or run with --dry-run" if args.wait
+                          else "stop it, use --wait, or run with --dry-run")
                 _stderr(f"maintd: error: another instance holds the leader lock ({_current_leader(engine, settings)});"
-                      " stop it, use --wait, or run with --dry-run")
+                        f" {advice}")
                 return EXIT_FAILURE
             fence = held[1]
         ctx = PassContext.for_settings(settings, engine, ServerClock(), fence=fence, dry_run=args.dry_run,

@@ -776,3 +776,25 @@ def test_the_history_grant_names_who_deletes_its_rows():
     [reason] = [g.why for g in grants.DAEMON if g.table == "health_history"]
     assert "PRUNE" in inspect.getsource(history) and "cleaner" not in reason, reason
     assert "DELETE" in reason and "two days" in reason, reason
+
+
+def test_run_once_that_waited_for_the_lock_in_vain_does_not_advise_waiting(pg_dsn, schema, tmp_path):
+    """`run-once --wait 2` while a daemon leads ended with "another instance holds the leader lock
+    (...); stop it, use --wait, or run with --dry-run": it had waited (found walking the README's
+    "Day to day" as a newcomer). After a wait, it says how long it waited instead."""
+    instance = f"holder-{uuid.uuid4().hex[:8]}"
+    daemon = DaemonProc(pg_dsn, schema, instance, workdir=str(tmp_path))
+    try:
+        daemon.start().wait_log(r"became leader", timeout=20)
+        cfg = write_config(tmp_path, schema)
+        env = {"MAINTD_DATABASE_URL": pg_dsn}
+        res = cli("--config", cfg, "run-once", "scheduler", env=env)
+        assert res.returncode == 1 and res.stderr.strip().splitlines()[-1].endswith(
+            "stop it, use --wait, or run with --dry-run"), res.stderr
+        res = cli("--config", cfg, "run-once", "scheduler", "--wait", "2", env=env)
+        last = res.stderr.strip().splitlines()[-1]
+    finally:
+        daemon.stop()
+    assert res.returncode == 1 and last.startswith(
+        f"maintd: error: another instance holds the leader lock (instance={instance} "), last
+    assert "use --wait" not in last and "still held after waiting 2 s" in last, last
