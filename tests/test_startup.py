@@ -103,3 +103,31 @@ def test_a_reload_that_cannot_change_the_targets_keeps_describing_the_running_on
         assert daemon.targets[0].metrics.max_queues == 3
     finally:
         daemon.stop()
+
+
+def test_the_readme_lists_every_key_a_reload_keeps_until_a_restart(pg_dsn, schema, tmp_path, maintd_log):
+    """README "Signals" lists the keys a reload keeps as they were (`http.listen` of the [http]
+    section); `http.enabled` is kept too (the listener is not started or stopped by a reload), with
+    the same "needs a restart" line, and the README did not say so."""
+    import re
+    from pathlib import Path
+
+    from maintd.daemon import RESTART_ONLY
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    said = re.search(r"Keys that need a restart \(([^)]*)\)", readme)
+    assert said, "README 'Signals' no longer lists the keys that need a restart"
+    listed = set(re.findall(r"`([a-z_.]+)`", said.group(1)))
+    cfg = tmp_path / "m.toml"
+    base = f'database_url = "{pg_dsn}"\nschema = "{schema}"\ninstance_id = "r1"\n'
+    cfg.write_text(base + '[http]\nenabled = false\n')
+    daemon = Daemon(load_settings(str(cfg)), config_path=str(cfg))
+    try:
+        cfg.write_text(base + '[http]\nenabled = true\nlisten = "127.0.0.1:0"\n')
+        assert daemon.reload_from_file()
+        assert any("needs a restart" in line and "keys=http" in line for line in maintd_log), maintd_log
+        assert daemon.settings.http.enabled is False and daemon.http is None  # kept
+    finally:
+        daemon.stop()
+    kept = {k for k in RESTART_ONLY if k != "http"} | {"http.listen", "http.enabled"}
+    assert listed == kept, (listed, kept)
