@@ -29,7 +29,7 @@ from .passes import Outcome, PassRecord, execute_pass, record_pass, worth_record
 from .schedules import ScheduleTrigger
 from .services import build_services
 from .queries import Statements
-from .services.base import Fence, NotLeader, PassContext, PassStopped, Service
+from .services.base import Fence, NotLeader, PassContext, PassResult, PassStopped, Service
 
 log = logging.getLogger("maintd.runner")
 
@@ -309,32 +309,47 @@ class Runner:
                                            stop_event=threading.Event(), log=logging.getLogger(f"maintd.{name}"),
                                            statements=self.statements)
             self._active[name] = ctx
+        record: PassRecord | None = None
         try:  # the pass is active until its record is written: a demotion stops that write too
-            record = execute_pass(name, service, ctx, self.metrics)
-            self.last_runs[name] = record.as_dict()
-            if record.outcome is Outcome.SUCCESS:
-                self._last_success[name] = record.finished_at
-            record.last_success_at = self._last_success.get(name)
-            if record.outcome is Outcome.FENCED:
-                if not stop_event.is_set():  # this term is still ours as far as the elector knows
-                    self.on_fenced(record.error or "fenced", fence)
-            elif record.outcome is not Outcome.STOPPED and worth_recording(self._recorded.get(name), record):
-                self._record(ctx, record)
+            record = self._pass(name, service, ctx, fence, stop_event)
+        except Exception as exc:  # execute_pass raised (a service's observe, say): no record
+            log.error("pass failed outside the service", extra=kv(service=name, error=str(exc)),
+                      exc_info=log.isEnabledFor(logging.DEBUG))
         finally:
             with self._lock:
                 self._active.pop(name, None)
                 again = name in self._deferred
                 self._deferred.discard(name)
             self._pass_ended.set()
-        self._follow_up(name, service, record, stop_event)
+        # Also after a pass that raised: a wake asked for while it ran, and the ticks it put off
+        # (quiet_until) brought back if the service no longer says so, are not lost with it.
+        result = record.result if record is not None else ctx.partial  # (what the pass said so far)
+        self._follow_up(name, service, result if isinstance(result, PassResult) else None, stop_event)
         if again:  # a wake came while it ran: one pass now
             self.wake(name)
 
-    def _follow_up(self, name: str, service: Service, record: PassRecord, stop_event: threading.Event) -> None:
-        """What the pass said about the next one: run again at ``wake_at`` (a job falling due
-        before the next tick: a one-off job, so the pass holds no thread while it waits), or
-        nothing to do before ``quiet_until`` (the regular ticks until then are skipped)."""
-        wake = record.result.wake_at() if record.result is not None else None
+    def _pass(self, name: str, service: Service, ctx: PassContext, fence: Fence,
+              stop_event: threading.Event) -> PassRecord:
+        """Run the pass, keep its figures, and record it (or give the term up if it was fenced)."""
+        record = execute_pass(name, service, ctx, self.metrics)
+        self.last_runs[name] = record.as_dict()
+        if record.outcome is Outcome.SUCCESS:
+            self._last_success[name] = record.finished_at
+        record.last_success_at = self._last_success.get(name)
+        if record.outcome is Outcome.FENCED:
+            if not stop_event.is_set():  # this term is still ours as far as the elector knows
+                self.on_fenced(record.error or "fenced", fence)
+        elif record.outcome is not Outcome.STOPPED and worth_recording(self._recorded.get(name), record):
+            self._record(ctx, record)
+        return record
+
+    def _follow_up(self, name: str, service: Service, result: PassResult | None,
+                   stop_event: threading.Event) -> None:
+        """What the pass (its ``result``; of a pass that raised, what it had said so far) said
+        about the next one: run again at ``wake_at`` (a job falling due before the next tick: a
+        one-off job, so the pass holds no thread while it waits), or nothing to do before
+        ``quiet_until`` (the regular ticks until then are skipped)."""
+        wake = result.wake_at() if result is not None else None
         if wake is not None and not stop_event.is_set():
             self.wake(name, wake)
             return

@@ -854,3 +854,86 @@ def test_a_cancel_that_arrives_late_never_hits_the_connection_s_next_user(engine
             query.cancel()  # the statement has ended already
         conn.rollback()
         conn.execute(text("SELECT pg_sleep(0.8)"))  # the connection's next user: not cancelled
+
+
+class ObserveFails(Service):
+    """Its first pass waits until told to end; its ``observe`` fails (a bug in a service's metrics),
+    so that ``execute_pass`` raises instead of returning a record."""
+
+    def __init__(self, config, calls: list, release: threading.Event):
+        super().__init__(config)
+        self.calls, self.release = calls, release
+
+    def run_once(self, ctx):
+        self.calls.append(time.monotonic())
+        if len(self.calls) == 1:
+            self.release.wait(10)
+        return CountResult(1)
+
+    def observe(self, metrics, result):
+        raise RuntimeError("observe failed")
+
+
+def test_a_wake_asked_for_during_a_pass_that_raises_still_runs(settings, engine):
+    """A wake asked for while a pass runs (the probe found work) is deferred until the pass ends.
+    When execute_pass raised rather than returned a record (here the service's observe failed),
+    the deferred wake was dropped with the exception: no second pass until the next tick (an
+    hour here), the work the probe saw left waiting."""
+    calls: list = []
+    release = threading.Event()
+    settings.cleaner.interval = timedelta(hours=1)
+    runner = Runner(settings, engine, Metrics(), build=lambda s: {"cleaner": ObserveFails(s.cleaner, calls, release)})
+    runner.start()
+    try:
+        runner.activate(NoFence())
+        wait_for(lambda: "cleaner" in runner._active, 5, what="the first pass")
+        runner.wake("cleaner")  # deferred: the pass runs
+        wait_for(lambda: "cleaner" in runner._deferred, 5, what="the wake deferred")
+        release.set()
+        wait_for(lambda: len(calls) >= 2, 10, what="the pass asked for during the first (which raised)")
+        wait_for(lambda: not runner._active, 5, what="the second pass to end")
+    finally:
+        release.set()
+        runner.shutdown()
+
+
+@dataclass
+class WakeResult(CountResult):
+    next_pass_at: datetime | None = None
+
+    def wake_at(self):
+        return self.next_pass_at
+
+
+class AsksAgainObserveFails(Service):
+    """Each pass asks for the next one half a second later (as the scheduler does for a job due
+    before its next tick); its ``observe`` fails, so that ``execute_pass`` raises."""
+
+    def __init__(self, config, calls: list):
+        super().__init__(config)
+        self.calls = calls
+
+    def run_once(self, ctx):
+        self.calls.append(time.monotonic())
+        result = ctx.begin(WakeResult(1))
+        result.next_pass_at = ctx.now() + timedelta(seconds=0.5)
+        return result
+
+    def observe(self, metrics, result):
+        raise RuntimeError("observe failed")
+
+
+def test_the_follow_up_a_pass_asked_for_survives_execute_pass_raising(settings, engine):
+    """A pass that asked for its next one at a time (wake_at: a job due before the next tick)
+    lost that follow-up when execute_pass raised after the pass (its service's observe failed):
+    the job waited for the next tick (an hour here) instead of half a second."""
+    calls: list = []
+    settings.cleaner.interval = timedelta(hours=1)
+    runner = Runner(settings, engine, Metrics(), build=lambda s: {"cleaner": AsksAgainObserveFails(s.cleaner, calls)})
+    runner.start()
+    try:
+        runner.activate(NoFence())
+        wait_for(lambda: len(calls) >= 3, 10, what="the passes each pass asked for")
+        assert calls[2] - calls[0] > 0.8, "the follow-ups came sooner than asked"
+    finally:
+        runner.shutdown()
