@@ -503,6 +503,57 @@ def test_a_job_falling_due_during_a_batch_is_waited_for_when_the_clock_runs_ahea
     assert result.wake_at() <= clock.now() + timedelta(seconds=MIN_WAKE)
 
 
+class SteppedBack(ServerClock):
+    """The server's clock, read just before it stepped back ``step`` seconds (an NTP step): that
+    reading, carried forward on the host's monotonic clock, runs ``step`` seconds ahead of the
+    server's until it is read again (the next read, up to ``max_age`` later, is the server's)."""
+
+    def __init__(self, step: float):
+        super().__init__()
+        self.step = timedelta(seconds=step)
+
+    def sync(self, conn) -> None:
+        super().sync(conn)
+        server, mono = self._reading
+        self._reading, self.step = (server + self.step, mono), timedelta(0)
+
+
+def test_a_server_clock_stepped_back_does_not_make_precise_timing_spin(settings, engine, schema):
+    """The server's clock stepped back 60 s (an NTP correction) after the daemon read it. A job due
+    3 s from now by the server's clock looks 57 s overdue by the carried reading: each pass found
+    it "due", promoted nothing (the server's own statement_timestamp() bounds promotion), and asked
+    for the next pass MIN_WAKE later: ~60 passes in the 3 s before the server's clock reached the
+    job (a pass every 50 ms for as long as the step, up to the next read 30 s later, per target).
+    A pass whose next due time is behind its own clock reads the server's time again instead, and
+    sleeps until the job is due. (NTP steps: https://docs.ntpsec.org/latest/ntpd.html, ``-x``.)"""
+    settings.scheduler.interval = timedelta(seconds=5)
+    record_promotions(engine, schema)
+    clock = SteppedBack(60.0)
+    with engine.connect() as conn:
+        clock.sync(conn)  # the reading before the step
+    with engine.begin() as conn:
+        due = conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) VALUES "
+                               "('k', 'scheduled', clock_timestamp() + interval '3 seconds') "
+                               "RETURNING scheduled_at", schema)).scalar()
+    metrics = Metrics(target=schema)
+    from maintd.runner import Runner
+    from maintd.services.base import NoFence
+
+    runner = Runner(settings, engine, metrics, clock=clock, build=lambda s: {"scheduler": Scheduler(s.scheduler)})
+    runner.start()
+    runner.activate(NoFence())
+    try:
+        wait_for(lambda: promotions(engine, schema), 15, what="the promotion")
+        passes = scheduler_passes(metrics, schema)
+    finally:
+        runner.shutdown()
+    [(_, at)] = promotions(engine, schema)
+    assert at >= due, "promoted before the server's clock reached it"
+    # The first pass, and the one at the job's due time (a third if the wake-up came a little early).
+    assert passes <= 3, f"{passes:.0f} passes in the 3 s before the job fell due"
+    assert (at - due).total_seconds() <= MIN_WAKE + NOISE, at - due
+
+
 def test_a_full_notify_queue_does_not_stop_promotion(layout, caplog):
     """PostgreSQL's NOTIFY queue is one for the whole server, and a session that LISTENs (on any
     channel, for any application) and then sits idle in a transaction keeps every notification

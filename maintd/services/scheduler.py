@@ -28,6 +28,13 @@ clock, which drifts from the server's by a fraction of a millisecond; the promot
 the server's own ``statement_timestamp()`` as well, so no job becomes ``available`` before the
 server's clock reaches its ``scheduled_at`` (a pass woken a little early promotes it on its next
 wake-up, within ``MIN_WAKE``). A test's FrozenClock in the server's past still decides alone.
+
+Clock steps: after the server's clock steps back (an NTP correction), the carried reading runs
+ahead of it until it is read again (up to 30 s). A job due within the step then looks overdue,
+yet the server's own bound promotes nothing: a pass whose next due time is not after its own
+``now`` (which the next-due read, bounded by the server's clock, can return only then) reads the
+server's time again before it asks for the next pass, so it sleeps until the job is due by the
+server's clock, instead of waking every ``MIN_WAKE`` until the server's time catches up.
 """
 
 from __future__ import annotations
@@ -127,6 +134,8 @@ class Scheduler(Service):
         next_due = self._promote_due(ctx, result)
         if next_due is not None and self.config.precise_timing:
             now = ctx.now()
+            if next_due <= now:  # our reading runs ahead of the server's clock (it stepped back)
+                now = ctx.now(fresh=True)
             if next_due < now + self.config.interval:
                 result.next_pass_at = max(next_due, now + timedelta(seconds=MIN_WAKE))
         return result
