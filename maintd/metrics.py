@@ -167,6 +167,13 @@ class Metrics:
                 self.service_runs.labels(service, outcome)
             self.service_run_seconds.labels(service)
 
+    def clear_gauges(self, families: Iterable[Family]) -> None:
+        """Remove this target's series of the gauges among ``families`` (counters keep theirs:
+        rate() and increase() need them to go on)."""
+        for family in set(families):
+            if family.kind is Gauge:
+                self[family].clear()
+
     def health_series(self) -> list[Bound]:
         """The table-health gauges (cleared together when this replica stops leading)."""
         return [self.xmin_horizon_age_seconds, self.xmin_horizon_age_xids, self.table_dead_tuples,

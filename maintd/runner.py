@@ -142,12 +142,26 @@ class Runner:
             _stop(ctx)
         if was_active:
             self.gauges.clear()  # only the leader exports job gauges: a follower's would be stale
+            self._clear_term_gauges()
         deadline = time.monotonic() + timeout
         while self._active and time.monotonic() < deadline:
             # Woken by each pass that ends (a timed Event wait, not time.sleep: clock_nanosleep is
             # what LD_PRELOADed clock shims such as libfaketime get wrong).
             self._pass_ended.wait(0.01)
             self._pass_ended.clear()
+
+    def _clear_term_gauges(self) -> None:
+        """The services' gauges (stray rows, a rebuild's duration) are figures of this term's
+        passes: a replica that no longer leads must not export them as current. Back to what a
+        replica that never led exports: their known series at 0, no others (counters stay)."""
+        self.metrics.clear_gauges(f for service in self.services.values() for f in service.METRICS)
+        self._known_series()
+
+    def _clear_term_gauges_if_following(self) -> None:
+        with self._lock:
+            following = self._fence is None
+        if following:
+            self._clear_term_gauges()
 
     def reload(self, settings: Settings) -> None:
         """New settings and services; while leading, reschedule: disabled services stop, new
@@ -316,6 +330,8 @@ class Runner:
             log.error("pass failed outside the service", extra=kv(service=name, error=str(exc)),
                       exc_info=log.isEnabledFor(logging.DEBUG))
         finally:
+            if stop_event.is_set():  # a pass of an ended term: it observed after the demotion
+                self._clear_term_gauges_if_following()
             with self._lock:
                 self._active.pop(name, None)
                 again = name in self._deferred

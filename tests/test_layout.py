@@ -31,6 +31,7 @@ from maintd.services.cleaner import Cleaner
 from maintd.services.partitioner import Partitioner, PartitionerConfig
 
 from .conftest import TEST_PARTITIONS, run_concurrently
+from .procs import wait_for
 
 HOUR, MINUTE = timedelta(hours=1), timedelta(minutes=1)
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -245,6 +246,29 @@ def test_strays_land_in_the_catch_alls_and_are_counted(engine, schema):
     assert (result.stray_rows, result.partitions, result.made) == (4, 3 * (TEST_PARTITIONS["premake"] + 1), 0)
     service.observe(metrics, result)
     assert metrics.registry.get_sample_value("maintd_partition_stray_rows", {"target": "t"}) == 4
+
+
+def test_a_demoted_replica_stops_exporting_its_term_s_stray_rows(configured, engine, schema):
+    """maintd_partition_stray_rows is what the leader's last partitioner pass counted. A replica
+    that stopped leading kept exporting its last count: after a new leader moved the rows, the
+    ex-leader's series still said 1 (an alert on the max over replicas kept firing). A demotion
+    puts it back where a replica that never led has it: the known series at 0 (SPEC 7.4)."""
+    from maintd.runner import Runner
+    from maintd.services.base import NoFence
+
+    insert_final(engine, schema, "completed", "1990-01-01")  # in the low catch-all
+    settings = configured(cleaner={"completed_retention": -1})
+    metrics = Metrics(target="t")
+    runner = Runner(settings, engine, metrics, build=lambda s: {"partitioner": Partitioner(PartitionerConfig.of(s))})
+    runner.start()
+    try:
+        runner.activate(NoFence())
+        wait_for(lambda: metrics.registry.get_sample_value("maintd_partition_stray_rows", {"target": "t"}) == 1,
+                 30, what="the partitioner's count")
+        runner.deactivate()
+        assert metrics.registry.get_sample_value("maintd_partition_stray_rows", {"target": "t"}) == 0
+    finally:
+        runner.shutdown()
 
 
 def test_a_burst_past_premake_closes_the_catch_all_and_moves_what_lies_beyond(engine, schema):

@@ -937,3 +937,66 @@ def test_the_follow_up_a_pass_asked_for_survives_execute_pass_raising(settings, 
         assert calls[2] - calls[0] > 0.8, "the follow-ups came sooner than asked"
     finally:
         runner.shutdown()
+
+
+def test_a_demoted_replica_drops_the_reindex_durations_of_its_term(settings, engine):
+    """maintd_reindex_duration_seconds{index} is the leader's figure of its last rebuild. A replica
+    that stopped leading kept exporting it as current (a dashboard showing max or last across the
+    replicas showed the ex-leader's), unlike maintd_jobs, which a demotion clears. Its counters
+    (maintd_reindex_total) stay, as every counter does."""
+    from maintd.services.reindexer import Reindexer
+
+    settings.reindexer.enabled = True
+    settings.reindexer.indexes = ["jobs_pkey"]
+    metrics = Metrics()
+    runner = Runner(settings, engine, metrics, build=lambda s: {"reindexer": Reindexer(s.reindexer)})
+    runner.start()
+    labels = {"target": TARGET, "index": "jobs_pkey"}
+    try:
+        runner.activate(NoFence())
+        runner.wake("reindexer")  # a pass now (its cron slot is midnight)
+        wait_for(lambda: metrics.registry.get_sample_value("maintd_reindex_duration_seconds", labels) is not None,
+                 30, what="the rebuild's duration")
+        runner.deactivate()
+        assert metrics.registry.get_sample_value("maintd_reindex_duration_seconds", labels) is None
+        assert b"maintd_reindex_duration_seconds{" not in metrics.render()
+        assert sample(metrics, "maintd_reindex_total", {**labels, "outcome": "reindexed"}) == 1
+    finally:
+        runner.shutdown()
+
+
+class SlowCounter(Service):
+    """Declares the stray-rows gauge and sets it from what its pass did so far, also when the pass
+    is stopped half-way (as the partitioner's observe does with a stopped pass's partial result)."""
+
+    from maintd.services.partitioner import STRAY_ROWS
+    METRICS = (STRAY_ROWS,)
+
+    def run_once(self, ctx):
+        ctx.begin(CountResult(7))
+        with ctx.transaction() as conn:
+            conn.execute(text("SELECT pg_sleep(30)"))
+        return CountResult(7)
+
+    def observe(self, metrics, result):
+        metrics[self.STRAY_ROWS].set(result.n)
+
+
+def test_a_pass_that_ends_after_the_demotion_leaves_no_gauge_of_its_term(settings, engine):
+    """The election loop demotes without waiting for the passes (deactivate(timeout=0)): a pass
+    stopped then reports what it did after deactivate() returned, and its gauge was set again on
+    the follower. The term's gauges are cleared once more when such a pass ends."""
+    metrics = Metrics()
+    runner = Runner(settings, engine, metrics, build=lambda s: {"partitioner": SlowCounter(s.cleaner)})
+    runner.start()
+    try:
+        runner.activate(NoFence())
+        wait_for(lambda: runner._active, 5, what="the slow pass to start")
+        runner.deactivate(timeout=0)
+        wait_for(lambda: sample(metrics, "maintd_service_runs_total",
+                                {"target": TARGET, "service": "partitioner", "outcome": "stopped"}) == 1,
+                 5, what="the stopped pass reported")
+        wait_for(lambda: not runner._active, 5, what="the pass to end")
+        assert metrics.registry.get_sample_value("maintd_partition_stray_rows", {"target": TARGET}) in (None, 0)
+    finally:
+        runner.shutdown()
