@@ -137,6 +137,9 @@ class LogConfig(Section):
 class MetricsConfig(Section):
     # Per-queue series: the largest queues keep their name, the rest are summed as queue="_other".
     max_queues: int = Field(default=100, ge=1, le=100_000)
+    # Per-periodic-entry series (schedules are rows: thousands are possible): the configured entries,
+    # then the first ids seen, keep their name; the rest are counted as periodic_id="_other".
+    max_periodic_ids: int = Field(default=100, ge=1, le=100_000)
 
 
 class HealthConfig(Section):

@@ -89,7 +89,8 @@ class Daemon:
         self.changes = Changes()  # the timetable changes of terms, off the election loops' threads
         self.hosts: dict[str, HostOrder] = {}  # per database URL: who answers (engine + lock session)
         self.engines: dict[tuple, Engine] = {}
-        self.metrics = metrics or Metrics(target=targets[0].target_name, max_queues=settings.metrics.max_queues)
+        bounds = {"max_queues": settings.metrics.max_queues, "max_periodic_ids": settings.metrics.max_periodic_ids}
+        self.metrics = metrics or Metrics(target=targets[0].target_name, **bounds)
         self.targets: list[Target] = []
         for t in targets:
             url = t.database_url.get_secret_value()
@@ -99,7 +100,7 @@ class Daemon:
                 same = sum(_engine_key(o) == key for o in targets)
                 self.engines[key] = maintenance_engine(t, pool_size=pool_size(same), hosts=hosts)
             metrics_t = self.metrics if not self.targets else Metrics(
-                target=t.target_name, max_queues=settings.metrics.max_queues, shared=self.metrics)
+                target=t.target_name, **bounds, shared=self.metrics)
             self.targets.append(Target(t, self.engines[key], metrics_t, self.clock, self.timetable,
                                        name_in_logs=len(targets) > 1, changes=self.changes))
         lead = settings.leader

@@ -113,14 +113,16 @@ class Metrics:
     Series with a known label set exist from the start at 0 (:meth:`known_series`)."""
 
     def __init__(self, registry: CollectorRegistry | None = None, target: str = "maintd",
-                 max_queues: int = 100, *, shared: "Metrics | None" = None):
+                 max_queues: int = 100, *, max_periodic_ids: int = 100, shared: "Metrics | None" = None):
         """``shared``: another target's Metrics whose registry and series families this one
         uses too (several targets in one process, one /metrics). Every family exists from the
-        start, the services' too (:func:`maintd.services.metric_families`)."""
+        start, the services' too (:func:`maintd.services.metric_families`). ``max_queues``,
+        ``max_periodic_ids``: the bounds of the per-queue and per-periodic-entry series."""
         from .services import metric_families  # here: the services import this module
         self.registry = shared.registry if shared else (registry or CollectorRegistry(auto_describe=True))
         self.target = target
         self.max_queues = max_queues
+        self.max_periodic_ids = max_periodic_ids
         self._queues_seen: set[str] = set()
         self._families: dict[str, tuple[Family, Any]] = shared._families if shared else {}
         self.is_leader, self.leadership_changes = self[IS_LEADER], self[LEADERSHIP_CHANGES]

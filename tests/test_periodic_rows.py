@@ -580,3 +580,36 @@ def test_what_the_enqueuer_keeps_per_row_goes_with_the_row(settings, engine, sch
     one_pass(settings, engine, FrozenClock(T0 + timedelta(minutes=4)), service)
     assert len(service._disabled_seen) == 0
     assert len(service._schedules) <= 40, len(service._schedules)
+
+
+def test_the_periodic_id_series_are_bounded_by_metrics_max_periodic_ids(settings, engine, schema):
+    """Schedules are rows: an application (or an operator's script) can make thousands, and each id
+    had series of its own in maintd_periodic_enqueued_total and _skipped_total: 300 rows (half of them
+    disabled), 300 periodic_id values, without bound. As per-queue series are (metrics.max_queues), they are bounded by
+    metrics.max_periodic_ids (default 100): the configured entries and then the first ids seen
+    keep their name, the rest are counted under periodic_id="_other", every job still counted.
+    (Prometheus on label cardinality: https://prometheus.io/docs/practices/naming/#labels)"""
+    from maintd.metrics import OTHER, Metrics
+
+    metrics, service, clock = Metrics(target="t"), PeriodicEnqueuer([]), FrozenClock(T0)
+    assert metrics.max_periodic_ids == 100  # the default, as settings.metrics.max_periodic_ids
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.periodic_jobs (id, schedule, kind, run_on_start, enabled) "
+                         "SELECT 'row_' || g, '@every 1s', 'k', true, g % 2 = 0 FROM generate_series(1, 300) g", schema))
+    changed_at(engine, schema, T0)
+    service.observe(metrics, one_pass(settings, engine, clock, service))
+
+    def series(name: str) -> dict:
+        return {s.labels["periodic_id"]: s.value for m in metrics.registry.collect() for s in m.samples
+                if s.name == name and s.labels.get("target") == "t"}
+
+    enqueued, skipped = series("maintd_periodic_enqueued_total"), series("maintd_periodic_skipped_total")
+    assert len(set(enqueued) | set(skipped)) <= 101, f"{len(enqueued)} and {len(skipped)} periodic_id series"
+    assert OTHER in enqueued and OTHER in skipped
+    assert sum(enqueued.values()) == 150 and sum(skipped.values()) == 150  # every slot still counted
+    # A deleted row frees its place: an id seen later takes it, the rest still go to _other.
+    execute(engine, schema, "DELETE FROM {schema}.periodic_jobs")
+    clock.advance(1)
+    service.poke()
+    service.observe(metrics, one_pass(settings, engine, clock, service))
+    assert set(series("maintd_periodic_enqueued_total")) <= {OTHER}

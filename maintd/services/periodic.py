@@ -35,7 +35,7 @@ from sqlalchemy.exc import DBAPIError
 from ..crontab import cron_args
 from ..db import describe_db_error
 from ..logs import clip, kv
-from ..metrics import Family
+from ..metrics import OTHER, Family
 from ..queries import jobs, periodic_slots
 from ..schedules import Schedule, common_slots, count_common, latest_common, parse_schedule
 from .base import NotLeader, PassContext, PassResult, PassStopped, Service
@@ -416,16 +416,28 @@ class PeriodicEnqueuer(Service):
 
     def observe(self, metrics, result: PeriodicResult) -> None:
         """Count the pass; the series of ids gone (a row deleted, an entry removed) go too: an
-        application that makes a row per customer and deletes it would grow them without bound."""
+        application that makes a row per customer and deletes it would grow them without bound.
+        At most ``metrics.max_periodic_ids`` ids have series of their own (rows are many): the
+        configured entries first, then the first ids counted; the others count as ``_other``."""
         for pid in self._labelled - self._ids:
             metrics[ENQUEUED].remove(pid)
             for reason in SKIP_REASONS:
                 metrics[SKIPPED].remove(pid, reason)
         self._labelled &= self._ids
+        cap = metrics.max_periodic_ids
+        for entry in self._configured:  # an operator's few entries are named before the rows
+            self._label(entry.job.id, cap)
         for e in result.enqueued:
-            metrics[ENQUEUED].labels(e["periodic_id"]).inc()
-            self._labelled.add(e["periodic_id"])
+            metrics[ENQUEUED].labels(self._label(e["periodic_id"], cap)).inc()
         for pid, reasons in result.skipped.items():
+            label = self._label(pid, cap)
             for reason, n in reasons.items():
-                metrics[SKIPPED].labels(pid, reason).inc(n)
-            self._labelled.add(pid)
+                metrics[SKIPPED].labels(label, reason).inc(n)
+
+    def _label(self, periodic_id: str, cap: int) -> str:
+        """The id's label: its own while fewer than ``cap`` ids have one (a deleted id's place is
+        free again), else ``_other`` (bounded cardinality, as ``metrics.max_queues``)."""
+        if periodic_id in self._labelled or len(self._labelled) < cap:
+            self._labelled.add(periodic_id)
+            return periodic_id
+        return OTHER
