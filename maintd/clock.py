@@ -50,7 +50,14 @@ class ServerClock:
 
         sent = time.monotonic()
         server = conn.execute(text(catalog.SERVER_TIME)).scalar_one()
-        got = time.monotonic()
+        self.take(server, sent, time.monotonic())
+
+    def take(self, server: datetime, sent: float, got: float) -> None:
+        """A reading of the server's time made elsewhere (the due-time probe's, every second): the
+        statement was sent at monotonic ``sent`` and answered at ``got``. A step of the server's
+        clock (NTP) then reaches the carried reading within a probe's look, not only when a pass
+        reads it again: a reading left behind a step forward turned the probe's "due now" into a
+        wake-up a whole step away on the host's clock, and no pass ran to read it again."""
         with self._lock:
             self._reading = (server.astimezone(UTC), (sent + got) / 2)
 

@@ -12,7 +12,9 @@ target would find work: one statement of index probes for every target due for a
 ``probe_every()``), and per target a pass now, a pass at a time (a job falling due, a stuck
 deadline: :meth:`maintd.runner.Runner.wake`), or an idle pass counted without running
 (:meth:`maintd.runner.Runner.idle`). A target whose probe fails gets a pass of its own, which says
-what fails.
+what fails. Its read of the server's time renews the runners' carried reading of it
+(:meth:`maintd.clock.ServerClock.take`), so a step of the server's clock moves their wake-ups
+within a look.
 """
 
 from __future__ import annotations
@@ -163,8 +165,13 @@ class ServiceProbe(_Batched):
         with self.engine.connect() as conn:
             conn.execute(text(catalog.SET_LOCAL), {"name": "statement_timeout", "value": str(self.TIMEOUT_MS)})
             rows = {r[0]: r[1:] for r in conn.execute(self._compiled(targets)).all()}
+            sent = time.monotonic()
             now = conn.execute(text(catalog.STATEMENT_TIME)).scalar_one()
+            got = time.monotonic()
             conn.rollback()
+        for clock in {id(t.runner.clock): t.runner.clock for t in targets}.values():
+            if hasattr(clock, "take"):  # a ServerClock (a test's FrozenClock is left alone)
+                clock.take(now, sent, got)
         for i, target in enumerate(targets):
             service = target.runner.services[self.service]
             verdict = service.after_probe(rows[i], now)

@@ -554,6 +554,44 @@ def test_a_server_clock_stepped_back_does_not_make_precise_timing_spin(settings,
     assert (at - due).total_seconds() <= MIN_WAKE + NOISE, at - due
 
 
+def test_a_server_clock_stepped_forward_does_not_stall_the_probe_driven_passes(settings, engine, schema):
+    """The server's clock stepped forward 60 s (an NTP correction) after the daemon read it: the
+    carried reading runs 60 s behind. The due-time probe (the server's own time, every second) saw a
+    job due and asked for a pass at the server's now, which the runner turned into a host time with
+    the stale skew: 60 s away, and again on every look. With precise timing no tick runs and only a
+    pass reads the server's time again, so the job waited the whole step (an hour's step, an hour).
+    The probe's read of the server's time renews the reading, so the pass runs at the next look."""
+    from types import SimpleNamespace
+
+    from maintd.probes import ServiceProbe
+    from maintd.runner import Runner
+    from maintd.services.base import NoFence
+
+    clock = SteppedBack(-60.0)
+    with engine.connect() as conn:
+        clock.sync(conn)  # the reading before the step
+    metrics = Metrics(target=schema)
+    runner = Runner(settings, engine, metrics, clock=clock, build=lambda s: {"scheduler": Scheduler(s.scheduler)})
+    runner.start()
+    runner.activate(NoFence())
+    try:
+        wait_for(lambda: "scheduler" in runner.last_runs, 5, what="the first pass")
+        with engine.begin() as conn:
+            job = conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) VALUES "
+                                   "('k', 'scheduled', clock_timestamp() - interval '1 second') RETURNING id",
+                                   schema)).scalar()
+        probe = ServiceProbe(engine, [SimpleNamespace(is_leader=True, runner=runner, settings=settings,
+                                                      name=schema)], "scheduler")
+
+        def promoted() -> bool:
+            probe.run()  # what the daemon's timetable runs every second
+            return states(engine, schema)[job] == "available"
+
+        wait_for(promoted, 10, interval=0.5, what="the due job promoted")
+    finally:
+        runner.shutdown()
+
+
 def test_a_full_notify_queue_does_not_stop_promotion(layout, caplog):
     """PostgreSQL's NOTIFY queue is one for the whole server, and a session that LISTENs (on any
     channel, for any application) and then sits idle in a transaction keeps every notification
