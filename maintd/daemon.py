@@ -83,7 +83,9 @@ class Daemon:
                  config_path: str | None = None, metrics: Metrics | None = None):
         self.settings = settings
         self.config_path = config_path
-        self.clock = clock or ServerClock()
+        # The server's time per database (a test's clock for all): each server's own clock, never
+        # another's carried over (SPEC 7.1: retention and rescue horizons are that server's times).
+        self.clocks: dict[str, Clock] = {}
         targets = settings.target_settings()
         self.timetable = new_timetable(pass_workers(len(targets)))
         self.changes = Changes()  # the timetable changes of terms, off the election loops' threads
@@ -101,7 +103,8 @@ class Daemon:
                 self.engines[key] = maintenance_engine(t, pool_size=pool_size(same), hosts=hosts)
             metrics_t = self.metrics if not self.targets else Metrics(
                 target=t.target_name, **bounds, shared=self.metrics)
-            self.targets.append(Target(t, self.engines[key], metrics_t, self.clock, self.timetable,
+            target_clock = clock or self.clocks.setdefault(url, ServerClock())
+            self.targets.append(Target(t, self.engines[key], metrics_t, target_clock, self.timetable,
                                        name_in_logs=len(targets) > 1, changes=self.changes))
         lead = settings.leader
         self.spread = Spread(self.targets, me=settings.instance_id, retry_interval=lead.retry_interval.total_seconds(),

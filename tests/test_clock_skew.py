@@ -115,3 +115,67 @@ def test_a_slow_host_clock_still_promotes_due_jobs_and_enqueues_periodic_slots(p
         wait_for(enqueued, 20, what="a periodic slot of the server's present")
     finally:
         assert d.stop() == 0, d.log()
+
+
+def test_targets_on_two_servers_each_take_their_own_server_s_time(pg_dsn, pg_version, schema, engine, monkeypatch):
+    """SPEC 7.1: the times maintd computes (the periodic slots due, a rescue's horizon) are the
+    server's, and with targets on two servers, each target's own server's. The daemon carried one
+    reading of "the server's time" for all its targets: here the other server's, so the periodic
+    entry of the target whose server runs an hour ahead enqueued each slot an hour late (its jobs'
+    scheduled_at 3,600 s behind its server's now()), and with the clocks the other way round it
+    would have enqueued the coming hour's slots at once. The SQL guards hold the rest: a live job
+    (seen 2 minutes ago, rescued after 30) stays running, and the one seen 40 minutes ago is
+    rescued (the control: the rescuer runs)."""
+    import contextlib
+
+    from maintd import migrate
+    from maintd.config import Settings
+    from maintd.daemon import Daemon
+    from maintd.db import make_engine
+
+    from .conftest import private_server
+
+    with contextlib.ExitStack() as stack:
+        with monkeypatch.context() as m:  # the private server runs an hour ahead; nothing else does
+            for key, value in skewed("+3600s").items():
+                m.setenv(key, value)
+            ahead = stack.enter_context(private_server(pg_version))
+        other = make_engine(ahead.dsn, application_name="maintd-test-migrate", pooled=False)
+        stack.callback(other.dispose)
+        with other.connect() as conn:
+            migrate.upgrade(conn, "ahead")
+            ahead_now = conn.execute(sql("SELECT now()", "ahead")).scalar_one()
+        with engine.connect() as conn:
+            here_now = conn.execute(sql("SELECT now()", schema)).scalar_one()
+        assert (ahead_now - here_now).total_seconds() > 3000, "the private server's clock is not ahead"
+        live, dead = insert(engine, schema, """INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at,
+            heartbeat_at) VALUES ('live', 'running', 1, now() - interval '2 minutes', now() - interval '2 minutes'),
+                                 ('dead', 'running', 1, now() - interval '40 minutes', now() - interval '40 minutes')""")
+        tick = {"id": "tick", "schedule": "@every 5s", "kind": "tick"}
+        daemon = Daemon(Settings(
+            database_url=pg_dsn, instance_id="two-clocks", http={"enabled": False},
+            leader={"lease": "3s", "renew_interval": "1s", "retry_interval": "0.2s"},
+            rescuer={"interval": "1s", "rescue_stuck_jobs_after": "30m"}, cleaner={"enabled": False},
+            targets=[{"name": "here", "schema": schema, "periodic": [tick]},
+                     {"name": "ahead", "schema": "ahead", "database_url": ahead.dsn, "periodic": [tick]}]))
+        stack.callback(daemon.stop)
+        daemon.start()
+        wait_for(lambda: all(t.is_leader for t in daemon.targets), 20, what="both targets led")
+        wait_for(lambda: state_of(engine, schema, dead) == "retryable", 20, what="the control job rescued")
+
+        def slots(e, name: str) -> tuple[float, float] | None:
+            """How far the target's tick slots lie from its own server's time (earliest, latest)."""
+            with e.connect() as conn:
+                row = conn.execute(sql("SELECT extract(epoch FROM min(scheduled_at) - now()), extract(epoch FROM "
+                                       "max(scheduled_at) - now()) FROM {schema}.jobs WHERE kind = 'tick'", name)).one()
+            return None if row[0] is None else (float(row[0]), float(row[1]))
+
+        wait_for(lambda: slots(engine, schema) and slots(other, "ahead"), 20, what="both targets' first slot")
+        deadline = time.monotonic() + 8  # several passes of both targets and as many probes
+        while time.monotonic() < deadline:
+            daemon.tick()
+            for e, name in ((engine, schema), (other, "ahead")):  # the slots of these seconds
+                earliest, latest = slots(e, name)
+                assert earliest >= -60 and latest <= 30, f"{name}: slots {earliest:.0f} s .. {latest:.0f} s from its server's time"
+            assert state_of(engine, schema, live) == "running", "a live job was rescued by the other server's clock"
+            time.sleep(0.2)
