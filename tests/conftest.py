@@ -10,8 +10,10 @@ from __future__ import annotations
 import compileall
 import contextlib
 import functools
+import itertools
 import os
 import re
+import socket
 import subprocess
 import threading
 import uuid
@@ -24,6 +26,7 @@ import pytest
 from sqlalchemy import Engine, text
 
 import maintd
+import maintd.embedded
 from maintd import migrate
 from maintd.clock import FrozenClock
 from maintd.config import Settings
@@ -38,6 +41,33 @@ T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=timezone.utc)
 # The suite's own setting, read once: maintd's config rejects unknown MAINTD_* variables, so it is
 # removed from the environment of every test (see _no_suite_env).
 TEST_DATABASE_URL = os.environ.get("MAINTD_TEST_DATABASE_URL")
+
+
+_PORTS_PER_WORKER = 2000
+_next_port = itertools.count()
+
+
+def _unique_port() -> int:
+    """A port for a private server, a PgBouncer or a URL nobody listens on, never handed out
+    twice in a session: each xdist worker has a range of its own below the kernel's ephemeral
+    ports, walked in order. From the kernel (``bind(("127.0.0.1", 0))``) a port a test had just
+    given up came back: a daemon still retrying a "dead" URL, or a stopped server's clients,
+    then reached another test's new server on that port (a max_connections=4 server found full,
+    once in CI)."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    base = 20000 + (worker % 6) * _PORTS_PER_WORKER
+    for _ in range(_PORTS_PER_WORKER):
+        port = base + next(_next_port) % _PORTS_PER_WORKER
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use by something else: the next one
+                continue
+        return port
+    raise RuntimeError(f"no free port in {base}..{base + _PORTS_PER_WORKER - 1}")
+
+
+maintd.embedded.free_port = _unique_port  # EmbeddedPostgres and the tests' servers take theirs here
 
 
 def pytest_configure(config: pytest.Config) -> None:
