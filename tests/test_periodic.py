@@ -157,6 +157,31 @@ def test_without_backfill_only_the_latest_missed_slot_runs(pg_dsn, schema, engin
     assert result.skipped == {"tick": {"outside_backfill": 5}}
 
 
+def test_a_backfill_window_shorter_than_the_delay_still_runs_the_latest_missed_slot(pg_dsn, schema, engine):
+    """A backfill only adds runs: a nightly entry with ``backfill = "1m"`` whose 03:00 slot is
+    first seen at 03:05 (a leader change, a pass delayed) runs it late, as the same entry without
+    a backfill does (SPEC 2: the window is for older slots "missed while no leader ran"). It ran
+    nothing, the day's run counted outside_backfill; graphile-worker catches up a late timer
+    whatever its ``fill`` (src/cron.ts, "Cron fired too late; catching up"). Also for a config
+    entry whose schedule changed meanwhile (the slot both schedules have)."""
+    day = datetime(2026, 3, 1, tzinfo=UTC)
+    for entry_id, later in (("same", "0 3 * * *"), ("changed", "0 3 * * 0-6")):
+        clock = FrozenClock(day + timedelta(hours=4))
+        run(make_settings(pg_dsn, schema, id=entry_id, schedule="0 3 * * *", backfill="1m"), engine, clock)
+        clock.set(day + timedelta(days=1, hours=3, minutes=5))
+        result = run(make_settings(pg_dsn, schema, id=entry_id, schedule=later, backfill="1m"), engine, clock)
+        assert [(e["slot"], e["backfilled"]) for e in result.enqueued] == [
+            ((day + timedelta(days=1, hours=3)).isoformat(), False)], entry_id
+        assert result.skipped == {}, entry_id
+    # Several missed, none in the window: the latest runs, the older ones are counted.
+    clock = FrozenClock(day + timedelta(hours=4))
+    run(make_settings(pg_dsn, schema, id="hourly", schedule="0 * * * *", backfill="1m"), engine, clock)
+    clock.set(day + timedelta(hours=7, minutes=5))
+    result = run(make_settings(pg_dsn, schema, id="hourly", schedule="0 * * * *", backfill="1m"), engine, clock)
+    assert [e["slot"] for e in result.enqueued] == [(day + timedelta(hours=7)).isoformat()]
+    assert result.skipped == {"hourly": {"outside_backfill": 2}}
+
+
 def test_run_on_start_enqueues_the_current_slot_once(pg_dsn, schema, engine):
     settings = make_settings(pg_dsn, schema, schedule="0 3 * * *", run_on_start=True)
     clock = FrozenClock(START)

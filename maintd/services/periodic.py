@@ -10,8 +10,9 @@ Per entry and pass, with ``hwm`` = the newest slot taken so far:
 * never seen: no backfill. The current slot becomes the baseline (taken without a job) unless
   ``run_on_start``, which enqueues it.
 * due slots ``hwm < s <= now``: with ``backfill``, each slot inside ``[now - backfill, now]`` is
-  enqueued once, oldest first; older ones are skipped (``outside_backfill``). Without ``backfill``
-  only the most recent due slot is enqueued (missed older runs are skipped, as cron does).
+  enqueued once, oldest first; older ones are skipped (``outside_backfill``). Without ``backfill``,
+  or when the window holds none of them (a pass later than the window is long), only the most
+  recent due slot is enqueued (missed older runs are skipped, as cron does): a window only adds runs.
 * disabled: nothing is enqueued; each new slot is taken without a job and counted as skipped
   (``disabled``), so an entry enabled again does not backfill the slots it was disabled for.
 
@@ -290,7 +291,7 @@ class PeriodicEnqueuer(Service):
         edge = after if job.backfill is None or job.backfill >= now - after else now - job.backfill - _TINY
         if had is not None:
             return self._due_both(job, schedule, had, after, edge, now)
-        if job.backfill is None:
+        if job.backfill is None or latest <= edge:  # a window the latest is not in: it runs all the same
             return [latest], max(0, schedule.count_between(after, latest) - 1)
         return list(schedule.slots_between(edge, now)), schedule.count_between(after, edge)
 
@@ -298,16 +299,16 @@ class PeriodicEnqueuer(Service):
     def _due_both(job: PeriodicJob, schedule: Schedule, had: Schedule, after: datetime, edge: datetime,
                   now: datetime) -> tuple[list[datetime], int]:
         """``_due`` for a changed schedule: of the slots both schedules have, those in the backfill
-        window, or (none) the latest, found walking back from ``now`` at most ``CHANGED_WALK`` slots
+        window, or (no backfill, or none in it) the latest, found walking back from ``now`` at most ``CHANGED_WALK`` slots
         (an older one is not run). Only the window is listed: the slots before it are counted, exactly
         when the sparser schedule has at most ``CHANGED_WALK`` there (or both are ``@every``), else
         estimated from its first ``CHANGED_WALK`` (a year of '@every 1s' was 31 million slots walked)."""
-        if job.backfill is None:
+        inside = [] if job.backfill is None else list(common_slots(schedule, had, edge, now))
+        if not inside:  # no backfill, or none in its window: the latest slot both have runs all the same
             last = latest_common(schedule, had, after, now, CHANGED_WALK)
             if last is None:
                 return [], count_common(schedule, had, after, now, CHANGED_WALK)
             return [last], count_common(schedule, had, after, last - _TINY, CHANGED_WALK)
-        inside = list(common_slots(schedule, had, edge, now))
         return inside, count_common(schedule, had, after, edge, CHANGED_WALK) if edge > after else 0
 
     def _baseline(self, ctx: PassContext, entry: PeriodicJob, slot: datetime, result: PeriodicResult) -> None:
