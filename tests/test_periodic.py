@@ -632,3 +632,26 @@ def test_a_schedule_changed_after_a_long_outage_is_not_walked_slot_by_slot(pg_ds
     assert result.skipped == {"fast": {"outside_backfill": 365 * 43200 - 1},
                               "filled": {"outside_backfill": 365 * 43200 - 3},
                               "minutes": {"outside_backfill": 365 * 720 - 2}}
+
+
+def test_a_changed_schedule_s_long_backfill_goes_on_over_bounded_passes(pg_dsn, schema, engine):
+    """The bound of a pass (``SLOTS_PER_PASS``) on a config entry whose schedule changed while no
+    leader ran: the slots both schedules have are enqueued over several passes, every one once,
+    before the entry goes on under its new schedule (its latest slot is not taken early, losing
+    the rest)."""
+    from maintd.services.periodic import SLOTS_PER_PASS
+
+    clock = FrozenClock(START)
+    run(make_settings(pg_dsn, schema, schedule="@every 1s", backfill="1d"), engine, clock)  # baseline 12:00:00
+    missed = 2 * (SLOTS_PER_PASS + 100)  # every second: half of them are slots of '@every 2s' too
+    clock.advance(missed)
+    changed = make_settings(pg_dsn, schema, schedule="@every 2s", backfill="1d")
+    service = PeriodicEnqueuer(changed.periodic)
+    assert len(run(changed, engine, clock, service=service).enqueued) == SLOTS_PER_PASS
+    assert service.quiet_until() is None
+    assert len(run(changed, engine, clock, service=service).enqueued) == 100
+    base = START.replace(microsecond=0)
+    assert [j.scheduled_at for j in jobs(engine, schema)] == [base + timedelta(seconds=s) for s in range(2, missed + 1, 2)]
+    clock.advance(2)
+    assert [e["slot"] for e in run(changed, engine, clock, service=service).enqueued] == [
+        (base + timedelta(seconds=missed + 2)).isoformat()]

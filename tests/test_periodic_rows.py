@@ -613,3 +613,31 @@ def test_the_periodic_id_series_are_bounded_by_metrics_max_periodic_ids(settings
     service.poke()
     service.observe(metrics, one_pass(settings, engine, clock, service))
     assert set(series("maintd_periodic_enqueued_total")) <= {OTHER}
+
+
+def test_a_long_backfill_is_enqueued_over_bounded_passes_and_keeps_no_other_row_waiting(settings, engine, schema):
+    """A row with a long ``backfill`` first seen long after its creation (restored from a dump,
+    added while no leader ran, the window as large as a row may ask: 100 years) listed every slot
+    of its window and enqueued them all in one pass: a year of '@every 1s' was 31 million
+    datetimes in memory and as many transactions before the rows after it had their turn. A pass
+    now enqueues at most ``SLOTS_PER_PASS`` slots of an entry, oldest first, and asks for the next
+    pass at once; every slot of the window is still enqueued once, with no gap."""
+    from maintd.services.periodic import SLOTS_PER_PASS
+
+    missed = 2 * SLOTS_PER_PASS + 500
+    add_row(engine, schema, "filled", schedule="@every 1s", kind="filled", backfill="36500 days")
+    add_row(engine, schema, "zother", schedule="@every 1s", kind="zother")  # after it, by id
+    changed_at(engine, schema, T0)
+    clock = FrozenClock(T0 + timedelta(seconds=missed, milliseconds=500))
+    service = PeriodicEnqueuer(settings.periodic)
+    result = one_pass(settings, engine, clock, service)
+    assert len(jobs_of(engine, schema, "filled")) == SLOTS_PER_PASS
+    assert [j.scheduled_at for j in jobs_of(engine, schema, "zother")] == [T0 + timedelta(seconds=missed)]
+    assert service.quiet_until() is None  # more to enqueue: the next tick runs a pass
+    passes = 1
+    while service.quiet_until() is None and passes < 10:
+        one_pass(settings, engine, clock, service)
+        passes += 1
+    got = [j.scheduled_at for j in jobs_of(engine, schema, "filled")]
+    assert got == [T0 + timedelta(seconds=s) for s in range(1, missed + 1)]
+    assert passes == 3 and result.skipped == {"zother": {"outside_backfill": missed - 1}}  # (no backfill)

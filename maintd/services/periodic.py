@@ -13,6 +13,8 @@ Per entry and pass, with ``hwm`` = the newest slot taken so far:
   enqueued once, oldest first; older ones are skipped (``outside_backfill``). Without ``backfill``,
   or when the window holds none of them (a pass later than the window is long), only the most
   recent due slot is enqueued (missed older runs are skipped, as cron does): a window only adds runs.
+  A pass enqueues at most ``SLOTS_PER_PASS`` slots of an entry; the next pass, at the next tick,
+  goes on from the newest one taken.
 * disabled: nothing is enqueued; each new slot is taken without a job and counted as skipped
   (``disabled``), so an entry enabled again does not backfill the slots it was disabled for.
 
@@ -28,6 +30,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from itertools import islice
 
 from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client import Counter
@@ -57,6 +60,11 @@ KEEP_HISTORY = timedelta(days=7)
 # Slots of a changed schedule walked at most to find the latest both schedules have, or to count
 # exactly those before the backfill window (see PeriodicEnqueuer._due_both).
 CHANGED_WALK = 5_000
+# Slots of one entry a pass enqueues at most (oldest first); the pass after it, at the next tick,
+# goes on from there. A row first seen long after its creation, with a long backfill, listed and
+# enqueued its whole window in one pass (a year of '@every 1s': 31 million slots) while the
+# entries after it waited.
+SLOTS_PER_PASS = 1_000
 ENQUEUED = Family(Counter, "maintd_periodic_enqueued", "Periodic jobs enqueued.", ("periodic_id",))
 SKIP_REASONS = ("duplicate", "replaced", "disabled", "outside_backfill", "error")
 SKIPPED = Family(Counter, "maintd_periodic_skipped", f"Periodic slots not enqueued (reason: {', '.join(SKIP_REASONS)}).",
@@ -75,6 +83,7 @@ class PeriodicResult(PassResult):
     baselined: list[str] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)  # periodic id -> why its turn failed
     invalid_rows: dict[str, str] = field(default_factory=dict)  # row id -> why it is not used
+    behind: list[str] = field(default_factory=list)  # ids with more due slots than a pass enqueues
     dry_run: bool = False
 
     def fail(self, periodic_id: str, error: str) -> None:
@@ -167,7 +176,7 @@ class PeriodicEnqueuer(Service):
         return True
 
     def _quiet_after(self, now: datetime, entries: list[Entry], result: PeriodicResult) -> None:
-        if result.failed() or result.invalid_rows or result.dry_run or self._rows.unwritten:
+        if result.failed() or result.invalid_rows or result.dry_run or self._rows.unwritten or result.behind:
             self._quiet_until = None
             return
         upcoming = [self.schedule(e.job).next_after(now) for e in entries]
@@ -277,6 +286,8 @@ class PeriodicEnqueuer(Service):
         Returns those enqueued."""
         keep, outside = self._due(job, after, latest, now, had) if after < latest else ([], 0)
         result.skip(job.id, "outside_backfill", outside)
+        if len(keep) >= SLOTS_PER_PASS:  # (the rest, if any, in the next pass)
+            result.behind.append(job.id)
         for slot in keep:
             self._enqueue(ctx, job, slot, slot != latest, result, stamp)
         return keep
@@ -293,7 +304,7 @@ class PeriodicEnqueuer(Service):
             return self._due_both(job, schedule, had, after, edge, now)
         if job.backfill is None or latest <= edge:  # a window the latest is not in: it runs all the same
             return [latest], max(0, schedule.count_between(after, latest) - 1)
-        return list(schedule.slots_between(edge, now)), schedule.count_between(after, edge)
+        return list(islice(schedule.slots_between(edge, now), SLOTS_PER_PASS)), schedule.count_between(after, edge)
 
     @staticmethod
     def _due_both(job: PeriodicJob, schedule: Schedule, had: Schedule, after: datetime, edge: datetime,
@@ -303,7 +314,7 @@ class PeriodicEnqueuer(Service):
         (an older one is not run). Only the window is listed: the slots before it are counted, exactly
         when the sparser schedule has at most ``CHANGED_WALK`` there (or both are ``@every``), else
         estimated from its first ``CHANGED_WALK`` (a year of '@every 1s' was 31 million slots walked)."""
-        inside = [] if job.backfill is None else list(common_slots(schedule, had, edge, now))
+        inside = [] if job.backfill is None else list(islice(common_slots(schedule, had, edge, now), SLOTS_PER_PASS))
         if not inside:  # no backfill, or none in its window: the latest slot both have runs all the same
             last = latest_common(schedule, had, after, now, CHANGED_WALK)
             if last is None:
@@ -328,6 +339,8 @@ class PeriodicEnqueuer(Service):
         # The missed slots are taken under the old schedule (``under``): a pass stopped before the
         # end sees the change again, not a new schedule whose slots since the last one were missed.
         ran = self._run_due(ctx, job, hwm, latest, now, result, old, under) if old is not None else []
+        if job.id in result.behind:  # more missed slots: still the old schedule's until they are in
+            return
         log.info("periodic entry's schedule changed: slots of the old one only are not run",
                  extra=kv(periodic_id=job.id, schedule=taken_under(job), missed=len(ran)))
         if latest > hwm and latest not in ran:
