@@ -641,3 +641,23 @@ def test_a_long_backfill_is_enqueued_over_bounded_passes_and_keeps_no_other_row_
     got = [j.scheduled_at for j in jobs_of(engine, schema, "filled")]
     assert got == [T0 + timedelta(seconds=s) for s in range(1, missed + 1)]
     assert passes == 3 and result.skipped == {"zother": {"outside_backfill": missed - 1}}  # (no backfill)
+
+
+def test_a_row_paused_and_resumed_while_no_leader_ran_does_not_backfill_its_pause(settings, engine, schema):
+    """A paused row's slots are taken without a job, so that resumed it does not enqueue (or
+    backfill) them; but those of its pause after the last leader stopped were not taken, and
+    resumed before a leader came back, the row backfilled them as missed. A row resumed counts
+    its missed slots from its change (``updated_at``), as a row whose schedule changed does."""
+    add_row(engine, schema, "hourly", schedule="0 * * * *", kind="hourly", backfill="1 day")
+    changed_at(engine, schema, T0 - timedelta(minutes=30))
+    service = PeriodicEnqueuer(settings.periodic)
+    one_pass(settings, engine, FrozenClock(T0 + timedelta(seconds=1)), service)  # 12:00 enqueued
+    execute(engine, schema, "UPDATE {schema}.periodic_jobs SET enabled = false")
+    changed_at(engine, schema, T0 + timedelta(minutes=30))
+    one_pass(settings, engine, FrozenClock(T0 + timedelta(hours=1, seconds=1)), service)  # 13:00 taken, paused
+    # The leaders stop at 13:10; the row is resumed at 15:30; a leader is back at 16:05.
+    execute(engine, schema, "UPDATE {schema}.periodic_jobs SET enabled = true")
+    changed_at(engine, schema, T0 + timedelta(hours=3, minutes=30))
+    result = one_pass(settings, engine, FrozenClock(T0 + timedelta(hours=4, minutes=5)), PeriodicEnqueuer(settings.periodic))
+    assert [j.scheduled_at for j in jobs_of(engine, schema, "hourly")] == [T0, T0 + timedelta(hours=4)]
+    assert [e["backfilled"] for e in result.enqueued] == [False]

@@ -16,7 +16,9 @@ Per entry and pass, with ``hwm`` = the newest slot taken so far:
   A pass enqueues at most ``SLOTS_PER_PASS`` slots of an entry; the next pass, at the next tick,
   goes on from the newest one taken.
 * disabled: nothing is enqueued; each new slot is taken without a job and counted as skipped
-  (``disabled``), so an entry enabled again does not backfill the slots it was disabled for.
+  (``disabled``), so an entry enabled again does not backfill the slots it was disabled for; the
+  newest is marked paused (``taken_paused``), so a row enabled again while no leader ran counts
+  its missed slots from that change.
 
 Entries come from ``[[periodic]]`` (and the crontab) and from the rows of ``periodic_jobs``
 (:mod:`maintd.services.periodic_rows`), read again whenever they change. A row that changed after
@@ -74,6 +76,15 @@ SKIPPED = Family(Counter, "maintd_periodic_skipped", f"Periodic slots not enqueu
 def taken_under(job: PeriodicJob) -> str:
     """What a slot is taken under (``periodic_slots.schedule``): the entry's schedule and zone."""
     return f"{job.schedule} ({job.timezone})"
+
+
+PAUSED = " paused"
+
+
+def taken_paused(job: PeriodicJob) -> str:
+    """What the newest slot of a disabled entry is taken under: a row enabled again counts its
+    missed slots from its change, not from that slot (those between were its pause's)."""
+    return taken_under(job) + PAUSED
 
 
 @dataclass
@@ -146,7 +157,7 @@ class PeriodicEnqueuer(Service):
 
     def _taken_under(self, under: str) -> Schedule | None:
         """The schedule a slot was taken under (see :func:`taken_under`); None if it no longer parses."""
-        expression, _, zone = under.rpartition(" (")
+        expression, _, zone = under.removesuffix(PAUSED).rpartition(" (")
         try:
             return self._parse(expression, zone.removesuffix(")"))
         except ValueError:
@@ -263,7 +274,8 @@ class PeriodicEnqueuer(Service):
             return
         self._disabled_seen.pop(job.id, None)
         hwm, under = newest or (None, None)
-        changed = hwm is not None and under is not None and under != taken_under(job)
+        paused = under == taken_paused(job)  # its newest slot was taken while it was disabled
+        changed = hwm is not None and under is not None and under != taken_under(job) and not paused
         if changed and entry.since is None:  # a config or crontab entry, changed at a time unknown
             self._changed(ctx, job, hwm, under, latest, now, result)
             return
@@ -273,8 +285,8 @@ class PeriodicEnqueuer(Service):
         if hwm is None and entry.since is None:
             self._baseline(ctx, job, latest, result)
             return
-        if entry.since is not None and (hwm is None or (changed or under is None) and entry.since > hwm):
-            hwm = entry.since  # a new row, or one whose schedule changed: its slots count from the change
+        if entry.since is not None and (hwm is None or (changed or paused or under is None) and entry.since > hwm):
+            hwm = entry.since  # a new row, or one whose schedule changed or that was enabled again: from the change
         elif entry.created is not None and entry.created > hwm:
             hwm = entry.created  # a row added again (its id's slots are the removed one's): from its creation
         self._run_due(ctx, job, hwm, latest, now, result)
@@ -354,11 +366,16 @@ class PeriodicEnqueuer(Service):
                        result: PeriodicResult) -> None:
         """A disabled entry's slot is taken without a job (the ``previous`` one this daemon took
         forgotten), and counted by whichever daemon takes it: enabled again, the entry does not
-        enqueue (or backfill) the slots it was disabled for."""
+        enqueue (or backfill) the slots it was disabled for. Taken already (enqueued before the
+        entry was disabled), it is marked paused all the same: a row enabled again while no leader
+        ran counts its missed slots from its change, not from the last slot a leader took."""
+        stamp = taken_paused(entry)
         with ctx.transaction() as conn:
             taken = conn.execute(ctx.sql(periodic_slots.TAKE_DISABLED), {
                 "periodic_id": entry.id, "slot": slot, "previous": previous, "instance": ctx.instance_id,
-                "schedule": taken_under(entry)}).first()
+                "schedule": stamp}).first()
+            if taken is None:
+                conn.execute(ctx.sql(periodic_slots.RESTAMP), {"periodic_id": entry.id, "slot": slot, "schedule": stamp})
         if taken is not None:
             result.skip(entry.id, "disabled")
 
