@@ -61,8 +61,7 @@ def counts(service: str, result: Result | None) -> dict[str, int]:
     if service == "scheduler":
         return {"promoted": _sum(result.get("promoted"))}
     if service == "periodic":
-        enqueued = result.get("enqueued")
-        return {"enqueued": len(enqueued) if isinstance(enqueued, list) else 0}
+        return {"enqueued": _enqueued(result)}
     if service == "reindexer":
         return {"reindexed": sum(1 for i in _maps(result.get("indexes")) if i.get("outcome") == "reindexed")}
     return {}
@@ -113,10 +112,18 @@ def _waits(r: Result) -> str:
     return f"; next pass at {at:%H:%M:%S}.{at.microsecond // 1000:03d}"
 
 
+def _enqueued(r: Result) -> int:
+    """The jobs a periodic pass enqueued: ``enqueued_count`` (its list is bounded), or as results
+    recorded before it was counted apart, the list's length."""
+    listed = r.get("enqueued")
+    return _int(r["enqueued_count"]) if "enqueued_count" in r else len(listed) if isinstance(listed, list) else 0
+
+
 def _periodic(r: Result, verb: str) -> str:
     enqueued = _maps(r.get("enqueued"))
     ids = sorted({str(e.get("periodic_id")) for e in enqueued})
-    line = f"{verb('enqueued', 'would enqueue')} {num(len(enqueued))}" + (f" ({', '.join(ids)})" if ids else "")
+    more = ", ..." if _enqueued(r) > len(enqueued) else ""
+    line = f"{verb('enqueued', 'would enqueue')} {num(_enqueued(r))}" + (f" ({', '.join(ids)}{more})" if ids else "")
     skipped = r.get("skipped")
     n = sum(_sum(v) for v in skipped.values()) if isinstance(skipped, Mapping) else 0
     if n:

@@ -155,3 +155,29 @@ def test_a_stored_result_of_another_shape_never_fails_the_line():
 
 
 DESCRIBE_SERVICES = ("cleaner", "rescuer", "scheduler", "periodic", "reindexer", "partitioner")
+
+
+def test_a_periodic_pass_over_thousands_of_rows_is_recorded_bounded_with_exact_totals():
+    """A schedule per customer: a pass over 5,000 rows kept every job it enqueued and every id's
+    skips, errors and unusable rows in the result that ``service_runs`` stores and ``/status``
+    serves (1.0 MB here, each pass). The recorded result keeps RESULT_KEYS ids of each; the totals
+    the status line and the counts give stay exact."""
+    from maintd.metrics import OTHER, RESULT_KEYS
+    from maintd.services.periodic import PeriodicResult
+
+    r = PeriodicResult()
+    for i in range(5000):
+        pid = f"customer-{i:05}"
+        r.enqueued.append({"periodic_id": pid, "slot": "2026-11-30T07:00:00+00:00", "job_id": i, "backfilled": False})
+        r.skip(pid, "duplicate", 2)
+        r.fail(pid, "args: not JSON")
+        r.invalid_rows[f"row-{i}"] = "schedule: bad"
+    d = json.loads(json.dumps(r.as_dict(), default=str))
+    assert len(json.dumps(d)) < 60_000
+    assert len(d["enqueued"]) == RESULT_KEYS and d["enqueued_count"] == 5000
+    assert len(d["skipped"]) == RESULT_KEYS + 1 and d["skipped"][OTHER] == {"duplicate": 2 * (5000 - RESULT_KEYS)}
+    assert len(d["errors"]) == len(d["invalid_rows"]) == RESULT_KEYS + 1
+    assert counts("periodic", d) == {"enqueued": 5000}
+    line = describe("periodic", d)
+    assert line.startswith("enqueued 5,000 (customer-00000, ") and ", ...), skipped 10,000" in line, line
+    assert counts("periodic", {"enqueued": [{"periodic_id": "a"}] * 3}) == {"enqueued": 3}  # recorded before

@@ -33,6 +33,7 @@ import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from itertools import islice
+from typing import Any
 
 from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client import Counter
@@ -41,7 +42,7 @@ from sqlalchemy.exc import DBAPIError
 from ..crontab import cron_args
 from ..db import describe_db_error
 from ..logs import clip, kv
-from ..metrics import OTHER, Family
+from ..metrics import OTHER, RESULT_KEYS, Family
 from ..queries import jobs, periodic_slots
 from ..schedules import Schedule, common_slots, count_common, latest_common, parse_schedule
 from .base import NotLeader, PassContext, PassResult, PassStopped, Service
@@ -116,6 +117,27 @@ class PeriodicResult(PassResult):
     def did_something(self) -> bool:
         return bool(self.enqueued) or bool(self.errors) or any(
             r != "disabled" for reasons in self.skipped.values() for r in reasons)
+
+    def as_dict(self) -> dict[str, Any]:
+        """As recorded (``service_runs``, ``/status``), bounded however many rows there are (a
+        schedule per customer): the per-id lists and maps keep ``RESULT_KEYS`` ids, the jobs
+        enqueued are counted in ``enqueued_count``, and the skips of the other ids are summed by
+        reason under ``_other``."""
+        d = super().as_dict()
+        d["enqueued_count"], d["enqueued"] = len(d["enqueued"]), d["enqueued"][:RESULT_KEYS]
+        ids = sorted(d["skipped"])
+        if len(ids) > RESULT_KEYS:
+            other: dict[str, int] = {}
+            for reasons in (d["skipped"][i] for i in ids[RESULT_KEYS:]):
+                for reason, n in reasons.items():
+                    other[reason] = other.get(reason, 0) + n
+            d["skipped"] = {**{i: d["skipped"][i] for i in ids[:RESULT_KEYS]}, OTHER: other}
+        for key in ("errors", "invalid_rows"):
+            if len(d[key]) > RESULT_KEYS:
+                kept = sorted(d[key])[:RESULT_KEYS]
+                d[key] = {**{i: d[key][i] for i in kept}, OTHER: f"{len(d[key]) - RESULT_KEYS} more"}
+        d["baselined"], d["behind"] = d["baselined"][:RESULT_KEYS], d["behind"][:RESULT_KEYS]
+        return d
 
     def summary(self) -> str:
         verb = "would enqueue" if self.dry_run else "enqueued"
