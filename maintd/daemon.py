@@ -316,6 +316,7 @@ class Daemon:
         self.settings = settings = self._reload_targets(settings.model_copy(update=keep))
         for metrics in {id(t.metrics): t.metrics for t in self.targets}.values():
             metrics.max_queues = settings.metrics.max_queues  # from the next refresh of the gauges
+            metrics.max_periodic_ids = settings.metrics.max_periodic_ids  # from the enqueuer's next pass
         setup_logging(settings.log.level, settings.log.format)
         enabled = [n for n, s in self.targets[0].runner.services.items() if s.enabled()]
         log.info("config reloaded", extra=kv(services=",".join(enabled) or "none", **periodic_counts(settings)))

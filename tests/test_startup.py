@@ -131,3 +131,24 @@ def test_the_readme_lists_every_key_a_reload_keeps_until_a_restart(pg_dsn, schem
         daemon.stop()
     kept = {k for k in RESTART_ONLY if k != "http"} | {"http.listen", "http.enabled"}
     assert listed == kept, (listed, kept)
+
+
+def test_a_reload_applies_metrics_max_periodic_ids_as_it_does_max_queues(pg_dsn, schema, tmp_path, maintd_log):
+    """metrics.max_periodic_ids bounds the periodic_id series (README "Metrics"), and a reload is not
+    among the keys that need a restart (README "Signals"): it applies, as metrics.max_queues does.
+    A reload logged "config reloaded" and the per-periodic-entry bound stayed what the daemon
+    started with, unsaid (each target's Metrics, which the enqueuer's observe reads)."""
+    cfg = tmp_path / "m.toml"
+    base = f'database_url = "{pg_dsn}"\ninstance_id = "r1"\n[http]\nenabled = false\n'
+    targets = f'[[targets]]\nschema = "{schema}"\n[[targets]]\nname = "other"\nschema = "{schema}_b"\n'
+    cfg.write_text(base + targets)
+    daemon = Daemon(load_settings(str(cfg)), config_path=str(cfg))
+    try:
+        assert [t.metrics.max_periodic_ids for t in daemon.targets] == [100, 100]
+        cfg.write_text(base + "[metrics]\nmax_queues = 4\nmax_periodic_ids = 3\n" + targets)
+        assert daemon.reload_from_file()
+        assert not any("needs a restart" in line for line in maintd_log), maintd_log
+        assert [t.metrics.max_queues for t in daemon.targets] == [4, 4]
+        assert [t.metrics.max_periodic_ids for t in daemon.targets] == [3, 3]
+    finally:
+        daemon.stop()
