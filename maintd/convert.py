@@ -160,11 +160,13 @@ def _prepare(conn: Connection, schema: str, layout: Layout, say: Callable[[str],
         conn.connection.dbapi_connection.execute(render(q.SYNC_FUNCTION, schema))  # no parameter markers
         conn.commit()
     elif conn.execute(text(q.HAS_TRIGGER), {"t": jobs}).scalar() < 2:
-        # jobs_conv without its triggers: writes since they went were not repeated there (the
-        # copied rows would come back as they were copied), so the copy starts over
-        say(f"schema {schema}: the sync trigger was gone; copying again from the start")
+        # jobs_conv without its triggers (gone, or begun by a release without the TRUNCATE one):
+        # writes since then were not all repeated there (the copied rows would come back as they
+        # were copied), so the copy starts over, and the function is this release's
+        say(f"schema {schema}: a sync trigger was missing; copying again from the start")
         for template in q.RESTART_COPY:
             conn.execute(sql(template, schema))
+        conn.connection.dbapi_connection.execute(render(q.SYNC_FUNCTION, schema))  # no parameter markers
         conn.commit()
     if conn.execute(text(q.HAS_TRIGGER), {"t": jobs}).scalar() < 2:
         _with_lock_timeout(conn, "the sync triggers", *(sql(t, schema) for t in (

@@ -183,6 +183,67 @@ def test_a_truncate_during_a_conversion_empties_the_copy_too(engine, pg_dsn, sch
     assert list(_states(engine, schema)) == [after_it]
 
 
+# The sync function as the release before the TRUNCATE trigger made it (row operations only).
+EARLIER_SYNC_FUNCTION = """
+CREATE OR REPLACE FUNCTION {schema}.jobs_convert_sync() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
+BEGIN
+  IF TG_OP <> 'INSERT' THEN
+    IF OLD.finalized_at IS NULL THEN
+      DELETE FROM {schema}.jobs_conv AS c WHERE c.id = OLD.id AND c.state = OLD.state;
+    ELSE
+      DELETE FROM {schema}.jobs_conv AS c
+       WHERE c.id = OLD.id AND c.state = OLD.state AND c.finalized_at = OLD.finalized_at;
+    END IF;
+  END IF;
+  IF TG_OP <> 'DELETE' THEN
+    INSERT INTO {schema}.jobs_conv SELECT NEW.*;
+  END IF;
+  INSERT INTO {schema}.jobs_convert_seen (id) VALUES (CASE WHEN TG_OP = 'DELETE' THEN OLD.id ELSE NEW.id END)
+  ON CONFLICT DO NOTHING;
+  RETURN NULL;
+END
+$fn$
+"""
+
+
+def _convert_until_stopped(owner, schema: str) -> None:
+    """A conversion run that copies two batches and is stopped (resumable)."""
+    batches = []
+    with owner.connect() as conn:
+        stop_after = lambda: (batches.append(1), len(batches) > 2)[1]
+        assert convert.convert(conn, schema, LAYOUT, say=lambda _: None, stop=stop_after) == "stopped"
+
+
+def test_a_conversion_begun_before_an_upgrade_follows_a_truncate_once_resumed(engine, pg_dsn, schema):
+    """A conversion is resumable across runs (hours on a large table), so one begun by the release
+    before the TRUNCATE trigger may be resumed by this one: its jobs_convert_sync() has row code
+    only, and the resumed run made the statement-level TRUNCATE trigger on that old function. A
+    TRUNCATE of jobs then ran the row code with OLD and NEW null (PostgreSQL's documentation,
+    plpgsql-trigger.html: NEW and OLD are "null in statement-level triggers") and failed putting
+    an all-null row into jobs_conv: the emergency TRUNCATE refused while the conversion lasted."""
+    from maintd.queries import render
+
+    seed(engine, schema, final=12000, live=3000)
+    owner = make_engine(pg_dsn, application_name="convert", pooled=False)
+    try:
+        _convert_until_stopped(owner, schema)  # begun by the earlier release:
+        with owner.begin() as conn:  # its function, and no TRUNCATE trigger
+            conn.execute(sql("DROP TRIGGER jobs_convert_truncate ON {schema}.jobs", schema))
+            conn.connection.dbapi_connection.execute(render(EARLIER_SYNC_FUNCTION, schema))
+        _convert_until_stopped(owner, schema)  # resumed by this release
+        with owner.begin() as conn:
+            assert conn.execute(sql("SELECT count(*) FROM {schema}.jobs_conv", schema)).scalar() > 0
+            conn.execute(sql("TRUNCATE {schema}.jobs", schema))
+        with engine.begin() as conn:
+            after_it = JobQueue(schema).enqueue(conn, "after-the-truncate", queue="q")
+        with owner.connect() as conn:
+            assert convert.convert(conn, schema, LAYOUT, say=lambda _: None) == "done"
+    finally:
+        owner.dispose()
+    assert list(_states(engine, schema)) == [after_it]
+
+
 def test_a_conversion_cut_off_after_its_swap_is_cleaned_up_by_the_next_run(engine, pg_dsn, schema, monkeypatch):
     """The swap commits, then the clean-up runs in a transaction of its own: a run killed between
     the two left jobs_plain (a whole copy of the table), the progress tables and the trigger

@@ -122,8 +122,10 @@ CLEAN_UP = (
 
 # Repeats a change of a plain row in jobs_conv (pruned to the row's partition), and notes the id;
 # a TRUNCATE of jobs empties the copy and the seen ids with it (the rows after it are all new).
+# OR REPLACE: a conversion begun by a release before the TRUNCATE trigger, resumed, has that
+# release's function (row code only), which the TRUNCATE trigger must not run.
 SYNC_FUNCTION = """
-CREATE FUNCTION {schema}.jobs_convert_sync() RETURNS trigger
+CREATE OR REPLACE FUNCTION {schema}.jobs_convert_sync() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
 BEGIN
   IF TG_OP = 'TRUNCATE' THEN
