@@ -1109,3 +1109,56 @@ def test_a_standby_that_stays_behind_while_its_xmin_moves_is_warned_about_once(m
     warned = [line for line in maintd_log if "vacuum is held back" in line and "kind=standby_feedback" in line]
     gone = [line for line in maintd_log if "holder gone" in line and "kind=standby_feedback" in line]
     assert (len(warned), len(gone)) == (1, 0), maintd_log
+
+
+@pytest.mark.slow
+def test_vacuum_defer_cleanup_age_does_not_retreat_a_replication_slot_s_xmin():
+    """PostgreSQL 15's ComputeXidHorizons() retreats by vacuum_defer_cleanup_age the horizon of the
+    running transactions only (backends, prepared transactions, a walsender's feedback), and then
+    takes the older of that and the replication slots' xmin (procarray.c, REL_15: "Check whether
+    there are replication slots requiring an older xmin", after the retreat). A standby's slot held
+    3,000 ids back with the setting at 1,000 holds the horizon at the slot's own age, as VACUUM
+    VERBOSE's "removable cutoff" shows; the read retreated the slot too, and named the setting as
+    holding the horizon 1,000 ids further back than it was."""
+    import re
+
+    from .standby import StandbyPair
+
+    with StandbyPair() as pair:
+        with psycopg.connect(pair.primary.dsn, autocommit=True) as primary:
+            primary.execute("ALTER SYSTEM SET vacuum_defer_cleanup_age = 1000")
+            primary.execute("SELECT pg_reload_conf()")
+            primary.execute("SELECT pg_create_physical_replication_slot('standby_slot')")
+        with psycopg.connect(pair.standby.dsn, autocommit=True) as standby:
+            for setting, value in (("hot_standby_feedback", "on"), ("primary_slot_name", "standby_slot"),
+                                   ("wal_receiver_status_interval", "1s")):
+                standby.execute(f"ALTER SYSTEM SET {setting} = '{value}'")
+            standby.execute("SELECT pg_reload_conf()")
+        engine = make_engine(pair.primary.dsn, application_name="maintd-test-health", pooled=False)
+        try:
+            with psycopg.connect(pair.standby.dsn, application_name="bi-on-standby") as query:
+                query.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+                query.execute("SELECT count(*) FROM pg_class")
+
+                def slot():
+                    horizon = read(engine, None, ()).horizon
+                    return next((h for h in horizon.holders if h.kind == "replication_slot"), None)
+
+                wait_for(lambda: (consume_xids(pair.primary.dsn), slot())[1], 30, interval=0.3,
+                         what="the slot's xmin named")
+                consume_xids(pair.primary.dsn, 3000)
+                with psycopg.connect(pair.primary.dsn, autocommit=True) as primary:
+                    notices: list[str] = []
+                    primary.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+                    primary.execute("CREATE TABLE IF NOT EXISTS defer_probe (n int)")
+                    primary.execute("VACUUM (VERBOSE) defer_probe")
+                cutoff = re.search(r"removable cutoff: \d+, which was (\d+) XIDs old", "\n".join(notices))
+                assert cutoff, notices
+                truth = int(cutoff.group(1))
+                horizon = read(engine, None, ()).horizon
+                held = slot()
+                assert held is not None and truth >= 3000 and abs(held.age_xids - truth) <= 10, (held, truth)
+                assert horizon.age_xids <= truth + 10, (horizon.holder, truth)
+                assert horizon.holder.kind == "replication_slot", horizon.holder
+        finally:
+            engine.dispose()

@@ -29,8 +29,9 @@ each table, partition and index they size, bounded by the read's 5 s ``lock_time
 #   PostgreSQL no longer applies them (ReplicationSlotsComputeRequiredXmin() skips it): left out;
 # * PostgreSQL 15's ``vacuum_defer_cleanup_age`` (gone in 16: ``current_setting(.., true)`` is NULL
 #   there): ComputeXidHorizons() retreats the data horizon by that many ids behind the oldest of
-#   the rest (the next id when nothing else holds), so it is a holder of its own, that many ids
-#   older than the oldest data row above (its ``xmin``: that id, 32 bits like the others').
+#   the running transactions (the next id when none holds), then takes the older of that and the
+#   slots' xmin, which it does not retreat: a holder of its own, that many ids older than the
+#   oldest data row above other than a slot (its ``xmin``: that id, 32 bits like the others').
 #
 # ``xmin`` is the holder's oldest transaction id as text (an identity, not compared here),
 # ``age_xids`` how many ids were assigned since (``age()``: 0 while nothing newer was assigned),
@@ -94,7 +95,8 @@ SELECT 'setting', 'data', NULL, NULL, NULL, NULL, NULL,
        CAST(mod(CAST(CAST(pg_snapshot_xmax(pg_current_snapshot()) AS text) AS bigint) % 4294967296 - d.behind
                 + 4294967296, 4294967296) AS text),
        d.behind, NULL, NULL, 'vacuum_defer_cleanup_age', d.defer || ' transactions behind the rest', NULL
-  FROM (SELECT defer, defer + coalesce((SELECT max(age_xids) FROM held WHERE scope = 'data'), 0) AS behind
+  FROM (SELECT defer, defer + coalesce((SELECT max(age_xids) FROM held
+                                         WHERE scope = 'data' AND kind <> 'replication_slot'), 0) AS behind
           FROM (SELECT CAST(current_setting('vacuum_defer_cleanup_age', true) AS bigint) AS defer) s) d
  WHERE d.defer > 0
 """
