@@ -258,9 +258,8 @@ def test_a_full_notify_queue_does_not_stop_rescues(layout, caplog):
     """PostgreSQL's NOTIFY queue is one for the whole server; a session that LISTENs (on any channel,
     for any application) and then sits idle in a transaction keeps every notification from being
     freed, and once the queue is full COMMIT of any transaction that notifies fails ("too many
-    notifications in the NOTIFY queue", SQLSTATE 54000; PostgreSQL docs, NOTIFY: "If the NOTIFY
-    queue is full, transactions calling NOTIFY will fail at commit",
-    https://www.postgresql.org/docs/current/sql-notify.html). The rescue and its ``stalled``
+    notifications in the NOTIFY queue", SQLSTATE 54000; PostgreSQL's documentation, sql-notify.html,
+    Notes: a full queue fails the COMMIT of every transaction that notifies). The rescue and its ``stalled``
     events were one transaction, so every pass failed and no stuck job left ``running`` for as
     long as that session stayed. Rescue matters more than the events (the scheduler's NOTIFY
     goes the same way, test_scheduler): the batch is redone without them, with a warning. On a
@@ -304,7 +303,9 @@ def _rescue_with_the_notify_queue_full(dsn: str, layout: str, caplog) -> None:
             result = Rescuer(settings.rescuer).run_once(PassContext.for_settings(settings, engine, ServerClock()))
         assert (result.retried, result.discarded) == (4, 0)
         assert set(states(engine, "maintd").values()) == {"retryable"}
-        assert any("NOTIFY queue" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+        assert any("NOTIFY queue" in r.getMessage() and "without their stalled events" in r.getMessage()
+                   and getattr(r, "fields", {}).get("schema") == "maintd" for r in caplog.records), \
+            [r.getMessage() for r in caplog.records]
     finally:
         stuck.close()
         filler.close()

@@ -67,7 +67,7 @@ from ..metrics import Family
 from ..queries import jobs
 from ..sections import OptionalDuration, PositiveDuration, Section, ServiceConfig, names_like_queues
 from .base import PassContext, PassResult, Service
-from .scheduler import MIN_WAKE, NOTIFY_QUEUE_FULL
+from .scheduler import MIN_WAKE, NOTIFY_QUEUE_FULL, NOTIFY_QUEUE_FULL_WHY
 
 
 class RescueRule(Section):
@@ -159,9 +159,7 @@ FUTURE_AHEAD = timedelta(minutes=1)
 # own commit, which holds the rescue's. Saves a WAL flush per batch (~3 ms here).
 RESCUE_TRANSACTION = {"synchronous_commit": "off"}
 # A rescue matters more than its events (as promotion does more than the scheduler's NOTIFY).
-EVENTS_QUEUE_FULL_LOG = ("the server's NOTIFY queue is full (a session that LISTENs is idle in a transaction: "
-                         "see pg_notification_queue_usage() and pg_stat_activity): jobs rescued without "
-                         "their stalled events")
+EVENTS_QUEUE_FULL_LOG = NOTIFY_QUEUE_FULL_WHY + ": jobs rescued without their stalled events"
 # backoff(k) in seconds for k = 0 .. BACKOFF_CAP (the statement indexes it by attempt)
 DELAYS = [backoff(k).total_seconds() for k in range(BACKOFF_CAP + 1)]
 
@@ -209,13 +207,13 @@ def _count_cleared(result: RescuerResult, cleared: list[int]) -> None:
                     extra=kv(count=len(cleared), job_ids=clip(cleared)))
 
 
-def _events_failed(exc: DBAPIError, params: dict) -> bool:
+def _events_failed(ctx: PassContext, exc: DBAPIError, params: dict) -> bool:
     """Whether a batch's COMMIT failed because the server's NOTIFY queue is full (SQLSTATE 54000)
     while it announced: then the pass's ``params`` announce nothing from now on (logged once)."""
     if not params.get("announce") or faults.sqlstate(exc) != NOTIFY_QUEUE_FULL:
         return False
     params["announce"] = False
-    log.warning(EVENTS_QUEUE_FULL_LOG)
+    ctx.log.warning(EVENTS_QUEUE_FULL_LOG, extra=kv(schema=ctx.schema))
     return True
 
 
@@ -340,7 +338,7 @@ class Rescuer(Service):
             except DBAPIError as exc:
                 if ctx.moved_meanwhile(exc):  # a worker finished a candidate meanwhile
                     continue
-                if _events_failed(exc, params):  # redone without the events
+                if _events_failed(ctx, exc, params):  # redone without the events
                     continue
                 raise
             if batch.retried or batch.discarded:
@@ -364,7 +362,7 @@ class Rescuer(Service):
             except DBAPIError as exc:
                 if ctx.moved_meanwhile(exc):  # finished, claimed or cancelled meanwhile
                     continue
-                if _events_failed(exc, params):  # redone without the events
+                if _events_failed(ctx, exc, params):  # redone without the events
                     continue
                 raise
             yield batch

@@ -63,9 +63,10 @@ PROBE_EVERY = 1.0  # seconds: the due-time probe's period, the lag bound for a j
 # keeps every notification from being freed). Promotion matters more than the wake-up (workers
 # poll): the pass goes on without NOTIFY.
 NOTIFY_QUEUE_FULL = "54000"
-NOTIFY_QUEUE_FULL_LOG = ("the server's NOTIFY queue is full (a session that LISTENs is idle in a transaction: "
-                         "see pg_notification_queue_usage() and pg_stat_activity): jobs promoted without "
-                         "waking the workers")
+# Why a COMMIT that notifies fails (54000), and where to look; each service says what it did without.
+NOTIFY_QUEUE_FULL_WHY = ("the server's NOTIFY queue is full (a session that LISTENs is idle in a transaction: "
+                         "see pg_notification_queue_usage() and pg_stat_activity)")
+NOTIFY_QUEUE_FULL_LOG = NOTIFY_QUEUE_FULL_WHY + ": jobs promoted without waking the workers"
 SUMMARY_QUEUES = 10  # queues named in a pass's summary line (the largest), the rest counted
 JOBS_PROMOTED = Family(Counter, "maintd_jobs_promoted", "Scheduled/retryable jobs made available.", ("queue",))
 
