@@ -349,8 +349,8 @@ class HolderWarnings:
                         "horizon", extra=kv(holder=holder.describe(), **_fields(holder),
                                             targets=",".join(targets)))
         for key in [k for k in self._warned if k not in present or present[k].age_seconds < limit / 2]:
-            gone = self._warned.pop(key)
-            log.info("xmin horizon holder gone", extra=kv(holder=gone.describe(), kind=gone.kind,
+            gone = self._warned.pop(key)  # or caught up: a standby or slot that stays, younger now
+            log.info("xmin horizon holder gone" if key not in present else "xmin horizon holder caught up", extra=kv(holder=gone.describe(), kind=gone.kind,
                                                           pid=gone.pid, targets=",".join(targets)))
         return new
 
