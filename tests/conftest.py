@@ -12,6 +12,7 @@ import contextlib
 import functools
 import itertools
 import os
+import random
 import re
 import socket
 import subprocess
@@ -44,7 +45,7 @@ TEST_DATABASE_URL = os.environ.get("MAINTD_TEST_DATABASE_URL")
 
 
 _PORTS_PER_WORKER = 2000
-_next_port = itertools.count()
+_next_port = itertools.count(random.randrange(_PORTS_PER_WORKER))  # each session from its own place
 
 
 def _unique_port() -> int:
@@ -53,7 +54,8 @@ def _unique_port() -> int:
     ports, walked in order. From the kernel (``bind(("127.0.0.1", 0))``) a port a test had just
     given up came back: a daemon still retrying a "dead" URL, or a stopped server's clients,
     then reached another test's new server on that port (a max_connections=4 server found full,
-    once in CI)."""
+    once in CI). A session starts at a random place in its range, so two sessions run at once on
+    one machine do not walk the same ports in step."""
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
     base = 20000 + (worker % 6) * _PORTS_PER_WORKER
     for _ in range(_PORTS_PER_WORKER):
