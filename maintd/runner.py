@@ -158,10 +158,11 @@ class Runner:
         self._known_series()
 
     def _clear_term_gauges_if_following(self) -> None:
+        """Under the lock: a term activated between the check and the clearing would lose its
+        first gauges (activate takes the lock to set its fence)."""
         with self._lock:
-            following = self._fence is None
-        if following:
-            self._clear_term_gauges()
+            if self._fence is None:
+                self._clear_term_gauges()
 
     def reload(self, settings: Settings) -> None:
         """New settings and services; while leading, reschedule: disabled services stop, new
