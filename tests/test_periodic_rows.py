@@ -613,6 +613,12 @@ def test_the_periodic_id_series_are_bounded_by_metrics_max_periodic_ids(settings
     service.poke()
     service.observe(metrics, one_pass(settings, engine, clock, service))
     assert set(series("maintd_periodic_enqueued_total")) <= {OTHER}
+    execute(engine, schema, "INSERT INTO {schema}.periodic_jobs (id, schedule, kind, run_on_start) "
+                            "VALUES ('late', '@every 1s', 'k', true)")
+    clock.advance(1)
+    service.poke()
+    service.observe(metrics, one_pass(settings, engine, clock, service))
+    assert series("maintd_periodic_enqueued_total").get("late") == 1
 
 
 def test_a_long_backfill_is_enqueued_over_bounded_passes_and_keeps_no_other_row_waiting(settings, engine, schema):
