@@ -264,52 +264,34 @@ def test_a_full_notify_queue_does_not_stop_rescues(layout, caplog):
     long as that session stayed. Rescue matters more than the events (the scheduler's NOTIFY
     goes the same way, test_scheduler): the batch is redone without them, with a warning. On a
     PostgreSQL 18 of its own (max_notify_queue_pages exists from 17 on)."""
-    from maintd.embedded import EmbeddedPostgres
+    from .notify_queue import notify_queue_full
 
-    with EmbeddedPostgres(settings={"max_notify_queue_pages": "64"}) as pg:  # the least: 512 kB
-        _rescue_with_the_notify_queue_full(pg.dsn, layout, caplog)
+    with notify_queue_full(layout) as (dsn, engine):
+        _rescue_with_the_notify_queue_full(dsn, engine, layout, caplog)
 
 
-def _rescue_with_the_notify_queue_full(dsn: str, layout: str, caplog) -> None:
+def _rescue_with_the_notify_queue_full(dsn: str, engine, layout: str, caplog) -> None:
     import logging
 
-    from maintd import migrate
     from maintd.config import Settings
-    from maintd.db import make_engine
 
-    from .conftest import TEST_PARTITIONS, migrate_layout
+    from .conftest import TEST_PARTITIONS
 
-    engine = make_engine(dsn, application_name="maintd-test", pool_size=4)
-    with engine.connect() as conn:
-        migrate.upgrade(conn, "maintd", layout=migrate_layout(layout))
-    stuck = psycopg.connect(dsn)
-    filler = psycopg.connect(dsn, autocommit=True)
-    try:
-        stuck.execute("LISTEN some_other_application")
-        stuck.commit()
-        stuck.execute("SELECT 1")  # and now idle in a transaction, never reading
-        with pytest.raises(psycopg.errors.ProgramLimitExceeded):
-            for i in range(1000):
-                filler.execute("SELECT pg_notify('some_other_application', repeat('x', 7000) || %s)", (str(i),))
-        with engine.begin() as conn:  # stuck (the keyset's batch), and no sign of life (the other one)
-            conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at) SELECT 'k', "
-                             "'running', 1, now() - interval '2 hours' FROM generate_series(1, 3)", "maintd"))
-            conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt) VALUES ('blank', 'running', 1)",
-                             "maintd"))
-        settings = Settings(database_url=dsn, schema="maintd", layout=layout, partitions=TEST_PARTITIONS,
-                            instance_id="test-1")
-        settings.rescuer.precise_timing = False
-        with caplog.at_level(logging.WARNING, logger="maintd"):
-            result = Rescuer(settings.rescuer).run_once(PassContext.for_settings(settings, engine, ServerClock()))
-        assert (result.retried, result.discarded) == (4, 0)
-        assert set(states(engine, "maintd").values()) == {"retryable"}
-        assert any("NOTIFY queue" in r.getMessage() and "without their stalled events" in r.getMessage()
-                   and getattr(r, "fields", {}).get("schema") == "maintd" for r in caplog.records), \
-            [r.getMessage() for r in caplog.records]
-    finally:
-        stuck.close()
-        filler.close()
-        engine.dispose()
+    with engine.begin() as conn:  # stuck (the keyset's batch), and no sign of life (the other one)
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at) SELECT 'k', "
+                         "'running', 1, now() - interval '2 hours' FROM generate_series(1, 3)", "maintd"))
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt) VALUES ('blank', 'running', 1)",
+                         "maintd"))
+    settings = Settings(database_url=dsn, schema="maintd", layout=layout, partitions=TEST_PARTITIONS,
+                        instance_id="test-1")
+    settings.rescuer.precise_timing = False
+    with caplog.at_level(logging.WARNING, logger="maintd"):
+        result = Rescuer(settings.rescuer).run_once(PassContext.for_settings(settings, engine, ServerClock()))
+    assert (result.retried, result.discarded) == (4, 0)
+    assert set(states(engine, "maintd").values()) == {"retryable"}
+    assert any("NOTIFY queue" in r.getMessage() and "without their stalled events" in r.getMessage()
+               and getattr(r, "fields", {}).get("schema") == "maintd" for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
 
 
 def test_events_channel_follows_the_schema():

@@ -608,44 +608,26 @@ def test_a_full_notify_queue_does_not_stop_promotion(layout, caplog):
     every transaction that notifies; the queue is 8 GB in a standard installation; a session that
     LISTENs and stays in a transaction stops its cleanup), and runtime-config-resource.html
     (max_notify_queue_pages, PostgreSQL 17)."""
-    from maintd.embedded import EmbeddedPostgres
+    from .notify_queue import notify_queue_full
 
-    with EmbeddedPostgres(settings={"max_notify_queue_pages": "64"}) as pg:  # the least: 512 kB
-        _promote_with_the_notify_queue_full(pg.dsn, layout, caplog)
+    with notify_queue_full(layout) as (dsn, engine):
+        _promote_with_the_notify_queue_full(dsn, engine, layout, caplog)
 
 
-def _promote_with_the_notify_queue_full(dsn: str, layout: str, caplog) -> None:
+def _promote_with_the_notify_queue_full(dsn: str, engine, layout: str, caplog) -> None:
     import logging
 
-    from maintd import migrate
     from maintd.config import Settings
-    from maintd.db import make_engine
 
-    from .conftest import TEST_PARTITIONS, migrate_layout
+    from .conftest import TEST_PARTITIONS
 
-    engine = make_engine(dsn, application_name="maintd-test", pool_size=4)
-    with engine.connect() as conn:
-        migrate.upgrade(conn, "maintd", layout=migrate_layout(layout))
-    stuck = psycopg.connect(dsn)
-    filler = psycopg.connect(dsn, autocommit=True)
-    try:
-        stuck.execute("LISTEN some_other_application")
-        stuck.commit()
-        stuck.execute("SELECT 1")  # and now idle in a transaction, never reading
-        with pytest.raises(psycopg.errors.ProgramLimitExceeded):
-            for i in range(1000):
-                filler.execute("SELECT pg_notify('some_other_application', repeat('x', 7000) || %s)", (str(i),))
-        with engine.begin() as conn:
-            conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state, scheduled_at) SELECT 'k', 'a', "
-                             "'scheduled', now() - interval '1 second' FROM generate_series(1, 3)", "maintd"))
-        settings = Settings(database_url=dsn, schema="maintd", layout=layout, partitions=TEST_PARTITIONS,
-                            instance_id="test-1")
-        with caplog.at_level(logging.WARNING, logger="maintd"):
-            result = Scheduler(settings.scheduler).run_once(PassContext.for_settings(settings, engine, ServerClock()))
-        assert result.promoted == {"a": 3}
-        assert set(states(engine, "maintd").values()) == {"available"}
-        assert any("NOTIFY queue" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
-    finally:
-        stuck.close()
-        filler.close()
-        engine.dispose()
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state, scheduled_at) SELECT 'k', 'a', "
+                         "'scheduled', now() - interval '1 second' FROM generate_series(1, 3)", "maintd"))
+    settings = Settings(database_url=dsn, schema="maintd", layout=layout, partitions=TEST_PARTITIONS,
+                        instance_id="test-1")
+    with caplog.at_level(logging.WARNING, logger="maintd"):
+        result = Scheduler(settings.scheduler).run_once(PassContext.for_settings(settings, engine, ServerClock()))
+    assert result.promoted == {"a": 3}
+    assert set(states(engine, "maintd").values()) == {"available"}
+    assert any("NOTIFY queue" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
