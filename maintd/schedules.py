@@ -495,11 +495,15 @@ def latest_common(a: Schedule, b: Schedule, start: datetime, end: datetime, walk
     return None
 
 
+def _is_interval(lowered: str) -> bool:
+    """``@every ...`` (``lowered``: the schedule with its spaces collapsed, in lower case)."""
+    return lowered == "@every" or lowered.startswith("@every ")
+
+
 def zone_read(text: str, timezone: str) -> str | None:
     """The time zone a schedule is read in, to show beside it: None for ``@every`` (slots counted
     from the Unix epoch, in no zone), so an interval does not seem to follow a zone it ignores."""
-    lowered = " ".join(str(text).split()).lower()
-    return None if lowered == "@every" or lowered.startswith("@every ") else timezone
+    return None if _is_interval(" ".join(str(text).split()).lower()) else timezone
 
 
 def parse_schedule(text: str, timezone: str = "UTC") -> Schedule:
@@ -513,7 +517,7 @@ def parse_schedule(text: str, timezone: str = "UTC") -> Schedule:
     raw = " ".join(text.split())
     zone = load_timezone(timezone)
     lowered = raw.lower()
-    if lowered == "@every" or lowered.startswith("@every "):
+    if _is_interval(lowered):
         every = parse_duration(raw[len("@every"):].strip() or "missing")
         if every < _SECOND:
             raise ValueError(f"interval in {raw!r} must be at least 1s")
