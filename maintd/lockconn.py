@@ -8,7 +8,8 @@ locks of every target of that database, used by one thread only (its
   given up after the lease (:class:`maintd.db.BoundedConnection`).
 * A pooler that cannot keep one server session per client (PgBouncer transaction or statement
   pooling) is refused before any lock is taken (:meth:`LockSession._verify`), and every proof checks
-  that the statement still reaches the session we set up (a marker setting only ours carries).
+  that the statement still reaches the session we set up (a marker setting only ours carries); it
+  prepares no statement, which would live in one backend only.
 * The statements of all targets go together: the tries, the proofs and the unlocks of one round in
   one statement (:data:`maintd.queries.leader.ROUND`). NOTIFYs are read between rounds (:meth:`LockSession.drain`)
   and during statements (a handler), and handed to ``on_notify(channel)``.
@@ -81,6 +82,10 @@ class LockSession:
                 tcp_user_timeout=ms(cfg.lease), answer_timeout=cfg.lease.total_seconds(),
                 connect_timeout=self._connect_timeout())
         self.conn = conn
+        # Nothing prepared server-side: a prepared statement lives in one backend, and a pooler
+        # switched to transaction mode sends the next round to another, where it would fail on
+        # the name before it could see the marker and say the session is not ours.
+        conn.prepare_threshold = None
         try:
             self.server = (conn.info.host, conn.info.port)
             self.hosts.reached(*self.server)  # the work pool's new connections go there first

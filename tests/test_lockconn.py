@@ -194,3 +194,22 @@ def test_a_multi_host_url_without_ports_still_puts_a_silent_host_last():
     assert hosts() == "b,a"
     order.reached("a", 5432)
     assert hosts() == "a,b"
+
+
+def test_the_lock_session_prepares_no_statement_a_pooler_could_hand_to_another_backend(pg_dsn):
+    """psycopg prepares a statement server-side after its fifth run (``prepare_threshold``), and a
+    prepared statement lives in one backend. Behind a pooler switched to transaction mode, the lock
+    session's next round reaches another client's backend: a prepared ROUND then fails with
+    "prepared statement ... does not exist" or "... already exists" (the work pool prepared the same
+    name there) before the round can see the marker and say that the session is not ours. CI met
+    the second as "lost leadership reason=database error: prepared statement "_pg3_2" already
+    exists". So the lock session prepares nothing: every round reaches the marker check."""
+    settings = Settings(database_url=pg_dsn, instance_id=f"prep-{os.getpid()}")
+    session = LockSession(settings, HostOrder(pg_dsn), lambda channel: None)
+    conn = session.connect(["maintd_prep_test"])
+    try:
+        for _ in range(10):
+            session.round_trip([advisory_key("prep_a")], [advisory_key("prep_a")], [])
+        assert conn.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()[0] == 0
+    finally:
+        session.close()

@@ -32,6 +32,7 @@ from .scenarios import (FAST_SERVICES, audit_rows, foreign_writes, install_audit
                         working_leader_after)
 
 LEASE = 3.0
+RENEW = 1.0  # FAST_LEADER's renew_interval
 
 
 def schema_advisory_locks(dsn: str, schema: str) -> list[tuple[int, str]]:
@@ -225,6 +226,10 @@ def test_a_lock_a_switched_pooler_keeps_on_a_pooled_backend_ends_with_that_backe
             d.start()
             wait_for(lambda: lock_holders(pg_dsn, schema) == ["maintd:stranded"], START, what="the lock")
             [(backend, _)] = schema_advisory_locks(pg_dsn, schema)
+            # More than five rounds (renew_interval 1 s) first: psycopg would have prepared the
+            # round by then, and the switch would meet that, not the marker (test_lockconn's
+            # test_the_lock_session_prepares_no_statement_a_pooler_could_hand_to_another_backend).
+            time.sleep(8 * RENEW)
             bouncer.admin("SET pool_mode = 'transaction'")
             d.wait_log(r"lost leadership reason=\"the lock connection reached a session it did not set up", 15)
             wait_for(lambda: d.http_get("/readyz")[0] == 503, 10, what="/readyz to fail")
