@@ -15,6 +15,21 @@ UTC = timezone.utc
 
 
 class Clock(Protocol):
+    reads_server: bool  # whether it reads the database server's time (a test's frozen clock does not)
+
+    @property
+    def due(self) -> bool:
+        """Whether the last reading of the server's time is too old to carry forward."""
+        ...
+
+    def sync(self, conn: Any) -> None:
+        """Read the server's time on ``conn`` (a SQLAlchemy connection)."""
+        ...
+
+    def take(self, server: datetime, sent: float, got: float) -> None:
+        """A reading of the server's time made elsewhere."""
+        ...
+
     def now(self) -> datetime:
         """The current time, timezone-aware (UTC)."""
         ...
@@ -30,6 +45,8 @@ class ServerClock:
     monotonic clock (which no wall-clock skew or NTP step moves). A reading older than
     ``max_age`` seconds is ``due`` again; a pass then re-reads it on its own connection
     (:meth:`maintd.services.base.PassContext.now`), so most passes cost no extra round trip."""
+
+    reads_server = True
 
     def __init__(self, max_age: float = 30.0):
         self.max_age = max_age
@@ -77,7 +94,17 @@ class ServerClock:
 
 
 class FrozenClock:
-    """A clock that only moves when told to (thread-safe), for tests."""
+    """A clock that only moves when told to (thread-safe), for tests: it takes no reading of the
+    server's time."""
+
+    reads_server = False
+    due = False
+
+    def sync(self, conn: Any) -> None:
+        return None
+
+    def take(self, server: datetime, sent: float, got: float) -> None:
+        return None
 
     def __init__(self, start: datetime | None = None):
         self._now = start or datetime(2026, 1, 1, tzinfo=UTC)

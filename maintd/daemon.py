@@ -93,37 +93,19 @@ class Daemon:
         self.engines: dict[tuple, Engine] = {}
         bounds = {"max_queues": settings.metrics.max_queues, "max_periodic_ids": settings.metrics.max_periodic_ids}
         self.metrics = metrics or Metrics(target=targets[0].target_name, **bounds)
-        self.targets: list[Target] = []
-        for t in targets:
-            url = t.database_url.get_secret_value()
-            hosts = self.hosts.setdefault(url, HostOrder(url))
-            key = _engine_key(t)
-            if key not in self.engines:
-                same = sum(_engine_key(o) == key for o in targets)
-                self.engines[key] = maintenance_engine(t, pool_size=pool_size(same), hosts=hosts)
-            metrics_t = self.metrics if not self.targets else Metrics(
-                target=t.target_name, **bounds, shared=self.metrics)
-            target_clock = clock or self.clocks.setdefault(url, ServerClock())
-            self.targets.append(Target(t, self.engines[key], metrics_t, target_clock, self.timetable,
-                                       name_in_logs=len(targets) > 1, changes=self.changes))
+        self.targets = [self._target(t, targets, clock, bounds) for t in targets]
         lead = settings.leader
         self.spread = Spread(self.targets, me=settings.instance_id, retry_interval=lead.retry_interval.total_seconds(),
                              settle=lead.lease.total_seconds(), lease=lead.lease.total_seconds(),
                              live_replicas=self._live_replicas)
-        self.probes: list = []
-        self.reads: dict[Engine, list] = {}  # per engine: the probes reading over it (their stalls count)
-        for engine in self.engines.values():
-            mine = [t for t in self.targets if t.engine is engine]
-            self.reads[engine] = [CountProbe(engine, mine)] + [
-                ServiceProbe(engine, mine, name) for name, spec in SERVICES.items() if spec.cls.probe is not Service.probe]
-            self.probes += self.reads[engine]
-        self.loops = [ElectionLoop(settings, [t for t in self.targets
-                                              if t.settings.database_url.get_secret_value() == url],
-                                   hosts, spread=self.spread) for url, hosts in self.hosts.items()]
+        # per engine: the probes reading over it (their stalls count)
+        self.reads: dict[Engine, list] = {e: self._probes(e) for e in self.engines.values()}
+        self.probes: list = [p for probes in self.reads.values() for p in probes]
+        on = {url: [t for t in self.targets if t.settings.database_url.get_secret_value() == url] for url in self.hosts}
+        self.loops = [ElectionLoop(settings, on[url], hosts, spread=self.spread) for url, hosts in self.hosts.items()]
         # One table-health monitor per database (SPEC 8.2), for the targets this replica leads there.
-        self.health: list[HealthMonitor] = monitors(
-            {url: (hosts, [t for t in self.targets if t.settings.database_url.get_secret_value() == url])
-             for url, hosts in self.hosts.items()}, lambda: self.settings.health)
+        self.health: list[HealthMonitor] = monitors({url: (hosts, on[url]) for url, hosts in self.hosts.items()},
+                                                    lambda: self.settings.health)
         self.http: HttpServer | None = None
         self.readers = Readers(lambda: self.settings.instance_id)  # /status and the dashboard
         self.notifier = SystemdNotifier()
@@ -133,6 +115,24 @@ class Daemon:
         self._balanced_at = -1.0
         self._started = False
         self._retry_thread: threading.Thread | None = None
+
+    def _target(self, t: Settings, every: list[Settings], clock: Clock | None, bounds: dict) -> Target:
+        """A target of ``t``: its database's engine (one per pool key) and clock, its metrics."""
+        url = t.database_url.get_secret_value()
+        hosts = self.hosts.setdefault(url, HostOrder(url))
+        key = _engine_key(t)
+        if key not in self.engines:
+            same = sum(_engine_key(o) == key for o in every)
+            self.engines[key] = maintenance_engine(t, pool_size=pool_size(same), hosts=hosts)
+        metrics_t = self.metrics if t is every[0] else Metrics(target=t.target_name, **bounds, shared=self.metrics)
+        return Target(t, self.engines[key], metrics_t, clock or self.clocks.setdefault(url, ServerClock()),
+                      self.timetable, name_in_logs=len(every) > 1, changes=self.changes)
+
+    def _probes(self, engine: Engine) -> list:
+        """The reads over ``engine`` for its targets: the job counts and each probed service's."""
+        mine = [t for t in self.targets if t.engine is engine]
+        return [CountProbe(engine, mine)] + [
+            ServiceProbe(engine, mine, name) for name, spec in SERVICES.items() if spec.cls.probe is not Service.probe]
 
     @property
     def is_leader(self) -> bool:

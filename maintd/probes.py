@@ -170,8 +170,7 @@ class ServiceProbe(_Batched):
             got = time.monotonic()
             conn.rollback()
         for clock in {id(t.runner.clock): t.runner.clock for t in targets}.values():
-            if hasattr(clock, "take"):  # a ServerClock (a test's FrozenClock is left alone)
-                clock.take(now, sent, got)
+            clock.take(now, sent, got)
         for i, target in enumerate(targets):
             service = target.runner.services[self.service]
             verdict = service.after_probe(rows[i], now)

@@ -195,12 +195,12 @@ class PassContext:
         """The server's time (a test's frozen time), read again on this pass's connection when the
         last reading is old, or (``fresh``) now: a reading carried forward runs ahead of the
         server's clock for up to 30 s after that clock steps back, which a retention must not."""
-        if getattr(self.clock, "due", False) or (fresh and hasattr(self.clock, "sync")):
+        if self.clock.due or (fresh and self.clock.reads_server):
             self.check_stop()  # no new statement once stopped (a cancel is sent once)
             outside = self.query.stalled_for() == 0.0  # (inside, the transaction is timed and tracked)
             with self.query.timing() if outside else nullcontext(), self._checkout() as conn, \
                     self.query.tracking(conn) if outside else nullcontext():  # a demotion cancels it
-                self.clock.sync(conn)  # type: ignore[attr-defined]  (in a transaction: that one's connection)
+                self.clock.sync(conn)  # (in a transaction: that one's connection)
                 if outside:
                     conn.rollback()  # end the read's transaction: a probe may follow in autocommit
         return self.clock.now()
