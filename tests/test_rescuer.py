@@ -293,6 +293,10 @@ def test_statements_are_index_backed(settings, engine, schema, clock, layout):
             plan = explain(conn, RESCUER_BATCH, schema, params, generic=generic)
             candidates, update = plan.split("CTE rescued")
             assert "Index Scan using jobs_running_idx" in candidates, plan
+            # each batch starts in the index where the last one ended (a keyset in the Index Cond,
+            # not a Filter): a pass reads each stuck row's entry once, not once per batch
+            [cond] = [line for line in candidates.splitlines() if "Index Cond" in line]
+            assert "ROW(COALESCE(heartbeat_at, attempted_at), id) >" in cond, plan
             assert "Tid Scan" in update and "jobs_running_idx" not in update, plan
             assert "Seq Scan" not in plan, plan
             plan = explain(conn, RESCUER_COUNT_STUCK, schema, params, generic=generic)
