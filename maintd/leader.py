@@ -542,15 +542,23 @@ class ElectionLoop:
         self.writable = self.writable if writable is None else writable
 
 
+class _OnceSeat(Seat):
+    """run-once's seat: a term lost is not taken again, and its end is told to ``demoted``."""
+
+    def __init__(self, settings: Settings, demoted: Callable[[str], None]):
+        super().__init__(settings)
+        self.keep_trying, self._demoted = False, demoted
+
+    def on_demoted(self, reason: str) -> None:
+        self._demoted(reason)
+
+
 def acquire_once(settings: Settings, wait: float = 0.0, *,
                  on_demoted: Callable[[str], None] | None = None) -> tuple[ElectionLoop, LeaderFence] | None:
     """For ``run-once``: the lock (trying for up to ``wait`` s), renewed by the loop's thread until
     ``loop.stop()`` releases it; a term lost is not taken again. None if another instance holds
     it. Database errors while connecting propagate."""
-    seat = Seat(settings)
-    seat.keep_trying = False
-    if on_demoted is not None:
-        seat.on_demoted = on_demoted  # type: ignore[method-assign]
+    seat = _OnceSeat(settings, on_demoted or (lambda reason: None))
     loop = ElectionLoop(settings, [seat], HostOrder(settings.database_url.get_secret_value()), register=False)
     loop.connect()
     seat.started = True
