@@ -606,3 +606,32 @@ def test_a_leftover_of_a_long_non_ascii_name_is_found_under_its_cut_name(pg_dsn,
     report = reports[long_name]
     assert report.outcome == "reindexed" and report.artifacts_dropped == [leftover], report
     assert leftover not in indexes(pg_dsn, schema)
+
+
+def test_a_stop_while_the_rebuild_s_connection_is_prepared_starts_no_rebuild(pg_dsn, schema, settings, engine,
+                                                                              monkeypatch):
+    """The runner's stop (a demotion, a shutdown) sets the flag, then cancels the statement its
+    pass tracks. One landing after the last look at the flag, while the DDL's own connection was
+    checked out and given its timeouts (before it was tracked), found nothing to cancel: the
+    REINDEX was sent anyway and ran to its end (up to ``timeout``) on an instance that no longer
+    led, and the index was reported ``reindexed``. Now the flag is looked at again once the
+    connection is tracked, right before the statement is sent."""
+    from maintd.passes import Outcome, execute_pass
+    from maintd.runner import _stop
+    from maintd.services import base
+
+    settings.reindexer.indexes = ["jobs_finalized_idx"]
+    before = index_oids(pg_dsn, schema)
+    ctx = PassContext.for_settings(settings, engine, ServerClock())
+    set_session = base._set_session
+
+    def stopped_meanwhile(conn, **values):
+        if not ctx.stop_event.is_set():
+            _stop(ctx)  # the demotion arrives while the DDL's connection gets its timeouts
+        set_session(conn, **values)
+
+    monkeypatch.setattr(base, "_set_session", stopped_meanwhile)
+    record = execute_pass("reindexer", Reindexer(settings.reindexer), ctx)
+    assert record.outcome is Outcome.STOPPED, (record.outcome, record.error)
+    assert index_oids(pg_dsn, schema)["jobs_finalized_idx"] == before["jobs_finalized_idx"]  # not rebuilt
+    assert record.result.indexes == [], record.result

@@ -261,6 +261,9 @@ class Reindexer(Service):
     def _ddl(self, ctx: PassContext, statement: str, timeout: timedelta) -> None:
         ctx.check_stop()
         with ctx.autocommit(lock_timeout_ms=ms(self.config.lock_timeout), statement_timeout_ms=ms(timeout)) as conn:
+            # Again, now that a stop cancels this connection: one that came while it was checked out
+            # and given its timeouts found nothing to cancel, and the DDL would run to its end.
+            ctx.check_stop()
             conn.exec_driver_sql(statement)
 
     @property
