@@ -192,6 +192,9 @@ def test_config_path_from_env(tmp_path, monkeypatch):
     ("schema = '" + "s" * 48 + "'", "schema: invalid schema name '" + "s" * 48 + "': at most 47 characters"),
     ("[[targets]]\nschema = '" + "t" * 60 + "'", "targets[0].schema: invalid schema name"),
     ("[reindexer]\nindexes = ['jobs_pkey; DROP TABLE x']", "reindexer.indexes"),
+    # a name twice was rebuilt (and counted) twice a pass
+    ("[reindexer]\nindexes = ['jobs_pkey', 'jobs_scheduled_idx', 'jobs_pkey']",
+     "reindexer.indexes: index 'jobs_pkey' is listed twice"),
     ("[reindexer]\nschedule = '61 * * * *'", "reindexer.schedule"),
     ("[[periodic]]\nid = 'p1'\nschedule = '* * * *'\nkind = 'k'",
      "periodic[0] (id='p1').schedule"),

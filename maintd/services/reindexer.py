@@ -45,7 +45,10 @@ class ReindexerConfig(Scheduled):
     @field_validator("indexes")
     @classmethod
     def _indexes(cls, v: list[str]) -> list[str]:
-        return [validate_identifier(name, "index name") for name in v]
+        names = [validate_identifier(name, "index name") for name in v]
+        if twice := next((name for i, name in enumerate(names) if name in names[:i]), None):
+            raise ValueError(f"index {twice!r} is listed twice")  # (it was rebuilt twice a pass)
+        return names
 
 
 log = logging.getLogger("maintd.reindexer")
