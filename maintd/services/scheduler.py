@@ -39,6 +39,7 @@ server's clock, instead of waking every ``MIN_WAKE`` until the server's time cat
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -54,6 +55,8 @@ from ..queries import jobs
 from ..sections import PositiveDuration, ServiceConfig
 from .base import PassContext, PassResult, Service
 
+MIN_BATCH = 100  # a batch that hits the statement timeout is halved down to this
+QUERY_CANCELED = "57014"
 MIN_WAKE = 0.05  # seconds: at most ~20 wake-ups a second, whatever the due times
 PROBE_EVERY = 1.0  # seconds: the due-time probe's period, the lag bound for a job due sooner than known
 
@@ -84,6 +87,7 @@ class SchedulerConfig(ServiceConfig):
 class SchedulerResult(PassResult):
     promoted: dict[str, int] = field(default_factory=dict)
     batches: int = 0  # transactions that promoted at least one job
+    timeouts: int = 0  # batches that hit the statement timeout (redone at half the size)
     next_pass_at: datetime | None = None  # precise timing: the next job's due time, before the next tick
     dry_run: bool = False
 
@@ -102,13 +106,22 @@ class SchedulerResult(PassResult):
         shown = sorted(sorted(self.promoted, key=lambda q: (-self.promoted[q], q))[:SUMMARY_QUEUES])
         queues = " ".join(f"{q}={self.promoted[q]}" for q in shown)
         more = len(self.promoted) - len(shown)
-        return f"{verb} {self.total} jobs {queues}".rstrip() + (f" (+{more} more queues)" if more else "")
+        return f"{verb} {self.total} jobs {queues}".rstrip() + (f" (+{more} more queues)" if more else "") + (
+            f" timeouts={self.timeouts}" if self.timeouts else "")
 
 
 class Scheduler(Service):
 
     METRICS = (JOBS_PROMOTED,)
     config: SchedulerConfig
+
+    def __init__(self, config: SchedulerConfig):
+        super().__init__(config)
+        # A batch that hits the statement timeout (a large backlog due at once on a busy server) is
+        # redone at half the size, down to MIN_BATCH, and the size carries over to the next pass:
+        # the same size would fail every pass and promote nothing. A full batch done within a
+        # quarter of the timeout doubles it again, up to batch_size.
+        self._batch = config.batch_size
 
     def probe(self) -> list[str] | None:
         """With precise timing, no ticks of its own: every second the database's probe reads the
@@ -152,8 +165,8 @@ class Scheduler(Service):
         channel, notify = notify_channel(ctx.schema), True
         while True:
             ctx.check_stop()
-            limit = ctx.redo_limit(self.config.batch_size)  # smaller when redone (40001)
-            next_due, rows = None, []
+            limit = ctx.redo_limit(min(self._batch, self.config.batch_size))  # smaller when redone (40001)
+            next_due, rows, started = None, [], time.monotonic()
             try:
                 with ctx.transaction() as conn:
                     now = ctx.now()
@@ -170,13 +183,27 @@ class Scheduler(Service):
                     notify = False  # this batch redone, and the pass's next ones run, without NOTIFY
                     ctx.log.warning(NOTIFY_QUEUE_FULL_LOG, extra=kv(schema=ctx.schema))
                     continue
+                if self._halved(ctx, exc, limit, result):
+                    continue
                 raise
+            if promoted == limit and time.monotonic() - started < ctx.statement_timeout.total_seconds() / 4:
+                self._batch = min(self.config.batch_size, limit * 2)
             if rows:
                 result.batches += 1
             for r in rows:
                 result.promoted[r.queue] = result.promoted.get(r.queue, 0) + r.n
             if promoted < limit:
                 return next_due
+
+    def _halved(self, ctx: PassContext, exc: DBAPIError, limit: int, result: SchedulerResult) -> bool:
+        """A batch cancelled by the statement timeout (not by a stop): redo it at half the size."""
+        if faults.sqlstate(exc) != QUERY_CANCELED or limit <= MIN_BATCH:
+            return False
+        ctx.check_stop()  # the runner's cancel of a stopped pass is the same SQLSTATE
+        self._batch, result.timeouts = max(MIN_BATCH, limit // 2), result.timeouts + 1
+        ctx.log.warning("a batch hit the statement timeout: redone smaller",
+                        extra=kv(schema=ctx.schema, batch_size=self._batch))
+        return True
 
     def observe(self, metrics, result: SchedulerResult) -> None:
         for queue, n in result.promoted.items():
