@@ -461,7 +461,8 @@ def job_detail(conn: Connection, schema: str, job_id: int) -> dict[str, Any] | N
     if row is None:
         return None
     job = {k: _clip(v) for k, v in row.items() if not k.endswith("_chars")}
-    job["args"], job["metadata"] = _clip(row["args"], row["args_chars"]), _clip(row["metadata"], row["metadata_chars"])
+    for key in ("args", "metadata", "unique_key", "attempted_by"):
+        job[key] = _clip(row[key], row[f"{key}_chars"])
     job["errors"] = [_error(load_json(text)) if chars <= TEXT_LIMIT else _clipped_error(load_json(text), chars)
                      for text, chars in zip(row["errors"], row["error_chars"])]
     return job

@@ -1135,3 +1135,27 @@ def test_the_running_list_says_the_order_it_is_in(settings, schema):
     page = unescape(body.decode())
     assert status == 200 and "By id." not in page, "the running list says 'By id.' but is ordered by heartbeat"
     assert "The longest without a heartbeat first" in page
+
+
+def test_a_job_with_megabytes_of_unique_key_and_attempted_by_ships_only_what_its_page_shows(settings, engine, schema):
+    """The job page's statement shipped args, metadata and errors clipped to TEXT_LIMIT, but its
+    unique_key and attempted_by whole (text of any length, no constraint on either; a final job's
+    key is in no index), and clipped them in the daemon: one page view of such a job cost the
+    process that holds the leader lock the whole values."""
+    from maintd.dashboard import TEXT_LIMIT, job_detail
+    from maintd.queries.dashboard import JOB
+
+    big = 3 * TEXT_LIMIT
+    with engine.begin() as conn:
+        job_id = conn.execute(sql(
+            "INSERT INTO {schema}.jobs (kind, state, finalized_at, unique_key, attempted_by) "
+            "SELECT 'big', 'discarded', now(), repeat('k', :n), repeat('w', :n) RETURNING id", schema),
+            {"n": big}).scalar()
+    with engine.connect() as conn:
+        row = conn.execute(sql(JOB, schema), {"id": job_id, "limit": TEXT_LIMIT}).mappings().one()
+        shipped = {k: len(row[k]) for k in ("unique_key", "attempted_by")}
+        assert max(shipped.values()) <= TEXT_LIMIT + 100, f"shipped {shipped} characters for a page of {TEXT_LIMIT}"
+        job = job_detail(conn, schema, job_id)
+    for key, letter in (("unique_key", "k"), ("attempted_by", "w")):
+        assert job[key].startswith(letter * 100) and len(job[key]) < TEXT_LIMIT + 100, key
+        assert job[key].endswith(f"({big - TEXT_LIMIT} more characters)"), job[key][-80:]

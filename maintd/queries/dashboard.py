@@ -135,12 +135,15 @@ SELECT {keys} FROM {schema}.jobs WHERE {where} {after} ORDER BY {order} OFFSET :
 
 # The newest 50 errors each as its text, loaded one by one (db.load_json): one that Python cannot load
 # (nested too deep, an integer of over 4,300 digits) is shown as text, the others as they are.
-# Args, metadata and each error: at most :limit characters, with their whole length (*_chars), so
+# Args, metadata, each error, unique_key and attempted_by (text of any length, written by producers
+# and workers): at most :limit characters, with their whole length (*_chars), so
 # a job of hundreds of MB costs the daemon what its page shows, not the whole row. An error longer
 # than that comes as its at, attempt and the start of its error (or of its text).
 JOB = """
 SELECT id, kind, queue, state::text AS state, priority, attempt, max_attempts, scheduled_at,
-       created_at, attempted_at, attempted_by, heartbeat_at, finalized_at, unique_key,
+       created_at, attempted_at, left(attempted_by, :limit) AS attempted_by,
+       length(attempted_by) AS attempted_by_chars, heartbeat_at, finalized_at,
+       left(unique_key, :limit) AS unique_key, length(unique_key) AS unique_key_chars,
        left(p.args, :limit) AS args, length(p.args) AS args_chars,
        left(p.metadata, :limit) AS metadata, length(p.metadata) AS metadata_chars,
        jsonb_array_length(errors) AS error_count,
