@@ -24,7 +24,7 @@ from urllib.parse import urlencode
 
 from jinja2 import Environment, PackageLoader, StrictUndefined, pass_context
 from sqlalchemy import Connection, Engine, text
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DataError, SQLAlchemyError
 from sqlalchemy.exc import TimeoutError as PoolBusy
 
 from . import charts, history
@@ -681,7 +681,12 @@ class Dashboard:
         target, links = self._target(req)
         with target.engine.connect() as conn:
             now = begin_snapshot(conn)
-            page = list_jobs(conn, target.schema, f, page_size=self.page_size, scan_window=self.scan_window)
+            try:
+                page = list_jobs(conn, target.schema, f, page_size=self.page_size, scan_window=self.scan_window)
+            except DataError:  # a cursor's time no datetime holds goes as text: one the server refuses too
+                if f.after is None:
+                    raise
+                raise HttpError(400, f"invalid 'after' cursor {f.after!r}: use the page's own links") from None
             conn.rollback()
         page.now = now
         return self.render("jobs.html", page=page, f=f, target=target.name, now=now, link=links,

@@ -1159,3 +1159,17 @@ def test_a_job_with_megabytes_of_unique_key_and_attempted_by_ships_only_what_its
     for key, letter in (("unique_key", "k"), ("attempted_by", "w")):
         assert job[key].startswith(letter * 100) and len(job[key]) < TEXT_LIMIT + 100, key
         assert job[key].endswith(f"({big - TEXT_LIMIT} more characters)"), job[key][-80:]
+
+
+@pytest.mark.parametrize("after", ["300000-01-01 00:00:00+00,5", "2026-13-01 00:00:00+00,5",
+                                   "2026-01-01 25:00:00+00,5", "0000-01-01 00:00:00+00 BC,5"])
+def test_a_cursor_time_postgresql_refuses_is_a_400_not_a_database_error(settings, schema, after):
+    """A cursor's time that no Python datetime holds is passed to the server as text (the page's
+    own links carry 'infinity' or year 12345 so); one the server refuses too (a year past its
+    range, month 13) failed the page's statement: a 503 saying "database error", for a client's
+    bad cursor, as an out-of-range integer was before."""
+    from maintd.dashboard import Dashboard
+    page = Dashboard(lambda: settings).pages()["/jobs"]
+    status, _, body, _ = page(Request("/jobs", {"state": ["completed"], "after": [after]}))
+    page = unescape(body.decode())
+    assert status == 400 and "invalid 'after' cursor" in page, (status, page[-400:])
