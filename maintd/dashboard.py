@@ -406,7 +406,9 @@ def _list_sql(f: JobFilter, order: Order, cursor: dict[str, Any] | None) -> tupl
     after = order.after(cursor) if cursor else ""
     if f.state == "available" and f.queue is None:
         outer_order = ", ".join(f"k{i}" for i in range(len(order.columns)))
-        return (LIST_AVAILABLE.replace("{outer_order}", outer_order).replace("{columns}", LIST_COLUMNS)
+        heads_order = ", ".join(f"h.k{i}" for i in range(len(order.columns)))
+        return (LIST_AVAILABLE.replace("{outer_order}", outer_order).replace("{heads_order}", heads_order)
+                .replace("{columns}", LIST_COLUMNS)
                 .replace("{keys}", keys).replace("{after}", after).replace("{order}", order.sql()),
                 "", False)
     where = INDEX[f.state][0] if f.state else "TRUE"
