@@ -139,7 +139,7 @@ def available_counts(conn: Connection, schema: str, cap: int
     queues were cut off, the per-queue bound)."""
     heads = list(conn.execute(sql(HEADS, schema), {"max_heads": MAX_HEADS}))
     oldest = {r.queue: r.oldest for r in heads}
-    cut = sum(r.groups for r in heads) >= MAX_HEADS
+    cut = any(r.more for r in heads)
     limit = per_queue_cap(cap, len(oldest))
     counts = {r.queue: r.n for r in conn.execute(sql(AVAILABLE_COUNTS, schema),
                                                   {"queues": sorted(oldest), "cap": limit})}

@@ -1201,3 +1201,23 @@ def test_the_available_list_of_many_queues_reads_their_heads_not_a_page_of_each(
             read = sum(int(rows) * int(loops) for rows, loops in
                        re.findall(r"Index (?:Only )?Scan[^\n]* on \S*jobs\S*[^\n]*actual rows=(\d+)\S* loops=(\d+)", plan))
             assert read <= 3 * queues + (PAGE_SIZE + 1) ** 2, f"{read} index entries read for one page:\n{plan}"
+
+
+def test_exactly_max_heads_groups_of_available_jobs_are_all_counted_and_not_cut_off(engine, schema):
+    """The overview probes at most MAX_HEADS (queue, priority) groups of available jobs and says
+    the list is cut off when there are more. It read MAX_HEADS of them and called itself cut off
+    when it found that many: with exactly MAX_HEADS groups, every one counted, the page said
+    "the list is cut off", the oldest age "at least", and the available total was not exact."""
+    from maintd.dashboard import MAX_HEADS
+
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state)"
+                         " SELECT 'k', 'q' || lpad(g::text, 5, '0'), 'available'"
+                         " FROM generate_series(1, :n) g", schema), {"n": MAX_HEADS})
+    with engine.connect() as conn:
+        now = conn.execute(text("SELECT now()")).scalar_one()
+        table = queue_table(conn, schema, now)
+    assert len(table["rows"]) == MAX_HEADS
+    total = table["totals"]["available"]
+    assert not table["cut"] and not table["oldest_atleast"], "every group was counted, yet 'cut off'"
+    assert (total.value, total.kind) == (MAX_HEADS, "exact"), _count(total)

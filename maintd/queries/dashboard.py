@@ -28,7 +28,8 @@ SELECT state::text AS state, queue, count(*) AS n
 """
 
 # The first job of each (queue, priority) group of available jobs, by a loose index scan of
-# jobs_fetch_idx: the smallest scheduled_at per queue is among them.
+# jobs_fetch_idx: the smallest scheduled_at per queue is among them. Of the first :max_heads groups;
+# ``more``: whether there is another past them (one more probe, not a guess from finding :max_heads).
 HEADS = """
 WITH RECURSIVE heads AS (
   (SELECT queue, priority, scheduled_at, created_at FROM {schema}.jobs WHERE state = 'available'
@@ -40,7 +41,8 @@ WITH RECURSIVE heads AS (
           WHERE state = 'available' AND (queue, priority) > (h.queue, h.priority)
           ORDER BY queue, priority, scheduled_at, id LIMIT 1) n
 )
-SELECT queue, min(""" + WAITING_SINCE + """) AS oldest, count(*) AS groups
+SELECT queue, min(""" + WAITING_SINCE + """) AS oldest, count(*) AS groups,
+       (SELECT count(*) FROM (SELECT FROM heads LIMIT :max_heads + 1) m) > :max_heads AS more
   FROM (SELECT * FROM heads LIMIT :max_heads) h GROUP BY queue
 """
 
