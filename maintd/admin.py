@@ -262,6 +262,8 @@ def run_action(conn: Connection, schema: str, name: str, *, ids: Sequence[int] =
                flt: Filter = Filter(), params: dict[str, Any] | None = None,
                batch_size: int = DEFAULT_BATCH, dry_run: bool = False) -> Report:
     """Python entry point of ``maintd jobs retry|cancel|discard|delete|reschedule``."""
+    if name == "reschedule" and flt:  # a walk whose batches move the jobs it changes ahead of it never ends
+        raise UsageError("reschedule takes job ids, not a filter")
     if bool(ids) == bool(flt):
         raise UsageError("give job ids or at least one of --state/--queue/--kind (not both)")
     if flt.state is not None and flt.state not in JOB_STATES:

@@ -952,3 +952,17 @@ def test_a_reschedule_that_keeps_the_run_time_is_predicted_as_the_function_chang
                                       dry_run=dry_run)
         out.update({j["id"]: j["to"] for j in report.changed})
     assert predicted == done == {due[0]: "available", later[0]: "scheduled"}
+
+
+def test_a_reschedule_by_filter_is_refused_in_the_python_api_as_in_the_cli(engine, schema):
+    """``maintd jobs reschedule`` takes ids only. The Python API accepted a filter: with a relative
+    ``offset`` and ``state=scheduled``, each batch moved the jobs it changed ahead of the walk's
+    position, and the walk met them again and again: it never ended. Refused, as the CLI does,
+    and nothing is changed."""
+    ids = add(engine, schema, "scheduled", due_in=timedelta(minutes=5))
+    with engine.connect() as conn, pytest.raises(admin.UsageError, match="reschedule takes job ids"):
+        admin.run_action(conn, schema, "reschedule", flt=admin.Filter(state="scheduled"),
+                         params={"offset": timedelta(hours=1)})
+    with engine.connect() as conn:
+        assert conn.execute(sql("SELECT count(*) FROM {schema}.jobs WHERE id = ANY(:ids) AND scheduled_at > now() + "
+                                "interval '10 minutes'", schema), {"ids": ids}).scalar() == 0
