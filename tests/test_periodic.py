@@ -655,3 +655,40 @@ def test_a_changed_schedule_s_long_backfill_goes_on_over_bounded_passes(pg_dsn, 
     clock.advance(2)
     assert [e["slot"] for e in run(changed, engine, clock, service=service).enqueued] == [
         (base + timedelta(seconds=missed + 2)).isoformat()]
+
+
+def test_an_entry_enabled_again_while_no_leader_ran_does_not_backfill_its_pause(pg_dsn, schema, engine):
+    """An hourly entry with a day's backfill, disabled in the config at 12:30 (a leader took 13:00
+    without a job, marked paused), the leaders stopped at 13:10, and the entry enabled again (its
+    schedule changed too, for the second entry) before a leader came back at 16:05: 14:00, 15:00
+    and 16:00 were enqueued at once as missed, though some or all of them were its pause's (a config
+    file has no change time: when it was enabled again is unknown). As when a leader sees the
+    change (README: "enabling it again starts at its next slot, without backfill"), it now runs
+    from its next slot."""
+    day = datetime(2026, 3, 1, tzinfo=UTC)
+
+    def settings(enabled, changed=False):
+        return Settings(database_url=pg_dsn, schema=schema, periodic=[
+            {"id": "same", "schedule": "0 * * * *", "kind": "k", "backfill": "1d", "enabled": enabled},
+            {"id": "moved", "schedule": "*/30 * * * *" if changed else "0 * * * *", "kind": "k",
+             "backfill": "1d", "enabled": enabled}])
+
+    clock = FrozenClock(day + timedelta(hours=11, seconds=1))
+    run(settings(True), engine, clock)  # both baselined at 11:00
+    clock.set(day + timedelta(hours=12, seconds=1))
+    assert len(run(settings(True), engine, clock).enqueued) == 2  # 12:00
+    clock.set(day + timedelta(hours=13, seconds=1))
+    assert run(settings(False), engine, clock).skipped == {"same": {"disabled": 1}, "moved": {"disabled": 1}}
+    clock.set(day + timedelta(hours=16, minutes=5))
+    result = run(settings(True, changed=True), engine, clock)
+    assert result.enqueued == [], result.enqueued
+    clock.set(day + timedelta(hours=16, minutes=30, seconds=1))
+    assert [e["periodic_id"] for e in run(settings(True, changed=True), engine, clock).enqueued] == ["moved"]
+    clock.set(day + timedelta(hours=17, seconds=1))
+    run(settings(True, changed=True), engine, clock)
+    with engine.connect() as conn:
+        got = conn.execute(sql("SELECT metadata->>'periodic_id', scheduled_at FROM {schema}.jobs "
+                               "ORDER BY 1, 2", schema)).all()
+    assert [(pid, when - day) for pid, when in got] == [
+        ("moved", timedelta(hours=12)), ("moved", timedelta(hours=16, minutes=30)), ("moved", timedelta(hours=17)),
+        ("same", timedelta(hours=12)), ("same", timedelta(hours=17))]

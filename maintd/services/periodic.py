@@ -18,7 +18,8 @@ Per entry and pass, with ``hwm`` = the newest slot taken so far:
 * disabled: nothing is enqueued; each new slot is taken without a job and counted as skipped
   (``disabled``), so an entry enabled again does not backfill the slots it was disabled for; the
   newest is marked paused (``taken_paused``), so a row enabled again while no leader ran counts
-  its missed slots from that change.
+  its missed slots from that change, and a config or crontab entry (its change time unknown)
+  runs from its next slot.
 
 Entries come from ``[[periodic]]`` (and the crontab) and from the rows of ``periodic_jobs``
 (:mod:`maintd.services.periodic_rows`), read again whenever they change. A row that changed after
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from itertools import islice
@@ -296,8 +298,12 @@ class PeriodicEnqueuer(Service):
             return
         self._disabled_seen.pop(job.id, None)
         hwm, under = newest or (None, None)
-        paused = under == taken_paused(job)  # its newest slot was taken while it was disabled
+        # Its newest slot was taken while it was disabled (under this schedule or another).
+        paused = under is not None and under.endswith(PAUSED)
         changed = hwm is not None and under is not None and under != taken_under(job) and not paused
+        if paused and entry.since is None:  # a config or crontab entry, enabled again at a time unknown
+            self._resumed(ctx, job, hwm, latest, result)
+            return
         if changed and entry.since is None:  # a config or crontab entry, changed at a time unknown
             self._changed(ctx, job, hwm, under, latest, now, result)
             return
@@ -377,6 +383,23 @@ class PeriodicEnqueuer(Service):
             return
         log.info("periodic entry's schedule changed: slots of the old one only are not run",
                  extra=kv(periodic_id=job.id, schedule=taken_under(job), missed=len(ran)))
+        self._from_next(ctx, job, hwm, latest, result, ran)
+
+    def _resumed(self, ctx: PassContext, job: PeriodicJob, hwm: datetime, latest: datetime,
+                 result: PeriodicResult) -> None:
+        """A config or crontab entry enabled again, its newest slot taken while it was disabled:
+        when it was enabled (after that slot) is unknown, so any slot since may be its pause's,
+        none is owed. It runs from its next slot, without backfill or ``run_on_start``, as when a
+        leader saw the change (a config file has no change time; a row's ``updated_at`` is one)."""
+        if latest > hwm:
+            log.info("periodic entry enabled again: runs from its next slot",
+                     extra=kv(periodic_id=job.id, paused_since=hwm.isoformat()))
+        self._from_next(ctx, job, hwm, latest, result)
+
+    def _from_next(self, ctx: PassContext, job: PeriodicJob, hwm: datetime, latest: datetime,
+                   result: PeriodicResult, ran: Collection[datetime] = ()) -> None:
+        """The entry runs from its next slot: its latest is taken, with a job (``ran``) or
+        without, and its newest slot says its schedule as it is now."""
         if latest > hwm and latest not in ran:
             self._baseline(ctx, job, latest, result)
             return
