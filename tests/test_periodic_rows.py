@@ -667,3 +667,40 @@ def test_a_row_paused_and_resumed_while_no_leader_ran_does_not_backfill_its_paus
     result = one_pass(settings, engine, FrozenClock(T0 + timedelta(hours=4, minutes=5)), PeriodicEnqueuer(settings.periodic))
     assert [j.scheduled_at for j in jobs_of(engine, schema, "hourly")] == [T0, T0 + timedelta(hours=4)]
     assert [e["backfilled"] for e in result.enqueued] == [False]
+
+
+def test_a_row_that_takes_over_a_removed_config_entry_s_id_runs_from_the_takeover(settings, engine, schema):
+    """A row whose id a [[periodic]] entry used (the row refused meanwhile, its ``error`` saying so)
+    takes the id over when the entry is removed; the id's slots are the entry's before that. The
+    row counted its missed slots from the entry's newest slot (its own ``updated_at`` being older),
+    or from when it was added (while refused): a reload at 12:50 removing an hourly entry enqueued
+    the row's '*/15' slots 12:15 to 12:45 at once, a row added at 12:10 its '*/5' slots since
+    12:10; and a row taking over an entry that was disabled, the entry removed while no leader
+    ran, backfilled the entry's pause (14:00 and 15:00). When a row took over is not known (a reload,
+    or a restart with the new file): it runs like a config entry changed then, the slots both had
+    (none here) and then from its next slot."""
+    hourly = {"schedule": "0 * * * *", "kind": "from.config", "backfill": timedelta(days=1)}
+    config = [PeriodicJob(id="quarter", **hourly), PeriodicJob(id="late", **hourly),
+              PeriodicJob(id="paused", enabled=False, **hourly)]
+    add_row(engine, schema, "quarter", schedule="*/15 * * * *", kind="quarter", backfill="1 day")
+    add_row(engine, schema, "paused", schedule="0 * * * *", kind="paused", backfill="1 day")
+    changed_at(engine, schema, T0 - timedelta(days=1))
+    old = PeriodicEnqueuer(config)
+    one_pass(settings, engine, FrozenClock(T0 + timedelta(seconds=1)), old)  # the config's: 12:00 taken
+    add_row(engine, schema, "late", schedule="*/5 * * * *", kind="late", backfill="1 day")
+    created_at(engine, schema, T0 + timedelta(minutes=10), "late")
+    one_pass(settings, engine, FrozenClock(T0 + timedelta(minutes=10, seconds=1)), old)
+    assert all("config" in row_error(engine, schema, i) for i in ("quarter", "late", "paused"))
+    new = PeriodicEnqueuer(config[2:])  # a reload removes 'quarter' and 'late'
+    new.succeed(old)  # what the runner does on a reload
+    result = one_pass(settings, engine, FrozenClock(T0 + timedelta(minutes=50)), new)
+    assert [(e["periodic_id"], e["slot"][11:16]) for e in result.enqueued] == []
+    assert all(row_error(engine, schema, i) is None for i in ("quarter", "late"))
+    one_pass(settings, engine, FrozenClock(T0 + timedelta(hours=1, seconds=1)), new)  # 13:00; 'paused' takes it
+    # The leaders stop at 13:10; 'paused' is removed from the file; a leader is back at 15:05.
+    result = one_pass(settings, engine, FrozenClock(T0 + timedelta(hours=3, minutes=5)), PeriodicEnqueuer([]))
+    assert [e for e in result.enqueued if e["periodic_id"] == "paused"] == [], result.enqueued
+    one_pass(settings, engine, FrozenClock(T0 + timedelta(hours=4, seconds=1)), PeriodicEnqueuer([]))
+    assert [j.scheduled_at for j in jobs_of(engine, schema, "paused")] == [T0 + timedelta(hours=4)]
+    for kind in ("quarter", "late"):  # from their next slot after the takeover (12:55, 13:00), then as any row
+        assert jobs_of(engine, schema, kind)[0].scheduled_at > T0 + timedelta(minutes=50), kind

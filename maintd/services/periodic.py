@@ -24,7 +24,9 @@ Per entry and pass, with ``hwm`` = the newest slot taken so far:
 Entries come from ``[[periodic]]`` (and the crontab) and from the rows of ``periodic_jobs``
 (:mod:`maintd.services.periodic_rows`), read again whenever they change. A row that changed after
 its newest slot starts afresh from its next slot; a row never seen counts its missed slots from
-when it was last changed (so ``backfill`` covers a row added while no leader ran).
+when it was last changed (so ``backfill`` covers a row added while no leader ran). A row that takes
+over the id of a config or crontab entry gone (the row refused until then) does so at a time
+unknown: its first pass is that of a config entry changed (the id's slots before are the entry's).
 """
 
 from __future__ import annotations
@@ -297,6 +299,8 @@ class PeriodicEnqueuer(Service):
                 self._disabled_seen[job.id] = latest  # once taken (a failed take is tried again)
             return
         self._disabled_seen.pop(job.id, None)
+        if entry.took_over:  # a row using a config entry's id since a time unknown: as that entry changed
+            entry = Entry(job, entry.origin)
         hwm, under = newest or (None, None)
         # Its newest slot was taken while it was disabled (under this schedule or another).
         paused = under is not None and under.endswith(PAUSED)

@@ -35,12 +35,21 @@ class Entry:
     """A periodic entry and where it comes from. ``since``: for a row, when it last changed (a
     change starts the row afresh from its next slot; a new row's missed slots count from it).
     ``created``: for a row, when it was inserted (the slots of its id before then were another
-    row's, or a config entry's: none of them is this row's to run)."""
+    row's, or a config entry's: none of them is this row's to run). ``took_over``: a row read
+    still noted as refused for its id being a config or crontab entry's (:func:`shadowed`), now
+    that the entry is gone: the row uses the id from a time unknown (a reload, or a restart with
+    the new file), after its ``since`` and ``created``."""
 
     job: PeriodicJob
     origin: str  # "config", "crontab" or "table"
     since: datetime | None = None
     created: datetime | None = None
+    took_over: bool = False
+
+
+def shadowed(row_id: str) -> str:
+    """The ``error`` of a row whose id a config or crontab entry uses."""
+    return f"id {row_id!r} is already defined in the config file or crontab, which wins"
 
 
 def row_problem(exc: ValidationError) -> str:
@@ -57,7 +66,7 @@ def to_entry(row: Any, taken: set[str]) -> tuple[Entry | None, str | None]:
     """(the row's entry, None) or (None, why the row cannot be used). Whatever a row holds, it
     is refused alone: the other entries keep running."""
     if row.id in taken:
-        return None, f"id {row.id!r} is already defined in the config file or crontab, which wins"
+        return None, shadowed(row.id)
     if row.backfill_out_of_range:
         return None, "backfill: must be from 0 to 1,000,000 days"
     if row.updated_at is None:
@@ -73,7 +82,7 @@ def to_entry(row: Any, taken: set[str]) -> tuple[Entry | None, str | None]:
         return None, row_problem(exc)
     except Exception as exc:  # a check that failed in an unforeseen way: this row's problem only
         return None, f"invalid: {exc}"[:500]
-    return Entry(job, "table", row.updated_at, row.created_at), None
+    return Entry(job, "table", row.updated_at, row.created_at, row.error == shadowed(row.id)), None
 
 
 class RowSource:
