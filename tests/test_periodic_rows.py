@@ -704,3 +704,28 @@ def test_a_row_that_takes_over_a_removed_config_entry_s_id_runs_from_the_takeove
     assert [j.scheduled_at for j in jobs_of(engine, schema, "paused")] == [T0 + timedelta(hours=4)]
     for kind in ("quarter", "late"):  # from their next slot after the takeover (12:55, 13:00), then as any row
         assert jobs_of(engine, schema, kind)[0].scheduled_at > T0 + timedelta(minutes=50), kind
+
+
+def test_a_schedule_change_committed_after_slots_of_the_old_one_runs_no_slot_only_the_new_one_has(
+        pg_dsn, settings, engine, schema):
+    """The trigger stamps updated_at with the writing transaction's start. An hourly row changed to
+    '30 * * * *' by a transaction begun before 13:00 that commits at 14:40, the leader having run
+    13:00 and 14:00 under the old schedule meanwhile (it read the row as it was): the change looked
+    older than the row's newest slot, so its slots since 14:00 counted as missed, and 14:30 ran at
+    14:45, half an hour after 14:00, a slot of neither schedule while it was in force. When such a
+    change took effect is not known (after the newest slot, by its commit): the row runs like a
+    config entry changed then, the slots both schedules have, then from its next slot."""
+    add_row(engine, schema, "hourly", schedule="0 * * * *", kind="hourly", backfill="1 day")
+    with engine.connect() as conn:  # the leader's passes at the server's next hours
+        hour = conn.execute(sql("SELECT date_trunc('hour', now()) + interval '1 hour'", schema)).scalar_one()
+    service = PeriodicEnqueuer(settings.periodic)
+    with psycopg.connect(pg_dsn) as t1:
+        t1.execute(f'UPDATE "{schema}".periodic_jobs SET schedule = %s WHERE id = %s', ("30 * * * *", "hourly"))
+        one_pass(settings, engine, FrozenClock(hour + timedelta(seconds=1)), service)  # 13:00, read as it was
+        one_pass(settings, engine, FrozenClock(hour + timedelta(hours=1, seconds=1)), service)  # 14:00
+        t1.commit()
+    result = one_pass(settings, engine, FrozenClock(hour + timedelta(hours=1, minutes=45)), service)
+    assert [e["slot"] for e in result.enqueued] == [], result.enqueued
+    one_pass(settings, engine, FrozenClock(hour + timedelta(hours=2, minutes=30, seconds=1)), service)
+    assert [j.scheduled_at - hour for j in jobs_of(engine, schema, "hourly")] == [
+        timedelta(0), timedelta(hours=1), timedelta(hours=2, minutes=30)]

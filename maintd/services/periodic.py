@@ -27,6 +27,8 @@ its newest slot starts afresh from its next slot; a row never seen counts its mi
 when it was last changed (so ``backfill`` covers a row added while no leader ran). A row that takes
 over the id of a config or crontab entry gone (the row refused until then) does so at a time
 unknown: its first pass is that of a config entry changed (the id's slots before are the entry's).
+So is a row's change of schedule or resume that a transaction begun before the row's newest slot
+was taken committed after: ``updated_at`` is the transaction's start, the change in force later.
 """
 
 from __future__ import annotations
@@ -305,6 +307,10 @@ class PeriodicEnqueuer(Service):
         # Its newest slot was taken while it was disabled (under this schedule or another).
         paused = under is not None and under.endswith(PAUSED)
         changed = hwm is not None and under is not None and under != taken_under(job) and not paused
+        if entry.since is not None and (changed or paused) and entry.since <= hwm:
+            # A row's change committed after its newest slot was taken under the row as it was, by a
+            # transaction begun before (``updated_at`` is a transaction's start): in force since a time unknown.
+            entry = Entry(job, entry.origin)
         if paused and entry.since is None:  # a config or crontab entry, enabled again at a time unknown
             self._resumed(ctx, job, hwm, latest, result)
             return
