@@ -47,6 +47,7 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 DEFAULT_BATCH = 1000
 MAX_BATCH = 1_000_000  # jobs per transaction at most
 LIST_PAGE = 1000  # jobs per page of `maintd jobs list` (one short transaction each)
+LIST_ERROR_CHARS = 4096  # of each job's last error in `jobs list` (its length: last_error_chars)
 KEEP_LISTED = 10_000  # changed/skipped jobs kept for the output (counts are always exact)
 TEXT_ROWS = 20  # rows per section in the text output; --json lists up to KEEP_LISTED
 CELL_WIDTH = 48
@@ -310,7 +311,8 @@ def iter_jobs(conn: Connection, schema: str, flt: Filter, limit: int,
         n = min(page, limit)
         with conn.begin():
             rows = [dict(r._mapping) for r in conn.execute(sql(LIST.format(where=where), schema),
-                                                           {**flt.params(), "limit": n, "before": before})]
+                                                           {**flt.params(), "limit": n, "before": before,
+                                                            "error_chars": LIST_ERROR_CHARS})]
         yield from rows
         if len(rows) < n:
             return

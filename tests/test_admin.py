@@ -470,6 +470,25 @@ def test_cli_list_filters_and_prints_a_table_or_json(engine, schema, cli):
     assert cli("list", "--state", "nope")[0] == 2
 
 
+def test_cli_list_ships_at_most_a_bounded_start_of_each_last_error(engine, schema, cli):
+    """SPEC: `jobs list` holds O(page) in memory. A worker's error is text of any length (a stack
+    trace with a payload), and the list shipped each row's last error whole, in --json too: a page
+    of 1,000 jobs failed with 1 MB errors held 1 GB. The statement now ships at most
+    LIST_ERROR_CHARS characters of it with its whole length (``last_error_chars``); `jobs show`
+    prints it whole."""
+    failed = add(engine, schema, "retryable", queue="mail", kind="send")[0]
+    long_error = "Traceback " + "x" * 300_000
+    with engine.begin() as conn:
+        conn.execute(sql("UPDATE {schema}.jobs SET errors = CAST(:e AS jsonb) WHERE id = :id", schema),
+                     {"id": failed, "e": json.dumps([{"error": long_error}])})
+    with engine.connect() as conn:
+        [row] = admin.list_jobs(conn, schema, admin.Filter(queue="mail"), 10)
+    assert row["last_error"] == long_error[:admin.LIST_ERROR_CHARS] and row["last_error_chars"] == len(long_error)
+    [listed] = cli_json(cli, "list", "--queue", "mail")
+    assert len(listed["last_error"]) == admin.LIST_ERROR_CHARS and listed["last_error_chars"] == len(long_error)
+    assert cli_json(cli, "show", str(failed))["errors"][-1]["error"] == long_error
+
+
 def test_list_reads_keyset_pages_newest_first_without_repeats(engine, schema):
     ids = add(engine, schema, "available", queue="mail", n=7) + add(engine, schema, "completed", queue="pdf", n=4)
     mail = sorted(ids[:7], reverse=True)

@@ -90,10 +90,13 @@ EXISTED = "j.id <= CAST(:upto AS bigint)"
 
 REREAD = "SELECT id, state::text AS state FROM {schema}.jobs WHERE id = ANY(CAST(:ids AS bigint[]))"
 
+# The last error: at most :error_chars characters of it and its whole length (a worker's error is
+# text of any length; `jobs list` holds a page, `jobs show` prints the error whole).
 LIST = """
 SELECT j.id, j.state::text AS state, j.queue, j.kind, j.attempt, j.max_attempts, j.priority,
-       j.scheduled_at, j.finalized_at, j.errors -> -1 ->> 'error' AS last_error
-  FROM {{schema}}.jobs AS j {where}
+       j.scheduled_at, j.finalized_at, left(e.error, :error_chars) AS last_error,
+       length(e.error) AS last_error_chars
+  FROM {{schema}}.jobs AS j CROSS JOIN LATERAL (SELECT j.errors -> -1 ->> 'error' AS error) AS e {where}
  ORDER BY j.id DESC LIMIT :limit
 """
 
