@@ -32,6 +32,13 @@ from .identifiers import quote_ident
 from .queries import catalog
 
 LOCK_POLL = 0.2  # seconds between tries for the migrate lock
+# The longest a migration's statement waits for a table lock: while it waits, every session that
+# wants that table queues behind it, so a long transaction on the table (a report, pg_dump, a
+# worker's) must not hold them all up. The migrations are tried again, LOCK_RETRY_PAUSE apart,
+# for LOCK_WAIT seconds; CREATE INDEX CONCURRENTLY, which blocks no one, waits as long as it needs.
+LOCK_TIMEOUT = "1s"
+LOCK_RETRY_PAUSE = 1.0
+LOCK_WAIT = 600.0
 
 
 def _script_location() -> str:
@@ -230,7 +237,7 @@ BEGIN
     EXECUTE 'DROP INDEX {schema}.{name}';
   END IF;
 END $$""")
-        op.execute(f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {schema}.jobs {definition}")
+        _without_lock_timeout(op, f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {schema}.jobs {definition}")
 
 
 def drop_index_concurrently(op, name: str) -> None:
@@ -239,7 +246,7 @@ def drop_index_concurrently(op, name: str) -> None:
         return
     schema = quote_ident(op.get_context().version_table_schema)
     with op.get_context().autocommit_block():
-        op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {schema}.{name}")
+        _without_lock_timeout(op, f"DROP INDEX CONCURRENTLY IF EXISTS {schema}.{name}")
 
 
 # Autovacuum settings of the jobs table (SPEC 8.2), set by revision 0007: a queue's table churns
@@ -318,11 +325,60 @@ def _migrate(conn: Connection, schema: str, target, action, layout: Layout = PLA
         conn.commit()
     cfg = alembic_config(schema, layout)
     cfg.attributes["connection"] = conn
-    action(cfg)
-    conn.commit()
+    _apply(conn, schema, cfg, action)
     after = current_revision(conn, schema)
     conn.commit()
     return before, after
+
+
+class MigrateLockTimeout(RuntimeError):
+    """A lock a migration needs was held by another transaction for LOCK_WAIT seconds."""
+
+
+def _apply(conn: Connection, schema: str, cfg: AlembicConfig, action) -> None:
+    """``action(cfg)`` with every lock waited for at most LOCK_TIMEOUT, tried again until LOCK_WAIT
+    (a try that met a held lock rolls back: what an index built concurrently committed stays, and
+    the next try goes on from there); the session's own lock_timeout is set back after."""
+    was = conn.execute(text(catalog.TIMEOUTS)).one().lock_timeout
+    deadline = time.monotonic() + LOCK_WAIT
+    try:
+        while True:
+            conn.execute(text(catalog.SET_SESSION), {"name": "lock_timeout", "value": LOCK_TIMEOUT})
+            conn.commit()
+            try:
+                action(cfg)
+                conn.commit()
+                return
+            except DBAPIError as exc:
+                if not isinstance(exc.orig, pg_errors.LockNotAvailable):
+                    raise
+                conn.rollback()
+                if time.monotonic() >= deadline:
+                    raise MigrateLockTimeout(
+                        f"schema {schema!r}: another transaction held a lock the migration needs for "
+                        f"{LOCK_WAIT:.0f} s ({str(exc.orig).strip().splitlines()[0]}; each try waits at most "
+                        f"{LOCK_TIMEOUT} so that the others do not queue behind it): end the long "
+                        "transaction (pg_stat_activity, oldest xact_start) and run `maintd migrate` again") from None
+                time.sleep(LOCK_RETRY_PAUSE)
+    finally:
+        conn.rollback()
+        conn.execute(text(catalog.SET_SESSION), {"name": "lock_timeout", "value": was})
+        conn.commit()
+
+
+def _without_lock_timeout(op, statement: str) -> None:
+    """In an autocommit block: ``statement`` (a concurrent index build or drop, which blocks no
+    worker but waits for the transactions of the moment) with no lock_timeout, set back after."""
+    if op.get_context().as_sql:
+        op.execute(statement)
+        return
+    bind = op.get_bind()
+    was = bind.execute(text(catalog.TIMEOUTS)).one().lock_timeout
+    bind.execute(text(catalog.SET_SESSION), {"name": "lock_timeout", "value": "0"})
+    try:
+        op.execute(statement)
+    finally:
+        bind.execute(text(catalog.SET_SESSION), {"name": "lock_timeout", "value": was})
 
 
 def check_privileges(state, schema: str) -> None:

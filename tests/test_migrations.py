@@ -289,3 +289,87 @@ def test_the_printed_ddl_runs_as_the_readme_owner_role(pg_dsn):
         finally:
             with psycopg.connect(pg_dsn, autocommit=True) as conn:
                 conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+
+
+def test_a_migration_never_queues_behind_a_long_transaction_while_blocking_others(pg_dsn):
+    """A migration's DDL waited without a lock_timeout: upgrading 0009 to head while a long
+    transaction (a report, pg_dump) held ACCESS SHARE on daemons queued ALTER TABLE daemons behind
+    it, and every other session reading or writing daemons (each replica's registration) queued
+    behind the ALTER for as long as the report ran. A migration's lock is now waited for a bounded
+    time per try and tried again, so the others pass meanwhile; it finishes once the holder ends."""
+    import time
+
+    import psycopg
+
+    schema = new_schema_name()
+    engine = make_engine(pg_dsn, application_name="t", pooled=False)
+    result: dict = {}
+    with engine.connect() as conn:
+        migrate.upgrade(conn, schema, "0009")
+    holder = psycopg.connect(pg_dsn)
+    try:
+        holder.execute(f"SELECT count(*) FROM {quote_ident(schema)}.daemons")  # a long report: held
+
+        def run():
+            try:
+                with engine.connect() as conn:
+                    result["revisions"] = migrate.upgrade(conn, schema)
+            except Exception as exc:  # pragma: no cover - the assertion below reports it
+                result["error"] = exc
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        time.sleep(2)  # the migration meets the held lock
+        with psycopg.connect(pg_dsn, autocommit=True) as other:
+            other.execute("SET lock_timeout = '5s'")
+            for _ in range(3):  # the daemons' registration goes on, though the migration waits
+                other.execute(f"SELECT count(*) FROM {quote_ident(schema)}.daemons").fetchone()
+                time.sleep(0.5)
+        assert thread.is_alive() and not result, result
+        holder.rollback()
+        thread.join(60)
+        assert result == {"revisions": ("0009", migrate.head_revision())}, result
+    finally:
+        holder.close()
+        with engine.connect() as conn:
+            conn.execute(text(f"DROP SCHEMA IF EXISTS {quote_ident(schema)} CASCADE"))
+            conn.commit()
+        engine.dispose()
+
+
+def test_an_index_built_by_a_migration_waits_for_a_long_worker_transaction(pg_dsn):
+    """CREATE INDEX CONCURRENTLY blocks no worker (SHARE UPDATE EXCLUSIVE), but waits for the
+    transactions that write jobs: the migration's bounded lock wait must not make it give up."""
+    import time
+
+    import psycopg
+
+    schema = new_schema_name()
+    engine = make_engine(pg_dsn, application_name="t", pooled=False)
+    result: dict = {}
+    with engine.connect() as conn:
+        migrate.upgrade(conn, schema, "0003")
+    worker = psycopg.connect(pg_dsn)
+    try:
+        worker.execute(f"INSERT INTO {quote_ident(schema)}.jobs (kind) VALUES ('k')")  # open
+
+        def run():
+            try:
+                with engine.connect() as conn:
+                    result["revisions"] = migrate.upgrade(conn, schema)
+            except Exception as exc:  # pragma: no cover - the assertion below reports it
+                result["error"] = exc
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        time.sleep(4)
+        assert thread.is_alive() and not result, result
+        worker.commit()
+        thread.join(60)
+        assert result == {"revisions": ("0003", migrate.head_revision())}, result
+    finally:
+        worker.close()
+        with engine.connect() as conn:
+            conn.execute(text(f"DROP SCHEMA IF EXISTS {quote_ident(schema)} CASCADE"))
+            conn.commit()
+        engine.dispose()
