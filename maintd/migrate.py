@@ -194,6 +194,8 @@ def _relative(option: str, revision: str, step):
 
 
 def _run(conn: Connection, schema: str, target, action, layout: Layout = PLAIN) -> tuple[str | None, str | None]:
+    if _at(conn, schema, target):  # no lock to wait for (a conversion holds it for hours)
+        return target, target
     key = lock_key(schema)
     take_lock(conn, key)
     try:
@@ -308,6 +310,16 @@ def take_lock(conn: Connection, key: int) -> None:
         if got:
             return
         time.sleep(LOCK_POLL)
+
+
+def _at(conn: Connection, schema: str, target) -> bool:
+    """Whether the schema is at ``target`` already (read before the migrate lock is waited for)."""
+    if target is _UNKNOWN:
+        return False
+    state = conn.execute(text(catalog.SCHEMA_PRIVILEGES), {"schema": schema}).one()
+    current = current_revision(conn, schema) if state.schema_usage else None
+    conn.commit()
+    return current == target and state.schema_usage and (state.versioned or target is None)
 
 
 def _migrate(conn: Connection, schema: str, target, action, layout: Layout = PLAIN) -> tuple[str | None, str | None]:

@@ -373,3 +373,36 @@ def test_an_index_built_by_a_migration_waits_for_a_long_worker_transaction(pg_ds
             conn.execute(text(f"DROP SCHEMA IF EXISTS {quote_ident(schema)} CASCADE"))
             conn.commit()
         engine.dispose()
+
+
+def test_migrate_on_a_current_schema_does_not_wait_for_a_conversion(pg_dsn, schema):
+    """`maintd migrate` took the schema's migrate lock before it read the revision, so on a current
+    schema it waited for whoever held it: `maintd migrate --convert partitioned`, which holds it
+    for the whole copy (hours on a large table). Every daemon start (maintd-migrate.service, the
+    pods' init container) hung meanwhile, silently, until systemd's 15 minutes ran out. A current
+    schema needs no lock: it says nothing to do at once."""
+    import time
+
+    engine = make_engine(pg_dsn, application_name="t", pooled=False)
+    result: dict = {}
+    try:
+        with engine.connect() as holder:  # a conversion under way holds the lock
+            holder.execute(text("SELECT pg_advisory_lock(:k)"), {"k": migrate.lock_key(schema)})
+            holder.commit()
+
+            def run():
+                with engine.connect() as conn:
+                    result["revisions"] = migrate.upgrade(conn, schema)
+
+            thread = threading.Thread(target=run, daemon=True)
+            started = time.monotonic()
+            thread.start()
+            thread.join(10)
+            waited = time.monotonic() - started
+            holder.execute(text("SELECT pg_advisory_unlock_all()"))
+            holder.commit()
+            thread.join(30)
+        head = migrate.head_revision()
+        assert result == {"revisions": (head, head)} and waited < 10, (result, waited)
+    finally:
+        engine.dispose()
