@@ -269,6 +269,8 @@ def _swap(conn: Connection, schema: str, say: Callable[[str], None]) -> float:
     Returns the seconds jobs was held."""
     jobs = f"{quote_ident(schema)}.jobs"
     for _ in range(SWAP_TRIES):
+        # No `grants --apply` between the read of jobs' grants and their copy to the new table.
+        conn.execute(text(catalog.ADVISORY_XACT_LOCK), {"k": migrate.grants_lock_key(schema)})
         functions = conn.execute(text(q.DEPENDENT_FUNCTIONS), {"t": jobs}).all()  # read before the lock
         acl = conn.execute(text(q.TABLE_ACL), {"t": jobs}).all()
         try:

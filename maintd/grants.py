@@ -30,7 +30,7 @@ from sqlalchemy.exc import DBAPIError
 from . import __version__
 from .config import validate_identifier
 from .db import quote_ident
-from .migrate import lock_key
+from .migrate import grants_lock_key
 from .partitions import definer_functions as partition_functions
 from .queries import catalog
 
@@ -153,8 +153,8 @@ PRIVILEGE_NOT_GRANTED = "01007"
 
 
 def apply(conn: Connection, schemas: list[str], role: str, *, worker: bool = False) -> int:
-    """Run the grants on ``conn`` (as the owner role) in one transaction, under the migration lock
-    of each schema, so replicas applying them at once do not collide. Returns the statement count.
+    """Run the grants on ``conn`` (as the owner role) in one transaction, under the grants lock
+    of each schema (:func:`maintd.migrate.grants_lock_key`), so replicas applying them at once do not collide. Returns the statement count.
     Raises :class:`NotGranted`, with nothing granted, when the connected role may not grant them."""
     refused: list[str] = []
     raw = conn.connection.driver_connection
@@ -168,7 +168,7 @@ def apply(conn: Connection, schemas: list[str], role: str, *, worker: bool = Fal
     try:
         with conn.begin():
             for schema in schemas:
-                conn.execute(text(catalog.ADVISORY_XACT_LOCK), {"k": lock_key(schema)})
+                conn.execute(text(catalog.ADVISORY_XACT_LOCK), {"k": grants_lock_key(schema)})
                 owner, me = conn.execute(text(catalog.SCHEMA_OWNER), {"schema": schema}).one()
                 for statement, _ in grant_statements(schema, role, worker=worker):
                     try:

@@ -77,6 +77,13 @@ def lock_key(schema: str) -> int:
     return zlib.crc32(f"maintd-migrate:{schema}".encode()) - (1 << 31)
 
 
+def grants_lock_key(schema: str) -> int:
+    """The advisory lock serializing GRANTs on a schema's objects (``maintd grants --apply``):
+    taken by a migration for its whole run (a grant waits for the tables it adds) and by a
+    conversion for its swap alone (which moves the grants of jobs), not for its copy of hours."""
+    return zlib.crc32(f"maintd-grants:{schema}".encode()) - (1 << 31)
+
+
 @functools.cache
 def _scripts() -> ScriptDirectory:
     """The migration scripts shipped with this package: read once per process (6 ms a read, paid
@@ -196,8 +203,9 @@ def _relative(option: str, revision: str, step):
 def _run(conn: Connection, schema: str, target, action, layout: Layout = PLAIN) -> tuple[str | None, str | None]:
     if _at(conn, schema, target):  # no lock to wait for (a conversion holds it for hours)
         return target, target
-    key = lock_key(schema)
+    key, grants_key = lock_key(schema), grants_lock_key(schema)
     take_lock(conn, key)
+    take_lock(conn, grants_key)
     try:
         return _migrate(conn, schema, target, action, layout)
     except DBAPIError as exc:
@@ -208,6 +216,7 @@ def _run(conn: Connection, schema: str, target, action, layout: Layout = PLAIN) 
         raise
     finally:
         conn.rollback()
+        release_lock(conn, grants_key)
         release_lock(conn, key)
 
 
