@@ -378,18 +378,23 @@ def _migrate_one(settings: Settings, args: argparse.Namespace) -> None:
     try:
         with engine.connect() as conn:
             if args.downgrade:
-                before, after = migrate.downgrade(conn, settings.schema, args.downgrade)
+                before, after = migrate.downgrade(conn, settings.schema, args.downgrade, waiting=_waiting)
             elif args.convert:
                 return _convert_one(conn, settings, args.convert)
             else:
                 before, after = migrate.upgrade(conn, settings.schema, args.revision,
-                                                migrate.Layout.of(settings))
+                                                migrate.Layout.of(settings), waiting=_waiting)
     finally:
         engine.dispose()
     if before == after:
         print(f"schema {settings.schema} is at revision {after or 'base'}; nothing to do")
     else:
         print(f"schema {settings.schema} migrated from {before or 'base'} to {after or 'base'}")
+
+
+def _waiting(line: str) -> None:
+    """A migrate that waits for another's lock says so (on stderr), once."""
+    _stderr(f"maintd: {line}")
 
 
 def _convert_one(conn, settings: Settings, to: str) -> None:
@@ -403,7 +408,7 @@ def _convert_one(conn, settings: Settings, to: str) -> None:
         raise convert.ConvertError(f"schema {settings.schema} is at revision {current or 'base'}, not "
                                    f"{migrate.head_revision()}: run `maintd migrate` first")
     key = migrate.lock_key(settings.schema)
-    migrate.take_lock(conn, key)
+    migrate.take_lock(conn, key, waiting=lambda holder: _waiting(f"schema {settings.schema}: waiting for {holder}"))
     def say(line: str) -> None:
         print(line, flush=True)
 

@@ -14,6 +14,7 @@ import io
 import re
 import time
 import zlib
+from typing import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from importlib import resources
@@ -32,6 +33,7 @@ from .identifiers import quote_ident
 from .queries import catalog
 
 LOCK_POLL = 0.2  # seconds between tries for the migrate lock
+WAIT_SAID = 2.0  # seconds of waiting for it before a command says who holds it
 # The longest a migration's statement waits for a table lock: while it waits, every session that
 # wants that table queues behind it, so a long transaction on the table (a report, pg_dump, a
 # worker's) must not hold them all up. The migrations are tried again, LOCK_RETRY_PAUSE apart,
@@ -176,15 +178,19 @@ def _resolve(revision: str):
     return revs[0].revision if len(revs) == 1 else _UNKNOWN
 
 
-def upgrade(conn: Connection, schema: str, revision: str = "head",
-            layout: Layout = PLAIN) -> tuple[str | None, str | None]:
+def upgrade(conn: Connection, schema: str, revision: str = "head", layout: Layout = PLAIN, *,
+            waiting: Callable[[str], None] | None = None) -> tuple[str | None, str | None]:
     """Apply migrations up to ``revision``. Returns (before, after). Safe to run concurrently.
-    ``layout`` is what a new schema's jobs table is built as (an existing one is left as it is)."""
-    return _run(conn, schema, _resolve(revision), _relative("revision", revision, command.upgrade), layout)
+    ``layout`` is what a new schema's jobs table is built as (an existing one is left as it is);
+    ``waiting`` is told once when another run holds the migrate lock (:func:`take_lock`)."""
+    return _run(conn, schema, _resolve(revision), _relative("revision", revision, command.upgrade), layout,
+                waiting=waiting)
 
 
-def downgrade(conn: Connection, schema: str, revision: str) -> tuple[str | None, str | None]:
-    return _run(conn, schema, _resolve(revision), _relative("downgrade", revision, command.downgrade))
+def downgrade(conn: Connection, schema: str, revision: str, *,
+              waiting: Callable[[str], None] | None = None) -> tuple[str | None, str | None]:
+    return _run(conn, schema, _resolve(revision), _relative("downgrade", revision, command.downgrade),
+                waiting=waiting)
 
 
 def _relative(option: str, revision: str, step):
@@ -200,11 +206,12 @@ def _relative(option: str, revision: str, step):
     return action
 
 
-def _run(conn: Connection, schema: str, target, action, layout: Layout = PLAIN) -> tuple[str | None, str | None]:
+def _run(conn: Connection, schema: str, target, action, layout: Layout = PLAIN, *,
+         waiting: Callable[[str], None] | None = None) -> tuple[str | None, str | None]:
     if _at(conn, schema, target):  # no lock to wait for (a conversion holds it for hours)
         return target, target
     key, grants_key = lock_key(schema), grants_lock_key(schema)
-    take_lock(conn, key)
+    take_lock(conn, key, waiting=waiting and (lambda holder: waiting(f"schema {schema}: waiting for {holder}")))
     take_lock(conn, grants_key)
     try:
         return _migrate(conn, schema, target, action, layout)
@@ -309,12 +316,21 @@ def release_lock(conn: Connection, key: int) -> None:
     conn.commit()
 
 
-def take_lock(conn: Connection, key: int) -> None:
+def take_lock(conn: Connection, key: int, *, waiting: Callable[[str], None] | None = None) -> None:
     """Wait for the schema's migrate lock by polling, not in ``pg_advisory_lock``: a session
     blocked in a statement keeps a snapshot open, and ``CREATE INDEX CONCURRENTLY`` in the holder's
-    migration waits for every such snapshot, a deadlock. Each try is a short transaction."""
+    migration waits for every such snapshot, a deadlock. Each try is a short transaction. After
+    ``WAIT_SAID`` s, ``waiting`` is told once who holds it (a migration or a conversion of hours:
+    a command that waits says so, instead of looking hung)."""
+    say_at = time.monotonic() + WAIT_SAID
     while True:
         got = conn.execute(text(catalog.TRY_ADVISORY_LOCK), {"k": key}).scalar()
+        if not got and waiting is not None and time.monotonic() >= say_at:
+            holders = conn.execute(text(catalog.ADVISORY_HOLDERS), {"k": key}).all()
+            waiting("the migrate lock, held by " + (", ".join(
+                f"pid {h.pid} ({h.application_name or 'no application_name'}, since {h.backend_start:%Y-%m-%d %H:%M:%S %Z})"
+                for h in holders) or "a session that has just let it go"))
+            waiting = None
         conn.commit()
         if got:
             return

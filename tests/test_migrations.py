@@ -406,3 +406,65 @@ def test_migrate_on_a_current_schema_does_not_wait_for_a_conversion(pg_dsn, sche
         assert result == {"revisions": (head, head)} and waited < 10, (result, waited)
     finally:
         engine.dispose()
+
+
+def test_a_migrate_waiting_for_another_says_once_who_holds_the_lock(pg_dsn):
+    """A `maintd migrate` with work to do waits for the schema's migrate lock while another run
+    (or a `--convert`, for hours) holds it. It waited silently, with no end: an operator saw a
+    command hang. After a couple of seconds it now says once that it waits, and for whom: the
+    holder's pid and application_name (pg_locks, pg_stat_activity)."""
+    import psycopg
+
+    schema = new_schema_name()
+    said: list[str] = []
+    results: list = []
+    with psycopg.connect(pg_dsn, autocommit=True, application_name="other-migrate") as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", (migrate.lock_key(schema),))
+        engine = make_engine(pg_dsn, application_name="t", pooled=False)
+
+        def run():
+            with engine.connect() as conn:
+                results.append(migrate.upgrade(conn, schema, waiting=said.append))
+
+        t = threading.Thread(target=run)
+        t.start()
+        try:
+            deadline = threading.Event()
+            for _ in range(100):
+                if said or deadline.wait(0.1):
+                    break
+            assert len(said) == 1 and f"pid {holder.info.backend_pid}" in said[0] and "other-migrate" in said[0], said
+            assert f"schema {schema}" in said[0] and not results
+        finally:
+            holder.execute("SELECT pg_advisory_unlock(%s)", (migrate.lock_key(schema),))
+            t.join(120)
+    assert results == [(None, migrate.head_revision())] and len(said) == 1
+    with engine.connect() as conn:
+        conn.execute(text(f"DROP SCHEMA {quote_ident(schema)} CASCADE"))
+        conn.commit()
+    engine.dispose()
+
+
+def test_the_migrate_command_says_on_stderr_that_it_waits(pg_dsn, tmp_path, capsys):
+    """The same, from `maintd migrate`: one line on stderr, then the migration once the lock is free."""
+    import psycopg
+
+    from maintd.cli import main
+
+    schema = new_schema_name()
+    cfg = tmp_path / "maintd.toml"
+    cfg.write_text(f'database_url = "{pg_dsn}"\nschema = "{schema}"\n')
+    with psycopg.connect(pg_dsn, autocommit=True, application_name="other-migrate") as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", (migrate.lock_key(schema),))
+        pid = holder.info.backend_pid
+        threading.Timer(4.0, lambda: holder.execute("SELECT pg_advisory_unlock(%s)",
+                                                    (migrate.lock_key(schema),))).start()
+        assert main(["--config", str(cfg), "migrate"]) == 0
+    out, err = capsys.readouterr()
+    assert err.count("waiting for the migrate lock") == 1 and f"pid {pid}" in err, err
+    assert f"schema {schema} migrated from base to {migrate.head_revision()}" in out
+    engine = make_engine(pg_dsn, application_name="t", pooled=False)
+    with engine.connect() as conn:
+        conn.execute(text(f"DROP SCHEMA {quote_ident(schema)} CASCADE"))
+        conn.commit()
+    engine.dispose()

@@ -114,6 +114,16 @@ SELECT current_user AS role, current_database() AS database,
 TRY_ADVISORY_LOCK = "SELECT pg_try_advisory_lock(:k)"
 ADVISORY_UNLOCK = "SELECT pg_advisory_unlock(:k)"
 ADVISORY_XACT_LOCK = "SELECT pg_advisory_xact_lock(:k)"
+# Who holds the advisory lock of bigint key :k (pg_locks: its high half in classid, its low half
+# in objid, objsubid 1 for a one-key lock).
+ADVISORY_HOLDERS = """
+SELECT a.pid, a.application_name, a.backend_start
+  FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
+ WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+   AND l.classid = CAST((CAST(:k AS bigint) >> 32) & 4294967295 AS oid)
+   AND l.objid = CAST(CAST(:k AS bigint) & 4294967295 AS oid)
+ ORDER BY a.pid
+"""
 # Who may grant on a schema's objects: its owner (maintd's owner role), named in an error.
 SCHEMA_OWNER = """
 SELECT coalesce((SELECT CAST(nspowner AS regrole)::text FROM pg_namespace WHERE nspname = :schema), '?'),
