@@ -119,6 +119,13 @@ def connect(dsn: str, *, application_name: str, autocommit: bool = True,
     params = _params(conninfo, params)
     try:
         conn = BoundedConnection.connect(conninfo, autocommit=True, application_name=application_name[:63], **params)
+    except psycopg.errors.ConnectionTimeout as exc:
+        # psycopg's first line names no server (its lines after it, with several hosts, do: the
+        # operator reads the first); a refused connect's names it.
+        first, *rest = str(exc.args[0] if exc.args else "connection timeout expired").split("\n")
+        where = f"no answer from {_servers(conninfo)} within connect_timeout {_connect_timeout(conninfo, params)} s"
+        exc.args = ("\n".join([f"{first}: {where}", *rest]),)
+        raise
     except psycopg.OperationalError as exc:
         faults.diagnose(exc, make_conninfo(conninfo, **params))
         raise
@@ -132,6 +139,20 @@ def connect(dsn: str, *, application_name: str, autocommit: bool = True,
         conn.close()
         raise
     return conn
+
+
+def _servers(conninfo: str) -> str:
+    """The servers a DSN tries, as ``host:port`` (no user, no password), for a connect error."""
+    params = conninfo_to_dict(conninfo)
+    hosts = str(params.get("host") or params.get("hostaddr") or "the local socket").split(",")
+    ports = str(params.get("port") or "5432").split(",")
+    ports = ports * len(hosts) if len(ports) == 1 else ports
+    return ", ".join(f"{h}:{p or 5432}" for h, p in zip(hosts, ports))
+
+
+def _connect_timeout(conninfo: str, params: dict[str, Any]) -> Any:
+    """The connect timeout (seconds, per host) a connect used: maintd's own, the URL's, libpq's."""
+    return params.get("connect_timeout") or conninfo_to_dict(conninfo).get("connect_timeout") or "none"
 
 
 def session_attrs(params: dict, attrs: str) -> dict[str, str]:

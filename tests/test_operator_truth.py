@@ -551,3 +551,22 @@ def test_the_start_warning_for_a_urls_application_name_names_the_sessions_maintd
     assert "maintd:<instance>" in said, said
     suffixes = set(re.findall(r":(\w+)", said.split("maintd:<instance>", 1)[1]))
     assert suffixes and suffixes <= used, (said, used)
+
+
+def test_a_database_that_never_answers_is_named_by_the_commands_error(tmp_path):
+    """A silent server (a firewall dropping packets, a frozen host) costs a command its connect
+    timeout, then exit 1. A refused connect names the server (psycopg's 'connection to server at
+    "127.0.0.1", port N failed'), but a timed-out one said only 'connection timeout expired':
+    with several databases (or a DSN from the environment) the operator could not tell which
+    address, nor which timeout, was at fault."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # connects are accepted by the kernel, never answered
+        port = silent.getsockname()[1]
+        cfg = _config(tmp_path, f"postgresql://maintd:hunter2secret@127.0.0.1:{port}/app?connect_timeout=2", "maintd")
+        for argv in (("status",), ("jobs", "list"), ("periodic", "list"), ("migrate",)):
+            started = time.monotonic()
+            rc, _, err = _cli("--config", cfg, *argv)
+            assert rc == 1 and time.monotonic() - started < 15, (argv, rc, err)
+            assert "connection timeout expired" in err and f"127.0.0.1:{port}" in err, (argv, err)
+            assert re.search(r"within connect_timeout \d+ s", err) and "hunter2" not in err, (argv, err)
