@@ -270,6 +270,13 @@ def job_id(text: str) -> int:
     return n
 
 
+def answer_bound(settings: Settings) -> float:
+    """Seconds a command waits for any answer of the server before it gives up (exit 1): a frozen
+    or cut-off server keeps acknowledging at the TCP level and never runs its statement_timeout.
+    A statement gets its timeout plus a lease, as the daemon's passes do."""
+    return (settings.statement_timeout + settings.leader.lease).total_seconds()
+
+
 def _load(args: argparse.Namespace) -> Settings:
     """The settings of one target: ``--target``'s, or the only one."""
     targets = _targets(args)
@@ -576,7 +583,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             engine = make_engine(
                 dsn, application_name=f"maintd:{settings.instance_id}:jobs", pooled=False,
                 session=session_settings(settings.statement_timeout, lock_timeout=LOCK_TIMEOUT,
-                                         idle_in_transaction=timedelta(minutes=1)))
+                                         idle_in_transaction=timedelta(minutes=1)),
+                answer_timeout=answer_bound(settings))
         try:
             with engine.connect() as conn:
                 hold_any_time(conn)  # the rows to fix are often those with odd times
@@ -620,7 +628,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 def cmd_periodic(args: argparse.Namespace) -> int:
     from . import periodic_table as table
-    from .db import make_engine
+    from .db import make_engine, session_settings
     from .readers import reader_engine
 
     settings = _load(args)
@@ -638,7 +646,9 @@ def cmd_periodic(args: argparse.Namespace) -> int:
     if args.periodic_action == "list":  # a reader (SPEC 8.5)
         engine = reader_engine(dsn, settings.instance_id, kept=1, most=1)
     else:
-        engine = make_engine(dsn, application_name=f"maintd:{settings.instance_id}:periodic", pooled=False)
+        engine = make_engine(dsn, application_name=f"maintd:{settings.instance_id}:periodic", pooled=False,
+                             session=session_settings(settings.statement_timeout),
+                             answer_timeout=answer_bound(settings))
     try:
         if args.periodic_action == "list":
             entries = table.list_entries(engine, settings)

@@ -570,3 +570,27 @@ def test_a_database_that_never_answers_is_named_by_the_commands_error(tmp_path):
             assert rc == 1 and time.monotonic() - started < 15, (argv, rc, err)
             assert "connection timeout expired" in err and f"127.0.0.1:{port}" in err, (argv, err)
             assert re.search(r"within connect_timeout \d+ s", err) and "hunter2" not in err, (argv, err)
+
+
+def test_jobs_actions_and_periodic_changes_end_when_the_server_stops_answering(pg_dsn, schema, tmp_path):
+    """A server frozen (SIGSTOP, a paused VM) or cut off after the connect keeps acknowledging at
+    the TCP level, so keepalives never fire and its statement_timeout never runs: only a
+    client-side bound ends the wait. `status`, `jobs list|show`, `periodic list` and `run-once`
+    had one; `jobs retry|delete|...` and `periodic add|remove|pause|resume` waited for ever (still
+    running after 120 s here), against "other commands try once and exit 1"."""
+    from .netproxy import NetProxy
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAINTD_")}
+    for argv in (["jobs", "retry", "--state", "retryable"], ["jobs", "delete", "1"], ["periodic", "pause", "x"]):
+        with NetProxy.for_dsn(pg_dsn) as proxy:
+            proxy.on_statement(re.escape(schema), lambda link: proxy.blackhole())
+            cfg = tmp_path / "frozen.toml"
+            cfg.write_text(f'database_url = "{proxy.dsn(pg_dsn)}"\nschema = "{schema}"\nstatement_timeout = "2s"\n')
+            started = time.monotonic()
+            try:
+                done = subprocess.run([sys.executable, "-m", "maintd", "--config", str(cfg), *argv], env=env,
+                                      capture_output=True, text=True, timeout=60)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{argv}: still waiting after 60 s on a server that stopped answering") from None
+            assert done.returncode == 1 and "no answer from the server" in done.stderr, (argv, done.stderr)
+            assert time.monotonic() - started < 45, argv
