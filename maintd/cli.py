@@ -368,7 +368,8 @@ def _schema_revision(settings: Settings) -> str:
     from .db import make_engine
 
     engine = make_engine(settings.database_url.get_secret_value(),
-                         application_name=f"maintd:{settings.instance_id}:migrate", pooled=False)
+                         application_name=f"maintd:{settings.instance_id}:migrate", pooled=False,
+                         answer_timeout=answer_bound(settings))
     try:
         with engine.connect() as conn:
             return migrate.current_revision(conn, settings.schema) or "base"
@@ -750,11 +751,13 @@ def cmd_grants(args: argparse.Namespace) -> int:
                 sys.stdout.write(f"-- database {redact_dsn(dsn)}: run the script below against it\n")
             sys.stdout.write(render(on_it, args.role, worker=args.worker))
         return EXIT_OK
-    from .db import make_engine
+    from .db import make_engine, session_settings
 
     n = 0
     for dsn, on_it in by_database.items():
-        engine = make_engine(dsn, pooled=False, application_name=f"maintd:{targets[0].instance_id}:grants")
+        engine = make_engine(dsn, pooled=False, application_name=f"maintd:{targets[0].instance_id}:grants",
+                             session=session_settings(targets[0].statement_timeout),
+                             answer_timeout=answer_bound(targets[0]))
         try:
             with engine.connect() as conn:
                 n += apply(conn, on_it, args.role, worker=args.worker)
