@@ -125,6 +125,7 @@ def connect(dsn: str, *, application_name: str, autocommit: bool = True,
         first, *rest = str(exc.args[0] if exc.args else "connection timeout expired").split("\n")
         where = f"no answer from {_servers(conninfo)} within connect_timeout {_connect_timeout(conninfo, params)} s"
         exc.args = ("\n".join([f"{first}: {where}", *rest]),)
+        faults.diagnose(exc, make_conninfo(conninfo, **params))  # (another host of the URL may have answered)
         raise
     except psycopg.OperationalError as exc:
         faults.diagnose(exc, make_conninfo(conninfo, **params))
