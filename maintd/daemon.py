@@ -303,7 +303,9 @@ class Daemon:
         if stopping_started:
             log.info("maintd stopped", extra=kv(instance=self.settings.instance_id))
 
-    def reload(self, settings: Settings) -> None:
+    def reload(self, settings: Settings, *, restoring: bool = False) -> None:
+        """Apply ``settings`` (``restoring``: the old ones, after a reload that failed: not said
+        as a reload)."""
         changed = [k for k in RESTART_ONLY if getattr(settings, k) != getattr(self.settings, k)
                    and not (k == "http" and settings.http.listen == self.settings.http.listen
                             and settings.http.enabled == self.settings.http.enabled)]
@@ -318,6 +320,8 @@ class Daemon:
             metrics.max_queues = settings.metrics.max_queues  # from the next refresh of the gauges
             metrics.max_periodic_ids = settings.metrics.max_periodic_ids  # from the enqueuer's next pass
         setup_logging(settings.log.level, settings.log.format)
+        if restoring:
+            return
         enabled = [n for n, s in self.targets[0].runner.services.items() if s.enabled()]
         log.info("config reloaded", extra=kv(services=",".join(enabled) or "none", **periodic_counts(settings)))
 
@@ -356,7 +360,7 @@ class Daemon:
             self.reload(settings)
         except Exception as exc:  # never let a reload take the daemon down
             log.error("config reload failed, keeping the old config", extra=kv(error=str(exc)))
-            self.reload(old)
+            self.reload(old, restoring=True)
             return False
         return True
 

@@ -78,6 +78,41 @@ def test_a_reload_of_a_restart_only_key_says_it_needs_a_restart(pg_dsn, schema, 
         daemon.stop()
 
 
+def test_a_reload_that_fails_says_so_and_not_that_the_config_was_reloaded(pg_dsn, schema, tmp_path, maintd_log,
+                                                                          monkeypatch):
+    """A reload whose applying raises goes back to the old settings and says "config reload
+    failed, keeping the old config". Going back ran the reload again, which ended with "config
+    reloaded" as if the new file had been applied: the last line an operator read said the
+    opposite of what happened. The old config is back, and said as kept."""
+    from maintd import daemon as daemon_module
+    from maintd.target import Target
+
+    cfg = tmp_path / "m.toml"
+    base = f'database_url = "{pg_dsn}"\nschema = "{schema}"\ninstance_id = "r1"\n[http]\nenabled = false\n'
+    cfg.write_text(base + '[cleaner]\ninterval = "5s"\n')
+    daemon = Daemon(load_settings(str(cfg)), config_path=str(cfg))
+    try:
+        reload = Target.reload
+        calls: list = []
+
+        def fails_once(self, settings):
+            calls.append(settings)
+            if len(calls) == 1:
+                raise RuntimeError("boom")
+            reload(self, settings)
+
+        monkeypatch.setattr(Target, "reload", fails_once)
+        monkeypatch.setattr(daemon_module, "setup_logging", lambda *a: None)  # (it would drop maintd_log's handler)
+        cfg.write_text(base + '[cleaner]\ninterval = "7s"\n')
+        maintd_log.clear()
+        assert not daemon.reload_from_file()
+        assert any("config reload failed" in line and "boom" in line for line in maintd_log), maintd_log
+        assert not any("config reloaded" in line for line in maintd_log), maintd_log
+        assert daemon.settings.cleaner.interval.total_seconds() == 5  # the old config, back
+    finally:
+        daemon.stop()
+
+
 def test_a_reload_that_cannot_change_the_targets_keeps_describing_the_running_ones(pg_dsn, schema, tmp_path,
                                                                                    maintd_log):
     """Adding, removing or moving a target needs a restart, and the reload says so; but the
