@@ -669,3 +669,43 @@ def test_a_batch_too_big_for_the_statement_timeout_is_halved_not_failed_every_pa
     finally:
         slow.dispose()
         add_engine.dispose()
+
+
+def test_the_batch_size_that_worked_is_kept_over_a_reload(pg_dsn, settings, schema, clock):
+    """A reload (SIGHUP, any change of the file) builds new services and carries over what the old
+    ones knew (Service.succeed). The scheduler's batch size halved on statement timeouts was not
+    carried over: after every reload the next pass started at batch_size again and hit the timeout
+    again (each costing the whole statement timeout, promoting nothing meanwhile)."""
+    from maintd.db import make_engine, session_settings
+
+    n = 600
+    add_engine = make_engine(pg_dsn, application_name="maintd-test")
+    slow = make_engine(pg_dsn, application_name="maintd-test",
+                       session=session_settings(timedelta(seconds=1)))
+    try:
+        add(add_engine, schema, state="scheduled", due_in=timedelta(seconds=-1), n=n)
+        with add_engine.begin() as conn:
+            conn.execute(sql("CREATE FUNCTION {schema}.slow_row() RETURNS trigger LANGUAGE plpgsql AS "
+                             "$$ BEGIN PERFORM pg_sleep(0.001); RETURN NEW; END $$", schema))
+            conn.execute(sql("CREATE TRIGGER slow_row BEFORE UPDATE ON {schema}.jobs "
+                             "FOR EACH ROW EXECUTE FUNCTION {schema}.slow_row()", schema))
+        settings.scheduler.batch_size = 2000
+        settings.scheduler.precise_timing = False
+        settings.statement_timeout = timedelta(seconds=1)
+        scheduler = Scheduler(settings.scheduler)
+        first = scheduler.run_once(PassContext.for_settings(settings, slow, clock))
+        assert first.total == n and first.timeouts >= 2, first
+        reloaded = Scheduler(settings.scheduler.model_copy())  # what Runner.reload does
+        reloaded.succeed(scheduler)
+        more = add(add_engine, schema, state="scheduled", due_in=timedelta(seconds=-1), n=n)
+        again = reloaded.run_once(PassContext.for_settings(settings, slow, clock))
+        assert again.total == n and again.timeouts == 0, again
+        assert set(states(add_engine, schema)[i] for i in more) == {"available"}
+        # a reload that lowers batch_size lowers the size carried over too
+        settings.scheduler.batch_size = 200
+        smaller = Scheduler(settings.scheduler.model_copy())
+        smaller.succeed(reloaded)
+        assert smaller._batch <= 200
+    finally:
+        slow.dispose()
+        add_engine.dispose()

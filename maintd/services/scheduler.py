@@ -123,6 +123,11 @@ class Scheduler(Service):
         # quarter of the timeout doubles it again, up to batch_size.
         self._batch = config.batch_size
 
+    def succeed(self, old: Service) -> None:
+        """A reload keeps the batch size that worked (within the new batch_size): started again
+        at batch_size, the next pass would hit the statement timeout again."""
+        self._batch = min(getattr(old, "_batch", self._batch), self.config.batch_size)
+
     def probe(self) -> list[str] | None:
         """With precise timing, no ticks of its own: every second the database's probe reads the
         next due time of every target (SPEC 8.3: an idle target costs nothing of its own), so a job
