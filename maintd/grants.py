@@ -30,7 +30,7 @@ from sqlalchemy.exc import DBAPIError
 from . import __version__
 from .config import validate_identifier
 from .db import quote_ident
-from .migrate import grants_lock_key
+from .migrate import grants_lock_key, release_lock, take_lock
 from .partitions import definer_functions as partition_functions
 from .queries import catalog
 
@@ -165,10 +165,17 @@ def apply(conn: Connection, schemas: list[str], role: str, *, worker: bool = Fal
 
     raw.add_notice_handler(on_notice)
     count = 0
+    # Waited for by tries in short transactions (migrate.take_lock), before the grants' transaction:
+    # waited for in it (pg_advisory_xact_lock), with a snapshot, it deadlocked with the CREATE
+    # INDEX CONCURRENTLY of a migration holding the lock, which waits for every older snapshot.
+    keys = sorted({grants_lock_key(schema) for schema in schemas})
+    taken: list[int] = []
     try:
+        for key in keys:
+            take_lock(conn, key)
+            taken.append(key)
         with conn.begin():
             for schema in schemas:
-                conn.execute(text(catalog.ADVISORY_XACT_LOCK), {"k": grants_lock_key(schema)})
                 owner, me = conn.execute(text(catalog.SCHEMA_OWNER), {"schema": schema}).one()
                 for statement, _ in grant_statements(schema, role, worker=worker):
                     try:
@@ -183,4 +190,7 @@ def apply(conn: Connection, schemas: list[str], role: str, *, worker: bool = Fal
                     count += 1
     finally:
         raw.remove_notice_handler(on_notice)
+        conn.rollback()
+        for key in reversed(taken):
+            release_lock(conn, key)
     return count

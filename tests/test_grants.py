@@ -834,3 +834,59 @@ def test_apply_does_not_wait_for_a_conversion(pg_dsn, schema):
                 (result, waited)
         finally:
             engine.dispose()
+
+
+def test_apply_waiting_for_a_migration_does_not_deadlock_its_index_builds(pg_dsn):
+    """A migration holds the grants lock for its run, and its CREATE INDEX CONCURRENTLY (0004,
+    0005) waits for every transaction whose snapshot is older than the build's. `grants --apply`
+    waited for the grants lock inside pg_advisory_xact_lock, a statement, so with a snapshot: the
+    index build waited for the grants, the grants for the migration, and PostgreSQL's deadlock
+    detector cancelled one of them (the migration, after its index build: `deadlock detected`).
+    Waiting for the lock as `migrate` does, by tries between statements, holds no snapshot."""
+    import threading
+    import time
+
+    from sqlalchemy import text
+
+    from .conftest import new_schema_name
+
+    schema = new_schema_name()
+    engine = make_engine(pg_dsn, application_name="t", pooled=False)
+    result: dict = {}
+    with engine.connect() as conn:
+        migrate.upgrade(conn, schema, "0003")
+    worker = psycopg.connect(pg_dsn)
+    try:
+        with login_role(pg_dsn) as role:
+            worker.execute(f'INSERT INTO "{schema}".jobs (kind) VALUES (\'k\')')  # the index build waits for it
+
+            def run(name, step):
+                try:
+                    with engine.connect() as conn:
+                        result[name] = step(conn)
+                except Exception as exc:  # the assertion below reports it
+                    result[name] = exc
+
+            migration = threading.Thread(target=run, args=("migrate", lambda c: migrate.upgrade(c, schema)), daemon=True)
+            migration.start()
+            wait_for(lambda: _holds(pg_dsn, migrate.grants_lock_key(schema)), 30, what="the migration's grants lock")
+            applying = threading.Thread(target=run, args=("grants", lambda c: grants.apply(c, [schema], role)),
+                                        daemon=True)
+            applying.start()
+            time.sleep(3)  # the grants wait (past deadlock_timeout), the index build waits for the worker
+            worker.commit()  # the build goes on, and then waits for the older snapshots
+            migration.join(120)
+            applying.join(60)
+            assert result.get("migrate") == ("0003", migrate.head_revision()), result
+            assert isinstance(result.get("grants"), int), result
+    finally:
+        worker.close()
+        with engine.connect() as conn:
+            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+            conn.commit()
+        engine.dispose()
+
+
+def _holds(dsn: str, key: int) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute("SELECT NOT pg_try_advisory_lock(%s) OR NOT pg_advisory_unlock(%s)", (key, key)).fetchone()[0]
