@@ -30,7 +30,7 @@ from sqlalchemy.exc import DBAPIError
 from . import __version__
 from .config import validate_identifier
 from .db import quote_ident
-from .migrate import grants_lock_key, release_lock, take_lock
+from .migrate import grants_lock_key, let_go, take_lock
 from .partitions import definer_functions as partition_functions
 from .queries import catalog
 
@@ -188,9 +188,11 @@ def apply(conn: Connection, schemas: list[str], role: str, *, worker: bool = Fal
                         raise NotGranted(f"{refused[0]}: role {me} may not grant on schema {schema}; run "
                                          f"`maintd grants {role}{' --worker' if worker else ''} --apply` as the schema's owner, {owner}")
                     count += 1
+    except BaseException:
+        let_go(conn, taken, quiet=True)  # (the server that stopped answering is not asked again)
+        raise
+    else:
+        let_go(conn, taken)
     finally:
         raw.remove_notice_handler(on_notice)
-        conn.rollback()
-        for key in reversed(taken):
-            release_lock(conn, key)
     return count

@@ -214,17 +214,16 @@ def _run(conn: Connection, schema: str, target, action, layout: Layout = PLAIN, 
     take_lock(conn, key, waiting=waiting and (lambda holder: waiting(f"schema {schema}: waiting for {holder}")))
     take_lock(conn, grants_key)
     try:
-        return _migrate(conn, schema, target, action, layout)
-    except DBAPIError as exc:
-        if isinstance(exc.orig, pg_errors.InsufficientPrivilege):
+        result = _migrate(conn, schema, target, action, layout)
+    except BaseException as exc:
+        let_go(conn, [key, grants_key], quiet=True)
+        if isinstance(exc, DBAPIError) and isinstance(exc.orig, pg_errors.InsufficientPrivilege):
             raise MigratePermissionError(
                 f"{str(exc.orig).strip().splitlines()[0]}: run `maintd migrate` as the owner role "
                 f"of schema {schema!r}") from None
         raise
-    finally:
-        conn.rollback()
-        release_lock(conn, grants_key)
-        release_lock(conn, key)
+    let_go(conn, [key, grants_key])
+    return result
 
 
 def jobs_partitioned(op) -> bool:
@@ -314,6 +313,22 @@ def release_lock(conn: Connection, key: int) -> None:
     """Give the schema's migrate lock (:func:`take_lock`) back."""
     conn.execute(text(catalog.ADVISORY_UNLOCK), {"k": key})
     conn.commit()
+
+
+def let_go(conn: Connection, keys: list[int], *, quiet: bool = False) -> None:
+    """End the transaction and give the locks ``keys`` (:func:`take_lock`) back, the last taken
+    first. A connection an error invalidated is not used again: it would reconnect, to a server
+    that may not answer, and that error would hide the first; its session, and the locks with it,
+    ended. ``quiet`` (another error is on its way): an error here is not raised over it."""
+    if conn.invalidated:
+        return
+    try:
+        conn.rollback()
+        for key in reversed(keys):
+            release_lock(conn, key)
+    except Exception:
+        if not quiet:
+            raise
 
 
 def take_lock(conn: Connection, key: int, *, waiting: Callable[[str], None] | None = None) -> None:
