@@ -633,21 +633,16 @@ def _promote_with_the_notify_queue_full(dsn: str, engine, layout: str, caplog) -
     assert any("NOTIFY queue" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
-def test_a_batch_too_big_for_the_statement_timeout_is_halved_not_failed_every_pass(pg_dsn, settings, schema, clock):
-    """``scheduler.batch_size`` may be up to 1,000,000. A batch that cannot finish within the
-    statement timeout (a big backlog due at once on a slow or busy server) failed the pass, and the
-    next pass tried the same size again: nothing was ever promoted. Now a batch that hits the
-    timeout is redone at half the size (down to 100), as the cleaner's are, and the size carries
-    over to the next pass. Here a row trigger costs each promotion 1 ms against a 1 s timeout:
-    batches of 2,000 and 1,000 of the 600 due rows time out, one of 500 takes 0.5 s."""
+@contextmanager
+def slow_promotions(pg_dsn, schema, settings):
+    """Engines (one to add jobs, one whose sessions have a 1 s statement timeout) over a jobs table
+    whose every update costs 1 ms (a row trigger), and a scheduler's settings of batch_size 2,000
+    and that timeout: 600 due rows are too many for one batch, 500 are not."""
     from maintd.db import make_engine, session_settings
 
-    n = 600
     add_engine = make_engine(pg_dsn, application_name="maintd-test")
-    slow = make_engine(pg_dsn, application_name="maintd-test",
-                       session=session_settings(timedelta(seconds=1)))
+    slow = make_engine(pg_dsn, application_name="maintd-test", session=session_settings(timedelta(seconds=1)))
     try:
-        ids = add(add_engine, schema, state="scheduled", due_in=timedelta(seconds=-1), n=n)
         with add_engine.begin() as conn:
             conn.execute(sql("CREATE FUNCTION {schema}.slow_row() RETURNS trigger LANGUAGE plpgsql AS "
                              "$$ BEGIN PERFORM pg_sleep(0.001); RETURN NEW; END $$", schema))
@@ -656,6 +651,22 @@ def test_a_batch_too_big_for_the_statement_timeout_is_halved_not_failed_every_pa
         settings.scheduler.batch_size = 2000
         settings.scheduler.precise_timing = False
         settings.statement_timeout = timedelta(seconds=1)
+        yield add_engine, slow
+    finally:
+        slow.dispose()
+        add_engine.dispose()
+
+
+def test_a_batch_too_big_for_the_statement_timeout_is_halved_not_failed_every_pass(pg_dsn, settings, schema, clock):
+    """``scheduler.batch_size`` may be up to 1,000,000. A batch that cannot finish within the
+    statement timeout (a big backlog due at once on a slow or busy server) failed the pass, and the
+    next pass tried the same size again: nothing was ever promoted. Now a batch that hits the
+    timeout is redone at half the size (down to 100), as the cleaner's are, and the size carries
+    over to the next pass. Here a row trigger costs each promotion 1 ms against a 1 s timeout:
+    batches of 2,000 and 1,000 of the 600 due rows time out, one of 500 takes 0.5 s."""
+    n = 600
+    with slow_promotions(pg_dsn, schema, settings) as (add_engine, slow):
+        ids = add(add_engine, schema, state="scheduled", due_in=timedelta(seconds=-1), n=n)
         scheduler = Scheduler(settings.scheduler)
         result = scheduler.run_once(PassContext.for_settings(settings, slow, clock))
         assert result.total == n and result.timeouts >= 2, result
@@ -666,9 +677,6 @@ def test_a_batch_too_big_for_the_statement_timeout_is_halved_not_failed_every_pa
         again = scheduler.run_once(PassContext.for_settings(settings, slow, clock))
         assert again.total == n and again.timeouts == 0, again
         assert set(states(add_engine, schema)[i] for i in more) == {"available"}
-    finally:
-        slow.dispose()
-        add_engine.dispose()
 
 
 def test_the_batch_size_that_worked_is_kept_over_a_reload(pg_dsn, settings, schema, clock):
@@ -676,22 +684,9 @@ def test_the_batch_size_that_worked_is_kept_over_a_reload(pg_dsn, settings, sche
     ones knew (Service.succeed). The scheduler's batch size halved on statement timeouts was not
     carried over: after every reload the next pass started at batch_size again and hit the timeout
     again (each costing the whole statement timeout, promoting nothing meanwhile)."""
-    from maintd.db import make_engine, session_settings
-
     n = 600
-    add_engine = make_engine(pg_dsn, application_name="maintd-test")
-    slow = make_engine(pg_dsn, application_name="maintd-test",
-                       session=session_settings(timedelta(seconds=1)))
-    try:
+    with slow_promotions(pg_dsn, schema, settings) as (add_engine, slow):
         add(add_engine, schema, state="scheduled", due_in=timedelta(seconds=-1), n=n)
-        with add_engine.begin() as conn:
-            conn.execute(sql("CREATE FUNCTION {schema}.slow_row() RETURNS trigger LANGUAGE plpgsql AS "
-                             "$$ BEGIN PERFORM pg_sleep(0.001); RETURN NEW; END $$", schema))
-            conn.execute(sql("CREATE TRIGGER slow_row BEFORE UPDATE ON {schema}.jobs "
-                             "FOR EACH ROW EXECUTE FUNCTION {schema}.slow_row()", schema))
-        settings.scheduler.batch_size = 2000
-        settings.scheduler.precise_timing = False
-        settings.statement_timeout = timedelta(seconds=1)
         scheduler = Scheduler(settings.scheduler)
         first = scheduler.run_once(PassContext.for_settings(settings, slow, clock))
         assert first.total == n and first.timeouts >= 2, first
@@ -706,6 +701,3 @@ def test_the_batch_size_that_worked_is_kept_over_a_reload(pg_dsn, settings, sche
         smaller = Scheduler(settings.scheduler.model_copy())
         smaller.succeed(reloaded)
         assert smaller._batch <= 200
-    finally:
-        slow.dispose()
-        add_engine.dispose()
