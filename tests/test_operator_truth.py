@@ -578,42 +578,34 @@ def test_jobs_actions_and_periodic_changes_end_when_the_server_stops_answering(p
     client-side bound ends the wait. `status`, `jobs list|show`, `periodic list` and `run-once`
     had one; `jobs retry|delete|...` and `periodic add|remove|pause|resume` waited for ever (still
     running after 120 s here), against "other commands try once and exit 1"."""
-    from .netproxy import NetProxy
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MAINTD_")}
     for argv in (["jobs", "retry", "--state", "retryable"], ["jobs", "delete", "1"], ["periodic", "pause", "x"]):
-        with NetProxy.for_dsn(pg_dsn) as proxy:
-            proxy.on_statement(re.escape(schema), lambda link: proxy.blackhole())
-            cfg = tmp_path / "frozen.toml"
-            cfg.write_text(f'database_url = "{proxy.dsn(pg_dsn)}"\nschema = "{schema}"\nstatement_timeout = "2s"\n')
-            started = time.monotonic()
-            try:
-                done = subprocess.run([sys.executable, "-m", "maintd", "--config", str(cfg), *argv], env=env,
-                                      capture_output=True, text=True, timeout=60)
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"{argv}: still waiting after 60 s on a server that stopped answering") from None
-            assert done.returncode == 1 and "no answer from the server" in done.stderr, (argv, done.stderr)
-            assert time.monotonic() - started < 45, argv
+        _ends_when_the_server_stops_answering(pg_dsn, schema, tmp_path, argv, re.escape(schema))
 
 
 def test_migrate_sql_and_grants_apply_end_when_the_server_stops_answering(pg_dsn, schema, tmp_path):
     """As for jobs actions: `migrate --sql` (one read of the schema's revision) and `grants --apply`
     (GRANTs) waited for ever on a server that stopped answering after the connect (still running
     after 120 s here)."""
+    for argv, pattern in ((["migrate", "--sql"], "alembic_version|pg_namespace|pg_class"),
+                          (["grants", "postgres", "--apply"], "(?i)grant")):
+        _ends_when_the_server_stops_answering(pg_dsn, schema, tmp_path, argv, pattern)
+
+
+def _ends_when_the_server_stops_answering(pg_dsn, schema, tmp_path, argv, pattern):
+    """``maintd argv`` through a proxy that goes silent at the first statement matching ``pattern``
+    (the connect answered) exits 1 within 45 s, saying the server gave no answer."""
     from .netproxy import NetProxy
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("MAINTD_")}
-    for argv, pattern in ((["migrate", "--sql"], "alembic_version|pg_namespace|pg_class"),
-                          (["grants", "postgres", "--apply"], "(?i)grant")):
-        with NetProxy.for_dsn(pg_dsn) as proxy:
-            proxy.on_statement(pattern, lambda link: proxy.blackhole())
-            cfg = tmp_path / "frozen.toml"
-            cfg.write_text(f'database_url = "{proxy.dsn(pg_dsn)}"\nschema = "{schema}"\nstatement_timeout = "2s"\n')
-            started = time.monotonic()
-            try:
-                done = subprocess.run([sys.executable, "-m", "maintd", "--config", str(cfg), *argv], env=env,
-                                      capture_output=True, text=True, timeout=60)
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"{argv}: still waiting after 60 s on a server that stopped answering") from None
-            assert done.returncode == 1 and "no answer from the server" in done.stderr, (argv, done.stderr)
-            assert time.monotonic() - started < 45, argv
+    with NetProxy.for_dsn(pg_dsn) as proxy:
+        proxy.on_statement(pattern, lambda link: proxy.blackhole())
+        cfg = tmp_path / "frozen.toml"
+        cfg.write_text(f'database_url = "{proxy.dsn(pg_dsn)}"\nschema = "{schema}"\nstatement_timeout = "2s"\n')
+        started = time.monotonic()
+        try:
+            done = subprocess.run([sys.executable, "-m", "maintd", "--config", str(cfg), *argv], env=env,
+                                  capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{argv}: still waiting after 60 s on a server that stopped answering") from None
+        assert done.returncode == 1 and "no answer from the server" in done.stderr, (argv, done.stderr)
+        assert time.monotonic() - started < 45, argv
