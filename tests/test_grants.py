@@ -805,33 +805,14 @@ def test_apply_does_not_wait_for_a_conversion(pg_dsn, schema):
     for the whole copy (hours on a large table): the second command of maintd-migrate.service (and
     so every daemon start) hung until systemd's 15 minutes ran out. Grants now have a lock of their
     own, which the conversion takes only for its swap."""
-    import threading
-    import time
-
-    from sqlalchemy import text
+    from .test_migrations import while_a_conversion_holds_the_lock
 
     with login_role(pg_dsn) as role:
         engine = make_engine(pg_dsn, application_name="t", pooled=False)
-        result: dict = {}
         try:
-            with engine.connect() as holder:  # a conversion under way holds the migrate lock
-                holder.execute(text("SELECT pg_advisory_lock(:k)"), {"k": migrate.lock_key(schema)})
-                holder.commit()
-
-                def run():
-                    with engine.connect() as conn:
-                        result["count"] = grants.apply(conn, [schema], role)
-
-                thread = threading.Thread(target=run, daemon=True)
-                started = time.monotonic()
-                thread.start()
-                thread.join(10)
-                waited = time.monotonic() - started
-                holder.execute(text("SELECT pg_advisory_unlock_all()"))
-                holder.commit()
-                thread.join(30)
-            assert result == {"count": len(grants.DAEMON) + len(grants.DAEMON_FUNCTIONS) + 1} and waited < 10, \
-                (result, waited)
+            count, waited = while_a_conversion_holds_the_lock(engine, schema,
+                                                              lambda conn: grants.apply(conn, [schema], role))
+            assert count == len(grants.DAEMON) + len(grants.DAEMON_FUNCTIONS) + 1 and waited < 10, (count, waited)
         finally:
             engine.dispose()
 

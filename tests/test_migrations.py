@@ -291,6 +291,28 @@ def test_the_printed_ddl_runs_as_the_readme_owner_role(pg_dsn):
                 conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
 
 
+def upgrade_in_background(engine, schema: str, result: dict) -> threading.Thread:
+    """``migrate.upgrade`` to head in a started thread: its revisions (or its error) in ``result``."""
+    def run():
+        try:
+            with engine.connect() as conn:
+                result["revisions"] = migrate.upgrade(conn, schema)
+        except Exception as exc:  # pragma: no cover - the assertion below reports it
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def drop(engine, schema: str) -> None:
+    """Drop the test's schema, and the engine's connections."""
+    with engine.connect() as conn:
+        conn.execute(text(f"DROP SCHEMA IF EXISTS {quote_ident(schema)} CASCADE"))
+        conn.commit()
+    engine.dispose()
+
+
 def test_a_migration_never_queues_behind_a_long_transaction_while_blocking_others(pg_dsn):
     """A migration's DDL waited without a lock_timeout: upgrading 0009 to head while a long
     transaction (a report, pg_dump) held ACCESS SHARE on daemons queued ALTER TABLE daemons behind
@@ -310,15 +332,7 @@ def test_a_migration_never_queues_behind_a_long_transaction_while_blocking_other
     try:
         holder.execute(f"SELECT count(*) FROM {quote_ident(schema)}.daemons")  # a long report: held
 
-        def run():
-            try:
-                with engine.connect() as conn:
-                    result["revisions"] = migrate.upgrade(conn, schema)
-            except Exception as exc:  # pragma: no cover - the assertion below reports it
-                result["error"] = exc
-
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
+        thread = upgrade_in_background(engine, schema, result)
         time.sleep(2)  # the migration meets the held lock
         with psycopg.connect(pg_dsn, autocommit=True) as other:
             other.execute("SET lock_timeout = '5s'")
@@ -331,10 +345,7 @@ def test_a_migration_never_queues_behind_a_long_transaction_while_blocking_other
         assert result == {"revisions": ("0009", migrate.head_revision())}, result
     finally:
         holder.close()
-        with engine.connect() as conn:
-            conn.execute(text(f"DROP SCHEMA IF EXISTS {quote_ident(schema)} CASCADE"))
-            conn.commit()
-        engine.dispose()
+        drop(engine, schema)
 
 
 def test_an_index_built_by_a_migration_waits_for_a_long_worker_transaction(pg_dsn):
@@ -353,15 +364,7 @@ def test_an_index_built_by_a_migration_waits_for_a_long_worker_transaction(pg_ds
     try:
         worker.execute(f"INSERT INTO {quote_ident(schema)}.jobs (kind) VALUES ('k')")  # open
 
-        def run():
-            try:
-                with engine.connect() as conn:
-                    result["revisions"] = migrate.upgrade(conn, schema)
-            except Exception as exc:  # pragma: no cover - the assertion below reports it
-                result["error"] = exc
-
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
+        thread = upgrade_in_background(engine, schema, result)
         time.sleep(4)
         assert thread.is_alive() and not result, result
         worker.commit()
@@ -369,10 +372,7 @@ def test_an_index_built_by_a_migration_waits_for_a_long_worker_transaction(pg_ds
         assert result == {"revisions": ("0003", migrate.head_revision())}, result
     finally:
         worker.close()
-        with engine.connect() as conn:
-            conn.execute(text(f"DROP SCHEMA IF EXISTS {quote_ident(schema)} CASCADE"))
-            conn.commit()
-        engine.dispose()
+        drop(engine, schema)
 
 
 def test_migrate_on_a_current_schema_does_not_wait_for_a_conversion(pg_dsn, schema):
@@ -381,31 +381,39 @@ def test_migrate_on_a_current_schema_does_not_wait_for_a_conversion(pg_dsn, sche
     for the whole copy (hours on a large table). Every daemon start (maintd-migrate.service, the
     pods' init container) hung meanwhile, silently, until systemd's 15 minutes ran out. A current
     schema needs no lock: it says nothing to do at once."""
-    import time
-
     engine = make_engine(pg_dsn, application_name="t", pooled=False)
-    result: dict = {}
     try:
-        with engine.connect() as holder:  # a conversion under way holds the lock
-            holder.execute(text("SELECT pg_advisory_lock(:k)"), {"k": migrate.lock_key(schema)})
-            holder.commit()
-
-            def run():
-                with engine.connect() as conn:
-                    result["revisions"] = migrate.upgrade(conn, schema)
-
-            thread = threading.Thread(target=run, daemon=True)
-            started = time.monotonic()
-            thread.start()
-            thread.join(10)
-            waited = time.monotonic() - started
-            holder.execute(text("SELECT pg_advisory_unlock_all()"))
-            holder.commit()
-            thread.join(30)
+        result, waited = while_a_conversion_holds_the_lock(engine, schema, lambda conn: migrate.upgrade(conn, schema))
         head = migrate.head_revision()
-        assert result == {"revisions": (head, head)} and waited < 10, (result, waited)
+        assert result == (head, head) and waited < 10, (result, waited)
     finally:
         engine.dispose()
+
+
+def while_a_conversion_holds_the_lock(engine, schema: str, work) -> tuple[object, float]:
+    """``work(conn)`` in a thread while another session holds the schema's migrate lock (as a
+    conversion under way does), given 10 s; the lock is then let go. Returns what ``work``
+    returned (None if it had not) and the seconds it was waited for (10 at most: it had not)."""
+    import time
+
+    result: dict = {}
+    with engine.connect() as holder:
+        holder.execute(text("SELECT pg_advisory_lock(:k)"), {"k": migrate.lock_key(schema)})
+        holder.commit()
+
+        def run():
+            with engine.connect() as conn:
+                result["value"] = work(conn)
+
+        thread = threading.Thread(target=run, daemon=True)
+        started = time.monotonic()
+        thread.start()
+        thread.join(10)
+        waited = time.monotonic() - started
+        holder.execute(text("SELECT pg_advisory_unlock_all()"))
+        holder.commit()
+        thread.join(30)
+    return result.get("value"), waited
 
 
 def test_a_migrate_waiting_for_another_says_once_who_holds_the_lock(pg_dsn):
