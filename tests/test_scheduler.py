@@ -701,3 +701,26 @@ def test_the_batch_size_that_worked_is_kept_over_a_reload(pg_dsn, settings, sche
         smaller = Scheduler(settings.scheduler.model_copy())
         smaller.succeed(reloaded)
         assert smaller._batch <= 200
+
+
+def test_a_batch_redone_after_a_moved_row_does_not_shrink_the_size_carried_over(pg_dsn, settings, schema, clock):
+    """A batch redone for SQLSTATE 40001 (a row moved to another partition meanwhile) runs at a
+    smaller limit (PassContext.redo_limit); that limit is about the rows that moved, not about the
+    statement timeout. A full batch at it, done quickly, set the size carried to the next pass to
+    twice the redo size: after two redos in a row, half of batch_size, so a later pass promoted a
+    backlog in twice as many transactions for no reason."""
+    from maintd.db import make_engine
+
+    engine = make_engine(pg_dsn, application_name="maintd-test")
+    try:
+        settings.scheduler.batch_size = 400
+        settings.scheduler.precise_timing = False
+        add(engine, schema, state="scheduled", due_in=timedelta(seconds=-1), n=100)
+        scheduler = Scheduler(settings.scheduler)
+        ctx = PassContext.for_settings(settings, engine, clock)
+        ctx.redos = 2  # the first batch is being redone for the second time in a row: limit 100
+        result = scheduler.run_once(ctx)
+        assert result.total == 100
+        assert scheduler._batch == 400
+    finally:
+        engine.dispose()

@@ -192,7 +192,8 @@ class Scheduler(Service):
                     continue
                 raise
             if promoted == limit and time.monotonic() - started < ctx.statement_timeout.total_seconds() / 4:
-                self._batch = min(self.config.batch_size, limit * 2)
+                # (a limit made smaller by a redo for a moved row says nothing about the timeout)
+                self._batch = max(self._batch, min(self.config.batch_size, limit * 2))
             if rows:
                 result.batches += 1
             for r in rows:
