@@ -38,6 +38,7 @@ from sqlalchemy import Connection, TextClause, text
 from sqlalchemy.exc import OperationalError
 
 from . import migrate, partitions
+from .faults import LOCK_NOT_AVAILABLE, sqlstate
 from .identifiers import quote_ident
 from .migrate import Layout
 from .queries import FINAL_STATES_SQL, LIVE_STATES_SQL, catalog, render, sql
@@ -188,7 +189,7 @@ def _with_lock_timeout(conn: Connection, what: str, *statements: TextClause) -> 
             return 0.0
         except OperationalError as exc:
             conn.rollback()
-            if getattr(exc.orig, "sqlstate", None) != "55P03":
+            if sqlstate(exc) != LOCK_NOT_AVAILABLE:
                 raise
             time.sleep(0.05)
     raise ConvertError(f"could not lock jobs for {what} in {SWAP_TRIES} tries; run the command again")
@@ -250,7 +251,7 @@ def _lock_batch(conn: Connection, schema: str, states: str, cursor: int, n: int)
         return Batch(ids, max(ids, default=cursor), len(ids) < n)
     except OperationalError as exc:
         conn.rollback()
-        if getattr(exc.orig, "sqlstate", None) != "55P03":
+        if sqlstate(exc) != LOCK_NOT_AVAILABLE:
             raise
     ahead = conn.execute(sql(q.PEEK_BATCH, schema, states=states), {"cursor": cursor, "n": n}).scalars().all()
     if not ahead:  # gone meanwhile
@@ -278,7 +279,7 @@ def _swap(conn: Connection, schema: str, say: Callable[[str], None]) -> float:
             conn.execute(sql(q.LOCK_JOBS, schema))
         except OperationalError as exc:
             conn.rollback()
-            if getattr(exc.orig, "sqlstate", None) != "55P03":
+            if sqlstate(exc) != LOCK_NOT_AVAILABLE:
                 raise
             time.sleep(0.05)
             continue

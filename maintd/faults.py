@@ -29,6 +29,8 @@ TRANSIENT_CLASSES = ("08", "53")
 TRANSIENT_CODES = ("57P01", "57P02", "57P03", "57P05", "57014")  # 57014: a statement timeout (a slow server)
 _VERBOSE_CODE = re.compile(r":\s+(?=[A-Z]*\d)([0-9A-Z]{5}):\s")  # a code has a digit: not "FATAL:"
 PQERRORS_VERBOSE = 2
+QUERY_CANCELED = "57014"  # a statement timeout, or a cancel
+LOCK_NOT_AVAILABLE = "55P03"  # a lock timeout, or NOWAIT
 
 
 def sqlstate(exc: BaseException) -> str | None:

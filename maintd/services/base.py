@@ -46,6 +46,7 @@ CANCEL_TIMEOUT = 2.0  # seconds a cancel request may take (it opens its own conn
 # is redone in a row (a committed transaction starts the count again), and the services redo it
 # smaller (see :meth:`PassContext.redo_limit`), so the pass still makes progress.
 MOVED_MEANWHILE = "40001"
+MIN_BATCH = 100  # a batch that hits the statement timeout is redone at half the size, down to this
 MOVED_MAX = 100  # redos in a row of one batch; past this the error is the pass's (something else)
 R = TypeVar("R")
 

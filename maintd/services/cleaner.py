@@ -66,12 +66,13 @@ from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
 from ..db import ms
+from ..faults import LOCK_NOT_AVAILABLE, QUERY_CANCELED
 from ..durations import parse_duration
 from ..logs import kv
 from ..metrics import Family
 from ..queries import FINAL_STATES, catalog, for_queue, jobs, partitions
 from ..sections import DURATION_JSON, Retention, Section, ServiceConfig, names_like_queues
-from .base import PassContext, PassResult, Service
+from .base import MIN_BATCH, PassContext, PassResult, Service
 
 
 class QueueRetention(Section):
@@ -122,7 +123,6 @@ JOBS_DELETED = Family(Counter, "maintd_jobs_deleted", "Final jobs deleted past t
 # Where a full scan starts: rows finalized earlier (BC, '-infinity') go first, in id batches
 # (also a literal in jobs.CLEANER_ANY_ANCIENT).
 FAR_PAST = datetime(1, 1, 2, tzinfo=timezone.utc)
-MIN_BATCH = 100
 FILL = 0.9  # a predicted batch aims at this fraction of batch_size rows
 GROWTH = 2.0  # a predicted range is at most this many times wider than the previous one
 BATCH_TARGET = 0.2  # seconds: a predicted range narrows when a batch took longer than this
@@ -138,7 +138,6 @@ FIRST_ID = -(2 ** 63)  # where a dry run's (finalized_at, id) walk starts at its
 LOCKED_SHOWN = 5  # ids named in the line about a batch's rows passed over as locked
 TINY = timedelta(microseconds=1)
 STEP_START = timedelta(minutes=1)  # the first range of a walk that steps (it doubles while empty)
-LOCK_NOT_AVAILABLE, QUERY_CANCELED = "55P03", "57014"  # SQLSTATEs
 
 
 @dataclass

@@ -36,6 +36,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
 from ..durations import format_duration, parse_duration
+from ..faults import LOCK_NOT_AVAILABLE
 from ..logs import kv
 from ..metrics import Family
 from ..partitions import DETACHED_COMMENT, EXACT_UP_TO, MAKE_CAP
@@ -83,7 +84,6 @@ RETRY_PAUSE = 0.02  # seconds between them
 # The last try waits in the lock queue for jobs_<state>, at most this long: under a steady stream
 # of completions (each holds a lock on it until its commit) there may be no instant it is free.
 LAST_TRY_WAIT_MS = 50
-LOCK_NOT_AVAILABLE = "55P03"
 MANY_PARTITIONS = 1000  # of one final state: more is worth a warning (PartitionerConfig.advice)
 
 

@@ -26,6 +26,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
 from ..db import describe_db_error, ms
+from ..faults import LOCK_NOT_AVAILABLE, QUERY_CANCELED
 from ..identifiers import quote_catalog_name, quote_ident, validate_identifier
 from ..logs import kv
 from ..metrics import Family
@@ -61,7 +62,7 @@ REINDEX_SECONDS = Family(Gauge, "maintd_reindex_duration_seconds", "How long the
 
 ARTIFACT_RE = re.compile(r"_cc(new|old)[0-9]*$")
 # SQLSTATE -> outcome of an index whose build failed (anything else: "error")
-OUTCOMES = {"57014": "timeout", "55P03": "timeout"}  # query_canceled, lock_not_available
+OUTCOMES = {QUERY_CANCELED: "timeout", LOCK_NOT_AVAILABLE: "timeout"}
 NEEDS_OWNER = ("42501",)
 # lock_timeout bounds REINDEX CONCURRENTLY's waits for the transactions older than each of its
 # phases, not only its lock: one open on the jobs table for longer (a reader, pg_dump, a worker
@@ -253,7 +254,7 @@ class Reindexer(Service):
             report.outcome = "cancelled"
         else:
             report.outcome = OUTCOMES.get(sqlstate or "", "error")
-        if sqlstate == "55P03" and report.failed_on is None:
+        if sqlstate == LOCK_NOT_AVAILABLE and report.failed_on is None:
             report.error += f" ({OLDER_TRANSACTION.format(_seconds(self.config.lock_timeout))})"
         if sqlstate in NEEDS_OWNER:
             report.error += (" (REINDEX CONCURRENTLY needs ownership of the jobs table's indexes: "

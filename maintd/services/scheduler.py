@@ -53,10 +53,8 @@ from ..logs import kv
 from ..metrics import Family
 from ..queries import jobs
 from ..sections import PositiveDuration, ServiceConfig
-from .base import PassContext, PassResult, Service
+from .base import MIN_BATCH, PassContext, PassResult, Service
 
-MIN_BATCH = 100  # a batch that hits the statement timeout is halved down to this
-QUERY_CANCELED = "57014"
 MIN_WAKE = 0.05  # seconds: at most ~20 wake-ups a second, whatever the due times
 PROBE_EVERY = 1.0  # seconds: the due-time probe's period, the lag bound for a job due sooner than known
 
@@ -203,7 +201,7 @@ class Scheduler(Service):
 
     def _halved(self, ctx: PassContext, exc: DBAPIError, limit: int, result: SchedulerResult) -> bool:
         """A batch cancelled by the statement timeout (not by a stop): redo it at half the size."""
-        if faults.sqlstate(exc) != QUERY_CANCELED or limit <= MIN_BATCH:
+        if faults.sqlstate(exc) != faults.QUERY_CANCELED or limit <= MIN_BATCH:
             return False
         ctx.check_stop()  # the runner's cancel of a stopped pass is the same SQLSTATE
         self._batch, result.timeouts = max(MIN_BATCH, limit // 2), result.timeouts + 1
