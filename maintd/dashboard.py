@@ -44,7 +44,7 @@ from .queries import service_runs as q_runs
 from .queries.dashboard import (AVAILABLE_COUNTS, DISCARDED, ESTIMATES, FINAL_COUNTS, FINAL_QUEUES, HEADS, INDEX,
                                 JOB, LAST_SLOTS, LIST, LIST_AVAILABLE, LIST_COLUMNS, WINDOW, WINDOW_END)
 
-CAP = 10_000            # index entries a count reads (per queue and state, or per window) before it says "at least"
+CAP = 10_000            # a count (per queue and state, or per window) past this many index entries says "at least"
 PAGE_SIZE = 50
 SCAN_WINDOW = 100_000   # jobs of a state searched per page for a queue no index leads with
 WINDOWED = ("scheduled", "retryable", "running")  # states counted in a window of their index
@@ -109,16 +109,16 @@ def windowed_counts(conn: Connection, schema: str, cap: int
     seen: dict[tuple[str, str], int] = {w: 0 for w in windows}
     for where, order in windows:
         for row in conn.execute(sql(WINDOW.replace("{where}", where).replace("{order}", order), schema),
-                                {"cap": cap}):
-            out[row.state][row.queue] = row.n
+                                {"cap": cap + 1}):  # one more: a window of exactly cap is not full
+            out[row.state][row.queue] = min(row.n, cap)
             seen[(where, order)] += row.n
-    return out, {s: seen[INDEX[s]] >= cap for s in out}
+    return out, {s: seen[INDEX[s]] > cap for s in out}
 
 
 def final_counts(conn: Connection, schema: str, cap: int
                  ) -> tuple[dict[str, dict[str, int]], dict[str, int], set[str]]:
-    """(state -> queue -> final jobs, each count reading at most the per-queue bound of
-    jobs_finalized_queue_idx; state -> that bound; the states with more than ``MAX_HEADS``
+    """(state -> queue -> final jobs, each count reading one entry past the per-queue bound
+    of jobs_finalized_queue_idx; state -> that bound; the states with more than ``MAX_HEADS``
     queues, whose queues past the first ``MAX_HEADS`` are not counted) for completed,
     cancelled and discarded."""
     out, bounds, cut = {}, {}, set()
@@ -129,7 +129,7 @@ def final_counts(conn: Connection, schema: str, cap: int
             queues, _ = queues[:MAX_HEADS], cut.add(state)
         bounds[state] = per_queue_cap(cap, len(queues))
         out[state] = {r.queue: r.n for r in conn.execute(
-            sql(FINAL_COUNTS, schema), {"state": state, "queues": queues, "cap": bounds[state]})} if queues else {}
+            sql(FINAL_COUNTS, schema), {"state": state, "queues": queues, "cap": bounds[state] + 1})} if queues else {}
     return out, bounds, cut
 
 
@@ -142,7 +142,7 @@ def available_counts(conn: Connection, schema: str, cap: int
     cut = any(r.more for r in heads)
     limit = per_queue_cap(cap, len(oldest))
     counts = {r.queue: r.n for r in conn.execute(sql(AVAILABLE_COUNTS, schema),
-                                                  {"queues": sorted(oldest), "cap": limit})}
+                                                  {"queues": sorted(oldest), "cap": limit + 1})}
     return counts, oldest, cut, limit
 
 
@@ -156,8 +156,8 @@ def queue_table(conn: Connection, schema: str, now: datetime, cap: int = CAP) ->
     """Jobs by queue and state (bounded counts), per-state totals, the oldest available age.
 
     available and the final states are counted per queue through an index that leads with the
-    queue, at most ``cap`` entries each (shared out when queues are many): a cell is exact, or
-    "at least" at its bound. scheduled, retryable and running are counted in a window of the
+    queue, ``cap`` entries each and one more (shared out when queues are many): a cell is exact,
+    or "at least" at its bound. scheduled, retryable and running are counted in a window of the
     ``cap`` first entries of their index: when it is full, a queue's cell is "at least" what the
     window holds of it, or unknown (``?``) when it holds none of it."""
     avail, oldest, cut, limit = available_counts(conn, schema, cap)
@@ -170,13 +170,14 @@ def queue_table(conn: Connection, schema: str, now: datetime, cap: int = CAP) ->
     for q in queues:
         counts = {}
         for s in JOB_STATES:
-            n = counted[s].get(q, 0)
-            capped = (n >= bound[s]) if s in bound else full[s]
+            n = counted[s].get(q, 0)  # (bounded counts read one entry past their bound)
+            capped = (n > bound[s]) if s in bound else full[s]
+            n = min(n, bound[s]) if s in bound else n
             capped = capped or (s in finals_cut and q not in counted[s])  # a queue past MAX_HEADS: "?"
             counts[s] = Count(n, "exact" if not capped else "atleast" if n else "unknown")
         age = (now - oldest[q]).total_seconds() if oldest.get(q) is not None else None
         rows.append({"queue": q, "counts": counts, "oldest_age": None if age is None else max(0.0, age)})
-    capped_state = {s: (any(n >= bound[s] for n in counted[s].values()) if s in bound else full[s])
+    capped_state = {s: (any(n > bound[s] for n in counted[s].values()) if s in bound else full[s])
                     for s in JOB_STATES}
     capped_state["available"] = capped_state["available"] or cut
     for s in finals_cut:  # queues past MAX_HEADS not counted: the sum is a lower bound
@@ -184,7 +185,7 @@ def queue_table(conn: Connection, schema: str, now: datetime, cap: int = CAP) ->
     guess = estimates(conn, schema) if any(capped_state.values()) else {}
     totals = {}
     for s in JOB_STATES:
-        n = sum(counted[s].values())
+        n = sum(min(n, bound.get(s, n)) for n in counted[s].values())
         if not capped_state[s]:
             totals[s] = Count(n)
         else:  # past the bound: the statistics, or the lower bound if they know less

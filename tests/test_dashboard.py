@@ -839,6 +839,33 @@ def test_counts_stop_at_the_cap_and_say_so(engine, schema):
     assert per_queue_cap(10_000, 5) == 10_000 and per_queue_cap(10_000, 1_000) == 100
 
 
+def test_a_count_of_exactly_the_cap_is_exact_not_at_least(engine, schema):
+    """A count reads at most ``cap`` index entries: it found ``cap`` whether the queue held ``cap``
+    jobs or a million, and said "≥ 10,000" for a queue of exactly 10,000. One entry more is read,
+    so exactly the cap is exact and only more is "at least" (shown at the cap: "≥ 10")."""
+    q = JobQueue(schema)
+    later = datetime.now(timezone.utc) + timedelta(days=1)
+    with engine.begin() as conn:
+        for i in range(10):
+            q.enqueue(conn, "k", queue="even")
+            q.enqueue(conn, "k", queue="even", scheduled_at=later)
+        for i in range(11):
+            q.enqueue(conn, "k", queue="over")
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state, attempt, attempted_at, finalized_at)"
+                         " SELECT 'k', q, 'completed', 1, now(), now()"
+                         " FROM unnest(ARRAY['even', 'over']) q, generate_series(1, CASE q WHEN 'even' THEN 10 ELSE 11 END)",
+                         schema))
+    with engine.connect() as conn:
+        now = conn.execute(text("SELECT now()")).scalar_one()
+        table = queue_table(conn, schema, now, cap=10)
+    cell = {(r["queue"], s): (c.value, c.kind) for r in table["rows"] for s, c in r["counts"].items()}
+    assert cell[("even", "available")] == (10, "exact") and cell[("over", "available")] == (10, "atleast")
+    assert cell[("even", "completed")] == (10, "exact") and cell[("over", "completed")] == (10, "atleast")
+    assert cell[("even", "scheduled")] == (10, "exact")  # a window of 10 holding all 10: not full
+    assert (table["totals"]["scheduled"].value, table["totals"]["scheduled"].kind) == (10, "exact")
+    assert _count(Count(*cell[("over", "available")])) == "≥ 10"
+
+
 def test_many_discarded_jobs_are_counted_to_ten_thousand_and_other_queues_exactly(settings, engine, schema):
     """Issue 28 row 9: with 200 k discarded jobs the overview said "Discarded ≥ 2,000" (the README
     says 10,000) and "?" for the queues that had none. 25,000 discarded in one queue, before and
