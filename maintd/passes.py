@@ -21,6 +21,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 
+from .clock import UTC
 from .config import Settings
 from .db import HostOrder, describe_db_error, make_engine, ms, session_settings
 from .logs import kv
@@ -91,10 +92,18 @@ def execute_pass(name: str, service: Service, ctx: PassContext, metrics: Metrics
     """Run one pass of ``service`` and report it; never raises for a failing pass."""
     slog = logging.getLogger(f"maintd.{name}")
     with ctx.session():
-        started, mono = _now(ctx), time.monotonic()
-        result, outcome, error = _run(name, service, ctx, slog)
+        mono = time.monotonic()
+        try:
+            started = finished = ctx.now()
+        except Exception as exc:  # the server cannot be asked: asked again by the pass and at its
+            # end, it would cost each connect timeout again to fail the same way
+            started = finished = datetime.now(UTC)
+            result, outcome, error = _failed(name, exc, ctx, slog)
+        else:
+            result, outcome, error = _run(name, service, ctx, slog)
+            finished = _now(ctx, default=started)
         work = time.monotonic() - mono - (result.waited() if result is not None else 0.0)
-        record = PassRecord(name, outcome, started, _now(ctx, default=started), work, result, error)
+        record = PassRecord(name, outcome, started, finished, work, result, error)
     if metrics is not None:
         _observe(metrics, service, record, ctx)
     if result is not None and result.did_something():
@@ -114,26 +123,26 @@ def _run(name: str, service: Service, ctx: PassContext,
     except PassStopped:  # with what its committed transactions did
         return ctx.partial, Outcome.STOPPED, "stopped: leadership lost, shutting down, or its settings changed"
     except Exception as exc:  # a failing pass never kills the daemon
-        if ctx.should_stop():  # e.g. its query was cancelled because we lost leadership
-            return ctx.partial, Outcome.STOPPED, f"stopped: {describe_db_error(exc)}"
-        error = describe_db_error(exc)
-        slog.error("pass failed", extra=kv(service=name, error=error),
-                   exc_info=slog.isEnabledFor(logging.DEBUG))
-        return ctx.partial, Outcome.ERROR, error  # its batches committed before the failure count
+        return _failed(name, exc, ctx, slog)
     if result.failed():
         return result, Outcome.ERROR, f"part of the pass failed: {result.summary()}"
     return result, Outcome.SUCCESS, None
 
 
-def _now(ctx: PassContext, default: datetime | None = None) -> datetime:
+def _failed(name: str, exc: Exception, ctx: PassContext,
+            slog: logging.Logger) -> tuple[PassResult | None, Outcome, str]:
+    if ctx.should_stop():  # e.g. its query was cancelled because we lost leadership
+        return ctx.partial, Outcome.STOPPED, f"stopped: {describe_db_error(exc)}"
+    error = describe_db_error(exc)
+    slog.error("pass failed", extra=kv(service=name, error=error), exc_info=slog.isEnabledFor(logging.DEBUG))
+    return ctx.partial, Outcome.ERROR, error  # its batches committed before the failure count
+
+
+def _now(ctx: PassContext, default: datetime) -> datetime:
     """The server's time for the record; ``default`` when the server cannot be asked."""
     try:
         return ctx.now()
     except Exception:
-        if default is None:
-            from .clock import UTC
-
-            return datetime.now(UTC)  # the server is unreachable: the pass fails anyway
         return default
 
 

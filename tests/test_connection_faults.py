@@ -403,3 +403,23 @@ def test_a_silent_database_at_start_costs_one_connect_timeout_not_one_per_target
                 conn.execute(text(f'DROP SCHEMA IF EXISTS "{name}" CASCADE'))
             conn.commit()
         engine.dispose()
+
+
+def test_a_pass_on_a_silent_server_waits_for_one_connect_timeout_not_three(pg_dsn, tmp_path):
+    """A pass reads the server's time when it starts, runs, and reads it again when it ends. On a
+    server that never answers each of the three waited for its own connect timeout: `maintd
+    run-once cleaner --dry-run` took 16 s to say "no answer within connect_timeout 5 s", and every
+    failing pass of a daemon held its thread three times as long. A pass whose start cannot be
+    read now fails at once with that error: one connection tried, one timeout waited."""
+    from .netproxy import NetProxy
+
+    with NetProxy.for_dsn(pg_dsn) as proxy:
+        proxy.blackhole()
+        cfg = tmp_path / "silent.toml"
+        cfg.write_text(f'database_url = "{proxy.dsn(pg_dsn)}"\ninstance_id = "silent-pass"\n')
+        started = time.monotonic()
+        rc, out, err = run_cli("--config", str(cfg), "run-once", "cleaner", "--dry-run")
+        took = time.monotonic() - started
+        assert rc == 1 and json.loads(out)["outcome"] == "error", (out, err)
+        assert f"127.0.0.1:{proxy.port}" in json.loads(out)["error"], out
+        assert proxy._count == 1, f"{proxy._count} connections tried in {took:.1f} s"
