@@ -246,7 +246,12 @@ BEGIN
     PERFORM {schema}.new_partition_table(p_state, min_name || '_new');
   END IF;
   FOR r IN SELECT p.* FROM {schema}.job_partitions(p_state) AS p WHERE p.range_end <= p_before LOOP
-    EXECUTE format('ALTER TABLE {schema}.%I DETACH PARTITION {schema}.%I', 'jobs_' || p_state, r.partition_name);
+    -- One left pending by an interrupted DETACH ... CONCURRENTLY (an operator's): PostgreSQL
+    -- refuses a plain detach of it and completes it only with FINALIZE (allowed in a function).
+    EXECUTE format('ALTER TABLE {schema}.%I DETACH PARTITION {schema}.%I', 'jobs_' || p_state, r.partition_name)
+      || CASE WHEN EXISTS (SELECT FROM pg_inherits AS i
+                            WHERE i.inhrelid = to_regclass(format('{schema}.%I', r.partition_name))
+                              AND i.inhdetachpending) THEN ' FINALIZE' ELSE '' END;
     EXECUTE format('COMMENT ON TABLE {schema}.%I IS %L', r.partition_name, '@DETACHED@');
     IF r.partition_name = min_name THEN
       PERFORM {schema}.rename_partition(min_name,

@@ -650,6 +650,45 @@ def test_an_expired_partition_held_by_a_long_reader_is_reported_busy_when_nothin
     assert again.deleted["completed"] == 3 and again.busy == []
 
 
+def test_an_expired_partition_left_pending_by_an_interrupted_concurrent_detach_is_finished_and_dropped(
+        engine, pg_dsn, schema):
+    """An operator's ``DETACH PARTITION ... CONCURRENTLY`` of an expired partition, cancelled
+    while it waited for a reader (a statement timeout, a crash), leaves the partition pending
+    detach (``pg_inherits.inhdetachpending``). PostgreSQL refuses a plain DETACH of it ("cannot
+    detach partition ... already pending detach", SQLSTATE 55000) and completes it only with
+    ``DETACH PARTITION ... FINALIZE`` (PostgreSQL docs, ALTER TABLE, DETACH PARTITION: "If FINALIZE
+    is specified, a previous DETACH CONCURRENTLY invocation that was canceled or interrupted is
+    completed"). Every pass failed on it: no expired partition of the state was dropped again, and
+    no partition made ahead either (same call). The next pass finishes the detach and drops it."""
+    now = server_now(engine)
+    restart(engine, schema, "completed", now - 10 * HOUR)
+    run(partitioner(completed_retention=-1), engine, schema, now=now)
+    old = insert_final(engine, schema, "completed", now - timedelta(hours=9, minutes=30), n=5)
+    other = insert_final(engine, schema, "completed", now - timedelta(hours=7, minutes=30), n=4)
+    kept = insert_final(engine, schema, "completed", now - timedelta(minutes=30), n=2)
+    home = where(engine, schema)[old[0]].split(".", 1)[1]
+    reader = psycopg.connect(pg_dsn)
+    try:
+        reader.execute(f"SELECT count(*) FROM {schema}.jobs_completed")  # the detach waits for it
+        with psycopg.connect(pg_dsn, autocommit=True) as detacher:
+            detacher.execute("SET statement_timeout = '300ms'")
+            with pytest.raises(psycopg.errors.QueryCanceled):
+                detacher.execute(f"ALTER TABLE {schema}.jobs_completed DETACH PARTITION {schema}.{home} CONCURRENTLY")
+    finally:
+        reader.close()
+    pending = text("SELECT count(*) FROM pg_inherits WHERE inhdetachpending AND inhrelid = to_regclass(:t)")
+    with engine.connect() as conn:
+        assert conn.execute(pending, {"t": f"{schema}.{home}"}).scalar() == 1
+    result = run(partitioner(completed_retention="3h"), engine, schema, now=now)
+    assert result.detached >= 7 and result.dropped == result.detached and result.busy == []
+    assert result.deleted["completed"] == 5 + 4  # the pending one's rows too, counted when emptied
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT to_regclass(:t)"), {"t": f"{schema}.{home}"}).scalar() is None
+    left = set(where(engine, schema))
+    assert left.isdisjoint(old + other) and set(kept) <= left
+    assert run(partitioner(completed_retention="3h"), engine, schema, now=now).busy == []
+
+
 def test_a_partition_let_go_while_the_call_waits_for_the_state_table_is_not_detached_unemptied(engine, pg_dsn, schema):
     """The race the busy partition's guard in maintain_partitions is for: a reader holds an expired
     partition (so it is not emptied) and jobs_completed, and lets both go while the call waits for
