@@ -353,6 +353,52 @@ def test_a_logical_slot_holds_back_the_catalogs_not_the_jobs_table(health_pg, he
             conn.execute("SELECT pg_drop_replication_slot('maintd_test_slot')")
 
 
+def test_a_logical_slot_of_another_database_is_named_as_holding_back_the_catalogs(health_pg, health_engine):
+    """A logical slot's catalog_xmin is the server's, not its database's: PostgreSQL keeps the
+    oldest catalog_xmin of all slots (ReplicationSlotsComputeRequiredXmin() reads every slot,
+    whatever its database) and ComputeXidHorizons() applies it to the catalogs of every database
+    (PostgreSQL docs, Logical Decoding Concepts, Replication Slots: "a logical slot will ... prevent
+    VACUUM from removing required rows from the system catalogs"; the view pg_replication_slots,
+    catalog_xmin: "The oldest transaction affecting the system catalogs that this slot needs the
+    database to retain"). Only the slots of this database (and physical ones) were read, so a slot
+    left behind by a subscription in another database held back this database's pg_class and
+    pg_attribute (every partition maintd makes and drops) while /status named nothing."""
+    from psycopg.conninfo import make_conninfo
+
+    with psycopg.connect(health_pg, autocommit=True) as admin:
+        admin.execute("DROP DATABASE IF EXISTS maintd_other_slot")
+        admin.execute("CREATE DATABASE maintd_other_slot")
+    other_dsn = make_conninfo(health_pg, dbname="maintd_other_slot")
+    try:
+        with psycopg.connect(other_dsn, autocommit=True) as other:
+            other.execute("SELECT pg_create_logical_replication_slot('maintd_elsewhere_slot', 'test_decoding')")
+        with psycopg.connect(health_pg, autocommit=True) as conn:
+            def dead_catalog_rows_kept() -> int:
+                conn.execute("CREATE TABLE maintd_catalog_churn (a int)")
+                conn.execute("DROP TABLE maintd_catalog_churn")
+                conn.execute("SELECT pg_stat_force_next_flush()")  # before VACUUM's own count
+                consume_xids(health_pg)
+                conn.execute("VACUUM pg_class")
+                return conn.execute("SELECT pg_stat_get_dead_tuples('pg_class'::regclass)").fetchone()[0]
+
+            assert dead_catalog_rows_kept() > 0, "VACUUM removed them: the slot held nothing back here"
+            reader = HealthReader()
+            read(health_engine, reader)
+            time.sleep(1.1)
+            report = read(health_engine, reader)
+            [h] = [h for h in report.horizon.catalog_holders if h.name == "maintd_elsewhere_slot"]
+            assert (h.kind, h.scope, h.detail) == ("replication_slot", "catalog", "logical")
+            assert h.age_xids >= 3
+            assert all(x.name != "maintd_elsewhere_slot" for x in report.horizon.holders)
+            with psycopg.connect(other_dsn, autocommit=True) as other:
+                other.execute("SELECT pg_drop_replication_slot('maintd_elsewhere_slot')")
+            assert dead_catalog_rows_kept() == 0, "something else held the catalogs back"
+    finally:
+        with psycopg.connect(health_pg, autocommit=True) as admin:
+            admin.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                          "WHERE slot_name = 'maintd_elsewhere_slot'")
+            admin.execute("DROP DATABASE IF EXISTS maintd_other_slot")
+
 def test_a_slots_age_does_not_restart_when_a_consumer_comes_and_goes(health_pg, health_engine):
     """PostgreSQL 17+'s inactive_since is when the slot was last released, not when its xmin began
     to hold: every consumer that connected and left without confirming anything (a crash loop, a

@@ -24,7 +24,10 @@ each table, partition and index they size, bounded by the read's 5 s ``lock_time
 # * a replication slot's ``xmin`` (a physical slot fed by hot_standby_feedback, or a logical one
 #   while it exports its snapshot) for the data, and its ``catalog_xmin`` (logical slots), which
 #   holds back the system catalogs only: PostgreSQL's ComputeXidHorizons() applies
-#   replication_slot_catalog_xmin to catalog relations, never to user tables such as jobs. An
+#   replication_slot_catalog_xmin to catalog relations, never to user tables such as jobs. Both
+#   are the server's, whatever the slot's database: ReplicationSlotsComputeRequiredXmin() takes
+#   the oldest of every slot, and a logical slot of another database holds back this one's
+#   catalogs (pg_class, pg_attribute: every partition made and dropped) as much as its own. An
 #   invalidated slot (``wal_status`` 'lost', on every version since 13) still shows both, but
 #   PostgreSQL no longer applies them (ReplicationSlotsComputeRequiredXmin() skips it): left out;
 # * PostgreSQL 15's ``vacuum_defer_cleanup_age`` (gone in 16: ``current_setting(.., true)`` is NULL
@@ -69,7 +72,7 @@ WITH backends AS (
          CAST(r.usename AS text) AS usename, r.application_name, host(r.client_addr) AS client_addr, r.state
     FROM pg_replication_slots s
     LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid
-   WHERE (s.database IS NULL OR s.database = current_database()) AND s.wal_status IS DISTINCT FROM 'lost'
+   WHERE s.wal_status IS DISTINCT FROM 'lost'
 ), held AS (
 SELECT kind, 'data' AS scope, pid, usename, application_name, client_addr, state,
        CAST(oldest AS text) AS xmin, age(oldest) AS age_xids, since, statement_start, NULL AS name,
