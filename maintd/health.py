@@ -371,6 +371,7 @@ def apply_metrics(metrics: Any, report: HealthReport, schema: str,
     (what the last call returned; a target's first read after its gauges were cleared has none)
     gone from the schema lose their series. (Scanning the family for this target's series instead
     made a read of many targets quadratic.)"""
+    metrics.health_read.set(report.at.timestamp())
     metrics.xmin_horizon_age_seconds.set(report.horizon.age_seconds)
     metrics.xmin_horizon_age_xids.set(report.horizon.age_xids)
     tables = report.tables.get(schema, ())

@@ -103,6 +103,8 @@ LIVE_TUPLES = Family(Gauge, "maintd_table_live_tuples", "Live rows of a maintd t
                      "statistics' estimate).", ("table",))
 TABLE_BYTES = Family(Gauge, "maintd_table_bytes", "Size of a maintd table with its indexes and TOAST "
                      "(partitions summed).", ("table",))
+HEALTH_READ = Family(Gauge, "maintd_health_read_timestamp_seconds", "Unix time (the server's) of the last "
+                     "table-health read that succeeded: the health gauges are as of then.")
 LAST_VACUUM = Family(Gauge, "maintd_table_last_vacuum_timestamp_seconds", "Unix time of the last vacuum (auto "
                      "or manual) of a maintd table; for a partitioned one, of its least recently vacuumed "
                      "partition that owes one (dead rows past autovacuum's threshold), else the latest; 0: never.", ("table",))
@@ -133,6 +135,7 @@ class Metrics:
         self.xmin_horizon_age_seconds, self.xmin_horizon_age_xids = self[XMIN_AGE_SECONDS], self[XMIN_AGE_XIDS]
         self.table_dead_tuples, self.table_live_tuples = self[DEAD_TUPLES], self[LIVE_TUPLES]
         self.table_bytes, self.table_last_vacuum = self[TABLE_BYTES], self[LAST_VACUUM]
+        self.health_read = self[HEALTH_READ]
         for family in [] if shared else metric_families():
             self[family]
         self.writable.set(1)
@@ -179,7 +182,7 @@ class Metrics:
     def health_series(self) -> list[Bound]:
         """The table-health gauges (cleared together when this replica stops leading)."""
         return [self.xmin_horizon_age_seconds, self.xmin_horizon_age_xids, self.table_dead_tuples,
-                self.table_live_tuples, self.table_bytes, self.table_last_vacuum]
+                self.table_live_tuples, self.table_bytes, self.table_last_vacuum, self.health_read]
 
     def queue_label(self, queue: str) -> str:
         """A queue's label on a per-queue counter: the first ``max_queues`` queues seen keep their

@@ -1000,6 +1000,36 @@ def test_a_leaders_failed_health_read_is_shown_not_hidden_or_taken_for_a_followe
         fresh.stop()
 
 
+def test_the_time_of_the_last_good_read_is_exported_and_stays_while_reads_fail(health_pg, health_engine):
+    """While reads fail, the health gauges keep their last value (the README says so), and a
+    frozen maintd_xmin_horizon_age_seconds never crosses MaintdXminHorizonHeld's threshold: the
+    alert stayed quiet however long a holder then held the horizon, and no metric said the
+    read had stopped. maintd_health_read_timestamp_seconds is the server's time of the last
+    good read, which MaintdHealthReadFailing watches; it goes with the other gauges when this
+    replica stops leading."""
+    from maintd.embedded import free_port
+    from maintd.guardian import HealthMonitor
+
+    member = LeadingMember(health_pg, health_engine)
+    gauge = lambda: member.metrics.registry.get_sample_value(  # noqa: E731
+        "maintd_health_read_timestamp_seconds", {"target": "maintd"})
+    monitor = HealthMonitor([member], lambda: Settings().health)
+    try:
+        report = monitor.run_once()
+        assert report is not None and gauge() == report.at.timestamp()
+        member.dsn = f"host=127.0.0.1 port={free_port()} user=postgres dbname=postgres connect_timeout=2"
+        with psycopg.connect(health_pg, autocommit=True) as admin:  # the monitor's session ends
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                          "WHERE application_name = 'maintd:guard-1:health'")
+        assert monitor.run_once() is None
+        assert gauge() == report.at.timestamp()
+        member.leading = lambda: False  # a term lost: the series goes with the other health gauges
+        monitor.run_once()
+        assert gauge() is None
+    finally:
+        monitor.stop()
+
+
 def test_a_disabled_health_read_does_not_spin_its_thread(health_pg, health_engine):
     """health.enabled = false on a leader: its monitor thread ran run_once every poll (0.25 s),
     because the targets it led never counted as seen, clearing every target's gauges each time
