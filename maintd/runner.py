@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Iterable
 
@@ -495,10 +496,63 @@ class Changes:
 
 def new_timetable(workers: int = 10) -> BackgroundScheduler:
     """APScheduler for the passes: one pass at a time per job, missed runs coalesced."""
-    from apscheduler.executors.pool import ThreadPoolExecutor
+    from apscheduler.executors.pool import BasePoolExecutor
 
-    return BackgroundScheduler(timezone=timezone.utc, executors={"default": ThreadPoolExecutor(workers)},
+    class Executor(BasePoolExecutor):
+        def __init__(self) -> None:
+            super().__init__(DaemonThreads(workers))
+
+    return BackgroundScheduler(timezone=timezone.utc, executors={"default": Executor()},
                                job_defaults={"max_instances": 1, "coalesce": True, "misfire_grace_time": None})
+
+
+class DaemonThreads:
+    """The timetable's worker threads (``concurrent.futures``' ``submit`` and ``shutdown``, each
+    started when no idle one is left, up to ``workers``), daemon threads: the process exits once
+    the daemon has stopped, whatever they still wait for. A pass or probe hung on a silent server
+    (its cancel unanswered; the lock is released and the fence refuses its commit) held the exit
+    of a ``concurrent.futures.ThreadPoolExecutor``, whose threads are joined at exit, until its
+    wait for an answer ran out (statement_timeout + lease), past systemd's TimeoutStopSec."""
+
+    def __init__(self, workers: int):
+        self._workers = workers
+        self._work: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple, dict] | None] = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._work.put((future, fn, args, kwargs))
+            if not self._idle.acquire(blocking=False) and len(self._threads) < self._workers:
+                thread = threading.Thread(target=self._serve, name=f"maintd-pass-{len(self._threads)}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        return future
+
+    def _serve(self) -> None:
+        while (item := self._work.get()) is not None:
+            future, fn, args, kwargs = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as exc:
+                    future.set_exception(exc)
+            item = future = None  # type: ignore[assignment]  # (no reference kept while idle)
+            self._idle.release()
+
+    def shutdown(self, wait: bool = True) -> None:
+        with self._lock:
+            self._closed, threads = True, list(self._threads)
+        for _ in threads:
+            self._work.put(None)
+        if wait:
+            for thread in threads:
+                thread.join()
 
 
 def _trigger_key(trigger: BaseTrigger) -> Any:

@@ -219,6 +219,37 @@ def test_graceful_stop_hands_over_at_once(pg_dsn, schema, daemons):
     assert time.monotonic() - t0 < 3.0
 
 
+def test_sigterm_exits_in_time_while_maintenance_connections_hang(pg_dsn, schema, tmp_path):
+    """The work pool's server falls silent (a partition, its lock session still fine) and the
+    operator stops the daemon: the process exits well within systemd's TimeoutStopSec (20 s in
+    deploy/systemd/maintd.service). The pass threads still waiting on the silent server (the
+    probe of the next due time, a pass's record) held the interpreter's exit until their wait
+    for an answer ran out (statement_timeout + lease: 33 s here), and systemd then killed it."""
+    from .netproxy import NetProxy
+    from .scenarios import working_leader_after
+
+    with NetProxy.for_dsn(pg_dsn) as proxy:
+        d = DaemonProc(proxy.dsn(pg_dsn), schema, "cut", {**QUIET, "scheduler": {"interval": "0.5s"},
+                                                          "statement_timeout": "30s"}, workdir=str(tmp_path))
+        try:
+            d.start()
+            working_leader_after(pg_dsn, schema, time.monotonic(), timeout=START)
+            proxy.blackhole(lambda link: link.app.endswith(":work"))
+            time.sleep(1.5)  # the next due-time probe (every second) waits on the silent server
+            t0 = time.monotonic()
+            d.signal(signal.SIGTERM)
+            try:
+                code = d.proc.wait(25)
+            except subprocess.TimeoutExpired:
+                code = None
+            took = time.monotonic() - t0
+        finally:
+            proxy.heal()
+            d.stop()
+    assert code == 0 and took < 12.0, f"exit {code} {took:.1f} s after SIGTERM\n{d.log()[-2000:]}"
+    assert "maintd stopped" in d.log()
+
+
 class NotifyListener:
     """A systemd notify socket read by a thread for the whole test, as systemd does (a socket
     nobody reads fills up and the daemon then drops its messages)."""
