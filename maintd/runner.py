@@ -129,6 +129,13 @@ class Runner:
     def _start_term(self, stop_event: threading.Event) -> None:
         with self._lock:
             if self._stop_event is stop_event and not stop_event.is_set():
+                # A pass of an ended term still running ignored its cancel (a frozen server; the
+                # stall detection counts this term's only): its socket is shut, or this term's
+                # passes of its service were turned away (its timetable job "already running")
+                # until its wait for an answer ran out, statement_timeout + lease later.
+                for ctx in self._active.values():
+                    if ctx.fence is not self._fence:
+                        ctx.query.sever()
                 self._schedule_all()
 
     def deactivate(self, timeout: float = 1.0) -> None:

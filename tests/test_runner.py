@@ -830,6 +830,44 @@ def test_a_pass_hanging_on_the_server_s_time_is_stopped_and_severed(settings, en
         runner.shutdown()
 
 
+def test_a_new_term_does_not_wait_for_a_pass_of_the_ended_term_hung_on_a_frozen_server(
+        settings, engine, monkeypatch):
+    """The term ends while a pass waits on a frozen server, which answers no cancel (with a
+    multi-host URL the next term leads on the promoted standby). Nothing shut that pass's socket
+    (the stall detection counts the current term's passes only), and the new term's passes of
+    the service were turned away as "already running" until the old one's wait for an answer ran
+    out (statement_timeout + lease, 40 s by default): no cleaner, say, in the new term."""
+    from maintd.services.base import RunningQuery
+
+    monkeypatch.setattr(RunningQuery, "cancel", lambda self: None)  # a frozen server answers no cancel
+    clock = HangingClock()
+    terms: list = []
+
+    class Counted(Service):
+        def run_once(self, ctx):
+            ctx.now(fresh=True)
+            terms.append(ctx.fence)
+            return CountResult(0)
+
+    settings.cleaner.interval = timedelta(milliseconds=200)
+    runner = Runner(settings, engine, Metrics(), clock=clock, build=fakes(cleaner=Counted))
+    runner.start()
+    try:
+        clock.hang.set()
+        runner.activate(NoFence())
+        wait_for(clock.hanging.is_set, 5, what="the pass reading the server's time")
+        clock.hang.clear()
+        runner.deactivate(timeout=0)
+        new_term = NoFence()
+        runner.activate(new_term)
+        t0 = time.monotonic()
+        wait_for(lambda: new_term in terms, 10, what="a pass of the new term")
+        assert time.monotonic() - t0 < 3.0
+        assert terms[0] is new_term  # the hung pass did not go on (its socket shut)
+    finally:
+        runner.shutdown()
+
+
 def test_a_cancel_that_arrives_late_never_hits_the_connection_s_next_user(engine, monkeypatch):
     """A demotion cancels the statement a pass is running; the cancel request goes out from a
     thread of its own and may arrive after that statement has ended (a short one: the read of
