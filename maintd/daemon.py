@@ -183,7 +183,8 @@ class Daemon:
                             extra=kv(targets=",".join(seat.name for seat in loop.targets), **replaced))
         self.timetable.start()
         for i, probe in enumerate(self.probes):  # every second; a probe reads when something is due
-            self.timetable.add_job(probe.run, IntervalTrigger(seconds=TICK), id=f"_probe:{i}")
+            # (an id no target's jobs begin with, ``<target name>:``: a target name never has a colon)
+            self.timetable.add_job(probe.run, IntervalTrigger(seconds=TICK), id=f":probe:{i}")
         self.spread.hold()  # no tries until every target is started and the replicas are read
         silent = {url: exc for url, loop in zip(self.hosts, self.loops)
                   if (exc := self._first_connect(loop)) is not None and transient(exc)}

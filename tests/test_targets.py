@@ -803,3 +803,25 @@ def test_status_says_not_leading_once_the_terms_trust_has_run_out(pg_dsn, make_s
     assert target.status()["is_leader"] is True
     target.state = Leading(Term(7, 1, "multi-1", trusted_until=now - 0.1), renew_at=now + 1)
     assert target.status()["is_leader"] is False, "a term past its trust shown as leading"
+
+
+def test_a_target_named_like_the_probes_keeps_every_probe_running(pg_dsn, make_schemas):
+    """A target's timetable jobs are those whose id begins with its name and a colon; the probes'
+    ids were ``_probe:<n>``, so a target named ``_probe`` (a valid name, or schema) took them for
+    its own: its term's start removed every probe of the daemon (those of the other targets too),
+    and no precisely timed job was promoted, no cleaner or rescuer pass ran after the first, and
+    no job gauges were counted again."""
+    a, b = make_schemas(2)
+    daemon = Daemon(multi_settings(pg_dsn, [{"schema": a, "name": "_probe"}, {"schema": b}]))
+    daemon.start()
+    try:
+        wait_for(lambda: all(t.is_leader for t in daemon.targets), 30, what="every target led")
+        time.sleep(1.0)  # each term's start has run (on the daemon's Changes thread)
+        execute(pg_dsn, f'INSERT INTO "{b}".jobs (kind, state, scheduled_at) '
+                        f"VALUES ('due', 'scheduled', now() + interval '1 second')")
+        wait_for(lambda: execute(pg_dsn, f"SELECT state FROM \"{b}\".jobs WHERE kind = 'due'") == [("available",)],
+                 10, what="the precisely timed job promoted")
+        probes = [j for j in daemon.timetable.get_jobs() if j.func.__name__ == "run" and j.func.__self__ in daemon.probes]
+        assert len(probes) == len(daemon.probes)
+    finally:
+        daemon.stop()
