@@ -331,11 +331,10 @@ class JobGauges:
             if final:  # until the next count of final states (compact: 100,000 queues may have rows)
                 self._final_rows = {(r["queue"], r["state"]): r["count"] for r in counts
                                     if r["state"] in FINAL_STATES}
+                self._final_counted_at = time.monotonic()  # (under the lock a demotion's clear takes)
             rows = self._merged(counts)
             self.apply(rows, oldest)
             self._remember(rows, oldest, at, final)
-        if final:
-            self._final_counted_at = time.monotonic()
 
     def _merged(self, counts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The live states of ``counts`` and the final states last counted, by queue and state."""

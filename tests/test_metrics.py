@@ -193,3 +193,31 @@ def test_the_reindex_counters_help_names_what_it_counts():
     for outcome in ("reindexed", "skipped", "missing", "not_permitted", "timeout", "cancelled", "error"):
         assert outcome in REINDEX.doc, outcome
     assert not REINDEX.doc.startswith("Reindex attempts")
+
+
+def test_a_term_ended_as_a_count_of_final_states_is_taken_counts_them_again_next_term():
+    """JobGauges.take noted when the final states were last counted after letting go of the lock
+    the demotion's clear() takes: a demotion landing in between was undone, and the next term
+    showed no finished jobs for 5 minutes (FINAL_INTERVAL). Here the demotion comes exactly as
+    the lock is let go."""
+    import threading
+
+    from maintd.metrics import JobGauges, Metrics
+
+    gauges = JobGauges(Metrics(target="t"))
+
+    class DemotedOnRelease:
+        def __init__(self):
+            self.lock = threading.Lock()
+
+        def __enter__(self):
+            self.lock.acquire()
+
+        def __exit__(self, *exc):
+            self.lock.release()
+            with self.lock:
+                gauges.clear()
+
+    gauges.take([{"queue": "q", "state": "completed", "count": 3}], {}, None, final=True, lock=DemotedOnRelease())
+    assert gauges.counts is None
+    assert gauges.final_due(), "the next term waits 5 minutes for its first count of finished jobs"
