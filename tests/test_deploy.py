@@ -284,6 +284,28 @@ def test_alerts_pass_promtool_check_and_unit_tests():
     assert res.returncode == 0 and "SUCCESS" in res.stdout, res.stdout + res.stderr
 
 
+def test_every_metric_passes_promtool_check_metrics():
+    """Prometheus' own linter of the exposition format and its naming conventions
+    (promtool's ``check metrics``, cmd/promtool/metrics.go, and the client_golang ``testutil/promlint``
+    rules it runs: counters end in ``_total``, units are base units in the name, no reserved
+    suffixes on gauges, HELP on every family). Every family maintd registers, each with a series
+    (a family without one is not exposed at all)."""
+    from prometheus_client import generate_latest
+
+    tool = promtool()
+    metrics = Metrics(target="shop")
+    for family, metric in metrics._families.values():
+        bound = metrics[family]
+        if family.labels and not bound.children():
+            bound.labels(*("x" for _ in family.labels))
+    exposition = generate_latest(metrics.registry)
+    families = exposition.decode().count("# TYPE ")
+    assert families >= 25, exposition.decode()
+    res = subprocess.run([tool, "check", "metrics"], input=exposition, capture_output=True, timeout=60)
+    assert res.returncode == 0 and not res.stdout.strip() and not res.stderr.strip(), \
+        (res.stdout + res.stderr).decode()
+
+
 def test_every_alert_has_a_firing_and_a_quiet_unit_test():
     cases: dict[str, set[bool]] = {}
     for case in yaml.safe_load(ALERT_TESTS.read_text())["tests"]:
