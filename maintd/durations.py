@@ -15,7 +15,7 @@ _UNITS = {
     "s": 1.0,
     "ms": 0.001,
 }
-_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|w|d|h|m|s)")
+_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|w|d|h|m|s)")  # "5.s" and ".5s" as Go reads them
 # A capital M is a month in some tools (humantime's "1M", ISO 8601's P1M) and a minute here: a
 # retention of "1M" meant as a month would delete after a minute, so it is refused, not guessed.
 _CAPITAL_M = re.compile(r"\dM(?![sS])")
@@ -41,7 +41,7 @@ def parse_duration(value: object) -> timedelta:
         try:
             seconds = float(text)
         except ValueError:
-            seconds = _parse_phrase(text, value)
+            seconds = _parse_phrase(text.removeprefix("+"), value)
     else:
         raise ValueError("expected a duration like '30s', '5m', '7d' or a number of seconds")
     if math.isnan(seconds) or math.isinf(seconds):

@@ -52,6 +52,41 @@ def test_parse_duration_rejects(bad):
         parse_duration(bad)
 
 
+# Go's time.ParseDuration cases (go/src/time/time_test.go: parseDurationTests and
+# parseDurationErrorTests), the grammar most duration strings in operators' configs follow
+# (Prometheus, Kubernetes, systemd-ish tools), as (text, seconds) or (text, None) for an error. Where
+# maintd reads a case differently on purpose, the case says why.
+GO_DURATIONS = [
+    ("0", 0), ("5s", 5), ("30s", 30), ("1478s", 1478),
+    ("+5s", 5), ("+0", 0), ("-0", 0),
+    ("5.0s", 5), ("5.6s", 5.6), ("5.s", 5), (".5s", 0.5), ("1.0s", 1), ("1.00s", 1), ("1.004s", 1.004),
+    ("1.0040s", 1.004), ("100.00100s", 100.001),
+    ("13ms", 0.013), ("14s", 14), ("15m", 900), ("16h", 57600),
+    ("3h30m", 12600), ("10.5s4m", 250.5), ("39h9m14.425s", 39 * 3600 + 9 * 60 + 14.425),
+    ("0.3333333333333333333h", 1200), ("0.100000000000000000000h", 360),
+    ("0.830103483285477580700h", 2988.372540),  # 49m48.372539827s, to the microsecond
+    ("", None), ("-", None), ("s", None), (".", None), ("-.", None), (".s", None), ("+.s", None),
+    ("\x85\x85", None), ("\xffff", None), ("hello \xffff world", None), ("\ufffd", None),
+    ("\ufffd hello \ufffd world", None),
+    ("3000000h", None),  # Go: past int64 nanoseconds; here: past 100 years
+    # Different on purpose:
+    ("3", 3),  # Go wants a unit; a bare number is seconds here (TOML's 30 and "30" alike)
+    ("1d", 86400),  # days and weeks are units here: retentions are written in them
+    ("-5s", None), ("-2m3.4s", None),  # no negative durations: -1 alone means "forever" where allowed
+    ("10ns", None), ("11us", None), ("12\u00b5s", None), ("12\u03bcs", None),  # finer than 1 ms: nothing
+    # in the config means it, and rounding it to 0 would turn an interval into a busy loop
+]
+
+
+@pytest.mark.parametrize("text,seconds", GO_DURATIONS)
+def test_durations_as_go_reads_them(text, seconds):
+    if seconds is None:
+        with pytest.raises(ValueError):
+            parse_duration(text)
+    else:
+        assert parse_duration(text).total_seconds() == pytest.approx(seconds, abs=1e-6)
+
+
 @pytest.mark.parametrize("text", ["1M", "1H30M", "6M", "1.5M", "2w1M"])
 def test_a_capital_m_is_refused_not_read_as_minutes(text):
     """"1M" was read as a minute (the phrase was lower-cased). Rust's humantime reads "1M" as a
