@@ -759,3 +759,27 @@ def test_a_config_file_saved_with_a_byte_order_mark_is_read(tmp_path):
     p = tmp_path / "maintd.toml"
     p.write_bytes(b'\xef\xbb\xbfschema = "acme"\n')
     assert load_settings(p).schema == "acme"
+
+
+def test_an_environment_override_changes_the_top_level_and_a_targets_own_value_still_wins(tmp_path, monkeypatch):
+    """Precedence, as the README's "several targets" section says: a target's own section is
+    merged over the top level, and MAINTD_* overrides the top level of the file. So an
+    environment override reaches every target that does not set that key itself, and a key a
+    target sets in the file stays the target's (it is the more specific setting)."""
+    p = write(tmp_path, """
+schema = "jobs"
+[cleaner]
+completed_retention = "24h"
+batch_size = 500
+[[targets]]
+schema = "tenant_a"
+cleaner = { completed_retention = "1h" }
+[[targets]]
+schema = "tenant_b"
+""")
+    monkeypatch.setenv("MAINTD_CLEANER__COMPLETED_RETENTION", "2h")
+    monkeypatch.setenv("MAINTD_CLEANER__BATCH_SIZE", "250")
+    a, b = load_settings(p).target_settings()
+    assert a.cleaner.retention("completed", "q") == timedelta(hours=1)  # the target's own
+    assert b.cleaner.retention("completed", "q") == timedelta(hours=2)  # the environment's
+    assert a.cleaner.batch_size == b.cleaner.batch_size == 250
