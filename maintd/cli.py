@@ -372,7 +372,7 @@ def _schema_revision(settings: Settings) -> str:
                          answer_timeout=answer_bound(settings))
     try:
         with engine.connect() as conn:
-            return migrate.current_revision(conn, settings.schema) or "base"
+            return migrate.revision_for_sql(conn, settings.schema)
     finally:
         engine.dispose()
 

@@ -352,6 +352,19 @@ def take_lock(conn: Connection, key: int, *, waiting: Callable[[str], None] | No
         time.sleep(LOCK_POLL)
 
 
+def revision_for_sql(conn: Connection, schema: str) -> str:
+    """The schema's revision ('base' when it has none) for ``migrate --sql``, which prints what is
+    left to do; raises :class:`MigratePermissionError` when the role cannot look into the schema."""
+    state = conn.execute(text(catalog.SCHEMA_PRIVILEGES), {"schema": schema}).one()
+    if state.schema_exists and not state.schema_usage:
+        owner = state.tables_owner or state.schema_owner
+        raise MigratePermissionError(
+            f"role {state.role!r} lacks USAGE on schema {schema!r} (needed to read its revision): run "
+            f"`maintd migrate --sql` as the owner role{f' ({owner!r})' if owner else ''}, or name the "
+            "schema's revision with --from")
+    return current_revision(conn, schema) or "base"
+
+
 def _at(conn: Connection, schema: str, target) -> bool:
     """Whether the schema is at ``target`` already (read before the migrate lock is waited for)."""
     if target is _UNKNOWN:

@@ -511,6 +511,23 @@ def test_migrate_by_a_role_that_cannot_see_the_schema_never_says_nothing_to_do(p
         assert conn.execute(f'SELECT version_num FROM "{schema}".alembic_version').fetchone()[0] == migrate.head_revision()
 
 
+def test_migrate_sql_by_a_role_that_cannot_see_the_schema_names_the_owner_role_not_a_grant(pg_dsn, schema, tmp_path):
+    """`maintd migrate --sql` reads the schema's revision to print what is left to do. A role
+    without USAGE on the schema got "permission denied for schema S (a grant is missing: as the
+    schema's owner, run `maintd grants ROLE --apply`)": no grant `maintd grants` gives is for
+    migrating, and its SQL is the owner's to run. It names the USAGE and the owner role, as
+    `maintd migrate` does, and --from, which needs no read."""
+    with login_role(pg_dsn) as role:
+        env = {"MAINTD_DATABASE_URL": role_dsn(pg_dsn, role)}
+        res = cli("--config", write_config(tmp_path, schema), "migrate", "--sql", env=env)
+        assert res.returncode == 1 and not res.stdout, (res.stdout, res.stderr)
+        [line] = res.stderr.strip().splitlines()
+        assert f"role '{role}' lacks USAGE on schema '{schema}'" in line and "owner role" in line, line
+        assert "--from" in line and "maintd grants" not in line, line
+        res = cli("--config", write_config(tmp_path, schema), "migrate", "--sql", "--from", "0017", env=env)
+        assert res.returncode == 0 and "0018" in res.stdout, res.stderr
+
+
 def test_the_daemon_role_gets_the_owner_named_for_what_no_grant_of_its_own_gives(pg_dsn, tmp_path):
     """`maintd grants` deliberately leaves the conversion (DDL) and writing schedule rows out of
     the daemon's role: the error must say which role can, not advise the grants it already has.
