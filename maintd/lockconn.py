@@ -36,6 +36,9 @@ SESSION_MARKER = "maintd.session"  # a custom setting only our own session carri
 POOLER_HINT = ("(PgBouncer pool_mode=transaction or statement?): connect maintd directly to "
                "PostgreSQL or through a pooler with pool_mode=session")
 Key = tuple[int, int]
+# A lock the session's bookkeeping meets (a target's daemons table locked by a migration): one
+# statement waits this long, so several targets' locked tables cannot hold the renewals up.
+LOCK_WAIT_MS = 200
 
 
 class LeaderSessionError(RuntimeError):
@@ -76,7 +79,7 @@ class LockSession:
         with self._in_flight():
             conn = connect(
                 self.hosts.dsn(), application_name=f"maintd:{self.settings.instance_id}",
-                settings={"statement_timeout": ms(cfg.lease / 2), "lock_timeout": ms(cfg.renew_interval),
+                settings={"statement_timeout": ms(cfg.lease / 2), "lock_timeout": min(ms(cfg.renew_interval), LOCK_WAIT_MS),
                           # the epoch bump's transaction, frozen half-way, ends within the lease
                           "idle_in_transaction_session_timeout": ms(cfg.lease), SESSION_MARKER: self.marker},
                 tcp_user_timeout=ms(cfg.lease), answer_timeout=cfg.lease.total_seconds(),
