@@ -197,6 +197,7 @@ class PeriodicJobRow(Base):
                                                  server_default=text("now()"))
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False,
                                                  server_default=text("now()"))
+    resumed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))  # by the trigger
 
 
 class HealthSample(Base):

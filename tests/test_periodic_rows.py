@@ -63,9 +63,10 @@ def one_pass(settings, engine, clock, service):
 def changed_at(engine, schema, when, row_id=None):
     """Date the rows' last change (the trigger stamps the server's time) to a frozen clock's; a
     row created after it (the server's time) is dated as created then (a change of created_at is
-    one the trigger stamps, so first)."""
-    execute(engine, schema, "UPDATE {schema}.periodic_jobs SET created_at = :t "
-                            "WHERE (CAST(:id AS text) IS NULL OR id = :id) AND created_at > :t", {"t": when, "id": row_id})
+    one the trigger stamps, so first), and a resume stamped after it (``resumed_at``) as made then."""
+    for column in ("created_at", "resumed_at"):
+        execute(engine, schema, f"UPDATE {{schema}}.periodic_jobs SET {column} = :t "
+                                f"WHERE (CAST(:id AS text) IS NULL OR id = :id) AND {column} > :t", {"t": when, "id": row_id})
     execute(engine, schema, "UPDATE {schema}.periodic_jobs SET updated_at = :t "
                             "WHERE CAST(:id AS text) IS NULL OR id = :id", {"t": when, "id": row_id})
 
@@ -667,6 +668,41 @@ def test_a_row_paused_and_resumed_while_no_leader_ran_does_not_backfill_its_paus
     result = one_pass(settings, engine, FrozenClock(T0 + timedelta(hours=4, minutes=5)), PeriodicEnqueuer(settings.periodic))
     assert [j.scheduled_at for j in jobs_of(engine, schema, "hourly")] == [T0, T0 + timedelta(hours=4)]
     assert [e["backfilled"] for e in result.enqueued] == [False]
+
+
+def test_a_row_paused_and_resumed_while_no_leader_ran_at_all_does_not_run_its_pause(settings, engine, schema):
+    """As above, but no leader ran during the whole pause, so no slot of it was taken (paused):
+    the row, paused at 12:30 and resumed at 13:30 while the leaders were down, ran its 13:00 slot
+    (a slot of its pause) when a leader came back at 13:45, with backfill or without. Had a
+    leader been up at 13:00, it would have taken that slot without a job. A resume is stamped
+    (``resumed_at``) and the row counts its missed slots from it."""
+    for row_id, backfill in (("with", "1 day"), ("without", None)):
+        add_row(engine, schema, row_id, schedule="0 * * * *", kind=row_id, backfill=backfill)
+    changed_at(engine, schema, T0 - timedelta(minutes=30))
+    one_pass(settings, engine, FrozenClock(T0 + timedelta(seconds=1)), PeriodicEnqueuer(settings.periodic))  # 12:00
+    # The leaders stop at 12:10; the rows are paused at 12:30 and resumed at 13:30; a leader is back at 13:45.
+    execute(engine, schema, "UPDATE {schema}.periodic_jobs SET enabled = false")
+    execute(engine, schema, "UPDATE {schema}.periodic_jobs SET enabled = true")
+    changed_at(engine, schema, T0 + timedelta(hours=1, minutes=30))
+    result = one_pass(settings, engine, FrozenClock(T0 + timedelta(hours=1, minutes=45)),
+                      PeriodicEnqueuer(settings.periodic))
+    assert result.enqueued == []
+    one_pass(settings, engine, FrozenClock(T0 + timedelta(hours=2, seconds=1)), PeriodicEnqueuer(settings.periodic))
+    for row_id in ("with", "without"):
+        assert [j.scheduled_at for j in jobs_of(engine, schema, row_id)] == [T0, T0 + timedelta(hours=2)], row_id
+
+
+def test_the_trigger_stamps_a_resume_and_only_a_resume(settings, engine, schema):
+    add_row(engine, schema, "r", schedule="0 * * * *")
+    stamp = "SELECT resumed_at FROM {schema}.periodic_jobs WHERE id = 'r'"
+    assert execute(engine, schema, stamp).scalar() is None  # added: not a resume
+    execute(engine, schema, "UPDATE {schema}.periodic_jobs SET enabled = false")
+    assert execute(engine, schema, stamp).scalar() is None
+    execute(engine, schema, "UPDATE {schema}.periodic_jobs SET enabled = true")
+    resumed = execute(engine, schema, stamp).scalar()
+    assert resumed is not None
+    execute(engine, schema, "UPDATE {schema}.periodic_jobs SET args = '{\"v\": 1}'")  # not a resume
+    assert execute(engine, schema, stamp).scalar() == resumed
 
 
 def test_a_row_that_takes_over_a_removed_config_entry_s_id_runs_from_the_takeover(settings, engine, schema):

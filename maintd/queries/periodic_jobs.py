@@ -23,7 +23,9 @@ SELECT id, schedule, timezone, kind, queue, args, priority, max_attempts, unique
        CASE WHEN updated_at BETWEEN """ + PYTHON_TIMES + """
             THEN updated_at END AS updated_at,
        CASE WHEN created_at BETWEEN """ + PYTHON_TIMES + """
-            THEN created_at END AS created_at
+            THEN created_at END AS created_at,
+       CASE WHEN resumed_at BETWEEN """ + PYTHON_TIMES + """
+            THEN resumed_at END AS resumed_at
   FROM {schema}.periodic_jobs ORDER BY id
 """
 

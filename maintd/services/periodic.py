@@ -327,6 +327,8 @@ class PeriodicEnqueuer(Service):
             hwm = entry.since  # a new row, or one whose schedule changed or that was enabled again: from the change
         elif entry.created is not None and entry.created > hwm:
             hwm = entry.created  # a row added again (its id's slots are the removed one's): from its creation
+        if entry.resumed is not None and entry.resumed > hwm:
+            hwm = entry.resumed  # paused after its newest slot (no leader took its pause's): from the resume
         self._run_due(ctx, job, hwm, latest, now, result)
 
     def _run_due(self, ctx: PassContext, job: PeriodicJob, after: datetime, latest: datetime, now: datetime,

@@ -38,13 +38,16 @@ class Entry:
     row's, or a config entry's: none of them is this row's to run). ``took_over``: a row read
     still noted as refused for its id being a config or crontab entry's (:func:`shadowed`), now
     that the entry is gone: the row uses the id from a time unknown (a reload, or a restart with
-    the new file), after its ``since`` and ``created``."""
+    the new file), after its ``since`` and ``created``. ``resumed``: for a row, when it was last
+    enabled again (its trigger's ``resumed_at``): the slots before were its pause's, whether or
+    not a leader ran to take them."""
 
     job: PeriodicJob
     origin: str  # "config", "crontab" or "table"
     since: datetime | None = None
     created: datetime | None = None
     took_over: bool = False
+    resumed: datetime | None = None
 
 
 def shadowed(row_id: str) -> str:
@@ -82,7 +85,7 @@ def to_entry(row: Any, taken: set[str]) -> tuple[Entry | None, str | None]:
         return None, row_problem(exc)
     except Exception as exc:  # a check that failed in an unforeseen way: this row's problem only
         return None, f"invalid: {exc}"[:500]
-    return Entry(job, "table", row.updated_at, row.created_at, row.error == shadowed(row.id)), None
+    return Entry(job, "table", row.updated_at, row.created_at, row.error == shadowed(row.id), row.resumed_at), None
 
 
 class RowSource:
