@@ -250,3 +250,22 @@ def test_a_payload_error_names_its_column_in_the_line(line, column, found):
     assert "<string>" not in message
     assert message.endswith(f"at column {column}"), message
     assert found in message
+
+
+@pytest.mark.parametrize("line, cronie_days, graphile_days", [
+    # graphile-worker src/cronMatcher.ts treats a day field as restricted by how many values it
+    # holds; cronie (src/entry.c: DOM_STAR/DOW_STAR) by whether it starts with '*'. SPEC 7.8 says
+    # cronie everywhere, crontab files included: the README says so, and these pin it.
+    ("0 0 */2 * 1 task", "odd days that are Mondays", "odd days, or Mondays"),
+    ("0 0 1 * 0-6 task", "every day (the 1st, or any weekday)", "the 1st only"),
+    ("0 0 1-31 * 1 task", "every day (any day of the month, or a Monday)", "Mondays only"),
+])
+def test_the_day_fields_follow_cronie_not_graphile_workers_matcher(line, cronie_days, graphile_days):
+    [entry] = parse_crontab(line)
+    schedule = parse_schedule(entry.schedule, entry.timezone)
+    days = [s.day for s in schedule.slots_between(datetime(2026, 5, 31, tzinfo=UTC), datetime(2026, 6, 30, 1, tzinfo=UTC))]
+    mondays = [1, 8, 15, 22, 29]  # June 2026
+    expected = {"odd days that are Mondays": [1, 15, 29],
+                "every day (the 1st, or any weekday)": list(range(1, 31)),
+                "every day (any day of the month, or a Monday)": list(range(1, 31))}[cronie_days]
+    assert days == expected, (line, graphile_days, mondays)
