@@ -13,6 +13,7 @@ import ipaddress
 import os
 import re
 import socket
+import sys
 import tomllib
 import warnings
 from datetime import timedelta
@@ -475,6 +476,42 @@ CHOICES = {
 }
 
 
+# More values libpq checks only when it connects: its integers (strtol's syntax, a C int) with,
+# for the keepalives, the bounds of Linux's setsockopt; the protocol versions it names.
+INTEGERS = {"connect_timeout": None, "keepalives": None, "tcp_user_timeout": None,
+            "keepalives_idle": 32767, "keepalives_interval": 32767, "keepalives_count": 127}
+VERSIONS = {"ssl_min_protocol_version": ("", "tlsv1", "tlsv1.1", "tlsv1.2", "tlsv1.3"),
+            "ssl_max_protocol_version": ("", "tlsv1", "tlsv1.1", "tlsv1.2", "tlsv1.3"),
+            "min_protocol_version": ("", "3.0", "3.2", "latest"),
+            "max_protocol_version": ("", "3.0", "3.2", "latest")}
+AUTH_METHODS = ("password", "md5", "gss", "sspi", "scram-sha-256", "oauth", "none")
+
+
+def connect_option_problem(params: dict[str, Any]) -> str | None:
+    """What libpq would refuse at every connect among ``params`` (the daemon would retry it for
+    ever, as if the server were down), naming the option, never quoting its value."""
+    hosts = str(params.get("host") or os.environ.get("PGHOST") or "").split(",")
+    tcp = bool(params.get("hostaddr")) or any(h and not h.startswith(("/", "@")) for h in hosts)
+    keepalives_on = tcp and not re.fullmatch(r"\s*[+-]?0+\s*", str(params.get("keepalives", "1")))
+    for key, most in INTEGERS.items():
+        if key not in params:
+            continue
+        text = str(params[key])
+        if not re.fullmatch(r"\s*[+-]?\d+\s*", text) or not -2**31 <= int(text) < 2**31:
+            return f"{key} must be a whole number"
+        if most and keepalives_on and sys.platform == "linux" and not 1 <= int(text) <= most:  # TCP only
+            return f"{key} must be from 1 to {most}"
+    for key, allowed in VERSIONS.items():
+        if key in params and str(params[key]).lower() not in allowed:
+            return f"{key} must be one of {', '.join(a for a in allowed if a)}"
+    methods = str(params["require_auth"]).split(",") if params.get("require_auth") else []
+    if any(m.lstrip("!") not in AUTH_METHODS or m.count("!") > 1 for m in methods) \
+            or len({m.startswith("!") for m in methods}) > 1 or len(set(methods)) < len(methods):
+        return (f"require_auth must be a list of {', '.join(AUTH_METHODS)}, each once, "
+                "all of them or none of them negated with '!'")
+    return None
+
+
 def check_dsn(v: SecretStr) -> SecretStr:
     """A database_url libpq can parse (``postgresql://`` URL or ``key=value`` string) with numeric
     ports and hosts without '@'. The problem never quotes the URL or libpq's message (both may
@@ -494,6 +531,9 @@ def check_dsn(v: SecretStr) -> SecretStr:
     for key, allowed in CHOICES.items():  # libpq checks these only when it connects
         if key in params and str(params[key]) not in allowed:
             raise ValueError(f"{key} must be one of {', '.join(allowed)}")
+    problem = connect_option_problem(params)
+    if problem:
+        raise ValueError(problem)
     if any("@" in host for host in str(params.get("host") or "").split(",")):
         raise ValueError("a host name with '@': write '@' in a user name or password as %40")
     secret = "@" in raw or "password" in raw.lower()

@@ -599,6 +599,57 @@ def test_cli_bad_config_exits_2_naming_the_key(tmp_path):
     assert "Traceback" not in res.stderr
 
 
+# Option values libpq checks only once it connects (its integers, its protocol versions, its
+# require_auth list): `maintd run` took each for an unreachable database and retried it for ever
+# ("database unreachable, retrying ... invalid integer value"), /readyz 503, while check-config
+# printed the URL as valid and exited 0.
+@pytest.mark.parametrize("query,key", [
+    ("keepalives_idle=abc", "keepalives_idle"),
+    ("keepalives=x", "keepalives"),
+    ("keepalives_interval=1.5", "keepalives_interval"),
+    ("keepalives_count=99999999999", "keepalives_count"),
+    ("connect_timeout=5s", "connect_timeout"),
+    ("tcp_user_timeout=", "tcp_user_timeout"),
+    ("ssl_min_protocol_version=TLSv9", "ssl_min_protocol_version"),
+    ("max_protocol_version=3.1", "max_protocol_version"),
+    ("require_auth=SCRAM-SHA-256", "require_auth"),
+    ("require_auth=!password,md5", "require_auth"),
+    ("keepalives_idle=0", "keepalives_idle"),  # Linux's setsockopt refuses it at every connect
+    ("keepalives_count=200", "keepalives_count"),
+])
+def test_an_option_libpq_checks_only_at_connect_is_a_config_error(tmp_path, query, key):
+    url = f"postgresql://u:S3cretPW@db.internal/app?{query}"
+    with pytest.raises(ConfigError) as err:
+        load_settings(write(tmp_path, f"database_url = '{url}'\n"))
+    assert f"database_url: {key} " in str(err.value) and "S3cret" not in str(err.value)
+    name, value = query.split("=", 1)  # the key=value form is read alike
+    kv = f"host=db.internal password=S3cretPW {name}='{value}'"
+    with pytest.raises(ConfigError) as err:
+        load_settings(write(tmp_path, f"database_url = {json.dumps(kv)}\n"))
+    assert f"database_url: {key} " in str(err.value) and "S3cret" not in str(err.value)
+
+
+@pytest.mark.parametrize("query", [
+    "keepalives_idle=%2B5", "keepalives_idle=%205%20", "keepalives=0", "connect_timeout=-3",
+    "ssl_min_protocol_version=tlsv1.2", "ssl_max_protocol_version=", "max_protocol_version=latest",
+    "min_protocol_version=3.0", "require_auth=none", "require_auth=!password,!md5",
+    "require_auth=password,scram-sha-256", "require_auth=",
+    "keepalives=00&keepalives_idle=0", "host=/var/run/postgresql&keepalives_idle=0",  # no keepalives set then
+])
+def test_option_values_libpq_takes_are_accepted(tmp_path, query):
+    load_settings(write(tmp_path, f"database_url = 'postgresql://u:pw@db.internal/app?{query}'\n"))
+
+
+def test_run_exits_2_on_an_option_value_libpq_refuses_instead_of_retrying(tmp_path):
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("MAINTD_")}
+    env["MAINTD_DATABASE_URL"] = "postgresql://u:S3cretPW@127.0.0.1:1/app?keepalives_idle=abc"
+    env["MAINTD_HTTP__ENABLED"] = "false"
+    res = subprocess.run([sys.executable, "-m", "maintd", "run"], capture_output=True, text=True,
+                         env=env, timeout=30)
+    assert res.returncode == 2, res.stderr
+    assert "database_url: keepalives_idle" in res.stderr and "S3cret" not in res.stderr
+
+
 def test_cli_usage_errors_exit_2():
     res = subprocess.run([sys.executable, "-m", "maintd", "run-once", "vacuum"],
                          capture_output=True, text=True)
