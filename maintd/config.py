@@ -313,6 +313,10 @@ with warnings.catch_warnings():
                 data["cleaner"]["queues"][queue] = QueueRetention(**{
                     f"{state}_retention": self.cleaner.retention(state, queue)
                     for state in FINAL_STATES}).model_dump(mode="json")
+            for table in ("queues", "kinds"):  # a key a section leaves out is [rescuer]'s
+                for name in getattr(self.rescuer, table):
+                    rule = self.rescuer.rule(**{table[:-1]: name})
+                    data["rescuer"][table][name] = rule.model_dump(mode="json")
             for entry, t in zip(data.get("targets", []), self.targets):
                 if t.database_url is not None:
                     entry["database_url"] = redact_dsn(t.database_url.get_secret_value())

@@ -557,6 +557,25 @@ def test_check_config_prints_the_retention_that_applies_to_each_queue(tmp_path, 
         "keep": {"completed": timedelta(days=2), "cancelled": timedelta(days=1), "discarded": None}}
 
 
+def test_check_config_prints_the_stuck_rule_that_applies_to_each_queue_and_kind(tmp_path, capsys, monkeypatch):
+    """A [rescuer.kinds.NAME] or [rescuer.queues.NAME] section takes the [rescuer] value of each
+    key it does not set. check-config printed those keys as null: the config's own example
+    (a 3h kind under a [rescuer] heartbeat_timeout of 2m) read as "no heartbeat rule" for the
+    kind, whose jobs the 2m rule rescues; and pasted back as JSON, the null turned the rule off."""
+    p = write(tmp_path, '[rescuer]\nrescue_stuck_jobs_after = "1h"\nheartbeat_timeout = "2m"\n'
+                        'job_timeout = "30m"\n[rescuer.queues.api]\nrescue_stuck_jobs_after = "45m"\n'
+                        '[rescuer.kinds."video.transcode"]\nrescue_stuck_jobs_after = "3h"\n')
+    assert main(["--config", str(p), "check-config"]) == 0
+    rescuer = json.loads(capsys.readouterr().out)["rescuer"]
+    assert rescuer["kinds"] == {"video.transcode": {
+        "rescue_stuck_jobs_after": "3h", "heartbeat_timeout": "2m", "job_timeout": "30m"}}
+    assert rescuer["queues"] == {"api": {
+        "rescue_stuck_jobs_after": "45m", "heartbeat_timeout": "2m", "job_timeout": "30m"}}
+    monkeypatch.setenv("MAINTD_RESCUER__KINDS", json.dumps(rescuer["kinds"]))  # pasted back: the same rule
+    again = load_settings(p)
+    assert again.rescuer.rule(kind="video.transcode").heartbeat_timeout == timedelta(minutes=2)
+
+
 @pytest.mark.parametrize("name,value", [("MAINTD_LEADER", "{bad"), ("MAINTD_TARGETS", "x"),
                                         ("MAINTD_CLEANER__QUEUES", "zz")])
 def test_a_variable_that_is_not_json_exits_2_naming_it(monkeypatch, capsys, name, value):
