@@ -518,7 +518,9 @@ def parse_schedule(text: str, timezone: str = "UTC") -> Schedule:
     zone = load_timezone(timezone)
     lowered = raw.lower()
     if _is_interval(lowered):
-        every = parse_duration(raw[len("@every"):].strip() or "missing")
+        if not raw[len("@every"):].strip():
+            raise ValueError("'@every' needs a duration, e.g. '@every 30s'")
+        every = parse_duration(raw[len("@every"):].strip())
         if every < _SECOND:
             raise ValueError(f"interval in {raw!r} must be at least 1s")
         return IntervalSchedule(raw, every, zone.key)

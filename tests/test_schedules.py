@@ -207,6 +207,9 @@ def test_invalid_schedules(bad):
     ("0 0 31 4,6 *", "never fires: day-of-month 31 does not occur in month 4,6"),
     ("* * * *", "a cron expression has 5 fields"),
     ("@reboot", "unknown schedule shortcut '@reboot'"),
+    # '@every' with no duration said "invalid duration 'missing'", as if the config held that word.
+    ("@every", "'@every' needs a duration, e.g. '@every 30s'"),
+    ("@every   ", "'@every' needs a duration, e.g. '@every 30s'"),
 ])
 def test_error_messages_name_the_field(expr, message):
     with pytest.raises(ValueError) as err:
