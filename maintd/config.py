@@ -106,7 +106,9 @@ class HttpConfig(Section):
     @classmethod
     def _listen(cls, v: str) -> str:
         host, sep, port = v.rpartition(":")
-        if not sep or not port.isdigit() or not (0 <= int(port) <= 65535) or not host:
+        if sep and host and port.isdigit() and int(port) > 65535:
+            raise ValueError(f"port {port} is out of range 0-65535")
+        if not sep or not port.isdigit() or not host:
             raise ValueError("expected HOST:PORT, e.g. 127.0.0.1:9464")
         if ":" in host or "[" in host or "]" in host:  # IPv6: only in brackets, as in a URL
             if not (host.startswith("[") and host.endswith("]")):

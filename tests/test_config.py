@@ -853,3 +853,11 @@ schema = "tenant_b"
     assert a.cleaner.retention("completed", "q") == timedelta(hours=1)  # the target's own
     assert b.cleaner.retention("completed", "q") == timedelta(hours=2)  # the environment's
     assert a.cleaner.batch_size == b.cleaner.batch_size == 250
+
+
+def test_a_listen_port_out_of_range_says_so(tmp_path):
+    """`http.listen = "127.0.0.1:70000"` said only "expected HOST:PORT", which it is: the
+    operator was left to find that the port is past 65535 (found by the newcomer walk)."""
+    with pytest.raises(ConfigError) as err:
+        load_settings(write(tmp_path, '[http]\nlisten = "127.0.0.1:70000"\n'))
+    assert "http.listen" in str(err.value) and "port 70000 is out of range 0-65535" in str(err.value)
