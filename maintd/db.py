@@ -39,7 +39,7 @@ KEEPALIVES = {  # defaults: a parameter the URL sets itself (``?keepalives_idle=
 OWN = {
     "application_name": "maintd's session names (maintd:<instance> for the lock session, :work, :read, ...)",
     "connect_timeout": "leader.lease for the lock session, 3 s for the dashboard's reads",
-    "tcp_user_timeout": "leader.lease",
+    "tcp_user_timeout": "leader.lease for the lock session and the passes",
 }
 
 

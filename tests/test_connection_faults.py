@@ -358,7 +358,7 @@ def test_a_url_s_own_libpq_parameters_win_over_defaults_and_those_maintd_replace
         daemon.stop()
     said = [line for line in maintd_log if "database_url: parameters replaced" in line]
     assert len(said) == 1, said
-    assert "application_name=mine (maintd uses" in said[0] and "tcp_user_timeout=1234 (maintd uses leader.lease)" in said[0]
+    assert "application_name=mine (maintd uses" in said[0] and "tcp_user_timeout=1234 (maintd uses leader.lease for the lock session and the passes)" in said[0]
     assert "connect_timeout=9 (maintd uses leader.lease for the lock session" in said[0]
     assert "keepalives" not in said[0], said
 
