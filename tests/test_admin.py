@@ -272,24 +272,28 @@ def test_retry_jobs_revives_keyed_final_jobs_in_one_subtransaction_not_one_each(
     transaction the backend's subtransaction cache overflows, and every other session's snapshot
     then has to look them up in pg_subtrans while the transaction lasts (PostgreSQL's docs,
     "Subtransactions": "more than 64 ... can cause performance degradation"). Counted here by the
-    transaction ids the call used: 200 before, now one block (and the top transaction)."""
+    transaction ids the call used: 200 before, now one block (and the top transaction). The ids
+    are the server's: other tests on a shared server take some meanwhile, so the fewest of three
+    calls counts (what others take only adds to a count)."""
     import psycopg
-
-    with engine.begin() as conn:
-        ids = [r[0] for r in conn.execute(sql(
-            "INSERT INTO {schema}.jobs (kind, state, finalized_at, unique_key)"
-            " SELECT 'k', 'discarded', now(), 'sub:' || g FROM generate_series(1, 200) AS g RETURNING id", schema))]
 
     def next_xid() -> int:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             return int(conn.execute("SELECT txid_current()").fetchone()[0])
 
-    before = next_xid()
-    with engine.begin() as conn:
-        changed = conn.execute(sql("SELECT count(*) FROM {schema}.retry_jobs(:ids)", schema), {"ids": ids}).scalar()
-    used = next_xid() - before - 1  # the read itself takes one
-    assert changed == 200
-    assert used <= 5, f"retry_jobs of 200 keyed jobs used {used} transaction ids (subtransactions)"
+    counts = []
+    for attempt in range(3):
+        with engine.begin() as conn:
+            ids = [r[0] for r in conn.execute(sql(
+                "INSERT INTO {schema}.jobs (kind, state, finalized_at, unique_key)"
+                " SELECT 'k', 'discarded', now(), :prefix || g FROM generate_series(1, 200) AS g RETURNING id",
+                schema), {"prefix": f"sub{attempt}:"})]
+        before = next_xid()
+        with engine.begin() as conn:
+            changed = conn.execute(sql("SELECT count(*) FROM {schema}.retry_jobs(:ids)", schema), {"ids": ids}).scalar()
+        counts.append(next_xid() - before - 1)  # the read itself takes one
+        assert changed == 200
+    assert min(counts) <= 5, f"retry_jobs of 200 keyed jobs used {counts} transaction ids (subtransactions)"
 
 
 def test_retry_dry_run_predicts_one_revival_per_unique_key(engine, schema, cli):
