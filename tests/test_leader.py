@@ -772,6 +772,56 @@ def test_a_won_lock_given_back_after_its_bump_stayed_blocked_says_so(settings, e
         elector.stop()
 
 
+@contextmanager
+def migrated_schemas(pg_dsn: str, n: int, trigger_sleep: float | None = None,
+                     on: str = "INSERT") -> Iterator[list[str]]:
+    """``n`` freshly migrated schemas (dropped afterwards); with ``trigger_sleep``, each one's
+    leader row costs that long to write (a BEFORE ``on`` trigger): a slow epoch bump."""
+    from sqlalchemy import text
+
+    from maintd import migrate
+    from maintd.identifiers import quote_ident
+
+    from .conftest import new_schema_name
+
+    schemas = [new_schema_name() for _ in range(n)]
+    migrator = make_engine(pg_dsn, application_name="maintd-test-migrate", pooled=False)
+    try:
+        with migrator.connect() as conn:
+            for name in schemas:
+                migrate.upgrade(conn, name)
+                if trigger_sleep is not None:
+                    q = quote_ident(name)
+                    conn.execute(text(f"CREATE FUNCTION {q}.slow() RETURNS trigger LANGUAGE plpgsql AS "
+                                      f"$$ BEGIN PERFORM pg_sleep({trigger_sleep}); RETURN NEW; END $$"))
+                    conn.execute(text(f"CREATE TRIGGER slow BEFORE {on} ON {q}.leader "
+                                      f"FOR EACH ROW EXECUTE FUNCTION {q}.slow()"))
+            conn.commit()
+        yield schemas
+    finally:
+        with migrator.connect() as conn:
+            conn.execute(text("SET lock_timeout = '20s'"))
+            for name in schemas:
+                conn.execute(text(f"DROP SCHEMA IF EXISTS {quote_ident(name)} CASCADE"))
+            conn.commit()
+        migrator.dispose()
+
+
+@contextmanager
+def one_loop(settings: Settings, schemas: list[str], rec: "Recorder",
+             started: bool = True) -> Iterator[list[RecordingSeat]]:
+    """One election loop running a recording seat per schema (started: trying at once)."""
+    seats = [RecordingSeat(settings.model_copy(update={"schema": name}), rec) for name in schemas]
+    for seat in seats:
+        seat.started = started
+    loop = ElectionLoop(settings, seats, HostOrder(settings.database_url.get_secret_value()))
+    loop.start()
+    try:
+        yield seats
+    finally:
+        loop.stop()
+
+
 def test_locks_on_several_targets_bookkeeping_tables_cost_no_leadership(settings, engine, pg_dsn):
     """The loop's bookkeeping statements (the read of the live replicas, which falls through to
     the next target while one's ``daemons`` table is locked, the registrations, the rows of left
@@ -780,28 +830,9 @@ def test_locks_on_several_targets_bookkeeping_tables_cost_no_leadership(settings
     an admin's LOCK TABLE on several schemas), renewals were k intervals apart, and every term of
     the database ended once k intervals passed the trust (lease - renew). The bookkeeping waits
     at most 0.2 s a statement now."""
-    from sqlalchemy import text
-
-    from maintd import migrate
-    from maintd.identifiers import quote_ident
-
-    from .conftest import new_schema_name
-
-    schemas = [new_schema_name() for _ in range(6)]
-    migrator = make_engine(pg_dsn, application_name="maintd-test-migrate", pooled=False)
-    with migrator.connect() as conn:
-        for name in schemas:
-            migrate.upgrade(conn, name)
     quick = with_leader(settings, lease="6s")  # renew 1 s, trust 5 s: six 1 s waits are past it
     rec = Recorder()
-    seats = []
-    for name in schemas:
-        seat = RecordingSeat(quick.model_copy(update={"schema": name}), rec)
-        seat.started = True
-        seats.append(seat)
-    loop = ElectionLoop(quick, seats, HostOrder(quick.database_url.get_secret_value()))
-    loop.start()
-    try:
+    with migrated_schemas(pg_dsn, 6) as schemas, one_loop(quick, schemas, rec) as seats:
         wait_for(lambda: all(seat.is_leader for seat in seats), 20, what="every target led")
         with engine.connect() as locker:
             for name in schemas:
@@ -811,45 +842,20 @@ def test_locks_on_several_targets_bookkeeping_tables_cost_no_leadership(settings
         time.sleep(1.0)
         assert all(seat.is_leader for seat in seats)
         assert [e for e in rec.events if e[0] == "demoted"] == []
-    finally:
-        loop.stop()
-        with migrator.connect() as conn:
-            conn.execute(text("SET lock_timeout = '20s'"))
-            for name in schemas:
-                conn.execute(text(f"DROP SCHEMA IF EXISTS {quote_ident(name)} CASCADE"))
-            conn.commit()
-        migrator.dispose()
 
 
-def test_a_bump_that_hits_the_statement_timeout_costs_no_other_target_its_term(settings, engine, pg_dsn):
+def test_a_bump_that_hits_the_statement_timeout_costs_no_other_target_its_term(settings, pg_dsn):
     """One target's epoch bump cancelled by the lock session's statement timeout (a slow write of
     its leader row: a trigger, an overloaded disk) is that target's failure, like its lock
     timeout. It was taken for a lost session: the session was closed, and every other target of
     the database lost its term with it."""
-    from sqlalchemy import text
-
-    from maintd import migrate
-    from maintd.identifiers import quote_ident
-
-    from .conftest import new_schema_name
-
-    steady, slow = new_schema_name(), new_schema_name()
-    migrator = make_engine(pg_dsn, application_name="maintd-test-migrate", pooled=False)
-    with migrator.connect() as conn:
-        for name in (steady, slow):
-            migrate.upgrade(conn, name)
-        conn.execute(text(f"CREATE FUNCTION {quote_ident(slow)}.slow() RETURNS trigger LANGUAGE plpgsql AS "
-                          "$$ BEGIN PERFORM pg_sleep(3); RETURN NEW; END $$"))
-        conn.execute(text(f"CREATE TRIGGER slow BEFORE INSERT OR UPDATE ON {quote_ident(slow)}.leader "
-                          f"FOR EACH ROW EXECUTE FUNCTION {quote_ident(slow)}.slow()"))
-        conn.commit()
     quick = with_leader(settings, lease="3s")  # the session's statement timeout: 1.5 s
     rec = Recorder()
-    seats = [RecordingSeat(quick.model_copy(update={"schema": name}), rec) for name in (steady, slow)]
-    seats[0].started = True
-    loop = ElectionLoop(quick, seats, HostOrder(quick.database_url.get_secret_value()))
-    loop.start()
-    try:
+    with migrated_schemas(pg_dsn, 1) as [steady], \
+            migrated_schemas(pg_dsn, 1, trigger_sleep=3, on="INSERT OR UPDATE") as [slow], \
+            one_loop(quick, [steady, slow], rec, started=False) as seats:
+        seats[0].started = True
+        seats[0].wake()
         wait_for(lambda: seats[0].is_leader, 20, what="the steady target led")
         seats[1].started = True
         seats[1].wake()
@@ -857,14 +863,6 @@ def test_a_bump_that_hits_the_statement_timeout_costs_no_other_target_its_term(s
         time.sleep(1.0)
         assert seats[0].is_leader and not seats[1].is_leader
         assert [e for e in rec.events if e[0] == "demoted"] == []
-    finally:
-        loop.stop()
-        with migrator.connect() as conn:
-            conn.execute(text("SET lock_timeout = '20s'"))
-            for name in (steady, slow):
-                conn.execute(text(f"DROP SCHEMA IF EXISTS {quote_ident(name)} CASCADE"))
-            conn.commit()
-        migrator.dispose()
 
 
 def test_slow_epoch_bumps_of_many_won_locks_do_not_let_the_first_terms_expire(settings, pg_dsn):
@@ -876,45 +874,13 @@ def test_slow_epoch_bumps_of_many_won_locks_do_not_let_the_first_terms_expire(se
     bench/targets.py). A round now stops bumping after half a renew interval: the renewals due go
     first, and the rest of the bumps follow. Here each bump costs 0.8 s (a trigger on the leader
     row) and five are won together; a term is trusted 2 s."""
-    from sqlalchemy import text
-
-    from maintd import migrate
-    from maintd.identifiers import quote_ident
-
-    from .conftest import new_schema_name
-
-    schemas = [new_schema_name() for _ in range(5)]
-    migrator = make_engine(pg_dsn, application_name="maintd-test-migrate", pooled=False)
-    with migrator.connect() as conn:
-        for name in schemas:
-            migrate.upgrade(conn, name)
-            conn.execute(text(f"CREATE FUNCTION {quote_ident(name)}.slow() RETURNS trigger LANGUAGE plpgsql AS "
-                              "$$ BEGIN PERFORM pg_sleep(0.8); RETURN NEW; END $$"))
-            conn.execute(text(f"CREATE TRIGGER slow BEFORE INSERT ON {quote_ident(name)}.leader "
-                              f"FOR EACH ROW EXECUTE FUNCTION {quote_ident(name)}.slow()"))
-        conn.commit()
     quick = with_leader(settings, lease="3s")  # renew 1 s, trust 2 s
     rec = Recorder()
-    seats = []
-    for name in schemas:
-        seat = RecordingSeat(quick.model_copy(update={"schema": name}), rec)
-        seat.started = True
-        seats.append(seat)
-    loop = ElectionLoop(quick, seats, HostOrder(quick.database_url.get_secret_value()))
-    loop.start()
-    try:
+    with migrated_schemas(pg_dsn, 5, trigger_sleep=0.8) as schemas, one_loop(quick, schemas, rec) as seats:
         wait_for(lambda: all(seat.is_leader for seat in seats), 20, what="every target led")
         time.sleep(2.0)
         assert [e for e in rec.events if e[0] == "demoted"] == []
         assert all(seat.is_leader for seat in seats)
-    finally:
-        loop.stop()
-        with migrator.connect() as conn:
-            conn.execute(text("SET lock_timeout = '20s'"))
-            for name in schemas:
-                conn.execute(text(f"DROP SCHEMA IF EXISTS {quote_ident(name)} CASCADE"))
-            conn.commit()
-        migrator.dispose()
 
 
 def test_a_lock_on_a_bookkeeping_table_costs_no_leadership(settings, engine, schema):
