@@ -280,6 +280,9 @@ class Daemon:
         self._stopping.set()
         if stopping_started:
             self.notifier.stopping()
+        began = time.monotonic()
+        for monitor in self.health:  # their reads cancelled now, their threads joined below
+            monitor.stopping()
         for target in self.targets:
             target.runner.deactivate(timeout=0)
         if len(self.loops) == 1:
@@ -290,8 +293,8 @@ class Daemon:
         deadline = time.monotonic() + 1.0  # one second for every target's passes, not one each
         for target in self.targets:
             target.runner.deactivate(timeout=max(0.0, deadline - time.monotonic()))
-        for monitor in self.health:
-            monitor.stop()
+        for monitor in self.health:  # (fenced, as the passes: one left running writes nothing)
+            monitor.stop(timeout=max(0.2, deadline - time.monotonic()))
         self.changes.stop()
         if self.timetable.running:
             self.timetable.shutdown(wait=False)
@@ -302,7 +305,8 @@ class Daemon:
         for engine in self.engines.values():
             engine.dispose()
         if stopping_started:
-            log.info("maintd stopped", extra=kv(instance=self.settings.instance_id))
+            log.info("maintd stopped", extra=kv(instance=self.settings.instance_id,
+                                                seconds=round(time.monotonic() - began, 1)))
 
     def reload(self, settings: Settings, *, restoring: bool = False) -> None:
         """Apply ``settings`` (``restoring``: the old ones, after a reload that failed: not said

@@ -23,6 +23,7 @@ from datetime import datetime
 from typing import Any, Callable, Protocol, Sequence
 
 import psycopg
+from psycopg.pq import TransactionStatus
 from sqlalchemy import Engine
 
 from .clock import ServerClock
@@ -33,7 +34,7 @@ from .history import HistoryWriter
 from .logs import about_target, kv
 from .metrics import Metrics
 from .queries import FINAL_STATES
-from .services.base import Fence, NotLeader, PassContext, PassStopped
+from .services.base import CANCEL_TIMEOUT, Fence, NotLeader, PassContext, PassStopped
 
 log = logging.getLogger("maintd.health")
 
@@ -185,6 +186,8 @@ class HealthMonitor:
 
     def _failed(self, exc: Exception) -> None:
         error = describe_db_error(exc)
+        if self._stop.is_set():
+            return  # cancelled by the stop: not a failure worth a line
         if error != self.error:
             log.warning("health read failed", extra=kv(error=error))
         self.error = error
@@ -215,8 +218,18 @@ class HealthMonitor:
         self._thread = threading.Thread(target=self._loop, name="maintd-health", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stopping(self) -> None:
+        """Ask the thread to end, cancelling the read it waits on (a lock: up to READ_TIMEOUT_MS)."""
         self._stop.set()
+        conn = self._conn
+        try:
+            if conn is not None and conn.info.transaction_status == TransactionStatus.ACTIVE:
+                conn.cancel_safe(timeout=CANCEL_TIMEOUT)
+        except Exception:  # the read ends anyway: its statement timeout, or the connection gone
+            pass
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.stopping()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None

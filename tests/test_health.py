@@ -1049,6 +1049,33 @@ def test_a_disabled_health_read_does_not_spin_its_thread(health_pg, health_engin
     assert monitor.status("maintd") is None
 
 
+def test_stopping_cancels_a_health_read_waiting_on_a_lock_instead_of_waiting_it_out(health_pg, health_engine,
+                                                                                   maintd_log):
+    """A stop joined the monitor's thread for up to 5 s, and a read waiting on the jobs table's
+    lock (pg_total_relation_size takes ACCESS SHARE; a migration's or an operator's ACCESS
+    EXCLUSIVE) holds it up to its 5 s lock_timeout: the daemon's stop waited it out, with every
+    other part of the stop done (CI, PostgreSQL 15, a stop of 4.4 s). Now the stop cancels the
+    read, the thread ends at once, and the cancelled read is not logged as a failed one."""
+    from maintd.guardian import HealthMonitor
+
+    monitor = HealthMonitor([LeadingMember(health_pg, health_engine)], lambda: Settings().health)
+    with psycopg.connect(health_pg) as locker, psycopg.connect(health_pg, autocommit=True) as watcher:
+        locker.execute("LOCK TABLE maintd.jobs IN ACCESS EXCLUSIVE MODE")
+        monitor.start()
+        try:
+            wait_for(lambda: watcher.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'maintd:guard-1:health' "
+                "AND wait_event_type = 'Lock'").fetchone()[0] == 1, 10,
+                what="the health read waits on the lock")
+        finally:
+            started = time.monotonic()
+            monitor.stop()
+            took = time.monotonic() - started
+        locker.rollback()
+    assert took < 1.5, f"stopping the monitor took {took:.1f} s"
+    assert not [line for line in maintd_log if "health read failed" in line], maintd_log
+
+
 # -- a standby's hot_standby_feedback ------------------------------------------------------------
 
 @pytest.mark.slow
