@@ -45,6 +45,7 @@ from .queries import FINAL_STATES_SQL, LIVE_STATES_SQL, catalog, render, sql
 from .queries import convert as q
 
 BATCH = 5000
+FIRST_ID, LAST_ID = -(2 ** 63), 2 ** 63 - 1  # jobs.id's range: an import may give 0 or negative ids
 LOCK_TIMEOUT_MS = 200  # the longest a worker waits behind the trigger's creation or the swap
 SWAP_TRIES = 100
 PHASES = (("live", LIVE_STATES_SQL), ("final", FINAL_STATES_SQL))
@@ -202,7 +203,7 @@ def _lock_timeout(conn: Connection) -> None:
 @dataclass
 class Batch:
     ids: list[int]  # locked FOR SHARE by this transaction: to copy
-    cursor: int  # every row of the phase up to it is copied (or seen) once this commits
+    cursor: int  # where the next batch starts: every row of the phase before it is copied (or seen)
     last: bool  # no row of the phase after it
     held: int | None = None  # the row another transaction held longer than LOCK_TIMEOUT_MS
 
@@ -211,7 +212,7 @@ def _copy(conn: Connection, schema: str, phase: str, states: str, progress: Prog
           say: Callable[[str], None], stop: Callable[[], bool]) -> bool:
     """Copy one phase's rows, batch by batch, from the cursor on. False when stopped."""
     if progress.phase != phase:
-        progress.phase, progress.cursor = phase, 0
+        progress.phase, progress.cursor = phase, FIRST_ID
     total = conn.execute(sql(q.COUNT_PHASE, schema, states=states)).scalar()
     conn.commit()
     copy, save = (sql(t, schema, states=states) for t in (q.COPY, q.SAVE_PROGRESS))
@@ -240,7 +241,7 @@ def _copy(conn: Connection, schema: str, phase: str, states: str, progress: Prog
 
 
 def _lock_batch(conn: Connection, schema: str, states: str, cursor: int, n: int) -> Batch:
-    """The next ``n`` rows of the phase after ``cursor``, locked FOR SHARE, each waited for at most
+    """The next ``n`` rows of the phase from ``cursor`` on, locked FOR SHARE, each waited for at most
     LOCK_TIMEOUT_MS. When another transaction holds one longer (a worker keeping its job's row
     locked while it runs), the rows locked so far are given back (the workers completing them
     would wait too), and those before the held row that no one holds are locked without waiting:
@@ -248,7 +249,7 @@ def _lock_batch(conn: Connection, schema: str, states: str, cursor: int, n: int)
     try:
         _lock_timeout(conn)
         ids = conn.execute(sql(q.LOCK_BATCH, schema, states=states), {"cursor": cursor, "n": n}).scalars().all()
-        return Batch(ids, max(ids, default=cursor), len(ids) < n)
+        return Batch(ids, _after(ids, cursor), len(ids) < n or ids[-1] == LAST_ID)
     except OperationalError as exc:
         conn.rollback()
         if sqlstate(exc) != LOCK_NOT_AVAILABLE:
@@ -261,8 +262,14 @@ def _lock_batch(conn: Connection, schema: str, states: str, cursor: int, n: int)
     locked = set(free)
     held = next((i for i in ahead if i not in locked), None)
     if held is None:  # let go meanwhile
-        return Batch(free, ahead[-1], False)
-    return Batch([i for i in free if i < held], held - 1, False, held)
+        return Batch(free, _after(ahead, cursor), ahead[-1] == LAST_ID)
+    return Batch([i for i in free if i < held], held, False, held)
+
+
+def _after(ids: list[int], cursor: int) -> int:
+    """Where the batch after ``ids`` (read in order from ``cursor``) starts. After LAST_ID there is
+    no row: the cursor stays on it (a bigint), and the batch is the phase's last."""
+    return min(ids[-1] + 1, LAST_ID) if ids else cursor
 
 
 def _swap(conn: Connection, schema: str, say: Callable[[str], None]) -> float:

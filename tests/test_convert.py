@@ -635,3 +635,25 @@ def test_converting_back_after_a_swap_cut_off_before_its_clean_up_says_what_fini
                           capture_output=True, text=True, timeout=120, env=env)
     assert back.returncode == 1 and "not supported" in back.stderr, back.stderr
     assert "--convert partitioned" in back.stderr and "jobs_plain" in back.stderr, back.stderr
+
+
+def test_jobs_with_an_id_of_zero_or_below_are_carried_over(engine, pg_dsn, schema):
+    """jobs.id is an identity BY DEFAULT: an import may give its own ids, 0 and negative ones
+    among them. The copy's cursor started at 0 and read ``id > cursor``, so a job with such an id
+    that no worker touched during the conversion was never copied, and the swap dropped it with
+    the plain table."""
+    seed(engine, schema, final=30, live=10)
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (id, kind, queue) VALUES (0, 'imported', 'q'), "
+                         "(-7, 'imported', 'q'), (-9223372036854775808, 'imported', 'q')", schema))
+        conn.execute(sql("INSERT INTO {schema}.jobs (id, kind, state, finalized_at) "
+                         "VALUES (-3, 'imported', 'completed', now()), "
+                         "(9223372036854775807, 'imported', 'completed', now())", schema))
+    expected = _states(engine, schema)
+    owner = make_engine(pg_dsn, application_name="convert", pooled=False)
+    try:
+        with owner.connect() as conn:
+            assert convert.convert(conn, schema, LAYOUT, say=lambda _: None) == "done"
+    finally:
+        owner.dispose()
+    assert _states(engine, schema) == expected

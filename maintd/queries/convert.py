@@ -39,7 +39,9 @@ PARTITION BY LIST (state)
 """
 CREATE_SEEN = "CREATE TABLE {schema}.jobs_convert_seen (id bigint PRIMARY KEY)"
 CREATE_PROGRESS = "CREATE TABLE {schema}.jobs_convert_progress (phase text NOT NULL, cursor bigint NOT NULL, copied bigint NOT NULL)"
-START_PROGRESS = "INSERT INTO {schema}.jobs_convert_progress VALUES ('live', 0, 0)"
+# The cursor is where the phase's next batch starts (``id >= cursor``): the smallest bigint at
+# first, as jobs.id may be 0 or negative (an identity BY DEFAULT takes an import's own ids).
+START_PROGRESS = "INSERT INTO {schema}.jobs_convert_progress VALUES ('live', -9223372036854775808, 0)"
 # The sync triggers made (2 when both are; they are made and dropped together).
 HAS_TRIGGER = """
 SELECT count(*) FROM pg_trigger
@@ -60,19 +62,20 @@ PROGRESS = "SELECT phase, cursor, copied FROM {schema}.jobs_convert_progress"
 # before the trigger is made again (nothing is seen, so every row is copied as it is then).
 RESTART_COPY = (
     "TRUNCATE {schema}.jobs_conv, {schema}.jobs_convert_seen",
-    "UPDATE {schema}.jobs_convert_progress SET phase = 'live', cursor = 0, copied = 0",
+    "UPDATE {schema}.jobs_convert_progress SET phase = 'live', cursor = -9223372036854775808, copied = 0",
 )
 
-# Step 2, copy: one phase's rows (``{states}``), a batch at a time from the cursor.
+# Step 2, copy: one phase's rows (``{states}``), a batch at a time from the cursor on (a row read
+# again, e.g. by a run resuming a conversion that an earlier release began, is seen: not copied twice).
 COUNT_PHASE = "SELECT count(*) FROM {schema}.jobs WHERE state IN {states}"
 LOCK_BATCH = """
-SELECT id FROM {schema}.jobs WHERE id > :cursor AND state IN {states} ORDER BY id LIMIT :n FOR SHARE
+SELECT id FROM {schema}.jobs WHERE id >= :cursor AND state IN {states} ORDER BY id LIMIT :n FOR SHARE
 """
 # A batch whose wait for a row ran out (another transaction holds it): its ids read without a lock,
 # then those of them no one holds locked without waiting (the first one missing is the held row).
-PEEK_BATCH = "SELECT id FROM {schema}.jobs WHERE id > :cursor AND state IN {states} ORDER BY id LIMIT :n"
+PEEK_BATCH = "SELECT id FROM {schema}.jobs WHERE id >= :cursor AND state IN {states} ORDER BY id LIMIT :n"
 LOCK_FREE = """
-SELECT id FROM {schema}.jobs WHERE id > :cursor AND id <= :upto AND state IN {states} ORDER BY id
+SELECT id FROM {schema}.jobs WHERE id >= :cursor AND id <= :upto AND state IN {states} ORDER BY id
    FOR SHARE SKIP LOCKED
 """
 SAVE_PROGRESS = "UPDATE {schema}.jobs_convert_progress SET phase = :phase, cursor = :cursor, copied = :copied"
