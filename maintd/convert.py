@@ -126,10 +126,10 @@ def abandon(conn: Connection, schema: str, say: Callable[[str], None] = print) -
         say(f"schema {schema}: no conversion under way; nothing to do")
         return "nothing"
     _check_owner(conn, schema)
-    _with_lock_timeout(conn, "dropping the sync triggers", sql(q.ABANDON_TRIGGER, schema),
+    _with_lock_timeout(conn, schema, "dropping the sync triggers", sql(q.ABANDON_TRIGGER, schema),
                        sql(q.ABANDON_TRUNCATE_TRIGGER, schema))
     for template in q.ABANDON:
-        _with_lock_timeout(conn, "dropping the copy", sql(template, schema))
+        _with_lock_timeout(conn, schema, "dropping the copy", sql(template, schema))
     say(f"schema {schema}: the unfinished conversion is dropped; jobs stays plain")
     return "done"
 
@@ -171,14 +171,14 @@ def _prepare(conn: Connection, schema: str, layout: Layout, say: Callable[[str],
         conn.connection.dbapi_connection.execute(render(q.SYNC_FUNCTION, schema))  # no parameter markers
         conn.commit()
     if conn.execute(text(q.HAS_TRIGGER), {"t": jobs}).scalar() < 2:
-        _with_lock_timeout(conn, "the sync triggers", *(sql(t, schema) for t in (
+        _with_lock_timeout(conn, schema, "the sync triggers", *(sql(t, schema) for t in (
             q.ABANDON_TRIGGER, q.ABANDON_TRUNCATE_TRIGGER, q.CREATE_TRIGGER, q.CREATE_TRUNCATE_TRIGGER)))
     row = conn.execute(sql(q.PROGRESS, schema)).one()
     conn.commit()
     return Progress(*row)
 
 
-def _with_lock_timeout(conn: Connection, what: str, *statements: TextClause) -> float:
+def _with_lock_timeout(conn: Connection, schema: str, what: str, *statements: TextClause) -> float:
     """Run DDL that locks ``jobs`` (in one transaction), waiting at most LOCK_TIMEOUT_MS per try;
     returns how long the lock was held (the try that got it)."""
     for _ in range(SWAP_TRIES):
@@ -193,7 +193,21 @@ def _with_lock_timeout(conn: Connection, what: str, *statements: TextClause) -> 
             if sqlstate(exc) != LOCK_NOT_AVAILABLE:
                 raise
             time.sleep(0.05)
-    raise ConvertError(f"could not lock jobs for {what} in {SWAP_TRIES} tries; run the command again")
+    raise ConvertError(f"could not lock jobs for {what} in {SWAP_TRIES} tries{_holders(conn, schema)}; "
+                       "run the command again")
+
+
+def _holders(conn: Connection, schema: str) -> str:
+    """Who holds jobs, for the error of a lock that never came: the sessions to look at (a worker
+    idle in a transaction, a long report), instead of a run again that fails the same way."""
+    rows = conn.execute(text(q.LOCK_HOLDERS), {"t": f"{quote_ident(schema)}.jobs"}).all()
+    conn.rollback()
+    if not rows:
+        return " (held by sessions that have let go since)"
+    return ", held by " + "; ".join(
+        f"pid {r.pid} ({r.application_name or 'no application_name'}, {r.state or 'state unknown'}"
+        + (f", in a transaction since {r.xact_start:%Y-%m-%d %H:%M:%S %Z}" if r.xact_start else "") + ")"
+        for r in rows)
 
 
 def _lock_timeout(conn: Connection) -> None:
@@ -297,7 +311,8 @@ def _swap(conn: Connection, schema: str, say: Callable[[str], None]) -> float:
         held = time.monotonic() - locked
         say(f"schema {schema}: swapped; jobs was locked {1000 * held:.0f} ms")
         return held
-    raise ConvertError(f"could not lock jobs for the swap in {SWAP_TRIES} tries; run the command again")
+    raise ConvertError(f"could not lock jobs for the swap in {SWAP_TRIES} tries{_holders(conn, schema)}; "
+                       "run the command again")
 
 
 def _swap_locked(conn: Connection, schema: str, functions: list, acl: list) -> None:

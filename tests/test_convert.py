@@ -495,11 +495,11 @@ def _stopped_then_abandon_cut_off(engine, owner, schema: str, monkeypatch, *, dr
     calls = []
     real = convert._with_lock_timeout
 
-    def cut_off(conn, what, *statements):
+    def cut_off(conn, schema, what, *statements):
         calls.append(what)
         if len(calls) > drops:
             raise KeyboardInterrupt
-        return real(conn, what, *statements)
+        return real(conn, schema, what, *statements)
 
     with owner.connect() as conn, monkeypatch.context() as m:
         m.setattr(convert, "_with_lock_timeout", cut_off)
@@ -657,3 +657,26 @@ def test_jobs_with_an_id_of_zero_or_below_are_carried_over(engine, pg_dsn, schem
     finally:
         owner.dispose()
     assert _states(engine, schema) == expected
+
+
+def test_a_conversion_that_never_gets_its_lock_names_the_sessions_holding_jobs(engine, pg_dsn, schema,
+                                                                               monkeypatch):
+    """A worker left idle in a transaction that touched jobs keeps the conversion from ever locking
+    it (for the sync triggers, or the swap). It gave up with "could not lock jobs for the sync
+    triggers in 100 tries; run the command again", naming no one: run again, it failed the same
+    way, and the operator had to go through pg_locks to find the session to end."""
+    seed(engine, schema, final=10, live=10)
+    monkeypatch.setattr(convert, "SWAP_TRIES", 3)
+    with psycopg.connect(pg_dsn, application_name="stuck-worker-7") as worker:
+        worker.execute(f'UPDATE "{schema}".jobs SET priority = 1 WHERE id = (SELECT min(id) FROM "{schema}".jobs)')
+        pid = worker.info.backend_pid  # idle in transaction from here on, holding its lock on jobs
+        owner = make_engine(pg_dsn, application_name="convert", pooled=False)
+        try:
+            with owner.connect() as conn, pytest.raises(convert.ConvertError) as failed:
+                convert.convert(conn, schema, LAYOUT, say=lambda _: None)
+        finally:
+            owner.dispose()
+        worker.rollback()
+    message = str(failed.value)
+    assert "could not lock jobs" in message and f"pid {pid}" in message and "stuck-worker-7" in message, message
+    assert "idle in transaction" in message, message

@@ -80,6 +80,15 @@ SELECT id FROM {schema}.jobs WHERE id >= :cursor AND id <= :upto AND state IN {s
 """
 SAVE_PROGRESS = "UPDATE {schema}.jobs_convert_progress SET phase = :phase, cursor = :cursor, copied = :copied"
 
+# When the lock on jobs (:t) never came: the other sessions holding one (granted), for the error.
+LOCK_HOLDERS = """
+SELECT DISTINCT a.pid, a.application_name, a.state, a.xact_start
+  FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
+ WHERE l.locktype = 'relation' AND l.relation = to_regclass(:t) AND l.granted AND l.pid <> pg_backend_pid()
+ ORDER BY a.xact_start NULLS LAST, a.pid
+ LIMIT 5
+"""
+
 # Step 3, swap, under LOCK_JOBS.
 LOCK_JOBS = "LOCK TABLE {schema}.jobs IN ACCESS EXCLUSIVE MODE"
 LAST_ID = "SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM {schema}.jobs_id_seq"
