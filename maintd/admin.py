@@ -39,7 +39,7 @@ from sqlalchemy.exc import DBAPIError
 from .db import connected_to, describe_db_error, quote_ident
 from .queries import catalog, sql
 from .queries.admin import (ACTIONS, BY_IDS, LIST, REREAD, ROW, SHOW, WALK_START, Action,  # noqa: F401
-                            Filter, filter_query)
+                            Filter, call_query, filter_query)
 from .durations import parse_duration
 from .queries import FINAL_STATES, JOB_STATES
 
@@ -145,9 +145,10 @@ def skip_reason(action: Action, row: Any, now_state: str | None, revived_keys: s
 
 def apply_batch(conn: Connection, schema: str, action: Action, rows: Sequence[Any],
                 params: dict[str, Any], report: Report, *, dry_run: bool,
-                taken: Collection[str] = ()) -> None:
+                taken: Collection[str] = (), flt: Filter = Filter()) -> None:
     """Change one batch through the SQL function (or predict it, ``taken`` holding the keys that
-    earlier batches of the dry run revived), and report every row."""
+    earlier batches of the dry run revived), and report every row. A filter's batch changes only
+    the jobs that still match ``flt`` when the function runs (see STILL_MATCHING)."""
     if dry_run:
         held = {r.id for r in rows if r.state in FINAL_STATES and r.unique_key in taken}
         for r in rows:
@@ -158,7 +159,8 @@ def apply_batch(conn: Connection, schema: str, action: Action, rows: Sequence[An
         report.revived_keys |= {r.unique_key for r in rows if r.id in changed and r.unique_key
                                 and r.state in FINAL_STATES and action.verb == "retried"}
     else:
-        result = conn.execute(sql(action.call, schema), {**params, "ids": [r.id for r in rows]})
+        result = conn.execute(sql(call_query(action, flt), schema),
+                              {**params, **flt.params(), "ids": [r.id for r in rows]})
         changed = {c.id: c.state for c in result}
     pending = [r.id for r in rows if r.id not in changed and r.applies]
     now_state = {}
@@ -245,7 +247,7 @@ def run_filter(conn: Connection, schema: str, action: Action, flt: Filter,
                                                       **start, "limit": batch_size}).all()
             if found:
                 apply_batch(conn, schema, action, found, params, part, dry_run=dry_run,
-                            taken=report.revived_keys)
+                            taken=report.revived_keys, flt=flt)
             return found, part
 
         rows, part = in_batch(conn, batch)

@@ -989,3 +989,61 @@ def test_a_reschedule_by_filter_is_refused_in_the_python_api_as_in_the_cli(engin
     with engine.connect() as conn:
         assert conn.execute(sql("SELECT count(*) FROM {schema}.jobs WHERE id = ANY(:ids) AND scheduled_at > now() + "
                                 "interval '10 minutes'", schema), {"ids": ids}).scalar() == 0
+
+
+@pytest.mark.parametrize("action, state, meanwhile", [
+    ("delete", "discarded", "retry_jobs"),  # revived meanwhile: a live job again
+    ("delete", "completed", "retry_jobs"),
+    ("discard", "retryable", "reschedule_now"),  # available meanwhile, not the retryable one asked for
+])
+def test_a_filter_never_acts_on_a_job_that_left_the_filter_between_read_and_write(
+        engine, schema, cli, monkeypatch, action, state, meanwhile):
+    """A filter's batch read the matching jobs, then called the admin function with their ids;
+    the function checks only its own states, not the filter. A job that left the filter in
+    between (another operator's retry_jobs committed meanwhile) was acted on as it was then:
+    `maintd jobs delete --state discarded` deleted a job just revived to available, a live job
+    lost. Such a job is skipped, reported as changed meanwhile, and kept."""
+    [moved] = add(engine, schema, state, queue="race")
+    [stays] = add(engine, schema, state, queue="race")
+    original = admin.apply_batch
+
+    def racing(conn, schema_, action_, found, *args, **kw):
+        with engine.begin() as other:  # another session, committed before the function runs
+            if meanwhile == "retry_jobs":
+                other.execute(text(f"SELECT 1 FROM {quote_ident(schema)}.retry_jobs(ARRAY[{moved}]::bigint[])"))
+            else:
+                other.execute(text(f"SELECT 1 FROM {quote_ident(schema)}.reschedule_jobs("
+                                   f"ARRAY[{moved}]::bigint[], run_at => now())"))
+        return original(conn, schema_, action_, found, *args, **kw)
+
+    monkeypatch.setattr(admin, "apply_batch", racing)
+    data = cli_json(cli, action, "--state", state, "--queue", "race")
+    after = rows(engine, schema, [moved, stays])
+    assert moved in after and after[moved]["state"] == "available", after.get(moved)
+    assert [j["id"] for j in data["jobs"]] == [stays]
+    [skipped] = data["skipped_jobs"]
+    assert skipped["id"] == moved and skipped["reason"] == "changed meanwhile: now available", skipped
+
+
+def test_a_filter_batch_never_holds_a_running_job_locked(engine, schema, cli, monkeypatch):
+    """The filter's re-check locks the batch's rows for the function; a running job (reported
+    as skipped) is never one of them: the worker's heartbeat or completion must not wait for an
+    operator's batch."""
+    [running] = add(engine, schema, "running", queue="busy")
+    add(engine, schema, "available", queue="busy")
+    seen = []
+    original = admin.skip_reason
+
+    def probing(action, row, now_state, revived):  # inside the batch's transaction, after the call
+        if row.id == running:
+            with engine.connect() as worker:
+                worker.execute(text("SET lock_timeout = '100ms'"))
+                seen.append(worker.execute(sql("UPDATE {schema}.jobs SET heartbeat_at = now()"
+                                               " WHERE id = :id RETURNING id", schema), {"id": running}).scalar())
+                worker.rollback()
+        return original(action, row, now_state, revived)
+
+    monkeypatch.setattr(admin, "skip_reason", probing)
+    data = cli_json(cli, "cancel", "--queue", "busy")
+    assert data["changed"] == 1 and [s["id"] for s in data["skipped_jobs"]] == [running]
+    assert seen == [running]

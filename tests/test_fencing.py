@@ -79,6 +79,7 @@ NOT_MAINTENANCE: dict[str, str] = {
     "jobs.DEMO_SEED_OLD": "`maintd demo`'s workload, written as a worker would",
     **{f"admin.ACTIONS[{a!r}].call": "`maintd jobs` (an operator's command through the admin functions)"
        for a in ("retry", "cancel", "discard", "delete", "reschedule")},
+    "admin.STILL_MATCHING": "`maintd jobs`: the rows of a filter's batch locked for the admin function's call",
     **{f"periodic_jobs.{n}": "`maintd periodic` (an operator's command)" for n in ("UPSERT", "DELETE", "SET_ENABLED")},
     "daemons.REGISTER": "the registry of running daemons: every replica, leader or not, registers itself",
     "daemons.FORGET_STALE": "the registry of running daemons, pruned by whichever replica (re)connects",

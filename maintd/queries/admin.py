@@ -17,14 +17,14 @@ RUN_AT = "coalesce(CAST(:at AS timestamptz), now() + make_interval(secs => CAST(
 @dataclass(frozen=True)
 class Action:
     verb: str  # past tense, for the output
-    call: str  # the SQL function call, returning the changed rows' id and state
+    call: str  # the SQL function call on the jobs {ids}, returning the changed rows' id and state
     applies: str  # predicate on alias j: exactly the jobs the function changes
     to_state: str  # SQL expression: the job's state after the change (for --dry-run)
 
 
 ACTIONS: dict[str, Action] = {
     "retry": Action(
-        "retried", "SELECT id, state::text AS state FROM {schema}.retry_jobs(CAST(:ids AS bigint[]))",
+        "retried", "SELECT id, state::text AS state FROM {schema}.retry_jobs({ids})",
         "j.state <> 'running' AND NOT (j.state = 'available' AND j.scheduled_at <= now()"
         " AND (j.attempt < j.max_attempts OR j.attempt >= 32767))"
         f" AND NOT (j.state IN {_FINAL} AND j.unique_key IS NOT NULL AND EXISTS ("
@@ -32,19 +32,19 @@ ACTIONS: dict[str, Action] = {
         f" WHERE o.unique_key = j.unique_key AND o.state NOT IN {_FINAL}))",
         "'available'"),
     "cancel": Action(
-        "cancelled", "SELECT id, state::text AS state FROM {schema}.cancel_jobs(CAST(:ids AS bigint[]))",
+        "cancelled", "SELECT id, state::text AS state FROM {schema}.cancel_jobs({ids})",
         IDLE, "'cancelled'"),
     "discard": Action(
         "discarded",
         "SELECT id, state::text AS state"
-        " FROM {schema}.permanently_fail_jobs(CAST(:ids AS bigint[]), CAST(:reason AS text))",
+        " FROM {schema}.permanently_fail_jobs({ids}, CAST(:reason AS text))",
         IDLE, "'discarded'"),
     "delete": Action(
-        "deleted", "SELECT id, 'deleted' AS state FROM {schema}.delete_jobs(CAST(:ids AS bigint[]))",
+        "deleted", "SELECT id, 'deleted' AS state FROM {schema}.delete_jobs({ids})",
         "j.state <> 'running'", "'deleted'"),
     "reschedule": Action(
         "rescheduled",
-        "SELECT id, state::text AS state FROM {schema}.reschedule_jobs(CAST(:ids AS bigint[]),"
+        "SELECT id, state::text AS state FROM {schema}.reschedule_jobs({ids},"
         f" run_at => {RUN_AT}, priority => CAST(:priority AS int),"
         " max_attempts => CAST(:max_attempts AS int))",
         IDLE,
@@ -88,6 +88,19 @@ NOT_ATTEMPTED_SINCE = "(j.attempted_at IS NULL OR j.attempted_at < CAST(:began A
 WALK_START = "SELECT now() AS began, coalesce(max(id), 0) AS upto FROM {schema}.jobs"
 EXISTED = "j.id <= CAST(:upto AS bigint)"
 
+# The jobs a call acts on. By ids: those ids. In a filter's batch: of the ids the batch read, those
+# that still match the filter, locked here, in the call's own statement. The functions check only
+# their own states, so a job that left the filter between the batch's read and the call (a
+# discarded job revived to available by another session's retry_jobs) was acted on all the same:
+# `jobs delete --state discarded` deleted a live job. FOR UPDATE reads each row as it is now
+# (waiting for none: a row another session holds is skipped and reported as locked), and the
+# function's own FOR UPDATE SKIP LOCKED takes the rows this transaction holds. A running job is
+# never locked: no function changes it, and its worker's heartbeat or completion would wait.
+IDS = "CAST(:ids AS bigint[])"
+STILL_MATCHING = """ARRAY(SELECT j.id FROM {schema}.jobs AS j
+   WHERE j.id = ANY(CAST(:ids AS bigint[])) AND j.state <> 'running' AND {where}
+   ORDER BY j.id FOR UPDATE SKIP LOCKED)"""
+
 REREAD = "SELECT id, state::text AS state FROM {schema}.jobs WHERE id = ANY(CAST(:ids AS bigint[]))"
 
 # The last error: at most :error_chars characters of it and its whole length (a worker's error is
@@ -129,6 +142,12 @@ class Filter:
 
     def params(self) -> dict[str, Any]:
         return {"queue": self.queue, "kind": self.kind}
+
+
+def call_query(action: Action, flt: "Filter") -> str:
+    """The action's call on the ids of a batch, guarded by the filter when there is one."""
+    ids = STILL_MATCHING.replace("{where}", " AND ".join(flt.clauses())) if flt else IDS
+    return action.call.replace("{ids}", ids)
 
 
 def filter_query(action: Action, flt: Filter, *, first: bool) -> str:
