@@ -464,7 +464,7 @@ def parse_time(value: str) -> tuple[datetime | None, float | None]:
 
 
 def _action_params(args: argparse.Namespace) -> dict[str, Any]:
-    params: dict[str, Any] = {"reason": getattr(args, "reason", None)}
+    params: dict[str, Any] = {"reason": _text(args, "reason")}
     if args.jobs_command == "reschedule":
         params["at"], params["offset"] = parse_time(args.at)
         if args.priority is not None and not -32768 <= args.priority <= 32767:
@@ -476,8 +476,21 @@ def _action_params(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _filter(args: argparse.Namespace) -> Filter:
-    return Filter(getattr(args, "state", None), getattr(args, "queue", None),
-                  getattr(args, "kind", None))
+    return Filter(getattr(args, "state", None), _text(args, "queue"), _text(args, "kind"))
+
+
+def _text(args: argparse.Namespace, name: str) -> str | None:
+    """An option's text, checked here: bytes that are not UTF-8 in the command line reach Python
+    as lone surrogates, which failed the command at its first statement (exit 1, "'utf-8' codec
+    can't encode character '\\udcff' ...", naming no option)."""
+    value = getattr(args, name, None)
+    try:
+        value is None or value.encode("utf-8")
+    except UnicodeEncodeError:  # shown as the bytes given (argv's are surrogate-escaped)
+        raw = value.encode("utf-8", "surrogateescape")
+        raise UsageError(f"--{name} {str(raw)[1:]}: not UTF-8 text (queues, kinds and "
+                         "reasons are text in the database)") from None
+    return value
 
 
 def plan_command(args: argparse.Namespace) -> Callable[[Connection, str], int]:

@@ -1047,3 +1047,21 @@ def test_a_filter_batch_never_holds_a_running_job_locked(engine, schema, cli, mo
     data = cli_json(cli, "cancel", "--queue", "busy")
     assert data["changed"] == 1 and [s["id"] for s in data["skipped_jobs"]] == [running]
     assert seen == [running]
+
+
+@pytest.mark.parametrize("argv, option", [
+    (("list", "--queue", "mail\udcff"), "--queue"),
+    (("cancel", "--kind", "\udce9t\udce9", "--dry-run"), "--kind"),
+    (("delete", "--state", "completed", "--queue", "q\udcc3"), "--queue"),
+    (("discard", "7", "--reason", "upstream \udcff gone"), "--reason"),
+])
+def test_cli_text_that_is_not_utf8_is_a_usage_error_naming_the_option(cli, engine, schema, argv, option):
+    """Bytes that are not UTF-8 in an argument (a queue name copied from a log in Latin-1) reach
+    Python as lone surrogates: the command failed at the database call with exit 1 and "'utf-8'
+    codec can't encode character '\\udcff' in position 4: surrogates not allowed", naming no
+    option. It is bad usage (exit 2), said before any connection, naming the option and its bytes."""
+    [job] = add(engine, schema, "available", queue="mail")
+    rc, out, err = cli(*argv)
+    assert rc == 2, (rc, out, err)
+    assert f"maintd jobs: error: {option} " in err and "not UTF-8" in err and "\\x" in err, err
+    assert rows(engine, schema, [job])[job]["state"] == "available"
