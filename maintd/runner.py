@@ -298,8 +298,22 @@ class Runner:
         self.changes(poke)
 
     def pause(self, paused: bool) -> None:
-        """The database takes no writes (a read-only primary): no pass runs until it does."""
+        """The database takes no writes (a read-only primary): no pass runs until it does. Then
+        each service that a probe drives gets a pass at once, as at a term's start: the passes
+        asked for meanwhile (a precise rescue's look again, a job falling due) were dropped, and
+        its probe looks again only an interval later (the rescuer's: 30 s by default)."""
+        resumed = self._paused and not paused
         self._paused = paused
+        if resumed:
+            self.changes(self._resume)
+
+    @_about_target
+    def _resume(self) -> None:
+        with self._lock:
+            now = datetime.now(timezone.utc)
+            for name in self.services:
+                if self.probed(name):
+                    self._add_wake(name, now)
 
     @property
     def paused(self) -> bool:

@@ -513,3 +513,31 @@ def test_a_job_claimed_after_the_probe_is_rescued_by_the_pass_looking_again(sett
     assert row.state == "retryable", "not rescued before the next tick"
     late = row.at - (row.attempted_at + timedelta(seconds=2))
     assert timedelta(0) < late < timedelta(seconds=1), late
+
+
+def test_a_job_falling_due_while_the_database_was_read_only_is_rescued_once_it_takes_writes(settings, engine,
+                                                                                              schema):
+    """rescue_stuck_jobs_after 2 s, interval 30 s. While the database takes no writes (a read-only
+    primary) no pass runs, and the passes asked for meanwhile (here the look again at +2 s) are
+    dropped. Once it takes writes again, a job that fell due meanwhile is rescued within a second,
+    not at the rescuer's next look (its interval later; here, with no probe, never)."""
+    settings = rules(settings, rescue_stuck_jobs_after="2s", interval="30s")
+    runner = Runner(settings, engine, Metrics(), clock=ServerClock(), build=lambda s: {"rescuer": Rescuer(s.rescuer)})
+    runner.start()
+    runner.activate(NoFence())
+    try:
+        wait_for(lambda: "rescuer" in runner.last_runs, 10, what="the term's first pass")
+        runner.pause(True)
+        with engine.begin() as conn:
+            job = conn.execute(sql(
+                "INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at, attempted_by)"
+                " VALUES ('k', 'running', 1, clock_timestamp(), 'w1') RETURNING id", schema)).scalar_one()
+        time.sleep(3)  # stuck 2 s after its claim; the passes asked for meanwhile did not run
+        assert rescued_at(engine, schema, job).state == "running"
+        resumed = server_now(engine)
+        runner.pause(False)
+        row = wait_rescued(engine, schema, job, 5)
+    finally:
+        runner.shutdown()
+    assert row.state == "retryable", "not rescued after the database took writes again"
+    assert row.at - resumed < timedelta(seconds=1), row.at - resumed
