@@ -541,3 +541,28 @@ def test_a_job_falling_due_while_the_database_was_read_only_is_rescued_once_it_t
         runner.shutdown()
     assert row.state == "retryable", "not rescued after the database took writes again"
     assert row.at - resumed < timedelta(seconds=1), row.at - resumed
+
+
+@pytest.mark.parametrize("rescuer,oldest,wanted", [
+    # (the rescuer's section, the oldest sign of life a probe read, seconds before now; the pass
+    # the probe asks for, seconds from now: None, none before the next look)
+    ({"rescue_stuck_jobs_after": "2s", "interval": "10s"}, None, 2.001),  # nothing running: look again
+    ({"rescue_stuck_jobs_after": "2s", "interval": "10s"}, 0.5, 1.501),  # a job's deadline comes first
+    ({"rescue_stuck_jobs_after": "2s", "interval": "10s"}, 3.0, True),  # stuck now
+    ({"rescue_stuck_jobs_after": "1h", "heartbeat_timeout": "5s", "interval": "30s"}, None, 5.001),
+    ({"rescue_stuck_jobs_after": "1h", "interval": "30s"}, None, None),  # the next look comes first
+    ({"rescue_stuck_jobs_after": "1h", "interval": "30s"}, 3600 - 20, 20.001),
+    ({"rescue_stuck_jobs_after": "2s", "interval": "10s", "precise_timing": False}, None, None),
+])
+def test_the_probe_keeps_looking_again_at_the_shortest_grace_when_it_is_below_the_interval(rescuer, oldest, wanted):
+    """A pass with precise timing asks to look again at the shortest grace (a job claimed later
+    falls due then at the earliest), and so each pass asks for the next. A pass that failed (a
+    connection cut, a lock or statement timeout) asked for none, and the probe, with no job
+    running, asked for none either: the chain of looks ended, and until a probe next saw a running
+    job, a job claimed after a look was rescued at the probe an interval later (SPEC 7.7: within
+    1 s of its deadline, whatever the interval). The probe now asks for the look again itself."""
+    now = T0
+    service = Rescuer(load_settings(None, database_url="postgresql://u@127.0.0.1/app", rescuer=rescuer).rescuer)
+    seen = None if oldest is None else now - timedelta(seconds=oldest)
+    got = service.after_probe((seen, False, False, None), now)
+    assert got == (wanted if wanted in (None, True) else now + timedelta(seconds=wanted)), got

@@ -265,14 +265,17 @@ class Rescuer(Service):
         oldest, no_sign, exhausted, newest = values
         if no_sign or exhausted or (newest is not None and newest > now + FUTURE_AHEAD):
             return True
-        if oldest is None:
-            return None
-        deadline = oldest + timedelta(seconds=self.graces()["graces"][0])
-        if deadline <= now:
+        shortest = timedelta(seconds=self.graces()["graces"][0])
+        deadline = oldest + shortest if oldest is not None else None
+        if deadline is not None and deadline <= now:
             return True
-        if self.config.precise_timing and deadline < now + self.config.interval:
-            return deadline + timedelta(milliseconds=1)
-        return None
+        if not self.config.precise_timing:
+            return None
+        # A job claimed from now on falls due a grace from now at the earliest: a look then, as a
+        # pass asks for (one that failed asked for none, and the looks would end until a probe
+        # saw a running job: an interval late for a job claimed meanwhile).
+        ahead = min(deadline or now + shortest, now + shortest)
+        return ahead + timedelta(milliseconds=1) if ahead < now + self.config.interval else None
 
     def run_once(self, ctx: PassContext) -> RescuerResult:
         result = ctx.begin(RescuerResult(dry_run=ctx.dry_run))
