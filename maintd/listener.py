@@ -301,8 +301,8 @@ class Listener:
         for conns in (self._conns, self._heads, self._waiting, self._writing):
             conns.pop(conn, None)
         self._unwatch(conn)
-        if conn.writer is not None:
-            conn.writer.close()
+        if conn.writer is not None:  # not close(): it keeps the socket until the client takes what
+            conn.writer.transport.abort()  # is unsent, for ever if it never reads (see _linger)
         else:
             conn.sock.close()
         if cancel and conn.task is not None and conn.task is not asyncio.current_task():
@@ -386,10 +386,26 @@ class Listener:
                 self._waiting[conn] = None  # while it waits its turn, room can be made by closing it
                 await self._turns.take()  # a pipelining client waits its turn
                 keep = await self._exchange(conn, reader)
+            await self._linger(conn)
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, OSError) as exc:
             log.debug("http: client went away", extra=kv(error=type(exc).__name__))
         finally:
             self._close(conn)
+
+    async def _linger(self, conn: _Conn) -> None:
+        """Close once the client has taken the rest of the last answer, within ``write_timeout``
+        (:meth:`_close` then drops it). Meanwhile the connection counts towards the cap and room
+        can be made by closing it: a socket that outlived its connection, its answer unsent to a
+        client that never reads, held a descriptor out of the cap's count, and enough of them
+        took every descriptor the process had (no probe answered, no database session opened)."""
+        assert conn.writer is not None
+        conn.writer.close()
+        self._writing[conn] = None
+        try:
+            async with asyncio.timeout(self.limits.write_timeout):
+                await conn.writer.wait_closed()
+        finally:
+            self._writing.pop(conn, None)
 
     async def _exchange(self, conn: _Conn, reader: asyncio.StreamReader) -> bool:
         """One request and its answer; whether the connection carries another."""

@@ -261,3 +261,68 @@ def test_status_of_100000_queues_is_small_and_16_readers_cost_little_memory(pg_d
         assert rss_mb(d.pid, "VmHWM") - before < 100, (before, rss_mb(d.pid, "VmHWM"))
     finally:
         d.stop()
+
+
+
+def unread_pipelines(port: int, n: int, requests: int) -> list[socket.socket]:
+    """``n`` connections that each pipeline ``requests`` ``/metrics`` requests and never read an
+    answer, with as small a receive buffer as the kernel allows (a client that stopped reading,
+    or one that means harm)."""
+    socks: list[socket.socket] = []
+    for _ in range(n):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        s.settimeout(3)
+        try:
+            s.connect(("127.0.0.1", port))
+        except OSError:
+            s.close()
+            continue
+        socks.append(s)
+        try:
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * requests)
+        except OSError:
+            pass
+    return socks
+
+
+@pytest.mark.slow
+def test_clients_that_never_read_cannot_hold_descriptors_past_the_connection_cap(pg_dsn, schema, more_descriptors):
+    """1,800 connections, 300 every 2 s, pipeline 60 /metrics requests each (45 KB answers: more
+    than the kernel's buffers take) and never read, at a limit of 1,024 descriptors (a cap of 512
+    connections). Before: a connection closed to make room for a new one (or after write_timeout)
+    kept its socket as long as an answer was unsent (asyncio's close() waits for its buffer to be
+    taken), out of the cap's count: the daemon held 1,023 descriptors, logged 'out of file
+    descriptors', and every /healthz and /status failed at once (-1)."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:  # 100 queues: a /metrics of about 45 KB
+        conn.execute(f"""INSERT INTO "{schema}".jobs (kind, queue, state, scheduled_at)
+                         SELECT 'k', 'queue-with-a-long-name-' || (i % 100), s::"{schema}".job_state,
+                                now() + interval '1 day'
+                           FROM generate_series(1, 1000) i, unnest(array['available', 'scheduled']) s""")
+    d = DaemonProc(pg_dsn, schema, "unread-1", prefix=["prlimit", "--nofile=1024:1024", "--"]).start()
+    socks: list[socket.socket] = []
+    try:
+        d.wait_log(r"became leader epoch=", timeout=START)
+        port, epoch = d.http_port, leader_row(pg_dsn, schema)[0]
+        assert d.wait_log(r"max_connections=(\d+)").group(1) == "512"
+        wait_for(lambda: len(get(port, "/metrics")[2]) > 40_000, 30, what="the 100 queues' gauges")
+        for _ in range(6):
+            socks += unread_pipelines(port, 300, requests=60)
+            time.sleep(2)  # their answers fill the kernel's buffers: each blocked writing the rest
+        assert len(socks) >= 1700
+        held = len(os.listdir(f"/proc/{d.pid}/fd"))
+        probes = []
+        for _ in range(8):
+            probes.append(get(port, "/healthz", timeout=5))
+            time.sleep(0.25)
+        status = get(port, "/status", timeout=10)[0]  # a reader session opened: a descriptor too
+        assert held < 700, held  # the cap (512), and the daemon's own: the database's, the log
+        assert all(status == 200 for status, _, _ in probes), probes
+        assert max(seconds for _, seconds, _ in probes) < 1, probes
+        assert status == 200
+        assert "out of file descriptors" not in d.log()
+        assert leader_row(pg_dsn, schema) == (epoch, "unread-1")
+    finally:
+        for s in socks:
+            s.close()
+        d.stop()
