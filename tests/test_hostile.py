@@ -326,3 +326,38 @@ def test_clients_that_never_read_cannot_hold_descriptors_past_the_connection_cap
         for s in socks:
             s.close()
         d.stop()
+
+
+@pytest.mark.slow
+def test_2000_clients_that_never_read_metrics_cost_a_bounded_amount_of_memory(pg_dsn, schema, more_descriptors):
+    """2,100 connections, 300 a second, pipeline 60 /metrics requests each (45 KB answers) and
+    never read, up to the default cap of 2,000 connections. Before: each connection blocked
+    writing held its own copy of an answer and asyncio's 64 KB of buffer besides: the daemon went
+    from 79 to 370 MB, past the Deployment's 256Mi limit (an OOM kill: leadership lost)."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:  # 100 queues: a /metrics of about 45 KB
+        conn.execute(f"""INSERT INTO "{schema}".jobs (kind, queue, state, scheduled_at)
+                         SELECT 'k', 'queue-with-a-long-name-' || (i % 100), s::"{schema}".job_state,
+                                now() + interval '1 day'
+                           FROM generate_series(1, 1000) i, unnest(array['available', 'scheduled']) s""")
+    d = DaemonProc(pg_dsn, schema, "unread-2", prefix=["prlimit", "--nofile=8192:8192", "--"]).start()
+    socks: list[socket.socket] = []
+    try:
+        d.wait_log(r"became leader epoch=", timeout=START)
+        port = d.http_port
+        assert d.wait_log(r"max_connections=(\d+)").group(1) == "2000"
+        wait_for(lambda: len(get(port, "/metrics")[2]) > 40_000, 30, what="the 100 queues' gauges")
+        before = rss_mb(d.pid, "VmRSS")
+        for _ in range(7):
+            socks += unread_pipelines(port, 300, requests=60)
+            time.sleep(1)
+        time.sleep(2)  # every connection blocked writing
+        grown = rss_mb(d.pid, "VmHWM") - before
+        probes = [get(port, "/healthz", timeout=5) for _ in range(4)]
+        print(f"RSS {before:.0f} MB, then at most {before + grown:.0f} MB")
+        assert grown < 120, (before, grown)
+        assert all(status == 200 for status, _, _ in probes), probes
+        assert max(seconds for _, seconds, _ in probes) < 1, probes
+    finally:
+        for s in socks:
+            s.close()
+        d.stop()

@@ -486,6 +486,29 @@ def test_a_connection_dropped_while_its_answer_is_unsent_gives_its_socket_back()
         server.stop()
 
 
+def test_a_large_answer_written_a_chunk_at_a_time_arrives_whole():
+    """An answer is handed to the kernel a chunk at a time (a client that does not read holds at
+    most a chunk of buffer): a 2 MB one arrives byte for byte on a kept-alive connection, its
+    HEAD with the same Content-Length and no body, and the connection carries the next request."""
+    big = "".join(f"line {i}\n" for i in range(200_000))
+    server = HttpServer("127.0.0.1", 0, {"/healthz": lambda: text(200, "ok\n"), "/big": lambda: text(200, big)},
+                        lanes={"/healthz": INLINE, "/big": "metrics"})
+    server.start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        for method in ("GET", "HEAD", "GET"):
+            conn.request(method, "/big")
+            r = conn.getresponse()
+            body = r.read()
+            assert r.status == 200 and r.getheader("Content-Length") == str(len(big.encode()))
+            assert body == (big.encode() if method == "GET" else b"")
+        conn.request("GET", "/healthz")
+        assert conn.getresponse().read() == b"ok\n"
+        conn.close()
+    finally:
+        server.stop()
+
+
 def _send_quietly(sock: socket.socket, data: bytes) -> None:
     try:
         sock.sendall(data)
