@@ -98,10 +98,13 @@ def partitions_ddl(schema: str, root: str = "jobs", suffix: str = "") -> list[st
 
 
 def start_sql(schema: str, step: timedelta) -> list[str]:
-    """Each final state's two catch-alls, meeting at the current step of time (from the epoch)."""
+    """Each final state's two catch-alls, meeting at the current step of time (from the epoch),
+    unless the state has partitions already: a schema downgraded below migration 0006 keeps them
+    (they hold its finished jobs) and 0006 runs again on the way up."""
     q = quote_ident(schema)
     secs = int(step.total_seconds())
-    return [f"SELECT {q}.start_partitions('{state}', make_interval(secs => {secs}))"
+    return [f"SELECT {q}.start_partitions('{state}', make_interval(secs => {secs})) WHERE NOT EXISTS "
+            f"(SELECT FROM pg_catalog.pg_inherits WHERE inhparent = CAST('{q}.jobs_{state}' AS regclass))"
             for state in FINAL_STATES]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from datetime import timedelta
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
@@ -476,3 +477,34 @@ def test_the_migrate_command_says_on_stderr_that_it_waits(pg_dsn, tmp_path, caps
         conn.execute(text(f"DROP SCHEMA {quote_ident(schema)} CASCADE"))
         conn.commit()
     engine.dispose()
+
+
+@pytest.mark.parametrize("layout", ["partitioned"], indirect=True)
+@pytest.mark.parametrize("how", ["migrate", "printed-sql"])
+def test_a_partitioned_schema_downgraded_below_0006_migrates_up_again(pg_dsn, schema, layout, how):
+    """``migrate --downgrade 0005`` (or lower, not base) of a partitioned schema drops the partition
+    functions but keeps the partitions (they hold the finished jobs); 0006's upgrade then made each
+    final state's catch-alls again: `maintd migrate` (and the script `--sql` prints) failed with
+    'relation "jobs_completed_min" already exists', and the schema could never reach head again.
+    A state whose partitions are there keeps them; the jobs in them stay."""
+    from .conftest import migrate_layout
+
+    engine = make_engine(pg_dsn, application_name="t", pooled=False)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(f"INSERT INTO {quote_ident(schema)}.jobs (kind, state, finalized_at) "
+                              "VALUES ('k', 'completed', now() - interval '1 minute')"))
+        with engine.connect() as conn:
+            assert migrate.downgrade(conn, schema, "0005")[1] == "0005"
+            if how == "migrate":
+                assert migrate.upgrade(conn, schema, layout=migrate_layout(layout)) == ("0005", migrate.head_revision())
+            else:  # as a DBA applies `maintd migrate --sql`
+                script = migrate.offline_sql(schema, start="0005", layout=migrate_layout(layout))
+                conn.connection.driver_connection.execute(script)
+                conn.connection.driver_connection.commit()
+            assert migrate.current_revision(conn, schema) == migrate.head_revision()
+            assert conn.execute(text(f"SELECT count(*) FROM {quote_ident(schema)}.jobs_completed")).scalar() == 1
+            parts = conn.execute(text(f"SELECT count(*) FROM {quote_ident(schema)}.job_partitions('completed')")).scalar()
+            assert parts >= 2 + 2  # the two catch-alls and the steps made ahead
+    finally:
+        engine.dispose()
