@@ -30,7 +30,8 @@ from sqlalchemy.exc import DBAPIError
 from . import __version__
 from .config import validate_identifier
 from .db import quote_ident
-from .migrate import grants_lock_key, let_go, take_lock
+from .migrate import (SchemaNotReady, behind, current_revision, grants_lock_key, head_revision, let_go,
+                      revisions, take_lock)
 from .partitions import definer_functions as partition_functions
 from .queries import catalog
 
@@ -152,6 +153,19 @@ class NotGranted(RuntimeError):
 PRIVILEGE_NOT_GRANTED = "01007"
 
 
+def _check_revision(conn: Connection, schema: str) -> None:
+    """Raise :class:`maintd.migrate.SchemaNotReady` when the schema is at an older revision than
+    this maintd's: its grants name tables a later migration adds, and the first of them failed
+    the whole script with 'relation "S.health_history" does not exist', saying nothing of
+    `maintd migrate`. Read only by a role that owns the tables (one that does not is refused
+    by the grants themselves, naming the owner); a revision newer than this maintd's is left be."""
+    state = conn.execute(text(catalog.SCHEMA_PRIVILEGES), {"schema": schema}).one()
+    current = current_revision(conn, schema) if state.versioned and state.owns_tables else None
+    conn.rollback()
+    if current is not None and current != head_revision() and current in revisions():
+        raise SchemaNotReady(f"{behind(schema, current)} first, then grant")
+
+
 def apply(conn: Connection, schemas: list[str], role: str, *, worker: bool = False) -> int:
     """Run the grants on ``conn`` (as the owner role) in one transaction, under the grants lock
     of each schema (:func:`maintd.migrate.grants_lock_key`), so replicas applying them at once do not collide. Returns the statement count.
@@ -174,6 +188,8 @@ def apply(conn: Connection, schemas: list[str], role: str, *, worker: bool = Fal
         for key in keys:
             take_lock(conn, key)
             taken.append(key)
+        for schema in schemas:
+            _check_revision(conn, schema)
         with conn.begin():
             for schema in schemas:
                 owner, me = conn.execute(text(catalog.SCHEMA_OWNER), {"schema": schema}).one()

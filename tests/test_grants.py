@@ -888,3 +888,23 @@ def test_apply_waiting_for_a_migration_does_not_deadlock_its_index_builds(pg_dsn
 def _holds(dsn: str, key: int) -> bool:
     with psycopg.connect(dsn, autocommit=True) as conn:
         return conn.execute("SELECT NOT pg_try_advisory_lock(%s) OR NOT pg_advisory_unlock(%s)", (key, key)).fetchone()[0]
+
+
+def test_grants_apply_on_a_schema_behind_this_maintd_says_to_migrate_first(pg_dsn, schema, tmp_path):
+    """`maintd grants ROLE --apply` before `maintd migrate` (a new release's grants on the old
+    schema: its revision 0006 has no health_history yet) failed with 'relation
+    "S.health_history" does not exist' and no word of `maintd migrate`. It names the schema's
+    revision and the command, and grants nothing."""
+    engine = make_engine(pg_dsn, application_name="t", pooled=False)
+    try:
+        with engine.connect() as conn:
+            migrate.downgrade(conn, schema, "0006")
+    finally:
+        engine.dispose()
+    with login_role(pg_dsn) as role:
+        res = cli("--config", write_config(tmp_path, schema), "grants", role, "--apply",
+                  env={"MAINTD_DATABASE_URL": pg_dsn})
+        assert res.returncode == 1 and res.stdout == "", res.stdout + res.stderr
+        [line] = res.stderr.strip().splitlines()
+        assert f"schema '{schema}' is at revision 0006" in line and "run `maintd migrate`" in line, line
+        assert effective_privileges(pg_dsn, schema, role) == {}
