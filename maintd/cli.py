@@ -339,9 +339,10 @@ def _migrate_targets(targets: list[Settings], args: argparse.Namespace) -> int:
         if args.convert:
             raise ConfigError(["--convert: does not go with --sql (the conversion runs online, in steps)"])
         for settings in targets:
-            start = args.start if args.start is not None else _schema_revision(settings)
+            start, layout = (args.start, migrate.Layout.of(settings)) if args.start is not None else \
+                _schema_revision(settings)
             sys.stdout.write(migrate.offline_sql(settings.schema, args.downgrade or args.revision, start,
-                                                 migrate.Layout.of(settings), down=bool(args.downgrade)))
+                                                 layout, down=bool(args.downgrade)))
         return EXIT_OK
     if args.convert and args.downgrade:
         raise ConfigError(["--convert: does not go with --downgrade"])
@@ -361,9 +362,10 @@ def _migrate_targets(targets: list[Settings], args: argparse.Namespace) -> int:
     return EXIT_FAILURE if failed else EXIT_OK
 
 
-def _schema_revision(settings: Settings) -> str:
-    """The schema's revision now ('base' when it has none), read from the catalog, for
-    ``migrate --sql``: it prints what is left to do, not the DDL from base."""
+def _schema_revision(settings: Settings):
+    """The schema's revision now ('base' when it has none) and its jobs table's layout, read from
+    the catalog, for ``migrate --sql``: it prints what is left to do, not the DDL from base, and
+    for the table as it is, as ``migrate`` does."""
     from . import migrate
     from .db import make_engine
 
@@ -372,7 +374,8 @@ def _schema_revision(settings: Settings) -> str:
                          answer_timeout=answer_bound(settings))
     try:
         with engine.connect() as conn:
-            return migrate.revision_for_sql(conn, settings.schema)
+            revision = migrate.revision_for_sql(conn, settings.schema)
+            return revision, migrate.layout_for_sql(conn, settings.schema, migrate.Layout.of(settings))
     finally:
         engine.dispose()
 

@@ -9,6 +9,7 @@ lacks what the work needs gets one line naming the privilege and the object, che
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import re
@@ -363,6 +364,18 @@ def revision_for_sql(conn: Connection, schema: str) -> str:
             f"`maintd migrate --sql` as the owner role{f' ({owner!r})' if owner else ''}, or name the "
             "schema's revision with --from")
     return current_revision(conn, schema) or "base"
+
+
+def layout_for_sql(conn: Connection, schema: str, configured: Layout) -> Layout:
+    """The layout ``migrate --sql`` prints for: the jobs table's, as ``migrate`` reads it from
+    the catalog (:func:`jobs_partitioned`); the configured one only for a schema without it (the
+    config's layout shapes a new table, and may be set ahead of a conversion)."""
+    from .identifiers import qualified
+
+    if not conn.execute(text(catalog.TABLE_EXISTS), {"qualified": qualified(schema, "jobs")}).scalar():
+        return configured
+    partitioned = bool(conn.execute(text(catalog.JOBS_PARTITIONED), {"schema": schema}).scalar())
+    return dataclasses.replace(configured, name="partitioned" if partitioned else "plain")
 
 
 def _at(conn: Connection, schema: str, target) -> bool:

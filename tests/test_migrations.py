@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from datetime import timedelta
 
+import psycopg
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
@@ -508,3 +509,41 @@ def test_a_partitioned_schema_downgraded_below_0006_migrates_up_again(pg_dsn, sc
             assert parts >= 2 + 2  # the two catch-alls and the steps made ahead
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("layout", ["plain", "partitioned"], indirect=True)
+def test_migrate_sql_prints_what_migrate_does_on_the_table_as_it_is(pg_dsn, schema, layout, tmp_path, capsys):
+    """`migrate --sql` read the schema's revision from the database but took the layout from the
+    config, while `migrate` asks the catalog (a config's layout only shapes a new jobs table): a
+    plain table at 0003 with `layout = "partitioned"` set ahead of a conversion got a script
+    without 0004's and 0005's index builds and with partitions for a table that has none (psql:
+    'relation "S.jobs_completed" does not exist'); a partitioned one configured plain (the
+    default) got index builds PostgreSQL refuses on it. The script is now the table's, and runs."""
+    import subprocess
+
+    from maintd.cli import main
+
+    from .test_readme_sql import psql_with_bind
+
+    engine = make_engine(pg_dsn, application_name="t", pooled=False)
+    with engine.connect() as conn:
+        migrate.downgrade(conn, schema, "0003")
+    engine.dispose()
+    other = "plain" if layout == "partitioned" else "partitioned"
+    cfg = tmp_path / "maintd.toml"
+    cfg.write_text(f'database_url = "{pg_dsn}"\nschema = "{schema}"\nlayout = "{other}"\n')
+    assert main(["--config", str(cfg), "migrate", "--sql"]) == 0
+    script = capsys.readouterr().out
+    assert ("CREATE INDEX CONCURRENTLY" in script) == (layout == "plain"), script
+    res = subprocess.run([psql_with_bind(), "-X", "-q", "-v", "ON_ERROR_STOP=1", pg_dsn], input=script,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    with psycopg.connect(pg_dsn) as conn:
+        assert conn.execute(f'SELECT version_num FROM "{schema}".alembic_version').fetchone() == (migrate.head_revision(),)
+        kinds = {r[0] for r in conn.execute(
+            "SELECT c.relkind FROM pg_class c WHERE c.relnamespace = to_regnamespace(%s) "
+            "AND c.relname LIKE 'jobs\\_%%\\_min'", (schema,))}
+        assert kinds == ({"r"} if layout == "partitioned" else set())
+        indexes = {r[0] for r in conn.execute(
+            "SELECT indexname FROM pg_indexes WHERE schemaname = %s", (schema,))}
+        assert {"jobs_finalized_queue_idx", "jobs_exhausted_idx"} <= indexes
