@@ -9,11 +9,14 @@ import math
 import os
 import sys
 from datetime import timezone
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from . import __version__
 from .config import ConfigError, Settings, load_settings
 from .services import SERVICES
+
+if TYPE_CHECKING:
+    from .migrate import Layout
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 EXIT_INTERRUPTED = 130  # as a shell reports SIGINT: `maintd migrate && deploy` must not go on
@@ -362,7 +365,7 @@ def _migrate_targets(targets: list[Settings], args: argparse.Namespace) -> int:
     return EXIT_FAILURE if failed else EXIT_OK
 
 
-def _schema_revision(settings: Settings):
+def _schema_revision(settings: Settings) -> tuple[str, Layout]:
     """The schema's revision now ('base' when it has none) and its jobs table's layout, read from
     the catalog, for ``migrate --sql``: it prints what is left to do, not the DDL from base, and
     for the table as it is, as ``migrate`` does."""
