@@ -366,16 +366,19 @@ GRANT_HINT = ("a grant is missing: as the schema's owner, run `maintd grants ROL
               "`maintd grants ROLE` prints; `--worker` for a worker's role)")
 MIGRATE_HINT = "the schema is not migrated: run `maintd migrate` first"
 MAINTD_OBJECT = re.compile(
-    r'(relation|type) "(?:[^"]*\.)?(jobs|leader|daemons|service_runs|periodic_slots|periodic_jobs|job_state)"'
+    r'(relation|type) "(?:[^"]*\.)?(jobs|leader|daemons|service_runs|periodic_slots|periodic_jobs|job_state'
+    r'|health_history|alembic_version)"'
     r'|schema "[^"]*" does not exist'
     r'|function [^ ]*\b(complete_jobs|permanently_fail_jobs|retry_jobs|cancel_jobs|reschedule_jobs|remove_job'
-    r'|delete_jobs)\(')
+    r'|delete_jobs)\('
+    # the columns later migrations add (0010, 0013, 0019): the package upgraded before `migrate` ran
+    r'|column "?(?:\w+\.)?(lock_pid|schedule|resumed_at)"? does not exist')
 
 
 def _hint(sqlstate: str | None, line: str) -> str | None:
     if sqlstate == "42501" and line.startswith("permission denied"):
         return GRANT_HINT
-    if sqlstate in ("42P01", "3F000", "42883", "42704") and MAINTD_OBJECT.search(line):
+    if sqlstate in ("42P01", "3F000", "42883", "42704", "42703") and MAINTD_OBJECT.search(line):
         return MIGRATE_HINT
     return None
 

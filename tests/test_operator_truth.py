@@ -250,6 +250,28 @@ def test_an_unmigrated_schema_says_run_migrate_first_everywhere(pg_dsn, tmp_path
         assert "Traceback" not in err
 
 
+def test_a_schema_a_migration_behind_says_run_migrate_first(pg_dsn, tmp_path):
+    """The maintd package upgraded before `maintd migrate` ran: `periodic list` on a schema at
+    0018 failed with a bare 'column "resumed_at" does not exist' (a column 0019 adds), not the
+    "run `maintd migrate` first" a missing table gets. Each column a later migration adds
+    (daemons.lock_pid, periodic_slots.schedule, periodic_jobs.resumed_at) gets it now."""
+    from maintd import migrate
+    from maintd.db import make_engine
+
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    engine = make_engine(pg_dsn, application_name="maintd-test-migrate", pooled=False)
+    try:
+        with engine.connect() as conn:
+            migrate.upgrade(conn, schema, "0018")
+        rc, out, err = _cli("--config", _config(tmp_path, pg_dsn, schema), "periodic", "list")
+        assert rc == 1 and "resumed_at" in err and "run `maintd migrate` first" in err, (rc, out, err)
+        assert "Traceback" not in err
+    finally:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+        engine.dispose()
+
+
 def test_an_unmigrated_schema_error_names_the_database_it_looked_in(pg_dsn, tmp_path):
     """"run `maintd migrate` first" is also what a command connected to the wrong database says
     (a shell without the unit's EnvironmentFile: config.example.toml's localhost/postgres); an
