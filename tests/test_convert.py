@@ -359,6 +359,36 @@ def test_the_cli_converts_and_the_admin_functions_follow(engine, pg_dsn, schema,
     assert again.returncode == 0 and "partitioned already" in again.stdout
 
 
+def test_column_grants_and_row_level_security_are_refused_not_dropped(engine, pg_dsn, schema):
+    """The swap copies the table's grants and nothing finer: a column-level grant (a reporting
+    role's SELECT on some columns) was gone on the partitioned table, and row-level security
+    enabled without a policy (every row hidden from roles that do not own the table) was turned
+    off by the swap, showing every job to them. Both are named before anything is made; once
+    the operator has removed them, the conversion goes through."""
+    seed(engine, schema, final=20, live=10)
+    with engine.begin() as conn:
+        ids = conn.execute(sql("SELECT array_agg(id ORDER BY id) FROM {schema}.jobs", schema)).scalar()
+        conn.execute(text(f"GRANT SELECT (kind, state) ON {schema}.jobs TO PUBLIC"))
+        conn.execute(text(f"ALTER TABLE {schema}.jobs ENABLE ROW LEVEL SECURITY"))
+    owner = make_engine(pg_dsn, application_name="convert", pooled=False)
+    try:
+        with owner.connect() as conn, pytest.raises(convert.ConvertError) as refused:
+            convert.convert(conn, schema, LAYOUT, say=lambda _: None)
+        for named in ("column grant on kind", "column grant on state", "row level security enabled"):
+            assert named in str(refused.value), refused.value
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT to_regclass(:t)"), {"t": f"{schema}.jobs_conv"}).scalar() is None
+        with engine.begin() as conn:
+            conn.execute(text(f"REVOKE SELECT (kind, state) ON {schema}.jobs FROM PUBLIC"))
+            conn.execute(text(f"ALTER TABLE {schema}.jobs DISABLE ROW LEVEL SECURITY"))
+        with owner.connect() as conn:
+            assert convert.convert(conn, schema, LAYOUT, say=lambda _: None) == "done"
+        with engine.connect() as conn:
+            assert conn.execute(sql("SELECT array_agg(id ORDER BY id) FROM {schema}.jobs", schema)).scalar() == ids
+    finally:
+        owner.dispose()
+
+
 def test_what_the_swap_cannot_carry_is_refused_before_anything_is_made_and_at_the_swap(engine, pg_dsn, schema):
     """A view, a foreign key to jobs, an index or a trigger of the user's would stay on the plain
     table at the swap: the view went on reading the stale copy, the workers' inserts into a table

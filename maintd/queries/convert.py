@@ -29,6 +29,11 @@ SELECT 'policy', p.polname FROM pg_policy AS p WHERE p.polrelid = to_regclass(:t
 UNION
 SELECT 'publication', b.pubname FROM pg_publication_rel AS pr JOIN pg_publication AS b ON b.oid = pr.prpubid
  WHERE pr.prrelid = to_regclass(:t)
+UNION
+SELECT 'column grant on', a.attname FROM pg_attribute AS a
+ WHERE a.attrelid = to_regclass(:t) AND a.attacl IS NOT NULL AND NOT a.attisdropped
+UNION
+SELECT 'row level security', 'enabled' FROM pg_class AS c WHERE c.oid = to_regclass(:t) AND c.relrowsecurity
 ORDER BY 1, 2
 """
 
