@@ -485,6 +485,8 @@ def cmd_run_once(args: argparse.Namespace) -> int:
                         f" {advice}")
                 return EXIT_FAILURE
             fence = held[1]
+        if not _schema_ready(engine, settings, args):  # (after the lock: its errors say what they said)
+            return EXIT_FAILURE
         ctx = PassContext.for_settings(settings, engine, ServerClock(), fence=fence, dry_run=args.dry_run,
                                        stop_event=stop_event)
         record = execute_pass(args.service, spec.cls(spec.section(settings)), ctx)
@@ -501,6 +503,25 @@ def cmd_run_once(args: argparse.Namespace) -> int:
         if held is not None:
             held[0].stop()
         engine.dispose()
+
+
+def _schema_ready(engine, settings: Settings, args: argparse.Namespace) -> bool:
+    """As `run` does, run-once refuses a schema behind (or ahead of) this maintd, which it ran a
+    pass on; a server that does not answer is the pass's error (one wait for it, not two)."""
+    from sqlalchemy.exc import DBAPIError
+
+    from .db import describe_db_error
+    from .migrate import SchemaNotReady, check_ready
+
+    try:
+        check_ready(engine, settings.schema)
+        return True
+    except SchemaNotReady as exc:
+        _stderr(f"maintd: error: {exc}")
+    except DBAPIError as exc:
+        print(json.dumps({"service": args.service, "dry_run": args.dry_run, "outcome": "error",
+                          "result": None, "error": describe_db_error(exc)}, indent=2))
+    return False
 
 
 def _current_leader(engine, settings: Settings) -> str:
