@@ -286,6 +286,16 @@ def unread_pipelines(port: int, n: int, requests: int) -> list[socket.socket]:
     return socks
 
 
+def hundred_queues(dsn: str, schema: str) -> None:
+    """Jobs in 100 queues, two states each: a /metrics of about 45 KB (more than the kernel's
+    buffers of a client that does not read take)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"""INSERT INTO "{schema}".jobs (kind, queue, state, scheduled_at)
+                         SELECT 'k', 'queue-with-a-long-name-' || (i % 100), s::"{schema}".job_state,
+                                now() + interval '1 day'
+                           FROM generate_series(1, 1000) i, unnest(array['available', 'scheduled']) s""")
+
+
 @pytest.mark.slow
 def test_clients_that_never_read_cannot_hold_descriptors_past_the_connection_cap(pg_dsn, schema, more_descriptors):
     """1,800 connections, 300 every 2 s, pipeline 60 /metrics requests each (45 KB answers: more
@@ -294,11 +304,7 @@ def test_clients_that_never_read_cannot_hold_descriptors_past_the_connection_cap
     kept its socket as long as an answer was unsent (asyncio's close() waits for its buffer to be
     taken), out of the cap's count: the daemon held 1,023 descriptors, logged 'out of file
     descriptors', and every /healthz and /status failed at once (-1)."""
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:  # 100 queues: a /metrics of about 45 KB
-        conn.execute(f"""INSERT INTO "{schema}".jobs (kind, queue, state, scheduled_at)
-                         SELECT 'k', 'queue-with-a-long-name-' || (i % 100), s::"{schema}".job_state,
-                                now() + interval '1 day'
-                           FROM generate_series(1, 1000) i, unnest(array['available', 'scheduled']) s""")
+    hundred_queues(pg_dsn, schema)
     d = DaemonProc(pg_dsn, schema, "unread-1", prefix=["prlimit", "--nofile=1024:1024", "--"]).start()
     socks: list[socket.socket] = []
     try:
@@ -334,11 +340,7 @@ def test_2000_clients_that_never_read_metrics_cost_a_bounded_amount_of_memory(pg
     never read, up to the default cap of 2,000 connections. Before: each connection blocked
     writing held its own copy of an answer and asyncio's 64 KB of buffer besides: the daemon went
     from 79 to 370 MB, past the Deployment's 256Mi limit (an OOM kill: leadership lost)."""
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:  # 100 queues: a /metrics of about 45 KB
-        conn.execute(f"""INSERT INTO "{schema}".jobs (kind, queue, state, scheduled_at)
-                         SELECT 'k', 'queue-with-a-long-name-' || (i % 100), s::"{schema}".job_state,
-                                now() + interval '1 day'
-                           FROM generate_series(1, 1000) i, unnest(array['available', 'scheduled']) s""")
+    hundred_queues(pg_dsn, schema)
     d = DaemonProc(pg_dsn, schema, "unread-2", prefix=["prlimit", "--nofile=8192:8192", "--"]).start()
     socks: list[socket.socket] = []
     try:

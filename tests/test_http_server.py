@@ -444,11 +444,7 @@ def test_at_the_cap_a_connection_whose_client_does_not_read_makes_room_for_a_pro
     flood = []
     try:
         for _ in range(3):
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
-            s.connect(("127.0.0.1", server.port))
-            flood.append(s)
-            _send_quietly(s, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 20)
+            flood.append(_unread_client(server.port, requests=20))
         time.sleep(2.0)  # every buffer full: the three are blocked writing
         status, body, _, took = get(server.port, "/healthz")
         assert (status, body) == (200, b"ok\n") and took < 2.0, took
@@ -471,11 +467,7 @@ def test_a_connection_dropped_while_its_answer_is_unsent_gives_its_socket_back()
     try:
         before = len(os.listdir("/proc/self/fd"))
         for _ in range(10):
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
-            s.connect(("127.0.0.1", server.port))
-            flood.append(s)
-            _send_quietly(s, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 3)
+            flood.append(_unread_client(server.port, requests=3))
             time.sleep(0.1)
         wait_for(lambda: len(os.listdir("/proc/self/fd")) - before <= 10, 10,
                  what="only the clients' own sockets open")
@@ -507,6 +499,16 @@ def test_a_large_answer_written_a_chunk_at_a_time_arrives_whole():
         conn.close()
     finally:
         server.stop()
+
+
+def _unread_client(port: int, requests: int) -> socket.socket:
+    """A client that pipelines ``requests`` /metrics requests and never reads, with as small a
+    receive buffer as the kernel allows."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    s.connect(("127.0.0.1", port))
+    _send_quietly(s, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * requests)
+    return s
 
 
 def _send_quietly(sock: socket.socket, data: bytes) -> None:
