@@ -24,8 +24,9 @@ layout (SPEC 8.1) while workers and the daemon keep running. Run by the schema's
    plain table's row (the admin functions) are created again for the new one, with their
    comments and grants. Statements of workers and of the daemon name ``jobs``: their next
    execution plans against the new table.
-4. *Clean up*: the trigger went with the swap; ``jobs_plain``, the seen ids and the progress row
-   are dropped; the live partition gets migrate's autovacuum settings.
+4. *Clean up*: the trigger went with the swap; the plain table's storage parameters (migrate's
+   autovacuum settings and the operator's) go to the live partition and its comment to the new
+   table; ``jobs_plain``, the seen ids and the progress row are dropped.
 """
 
 from __future__ import annotations
@@ -354,9 +355,11 @@ def _literal(s: str) -> str:
 
 
 def _clean_up(conn: Connection, schema: str) -> None:
-    """Step 4; and the new live partition gets migrate's autovacuum settings (a later ``maintd
-    migrate`` has nothing to do)."""
+    """Step 4: the plain table's storage parameters (migrate's autovacuum settings, and whatever
+    the operator set) go to the new live partition, its comment to the new table; then it goes."""
+    plain = f"{quote_ident(schema)}.jobs_plain"
+    for statement in conn.execute(sql(q.CARRY_STORAGE, schema), {"plain": plain, "live": partitions.LIVE_PARTITION}).scalars():
+        conn.execute(text(statement))
     for template in q.CLEAN_UP:
         conn.execute(sql(template, schema))
-    conn.execute(text(migrate.jobs_autovacuum_sql(schema)))
     conn.commit()

@@ -710,3 +710,39 @@ def test_a_conversion_that_never_gets_its_lock_names_the_sessions_holding_jobs(e
     message = str(failed.value)
     assert "could not lock jobs" in message and f"pid {pid}" in message and "stuck-worker-7" in message, message
     assert "idle in transaction" in message, message
+
+
+def _storage(conn, schema: str, table: str) -> tuple:
+    """A table's storage parameters, its TOAST table's, and its comment."""
+    return conn.execute(sql("SELECT c.reloptions, t.reloptions, obj_description(c.oid, 'pg_class') FROM pg_class AS c "
+                            "LEFT JOIN pg_class AS t ON t.oid = c.reltoastrelid "
+                            "WHERE c.oid = to_regclass(:t)", schema), {"t": f'"{schema}".{table}'}).one()
+
+
+def test_the_plain_tables_storage_parameters_and_comment_are_carried_over(engine, pg_dsn, schema):
+    """A queue's table is the one whose autovacuum an operator tunes (the README says how). The
+    swap carried its grants, not its storage parameters: the live partition got migrate's
+    defaults, so a tuned fillfactor, vacuum cost or scale factor went back to them without a
+    word, and the table's comment was dropped with the plain table. PostgreSQL's ALTER TABLE
+    documentation: a partitioned table takes no storage parameters, so they go on the partition
+    of the live jobs, the one that churns; the comment goes on the new jobs."""
+    seed(engine, schema, final=30, live=10)
+    with engine.begin() as conn:
+        conn.execute(sql("ALTER TABLE {schema}.jobs SET (fillfactor = 70, autovacuum_vacuum_cost_delay = 0, "
+                         "autovacuum_vacuum_scale_factor = 0.002, toast.autovacuum_enabled = false)", schema))
+        conn.execute(sql("ALTER TABLE {schema}.jobs RESET (autovacuum_analyze_threshold)", schema))
+        conn.execute(sql("COMMENT ON TABLE {schema}.jobs IS 'billing''s queue'", schema))
+        options, toast, comment = _storage(conn, schema, "jobs")
+    owner = make_engine(pg_dsn, application_name="convert", pooled=False)
+    try:
+        with owner.connect() as conn:
+            assert convert.convert(conn, schema, LAYOUT, say=lambda _: None) == "done"
+    finally:
+        owner.dispose()
+    with engine.connect() as conn:
+        live_options, live_toast, _ = _storage(conn, schema, "jobs_live")
+        assert sorted(live_options) == sorted(options)
+        assert "autovacuum_vacuum_scale_factor=0.002" in live_options
+        assert not any(o.startswith("autovacuum_analyze_threshold=") for o in live_options)
+        assert live_toast == toast == ["autovacuum_enabled=false"]
+        assert _storage(conn, schema, "jobs")[2] == comment == "billing's queue"

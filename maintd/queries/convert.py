@@ -130,6 +130,24 @@ STALE = ABANDON[1:]
 # Step 4, clean up.
 # After the swap, in a transaction of its own; again by a later run when a conversion was cut off
 # between the two (IF EXISTS: whatever is left).
+# Step 4, before the plain table is dropped: the statements that give its storage parameters
+# (migrate's autovacuum settings and any of the operator's, its TOAST table's too) to the live
+# jobs' partition (a partitioned table takes none), and its comment to the new jobs.
+CARRY_STORAGE = """
+SELECT format('ALTER TABLE {schema}.%I SET (%s)', CAST(:live AS text), string_agg(o.setting, ', '))
+  FROM (SELECT format('%I = %L', split_part(r, '=', 1), substr(r, strpos(r, '=') + 1)) AS setting
+          FROM pg_class AS c, unnest(c.reloptions) AS r WHERE c.oid = to_regclass(:plain)
+        UNION ALL
+        SELECT format('toast.%I = %L', split_part(r, '=', 1), substr(r, strpos(r, '=') + 1))
+          FROM pg_class AS c JOIN pg_class AS t ON t.oid = c.reltoastrelid, unnest(t.reloptions) AS r
+         WHERE c.oid = to_regclass(:plain)) AS o
+HAVING count(*) > 0
+UNION ALL
+SELECT format('COMMENT ON TABLE {schema}.jobs IS %L', d.description)
+  FROM pg_description AS d
+ WHERE d.objoid = to_regclass(:plain) AND d.classoid = CAST('pg_class' AS regclass) AND d.objsubid = 0
+"""
+
 CLEAN_UP = (
     "DROP TABLE IF EXISTS {schema}.jobs_plain",
     "DROP TABLE IF EXISTS {schema}.jobs_convert_seen",
