@@ -203,9 +203,12 @@ def _request(state: State, req: Request, now: float) -> Step:
         until = INF if stop else now + req.hold_off
         return Step(Releasing(state.term, req.reason, graceful, until), effect=Demoted(req.reason))
     releasing = isinstance(state, Releasing)
-    if not stop:  # the term being released keeps the longest hold-off asked for it
-        same = releasing and state.term is not None and req.epoch in (None, state.term.epoch)
-        return Step(replace(state, not_before=max(state.not_before, now + req.hold_off)) if same else state)
+    if not stop:
+        if releasing:  # the term being released keeps the longest hold-off asked for it
+            holds = state.term is not None and req.epoch in (None, state.term.epoch)
+        else:  # so does a follower whose term ended another way meanwhile (lost, lease run out)
+            holds = isinstance(state, Following) and req.hold_off > 0
+        return Step(replace(state, not_before=max(state.not_before, now + req.hold_off)) if holds else state)
     if releasing:
         return Step(replace(state, not_before=INF))
     if state.won_at is not None:

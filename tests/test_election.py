@@ -125,6 +125,12 @@ CASES = [
     # second's hold-off (a replica whose connections work goes first) must not be lost
     ("a later request's longer hold-off for the term being released holds", Releasing(TERM, "fenced", False, 103.0),
      Request("stalled", "maintenance connections hang", 7, 30.0), 103.2, Step(Releasing(TERM, "fenced", False, 133.2))),
+    # the passes found hung just as the term ended another way (its lease ran out, the session
+    # was lost): the hold-off still holds, or this replica, its connections hanging, tries at once
+    ("a stalled report after the term ended: the follower still holds off", Following(not_before=103.0),
+     Request("stalled", "maintenance connections hang", 7, 30.0), 103.2, Step(Following(not_before=133.2))),
+    ("a fenced report after the term ended holds nothing off", Following(retry_at=104.0),
+     Request("fenced", "epoch 7 is no longer the leader's", 7), 103.2, Step(Following(retry_at=104.0))),
     ("a request about another term changes no hold-off", Releasing(TERM, "r", False, 103.0),
      Request("stalled", "hang", 6, 30.0), 103.2, Step(Releasing(TERM, "r", False, 103.0))),
     # a proof sent before stepping down, answered after: the term stays given up, the unlock still due
