@@ -396,10 +396,6 @@ def _list_row(j: dict[str, Any]) -> list[str]:
                                j["priority"], j["scheduled_at"], j["last_error"])]
 
 
-def format_list(jobs: list[dict[str, Any]]) -> str:
-    return "\n".join(stream_list(iter(jobs)))
-
-
 def stream_list(jobs: Iterator[dict[str, Any]]) -> Iterator[str]:
     """The table's lines as the jobs come: column widths are set by the first page (a later
     wider cell widens its own line only), so nothing waits for the last job."""

@@ -10,9 +10,8 @@ import select
 import threading
 import time
 import zlib
-from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -86,17 +85,6 @@ class BoundedConnection(psycopg.Connection):
             self.pgconn.finish()  # mid-protocol: unusable (and SQLAlchemy sees a disconnect)
             raise NoAnswer(f"no answer from the server at {where} within {bound:g}s "
                            "(frozen or cut off?): connection closed") from None
-
-
-@contextmanager
-def bounded_answer(conn: psycopg.Connection, seconds: float) -> Iterator[None]:
-    """A shorter ``answer_timeout`` for the statements inside (a :class:`BoundedConnection`)."""
-    saved = getattr(conn, "answer_timeout", None)
-    conn.answer_timeout = seconds if saved is None else min(saved, seconds)  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        conn.answer_timeout = saved  # type: ignore[attr-defined]
 
 
 class NoAnswer(psycopg.OperationalError):

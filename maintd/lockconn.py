@@ -56,7 +56,6 @@ class LockSession:
         self.backend = 0  # the server backend the session was checked on (LockSession._verify)
         self.proven = False  # a round has reached a session we set up (a refusal after that is a pooler changed under us)
         self.server: tuple[str | None, int | None] = (None, None)  # host, port last reached
-        self.last_sent = 0.0  # monotonic time of the last statement sent
         self._since: float | None = None  # a statement (or connect) in flight since then
 
     @property
@@ -103,7 +102,6 @@ class LockSession:
         except BaseException:
             self.close()
             raise
-        self.last_sent = time.monotonic()
         return conn
 
     def _verify(self, conn: psycopg.Connection) -> None:
@@ -184,7 +182,7 @@ class LockSession:
 
     @contextmanager
     def _in_flight(self) -> Iterator[None]:
-        self._since = self.last_sent = time.monotonic()
+        self._since = time.monotonic()
         try:
             yield
         except NoAnswer:  # a frozen server: the next connect tries the other hosts first
