@@ -16,6 +16,7 @@ import socket
 import sys
 import tomllib
 import warnings
+from contextvars import ContextVar
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, get_origin
@@ -46,6 +47,10 @@ class ConfigError(Exception):
 
 
 LEADER_FLOOR = timedelta(milliseconds=100)
+
+# The directory of the config file being loaded (see load_settings): a relative ``crontab`` path,
+# from the file or the environment, is read from there.
+_CONFIG_DIR: ContextVar[Path | None] = ContextVar("maintd_config_dir", default=None)
 
 
 class LeaderConfig(Section):
@@ -254,6 +259,13 @@ with warnings.catch_warnings():
         @classmethod
         def _schema(cls, v: str) -> str:
             return validate_schema(v)
+
+        @field_validator("crontab")
+        @classmethod
+        def _crontab_path(cls, v: str | None) -> str | None:
+            # Relative to the config file, whether the file or MAINTD_CRONTAB gives it.
+            base = _CONFIG_DIR.get()
+            return v if v is None or base is None else str(base / Path(v).expanduser())
 
         @field_validator("instance_id")
         @classmethod
@@ -619,8 +631,6 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
         except RecursionError:  # tomllib parses nested arrays and tables recursively
             raise ConfigError([f"config: {p}: invalid TOML: values nested too deeply"]) from None
     data.update(overrides)
-    if path is not None and isinstance(data.get("crontab"), str):  # relative to the config file
-        data["crontab"] = str(Path(path).parent / Path(data["crontab"]).expanduser())
     unknown_env = sorted(
         k for k in environ
         if k.upper().startswith("MAINTD_") and k.upper() not in _KNOWN_ENV and not _service_link(k, environ)
@@ -639,12 +649,15 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
     # 'Schema' would stand beside 'schema' and silently win over it. Keys are lower case there.
     problems += [f"{k}: unknown key (keys are lower case: {k.lower()})" for k in data
                  if k not in _TOP_KEYS and k.lower() in _TOP_KEYS]
+    token = _CONFIG_DIR.set(None if path is None else Path(path).parent)
     try:
         settings = Settings(**data)
     except ValidationError as exc:
         problems += _format_errors(exc, data)
     except SettingsError as exc:  # a MAINTD_<SECTION>[__KEY] variable that is not JSON
         problems.append(_env_json_problem(str(exc), environ))
+    finally:
+        _CONFIG_DIR.reset(token)
     if problems:
         raise ConfigError(problems)
     return settings

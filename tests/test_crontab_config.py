@@ -243,3 +243,19 @@ def test_a_line_postgresql_cannot_store_is_reported_with_every_other_bad_line(tm
     assert "jobs.crontab:2: payload: x holds a NUL character" in str(err.value)
     assert main(["--config", cfg, "check-config"]) == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_relative_crontab_path_from_the_environment_is_relative_to_the_config_file(
+        tmp_path, pg_dsn, schema, monkeypatch):
+    """SPEC 4 and 7.8: ``MAINTD_CRONTAB`` overrides the key ``crontab``, which is relative to the
+    config file. The variable's relative path was read from the working directory (``/`` under
+    systemd): 'crontab: jobs.crontab: cannot read crontab: No such file or directory'."""
+    cfg = write_config(tmp_path, pg_dsn, schema, "0 4 * * * from_file\n")
+    (tmp_path / "other.crontab").write_text("0 5 * * * from_env\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("MAINTD_CRONTAB", "other.crontab")
+    settings = load_settings(cfg)
+    assert [e.id for e in settings.periodic_entries] == ["from_env"]
+    assert settings.crontab == str(tmp_path / "other.crontab")
