@@ -36,7 +36,9 @@ def redact_dsn(dsn: str) -> str:
     not escaped by a backslash, as libpq reads it); ``sslpassword`` (a client key's passphrase)
     too: any key that ends in ``password``."""
     dsn = re.sub(r"(://[^:/@?#\s]*:)\S*@", r"\1***@", dsn)
-    dsn = re.sub(r"([?&]\w*password=)[^&#\s\"']*", r"\1***", dsn, flags=re.I)
+    # A query parameter's value runs to '&', '#' or a blank; a quote just before one of them (or
+    # the end) closes the text the URL is quoted in, and any other quote is the password's.
+    dsn = re.sub(r"([?&]\w*password=)[^&#\s]*?(?=[\"']?(?:[&#\s]|$))", r"\1***", dsn, flags=re.I)
     return re.sub(r"((?<![?&\w])\w*password\s*=\s*)('(?:[^'\\]|\\.)*'|(?:\\.|\S)+)", r"\1***", dsn, flags=re.I)
 
 

@@ -505,6 +505,17 @@ def test_check_config_masks_a_password_with_an_escaped_space(tmp_path, capsys):
     assert json.loads(out)["database_url"] == "host=db password=*** dbname=app"
 
 
+@pytest.mark.parametrize("password", ["hunt'er2", 'hunt"er2'])
+def test_check_config_masks_a_query_password_holding_a_quote(tmp_path, capsys, password):
+    """libpq takes a quote in a URL query's password as it is: check-config showed the part
+    after it (``?password=***'er2``)."""
+    p = write(tmp_path, f"database_url = {json.dumps('postgresql://maintd@db/app?password=' + password + '&sslmode=require')}\n")
+    assert main(["--config", str(p), "check-config"]) == 0
+    out = capsys.readouterr().out
+    assert "er2" not in out, out
+    assert json.loads(out)["database_url"] == "postgresql://maintd@db/app?password=***&sslmode=require"
+
+
 def test_check_config_prints_redacted(tmp_path, capsys):
     p = write(tmp_path, 'database_url = "postgresql://maintd:hunter2@db/app"\n')
     assert main(["--config", str(p), "check-config"]) == 0
