@@ -106,12 +106,27 @@ def load_crontab(path: str | os.PathLike[str],
     path as given."""
     source = os.fspath(path)
     try:
-        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark (Windows editors) is no text
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
-        raise ValueError(f"{source}: cannot read crontab: {reason}") from None
+        with open(path, "rb") as f:
+            raw = f.read().removeprefix(b"\xef\xbb\xbf")  # a byte-order mark (Windows editors) is no text
+    except OSError as exc:
+        raise ValueError(f"{source}: cannot read crontab: {exc.strerror}") from None
+    try:
+        text = _newlines(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{source}:{not_utf8(raw, exc.start)}") from None
     return parse_crontab(text, source, check)
+
+
+def not_utf8(raw: bytes, start: int) -> str:
+    """``LINE: not UTF-8 (byte 0xNN at column C)`` for the byte at ``start`` (the first that is
+    not UTF-8: what comes before it decodes), as an editor counts lines and columns."""
+    lines = _newlines(raw[:start].decode("utf-8")).split("\n")
+    return f"{len(lines)}: not UTF-8 (byte 0x{raw[start]:02x} at column {len(lines[-1]) + 1})"
+
+
+def _newlines(text: str) -> str:
+    """Python's universal newlines, as a file opened in text mode reads: CRLF and CR are LF."""
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def _parse_line(line: str, source: str, number: int, indent: int = 0) -> CrontabEntry:

@@ -269,3 +269,14 @@ def test_the_day_fields_follow_cronie_not_graphile_workers_matcher(line, cronie_
                 "every day (the 1st, or any weekday)": list(range(1, 31)),
                 "every day (any day of the month, or a Monday)": list(range(1, 31))}[cronie_days]
     assert days == expected, (line, graphile_days, mondays)
+
+
+def test_a_byte_that_is_not_utf8_is_named_with_its_line_and_column(tmp_path):
+    """Errors name the file and line (README): a Latin-1 'é' in line 2's payload was reported as
+    "cannot read crontab: 'utf-8' codec can't decode byte 0xe9 in position 32", a count of bytes
+    from the start of the file."""
+    path = tmp_path / "jobs.crontab"
+    path.write_bytes(b'0 4 * * * a\n0 5 * * * b {x: "caf\xe9"}\n')
+    with pytest.raises(ValueError) as err:
+        load_crontab(path)
+    assert str(err.value) == f"{path}:2: not UTF-8 (byte 0xe9 at column 21)", str(err.value)
