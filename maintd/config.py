@@ -626,8 +626,11 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError([f"config: {p}: invalid TOML: {exc}"]) from None
         except UnicodeDecodeError as exc:  # TOML is UTF-8: a file saved as Latin-1, say
+            from .crontab import utf8_place
+
+            line, column = utf8_place(exc.object, exc.start)
             raise ConfigError([f"config: {p}: invalid TOML: not UTF-8 (byte 0x{exc.object[exc.start]:02x} "
-                               f"at offset {exc.start})"]) from None
+                               f"at line {line}, column {column})"]) from None
         except RecursionError:  # tomllib parses nested arrays and tables recursively
             raise ConfigError([f"config: {p}: invalid TOML: values nested too deeply"]) from None
     data.update(overrides)

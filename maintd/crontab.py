@@ -113,15 +113,16 @@ def load_crontab(path: str | os.PathLike[str],
     try:
         text = _newlines(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{source}:{not_utf8(raw, exc.start)}") from None
+        line, column = utf8_place(raw, exc.start)
+        raise ValueError(f"{source}:{line}: not UTF-8 (byte 0x{raw[exc.start]:02x} at column {column})") from None
     return parse_crontab(text, source, check)
 
 
-def not_utf8(raw: bytes, start: int) -> str:
-    """``LINE: not UTF-8 (byte 0xNN at column C)`` for the byte at ``start`` (the first that is
-    not UTF-8: what comes before it decodes), as an editor counts lines and columns."""
+def utf8_place(raw: bytes, start: int) -> tuple[int, int]:
+    """The line and column (from 1, as an editor counts them) of the byte at ``start``, the first
+    that is not UTF-8 (what comes before it decodes)."""
     lines = _newlines(raw[:start].decode("utf-8")).split("\n")
-    return f"{len(lines)}: not UTF-8 (byte 0x{raw[start]:02x} at column {len(lines[-1]) + 1})"
+    return len(lines), len(lines[-1]) + 1
 
 
 def _newlines(text: str) -> str:

@@ -872,3 +872,13 @@ def test_a_listen_port_out_of_range_says_so(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_settings(write(tmp_path, '[http]\nlisten = "127.0.0.1:70000"\n'))
     assert "http.listen" in str(err.value) and "port 70000 is out of range 0-65535" in str(err.value)
+
+
+def test_a_config_byte_that_is_not_utf8_is_named_with_its_line_and_column(tmp_path):
+    """tomllib's errors say "(at line 3, column 8)": a Latin-1 'é' on line 3 said "at offset 27",
+    a count of bytes an operator cannot find in an editor."""
+    p = tmp_path / "maintd.toml"
+    p.write_bytes(b'schema = "a"\n\n[log]\nlevel = "caf\xe9"\n')
+    with pytest.raises(ConfigError) as err:
+        load_settings(p)
+    assert err.value.problems == [f"config: {p}: invalid TOML: not UTF-8 (byte 0xe9 at line 4, column 13)"]
