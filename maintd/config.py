@@ -263,6 +263,8 @@ with warnings.catch_warnings():
         @field_validator("crontab")
         @classmethod
         def _crontab_path(cls, v: str | None) -> str | None:
+            if v is not None and not v.strip():  # not the config's directory, nor "no crontab"
+                raise ValueError("an empty path: leave the key out (and MAINTD_CRONTAB unset) for no crontab file")
             # Relative to the config file, whether the file or MAINTD_CRONTAB gives it.
             base = _CONFIG_DIR.get()
             return v if v is None or base is None else str(base / Path(v).expanduser())

@@ -259,3 +259,17 @@ def test_a_relative_crontab_path_from_the_environment_is_relative_to_the_config_
     settings = load_settings(cfg)
     assert [e.id for e in settings.periodic_entries] == ["from_env"]
     assert settings.crontab == str(tmp_path / "other.crontab")
+
+
+@pytest.mark.parametrize("how", ["file", "env"])
+def test_an_empty_crontab_path_is_a_config_error_naming_the_key(tmp_path, pg_dsn, schema, monkeypatch, how):
+    """``crontab = ""`` was read as the config file's directory ('crontab: .: cannot read crontab:
+    Is a directory'), and an empty MAINTD_CRONTAB dropped the file's crontab without a word."""
+    cfg = write_config(tmp_path, pg_dsn, schema, "0 4 * * * nightly\n")
+    if how == "file":
+        (tmp_path / "maintd.toml").write_text(f'database_url = "{pg_dsn}"\nschema = "{schema}"\ncrontab = ""\n')
+    else:
+        monkeypatch.setenv("MAINTD_CRONTAB", "")
+    with pytest.raises(ConfigError) as err:
+        load_settings(cfg)
+    assert err.value.problems == ["crontab: an empty path: leave the key out (and MAINTD_CRONTAB unset) for no crontab file"]
