@@ -271,10 +271,11 @@ class Rescuer(Service):
             return True
         if not self.config.precise_timing:
             return None
-        # A job claimed from now on falls due a grace from now at the earliest: a look then, as a
-        # pass asks for (one that failed asked for none, and the looks would end until a probe
-        # saw a running job: an interval late for a job claimed meanwhile).
-        ahead = min(deadline or now + shortest, now + shortest)
+        # The oldest running job's deadline; and a job claimed from now on falls due a grace from
+        # now at the earliest (a sign from the near future dates a deadline later than that): a
+        # look then, as a pass asks for (one that failed asked for none, and the looks would end
+        # until a probe saw a running job: an interval late for a job claimed meanwhile).
+        ahead = now + shortest if deadline is None else min(deadline, now + shortest)
         return ahead + timedelta(milliseconds=1) if ahead < now + self.config.interval else None
 
     def run_once(self, ctx: PassContext) -> RescuerResult:
