@@ -14,8 +14,9 @@ import json
 import threading
 import time
 import urllib.request
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
-from typing import Iterator
+from typing import Any, Iterator
 
 import psycopg
 import pytest
@@ -195,6 +196,31 @@ def test_a_transaction_in_another_database_is_named_with_its_database(health_pg,
             admin.execute("DROP DATABASE IF EXISTS maintd_other")
 
 
+@contextmanager
+def in_background(dsn: str, statement: str, **params: Any) -> Iterator[psycopg.Connection]:
+    """``statement`` running on a session of its own (``params``: libpq's) while the block runs;
+    then cancelled, and the session closed."""
+    session = psycopg.connect(dsn, autocommit=True, **params)
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            session.execute(statement)
+        except psycopg.Error:
+            pass  # cancelled below
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    try:
+        yield session
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_cancel_backend(%s)", (session.info.backend_pid,))
+        done.wait(10)
+        session.close()
+
+
 def test_a_lazy_vacuum_is_not_named_however_long_it_runs(health_pg, health_engine):
     """A lazy VACUUM's xmin is ignored by other vacuums (PROC_IN_VACUUM, in PostgreSQL's
     ComputeXidHorizons()). Only autovacuum workers were left out, by backend_type: a manual
@@ -206,22 +232,10 @@ def test_a_lazy_vacuum_is_not_named_however_long_it_runs(health_pg, health_engin
         conn.execute("CREATE TABLE slow_vacuum AS SELECT g AS id, repeat('x', 200) AS pad "
                       "FROM generate_series(1, 100000) AS g")
         conn.execute("DELETE FROM slow_vacuum WHERE id % 2 = 0")
-    slow = psycopg.connect(health_pg, autocommit=True,
-                           options="-c vacuum_cost_delay=100 -c vacuum_cost_limit=1")
-    done = threading.Event()
-
-    def vacuum() -> None:
-        try:
-            slow.execute("VACUUM slow_vacuum")
-        except psycopg.Error:
-            pass  # cancelled below
-        finally:
-            done.set()
-
-    threading.Thread(target=vacuum, daemon=True).start()
     try:
-        pid = slow.info.backend_pid
-        with psycopg.connect(health_pg, autocommit=True) as conn:
+        with in_background(health_pg, "VACUUM slow_vacuum", options="-c vacuum_cost_delay=100 -c vacuum_cost_limit=1") as slow, \
+                psycopg.connect(health_pg, autocommit=True) as conn:
+            pid = slow.info.backend_pid
             wait_for(lambda: conn.execute("SELECT count(*) FROM pg_stat_progress_vacuum WHERE pid = %s",
                                           (pid,)).fetchone()[0], 10, what="the VACUUM under way")
             consume_xids(health_pg)
@@ -230,10 +244,6 @@ def test_a_lazy_vacuum_is_not_named_however_long_it_runs(health_pg, health_engin
             assert xmin is not None, "this VACUUM holds no xmin: the test shows nothing"
             assert all(h.pid != pid for h in read(health_engine).horizon.holders)
     finally:
-        with psycopg.connect(health_pg, autocommit=True) as conn:
-            conn.execute("SELECT pg_cancel_backend(%s)", (slow.info.backend_pid,))
-        done.wait(10)
-        slow.close()
         with psycopg.connect(health_pg, autocommit=True) as conn:
             conn.execute("DROP TABLE IF EXISTS slow_vacuum")
 
@@ -248,22 +258,10 @@ def test_a_parallel_vacuums_workers_are_not_named_either(health_pg, health_engin
         for i in range(3):
             conn.execute(f"CREATE INDEX par_vacuum_{i} ON par_vacuum ((md5(id::text) || md5((id + {i})::text)))")
         conn.execute("DELETE FROM par_vacuum WHERE id % 2 = 0")
-    slow = psycopg.connect(health_pg, autocommit=True,
-                           options="-c vacuum_cost_delay=20 -c vacuum_cost_limit=20 "
-                                   "-c min_parallel_index_scan_size=0")
-    done = threading.Event()
-
-    def vacuum() -> None:
-        try:
-            slow.execute("VACUUM (PARALLEL 2) par_vacuum")
-        except psycopg.Error:
-            pass  # cancelled below
-        finally:
-            done.set()
-
-    threading.Thread(target=vacuum, daemon=True).start()
     try:
-        with psycopg.connect(health_pg, autocommit=True) as conn:
+        with in_background(health_pg, "VACUUM (PARALLEL 2) par_vacuum",
+                           options="-c vacuum_cost_delay=20 -c vacuum_cost_limit=20 -c min_parallel_index_scan_size=0") as slow, \
+                psycopg.connect(health_pg, autocommit=True) as conn:
             workers = wait_for(lambda: conn.execute(
                 "SELECT array_agg(pid) FROM pg_stat_activity WHERE leader_pid = %s AND backend_xmin IS NOT NULL",
                 (slow.info.backend_pid,)).fetchone()[0], 30, interval=0.05, what="the parallel workers")
@@ -280,10 +278,6 @@ def test_a_parallel_vacuums_workers_are_not_named_either(health_pg, health_engin
             assert named == [], named
     finally:
         with psycopg.connect(health_pg, autocommit=True) as conn:
-            conn.execute("SELECT pg_cancel_backend(%s)", (slow.info.backend_pid,))
-        done.wait(10)
-        slow.close()
-        with psycopg.connect(health_pg, autocommit=True) as conn:
             conn.execute("DROP TABLE IF EXISTS par_vacuum")
 
 
@@ -294,19 +288,12 @@ def test_a_parallel_query_is_one_holder_not_one_per_worker(health_pg, health_eng
         conn.execute("DROP TABLE IF EXISTS par_query")
         conn.execute("CREATE TABLE par_query AS SELECT g AS id FROM generate_series(1, 20000) AS g")
         conn.execute("ANALYZE par_query")
-    report = psycopg.connect(health_pg, autocommit=True, application_name="bi-report",
-                             options="-c max_parallel_workers_per_gather=2 -c parallel_setup_cost=0 "
-                                     "-c parallel_tuple_cost=0 -c min_parallel_table_scan_size=0")
-    def run() -> None:
-        try:
-            report.execute("SELECT count(*) FROM par_query WHERE pg_sleep(0.0005) IS NOT NULL")
-        except psycopg.Error:
-            pass  # cancelled below
-
-    query = threading.Thread(target=run, daemon=True)
-    query.start()
     try:
-        with psycopg.connect(health_pg, autocommit=True) as conn:
+        with in_background(health_pg, "SELECT count(*) FROM par_query WHERE pg_sleep(0.0005) IS NOT NULL",
+                           application_name="bi-report",
+                           options="-c max_parallel_workers_per_gather=2 -c parallel_setup_cost=0 "
+                                   "-c parallel_tuple_cost=0 -c min_parallel_table_scan_size=0") as report, \
+                psycopg.connect(health_pg, autocommit=True) as conn:
             workers = wait_for(lambda: conn.execute(
                 "SELECT array_agg(pid) FROM pg_stat_activity WHERE leader_pid = %s",
                 (report.info.backend_pid,)).fetchone()[0], 10, interval=0.05, what="the parallel workers")
@@ -317,14 +304,11 @@ def test_a_parallel_query_is_one_holder_not_one_per_worker(health_pg, health_eng
             warnings.check(hz, timedelta(seconds=1), ["q"])
             assert conn.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(%s)",
                                 (workers,)).fetchone()[0], "the workers are done already: the test shows nothing"
-        assert [h.pid for h in hz.holders] == [report.info.backend_pid], hz.holders
+            assert [h.pid for h in hz.holders] == [report.info.backend_pid], hz.holders
         assert len([line for line in maintd_log if "vacuum is held back" in line]) == 1, maintd_log
     finally:
         with psycopg.connect(health_pg, autocommit=True) as conn:
-            conn.execute("SELECT pg_cancel_backend(%s)", (report.info.backend_pid,))
-            query.join(10)
             conn.execute("DROP TABLE IF EXISTS par_query")
-        report.close()
 
 
 def test_a_logical_slot_holds_back_the_catalogs_not_the_jobs_table(health_pg, health_engine):
