@@ -1248,3 +1248,26 @@ def test_exactly_max_heads_groups_of_available_jobs_are_all_counted_and_not_cut_
     total = table["totals"]["available"]
     assert not table["cut"] and not table["oldest_atleast"], "every group was counted, yet 'cut off'"
     assert (total.value, total.kind) == (MAX_HEADS, "exact"), _count(total)
+
+
+@pytest.mark.parametrize("due", ["'0001-01-01 00:00:00+00'", "'-infinity'"])
+def test_the_oldest_available_age_sees_past_a_job_due_before_year_1_in_its_group(engine, schema, due):
+    """A job due before year 1 (Go's zero time, '-infinity') waits since it was made, as the
+    gauge says; but it sorts first in its (queue, priority) group, and the overview took that
+    group's first job alone: a job made now at Go's zero time hid one due an hour ago in the same
+    queue and priority, and the card read about 0 s while maintd_oldest_available_job_age_seconds
+    (and the README's "as on the dashboard") said an hour."""
+    from maintd.metrics import oldest_available
+
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, scheduled_at, created_at) VALUES "
+                         f"('k', 'go', {due}, now()), "
+                         "('k', 'go', now() - interval '1 hour', now() - interval '1 hour')", schema))
+    with engine.connect() as conn:
+        now = conn.execute(text("SELECT now()")).scalar()
+        table = queue_table(conn, schema, now)
+        gauge = oldest_available(conn, schema)["go"]
+    row = next(r for r in table["rows"] if r["queue"] == "go")
+    assert 3500 < gauge < 3700, gauge
+    assert table["oldest_age"] is not None and abs(table["oldest_age"] - gauge) < 5, (table["oldest_age"], gauge)
+    assert row["oldest_age"] is not None and abs(row["oldest_age"] - gauge) < 5, (row["oldest_age"], gauge)

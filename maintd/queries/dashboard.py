@@ -30,6 +30,9 @@ SELECT state::text AS state, queue, count(*) AS n
 # The first job of each (queue, priority) group of available jobs, by a loose index scan of
 # jobs_fetch_idx: the smallest scheduled_at per queue is among them. Of the first :max_heads groups;
 # ``more``: whether there is another past them (one more probe, not a guess from finding :max_heads).
+# A head due before year 1 (Go's zero time, '-infinity') waits since it was made (WAITING_SINCE), so
+# the group's first job due from year 1 on may wait longer: one more probe of the index for it
+# (taking the head alone, a job made now at Go's zero time hid one due an hour ago, unlike the gauge).
 HEADS = """
 WITH RECURSIVE heads AS (
   (SELECT queue, priority, scheduled_at, created_at FROM {schema}.jobs WHERE state = 'available'
@@ -41,7 +44,14 @@ WITH RECURSIVE heads AS (
           WHERE state = 'available' AND (queue, priority) > (h.queue, h.priority)
           ORDER BY queue, priority, scheduled_at, id LIMIT 1) n
 )
-SELECT queue, min(""" + WAITING_SINCE + """) AS oldest, count(*) AS groups,
+SELECT queue, min(CASE WHEN scheduled_at >= '0001-01-02 00:00:00+00' THEN """ + WAITING_SINCE + """
+                       ELSE least(""" + WAITING_SINCE + """, (
+                            SELECT j.scheduled_at FROM {schema}.jobs j
+                             WHERE j.state = 'available' AND j.queue = h.queue AND j.priority = h.priority
+                               AND j.scheduled_at >= '0001-01-02 00:00:00+00'
+                               AND j.scheduled_at < '9999-12-31 00:00:00+00'
+                             ORDER BY j.queue, j.priority, j.scheduled_at, j.id LIMIT 1)) END) AS oldest,
+       count(*) AS groups,
        (SELECT count(*) FROM (SELECT FROM heads LIMIT :max_heads + 1) m) > :max_heads AS more
   FROM (SELECT * FROM heads LIMIT :max_heads) h GROUP BY queue
 """
