@@ -322,15 +322,18 @@ class JobGauges:
         self.take(counts, oldest, at, final=final, still_leading=still_leading, lock=lock)
 
     def take(self, counts: list[dict[str, Any]], oldest: dict[str, float], at: Any, *, final: bool,
-             still_leading: Callable[[], bool] = lambda: True, lock: Any = None) -> None:
+             still_leading: Callable[[], bool] = lambda: True, lock: Any = None, missed_final: bool = False) -> None:
         """Counts read (by :meth:`refresh` or a batched probe): the gauges and the figures kept.
-        Without ``final``, the final states are those of the last count of them."""
+        Without ``final``, the final states are those of the last count of them. ``missed_final``:
+        their count was tried and passed its timeout: tried again after FINAL_INTERVAL, not at
+        once (each try reads the heap for as long as the timeout)."""
         with lock or threading.Lock():
             if not still_leading():  # leadership ended meanwhile: followers export no job gauges
                 return
             if final:  # until the next count of final states (compact: 100,000 queues may have rows)
                 self._final_rows = {(r["queue"], r["state"]): r["count"] for r in counts
                                     if r["state"] in FINAL_STATES}
+            if final or missed_final:
                 self._final_counted_at = time.monotonic()  # (under the lock a demotion's clear takes)
             rows = self._merged(counts)
             self.apply(rows, oldest)

@@ -22,13 +22,15 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from sqlalchemy import Engine, text
+from sqlalchemy.exc import OperationalError
 
 from . import faults
 from .db import describe_db_error
 from .logs import kv
+from .metrics import JobGauges
 from .queries import catalog, jobs, render
 
 if TYPE_CHECKING:
@@ -117,15 +119,18 @@ class CountProbe(_Batched):
         self._each(final, lambda ts: self._count(ts, final=True))
 
     def _count(self, targets: list["Target"], *, final: bool) -> None:
-        parts = [(jobs.COUNT_LIVE, "c"), (jobs.OLDEST_AVAILABLE, "o")] + ([(jobs.COUNT_FINAL, "c")] if final else [])
-        union = " UNION ALL ".join(
-            render(jobs.TAGGED[kind], t.settings.schema, t=str(i), rows=render(template, t.settings.schema))
-            for i, t in enumerate(targets) for template, kind in parts)
+        """The live states and the oldest available age; the final states too when ``final``, in
+        a statement of their own: they read the heap and may pass the timeout, which then leaves
+        the live counts taken (and the final ones tried again after FINAL_INTERVAL, not at once)."""
+        finished: list | None = None
         with self.engine.connect() as conn:
             conn.execute(text(catalog.SET_LOCAL), {"name": "statement_timeout", "value": str(self.TIMEOUT_MS)})
             at = conn.execute(text(catalog.TRANSACTION_TIME)).scalar_one()
-            rows = conn.execute(text(union)).all()
+            rows = conn.execute(text(_union(targets, [(jobs.COUNT_LIVE, "c"), (jobs.OLDEST_AVAILABLE, "o")]))).all()
+            if final:
+                finished = self._finished(conn, targets)
             conn.rollback()
+        missed, rows = final and finished is None, rows + (finished or [])
         counts: dict[int, list[dict]] = {i: [] for i in range(len(targets))}
         oldest: dict[int, dict[str, float]] = {i: {} for i in range(len(targets))}
         for t, kind, queue, state, value in rows:
@@ -134,7 +139,27 @@ class CountProbe(_Batched):
             else:
                 oldest[t][queue] = value
         for i, target in enumerate(targets):
-            target.runner.take_counts(counts[i], oldest[i], at, final=final)
+            target.runner.take_counts(counts[i], oldest[i], at, final=final and not missed, missed_final=missed)
+
+    def _finished(self, conn: Any, targets: list["Target"]) -> list | None:
+        """The final states' counts, or None when they passed the statement timeout (logged)."""
+        try:
+            with conn.begin_nested():
+                return conn.execute(text(_union(targets, [(jobs.COUNT_FINAL, "c")]))).all()
+        except OperationalError as exc:
+            if faults.sqlstate(exc) != faults.QUERY_CANCELED:
+                raise
+            log.warning("finished jobs not counted: the count passed its statement timeout (live states counted)",
+                        extra=kv(targets=",".join(t.name for t in targets), timeout_ms=self.TIMEOUT_MS,
+                                 retry_seconds=round(JobGauges.FINAL_INTERVAL)))
+            return None
+
+
+def _union(targets: list["Target"], parts: list[tuple[str, str]]) -> str:
+    """``parts`` ((statement, tag) pairs of jobs.TAGGED) of every target, in one statement."""
+    return " UNION ALL ".join(
+        render(jobs.TAGGED[kind], t.settings.schema, t=str(i), rows=render(template, t.settings.schema))
+        for i, t in enumerate(targets) for template, kind in parts)
 
 
 class ServiceProbe(_Batched):

@@ -484,10 +484,11 @@ class Runner:
         except PassStopped:
             pass
 
-    def take_counts(self, counts: list[dict], oldest: dict[str, float], at: datetime, *, final: bool) -> None:
+    def take_counts(self, counts: list[dict], oldest: dict[str, float], at: datetime, *, final: bool,
+                    missed_final: bool = False) -> None:
         """Job counts read for this target (by the database's :class:`maintd.probes.CountProbe`)."""
         stop_event = self._stop_event
-        self.gauges.take(counts, oldest, at, final=final, lock=self._lock,
+        self.gauges.take(counts, oldest, at, final=final, lock=self._lock, missed_final=missed_final,
                          still_leading=lambda: self._fence is not None and not stop_event.is_set())
 
 

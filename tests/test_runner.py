@@ -427,6 +427,42 @@ def test_job_gauges_only_while_leading(settings, engine, queue, monkeypatch):
         runner.shutdown()
 
 
+def test_a_count_of_finished_jobs_past_its_timeout_leaves_the_live_counts_taken(settings, engine, queue, monkeypatch,
+                                                                                  maintd_log):
+    """Counting finished jobs reads the heap (the README says so): on a big table it passes the
+    count's statement timeout. The live states, the oldest available age and the finished states
+    went in one statement, so the live ones failed with it: maintd_jobs and
+    maintd_oldest_available_job_age_seconds never appeared (a backlog alert stayed silent),
+    /status said "not counted yet", and the doomed heap read ran again every 15 s (twice: the
+    batch, then the target alone), logged at debug only. Here the final count sleeps past a
+    200 ms timeout."""
+    from types import SimpleNamespace
+
+    from maintd.probes import CountProbe
+    from maintd.queries import jobs as q_jobs
+
+    with engine.begin() as conn:
+        queue.enqueue(conn, "k", queue="mail")
+    monkeypatch.setattr(q_jobs, "COUNT_FINAL", q_jobs.COUNT_FINAL.replace("FROM {schema}.jobs", "FROM {schema}.jobs, pg_sleep(0.5) s"))
+    monkeypatch.setattr(CountProbe, "TIMEOUT_MS", 200)
+    metrics = Metrics()
+    runner = Runner(settings, engine, metrics, build=lambda s: {})
+    runner.start()
+    try:
+        runner.activate(NoFence())
+        target = SimpleNamespace(is_leader=True, runner=runner, settings=settings, name=settings.schema)
+        probe = CountProbe(engine, [target])
+        probe.run()
+        assert sample(metrics, "maintd_jobs", {"target": TARGET, "queue": "mail", "state": "available"}) == 1
+        assert metrics.registry.get_sample_value("maintd_oldest_available_job_age_seconds",
+                                                 {"target": TARGET, "queue": "mail"}) is not None
+        assert runner.gauges.counts is not None and runner.gauges.counts.final_at is None
+        assert not runner.gauges.final_due(), "the heap read that timed out is tried again at once"
+        assert any("finished jobs not counted" in line for line in maintd_log), maintd_log
+    finally:
+        runner.shutdown()
+
+
 def test_maintenance_sessions_are_bounded(settings):
     engine = maintenance_engine(settings)
     try:
