@@ -221,3 +221,23 @@ def test_a_term_ended_as_a_count_of_final_states_is_taken_counts_them_again_next
     gauges.take([{"queue": "q", "state": "completed", "count": 3}], {}, None, final=True, lock=DemotedOnRelease())
     assert gauges.counts is None
     assert gauges.final_due(), "the next term waits 5 minutes for its first count of finished jobs"
+
+
+def test_status_gives_the_oldest_available_age_the_gauge_and_the_dashboard_give(engine, schema):
+    """An available job due in an hour (a worker may insert one so: "not before this") is not
+    waiting yet: the gauge says 0 and the dashboard 0 ms, but /status and `maintd status --json`
+    passed the database's difference on as it was: oldest_available_age_seconds -3600."""
+    from maintd.metrics import JobGauges, oldest_available
+    from maintd.status import collect_status, leader_figures
+
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, scheduled_at) VALUES ('k', 'later', now() + interval '1 hour')", schema))
+    with engine.connect() as conn:
+        oldest = oldest_available(conn, schema)
+    metrics = Metrics(target="t")
+    gauges = JobGauges(metrics)
+    gauges.take([{"queue": "later", "state": "available", "count": 1}], oldest, None, final=True)
+    assert metrics.registry.get_sample_value("maintd_oldest_available_job_age_seconds",
+                                             {"target": "t", "queue": "later"}) == 0
+    assert leader_figures(gauges.counts, leading=True)["oldest_available_age_seconds"] == {"later": 0}
+    assert collect_status(engine, schema)["oldest_available_age_seconds"] == {"later": 0}

@@ -596,9 +596,12 @@ WAITING_SINCE = """CASE WHEN scheduled_at < '0001-01-02 00:00:00+00'
                                AND created_at < '9999-12-31 00:00:00+00' THEN created_at END
                     WHEN scheduled_at < '9999-12-31 00:00:00+00' THEN scheduled_at END"""
 
+# A queue whose available jobs are all due later waits for none of them yet: 0, as the gauge and
+# the dashboard say (passed on as is, /status said -3600 for a job due in an hour).
 OLDEST_AVAILABLE = """
-SELECT queue, extract(epoch FROM now() - min(""" + WAITING_SINCE + """))::float8 AS age
-  FROM {schema}.jobs WHERE state = 'available' GROUP BY queue
+SELECT queue, CASE WHEN since > now() THEN 0 ELSE extract(epoch FROM now() - since)::float8 END AS age
+  FROM (SELECT queue, min(""" + WAITING_SINCE + """) AS since
+          FROM {schema}.jobs WHERE state = 'available' GROUP BY queue) AS o
 """
 
 COUNT_BY_STATE = "SELECT state::text, count(*) FROM {schema}.jobs GROUP BY state"
