@@ -38,11 +38,11 @@ from .queries import FINAL_STATES, JOB_STATES
 from .pass_summary import describe
 from .schedules import parse_schedule, zone_read
 from .queries import daemons as q_daemons
-from .queries import periodic_jobs as q_periodic
 from .queries import leader as q_leader
 from .queries import service_runs as q_runs
 from .queries.dashboard import (AVAILABLE_COUNTS, DISCARDED, ESTIMATES, FINAL_COUNTS, FINAL_QUEUES, HEADS, INDEX,
-                                JOB, LAST_SLOTS, LIST, LIST_AVAILABLE, LIST_COLUMNS, WINDOW, WINDOW_END)
+                                JOB, LAST_SLOTS, LIST, LIST_AVAILABLE, LIST_COLUMNS, PERIODIC_ROWS, WINDOW,
+                                WINDOW_END)
 
 CAP = 10_000            # a count (per queue and state, or per window) past this many index entries says "at least"
 PAGE_SIZE = 50
@@ -50,6 +50,7 @@ SCAN_WINDOW = 100_000   # jobs of a state searched per page for a queue no index
 WINDOWED = ("scheduled", "retryable", "running")  # states counted in a window of their index
 MAX_HEADS = 1_000       # (queue, priority) groups of available jobs probed on the overview
 DISCARDED_SHOWN = 10
+PERIODIC_SHOWN = 200  # rows of periodic_jobs listed on the overview (besides the configured entries)
 REFRESH_SECONDS = 10
 TEXT_LIMIT = 65_536     # characters of args, metadata or one error shown on a job's page
 
@@ -227,25 +228,33 @@ def service_runs(conn: Connection, schema: str) -> list[dict[str, Any]]:
 
 def periodic_rows(conn: Connection, schema: str, entries: Sequence[PeriodicJob],
                   now: datetime) -> list[dict[str, Any]]:
-    """Each entry (configured, then the rows of periodic_jobs, marked by origin) with its last
-    slot taken (the database) and its next slot (the schedule)."""
-    table = list(conn.execute(sql(q_periodic.ALL, schema)))
+    """Each entry (configured, then the first rows of periodic_jobs by id, marked by origin) with
+    its last slot taken (the database) and its next slot (the schedule)."""
+    return periodic_listing(conn, schema, entries, now)[0]
+
+
+def periodic_listing(conn: Connection, schema: str, entries: Sequence[PeriodicJob], now: datetime,
+                     shown: int = PERIODIC_SHOWN) -> tuple[list[dict[str, Any]], bool]:
+    """(:func:`periodic_rows` of the first ``shown`` rows of periodic_jobs by id; whether it
+    has more rows than that)."""
     origin = {e.id: "crontab" if e.cron_args else "config" for e in entries}
-    entries = [*entries, *[r for r in table if r.id not in origin]]
+    table = list(conn.execute(sql(PERIODIC_ROWS, schema), {"configured": list(origin), "n": shown}))
+    rows = [r for r in table if not r.shadowed]
+    entries = [*entries, *rows[:shown]]
     errors = {r.id: r.error for r in table if r.error}
     last = {r.id: r for r in conn.execute(sql(LAST_SLOTS, schema), {"ids": [e.id for e in entries]})}
-    rows = []
+    out = []
     for e in entries:
         try:
             nxt = parse_schedule(e.schedule, e.timezone).next_after(now) if e.enabled else None
         except ValueError:
             nxt = None
         slot = last.get(e.id)
-        rows.append({"id": e.id, "schedule": e.schedule, "timezone": zone_read(e.schedule, e.timezone), "kind": e.kind,
-                     "queue": e.queue, "enabled": e.enabled, "next_slot": nxt,
-                     "origin": origin.get(e.id, "table"), "error": errors.get(e.id),
-                     "last_slot": slot.slot if slot else None, "last_job_id": slot.job_id if slot else None})
-    return rows
+        out.append({"id": e.id, "schedule": e.schedule, "timezone": zone_read(e.schedule, e.timezone), "kind": e.kind,
+                    "queue": e.queue, "enabled": e.enabled, "next_slot": nxt,
+                    "origin": origin.get(e.id, "table"), "error": errors.get(e.id),
+                    "last_slot": slot.slot if slot else None, "last_job_id": slot.job_id if slot else None})
+    return out, len(rows) > shown
 
 
 # The charts' ranges (SPEC 8.2): (name, how far back, one point per bucket).
@@ -281,7 +290,7 @@ def target_overview(target: Target, *, cap: int = CAP,
             "name": target.name, "schema": schema, "now": now, "leader": leader, "daemons": daemons,
             "writable": conn.execute(text(catalog.SERVER_WRITABLE)).scalar(),  # else maintenance is paused
             "services": service_runs(conn, schema), "queues": queue_table(conn, schema, now, cap),
-            "periodic": periodic_rows(conn, schema, target.periodic, now),
+            **dict(zip(("periodic", "periodic_more"), periodic_listing(conn, schema, target.periodic, now))),
             "discarded": [dict(r) for r in conn.execute(sql(DISCARDED, schema),
                                                         {"n": DISCARDED_SHOWN}).mappings()],
             "health": health(target.name) if health else None,
@@ -657,7 +666,7 @@ class Dashboard:
         now = next((d["now"] for d in data if "now" in d), None)
         multi = len(targets) > 1
         return self.render("index.html", 503 if any("error" in d for d in data) else 200,
-                           targets=data, now=now, refresh=refresh, cap=self.cap,
+                           targets=data, now=now, refresh=refresh, cap=self.cap, periodic_shown=PERIODIC_SHOWN,
                            warn_after=self.settings().health.xmin_warn_after.total_seconds(),
                            link=Links(req, None), links={d["name"]: Links(req, d["name"] if multi else None)
                                                          for d in data})

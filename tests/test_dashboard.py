@@ -1271,3 +1271,27 @@ def test_the_oldest_available_age_sees_past_a_job_due_before_year_1_in_its_group
     assert 3500 < gauge < 3700, gauge
     assert table["oldest_age"] is not None and abs(table["oldest_age"] - gauge) < 5, (table["oldest_age"], gauge)
     assert row["oldest_age"] is not None and abs(row["oldest_age"] - gauge) < 5, (row["oldest_age"], gauge)
+
+
+def test_thousands_of_periodic_rows_cost_the_overview_a_bounded_list(settings, engine, schema):
+    """Schedules are rows (SPEC 7.10), and the README expects an application to make thousands:
+    the overview read every row of periodic_jobs, with its last slot and next fire time each, on
+    every render. With 20,000 rows a render took 7-10 s of the daemon's CPU and sent 6 MB, every
+    10 s per open tab. It lists the configured entries and the first rows by id, and says where
+    the rest are; a row that a configured entry shadows still shows its error there."""
+    from maintd.dashboard import PERIODIC_SHOWN
+
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.periodic_jobs (id, schedule, kind) SELECT 'tenant-' || "
+                         "lpad(g::text, 5, '0'), (g % 60) || ' */2 * * 1-5', 'report' FROM generate_series(1, 20000) g", schema))
+        conn.execute(sql("INSERT INTO {schema}.periodic_jobs (id, schedule, kind, error) VALUES "
+                         "('zz-refresh-rates', '@every 10m', 'k', 'an entry of the config file has this id')", schema))
+    entries = [{**PERIODIC[1], "id": "zz-refresh-rates"}]
+    dashboard = Dashboard(lambda: changed(settings, periodic=entries))
+    status, _, body, _ = dashboard.pages()["/"](Request("/", {}))
+    page = unescape(body.decode())
+    shown = re.findall(r'data-periodic="([^"]*)"', body.decode())
+    assert status == 200 and len(body) < 500_000, len(body)
+    assert shown[0] == "zz-refresh-rates" and "an entry of the config file has this id" in page
+    assert shown[1:] == [f"tenant-{g:05d}" for g in range(1, PERIODIC_SHOWN + 1)], shown[:3]
+    assert "maintd periodic list" in page
