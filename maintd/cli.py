@@ -679,7 +679,7 @@ def cmd_periodic(args: argparse.Namespace) -> int:
                              answer_timeout=answer_bound(settings))
     try:
         if args.periodic_action == "list":
-            entries = table.list_entries(engine, settings)
+            entries, _ = table.list_entries(engine, settings)
             print(json.dumps(entries, indent=2, default=str) if args.json else table.format_entries(entries))
             return EXIT_OK
         if args.periodic_action in ("add", "remove"):

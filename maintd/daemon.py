@@ -435,7 +435,7 @@ class Daemon:
     def _target_status(self, target: Target) -> tuple[dict[str, Any], int]:
         """Read through the readers (never the maintenance pool); the jobs are what the leader
         counted last, from memory (SPEC 8.5)."""
-        from .periodic_table import list_entries
+        from .periodic_table import STATUS_ROWS, list_entries
         from .status import collect_status, leader_figures
 
         try:
@@ -443,7 +443,7 @@ class Daemon:
             data: dict[str, Any] = collect_status(
                 engine, target.settings.schema, max_queues=self.settings.metrics.max_queues,
                 jobs=leader_figures(target.runner.gauges.counts, leading=target.is_leader))
-            data["periodic"] = list_entries(engine, target.settings)
+            data["periodic"], data["periodic_more"] = list_entries(engine, target.settings, STATUS_ROWS)
             return data, 200
         except Exception as exc:
             return {"error": describe_db_error(exc)}, 503

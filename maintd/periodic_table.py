@@ -17,12 +17,20 @@ from .schedules import parse_schedule, zone_read
 from .services.periodic_rows import row_problem
 
 
-def list_entries(engine: Engine, settings: Settings) -> list[dict[str, Any]]:
-    """Every schedule with its origin, last slot taken, next slot and error (server time)."""
+STATUS_ROWS = 200  # rows of periodic_jobs /status lists (besides the configured entries)
+
+
+def list_entries(engine: Engine, settings: Settings, rows_shown: int | None = None) -> tuple[list[dict[str, Any]], bool]:
+    """Every schedule with its origin, last slot taken, next slot and error (server time); with
+    ``rows_shown``, of the rows only the first that many by id (an answer to any HTTP client is
+    bounded). Returns them and whether rows were left out."""
     schema = settings.schema
     with engine.connect() as conn:
         now = conn.execute(sql(catalog.TRANSACTION_TIME, schema)).scalar_one()
-        rows = [dict(r._mapping) for r in conn.execute(sql(periodic_jobs.ALL, schema))]
+        limit = {"n": None if rows_shown is None else rows_shown + 1}
+        rows = [dict(r._mapping) for r in conn.execute(sql(periodic_jobs.ALL, schema), limit)]
+        more = rows_shown is not None and len(rows) > rows_shown
+        rows = rows[:rows_shown]
         configured = [{**e.model_dump(), "origin": "crontab" if e.cron_args else "config", "error": None}
                       for e in settings.periodic_entries]
         for r in rows:
@@ -40,7 +48,7 @@ def list_entries(engine: Engine, settings: Settings) -> list[dict[str, Any]]:
                     "timezone": zone_read(e["schedule"], e["timezone"]), "kind": e["kind"], "queue": e["queue"],
                     "enabled": e["enabled"], "last_slot": hwms.get(e["id"]),
                     "next_slot": next_slot if e["enabled"] else None, "error": e["error"]})
-    return out
+    return out, more
 
 
 def validated(values: dict[str, Any]) -> PeriodicJob:

@@ -367,7 +367,7 @@ def test_dashboard_and_status_show_rows_and_config_entries_by_origin(pg_dsn, sch
         "from-config": "config", "interval": "config", "from-table": "table", "broken": "table"}
     assert shown["from-table"]["next_slot"] == T0 + timedelta(minutes=5)
     assert shown["broken"]["error"] == "schedule: bad"
-    listed = {e["id"]: e for e in list_entries(engine, settings)}  # /status's "periodic"
+    listed = {e["id"]: e for e in list_entries(engine, settings)[0]}  # /status's "periodic"
     assert {k: e["origin"] for k, e in listed.items()} == {
         "from-config": "config", "interval": "config", "from-table": "table", "broken": "table"}
     # The zone a schedule is read in is shown; an @every interval counts from the epoch in no

@@ -220,3 +220,34 @@ def test_a_leader_on_a_read_only_primary_keeps_counting_jobs(make_private_pg, mo
         assert daemon.is_leader and target.runner.paused
     finally:
         daemon.stop()
+
+
+def test_status_lists_a_bounded_number_of_periodic_rows_and_says_there_are_more(settings, engine, schema):
+    """/status is served to anyone who can reach the HTTP port. It read every row of periodic_jobs
+    and worked out each one's next fire time, as the dashboard did before it was bounded: 20,000
+    rows (one schedule per customer, say) cost seconds of the daemon's CPU per request. It lists
+    the configured entries and the first rows by id, and says that `maintd periodic list` has the
+    rest."""
+    from maintd.periodic_table import STATUS_ROWS, list_entries
+
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.periodic_jobs (id, schedule, kind) "
+                         "SELECT 'row-' || lpad(g::text, 5, '0'), '@every 1h', 'k' FROM generate_series(1, :n) g",
+                         schema), {"n": STATUS_ROWS + 5})
+    daemon = Daemon(Settings(database_url=settings.database_url.get_secret_value(), schema=schema, instance_id="t",
+                             periodic=[{"id": "configured", "schedule": "0 3 * * *", "kind": "c"}]))
+    try:
+        status, _, body = daemon._status()
+    finally:
+        daemon.readers.dispose()
+    data = json.loads(body)
+    ids = [e["id"] for e in data["periodic"]]
+    assert status == 200 and ids[0] == "configured", body[-300:]
+    assert ids[1:] == [f"row-{g:05}" for g in range(1, STATUS_ROWS + 1)]
+    assert data["periodic_more"] is True
+    engine = reader_engine(settings.database_url.get_secret_value(), "t")  # `maintd periodic list`'s: all
+    try:
+        listed, more = list_entries(engine, settings)
+        assert len(listed) == STATUS_ROWS + 5 and not more
+    finally:
+        engine.dispose()

@@ -12,9 +12,10 @@ SELECT count(*) AS n, md5(string_agg(id || ':' || xmin::text, ',' ORDER BY id)) 
   FROM {schema}.periodic_jobs
 """
 
-# Every row, its times and intervals guarded: one that no Python value holds ('infinity', past
-# year 9999, an interval of billions of days) would fail the read of every row, and with it the
-# whole enqueuer; such a row comes back with NULL there, to be refused with its ``error`` set.
+# Every row (or the first :n by id; NULL: all), its times and intervals guarded: one that no
+# Python value holds ('infinity', past year 9999, an interval of billions of days) would fail the
+# read of every row, and with it the whole enqueuer; such a row comes back with NULL there, to be
+# refused with its ``error`` set.
 ALL = """
 SELECT id, schedule, timezone, kind, queue, args, priority, max_attempts, unique_key,
        CASE WHEN backfill BETWEEN interval '0' AND interval '1000000 days' THEN backfill END AS backfill,
@@ -26,7 +27,7 @@ SELECT id, schedule, timezone, kind, queue, args, priority, max_attempts, unique
             THEN created_at END AS created_at,
        CASE WHEN resumed_at BETWEEN """ + PYTHON_TIMES + """
             THEN resumed_at END AS resumed_at
-  FROM {schema}.periodic_jobs ORDER BY id
+  FROM {schema}.periodic_jobs ORDER BY id LIMIT CAST(:n AS bigint)
 """
 
 # The daemon's note on a row it cannot use (NULL clears it); written only when it changes.

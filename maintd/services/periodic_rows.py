@@ -103,7 +103,7 @@ class RowSource:
         with ctx.transaction(fenced=False) as conn:
             version = tuple(conn.execute(ctx.sql(periodic_jobs.VERSION)).one())
             if version != self._version:
-                self._rows = list(conn.execute(ctx.sql(periodic_jobs.ALL)))
+                self._rows = list(conn.execute(ctx.sql(periodic_jobs.ALL), {"n": None}))
                 self._version = version
         return self._rows
 
