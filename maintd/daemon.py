@@ -246,6 +246,7 @@ class Daemon:
             target.check_schema()
         except Exception as exc:
             target.problem, target.schema_not_ready = describe_db_error(exc), isinstance(exc, SchemaNotReady)
+            target.unreachable = not target.schema_not_ready and transient(exc)
             return exc
         target.start()
         return None

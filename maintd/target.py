@@ -34,6 +34,7 @@ class Target(Seat):
         self.db_ok, self.writable = False, True
         self.problem: str | None = None  # why this target is not started (schema missing, ...)
         self.schema_not_ready = False  # the problem: its schema was read, and is missing or behind
+        self.unreachable = False  # the problem: its database did not answer (waiting may fix it)
         self.maintenance_stall: str | None = None  # why the last term was given up, if stalled
 
     def check_schema(self) -> None:
@@ -109,6 +110,8 @@ class Target(Seat):
             return "database is read-only"
         if self.problem is not None and self.schema_not_ready:  # checked: missing or behind
             return "not started: its schema is missing or behind: run `maintd migrate`"
+        if self.problem is not None and self.unreachable:  # down since the start: no schema read
+            return "database unreachable (see /status or the log)"
         if self.problem is not None:
             return "not started: its schema could not be checked (see /status or the log)"
         return self.health_problem() or "database unreachable (see /status or the log)"

@@ -132,6 +132,29 @@ def test_readyz_says_a_target_whose_schema_is_missing_needs_maintd_migrate(pg_ds
         daemon.stop()
 
 
+def test_readyz_says_a_target_whose_database_is_down_at_start_is_unreachable(pg_dsn, schema):
+    """The README's /readyz for a target whose database is down: ``billing (database unreachable
+    (see /status or the log))``. A target whose database was already down when the daemon started
+    read ``(not started: its schema could not be checked ...)``, sending the operator to look at
+    a schema the daemon never reached."""
+    from maintd.daemon import Daemon
+    from maintd.embedded import free_port
+
+    down = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"  # nobody listens there
+    daemon = Daemon(Settings(database_url=pg_dsn, instance_id=unique("down"), http={"enabled": False},
+                             leader={"lease": "3s", "renew_interval": "0.5s"},
+                             targets=[{"name": "ok", "schema": schema},
+                                      {"name": "billing", "schema": "billing", "database_url": down}]))
+    daemon.start()
+    try:
+        wait_for(lambda: daemon.targets[0].db_ok, START, what="the lock session")
+        status, _, body = daemon._readyz()
+        assert status == 503 and body.decode() == \
+            "not ready: 1 of 2 targets: billing (database unreachable (see /status or the log))\n", body
+    finally:
+        daemon.stop()
+
+
 @pytest.mark.slow
 def test_status_through_a_multi_host_url_with_the_standby_first_reads_the_primary():
     """pg_locks and pg_stat_activity are each server's own: read on a standby (the first host of
