@@ -91,9 +91,16 @@ def _add_daemon_parsers(sub) -> None:
     r.add_argument("--wait", type=seconds, default=0.0, metavar="SECONDS",
                    help="wait up to SECONDS for the leader lock (default: fail at once if held)")
     s = sub.add_parser("status", help="who leads, each service's last run, jobs by queue and state",
-                       description="Print the current leader (instance, host, pid, since), the "
-                                   "last run and outcome of each service, and job counts by queue "
-                                   "and state, read from the database.")
+                       description="Print, read from the database: the current leader (instance, "
+                                   "host, pid, epoch, since) or none; the daemons alive (lock session "
+                                   "connected) and gone (within the last hour); 'database: read-only "
+                                   "(maintenance paused)' when the server takes no writes; the jobs "
+                                   "table's layout (and its partitions); the last recorded pass of "
+                                   "each service with its outcome and what it did; job counts by "
+                                   "queue and state; the table health (what holds the xmin horizon, "
+                                   "dead rows, size, last vacuum). With [[targets]]: every target, "
+                                   "or --target's. Exit 1 when a target's database or schema cannot "
+                                   "be read (its error is shown; the others still are).")
     s.add_argument("--json", action="store_true", help="print JSON instead of text")
     d = sub.add_parser("demo", help="run everything on a throwaway PostgreSQL with a live workload",
                        description="Start an embedded PostgreSQL, migrate, run the daemon with "

@@ -377,6 +377,21 @@ def test_run_once_prints_the_duration_of_the_work(pg_dsn, schema, tmp_path, engi
     assert rc == 0 and json.loads(out)["duration_seconds"] > 0
 
 
+def test_status_help_names_what_status_shows():
+    """The README: `maintd status` shows the daemons alive and gone, `database: read-only
+    (maintenance paused)`, the layout and its partitions, what holds the xmin horizon, every
+    target (or --target's), and exits 1 when a target cannot be read. `status --help` said only
+    "the current leader (instance, host, pid, since), the last run and outcome of each service,
+    and job counts by queue and state"."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        main(["status", "--help"])
+    helptext = " ".join(out.getvalue().split()).lower()
+    for said in ("gone", "read-only", "layout", "partitions", "xmin horizon", "every target",
+                 "--target", "exit 1"):
+        assert said in helptext, (said, helptext)
+
+
 # -- an unreachable database: one behaviour, and --help says it -------------------------------------
 
 
