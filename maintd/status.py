@@ -33,6 +33,10 @@ class SchemaMissing(RuntimeError):
     """The schema has no maintd tables (``maintd migrate`` has not run)."""
 
 
+class OnStandby(RuntimeError):
+    """The server is a standby: the leader's lock and the daemons' sessions are the primary's."""
+
+
 def _iso(v: Any) -> Any:
     return v.isoformat() if isinstance(v, datetime) else v
 
@@ -49,6 +53,9 @@ def collect_status(engine: Engine, schema: str, *, jobs: dict[str, Any] | None =
     classid, objid = advisory_key(schema)
     with engine.connect() as conn:
         conn.execute(text(catalog.SET_LOCAL), {"name": "statement_timeout", "value": str(STATUS_TIMEOUT_MS)})
+        if conn.execute(text(catalog.IN_RECOVERY)).scalar():  # its pg_locks would say "no leader"
+            raise OnStandby(f"{connected_to(conn)} is a standby (in recovery): the leader's lock and "
+                                "the daemons' sessions are the primary's; point this at the primary")
         if not conn.execute(text(catalog.TABLE_EXISTS), {"qualified": qualified(schema, "leader")}).scalar():
             raise SchemaMissing(f"schema {schema!r} has no maintd tables in {connected_to(conn)}: "
                                 "run `maintd migrate` first")

@@ -190,6 +190,38 @@ def test_status_through_a_multi_host_url_with_the_standby_first_reads_the_primar
             daemon.stop()
 
 
+@pytest.mark.slow
+def test_status_on_a_standby_says_so_instead_of_no_leader_and_every_daemon_gone():
+    """A single-host URL to a standby (a read replica, the old primary's name after a failover):
+    `maintd status` read pg_locks and pg_stat_activity there, which are the standby's own, and
+    said "leader: none", "daemons: none alive", the live leader under gone and "database:
+    read-only (maintenance paused)", exit 0, while the daemon led on the primary."""
+    from maintd import migrate
+    from maintd.cli import _status_one
+    from maintd.daemon import Daemon
+    from maintd.db import make_engine
+
+    from .standby import StandbyPair
+
+    with StandbyPair() as pair:
+        engine = make_engine(pair.primary.dsn, application_name="maintd-test-migrate", pooled=False)
+        with engine.connect() as conn:
+            migrate.upgrade(conn, "maintd")
+        engine.dispose()
+        me = unique("sb")
+        daemon = Daemon(Settings(database_url=pair.primary.dsn, schema="maintd", instance_id=me,
+                                 http={"enabled": False}, leader={"lease": "3s", "renew_interval": "0.5s"}))
+        daemon.start()
+        try:
+            wait_for(lambda: daemon.is_leader, START, what="leading on the primary")
+            pair.wait_replayed()
+            st, error = _status_one(Settings(database_url=pair.standby.dsn, schema="maintd", instance_id="reader"))
+            assert st is None and error is not None, st
+            assert "standby" in error and "primary" in error, error
+        finally:
+            daemon.stop()
+
+
 # -- row 11: periodic pause on an entry of the config or the crontab file ------------------------
 
 

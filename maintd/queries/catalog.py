@@ -8,6 +8,8 @@ STATEMENT_TIME = "SELECT statement_timestamp()"
 SERVER_WRITABLE = """
 SELECT NOT pg_is_in_recovery() AND reset_val = 'off' FROM pg_settings WHERE name = 'default_transaction_read_only'
 """
+# A standby: its pg_locks and pg_stat_activity show none of the primary's lock or sessions.
+IN_RECOVERY = "SELECT pg_is_in_recovery()"
 
 # A session setting of a new connection (maintd.db.connect).
 SET_SESSION = "SELECT set_config(:name, :value, false)"
