@@ -110,7 +110,9 @@ def _add_daemon_parsers(sub) -> None:
     d.add_argument("--duration", type=seconds, metavar="SECONDS", help="stop after SECONDS")
     d.add_argument("--data-dir", metavar="DIR", help="keep the database in DIR (default: temp, removed)")
     d.add_argument("--listen", type=listen_address, default="127.0.0.1:9464",
-                   help="HTTP listen address for /metrics (HOST:PORT)")
+                   metavar="HOST:PORT", help="the first daemon's HTTP address (/metrics, the dashboard, "
+                        "/status; default 127.0.0.1:9464); the second listens on the next port (port 0: "
+                        "any free ones)")
 
 
 def _add_setup_parsers(sub) -> None:

@@ -424,6 +424,16 @@ def test_status_help_names_what_status_shows():
         assert said in helptext, (said, helptext)
 
 
+def test_demo_help_says_where_both_daemons_listen():
+    """The README: the demo's metrics and dashboard are on :9464 and :9465 (the second daemon on
+    the next port). `demo --help` said `--listen` was the "HTTP listen address for /metrics"."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    helptext = " ".join(out.getvalue().split())
+    assert "127.0.0.1:9464" in helptext and "dashboard" in helptext and "next port" in helptext, helptext
+
+
 # -- an unreachable database: one behaviour, and --help says it -------------------------------------
 
 
