@@ -165,7 +165,8 @@ def format_status(st: dict[str, Any]) -> str:
                      f"v{d['version']}  gone (no lock session)")
     if st.get("layout"):
         lines.append(format_layout(st["layout"]))
-    lines += ["services:"] + _format_runs(st["services"])
+    # idle passes that repeat the record are not written (no WAL): the daemon's /status has every one
+    lines += ["services (last recorded pass; idle passes that repeat it are not recorded):"] + _format_runs(st["services"])
     lines.append("jobs:")
     if not st["jobs"]:
         lines.append("  (none)")

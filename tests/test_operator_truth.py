@@ -434,6 +434,19 @@ def test_demo_help_says_where_both_daemons_listen():
     assert "127.0.0.1:9464" in helptext and "dashboard" in helptext and "next port" in helptext, helptext
 
 
+def test_status_says_a_service_line_is_its_last_recorded_pass():
+    """An idle pass that repeats the last record is not written (README "Idle costs nothing"), so
+    a cleaner idle for hours read "cleaner success at <hours ago>" under a bare "services:", as
+    if it had not run since; the dashboard heads the column "last recorded run"."""
+    st = {"schema": "maintd", "leader": None, "daemons": [], "gone": [], "jobs": [],
+          "services": [{"service": "cleaner", "outcome": "success", "instance_id": "a",
+                        "started_at": "2026-03-01T09:00:00+00:00", "finished_at": "2026-03-01T09:00:01+00:00",
+                        "result": {"deleted": {"completed": 0}}, "error": None}]}
+    lines = format_status(st).splitlines()
+    heading = lines[lines.index(next(ln for ln in lines if ln.startswith("services")))]
+    assert "last recorded" in heading and "idle passes" in heading, heading
+
+
 # -- an unreachable database: one behaviour, and --help says it -------------------------------------
 
 
