@@ -26,6 +26,7 @@ from .clock import Clock, ServerClock
 from .config import Settings
 from .logs import about_target, kv
 from .metrics import JobGauges, Metrics
+from .pass_summary import counts
 from .passes import Outcome, PassRecord, execute_pass, record_pass, worth_recording
 from .schedules import ScheduleTrigger
 from .services import build_services
@@ -448,7 +449,8 @@ class Runner:
             self._last_success[name] = at
             last = self.last_runs.get(name)
             if last is None or last.get("summary") != IDLE_SUMMARY:
-                last = {**PassRecord(name, Outcome.SUCCESS, at, at, 0.0).as_dict(), "summary": IDLE_SUMMARY}
+                last = {**PassRecord(name, Outcome.SUCCESS, at, at, 0.0).as_dict(),
+                        "counts": counts(name, {}), "summary": IDLE_SUMMARY}  # did nothing: each count 0
             last["started_at"] = last["finished_at"] = at.isoformat()
             self.last_runs[name] = last
         self.metrics.service_runs.labels(name, Outcome.SUCCESS.value).inc()

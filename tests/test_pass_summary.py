@@ -181,3 +181,25 @@ def test_a_periodic_pass_over_thousands_of_rows_is_recorded_bounded_with_exact_t
     line = describe("periodic", d)
     assert line.startswith("enqueued 5,000 (customer-00000, ") and ", ...), skipped 10,000" in line, line
     assert counts("periodic", {"enqueued": [{"periodic_id": "a"}] * 3}) == {"enqueued": 3}  # recorded before
+
+
+def test_an_idle_pass_a_probe_stands_for_has_the_counts_of_any_pass(settings, engine):
+    """SPEC 8.4: each pass says what it did in `counts`. An idle pass that the database's probe
+    stands for (no pass run) was shown in /status's `this_instance.last_runs` with `counts: {}`,
+    so `counts["deleted"]` of the cleaner's last pass was missing exactly when it was 0."""
+    from datetime import datetime, timezone
+
+    from maintd.metrics import Metrics
+    from maintd.runner import Runner
+    from maintd.services.base import NoFence
+
+    runner = Runner(settings, engine, Metrics())  # its timetable not started: no pass runs meanwhile
+    try:
+        runner.activate(NoFence())
+        now = datetime.now(timezone.utc)
+        for name in ("cleaner", "rescuer", "scheduler"):
+            runner.idle(name, now)
+        got = {name: runner.last_runs[name]["counts"] for name in ("cleaner", "rescuer", "scheduler")}
+        assert got == {"cleaner": {"deleted": 0}, "rescuer": {"rescued": 0}, "scheduler": {"promoted": 0}}, got
+    finally:
+        runner.deactivate()
