@@ -413,17 +413,28 @@ class Daemon:
             target = self.targets[0]
             data, status = self._target_status(target)
             data["this_instance"] = {"instance_id": self.settings.instance_id, **target.status()}
-            data["health"] = self.health_status(target.name)
+            data.update(self._health_fields(target))
             return as_json(status, data)
         targets, worst = [], 200
         for target in self.targets:
             data, status = self._target_status(target)
             worst = max(worst, status)  # a target that could not be read: 503, as the dashboard
             targets.append({"target": target.name, "schema": target.settings.schema, **data,
-                            "this_instance": target.status(), "health": self.health_status(target.name)})
+                            "this_instance": target.status(), **self._health_fields(target)})
         return as_json(worst, {"targets": targets, "this_instance": {
             "instance_id": self.settings.instance_id, "leading": self.spread.leading(),
             "targets": len(self.targets), "replicas": self.spread.replicas, "cap": self.spread.cap}})
+
+    def _health_fields(self, target: Target) -> dict[str, Any]:
+        """``health``: this replica's last read; when it has none, ``health_note`` says where it is
+        (as ``jobs_note`` does for the job figures)."""
+        health = self.health_status(target.name)
+        if health is not None:
+            return {"health": health}
+        note = ("off (health.enabled = false)" if not target.settings.health.enabled else
+                "not read yet: the leader reads it every health.interval" if target.is_leader else
+                "read by the leader: see its /status, or run `maintd status`")
+        return {"health": None, "health_note": note}
 
     def health_status(self, target: str) -> dict[str, Any] | None:
         """A target's table health from this replica's last read (None: it does not lead it)."""

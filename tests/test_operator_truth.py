@@ -155,6 +155,28 @@ def test_readyz_says_a_target_whose_database_is_down_at_start_is_unreachable(pg_
         daemon.stop()
 
 
+def test_a_followers_status_says_where_the_table_health_is(pg_dsn, schema, settings):
+    """SPEC 8.2: /status names the holder of the xmin horizon. A replica that does not lead reads
+    no health: its /status had `"health": null` and nothing more, as if nothing were read (its
+    job figures say that the leader counts them)."""
+    from maintd.daemon import Daemon
+    from maintd.leader import acquire_once
+
+    elector, _ = acquire_once(settings)  # another instance leads
+    daemon = Daemon(Settings(database_url=pg_dsn, schema=schema, instance_id=unique("fol"), http={"enabled": False},
+                             leader={"lease": "3s", "renew_interval": "0.5s"}))
+    daemon.start()
+    try:
+        wait_for(lambda: daemon.targets[0].db_ok, START, what="the lock session")
+        code, _, body = daemon._status()
+        st = json.loads(body)
+        assert code == 200 and st["health"] is None and not st["this_instance"]["is_leader"], st
+        assert "leader" in (st.get("health_note") or ""), st
+    finally:
+        daemon.stop()
+        elector.stop()
+
+
 @pytest.mark.slow
 def test_status_through_a_multi_host_url_with_the_standby_first_reads_the_primary():
     """pg_locks and pg_stat_activity are each server's own: read on a standby (the first host of
