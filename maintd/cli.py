@@ -537,7 +537,7 @@ def _current_leader(engine, settings: Settings) -> str:
     from .status import collect_status
 
     try:
-        lead = collect_status(engine, settings.schema)["leader"]
+        lead = collect_status(engine, settings.schema, jobs={})["leader"]  # jobs={}: none counted
     except Exception as exc:
         from .db import describe_db_error
 

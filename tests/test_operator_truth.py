@@ -752,3 +752,25 @@ def _ends_when_the_server_stops_answering(pg_dsn, schema, tmp_path, argv, patter
             raise AssertionError(f"{argv}: still waiting after 60 s on a server that stopped answering") from None
         assert done.returncode == 1 and "no answer from the server" in done.stderr, (argv, done.stderr)
         assert time.monotonic() - started < 45, argv
+
+
+def test_run_once_names_the_lock_holder_without_counting_jobs(pg_dsn, schema, settings, monkeypatch):
+    """run-once with the lock held names the holder; to read it, it collected the whole status,
+    counting every job by queue and state (the heap of finished jobs, up to the 5 s timeout on a
+    large table) for one line about the leader."""
+    import maintd.status
+    from maintd.leader import acquire_once
+
+    def counted(*_a, **_k):
+        raise AssertionError("counted jobs to name the leader")
+
+    monkeypatch.setattr(maintd.status, "_count", counted)
+    monkeypatch.setenv("MAINTD_DATABASE_URL", pg_dsn)
+    monkeypatch.setenv("MAINTD_SCHEMA", schema)
+    monkeypatch.setenv("MAINTD_INSTANCE_ID", unique("once"))
+    elector, _ = acquire_once(settings)
+    try:
+        rc, _, err = _cli("run-once", "cleaner")
+    finally:
+        elector.stop()
+    assert rc == 1 and f"another instance holds the leader lock (instance={settings.instance_id} " in err, err
