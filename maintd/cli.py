@@ -103,10 +103,16 @@ def _add_daemon_parsers(sub) -> None:
                                    "be read (its error is shown; the others still are).")
     s.add_argument("--json", action="store_true", help="print JSON instead of text")
     d = sub.add_parser("demo", help="run everything on a throwaway PostgreSQL with a live workload",
-                       description="Start an embedded PostgreSQL, migrate, run the daemon with "
-                                   "short intervals and a small workload of workers, failures, "
-                                   "crashes, periodic and future jobs; print a summary every few "
-                                   "seconds. Ctrl-C or --duration ends it.")
+                       description="Start an embedded PostgreSQL, migrate, run two daemons (demo-a, "
+                                   "demo-b) with short intervals and a small workload of workers, "
+                                   "failures, crashes, periodic and future jobs; print who leads, "
+                                   "the jobs by state and what each service did every few seconds. "
+                                   "After 30 s (or halfway through --duration) the leader is killed "
+                                   "with SIGKILL and the other takes over; at 45 s (or a fifth of the "
+                                   "way through --duration) a report holds a snapshot open for 20 s "
+                                   "and the leader's warning names it. "
+                                   "Ctrl-C or --duration ends it and removes everything (the "
+                                   "database stays with --data-dir).")
     d.add_argument("--duration", type=seconds, metavar="SECONDS", help="stop after SECONDS")
     d.add_argument("--data-dir", metavar="DIR", help="keep the database in DIR (default: temp, removed)")
     d.add_argument("--listen", type=listen_address, default="127.0.0.1:9464",

@@ -456,6 +456,18 @@ def test_demo_help_says_where_both_daemons_listen():
     assert "127.0.0.1:9464" in helptext and "dashboard" in helptext and "next port" in helptext, helptext
 
 
+def test_demo_help_says_what_the_demo_does():
+    """The README: the demo starts two daemons, kills the leader with SIGKILL after 30 s (or
+    halfway through --duration) so the other takes over, and has a report hold a snapshot open
+    (the leader's warning names it). `demo --help` said it ran "the daemon"."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    helptext = " ".join(out.getvalue().split())
+    for said in ("two daemons", "SIGKILL", "takes over", "snapshot"):
+        assert said in helptext, (said, helptext)
+
+
 def test_status_says_a_service_line_is_its_last_recorded_pass():
     """An idle pass that repeats the last record is not written (README "Idle costs nothing"), so
     a cleaner idle for hours read "cleaner success at <hours ago>" under a bare "services:", as
