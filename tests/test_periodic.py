@@ -692,3 +692,41 @@ def test_an_entry_enabled_again_while_no_leader_ran_does_not_backfill_its_pause(
     assert [(pid, when - day) for pid, when in got] == [
         ("moved", timedelta(hours=12)), ("moved", timedelta(hours=16, minutes=30)), ("moved", timedelta(hours=17)),
         ("same", timedelta(hours=12)), ("same", timedelta(hours=17))]
+
+
+def test_a_pass_stopped_mid_entry_counts_no_error_for_the_entry(pg_dsn, schema, engine, caplog):
+    """A reload that changes the entries (or a demotion) stops the running pass as the runner does:
+    its stop flag set and its query cancelled. The entry whose statement was cancelled was counted
+    as failing (maintd_periodic_skipped_total{reason="error"} +1, 'periodic entry failed' logged
+    at error level) though nothing was wrong with it: its slot was not taken and the next pass
+    takes it. The pass is stopped, and says so."""
+    import threading
+
+    from maintd.passes import execute_pass
+    from maintd.runner import _stop
+
+    settings = make_settings(pg_dsn, schema)
+    clock = FrozenClock(START)
+    run(settings, engine, clock)  # the baseline
+    clock.advance(10)
+
+    class CancelledMidEntry(PeriodicEnqueuer):
+        def _enqueue_once(self, ctx, entry, slot, backfilled, result, stamp=None):
+            timer = threading.Timer(0.3, _stop, [ctx])  # the runner's stop, from another thread
+            timer.start()
+            try:
+                with ctx.transaction() as conn:
+                    conn.execute(sql("SELECT pg_sleep(10)", schema))
+            finally:
+                timer.cancel()
+
+    metrics = Metrics(target="t")
+    ctx = PassContext.for_settings(settings, engine, clock, stop_event=threading.Event())
+    record = execute_pass("periodic", CancelledMidEntry(settings.periodic), ctx, metrics)
+    assert record.outcome == "stopped", record.error
+    assert not record.result.errors and "error" not in record.result.skipped.get("tick", {})
+    assert metrics.registry.get_sample_value("maintd_periodic_skipped_total",
+                                             {"target": "t", "periodic_id": "tick", "reason": "error"}) in (None, 0.0)
+    assert "periodic entry failed" not in caplog.text
+    run(settings, engine, clock)  # the next pass takes the slot
+    assert [j.scheduled_at for j in jobs(engine, schema)] == [START.replace(microsecond=0) + timedelta(seconds=10)]

@@ -282,6 +282,8 @@ class PeriodicEnqueuer(Service):
                 except (NotLeader, PassStopped):
                     raise
                 except Exception as exc:  # one broken entry never starves the others
+                    if ctx.should_stop():  # its statement cancelled by a stop (a reload, a demotion)
+                        raise PassStopped() from exc
                     result.fail(entry.job.id, describe_db_error(exc))
                     result.skip(entry.job.id, "error")
                     log.error("periodic entry failed", extra=kv(periodic_id=entry.job.id,
