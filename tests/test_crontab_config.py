@@ -273,3 +273,29 @@ def test_an_empty_crontab_path_is_a_config_error_naming_the_key(tmp_path, pg_dsn
     with pytest.raises(ConfigError) as err:
         load_settings(cfg)
     assert err.value.problems == ["crontab: an empty path: leave the key out (and MAINTD_CRONTAB unset) for no crontab file"]
+
+
+def test_the_crontab_reaches_every_target_also_one_whose_periodic_list_replaces_the_top_levels(
+        tmp_path, pg_dsn, schema):
+    """A target's ``periodic`` replaces the top-level [[periodic]] list; the crontab is a top-level
+    key no target sets, so, like every such key, its lines are entries of every target, a target
+    with a list of its own included (the README said only that the list is replaced). A reload
+    of the crontab file reaches every target too."""
+    other = f"{schema}_b"
+    cfg = write_config(tmp_path, pg_dsn, schema, "0 4 * * * nightly\n",
+                       '[http]\nenabled = false\n'
+                       '[[periodic]]\nid = "top"\nschedule = "@hourly"\nkind = "t"\n'
+                       f'[[targets]]\nschema = "{schema}"\n[[targets.periodic]]\nid = "own"\n'
+                       'schedule = "@hourly"\nkind = "o"\n'
+                       f'[[targets]]\nschema = "{other}"\n')
+    settings = load_settings(cfg)
+    assert [[e.id for e in t.periodic_entries] for t in settings.target_settings()] == \
+        [["own", "nightly"], ["top", "nightly"]]
+    daemon = Daemon(settings, config_path=cfg)
+    try:
+        (tmp_path / "jobs.crontab").write_text("0 4 * * * nightly\n0 5 * * * early\n")
+        assert daemon.reload_from_file()
+        assert [[e.id for e in t.runner.services["periodic"].config] for t in daemon.targets] == \
+            [["own", "nightly", "early"], ["top", "nightly", "early"]]
+    finally:
+        daemon.stop()
