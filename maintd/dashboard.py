@@ -246,7 +246,8 @@ def periodic_listing(conn: Connection, schema: str, entries: Sequence[PeriodicJo
     out = []
     for e in entries:
         try:
-            nxt = parse_schedule(e.schedule, e.timezone).next_after(now) if e.enabled else None
+            refused = e.id not in origin and e.id in errors  # a row the daemon does not use never runs
+            nxt = parse_schedule(e.schedule, e.timezone).next_after(now) if e.enabled and not refused else None
         except ValueError:
             nxt = None
         slot = last.get(e.id)

@@ -47,7 +47,8 @@ def list_entries(engine: Engine, settings: Settings, rows_shown: int | None = No
         out.append({"id": e["id"], "origin": e["origin"], "schedule": e["schedule"],
                     "timezone": zone_read(e["schedule"], e["timezone"]), "kind": e["kind"], "queue": e["queue"],
                     "enabled": e["enabled"], "last_slot": hwms.get(e["id"]),
-                    "next_slot": next_slot if e["enabled"] else None, "error": e["error"]})
+                    "next_slot": next_slot if e["enabled"] and not e["error"] else None,  # a row refused never runs
+                    "error": e["error"]})
     return out, more
 
 

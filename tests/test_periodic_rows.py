@@ -765,3 +765,25 @@ def test_a_schedule_change_committed_after_slots_of_the_old_one_runs_no_slot_onl
     one_pass(settings, engine, FrozenClock(hour + timedelta(hours=2, minutes=30, seconds=1)), service)
     assert [j.scheduled_at - hour for j in jobs_of(engine, schema, "hourly")] == [
         timedelta(0), timedelta(hours=1), timedelta(hours=2, minutes=30)]
+
+
+def test_a_row_the_daemon_refuses_shows_no_next_slot(pg_dsn, schema, engine):
+    """`maintd periodic list`, /status and the dashboard show each entry's next slot. A row the
+    daemon refuses (its id a config entry's, or invalid other than by its schedule) never runs,
+    yet was shown with the next slot of its schedule, as if it would run then."""
+    from maintd.dashboard import periodic_rows
+    from maintd.periodic_table import list_entries
+
+    settings = Settings(database_url=pg_dsn, schema=schema, instance_id="t", periodic=[
+        {"id": "nightly", "schedule": "0 3 * * *", "kind": "from.config"}])
+    add_row(engine, schema, "nightly", schedule="*/5 * * * *", kind="from.table")
+    add_row(engine, schema, "bad id", schedule="*/5 * * * *")
+    add_row(engine, schema, "good", schedule="*/5 * * * *")
+    one_pass(settings, engine, FrozenClock(T0), PeriodicEnqueuer(settings.periodic))
+    assert row_error(engine, schema, "nightly") and row_error(engine, schema, "bad id")
+    tables = [e for e in list_entries(engine, settings) if e["origin"] == "table"]
+    assert {e["id"]: e["next_slot"] is not None for e in tables} == {"nightly": False, "bad id": False, "good": True}
+    with engine.connect() as conn:
+        shown = {r["id"]: r for r in periodic_rows(conn, schema, settings.periodic_entries, T0)}
+    assert shown["bad id"]["next_slot"] is None and shown["good"]["next_slot"] is not None
+    assert shown["nightly"]["origin"] == "config" and shown["nightly"]["next_slot"] == T0 + timedelta(hours=15)
