@@ -730,3 +730,34 @@ def test_a_pass_stopped_mid_entry_counts_no_error_for_the_entry(pg_dsn, schema, 
     assert "periodic entry failed" not in caplog.text
     run(settings, engine, clock)  # the next pass takes the slot
     assert [j.scheduled_at for j in jobs(engine, schema)] == [START.replace(microsecond=0) + timedelta(seconds=10)]
+
+
+def test_a_pass_stopped_during_its_prune_is_stopped_not_a_success(pg_dsn, schema, engine, caplog, monkeypatch):
+    """The prune's cancelled statement (a reload changing the entries, a demotion) was taken for a
+    failed prune: 'could not prune the periodic slots' history' logged as a warning, and the pass
+    recorded as a success although it was stopped."""
+    import threading
+
+    from maintd.passes import execute_pass
+    from maintd.queries import periodic_slots
+    from maintd.runner import _stop
+
+    settings = make_settings(pg_dsn, schema)
+    clock = FrozenClock(START)
+    monkeypatch.setattr(periodic_slots, "PRUNE", "SELECT pg_sleep(10) /* :before :limit */")
+    ctx = PassContext.for_settings(settings, engine, clock, stop_event=threading.Event())
+    service = PeriodicEnqueuer(settings.periodic)
+    original = service._prune
+
+    def prune(ctx, now):
+        timer = threading.Timer(0.3, _stop, [ctx])  # the runner's stop, from another thread
+        timer.start()
+        try:
+            original(ctx, now)
+        finally:
+            timer.cancel()
+
+    service._prune = prune
+    record = execute_pass("periodic", service, ctx, Metrics(target="t"))
+    assert record.outcome == "stopped", (record.outcome, record.error)
+    assert "could not prune" not in caplog.text

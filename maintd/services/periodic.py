@@ -498,6 +498,8 @@ class PeriodicEnqueuer(Service):
                         break
                 ctx.check_stop()
         except DBAPIError as exc:
+            if ctx.should_stop():  # its statement cancelled by a stop (a reload, a demotion)
+                raise PassStopped() from exc
             log.warning("could not prune the periodic slots' history; trying again in a minute",
                         extra=kv(error=describe_db_error(exc)))
             self._last_prune = now - PRUNE_EVERY + PRUNE_RETRY
