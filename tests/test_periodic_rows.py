@@ -781,7 +781,7 @@ def test_a_row_the_daemon_refuses_shows_no_next_slot(pg_dsn, schema, engine):
     add_row(engine, schema, "good", schedule="*/5 * * * *")
     one_pass(settings, engine, FrozenClock(T0), PeriodicEnqueuer(settings.periodic))
     assert row_error(engine, schema, "nightly") and row_error(engine, schema, "bad id")
-    tables = [e for e in list_entries(engine, settings) if e["origin"] == "table"]
+    tables = [e for e in list_entries(engine, settings)[0] if e["origin"] == "table"]
     assert {e["id"]: e["next_slot"] is not None for e in tables} == {"nightly": False, "bad id": False, "good": True}
     with engine.connect() as conn:
         shown = {r["id"]: r for r in periodic_rows(conn, schema, settings.periodic_entries, T0)}
