@@ -138,8 +138,9 @@ class Metrics:
         self.health_read = self[HEALTH_READ]
         for family in [] if shared else metric_families():
             self[family]
-        self.writable.set(1)
-        for family in (IS_LEADER, LEADERSHIP_CHANGES, UP):  # this target's series exist from the start
+        # this target's series exist from the start; maintd_database_writable once it was read
+        # (1 from the start said a database never reached took writes)
+        for family in (IS_LEADER, LEADERSHIP_CHANGES, UP):
             self[family].labels()
 
     def __getitem__(self, family: Family) -> Bound:

@@ -241,3 +241,15 @@ def test_status_gives_the_oldest_available_age_the_gauge_and_the_dashboard_give(
                                              {"target": "t", "queue": "later"}) == 0
     assert leader_figures(gauges.counts, leading=True)["oldest_available_age_seconds"] == {"later": 0}
     assert collect_status(engine, schema)["oldest_available_age_seconds"] == {"later": 0}
+
+
+def test_whether_the_database_takes_writes_is_not_exported_before_it_was_read():
+    """maintd_database_writable was 1 from the start: a daemon that never reached its database
+    (a closed port, a wrong host) said the database took writes. Unknown is no series (Prometheus'
+    way: the HELP stays, so the family is seen); the first read sets it, 1 or 0."""
+    metrics = Metrics(target="t")
+    body = metrics.render().decode()
+    assert "# HELP maintd_database_writable" in body
+    assert 'maintd_database_writable{target="t"}' not in body
+    metrics.writable.set(0)
+    assert 'maintd_database_writable{target="t"} 0.0' in metrics.render().decode()
