@@ -42,7 +42,8 @@ examples:
 exit codes: 0 done, 1 runtime failure, 2 bad configuration or usage (a malformed database_url,
   an unknown option, a job id out of range, ...), 130 interrupted by Ctrl-C (SIGINT) before done
 
-an unreachable database (refused, no route, unknown host, no answer within connect_timeout 5 s):
+an unreachable database (refused, no route, unknown host, no answer within connect_timeout 5 s,
+3 s for the reads of status, jobs list|show and periodic list):
   maintd run      waits for it: retries with backoff (0.2 s doubling to 5 s) while /readyz answers
                   503, and exits 1 only on what waiting cannot fix (a wrong password, a missing
                   database or schema); once running it keeps retrying (a leader steps down)
