@@ -591,7 +591,8 @@ def _status_one(settings: Settings) -> tuple[dict | None, str | None]:
     engine = reader_engine(settings.database_url.get_secret_value(), settings.instance_id, kept=1, most=1)
     try:
         return collect_status(engine, settings.schema, max_queues=settings.metrics.max_queues,
-                              health=settings.health.enabled, show_query=settings.health.show_query), None
+                              health=settings.health.enabled, show_query=settings.health.show_query,
+                              configured_layout=settings.layout), None
     except SchemaMissing as exc:
         return None, str(exc)
     except Exception as exc:  # one target's outage does not hide the others

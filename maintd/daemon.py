@@ -454,6 +454,7 @@ class Daemon:
             engine = self.readers.engine(target.settings.database_url.get_secret_value())
             data: dict[str, Any] = collect_status(
                 engine, target.settings.schema, max_queues=self.settings.metrics.max_queues,
+                configured_layout=target.settings.layout,
                 jobs=leader_figures(target.runner.gauges.counts, leading=target.is_leader))
             data["periodic"], data["periodic_more"] = list_entries(engine, target.settings, STATUS_ROWS)
             return data, 200

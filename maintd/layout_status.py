@@ -6,17 +6,30 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, Engine, text
 
 from .queries import catalog, partitions, sql
 
 
-def layout_summary(conn: Connection, schema: str) -> dict[str, Any]:
+# A table converted while the config still says plain (the README's last step forgotten).
+NOT_KEPT = ('the jobs table is partitioned but the config says layout = "plain": the leader keeps no '
+            'partitions (none made ahead, so finished jobs soon all land in the catch-all; none dropped): '
+            'set layout = "partitioned" and reload')
+
+
+def layout_summary(conn: Connection, schema: str, configured: str | None = None) -> dict[str, Any]:
+    """The table's layout; ``configured``: the config's, which a note compares with it."""
     if not conn.execute(text(catalog.JOBS_PARTITIONED), {"schema": schema}).scalar():
         return {"layout": "plain"}
     row = conn.execute(sql(partitions.SUMMARY, schema)).one()
     return {"layout": "partitioned", "partitions": int(row.partitions), "oldest": row.oldest,
-            "newest": row.newest, "stray_rows": int(row.stray_rows)}
+            "newest": row.newest, "stray_rows": int(row.stray_rows),
+            **({"note": NOT_KEPT} if configured == "plain" else {})}
+
+
+def partitioned(engine: Engine, schema: str) -> bool:
+    with engine.connect() as conn:
+        return bool(conn.execute(text(catalog.JOBS_PARTITIONED), {"schema": schema}).scalar())
 
 
 def format_layout(summary: dict[str, Any]) -> str:
@@ -24,7 +37,8 @@ def format_layout(summary: dict[str, Any]) -> str:
         return f"layout: {summary.get('layout', 'plain')}"
     return (f"layout: partitioned, {summary['partitions']} partitions of final jobs from "
             f"{_iso(summary['oldest'])} to {_iso(summary['newest'])}, "
-            f"{summary['stray_rows']} stray rows in the catch-all partitions")
+            f"{summary['stray_rows']} stray rows in the catch-all partitions"
+            + (f"\n  warning: {summary['note']}" if summary.get("note") else ""))
 
 
 def _iso(v: Any) -> Any:

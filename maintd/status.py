@@ -46,8 +46,10 @@ def _rows(conn: Connection, template: str, schema: str, params: dict | None = No
 
 
 def collect_status(engine: Engine, schema: str, *, jobs: dict[str, Any] | None = None,
-                   max_queues: int = MAX_QUEUES, health: bool = False, show_query: bool = False) -> dict[str, Any]:
+                   max_queues: int = MAX_QUEUES, health: bool = False, show_query: bool = False,
+                   configured_layout: str | None = None) -> dict[str, Any]:
     """``jobs``: the job figures to show (:func:`leader_figures`); None: count them here.
+    ``configured_layout``: the config's ``layout``, which the table's is compared with.
     ``health``: read the table health too (``maintd status``; the daemon's /status serves its
     leader's last read from memory instead)."""
     classid, objid = advisory_key(schema)
@@ -73,7 +75,7 @@ def collect_status(engine: Engine, schema: str, *, jobs: dict[str, Any] | None =
             "database_writable": conn.execute(text(catalog.SERVER_WRITABLE)).scalar_one(),
             **replicas(_rows(conn, daemons.REGISTERED, schema)),
             "services": [{**r, **annotate(r["service"], r["result"])} for r in services],
-            "layout": {k: _iso(v) for k, v in layout_summary(conn, schema).items()},
+            "layout": {k: _iso(v) for k, v in layout_summary(conn, schema, configured_layout).items()},
         }
         # The leader's figures are bounded already (JobGauges keeps them as shown).
         status.update(bounded_jobs(_count(conn, schema), max_queues) if jobs is None else jobs)

@@ -12,6 +12,7 @@ from sqlalchemy import Engine
 from .clock import Clock
 from .config import Settings
 from .election import Request, Term
+from .layout_status import NOT_KEPT, partitioned
 from .leader import Seat
 from .logs import kv
 from .metrics import Metrics
@@ -39,6 +40,8 @@ class Target(Seat):
 
     def check_schema(self) -> None:
         check_ready(self.engine, self.settings.schema)
+        if self.settings.layout == "plain" and partitioned(self.engine, self.settings.schema):
+            log.warning(NOT_KEPT, extra=kv(target=self.name))
 
     def start(self) -> None:
         self.started, self.problem = True, None

@@ -1183,3 +1183,29 @@ def test_the_emptied_line_marks_a_row_count_that_is_an_estimate(engine, schema, 
     assert result.estimated
     [rows] = [r.fields["rows"] for r in caplog.records if r.getMessage() == "partition emptied"]
     assert str(rows).startswith("~"), f"an estimate logged as a count: rows={rows}"
+
+
+def test_a_partitioned_table_under_a_plain_config_is_said_by_status_and_the_daemon(engine, schema, pg_dsn, maintd_log):
+    """The README's last step of a conversion is `layout = "partitioned"`; forgotten, the leader
+    keeps no partitions (none made ahead: after `premake` steps every finished job lands in the
+    catch-all; none dropped), and nothing said so: the partitioner warned only the other way
+    round (a partitioned config on a plain table). Now the daemon warns when it checks the schema,
+    and `maintd status` (and /status) carry the note under the layout."""
+    from maintd.config import Settings
+    from maintd.daemon import Daemon
+    from maintd.status import collect_status, format_status
+
+    for configured in ("plain", "partitioned"):
+        st = collect_status(engine, schema, configured_layout=configured)
+        note = st["layout"].get("note")
+        assert (note is not None and 'layout = "partitioned"' in note) == (configured == "plain"), st["layout"]
+        assert ("warning: " in format_status(st)) == (configured == "plain")
+    for configured in ("plain", "partitioned"):
+        maintd_log.clear()
+        daemon = Daemon(Settings(database_url=pg_dsn, schema=schema, instance_id="t", layout=configured))
+        try:
+            daemon.targets[0].check_schema()
+        finally:
+            daemon.readers.dispose()
+        warned = [line for line in maintd_log if "keeps no partitions" in line]
+        assert len(warned) == (configured == "plain"), maintd_log
