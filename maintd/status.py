@@ -107,9 +107,10 @@ def _health(conn: Connection, schema: str, show_query: bool) -> dict[str, Any]:
 
 def replicas(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """``daemons``: the live ones (lock session connected now); ``gone``: registered within the
-    last hour, session gone (killed, stopped, frozen past the lease)."""
+    last hour, session gone (killed, stopped, frozen past the lease), with when it was last seen
+    (when it stopped, or a live replica saw it leave; else its last connect)."""
     return {"daemons": [{k: v for k, v in r.items() if k != "alive"} for r in rows if r["alive"]],
-            "gone": [{k: r[k] for k in ("instance_id", "host", "pid", "version", "started_at")}
+            "gone": [{k: r[k] for k in ("instance_id", "host", "pid", "version", "started_at", "last_seen_at")}
                      for r in rows if not r["alive"]]}
 
 
@@ -164,7 +165,7 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append("daemons: none alive")
     for d in st.get("gone", []):
         lines.append(f"  {d['instance_id']:<24} host {d['host']}  pid {d['pid']}  "
-                     f"v{d['version']}  gone (no lock session)")
+                     f"v{d['version']}  gone (no lock session; last seen {_time(d['last_seen_at'])})")
     if st.get("layout"):
         lines.append(format_layout(st["layout"]))
     # idle passes that repeat the record are not written (no WAL): the daemon's /status has every one

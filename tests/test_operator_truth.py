@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+from datetime import datetime
 import time
 import urllib.error
 import urllib.request
@@ -65,7 +66,7 @@ def test_a_killed_replica_is_shown_gone_as_soon_as_its_session_is(pg_dsn, schema
         took = time.monotonic() - killed
         assert took < 3, took  # the session's end, not a minute
         assert [d["instance_id"] for d in st["daemons"]] == [a]
-        assert re.search(rf"{b}\s.*gone \(no lock session\)", format_status(st))
+        assert re.search(rf"{b}\s.*gone \(no lock session; last seen ", format_status(st))
         html = _overview_html(settings)
         assert re.search(r'id="replicas-alive">1<', html)
         row = re.search(rf'<tr data-instance="{b}">(.*?)</tr>', html, re.S).group(1)
@@ -111,6 +112,10 @@ def test_a_daemon_stopped_cleanly_after_an_hour_is_shown_gone(pg_dsn, schema, en
         daemon.stop()
     st = collect_status(engine, schema)
     assert st["daemons"] == [] and [d["instance_id"] for d in st["gone"]] == [me], st
+    # when it left: the gone entries dropped last_seen_at, so neither the text nor the JSON said
+    left = datetime.fromisoformat(st["gone"][0]["last_seen_at"])
+    assert abs((datetime.fromisoformat(st["time"]) - left).total_seconds()) < 30, st["gone"]
+    assert f"gone (no lock session; last seen {left:%Y-%m-%d %H:%M:%S} UTC)" in format_status(st)
 
 
 def test_readyz_says_a_target_whose_schema_is_missing_needs_maintd_migrate(pg_dsn, schema):
