@@ -295,12 +295,13 @@ class JobGauges:
         self._final_counted_at = float("-inf")
         self.counts: JobCounts | None = None  # None: not leading, or not counted yet
         self._final_rows: dict[tuple[str, str], int] = {}
+        self._final_known = False  # the final states were counted this term
 
     def clear(self) -> None:
         self.metrics.jobs.clear()
         self.metrics.oldest_available_age.clear()
         self._final_counted_at = float("-inf")
-        self.counts, self._final_rows = None, {}
+        self.counts, self._final_rows, self._final_known = None, {}, False
 
     def final_due(self) -> bool:
         """Whether the final states are due for a count (never counted in this term, or 5 min ago)."""
@@ -334,6 +335,7 @@ class JobGauges:
             if final:  # until the next count of final states (compact: 100,000 queues may have rows)
                 self._final_rows = {(r["queue"], r["state"]): r["count"] for r in counts
                                     if r["state"] in FINAL_STATES}
+                self._final_known = True
             if final or missed_final:
                 self._final_counted_at = time.monotonic()  # (under the lock a demotion's clear takes)
             rows = self._merged(counts)
@@ -363,10 +365,15 @@ class JobGauges:
         for row in rows:
             totals[row["queue"]] = totals.get(row["queue"], 0) + row["count"]
         kept = set(sorted(totals, key=lambda q: (-totals[q], q))[:self.metrics.max_queues])
+        # Every state of every queue shown, 0 where it has no job ("avoid missing metrics": a
+        # drained queue's series read 0, not no data); the final ones once counted this term.
+        states = [s for s in JOB_STATES if self._final_known or s not in FINAL_STATES]
         summed: dict[tuple[str, ...], float] = {}
         for row in rows:
-            key = (row["queue"] if row["queue"] in kept else OTHER, row["state"])
-            summed[key] = summed.get(key, 0) + row["count"]
+            queue = row["queue"] if row["queue"] in kept else OTHER
+            for state in states:
+                summed.setdefault((queue, state), 0)
+            summed[(queue, row["state"])] = summed.get((queue, row["state"]), 0) + row["count"]
         ages: dict[tuple[str, ...], float] = {}
         for queue, age in oldest.items():
             name = (queue if queue in kept else OTHER,)

@@ -76,7 +76,8 @@ def test_a_scrape_during_a_refresh_of_the_job_gauges_sees_every_series_at_its_va
             jobs = [line for line in lines if line.startswith("maintd_jobs{")]
             ages = [line for line in lines if line.startswith("maintd_oldest_available_job_age_seconds{")]
             values = {line.rpartition(" ")[2] for line in jobs + ages}
-            if len(jobs) != 100 or len(ages) != 100 or values - {"5.0", "10.0"}:
+            # 100 queues x 7 states (0 where a queue has none: no series comes and goes)
+            if len(jobs) != 700 or len(ages) != 100 or values - {"5.0", "10.0", "0.0"}:
                 wrong.append((len(jobs), len(ages), sorted(values)))
     finally:
         done.set()
@@ -102,6 +103,8 @@ def test_label_values_from_the_database_reach_metrics_with_their_control_charact
         body = metrics.render().decode()
         assert not [c for c in body if (ord(c) < 0x20 and c != "\n") or c in "\x7f\u202e"]
         lines = [line for line in body.splitlines() if line.startswith(("maintd_jobs{", "maintd_oldest_available"))]
+        assert len([line for line in lines if line.endswith(" 0.0")]) == 6  # its other states
+        lines = [line for line in lines if not line.endswith(" 0.0")]
         assert lines == ['maintd_jobs{queue="mail\\\\x1b]0;owned\\\\x07\\\\u202e",state="available",target="t"} 3.0',
                          'maintd_oldest_available_job_age_seconds{queue="mail\\\\x1b]0;owned\\\\x07\\\\u202e",target="t"} 10.0'], lines
     gauges.take([], {}, None, final=True)
@@ -253,3 +256,30 @@ def test_whether_the_database_takes_writes_is_not_exported_before_it_was_read():
     assert 'maintd_database_writable{target="t"}' not in body
     metrics.writable.set(0)
     assert 'maintd_database_writable{target="t"} 0.0' in metrics.render().decode()
+
+
+def test_a_queue_drained_reads_0_in_maintd_jobs_not_no_series():
+    """Prometheus' instrumentation practices, "Avoid missing metrics": a series that comes and goes
+    breaks graphs and rate() and reads as no data. maintd_jobs had a series only for a (queue,
+    state) with jobs: once a queue's backlog drained, maintd_jobs{state="available"} vanished
+    instead of reading 0. Every queue shown has every live state, and every final state once
+    the final states were counted this term (before that their counts are unknown, not 0)."""
+    from maintd.metrics import JobGauges
+    from maintd.queries import FINAL_STATES, JOB_STATES
+
+    metrics = Metrics(target="t")
+    gauges = JobGauges(metrics)
+
+    def series() -> dict[str, float]:
+        return {line.rpartition(" ")[0]: float(line.rpartition(" ")[2])
+                for line in metrics.render().decode().splitlines() if line.startswith("maintd_jobs{")}
+
+    gauges.take([{"queue": "mail", "state": "available", "count": 3}], {"mail": 1.0}, None, final=False)
+    live = [s for s in JOB_STATES if s not in FINAL_STATES]
+    assert series() == {f'maintd_jobs{{queue="mail",state="{s}",target="t"}}': 3.0 if s == "available" else 0.0
+                        for s in live}
+    gauges.take([{"queue": "mail", "state": "completed", "count": 3}], {}, None, final=True)  # drained
+    assert series() == {f'maintd_jobs{{queue="mail",state="{s}",target="t"}}': 3.0 if s == "completed" else 0.0
+                        for s in JOB_STATES}
+    gauges.take([], {}, None, final=True)  # the queue is gone: its series go with it
+    assert series() == {}
