@@ -761,3 +761,18 @@ def test_a_pass_stopped_during_its_prune_is_stopped_not_a_success(pg_dsn, schema
     record = execute_pass("periodic", service, ctx, Metrics(target="t"))
     assert record.outcome == "stopped", (record.outcome, record.error)
     assert "could not prune" not in caplog.text
+
+
+def test_the_slot_history_is_pruned_also_once_every_entry_is_gone(pg_dsn, schema, engine):
+    """The prune ran only after a pass's entries: with none left (every entry removed, no rows),
+    the history of the entries that were there stayed for good, a row a slot."""
+    old = START - timedelta(days=100)
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.periodic_slots (periodic_id, slot, backfilled, instance_id) "
+                         "SELECT 'gone', CAST(:old AS timestamptz) + g * interval '1 minute', false, 'i' "
+                         "FROM generate_series(1, 5) g", schema), {"old": old})
+    settings = Settings(database_url=pg_dsn, schema=schema, periodic=[])
+    run(settings, engine, FrozenClock(START), PeriodicEnqueuer(settings.periodic))
+    with engine.connect() as conn:
+        left = conn.execute(sql("SELECT slot FROM {schema}.periodic_slots WHERE periodic_id = 'gone'", schema)).scalars().all()
+    assert left == [old + timedelta(minutes=5)]  # the newest of an id always stays

@@ -269,8 +269,13 @@ class PeriodicEnqueuer(Service):
 
     def _run_entries(self, ctx: PassContext, entries: list[Entry], now: datetime,
                      result: PeriodicResult) -> None:
-        if not entries:
-            return
+        if entries:
+            self._take_slots(ctx, entries, now, result)
+        if not ctx.dry_run:  # also with no entry left: the history of those that were
+            self._prune(ctx, now)
+
+    def _take_slots(self, ctx: PassContext, entries: list[Entry], now: datetime,
+                    result: PeriodicResult) -> None:
         with ctx.transaction(fenced=False) as conn:
             hwms = {r.periodic_id: (r.hwm, r.taken_under) for r in conn.execute(
                 ctx.sql(periodic_slots.HIGH_WATER), {"ids": [e.job.id for e in entries]})}
@@ -288,8 +293,6 @@ class PeriodicEnqueuer(Service):
                     result.skip(entry.job.id, "error")
                     log.error("periodic entry failed", extra=kv(periodic_id=entry.job.id,
                                                                 error=describe_db_error(exc)))
-        if not ctx.dry_run:
-            self._prune(ctx, now)
 
     def _run_entry(self, ctx: PassContext, entry: Entry, newest: tuple[datetime, str | None] | None,
                    now: datetime, result: PeriodicResult) -> None:
