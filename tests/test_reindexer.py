@@ -635,3 +635,33 @@ def test_a_stop_while_the_rebuild_s_connection_is_prepared_starts_no_rebuild(pg_
     assert record.outcome is Outcome.STOPPED, (record.outcome, record.error)
     assert index_oids(pg_dsn, schema)["jobs_finalized_idx"] == before["jobs_finalized_idx"]  # not rebuilt
     assert record.result.indexes == [], record.result
+
+
+@pytest.mark.parametrize("layout", ["partitioned"], indirect=True)
+def test_on_the_partitioned_layout_a_refusal_names_the_live_partition_whose_privilege_is_missing(
+        pg_dsn, pg_version, schema, settings):
+    """SPEC 8.1: the rebuilt indexes are the live partition's (jobs_live), and PostgreSQL checks
+    ownership or MAINTAIN (17+) on that table itself: MAINTAIN granted on jobs, as the refusal
+    said ('needs ownership of the jobs table (or MAINTAIN on it ...)'), does not reach its
+    partition, and the same refusal came back however often it was followed. It now names
+    jobs_live, and granting what it names lets the role rebuild."""
+    seed(pg_dsn, schema, 200)
+    maintain = pg_version >= 17
+    settings.reindexer.indexes = ["jobs_fetch_idx"]
+    with role_engine(pg_dsn, schema, "SELECT, INSERT, UPDATE, DELETE") as engine:
+        with engine.connect() as conn:
+            role = conn.execute(text("SELECT current_user")).scalar()
+        if maintain:  # what the refusal said to grant
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute(f'GRANT MAINTAIN ON "{schema}".jobs TO {role}')
+        [report] = run(settings, engine).indexes
+        assert report.outcome == "not_permitted", report
+        assert "ownership of the jobs_live table" in report.error, report.error
+        if maintain:
+            assert "MAINTAIN on the partitioned jobs table does not reach" in report.error, report.error
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:  # what it says now
+                conn.execute(f'GRANT MAINTAIN ON "{schema}".jobs_live TO {role}')
+            [report] = run(settings, engine).indexes
+            assert report.outcome == "reindexed", report
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f'REVOKE ALL ON "{schema}".jobs, "{schema}".jobs_live FROM {role}')

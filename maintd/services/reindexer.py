@@ -69,8 +69,11 @@ NEEDS_OWNER = ("42501",)
 # keeping its transaction through a job) fails the rebuild, while those waits block no one.
 OLDER_TRANSACTION = ("a transaction older than the rebuild kept the jobs table for over reindexer.lock_timeout "
                      "({}); its waits block no worker: raise lock_timeout (up to timeout) to wait for such transactions")
-NOT_PERMITTED = ("this role may not reindex it: REINDEX INDEX CONCURRENTLY needs ownership of the jobs "
-                 "table (or MAINTAIN on it, PostgreSQL 17+): run the reindexer as the owner role")  # insufficient_privilege ("must be owner of index")
+# {table}: the index's own table, which PostgreSQL checks (jobs, or the partitioned layout's jobs_live).
+NOT_PERMITTED = ("this role may not reindex it: REINDEX INDEX CONCURRENTLY needs ownership of the {table} "
+                 "table (or MAINTAIN on it, PostgreSQL 17+{partition}): run the reindexer as the owner role")  # insufficient_privilege ("must be owner of index")
+# MAINTAIN on a partitioned table allows REINDEX TABLE of it, not REINDEX INDEX of a partition's index.
+PARTITION_PRIVILEGE = "; MAINTAIN on the partitioned jobs table does not reach its partition {table}"
 PARTITIONED_INDEX = ("a partitioned index of jobs (the partitioned layout): the reindexer rebuilds the indexes of "
                      "the live partition jobs_live{}; the final states' partitions are not rebuilt (retention "
                      "drops them)")
@@ -158,7 +161,7 @@ class Reindexer(Service):
                 continue
             report.bytes_before = catalog_rows[index].bytes
             if not catalog_rows[index].can_reindex:
-                self._not_permitted(report)
+                self._not_permitted(report, catalog_rows[index].table)
                 continue
             report.bloat_percent = self._bloat(ctx, index, has_pgstattuple)
             artifacts = self._leftovers(catalog_rows, report)
@@ -170,9 +173,12 @@ class Reindexer(Service):
                 raise
         if not ctx.dry_run:  # a stop before an index's rebuild was sent: no attempt to report
             result.indexes = [r for r in result.indexes if r.outcome != "planned"]
-        refused = [r.index for r in result.indexes if r.outcome == "not_permitted"]
-        if refused:  # one line for the pass, not one per index
-            log.warning("cannot reindex", extra=kv(indexes=",".join(refused), error=NOT_PERMITTED))
+        refused: dict[str, list[str]] = {}  # error -> indexes: one line for the pass, not one per index
+        for r in result.indexes:
+            if r.outcome == "not_permitted":
+                refused.setdefault(r.error or "", []).append(r.index)
+        for error, names in refused.items():
+            log.warning("cannot reindex", extra=kv(indexes=",".join(names), error=error))
         if ctx.should_stop():  # cut short (demotion, shutdown): a stopped pass, with what it did
             raise PassStopped()
         return result
@@ -204,10 +210,11 @@ class Reindexer(Service):
         return [r.name for r in found if r.can_drop]
 
     @staticmethod
-    def _not_permitted(report: IndexReport) -> None:
-        """Not planned, not tried: this role may not rebuild the index."""
+    def _not_permitted(report: IndexReport, table: str) -> None:
+        """Not planned, not tried: this role may not rebuild the index (of ``table``)."""
         report.outcome = "not_permitted"
-        report.error = NOT_PERMITTED
+        report.error = NOT_PERMITTED.format(
+            table=table, partition="" if table == "jobs" else PARTITION_PRIVILEGE.format(table=table))
 
     def _healthy(self, report: IndexReport) -> bool:
         """Below the bloat threshold: not worth a rebuild."""
