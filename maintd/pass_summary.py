@@ -143,7 +143,9 @@ def _reindexer(r: Result, verb: str) -> str:
     for i in indexes:
         took = i.get("seconds") if isinstance(i.get("seconds"), (int, float)) else None
         took = f" in {seconds(took)}" if i.get("outcome") == "reindexed" and took else ""
-        out.append(f"{i.get('index')} {i.get('outcome')}{took}")
+        kept = [str(n) for n in i.get("leftovers_kept") or []] if isinstance(i.get("leftovers_kept"), list) else []
+        kept_said = f" (kept leftover {', '.join(kept)}: the owner role must drop it)" if kept else ""
+        out.append(f"{i.get('index')} {i.get('outcome')}{took}{kept_said}")
     return ", ".join(out)
 
 

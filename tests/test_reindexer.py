@@ -665,3 +665,28 @@ def test_on_the_partitioned_layout_a_refusal_names_the_live_partition_whose_priv
             assert report.outcome == "reindexed", report
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute(f'REVOKE ALL ON "{schema}".jobs, "{schema}".jobs_live FROM {role}')
+
+
+def test_a_pass_failed_by_a_kept_leftover_names_it_in_its_error_and_summary(pg_dsn, pg_version, schema, settings):
+    """PostgreSQL 17+: a MAINTAIN holder rebuilds the index but may not drop an earlier build's
+    leftover, and the pass fails for it. The pass's error ('part of the pass failed:
+    jobs_fetch_idx=reindexed') and its summary ('jobs_fetch_idx reindexed'), what `maintd status`,
+    /status and the dashboard show, named nothing that failed: the leftover and what to do
+    were only in the result's details and a log line. Before 17 (no MAINTAIN) the index is
+    not_permitted, which both name."""
+    from maintd.passes import Outcome, execute_pass
+
+    maintain = pg_version >= 17
+    seed(pg_dsn, schema, 200)
+    make_invalid(pg_dsn, schema, "jobs_fetch_idx_ccnew")
+    settings.reindexer.indexes = ["jobs_fetch_idx"]
+    with role_engine(pg_dsn, schema, "SELECT, INSERT, UPDATE, DELETE" + (", MAINTAIN" if maintain else "")) as engine:
+        ctx = PassContext.for_settings(settings, engine, ServerClock())
+        record = execute_pass("reindexer", Reindexer(settings.reindexer), ctx)
+    assert record.outcome is Outcome.ERROR, (record.outcome, record.error)
+    said = record.as_dict()
+    if not maintain:
+        assert "not_permitted" in record.error and "not_permitted" in said["summary"], said
+        return
+    assert "jobs_fetch_idx_ccnew" in record.error, record.error
+    assert "jobs_fetch_idx_ccnew" in said["summary"], said["summary"]

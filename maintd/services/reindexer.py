@@ -131,7 +131,10 @@ class ReindexerResult(PassResult):
                    for r in self.indexes)
 
     def summary(self) -> str:
-        return " ".join(f"{r.index}={r.outcome}" for r in self.indexes)
+        """``index=outcome`` each, with the leftovers this role kept (what failed a rebuilt index)."""
+        return " ".join(f"{r.index}={r.outcome}" + (f" (kept leftover {','.join(r.leftovers_kept)}: the owner "
+                                                    "role must drop it)" if r.leftovers_kept else "")
+                        for r in self.indexes)
 
 
 class Reindexer(Service):
