@@ -690,3 +690,33 @@ def test_a_pass_failed_by_a_kept_leftover_names_it_in_its_error_and_summary(pg_d
         return
     assert "jobs_fetch_idx_ccnew" in record.error, record.error
     assert "jobs_fetch_idx_ccnew" in said["summary"], said["summary"]
+
+
+def test_pgstatindex_is_called_in_the_extension_s_schema_not_whatever_the_search_path_finds(pg_dsn):
+    """The bloat estimate called ``pgstatindex(...)`` unqualified whenever pgstattuple was installed
+    anywhere in the database: with the extension in a schema of its own (``extensions``, as
+    hosted services do) and a ``pgstatindex(regclass)`` planted in ``public`` by a role that may
+    create there, every pass ran the planted function as the reindexer's role (the owner, or a
+    superuser): PostgreSQL's CVE-2018-1058 pattern. It now calls the extension's own function."""
+    db = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{db}"')
+    dsn = urlsplit(pg_dsn)._replace(path=f"/{db}").geturl()
+    engine = make_engine(dsn, application_name="maintd-test", pool_size=2)
+    try:
+        with engine.connect() as conn:
+            migrate.upgrade(conn, "maintd")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE SCHEMA extensions")
+            conn.execute("CREATE EXTENSION pgstattuple SCHEMA extensions")
+            conn.execute("""CREATE FUNCTION public.pgstatindex(regclass) RETURNS TABLE (avg_leaf_density float8)
+                            LANGUAGE sql AS $$ SELECT float8 '-1000' $$""")  # its figure: 1090 % bloat
+            conn.execute("INSERT INTO maintd.jobs (kind) SELECT 'k' FROM generate_series(1, 2000)")
+            density = conn.execute("SELECT avg_leaf_density FROM extensions.pgstatindex('maintd.jobs_pkey')").fetchone()[0]
+        settings = Settings(database_url=dsn, schema="maintd", reindexer={"indexes": ["jobs_pkey"]})
+        [report] = run(settings, engine, dry_run=True).indexes
+        assert report.bloat_percent == round(max(0.0, 90 - density), 1), (report, density)
+    finally:
+        engine.dispose()
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')

@@ -1,5 +1,7 @@
 """Statements on PostgreSQL's catalogs (the reindexer, schema checks, the server clock)."""
 
+from ..identifiers import quote_catalog_name
+
 SERVER_TIME = "SELECT clock_timestamp()"
 TRANSACTION_TIME = "SELECT now()"  # the time the transaction began: one instant for all its reads
 STATEMENT_TIME = "SELECT statement_timestamp()"
@@ -68,13 +70,26 @@ SELECT t.relname AS table, c.relkind = 'I' AS partitioned,
  WHERE n.nspname = :schema AND c.relname = :index
 """
 
-HAS_PGSTATTUPLE = "SELECT count(*) > 0 FROM pg_extension WHERE extname = 'pgstattuple'"
+# The schema pgstattuple is installed in (NULL: not installed): its pgstatindex is called there,
+# never through the search_path, where a role that may create in a schema listed before it
+# (public, say) could plant one that runs as the reindexer's role (CVE-2018-1058).
+PGSTATTUPLE_SCHEMA = """
+SELECT n.nspname FROM pg_extension AS e JOIN pg_namespace AS n ON n.oid = e.extnamespace
+ WHERE e.extname = 'pgstattuple'
+"""
 
-# Leaf density of a btree: a fresh index is about 90 % full (the default fillfactor).
+# Leaf density of a btree: a fresh index is about 90 % full (the default fillfactor). {ext}: the
+# extension's schema, quoted (:func:`pgstatindex_bloat`).
 PGSTATINDEX_BLOAT = """
 SELECT greatest(0, 90 - avg_leaf_density)::float8 AS bloat
-  FROM pgstatindex(CAST(:qualified AS regclass))
+  FROM {ext}.pgstatindex(CAST(:qualified AS regclass))
 """
+
+
+def pgstatindex_bloat(ext_schema: str) -> str:
+    """:data:`PGSTATINDEX_BLOAT` calling the ``pgstatindex`` of schema ``ext_schema`` (a name
+    read from the catalog, quoted as the server's ``%I`` does)."""
+    return PGSTATINDEX_BLOAT.format(ext=quote_catalog_name(ext_schema))
 
 # Catalog estimate: pages the index would need at 90 % fill for its tuples, vs its size. The
 # widths are the statistics of the index's own table (jobs, or the partitioned layout's jobs_live).

@@ -152,7 +152,7 @@ class Reindexer(Service):
         result = ctx.begin(ReindexerResult(dry_run=ctx.dry_run))
         with ctx.transaction(fenced=False) as conn:
             catalog_rows = {r.name: r for r in conn.execute(text(catalog.JOBS_INDEXES), {"schema": ctx.schema})}
-            has_pgstattuple = bool(conn.execute(text(catalog.HAS_PGSTATTUPLE)).scalar())
+            pgstattuple = conn.execute(text(catalog.PGSTATTUPLE_SCHEMA)).scalar()  # its schema, or None
         wanted = list(self.config.indexes) or [n for n in catalog_rows if not ARTIFACT_RE.search(n)]
         for index in wanted:
             if ctx.should_stop():
@@ -166,7 +166,7 @@ class Reindexer(Service):
             if not catalog_rows[index].can_reindex:
                 self._not_permitted(report, catalog_rows[index].table)
                 continue
-            report.bloat_percent = self._bloat(ctx, index, has_pgstattuple)
+            report.bloat_percent = self._bloat(ctx, index, pgstattuple)
             artifacts = self._leftovers(catalog_rows, report)
             try:
                 if not self._reindex(ctx, report, artifacts):
@@ -326,10 +326,11 @@ class Reindexer(Service):
             log.warning("could not read the size of a rebuilt index", extra=kv(index=index, error=describe_db_error(exc)))
             return None
 
-    def _bloat(self, ctx: PassContext, index: str, has_pgstattuple: bool) -> float | None:
-        """Estimated bloat in percent: ``pgstatindex`` when installed (and allowed), else the
-        catalog estimate."""
-        queries = [(catalog.PGSTATINDEX_BLOAT, {"qualified": _qualified(ctx.schema, index)})] if has_pgstattuple else []
+    def _bloat(self, ctx: PassContext, index: str, pgstattuple: str | None) -> float | None:
+        """Estimated bloat in percent: ``pgstatindex`` when installed (``pgstattuple``: the schema
+        of the extension, whose own function is called) and allowed, else the catalog estimate."""
+        queries = ([(catalog.pgstatindex_bloat(pgstattuple), {"qualified": _qualified(ctx.schema, index)})]
+                   if pgstattuple is not None else [])
         queries.append((catalog.ESTIMATED_BLOAT, {"schema": ctx.schema, "index": index}))
         for query, params in queries:
             try:
