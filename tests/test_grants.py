@@ -27,7 +27,7 @@ import psycopg
 import pytest
 
 import maintd
-from maintd import grants, migrate
+from maintd import grants, migrate, partitions
 from maintd.db import make_engine
 from maintd.jobs import JobQueue
 
@@ -295,6 +295,45 @@ def test_printed_sql_grants_exactly_the_declared_privileges(pg_dsn, schema, work
                           for name, _ in grants.DAEMON_FUNCTIONS}
         assert (usage, create, db_create) == (True, False, False)
         assert set(executable.values()) == {not worker}  # revoked from PUBLIC, granted to the daemon
+
+
+@pytest.mark.parametrize("layout", ["partitioned"], indirect=True)
+def test_the_daemon_role_can_reach_the_partition_ddl_only_through_its_guarded_functions(pg_dsn, schema):
+    """SPEC 8.1: the partition functions run as the schema's owner. Every SECURITY DEFINER one
+    pins search_path to pg_catalog, pg_temp; the daemon's role may call exactly those `maintd
+    grants` names, none of the helpers that take a table name (new_partition_table,
+    rename_partition, attach_partition, ...); and maintain_partitions refuses a state that is
+    not a final one (the live partition, a quoted name) before touching anything."""
+    granted = {sig for sig, _ in grants.DAEMON_FUNCTIONS}
+    helpers = [partitions._name_args(sig) for sig, *_ in partitions.HELPERS
+               if not sig.startswith(partitions.PUBLIC_HELPERS) and partitions._name_args(sig) not in granted]
+    assert "new_partition_table(text, text)" in helpers and "rename_partition(text, text)" in helpers
+    with login_role(pg_dsn) as role:
+        apply(pg_dsn, grants.render([schema], role))
+        with psycopg.connect(pg_dsn) as conn:
+            definers = dict(conn.execute(
+                "SELECT p.proname, p.proconfig FROM pg_proc AS p WHERE p.pronamespace = to_regnamespace(%s)"
+                " AND p.prosecdef", (f'"{schema}"',)).fetchall())
+            relations = conn.execute("SELECT count(*) FROM pg_class WHERE relnamespace = to_regnamespace(%s)",
+                                     (f'"{schema}"',)).fetchone()[0]
+        assert definers and all("search_path=pg_catalog, pg_temp" in (config or []) for config in definers.values())
+        with psycopg.connect(role_dsn(pg_dsn, role)) as conn:
+            callable_definers = {name for name in definers if conn.execute(
+                "SELECT bool_or(has_function_privilege(p.oid, 'EXECUTE')) FROM pg_proc AS p"
+                " WHERE p.pronamespace = to_regnamespace(%s) AND p.proname = %s",
+                (f'"{schema}"', name)).fetchone()[0]}
+            assert callable_definers == {sig.split("(")[0] for sig, _ in grants.DAEMON_FUNCTIONS}
+            for name_args in helpers:
+                assert not conn.execute("SELECT has_function_privilege(%s, 'EXECUTE')",
+                                        (f'"{schema}".{name_args}',)).fetchone()[0], name_args
+            for state in ("live", "jobs_live", 'completed"; DROP TABLE jobs; --', "Completed"):
+                with pytest.raises(psycopg.errors.InvalidParameterValue):
+                    conn.execute(f'SELECT * FROM "{schema}".maintain_partitions(%s, interval \'1 hour\', now())',
+                                 (state,))
+                conn.rollback()
+        with psycopg.connect(pg_dsn) as conn:
+            assert conn.execute("SELECT count(*) FROM pg_class WHERE relnamespace = to_regnamespace(%s)",
+                                (f'"{schema}"',)).fetchone()[0] == relations
 
 
 def test_apply_from_several_replicas_at_once(pg_dsn, schema):
