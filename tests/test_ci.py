@@ -208,3 +208,24 @@ def test_the_second_pass_leaves_out_only_tests_that_cannot_reach_the_suite_s_ser
                  or (isinstance(node, ast.Constant) and node.value == "MAINTD_TEST_DATABASE_URL"
                      and path.name not in ("test_config.py", "test_ci.py"))]  # which names, not values
         assert not names, f"{path.name} reaches the suite's server without pg_dsn"
+
+
+def test_the_second_pass_fails_on_a_server_of_another_major_version(pg_dsn, pg_version):
+    """.ci/run's second pass is the PostgreSQL 15 run: it checked only that 127.0.0.1:5432
+    answered, so a PostgreSQL 16 (or 18) there ran the pass, and CI said the suite passed on 15.
+    .ci/check_server.py fails the run unless the server is of the major version asked for."""
+    check = [sys.executable, str(ROOT / ".ci" / "check_server.py")]
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
+    right = subprocess.run([*check, pg_dsn, str(pg_version)], capture_output=True, text=True, env=env, timeout=30)
+    assert right.returncode == 0 and f"PostgreSQL {pg_version}" in right.stdout, right.stdout + right.stderr
+    wrong = subprocess.run([*check, pg_dsn, str(pg_version - 1)], capture_output=True, text=True, env=env, timeout=30)
+    assert wrong.returncode == 1, wrong.stdout + wrong.stderr
+    assert f"is PostgreSQL {pg_version}, not {pg_version - 1}: failing the CI run" in wrong.stdout, wrong.stdout
+    gone = subprocess.run([*check, "postgresql://postgres@127.0.0.1:1/test", "15"], capture_output=True, text=True,
+                          env=env, timeout=30)
+    assert gone.returncode == 1 and "127.0.0.1:1" in gone.stdout and "not reachable" in gone.stdout, gone.stdout
+    run = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if not line.lstrip().startswith("#")]
+    second = next(line for line in run if "--only-with-fixture pg_dsn" in line)
+    url = second.split("MAINTD_TEST_DATABASE_URL=")[1].split()[0].strip("\"'")
+    checked = [i for i, line in enumerate(run) if "check_server.py" in line]
+    assert checked and f"check_server.py {url} 15" in run[checked[0]] and checked[0] < run.index(second), checked
