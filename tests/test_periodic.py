@@ -222,6 +222,26 @@ def test_an_entry_enabled_again_does_not_backfill_the_slots_it_was_disabled_for(
     assert len(jobs(engine, schema)) == 1
 
 
+def test_pausing_an_entry_keeps_the_slot_of_the_job_it_enqueued(pg_dsn, schema, engine):
+    """A paused entry forgets the slot it took without a job when it takes the next (a paused
+    entry keeps few rows), never a slot that has its job: disabled at the slot it had just
+    enqueued, the next disabled slot must leave that one with its job_id (which job a slot ran)."""
+    on, off = (make_settings(pg_dsn, schema, enabled=e) for e in (True, False))
+    clock = FrozenClock(START)
+    run(on, engine, clock)  # baselined
+    clock.advance(10)
+    [enqueued] = run(on, engine, clock).enqueued  # this slot has its job
+    disabled = PeriodicEnqueuer(off.periodic)
+    run(off, engine, clock, service=disabled)  # paused within the same slot: taken already
+    clock.advance(10)
+    assert run(off, engine, clock, service=disabled).skipped == {"tick": {"disabled": 1}}
+    with engine.connect() as conn:
+        linked = conn.execute(sql("SELECT slot, job_id FROM {schema}.periodic_slots WHERE job_id IS NOT NULL",
+                                  schema)).all()
+    [job] = jobs(engine, schema)
+    assert [(r.slot.isoformat(), r.job_id) for r in linked] == [(enqueued["slot"], job.id)]
+
+
 def test_unique_key_skips_while_the_previous_job_lives(pg_dsn, schema, engine):
     settings = make_settings(pg_dsn, schema, unique_key=True, backfill="1h")
     clock = FrozenClock(START)
