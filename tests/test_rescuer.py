@@ -13,7 +13,7 @@ from sqlalchemy import text
 from maintd.queries import sql
 from maintd.jobs import BACKOFF_CAP, ClaimedJob, JobQueue, backoff
 from maintd.metrics import Metrics
-from maintd.services.base import PassContext
+from maintd.services.base import PassContext, PassStopped
 from maintd.queries.jobs import (RESCUER_BATCH, RESCUER_PROBE, RESCUER_COUNT_STUCK, RESCUER_EXHAUSTED_BATCH,
                                  RESCUER_NO_SIGN_BATCH, RESCUER_COUNT_ODD, RESCUER_FUTURE_SIGN_BATCH,
                                  RESCUER_COUNT_FUTURE)
@@ -413,6 +413,38 @@ def test_waiting_jobs_with_no_attempt_left_are_discarded_with_one_line_per_batch
     assert result.exhausted == 30 and len(lines) == 1, (result, lines)
     assert lines[0]["count"] == 30 and lines[0]["job_ids"].endswith(",... (+10 more)"), lines
     assert {r.state for r in rows(engine, schema).values()} == {"discarded"}
+
+
+def test_waiting_jobs_with_attempts_left_are_no_candidates_of_the_exhausted_batch(settings, engine, schema, clock):
+    """RESCUER_EXHAUSTED_BATCH's candidates are the exhausted waiting jobs alone (its UPDATE checks
+    again). Were every waiting job a candidate, a batch of live ones (each locked FOR NO KEY UPDATE,
+    so claims passed them over) discarded none and was full, and the next batch took the same rows:
+    with a batch's worth of claimable jobs the pass never ended, and the exhausted job behind them
+    was never discarded."""
+    settings.rescuer.batch_size = 5
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt, max_attempts) "
+                         "SELECT 'k', 'available', 0, 3 FROM generate_series(1, 10)", schema))
+        exhausted = conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt, max_attempts) "
+                                     "VALUES ('k', 'available', 3, 3) RETURNING id", schema)).scalar()
+    stop, results = threading.Event(), []
+
+    def one_pass():
+        try:
+            results.append(Rescuer(settings.rescuer).run_once(
+                PassContext.for_settings(settings, engine, clock, stop_event=stop)))
+        except PassStopped:
+            results.append(None)
+
+    passer = threading.Thread(target=one_pass, daemon=True)
+    passer.start()
+    passer.join(10)
+    stop.set()  # a pass that never ends is stopped (PassStopped), not left running
+    passer.join(10)
+    assert results != [None], "the pass did not end within 10 s (stopped)"
+    assert results[0].exhausted == 1, results
+    states = {i: r.state for i, r in rows(engine, schema).items()}
+    assert states.pop(exhausted) == "discarded" and set(states.values()) == {"available"}
 
 
 def test_a_waiting_job_with_no_attempt_left_held_by_another_session_does_not_stall_the_pass(settings, engine,
