@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
+from urllib.parse import unquote
 from datetime import datetime, timezone
 
 MAX_VALUE = 1000  # characters of one field value (or a message) written
@@ -38,7 +39,9 @@ def redact_dsn(dsn: str) -> str:
     dsn = re.sub(r"(://[^:/@?#\s]*:)\S*@", r"\1***@", dsn)
     # A query parameter's value runs to '&', '#' or a blank; a quote just before one of them (or
     # the end) closes the text the URL is quoted in, and any other quote is the password's.
-    dsn = re.sub(r"([?&]\w*password=)[^&#\s]*?(?=[\"']?(?:[&#\s]|$))", r"\1***", dsn, flags=re.I)
+    # libpq percent-decodes a query's keys too: ?pass%77ord=... is a password.
+    dsn = re.sub(r"([?&]((?:\w|%[0-9a-f]{2})*)=)([^&#\s]*?)(?=[\"']?(?:[&#\s]|$))",
+                 lambda m: m[1] + "***" if unquote(m[2]).lower().endswith("password") else m[0], dsn, flags=re.I)
     return re.sub(r"((?<![?&\w])\w*password\s*=\s*)('(?:[^'\\]|\\.)*'|(?:\\.|\S)+)", r"\1***", dsn, flags=re.I)
 
 

@@ -516,6 +516,24 @@ def test_check_config_masks_a_query_password_holding_a_quote(tmp_path, capsys, p
     assert json.loads(out)["database_url"] == "postgresql://maintd@db/app?password=***&sslmode=require"
 
 
+@pytest.mark.parametrize("key", ["pass%77ord", "%70assword", "sslpass%77ord", "PASS%57ORD"])
+def test_check_config_masks_a_query_password_whose_key_is_percent_encoded(tmp_path, capsys, key):
+    """libpq percent-decodes a URL query's keys as well as its values (``?pass%77ord=x`` sets
+    the password): check-config printed such a password as it is."""
+    import psycopg.conninfo
+
+    url = f"postgresql://maintd@db/app?sslmode=require&{key}=HUNTER2&application_name=x"
+    if key != "PASS%57ORD":  # libpq's keywords are lower case: an upper-case one is refused
+        assert "HUNTER2" in psycopg.conninfo.conninfo_to_dict(url).values()
+    p = write(tmp_path, f"database_url = {json.dumps(url)}\n")
+    assert main(["--config", str(p), "check-config"]) in (0, 2)
+    captured = capsys.readouterr()
+    assert "HUNTER2" not in captured.out + captured.err, captured
+    if key != "PASS%57ORD":
+        shown = json.loads(captured.out)["database_url"]
+        assert shown == f"postgresql://maintd@db/app?sslmode=require&{key}=***&application_name=x"
+
+
 def test_check_config_prints_redacted(tmp_path, capsys):
     p = write(tmp_path, 'database_url = "postgresql://maintd:hunter2@db/app"\n')
     assert main(["--config", str(p), "check-config"]) == 0
