@@ -152,8 +152,14 @@ class TextFormatter(logging.Formatter):
         extra = " ".join(f"{escape(str(k))}={_fmt_value(_redacted(v))}" for k, v in _fields(record).items())
         line = f"{ts} {record.levelname.lower():<7} {msg}" + (f" {extra}" if extra else "")
         if record.exc_info and record.levelno >= logging.ERROR and logging.getLogger("maintd").isEnabledFor(logging.DEBUG):
-            line += "\n" + redact_dsn(self.formatException(record.exc_info))
+            line += "\n" + _traceback_lines(self.formatException(record.exc_info))
         return line
+
+
+def _traceback_lines(text: str) -> str:
+    """A traceback under its line: each of its lines escaped (an exception's text may quote what
+    the database holds) and indented, so that a newline in that text cannot begin a line of its own."""
+    return "\n".join("  " + escape(line) for line in redact_dsn(text).split("\n"))
 
 
 class JsonFormatter(logging.Formatter):

@@ -158,3 +158,22 @@ def test_passwords_are_masked_and_the_line_stays_whole(restore_loggers, fmt):
     else:
         assert 'error="could not reach \\"postgresql://maintd@db/app?sslmode=require&password=***\\""' in line
         assert line.endswith(' n=1') and 'dsn="host=db password=***"' in line
+
+
+def test_a_traceback_written_when_debugging_cannot_forge_lines_or_drive_a_terminal(restore_loggers):
+    """With level debug, a failed pass's traceback follows its line; the exception's text (a
+    server's error quoting a row's value, a queue name) was written as it was: its newline began
+    a line of its own (a forged 'became leader' line) and its ESC reached the terminal."""
+    out = io.StringIO()
+    setup_logging("debug", "text", stream=out)
+    try:
+        raise ValueError("bad row in queue " + FORGED + ANSI)
+    except ValueError:
+        logging.getLogger("maintd.cleaner").error("pass failed", exc_info=True, extra=kv(service="cleaner"))
+    text = out.getvalue()
+    first, *rest = text.rstrip("\n").split("\n")
+    assert first.endswith("pass failed service=cleaner") and first.isprintable(), first
+    assert rest and "Traceback (most recent call last):" in rest[0], rest
+    assert all(line.isprintable() for line in rest), rest  # no ESC, no C1 CSI, no CR
+    assert not any(line.startswith("2026-") for line in rest), rest  # nothing reads as a line of its own
+    assert all(line.startswith(" ") for line in rest), rest  # the traceback is indented under its line
