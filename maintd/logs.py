@@ -178,14 +178,18 @@ class JsonFormatter(logging.Formatter):
 
 
 def setup_logging(level: str = "info", fmt: str = "text", stream=None) -> logging.Logger:
-    """Configure the ``maintd`` and ``apscheduler`` loggers (idempotent: replaces their
-    handler). APScheduler's lines go through the same handler, so that they have a time stamp
-    and, with ``json``, are JSON too; its own chatter only when debugging."""
+    """Configure the ``maintd``, ``apscheduler``, ``psycopg`` and ``sqlalchemy`` loggers
+    (idempotent: replaces their handler). The others' lines go through the same handler, so that
+    they have a time stamp, are masked and escaped and, with ``json``, are JSON too; APScheduler's
+    own chatter only when debugging, the drivers' warnings and errors only."""
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     handler.addFilter(_TargetFilter(debug=level == "debug"))
     levels = {"maintd": _LEVELS.get(level, logging.INFO),
-              "apscheduler": logging.DEBUG if level == "debug" else logging.WARNING}
+              "apscheduler": logging.DEBUG if level == "debug" else logging.WARNING,
+              # The drivers' own warnings (psycopg: "error ignored in rollback on ...", SQLAlchemy's
+              # pool: "Exception during reset or similar"): else Python's last resort wrote them raw.
+              "psycopg": logging.WARNING, "sqlalchemy": logging.WARNING}
     for name, lvl in levels.items():
         logger = logging.getLogger(name)
         for h in list(logger.handlers):

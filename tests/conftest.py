@@ -87,13 +87,13 @@ def _no_suite_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(autouse=True)
 def restore_loggers() -> Iterator[None]:
-    """Each test leaves the ``maintd`` and ``apscheduler`` loggers as it found them: a test that
+    """Each test leaves the loggers setup_logging configures as it found them: a test that
     runs ``cli.main`` (setup_logging) would otherwise leave a handler on the stream pytest
     captured for it, which is closed by the time a later test logs ('--- Logging error ---')."""
     import logging
 
     saved = {name: (list(logging.getLogger(name).handlers), logging.getLogger(name).level,
-                    logging.getLogger(name).propagate) for name in ("maintd", "apscheduler")}
+                    logging.getLogger(name).propagate) for name in ("maintd", "apscheduler", "psycopg", "sqlalchemy")}
     yield
     for name, (handlers, level, propagate) in saved.items():
         logger = logging.getLogger(name)

@@ -177,3 +177,26 @@ def test_a_traceback_written_when_debugging_cannot_forge_lines_or_drive_a_termin
     assert all(line.isprintable() for line in rest), rest  # no ESC, no C1 CSI, no CR
     assert not any(line.startswith("2026-") for line in rest), rest  # nothing reads as a line of its own
     assert all(line.startswith(" ") for line in rest), rest  # the traceback is indented under its line
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+@pytest.mark.parametrize("logger", ["psycopg", "sqlalchemy.pool.impl.QueuePool"])
+def test_the_drivers_warnings_are_in_the_daemon_s_format_masked_and_escaped(restore_loggers, fmt, logger):
+    """psycopg ("error ignored in rollback on ...: <the server's error>", "query cancellation
+    failed: ...") and SQLAlchemy's pool ("Exception during reset or similar", with a traceback)
+    log on loggers of their own, which had no handler: Python's last-resort handler wrote them raw,
+    without a time stamp, not as JSON, with no password masked and no control character escaped."""
+    out = io.StringIO()
+    setup_logging("info", fmt, stream=out)
+    logging.getLogger(logger).warning("error ignored in rollback on %s: %s",
+                                      "postgresql://u:HUNTER2@db/app", "bad value " + FORGED + ANSI)
+    logging.getLogger(logger).debug("chatter")  # below warning: not written
+    got = lines(out)
+    assert len(got) == 1, got
+    assert "HUNTER2" not in got[0] and "\x1b" not in got[0] and "\x9b" not in got[0]
+    if fmt == "json":
+        record = json.loads(got[0])
+        assert record["level"] == "warning" and record["logger"] == logger
+        assert record["msg"].startswith("error ignored in rollback on postgresql://u:***@db/app: bad value x\n")
+    else:
+        assert got[0][:4].isdigit() and " warning " in got[0] and "postgresql://u:***@db/app" in got[0]
