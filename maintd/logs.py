@@ -141,7 +141,10 @@ def _redacted(v: object) -> object:
     the finished line could eat a closing quote)."""
     if isinstance(v, (int, float, bool)) or v is None:
         return v
-    return clip(redact_dsn(v if isinstance(v, str) else str(clip(v))))
+    if isinstance(v, (list, tuple, set, frozenset)):  # each item masked before the list is cut:
+        items = sorted(v, key=str) if isinstance(v, (set, frozenset)) else v  # a cut inside a URL,
+        return clip([redact_dsn(str(x)) for x in items])  # before its '@', would hide it
+    return clip(redact_dsn(v if isinstance(v, str) else str(v)))
 
 
 class TextFormatter(logging.Formatter):

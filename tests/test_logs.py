@@ -160,6 +160,24 @@ def test_passwords_are_masked_and_the_line_stays_whole(restore_loggers, fmt):
         assert line.endswith(' n=1') and 'dsn="host=db password=***"' in line
 
 
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_a_password_in_a_long_list_field_is_masked_before_the_list_is_cut(restore_loggers, fmt):
+    """A list-valued field was joined and cut to MAX_VALUE characters, then masked: a URL the cut
+    fell inside, before its '@', was no longer one, and the start of its password was written.
+    Each item is masked first."""
+    from maintd.logs import MAX_VALUE
+
+    stream = io.StringIO()
+    log = setup_logging("info", fmt, stream)
+    password = "TOPSECRET" * 5
+    hosts = ["x" * (MAX_VALUE - 40), f"postgresql://maintd:{password}@db/app"]
+    before = len(",".join(hosts).split(password)[0])
+    assert before < MAX_VALUE < before + len(password)  # the cut falls inside the password
+    log.warning("could not reach", extra=kv(urls=hosts))
+    [line] = lines(stream)
+    assert "TOPSEC" not in line, line[-120:]
+
+
 def test_a_traceback_written_when_debugging_cannot_forge_lines_or_drive_a_terminal(restore_loggers):
     """With level debug, a failed pass's traceback follows its line; the exception's text (a
     server's error quoting a row's value, a queue name) was written as it was: its newline began
