@@ -720,3 +720,30 @@ def test_pgstatindex_is_called_in_the_extension_s_schema_not_whatever_the_search
         engine.dispose()
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+
+
+def test_a_conversions_copy_under_way_is_not_rebuilt(pg_dsn, schema, settings, engine):
+    """While `migrate --convert partitioned` copies a plain table, the copy's live partition is
+    named jobs_live already (its indexes suffixed _conv, renamed at the swap). The default "every
+    jobs index" took them in: a rebuild of the copy, and a cancelled one's <x>_conv_ccnew outlived
+    the swap under a name no leftover check matches, maintained on every write for good. The
+    reindexer leaves the copy alone; the swap gives it the real names."""
+    from maintd import convert
+
+    seed(pg_dsn, schema, 200)
+    owner = make_engine(pg_dsn, application_name="convert", pooled=False)
+    try:
+        with owner.connect() as conn:  # prepared, the copy begun, then stopped: resumable
+            assert convert.convert(conn, schema, migrate.Layout("partitioned", timedelta(hours=1), 2),
+                                   say=lambda _: None, stop=lambda: True) == "stopped"
+        with psycopg.connect(pg_dsn) as conn:  # the test shows something: the copy's indexes are there
+            assert conn.execute("SELECT count(*) FROM pg_indexes WHERE schemaname = %s AND tablename = 'jobs_live' "
+                                "AND indexname LIKE '%%\\_conv'", (schema,)).fetchone()[0] > 0
+        result = run(settings, engine)
+        assert {r.index for r in result.indexes} == {
+            "jobs_pkey", "jobs_fetch_idx", "jobs_scheduled_idx", "jobs_finalized_idx", "jobs_running_idx",
+            "jobs_unique_key_idx", "jobs_exhausted_idx", "jobs_finalized_queue_idx"}
+    finally:
+        with owner.connect() as conn:
+            convert.abandon(conn, schema, say=lambda _: None)
+        owner.dispose()

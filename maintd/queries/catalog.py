@@ -49,7 +49,11 @@ SELECT c.relname AS name, t.relname AS table, i.indisvalid AS valid, pg_relation
  CROSS JOIN LATERAL (SELECT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
                             OR pg_has_role(current_user, c.relowner, 'USAGE') AS owns) o
  WHERE n.nspname = :schema AND c.relkind = 'i'
-   AND t.relname IN ('jobs', 'jobs_live')  -- the partitioned layout's live partition (SPEC 8.1)
+   AND (t.relname = 'jobs'
+        -- the partitioned layout's live partition (SPEC 8.1); not a conversion's copy under way
+        -- (its live partition is jobs_live of jobs_conv until the swap)
+        OR t.relname = 'jobs_live' AND EXISTS (SELECT FROM pg_inherits AS h JOIN pg_class AS p ON p.oid = h.inhparent
+                                                WHERE h.inhrelid = t.oid AND p.relname = 'jobs'))
  ORDER BY c.relname
 """
 
