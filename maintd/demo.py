@@ -18,6 +18,7 @@ import ctypes
 import functools
 import os
 import random
+import secrets
 import re
 import shutil
 import signal
@@ -376,7 +377,7 @@ def run_demo(duration: float | None = None, data_dir: str | None = None, listen:
     workdir = Path(tempfile.mkdtemp(prefix="maintd-demo-"))
     pg = None
     try:
-        pg = EmbeddedPostgres(data_dir=data_dir)
+        pg = EmbeddedPostgres(data_dir=data_dir, password=_password(data_dir))
         pg.start()
         return _run(pg, data_dir, listen, duration, workdir, daemons)
     except (EmbeddedPostgresError, RuntimeError) as exc:
@@ -391,6 +392,21 @@ def run_demo(duration: float | None = None, data_dir: str | None = None, listen:
         shutil.rmtree(workdir, ignore_errors=True)
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _password(data_dir: str | None) -> str:
+    """The demo server's superuser password: without one, any local user could connect over TCP
+    as its superuser while it runs (and run programs as its user). Kept beside a --data-dir
+    database (0600), which a later run reuses."""
+    if data_dir is None:
+        return secrets.token_urlsafe(18)
+    kept = Path(data_dir) / "demo-password"
+    if not kept.exists():
+        Path(data_dir).mkdir(parents=True, exist_ok=True)
+        fd = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(18))
+    return kept.read_text().strip()
 
 
 def _run(pg, data_dir: str | None, listen: str, duration: float | None, workdir: Path,

@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 PR_SET_PDEATHSIG = 1
 
@@ -118,7 +119,11 @@ class EmbeddedPostgres:
     """``with EmbeddedPostgres() as pg: pg.dsn`` -> a running server on 127.0.0.1."""
 
     def __init__(self, data_dir: str | os.PathLike[str] | None = None, port: int | None = None,
-                 settings: dict[str, str] | None = None):
+                 settings: dict[str, str] | None = None, password: str | None = None):
+        """``password``: the superuser's, asked of every TCP connection (scram-sha-256); without
+        it any local user may connect over TCP as the superuser (trust, as tests want). Local
+        sockets are in the data directory, which only the server's user may enter."""
+        self.password = password
         self.user = _service_user()
         self.bin = _install_for(self.user)
         self._own_dir = data_dir is None
@@ -140,7 +145,8 @@ class EmbeddedPostgres:
 
     @property
     def dsn(self) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+        secret = "" if self.password is None else ":" + quote(self.password, safe="")
+        return f"postgresql://postgres{secret}@127.0.0.1:{self.port}/postgres"
 
     def _chown(self, path: Path) -> None:
         if self.user is not None:
@@ -153,10 +159,21 @@ class EmbeddedPostgres:
         os.chmod(self.base, 0o755)
         self.data.mkdir(mode=0o700, exist_ok=True)
         self._chown(self.data)
-        cmd = [str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust",
+        auth = ["--auth=trust"]
+        if self.password is not None:  # read by initdb (the service user), then gone
+            pwfile = self.base / "initdb-password"
+            pwfile.write_text(self.password + "\n")
+            os.chmod(pwfile, 0o600)
+            self._chown(pwfile)
+            auth = ["--auth-local=trust", "--auth-host=scram-sha-256", f"--pwfile={pwfile}"]
+        cmd = [str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres", *auth,
                "--locale=C", "-E", "UTF8", "--no-sync"]
-        res = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=_drop_privileges(self.user, signal.SIGKILL),
-                             cwd="/")
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True,
+                                 preexec_fn=_drop_privileges(self.user, signal.SIGKILL), cwd="/")
+        finally:
+            if self.password is not None:
+                pwfile.unlink(missing_ok=True)
         if res.returncode != 0:
             raise EmbeddedPostgresError(f"initdb failed: {res.stderr.strip() or res.stdout.strip()}")
 

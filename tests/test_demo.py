@@ -13,6 +13,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from .procs import wait_for
@@ -35,6 +36,12 @@ def test_demo_runs_two_daemons_fails_over_and_every_service_acts():
         ports = [int(p) for p in re.findall(r"http://127\.0\.0\.1:(\d+)/metrics", "".join(lines))]
         time.sleep(0.1)
     assert len(ports) == 2, "".join(lines)
+    # Its PostgreSQL asks a password of every TCP connection: with trust, any local user could be
+    # its superuser while the demo ran (and run programs as its user, COPY ... TO PROGRAM).
+    port = re.search(r"PostgreSQL postgresql://postgres:[^@\s]+@127\.0\.0\.1:(\d+)/", "".join(lines))
+    assert port, "".join(lines)
+    with pytest.raises(psycopg.OperationalError, match="password"):
+        psycopg.connect(f"postgresql://postgres@127.0.0.1:{port.group(1)}/postgres", connect_timeout=5).close()
 
     def leaders() -> int:  # the URLs are printed as soon as the daemons listen, before one leads
         n = 0
