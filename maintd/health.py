@@ -342,6 +342,7 @@ class HolderWarnings:
         warned about."""
         limit = warn_after.total_seconds()
         present = {h.warned_as: h for h in horizon.holders}
+        self._rekey(present)
         new = [h for k, h in present.items() if h.age_seconds >= limit and k not in self._warned]
         for holder in sorted(new, key=lambda h: -h.age_seconds):
             self._warned[holder.warned_as] = holder
@@ -354,8 +355,26 @@ class HolderWarnings:
                                                           pid=gone.pid, targets=",".join(targets)))
         return new
 
+    def _rekey(self, present: dict[tuple, Holder]) -> None:
+        """A backend warned about while its start was hidden (keyed by its xmin) whose start is
+        now shown (keyed by it; pg_read_all_stats granted meanwhile), or the other way round:
+        the same holder, not a new one and a gone one."""
+        for key in [k for k in self._warned if k not in present]:
+            same = next((k for k, h in present.items() if k not in self._warned
+                         and _same_backend(self._warned[key], h)), None)
+            if same is not None:
+                del self._warned[key]
+                self._warned[same] = present[same]
+
     def forget(self) -> None:
         self._warned.clear()
+
+
+def _same_backend(a: Holder, b: Holder) -> bool:
+    """Two reads of one backend's transaction, its start seen by one of them only: the same pid
+    holding the same xmin (a transaction's oldest id, which its key uses when its start is hidden)."""
+    return (a.kind in BACKEND_KINDS and b.kind in BACKEND_KINDS and (a.scope, a.pid, a.xmin) == (b.scope, b.pid, b.xmin)
+            and (a.since is None) != (b.since is None))
 
 
 def _fields(h: Holder) -> dict[str, Any]:

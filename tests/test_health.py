@@ -509,6 +509,52 @@ def test_a_snapshot_that_then_writes_is_warned_about_once_and_gone_once(health_p
     assert len(gone) == 1, maintd_log
 
 
+@pytest.mark.parametrize("change", ["GRANT", "REVOKE"])
+def test_a_holder_whose_start_becomes_visible_or_hidden_mid_run_is_still_one_holder(health_pg, maintd_log, change):
+    """GRANT pg_read_all_stats to the daemon's role while a session holds the horizon: its start
+    becomes visible, and the holder was keyed by its xmin before and by its start after, so the
+    same still-holding pid was warned about a second time and called "gone" a millisecond later
+    (and the other way round after a REVOKE). One holder: one warning, one "gone" when it ends."""
+    with psycopg.connect(health_pg, autocommit=True) as admin:
+        admin.execute("DROP ROLE IF EXISTS maintd_health_grantee")
+        admin.execute("CREATE ROLE maintd_health_grantee LOGIN")
+        if change == "REVOKE":
+            admin.execute("GRANT pg_read_all_stats TO maintd_health_grantee")
+    watcher = make_engine(health_pg.replace("postgres@", "maintd_health_grantee@"), application_name="w",
+                          pooled=False)
+    reader, warnings = HealthReader(), HolderWarnings()
+
+    def look() -> None:
+        warnings.check(read(watcher, reader, ()).horizon, timedelta(seconds=1), ["q"])
+
+    try:
+        with psycopg.connect(health_pg, application_name="long-report") as holder:
+            holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            holder.execute("SELECT count(*) FROM maintd.jobs")
+            pid = holder.info.backend_pid
+            consume_xids(health_pg)
+            look()
+            time.sleep(1.2)
+            look()
+            look()
+            with psycopg.connect(health_pg, autocommit=True) as admin:
+                admin.execute(f"{change} pg_read_all_stats {'TO' if change == 'GRANT' else 'FROM'} "
+                              "maintd_health_grantee")
+            look()
+            time.sleep(0.2)
+            look()
+            held = [line for line in maintd_log if "vacuum is held back" in line and f"pid {pid} " in line]
+            gone = [line for line in maintd_log if "holder gone" in line and f"pid={pid} " in line]
+            assert (len(held), gone) == (1, []), maintd_log
+            holder.rollback()
+            look()
+    finally:
+        watcher.dispose()
+        with psycopg.connect(health_pg, autocommit=True) as admin:
+            admin.execute("DROP ROLE maintd_health_grantee")
+    assert sum("holder gone" in line and f"pid={pid} " in line for line in maintd_log) == 1, maintd_log
+
+
 def test_maintd_status_names_the_holder_in_text_and_json(health_pg, tmp_path):
     import subprocess
     import sys
