@@ -57,9 +57,8 @@ class Sample:
     def state(self) -> tuple:
         """What a new sample must differ in to be written before IDLE_EVERY (the horizon's age
         grows by itself while held: its holder, not its age, is the change)."""
-        holder = self.holder or {}
         return (sorted(self.depth.items()), sorted(self.queues.items()), self.jobs_bytes, self.dead_tuples,
-                tuple(holder.get(k) for k in ("kind", "pid", "name", "xmin")))
+                holder_identity(self.holder))
 
     def finished_any(self) -> bool:
         return self.completed > 0 or self.discarded > 0
@@ -102,6 +101,18 @@ def holder_mark(report: HealthReport) -> dict[str, Any] | None:
     return {"kind": h.kind, "pid": h.pid, "user": h.user, "application_name": h.application_name,
             "client_addr": h.client_addr, "state": h.state, "name": h.name, "xmin": h.xmin,
             "age_seconds": round(h.age_seconds), "exact": h.exact, "describe": h.describe()}
+
+
+def holder_identity(holder: dict[str, Any] | None) -> tuple:
+    """Who a sample's holder is, as the warning tells holders apart (Holder.warned_as): a standby's
+    feedback by its walsender and a slot by its name, whose xmin moves at every read while a
+    replica's queries keep it behind; anything else at its xmin too."""
+    h = holder or {}
+    if h.get("kind") == "standby_feedback":
+        return (h["kind"], h.get("pid"))
+    if h.get("kind") == "replication_slot":
+        return (h["kind"], h.get("name"))
+    return tuple(h.get(k) for k in ("kind", "pid", "name", "xmin"))
 
 
 class HistoryWriter:
@@ -157,9 +168,8 @@ class HistoryWriter:
     @staticmethod
     def _what_read(schema: str, report: HealthReport) -> tuple:
         """The jobs table's writes, dead rows and size, and the holder, as the health read saw them."""
-        jobs, holder = report.table(schema), holder_mark(report) or {}
-        return ((jobs.writes, jobs.dead, jobs.bytes) if jobs else None,
-                tuple(holder.get(k) for k in ("kind", "pid", "name", "xmin")))
+        jobs = report.table(schema)
+        return ((jobs.writes, jobs.dead, jobs.bytes) if jobs else None, holder_identity(holder_mark(report)))
 
     def _sample(self, ctx: PassContext, report: HealthReport, last: Sample | None,
                 live: list[tuple[str, str, int]] | None) -> Sample:

@@ -103,6 +103,25 @@ def test_a_holder_is_marked_once_held_a_minute_and_its_coming_and_going_are_chan
     assert gone is not None and gone.holder is None
 
 
+@pytest.mark.parametrize("kind", ["standby_feedback", "replication_slot"])
+def test_a_standby_or_slot_whose_xmin_moves_while_it_stays_behind_is_no_change(ctx, engine, schema, kind):
+    """A standby's hot_standby_feedback (or its slot) that keeps a replica's queries' horizon
+    moves its xmin at every read while it stays minutes behind: the same holder (as the warning
+    sees it), so on an otherwise idle jobs table a row every ten minutes, not one a minute (the
+    holder's xmin was part of what made a change)."""
+    def standby(minutes: int) -> Holder:
+        return Holder(kind=kind, scope="data", pid=9, user="replicator", application_name="standby-1",
+                      client_addr="10.0.0.9", state="streaming", xmin=str(800 + minutes), age_xids=300,
+                      age_seconds=420.0, exact=False, name="standby_1" if kind == "replication_slot" else None,
+                      detail="physical" if kind == "replication_slot" else "walsender")
+    writer = HistoryWriter()
+    assert writer.step(ctx, report(T0, schema=schema, holder=standby(0))) is not None
+    written = [m for m in range(1, 10)
+               if writer.step(ctx, report(T0 + timedelta(minutes=m), schema=schema, holder=standby(m))) is not None]
+    assert written == [], written
+    assert writer.step(ctx, report(T0 + timedelta(minutes=10), schema=schema, holder=standby(10))) is not None
+
+
 def test_a_new_term_continues_from_the_last_row_in_the_table(ctx, engine, schema):
     HistoryWriter().step(ctx, report(T0, schema=schema))
     successor = HistoryWriter()  # another replica (or term): reads the last row first
