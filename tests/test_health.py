@@ -809,6 +809,49 @@ def test_a_read_committed_transaction_is_aged_by_its_running_statement(health_pg
 
 # -- the tables ------------------------------------------------------------------------------------
 
+def test_the_monitors_read_is_never_jit_compiled():
+    """The monitor's connection plans the read generically (force_generic_plan): the tables'
+    generic plan is estimated at about 290,000 (the per-leaf subplans times a guessed 17,000
+    rows), over jit_above_cost (100,000 by default), so on a server built with JIT (Debian's,
+    PostgreSQL 15; the embedded one has none, hence a server of 15's here) every read compiled
+    some 50 functions: 70-85 ms of server time every health.interval for a statement that runs
+    in under 1 ms. Each statement is explained as the monitor's connection runs it (prepared,
+    its parameters as the reader sends them)."""
+    import re
+    from types import SimpleNamespace
+
+    from maintd.db import HostOrder
+    from maintd.guardian import TargetMember
+
+    from .tools import unavailable
+
+    with private_server(15, {"jit": "on", "jit_above_cost": "100000"}) as pg:
+        with psycopg.connect(pg.dsn) as plain:  # (false where jit is off, as on the monitor's connection)
+            if not plain.execute("SELECT pg_jit_available()").fetchone()[0]:
+                unavailable("needs PostgreSQL 15 built with JIT (llvmjit, Debian's postgresql-15)")
+        engine = make_engine(pg.dsn, application_name="maintd-test-migrate", pooled=False)
+        with engine.connect() as c:
+            migrate.upgrade(c, "maintd")
+        engine.dispose()
+        settings = Settings(database_url=pg.dsn, schema="maintd", instance_id="jit-1")
+        with TargetMember(SimpleNamespace(settings=settings), HostOrder(pg.dsn)).connect() as conn:
+            jitted = {}
+            for name, sql_, args in (("NOW", q.NOW, {}), ("HOLDERS", q.HOLDERS, {"show_query": "false"}),
+                                     ("TABLES", q.TABLES, {"schemas": "ARRAY['maintd']", "all_tables": "true",
+                                                           "sizes": "'all'"}),
+                                     ("TABLES", q.TABLES, {"schemas": "ARRAY['maintd']", "all_tables": "false",
+                                                           "sizes": "'none'"})):
+                names = list(dict.fromkeys(re.findall(r"(?<!:):([a-z_]+)", sql_)))
+                text = re.sub(r"(?<!:):([a-z_]+)", lambda m: f"${names.index(m.group(1)) + 1}", sql_)
+                conn.execute(f"PREPARE jit_probe AS {text}")
+                call = f"EXECUTE jit_probe({', '.join(args[n] for n in names)})" if names else "EXECUTE jit_probe"
+                [[plan]] = conn.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {call}").fetchall()
+                conn.execute("DEALLOCATE jit_probe")
+                if "JIT" in plan[0]:
+                    jitted[name] = plan[0]["JIT"]["Functions"]
+    assert jitted == {}, jitted
+
+
 def test_tables_report_rows_size_and_vacuum_of_the_jobs_table_and_maintds_own(health_pg, health_engine):
     with psycopg.connect(health_pg, autocommit=True) as conn:
         conn.execute("INSERT INTO maintd.jobs (kind) SELECT 'k' FROM generate_series(1, 300)")
