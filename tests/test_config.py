@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -174,6 +176,27 @@ def test_example_config_is_valid_and_documents_every_key():
                 assert f"[{name}.{field}." in text
                 continue
             assert field in keys_in.get(name, set()), f"{name}.{field} is not documented in [{name}]"
+
+
+def test_every_commented_example_of_the_example_config_uncommented_together_is_valid(tmp_path, monkeypatch):
+    """A newcomer uncomments the examples they want (job_timeout, a queue's rescue rule, a
+    target): whichever they take, the file must stay valid, so all of them at once must be."""
+    for name in [k for k in os.environ if k.startswith("MAINTD_")]:
+        monkeypatch.delenv(name)
+    lines, uncommented = [], 0
+    for raw in (ROOT / "config.example.toml").read_text().splitlines():
+        m = re.match(r"^# (\[\[?[a-z][a-z_.\"]*\]\]?\s*(#.*)?|[a-z_]+ = .*)$", raw)
+        # auth_token's "..." and the crontab file name are placeholders for values of one's own.
+        if m and not re.match(r"^# (auth_token|crontab|targets) =", raw):
+            lines.append(m.group(1))
+            uncommented += 1
+        else:
+            lines.append(raw)
+    assert uncommented >= 30
+    path = tmp_path / "maintd.toml"
+    path.write_text("\n".join(lines) + "\n")
+    settings = load_settings(path)
+    assert settings.rescuer.job_timeout is not None and settings.targets
 
 
 def test_toml_and_env_override(tmp_path, monkeypatch):
