@@ -200,7 +200,7 @@ def format_health(h: dict[str, Any]) -> list[str]:
         lines.append(f"     and {hz['more_holders']} more")
     if n := hz.get("unaged"):  # PostgreSQL hides their start from this role: no age on one read
         lines.append(f"  {'held by' if hz['holder'] is None else '   also'}: {n:,} session{'s' if n > 1 else ''} "
-                     f"of another role{'s' if n > 1 else ''}, for a time this read cannot tell (their start "
+                     f"of {'other roles' if n > 1 else 'another role'}, for a time this read cannot tell (their start "
                      "is hidden: GRANT pg_read_all_stats, or see the daemon's /status and log)")
     for holder in hz["catalog_holders"]:
         lines.append(f"  catalogs only (not jobs): {_holder(holder)}")

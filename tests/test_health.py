@@ -670,6 +670,18 @@ def test_a_one_shot_read_does_not_say_nothing_holds_the_horizon_when_another_rol
         format_health({"at": "T0", "tables": [], "horizon": quiet.as_dict()}))
 
 
+def test_several_hidden_sessions_read_sessions_of_other_roles_as_the_readme_quotes():
+    """README ("When the queue bloats") quotes `2 sessions of other roles, for a time this read
+    cannot tell`; the line read "2 sessions of another roles"."""
+    from maintd.status import format_health
+
+    hidden = [row(kind="transaction", pid=pid, usename="app_worker", application_name="w",
+                  client_addr=None, state=None, detail=None, age_xids=301) for pid in (8, 9)]
+    hz = HealthReader().horizon(hidden, T0)
+    text = "\n".join(format_health({"at": "T0", "tables": [], "horizon": hz.as_dict()}))
+    assert "held by: 2 sessions of other roles, for a time this read cannot tell" in text, text
+
+
 def test_a_table_gone_loses_its_series_and_no_other_targets_series_goes():
     """With many targets in one process, a read applies each target's gauges given the tables it
     set last time (no scan of every target's series, which made a read of 200 targets quadratic);
