@@ -51,7 +51,7 @@ cat <<EOF
 Made by \`docs/walkthrough.sh\` on $(date -u +%Y-%m-%d) ($(maintd --version), PostgreSQL
 $(psql -XAtc 'SHOW server_version' "$SUPER" | cut -d' ' -f1)): every command below was run as
 shown, in this order, and its output is pasted unedited except that long outputs are cut (said so)
-and the walk's random suffix reads XXXX. It follows the README from "Try it" to "Day to day" on a
+and the walk's random suffix reads XXXX (the demo's random password, PASSWORD). It follows the README from "Try it" to "Day to day" on a
 fresh database \`$DB\` with fresh roles: \`$OWNER\` owns the schema, \`$DAEMON\` runs the daemon with
 exactly what \`maintd grants\` prints, \`$WORKER\` runs a worker with what \`maintd grants --worker\` prints.
 
@@ -157,4 +157,5 @@ unset MAINTD_DATABASE_URL
 show "MAINTD_DATABASE_URL='not a url' maintd status" env MAINTD_DATABASE_URL='not a url' maintd status
 }
 
-walk | sed -e "s/$TAG/XXXX/g"
+# The demo prints its throwaway superuser's random password in its URL: not pasted into the docs.
+walk | sed -e "s/$TAG/XXXX/g" -e 's#\(postgresql://postgres:\)[^@]*@#\1PASSWORD@#g'
