@@ -791,3 +791,18 @@ def test_run_once_names_the_lock_holder_without_counting_jobs(pg_dsn, schema, se
     finally:
         elector.stop()
     assert rc == 1 and f"another instance holds the leader lock (instance={settings.instance_id} " in err, err
+
+
+def test_the_production_install_puts_maintd_on_the_operators_path():
+    """"Production install" puts maintd in the virtualenv /opt/maintd, whose bin/ is on no shell's
+    PATH, and "Day to day" then types `maintd --config ...`: on a host installed as written, each
+    command was "maintd: command not found" (the Day-to-day test above puts the venv's bin/ on PATH
+    itself). The install steps link the command where a root shell finds it."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    start = readme.index("### Production install")
+    install = re.compile(r"```sh\n(.*?)```", re.S).search(readme, start).group(1)
+    day = re.compile(r"```sh\n(.*?)```", re.S).search(readme, readme.index("Day to day")).group(1)
+    assert re.search(r"^maintd ", day, re.M), day  # typed bare, as an operator does
+    assert re.search(r"^ln -s(f)? /opt/maintd/bin/maintd /usr/local/bin/maintd\b", install, re.M), install
