@@ -35,9 +35,9 @@ def partitioned(engine: Engine, schema: str) -> bool:
 def format_layout(summary: dict[str, Any]) -> str:
     if summary.get("layout") != "partitioned":
         return f"layout: {summary.get('layout', 'plain')}"
-    return (f"layout: partitioned, {summary['partitions']} partitions of final jobs from "
+    return (f"layout: partitioned, {summary['partitions']:,} partitions of final jobs from "
             f"{_iso(summary['oldest'])} to {_iso(summary['newest'])}, "
-            f"{summary['stray_rows']} stray rows in the catch-all partitions"
+            f"{summary['stray_rows']:,} stray rows in the catch-all partitions"
             + (f"\n  warning: {summary['note']}" if summary.get("note") else ""))
 
 

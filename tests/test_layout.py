@@ -1209,3 +1209,17 @@ def test_a_partitioned_table_under_a_plain_config_is_said_by_status_and_the_daem
             daemon.readers.dispose()
         warned = [line for line in maintd_log if "keeps no partitions" in line]
         assert len(warned) == (configured == "plain"), maintd_log
+
+
+def test_the_layout_line_writes_stray_rows_with_thousands_separators_as_every_other_count():
+    """`maintd status` and the dashboard wrote "7200 stray rows" beside the partitioner's
+    "stray rows 7,200" and the jobs' "4,000" (seen walking the README's conversion)."""
+    from pathlib import Path
+
+    from maintd.layout_status import format_layout
+
+    line = format_layout({"layout": "partitioned", "partitions": 1500, "oldest": "a", "newest": "b",
+                          "stray_rows": 7200})
+    assert "1,500 partitions" in line and "7,200 stray rows" in line, line
+    template = (Path(__file__).resolve().parent.parent / "maintd" / "templates" / "index.html").read_text()
+    assert "{{ t.layout.stray_rows|num }} stray rows" in template
