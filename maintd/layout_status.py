@@ -8,6 +8,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, text
 
+from .identifiers import qualified
 from .queries import catalog, partitions, sql
 
 
@@ -20,7 +21,10 @@ NOT_KEPT = ('the jobs table is partitioned but the config says layout = "plain":
 def layout_summary(conn: Connection, schema: str, configured: str | None = None) -> dict[str, Any]:
     """The table's layout; ``configured``: the config's, which a note compares with it."""
     if not conn.execute(text(catalog.JOBS_PARTITIONED), {"schema": schema}).scalar():
-        return {"layout": "plain"}
+        # a conversion's copy (under way, or interrupted, its trigger doubling every write): from
+        # the catalog, which every role may read (the progress table is the owner's)
+        copying = conn.execute(text(catalog.TABLE_EXISTS), {"qualified": qualified(schema, "jobs_conv")}).scalar()
+        return {"layout": "plain", **({"converting": True} if copying else {})}
     row = conn.execute(sql(partitions.SUMMARY, schema)).one()
     return {"layout": "partitioned", "partitions": int(row.partitions), "oldest": row.oldest,
             "newest": row.newest, "stray_rows": int(row.stray_rows),
@@ -34,7 +38,9 @@ def partitioned(engine: Engine, schema: str) -> bool:
 
 def format_layout(summary: dict[str, Any]) -> str:
     if summary.get("layout") != "partitioned":
-        return f"layout: {summary.get('layout', 'plain')}"
+        return f"layout: {summary.get('layout', 'plain')}" + (
+            "\n  note: a conversion to partitioned is under way (or was interrupted): `maintd migrate --convert "
+            "partitioned` finishes it, `--convert plain` gives it up" if summary.get("converting") else "")
     return (f"layout: partitioned, {summary['partitions']:,} partitions of final jobs from "
             f"{_iso(summary['oldest'])} to {_iso(summary['newest'])}, "
             f"{summary['stray_rows']:,} stray rows in the catch-all partitions"

@@ -746,3 +746,35 @@ def test_the_plain_tables_storage_parameters_and_comment_are_carried_over(engine
         assert not any(o.startswith("autovacuum_analyze_threshold=") for o in live_options)
         assert live_toast == toast == ["autovacuum_enabled=false"]
         assert _storage(conn, schema, "jobs")[2] == comment == "billing's queue"
+
+
+def test_status_says_a_conversion_is_under_way_or_was_interrupted(engine, pg_dsn, schema):
+    """While `migrate --convert partitioned` copies (or after it was interrupted, its trigger
+    still doubling every write of the workers), `maintd status`, /status and the dashboard said
+    only "layout: plain". They now say a conversion is under way, and how to finish it or give it
+    up. Read from the catalog alone: the runtime role may not read the progress table."""
+    from maintd.status import collect_status, format_status
+
+    seed(engine, schema, final=20, live=5)
+    assert "converting" not in collect_status(engine, schema)["layout"]
+    owner = make_engine(pg_dsn, application_name="convert", pooled=False)
+    try:
+        with owner.connect() as conn:
+            assert convert.convert(conn, schema, LAYOUT, say=lambda _: None, stop=lambda: True) == "stopped"
+        st = collect_status(engine, schema)
+        assert st["layout"] == {"layout": "plain", "converting": True}, st["layout"]
+        text_ = format_status(st)
+        assert "a conversion to partitioned is under way (or was interrupted)" in text_, text_
+        assert "--convert partitioned" in text_ and "--convert plain" in text_
+        from maintd.config import Settings
+        from maintd.dashboard import Dashboard
+        from maintd.http import Request
+
+        settings = Settings(database_url=pg_dsn, schema=schema, instance_id="t")
+        _, _, body, _ = Dashboard(lambda: settings).index(Request("/", {"refresh": ["0"]}))
+        assert 'id="converting"' in body.decode()
+        with owner.connect() as conn:
+            convert.abandon(conn, schema, say=lambda _: None)
+        assert "converting" not in collect_status(engine, schema)["layout"]
+    finally:
+        owner.dispose()
