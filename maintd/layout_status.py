@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, text
 
 from .identifiers import qualified
 from .queries import catalog, partitions, sql
@@ -29,11 +29,6 @@ def layout_summary(conn: Connection, schema: str, configured: str | None = None)
     return {"layout": "partitioned", "partitions": int(row.partitions), "oldest": row.oldest,
             "newest": row.newest, "stray_rows": int(row.stray_rows),
             **({"note": NOT_KEPT} if configured == "plain" else {})}
-
-
-def partitioned(engine: Engine, schema: str) -> bool:
-    with engine.connect() as conn:
-        return bool(conn.execute(text(catalog.JOBS_PARTITIONED), {"schema": schema}).scalar())
 
 
 def format_layout(summary: dict[str, Any]) -> str:

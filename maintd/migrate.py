@@ -102,19 +102,22 @@ class SchemaNotReady(RuntimeError):
     """The schema is missing or behind this maintd (one line, naming what to run)."""
 
 
-def check_ready(engine, schema: str) -> None:
-    """Raise :class:`SchemaNotReady` unless the schema has maintd's tables at this maintd's revision."""
+def check_ready(engine, schema: str) -> bool:
+    """Raise :class:`SchemaNotReady` unless the schema has maintd's tables at this maintd's
+    revision; else return whether its jobs table is partitioned (read on the same connection)."""
     from .db import connected_to
     from .identifiers import qualified
 
     with engine.connect() as conn:
         current = current_revision(conn, schema)
         has_jobs = conn.execute(text(catalog.TABLE_EXISTS), {"qualified": qualified(schema, "jobs")}).scalar()
+        partitioned = bool(conn.execute(text(catalog.JOBS_PARTITIONED), {"schema": schema}).scalar())
         where = connected_to(conn)
     if current is None or not has_jobs:
         raise SchemaNotReady(f"schema {schema!r} has no maintd tables in {where}: run `maintd migrate` first")
     if current != head_revision():
         raise SchemaNotReady(behind(schema, current))
+    return partitioned
 
 
 def behind(schema: str, current: str | None) -> str:

@@ -12,7 +12,7 @@ from sqlalchemy import Engine
 from .clock import Clock
 from .config import Settings
 from .election import Request, Term
-from .layout_status import NOT_KEPT, partitioned
+from .layout_status import NOT_KEPT
 from .leader import Seat
 from .logs import kv
 from .metrics import Metrics
@@ -39,8 +39,7 @@ class Target(Seat):
         self.maintenance_stall: str | None = None  # why the last term was given up, if stalled
 
     def check_schema(self) -> None:
-        check_ready(self.engine, self.settings.schema)
-        if self.settings.layout == "plain" and partitioned(self.engine, self.settings.schema):
+        if check_ready(self.engine, self.settings.schema) and self.settings.layout == "plain":
             log.warning(NOT_KEPT, extra=kv(target=self.name))
 
     def start(self) -> None:
