@@ -16,6 +16,7 @@ from maintd.db import make_engine, quote_ident
 from maintd.models import metadata
 
 from .conftest import new_schema_name
+from .procs import wait_for
 from .test_layout import restart, server_now
 
 
@@ -235,7 +236,7 @@ def test_migrate_interrupted_by_ctrl_c_does_not_exit_0(pg_dsn, tmp_path):
 
     schema = new_schema_name()
     cfg = tmp_path / "maintd.toml"
-    cfg.write_text(f'database_url = "{pg_dsn}"\nschema = "{schema}"\n')
+    cfg.write_text(f'database_url = "{pg_dsn}"\nschema = "{schema}"\ninstance_id = "{schema}"\n')
     engine = make_engine(pg_dsn, application_name="t", pooled=False)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MAINTD_")}
     try:
@@ -243,11 +244,16 @@ def test_migrate_interrupted_by_ctrl_c_does_not_exit_0(pg_dsn, tmp_path):
             holder.execute(text("SELECT pg_advisory_lock(:k)"), {"k": migrate.lock_key(schema)})
             proc = subprocess.Popen([sys.executable, "-m", "maintd", "--config", str(cfg), "migrate"],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-            deadline = time.monotonic() + 30
-            waiting = text("SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE :a")
-            while time.monotonic() < deadline and not holder.execute(waiting, {"a": "maintd:%:migrate"}).scalar():
-                holder.commit()
-                time.sleep(0.1)
+            # This command's own session (other workers' tests run `maintd migrate` on this server
+            # too; a match on any migrate session once sent the signal while this one was importing).
+            mine = text("SELECT count(*) FROM pg_stat_activity WHERE application_name = :a")
+
+            def waiting() -> bool:
+                found = holder.execute(mine, {"a": f"maintd:{schema}:migrate"}).scalar()
+                holder.commit()  # pg_stat_activity is read once per transaction
+                return bool(found)
+
+            wait_for(waiting, 60, interval=0.1, what="maintd migrate waiting on the held migrate lock")
             time.sleep(0.5)
             proc.send_signal(signal.SIGINT)
             out, err = proc.communicate(timeout=30)
