@@ -27,7 +27,7 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DataError, SQLAlchemyError
 from sqlalchemy.exc import TimeoutError as PoolBusy
 
-from . import charts, history
+from . import charts, history, periodic_table
 from .config import PeriodicJob, Settings
 from .db import UnloadableJson, advisory_key, describe_db_error, load_json, quote_ident
 from .queries import catalog, sql
@@ -36,12 +36,11 @@ from .readers import Readers
 from .layout_status import layout_summary
 from .queries import FINAL_STATES, JOB_STATES
 from .pass_summary import describe
-from .schedules import parse_schedule, zone_read
 from .queries import daemons as q_daemons
 from .queries import leader as q_leader
 from .queries import service_runs as q_runs
 from .queries.dashboard import (AVAILABLE_COUNTS, DISCARDED, ESTIMATES, FINAL_COUNTS, FINAL_QUEUES, HEADS, INDEX,
-                                JOB, LAST_SLOTS, LIST, LIST_AVAILABLE, LIST_COLUMNS, PERIODIC_ROWS, WINDOW,
+                                JOB, LIST, LIST_AVAILABLE, LIST_COLUMNS, WINDOW,
                                 WINDOW_END)
 
 CAP = 10_000            # a count (per queue and state, or per window) past this many index entries says "at least"
@@ -235,27 +234,17 @@ def periodic_rows(conn: Connection, schema: str, entries: Sequence[PeriodicJob],
 
 def periodic_listing(conn: Connection, schema: str, entries: Sequence[PeriodicJob], now: datetime,
                      shown: int = PERIODIC_SHOWN) -> tuple[list[dict[str, Any]], bool]:
-    """(:func:`periodic_rows` of the first ``shown`` rows of periodic_jobs by id; whether it
-    has more rows than that)."""
-    origin = {e.id: "crontab" if e.cron_args else "config" for e in entries}
-    table = list(conn.execute(sql(PERIODIC_ROWS, schema), {"configured": list(origin), "n": shown}))
-    rows = [r for r in table if not r.shadowed]
-    entries = [*entries, *rows[:shown]]
-    errors = {r.id: r.error for r in table if r.error}
-    last = {r.id: r for r in conn.execute(sql(LAST_SLOTS, schema), {"ids": [e.id for e in entries]})}
-    out = []
-    for e in entries:
-        try:
-            refused = e.id not in origin and e.id in errors  # a row the daemon does not use never runs
-            nxt = parse_schedule(e.schedule, e.timezone).next_after(now) if e.enabled and not refused else None
-        except ValueError:
-            nxt = None
-        slot = last.get(e.id)
-        out.append({"id": e.id, "schedule": e.schedule, "timezone": zone_read(e.schedule, e.timezone), "kind": e.kind,
-                    "queue": e.queue, "enabled": e.enabled, "next_slot": nxt,
-                    "origin": origin.get(e.id, "table"), "error": errors.get(e.id),
-                    "last_slot": slot.slot if slot else None, "last_job_id": slot.job_id if slot else None})
-    return out, len(rows) > shown
+    """:func:`periodic_table.listing` of the configured entries and the first ``shown`` rows, a
+    row whose id is a configured entry's folded into that entry (its error, why the daemon
+    refuses it, shown there); whether rows were left out."""
+    listed, more = periodic_table.listing(conn, schema, entries, now, shown)
+    configured = {e.id for e in entries}
+    shadowed = {e["id"]: e["error"] for e in listed if e["origin"] == "table" and e["id"] in configured}
+    out = [e for e in listed if e["origin"] != "table" or e["id"] not in configured]
+    for e in out:
+        if e["origin"] != "table":
+            e["error"] = shadowed.get(e["id"])
+    return out, more
 
 
 # The charts' ranges (SPEC 8.2): (name, how far back, one point per bucket).

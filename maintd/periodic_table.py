@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 from datetime import datetime, timedelta
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import ValidationError
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 from .config import PeriodicJob, Settings
 from .logs import escaped
@@ -21,35 +22,45 @@ STATUS_ROWS = 200  # rows of periodic_jobs /status lists (besides the configured
 
 
 def list_entries(engine: Engine, settings: Settings, rows_shown: int | None = None) -> tuple[list[dict[str, Any]], bool]:
-    """Every schedule with its origin, last slot taken, next slot and error (server time); with
-    ``rows_shown``, of the rows only the first that many by id (an answer to any HTTP client is
-    bounded). Returns them and whether rows were left out."""
-    schema = settings.schema
+    """Every schedule (with ``rows_shown``, of the rows only the first that many by id: an answer
+    to any HTTP client is bounded) as :func:`listing` reads it, at the server's time."""
     with engine.connect() as conn:
-        now = conn.execute(sql(catalog.TRANSACTION_TIME, schema)).scalar_one()
-        limit = {"n": None if rows_shown is None else rows_shown + 1}
-        rows = [dict(r._mapping) for r in conn.execute(sql(periodic_jobs.ALL, schema), limit)]
-        more = rows_shown is not None and len(rows) > rows_shown
-        rows = rows[:rows_shown]
-        configured = [{**e.model_dump(), "origin": "crontab" if e.cron_args else "config", "error": None}
-                      for e in settings.periodic_entries]
-        for r in rows:
-            r["origin"] = "table"
-        entries = configured + rows
-        hwms = {r.periodic_id: r.hwm for r in conn.execute(
-            sql(periodic_slots.HIGH_WATER, schema), {"ids": [e["id"] for e in entries]})}
+        now = conn.execute(sql(catalog.TRANSACTION_TIME, settings.schema)).scalar_one()
+        return listing(conn, settings.schema, settings.periodic_entries, now, rows_shown)
+
+
+def listing(conn: Connection, schema: str, configured: Sequence[PeriodicJob], now: datetime,
+            rows_shown: int | None = None) -> tuple[list[dict[str, Any]], bool]:
+    """The configured entries, then the rows of periodic_jobs by id (those whose id is a
+    configured entry's, which the daemon refuses, and the first ``rows_shown`` others; None: all),
+    each with its origin, error, newest slot taken, the job it enqueued and its next slot (None for
+    one that will not run: disabled, refused or unreadable). Returns them and whether rows were
+    left out."""
+    origin = {e.id: "crontab" if e.cron_args else "config" for e in configured}
+    table = conn.execute(sql(periodic_jobs.LISTED, schema), {"configured": list(origin), "n": rows_shown}).all()
+    others = [r for r in table if not r.shadowed]
+    more = rows_shown is not None and len(others) > rows_shown
+    rows = sorted([r for r in table if r.shadowed] + others[:rows_shown], key=lambda r: r.id)
+    entries = [*({**e.model_dump(), "origin": origin[e.id], "error": None} for e in configured),
+               *({**r._asdict(), "origin": "table"} for r in rows)]
+    last = {r.id: r for r in conn.execute(sql(periodic_slots.LATEST, schema), {"ids": [e["id"] for e in entries]})}
     out = []
     for e in entries:
-        try:
-            next_slot = parse_schedule(e["schedule"], e["timezone"]).next_after(now)
-        except ValueError:
-            next_slot = None
+        slot = last.get(e["id"])
         out.append({"id": e["id"], "origin": e["origin"], "schedule": e["schedule"],
                     "timezone": zone_read(e["schedule"], e["timezone"]), "kind": e["kind"], "queue": e["queue"],
-                    "enabled": e["enabled"], "last_slot": hwms.get(e["id"]),
-                    "next_slot": next_slot if e["enabled"] and not e["error"] else None,  # a row refused never runs
-                    "error": e["error"]})
+                    "enabled": e["enabled"], "last_slot": slot.slot if slot else None,
+                    "last_job_id": slot.job_id if slot else None,
+                    "next_slot": _next_slot(e["schedule"], e["timezone"], now) if e["enabled"] and not e["error"] else None,
+                    "error": e["error"]})  # a row refused (error set) never runs
     return out, more
+
+
+def _next_slot(schedule: str, timezone: str | None, now: datetime) -> datetime | None:
+    try:
+        return parse_schedule(schedule, timezone).next_after(now)
+    except ValueError:
+        return None
 
 
 def validated(values: dict[str, Any]) -> PeriodicJob:

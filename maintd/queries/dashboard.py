@@ -3,7 +3,7 @@ counts that read an index and stop, keyset pages in each state's index order. Wh
 follows a state's index, ``{where}`` and ``{order}`` are filled from ``INDEX`` (fixed text of
 this module, never user input)."""
 
-from . import FINAL_STATES, PYTHON_TIMES
+from . import FINAL_STATES
 from .jobs import WAITING_SINCE
 
 # Each state's index: (its predicate, its order). scheduled and retryable share jobs_scheduled_idx;
@@ -105,26 +105,6 @@ SELECT id, kind, queue, attempt, max_attempts, finalized_at,
        left(errors->-1->>'error', 2000) AS last_error
   FROM {schema}.jobs WHERE state = 'discarded' AND finalized_at IS NOT NULL
  ORDER BY finalized_at DESC, id DESC LIMIT :n
-"""
-
-# The periodic_jobs rows the overview lists: those a configured entry shadows (their error is shown
-# on that entry), and the first :n others by id (the primary key), one more to tell there are more.
-# All of them were read, a last slot and a next fire time each: 20,000 rows (SPEC 7.10's rows are
-# an application's, one per customer, say) took 7-10 s and 6 MB a render.
-PERIODIC_ROWS = """
-SELECT id, schedule, timezone, kind, queue, enabled, error, true AS shadowed
-  FROM {schema}.periodic_jobs WHERE id = ANY(CAST(:configured AS text[]))
-UNION ALL
-(SELECT id, schedule, timezone, kind, queue, enabled, error, false AS shadowed
-   FROM {schema}.periodic_jobs WHERE NOT id = ANY(CAST(:configured AS text[])) ORDER BY id LIMIT :n + 1)
-"""
-
-LAST_SLOTS = """
-SELECT p.id, s.slot, s.job_id
-  FROM unnest(CAST(:ids AS text[])) AS p(id)
-  LEFT JOIN LATERAL (SELECT slot, job_id FROM {schema}.periodic_slots
-                      WHERE periodic_id = p.id AND slot BETWEEN """ + PYTHON_TIMES + """
-                      ORDER BY slot DESC LIMIT 1) s ON true
 """
 
 LIST_COLUMNS = """id, kind, queue, state::text AS state, priority, attempt, max_attempts, scheduled_at,

@@ -20,6 +20,16 @@ SELECT i.periodic_id, h.slot AS hwm, h.schedule AS taken_under
                       ORDER BY s.slot DESC LIMIT 1) AS h
 """
 
+# Each listed entry's newest slot that counts and the job it enqueued (NULL: none taken), as
+# HIGH_WATER: one entry of the primary key per id.
+LATEST = """
+SELECT p.id, s.slot, s.job_id
+  FROM unnest(CAST(:ids AS text[])) AS p(id)
+  LEFT JOIN LATERAL (SELECT slot, job_id FROM {schema}.periodic_slots
+                      WHERE periodic_id = p.id AND slot BETWEEN """ + PYTHON_TIMES + """
+                      ORDER BY slot DESC LIMIT 1) s ON true
+"""
+
 TAKE = """
 INSERT INTO {schema}.periodic_slots (periodic_id, slot, backfilled, instance_id, schedule)
 VALUES (:periodic_id, :slot, :backfilled, :instance, :schedule)
