@@ -563,6 +563,38 @@ def test_a_future_claim_time_is_dated_without_inventing_a_heartbeat(settings, en
     assert rows(engine, schema)[job].state == "running"
 
 
+# The {rescue} fragment against candidates read before the row changed: the batch statements read
+# and lock their candidates in the same statement, so their attempt is the row's own (a row
+# re-attempted after the statement's snapshot is locked in its new version, and the update's TID
+# scan does not see that version), and no pass can show the fragment a stale one. This one can.
+RESCUE_AFTER_A_SCAN = """
+WITH candidates AS MATERIALIZED (
+  SELECT id, ctid, CAST(:scanned_attempt AS smallint) AS attempt, coalesce(heartbeat_at, attempted_at) AS seen
+    FROM {schema}.jobs WHERE id = :id FOR NO KEY UPDATE
+), {rescue}, {clear_stale}
+SELECT ARRAY(SELECT id FROM rescued) AS rescued
+"""
+
+
+def test_a_candidate_re_attempted_since_its_scan_is_not_rescued(settings, engine, schema):
+    """The rescue re-checks each candidate as it is now, its attempt included: a job scanned
+    stuck in attempt 1 and, meanwhile, failed, retried and claimed again (attempt 2) is not the
+    job the scan judged; its rescue is for a later batch, which judges attempt 2 by its own sign
+    of life. Here attempt 2 is stuck too, so only ``j.attempt = c.attempt`` tells the two apart
+    (the batches' own locking keeps their candidates from ever being stale: nothing else covers
+    this line, and a mutation review found it could be deleted unnoticed)."""
+    [job] = running(engine, schema, seen_ago=timedelta(hours=2), attempt=2)
+    params = {**Rescuer(settings.rescuer).horizons(T0), "now": T0, "instance": "i", "cap": BACKOFF_CAP,
+              "delays": [backoff(k).total_seconds() for k in range(BACKOFF_CAP + 1)], "id": job}
+    with engine.begin() as conn:
+        stale = conn.execute(sql(RESCUE_AFTER_A_SCAN, schema), {**params, "scanned_attempt": 1}).scalar()
+    r = rows(engine, schema)[job]
+    assert stale == [] and (r.state, r.attempt, r.errors) == ("running", 2, []), "a stale candidate was rescued"
+    with engine.begin() as conn:  # the same candidate as the row is now: rescued (the statement works)
+        current = conn.execute(sql(RESCUE_AFTER_A_SCAN, schema), {**params, "scanned_attempt": 2}).scalar()
+    assert current == [job] and rows(engine, schema)[job].state == "retryable"
+
+
 def test_a_heartbeat_left_from_an_earlier_attempt_does_not_rescue_the_new_one(settings, engine, schema, clock):
     """SPEC 2's claim sets attempted_at and leaves heartbeat_at as it was. A job that heartbeated
     two hours ago in its first attempt, failed (or was rescued), and was claimed again five minutes
