@@ -213,3 +213,37 @@ def test_the_lock_session_prepares_no_statement_a_pooler_could_hand_to_another_b
         assert conn.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()[0] == 0
     finally:
         session.close()
+
+
+def test_a_release_of_an_older_term_does_not_end_the_newer_one(pg_dsn, schema):
+    """RELEASE records the end of the term it names (epoch and instance), never of a newer one.
+    The daemon sends it only while its session still holds the lock, so no newer term can exist
+    then, and its ``epoch =`` could be deleted unnoticed (a mutation review). Here two sessions
+    of the same instance id (a copied config, or one process's next session) each start a term
+    on a real lock; the first's release, sent late, names its own, older term: the newer term
+    is left running (released_at NULL), and its own release ends it."""
+    settings = Settings(database_url=pg_dsn, schema=schema, instance_id=f"release-{os.getpid()}")
+    key, psql = advisory_key(schema), Statements(schema).psql
+    params = {"instance": settings.instance_id, "host": "h", "pid": os.getpid()}
+    old, new = (LockSession(settings, HostOrder(pg_dsn), lambda channel: None) for _ in range(2))
+
+    def released() -> list:
+        with psycopg.connect(pg_dsn, autocommit=True) as other:
+            return [r[0] for r in other.execute(f"SELECT released_at FROM {quote_ident(schema)}.leader")]
+
+    try:
+        old.connect([])
+        new.connect([])
+        assert old.round_trip([key], [], [])[0] == [True]
+        old_epoch = old.bump(key, psql, params, 1000)[0]
+        old.round_trip([], [], [key])  # the old term's lock given back
+        assert new.round_trip([key], [], [])[0] == [True]
+        new_epoch = new.bump(key, psql, params, 1000)[0]
+        assert new_epoch == old_epoch + 1 and released() == [None]
+        old.run(psql(q.RELEASE), {"epoch": old_epoch, "instance": settings.instance_id})
+        assert released() == [None], "the old term's release ended the newer term"
+        new.run(psql(q.RELEASE), {"epoch": new_epoch, "instance": settings.instance_id})
+        assert released() != [None]
+    finally:
+        old.close()
+        new.close()
