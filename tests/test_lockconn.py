@@ -18,6 +18,7 @@ from maintd.queries import leader as q
 from maintd.queries import Statements, psycopg_sql
 
 from .procs import wait_for
+from .standby import StandbyPair
 from .tools import unavailable
 
 # https://www.postgresql.org/docs/current/functions-admin.html#FUNCTIONS-ADVISORY-LOCKS:
@@ -247,3 +248,26 @@ def test_a_release_of_an_older_term_does_not_end_the_newer_one(pg_dsn, schema):
     finally:
         old.close()
         new.close()
+
+
+@pytest.mark.slow
+def test_a_lock_held_on_a_standby_proves_no_term(tmp_path):
+    """A proof counts only on a primary: a standby takes advisory locks (they live in its memory)
+    and answers for them, but a term there writes nothing, and a session that found itself on a
+    standby (a demoted server, a URL listing it) must not go on believing it leads. The daemon's
+    writes would fail there first (the fence's FOR KEY SHARE, the bump), so the proof's check of
+    ``primary`` could be deleted unnoticed (a mutation review). Here the lock session is set up on
+    a real streaming standby, wins its lock, and proves it held: not a term; on the primary the
+    same round proves one."""
+    key = advisory_key("standby_proof")
+    with StandbyPair() as pair:
+        for dsn, primary in ((pair.standby.dsn, False), (pair.primary.dsn, True)):
+            settings = Settings(database_url=dsn, instance_id=f"standby-{os.getpid()}")
+            session = LockSession(settings, HostOrder(dsn), lambda channel: None)
+            try:
+                session.connect([])  # no LISTEN: a standby refuses it
+                assert session.round_trip([key], [], [])[0] == [True], "the lock was not won"
+                assert session.round_trip([], [key], [])[1] == [primary], (
+                    "a lock held on a standby was taken for a term" if not primary else "no term on the primary")
+            finally:
+                session.close()
