@@ -1223,3 +1223,63 @@ def test_the_layout_line_writes_stray_rows_with_thousands_separators_as_every_ot
     assert "1,500 partitions" in line and "7,200 stray rows" in line, line
     template = (Path(__file__).resolve().parent.parent / "maintd" / "templates" / "index.html").read_text()
     assert "{{ t.layout.stray_rows|num }} stray rows" in template
+
+
+# A pause of a session that sets gate.paused, at the start of each CREATE TABLE, for as long as
+# another session holds advisory lock GATE_KEY (polled: no lock wait, which lock_timeout would end).
+GATE_KEY = 727_001
+GATE = f"""
+CREATE FUNCTION public.gate() RETURNS event_trigger LANGUAGE plpgsql AS $$
+BEGIN
+  IF current_setting('gate.paused', true) = 'on' THEN
+    WHILE NOT pg_try_advisory_lock({GATE_KEY}) LOOP PERFORM pg_sleep(0.01); END LOOP;
+    PERFORM pg_advisory_unlock({GATE_KEY});
+  END IF;
+END $$;
+CREATE EVENT TRIGGER gate ON ddl_command_start WHEN TAG IN ('CREATE TABLE') EXECUTE FUNCTION public.gate();
+"""
+
+
+def test_a_state_table_taken_between_the_probe_and_the_lock_is_not_waited_for(private_pg):
+    """maintain_partitions probes jobs_<state> (NOWAIT, undone), makes the new tables, then
+    locks it for the change, NOWAIT again: a completion that took the table meanwhile must not
+    find the change ahead of it in the lock queue (every completion after it would wait behind
+    it, up to the function's 1 s lock_timeout). The probe catches every lock held before the
+    call, so the second NOWAIT could be deleted unnoticed (a mutation review). Here the call is
+    paused after the probe, at its first CREATE TABLE (an event trigger, on a server of the test's
+    own), a completion takes jobs_completed, and the call goes on: it reports the state busy and
+    never waits; once the completion is over, the next call makes the partitions."""
+    from maintd.db import make_engine
+
+    from .conftest import migrate_layout, new_schema_name
+
+    dsn, schema = private_pg.dsn, new_schema_name()
+    engine = make_engine(dsn, application_name="maintd-test", pooled=False)
+    with engine.connect() as conn:
+        migrate.upgrade(conn, schema, layout=migrate_layout("partitioned"))
+    engine.dispose()
+    call = (f"SELECT action FROM {schema}.maintain_partitions('completed', interval '1 hour', "
+            "now() + interval '10 hours')")
+    with psycopg.connect(dsn, autocommit=True) as watcher, psycopg.connect(dsn, autocommit=True) as holder, \
+            psycopg.connect(dsn) as completion, psycopg.connect(dsn, autocommit=True) as maintainer:
+        watcher.execute(GATE)
+        holder.execute("SELECT pg_advisory_lock(%s)", (GATE_KEY,))
+        maintainer.execute("SET gate.paused = 'on'")
+        pid = maintainer.info.backend_pid
+        answers: list = []
+        call_thread = threading.Thread(target=lambda: answers.append(maintainer.execute(call).fetchall()), daemon=True)
+        call_thread.start()
+        wait_for(lambda: watcher.execute("SELECT wait_event FROM pg_stat_activity WHERE pid = %s",
+                                         (pid,)).fetchone() == ("PgSleep",), 30, what="the call paused after its probe")
+        completion.execute(f"LOCK TABLE {schema}.jobs_completed IN ROW EXCLUSIVE MODE")  # a completion in flight
+        holder.execute("SELECT pg_advisory_unlock(%s)", (GATE_KEY,))
+        waited = False
+        while call_thread.is_alive():
+            waited = waited or bool(watcher.execute("SELECT 1 FROM pg_locks WHERE pid = %s AND NOT granted",
+                                                    (pid,)).fetchall())
+            call_thread.join(0.005)
+        assert not waited, "the change waited in the lock queue of jobs_completed"
+        assert answers == [[("busy",)]]
+        completion.rollback()
+        made = {a for (a,) in maintainer.execute(call).fetchall()}
+        assert "made" in made and "busy" not in made, made
