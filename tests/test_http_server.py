@@ -26,7 +26,7 @@ from typing import Iterator
 import pytest
 
 from maintd.http import HttpServer, Recent, Request, text
-from maintd.listener import INLINE, MAX_CONNECTIONS, Lane, Limits, Listener
+from maintd.listener import INLINE, MAX_CONNECTIONS, Lane, Limits, Listener, _Conn
 
 from .procs import wait_for
 
@@ -628,3 +628,45 @@ def test_a_token_with_plus_or_percent_is_taken_in_a_link_as_written_or_percent_e
         assert get(server.port, "/?token=" + token[:-1])[0] == 401
     finally:
         server.stop()
+
+
+def test_a_closing_connection_whose_client_does_not_read_is_given_up_after_the_write_timeout():
+    """After the last answer the listener closes the connection and waits (_linger) until the
+    client has taken what is unsent, at most ``write_timeout``: asyncio's close() keeps the socket
+    for as long as anything is unsent, for ever if the client never reads. Every answer is
+    drained a chunk at a time within ``write_timeout`` before that (_write), so nothing is left
+    unsent when the wait begins, and its own timeout could be deleted unnoticed (a mutation
+    review). Here the wait is driven directly, on real sockets: a client that does not read, an
+    answer of 8 MB written past both sockets' small buffers and not drained; the wait gives up
+    after write_timeout (1 s; 20 s allowed), and the connection no longer counts as writing."""
+    listener = Listener("127.0.0.1", 0, lambda *request: (200, "text/plain", b"", {}), lambda target: INLINE,
+                        limits=Limits(write_timeout=1))
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+
+    async def linger() -> None:
+        client.connect(listener.address)
+        listener.sock.setblocking(True)
+        sock, _ = listener.sock.accept()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        sock.setblocking(False)
+        conn = _Conn(sock)
+        _, conn.writer = await asyncio.open_connection(sock=sock)
+        listener._conns[conn] = None
+        conn.writer.write(b"x" * 8_000_000)
+        await asyncio.sleep(0.2)
+        assert conn.writer.transport.get_write_buffer_size() > 0, "everything was sent: the test tests nothing"
+        waiting = asyncio.ensure_future(listener._linger(conn))
+        try:
+            done, _ = await asyncio.wait({waiting}, timeout=20)
+            assert waiting in done, "the connection waited for a client that never reads"
+            assert isinstance(waiting.exception(), TimeoutError) and conn not in listener._writing
+        finally:
+            waiting.cancel()
+            listener._close(conn)
+
+    try:
+        asyncio.run(linger())
+    finally:
+        client.close()
+        listener.stop()
