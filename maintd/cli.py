@@ -560,19 +560,21 @@ def cmd_status(args: argparse.Namespace) -> int:
     targets = _select(top, getattr(args, "target", None))
     if not top.targets:
         st, error = _status_one(targets[0])
+        if st is not None:  # with an error: a schema behind this maintd, read as far as it can be
+            print(json.dumps(st, indent=2, default=str) if args.json else format_status_text(st))
         if error:
             _stderr(f"maintd: error: {error}")
             return EXIT_FAILURE
-        print(json.dumps(st, indent=2, default=str) if args.json else format_status_text(st))
         return EXIT_OK
     results = [(t, *_status_one(t)) for t in targets]
     if args.json:
-        print(json.dumps({"targets": [{"target": t.target_name, **(st or {"schema": t.schema, "error": err})}
+        print(json.dumps({"targets": [{"target": t.target_name, **(st or {}), **({"schema": t.schema, "error": err}
+                                                                                 if err else {})}
                                       for t, st, err in results]}, indent=2, default=str))
     else:
         for t, st, err in results:
             print(f"== target {t.target_name}")
-            print(f"schema: {t.schema}\nerror: {err}" if err else format_status_text(st))
+            print(format_status_text(st) if st is not None else f"schema: {t.schema}\nerror: {err}")
     return EXIT_FAILURE if any(err for _, _, err in results) else EXIT_OK
 
 
@@ -583,16 +585,18 @@ def format_status_text(st: dict) -> str:
 
 
 def _status_one(settings: Settings) -> tuple[dict | None, str | None]:
-    """(status, None), or (None, the problem) for a schema or database that cannot be read."""
+    """(status, None), or (None, the problem) for a schema or database that cannot be read, or
+    (what could be read, the problem) for a schema behind this maintd."""
     from .db import describe_db_error
     from .readers import reader_engine
     from .status import SchemaMissing, collect_status
 
     engine = reader_engine(settings.database_url.get_secret_value(), settings.instance_id, kept=1, most=1)
     try:
-        return collect_status(engine, settings.schema, max_queues=settings.metrics.max_queues,
-                              health=settings.health.enabled, show_query=settings.health.show_query,
-                              configured_layout=settings.layout), None
+        st = collect_status(engine, settings.schema, max_queues=settings.metrics.max_queues,
+                            health=settings.health.enabled, show_query=settings.health.show_query,
+                            configured_layout=settings.layout)
+        return st, st.get("schema_behind")
     except SchemaMissing as exc:
         return None, str(exc)
     except Exception as exc:  # one target's outage does not hide the others

@@ -456,6 +456,8 @@ class Daemon:
                 engine, target.settings.schema, max_queues=self.settings.metrics.max_queues,
                 configured_layout=target.settings.layout,
                 jobs=leader_figures(target.runner.gauges.counts, leading=target.is_leader))
+            if data.get("schema_behind"):  # what could be read of it, and the error as before
+                return {**data, "error": data["schema_behind"]}, 503
             data["periodic"], data["periodic_more"] = list_entries(engine, target.settings, STATUS_ROWS)
             return data, 200
         except Exception as exc:

@@ -10,7 +10,7 @@ the leader's figures; ``maintd status`` counts them itself, bounded by a timeout
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Callable
 
 import psycopg
 from sqlalchemy import Connection, Engine, text
@@ -51,7 +51,11 @@ def collect_status(engine: Engine, schema: str, *, jobs: dict[str, Any] | None =
     """``jobs``: the job figures to show (:func:`leader_figures`); None: count them here.
     ``configured_layout``: the config's ``layout``, which the table's is compared with.
     ``health``: read the table health too (``maintd status``; the daemon's /status serves its
-    leader's last read from memory instead)."""
+    leader's last read from memory instead).
+
+    A schema behind this maintd (a rolling upgrade, the package first) is read as far as it can
+    be: ``schema_behind`` says so, and each part its statements cannot read (a column a later
+    migration adds) is empty, with why in ``not_read``; the callers fail as before."""
     classid, objid = advisory_key(schema)
     with engine.connect() as conn:
         conn.execute(text(catalog.SET_LOCAL), {"name": "statement_timeout", "value": str(STATUS_TIMEOUT_MS)})
@@ -61,27 +65,52 @@ def collect_status(engine: Engine, schema: str, *, jobs: dict[str, Any] | None =
         if not conn.execute(text(catalog.TABLE_EXISTS), {"qualified": qualified(schema, "leader")}).scalar():
             raise SchemaMissing(f"schema {schema!r} has no maintd tables in {connected_to(conn)}: "
                                 "run `maintd migrate` first")
-        if (behind := _behind(conn, schema)) is not None:
-            raise SchemaMissing(behind)
+        behind = _behind(conn, schema)
+        part = _Parts(conn, tolerant=behind is not None)
         now = conn.execute(text(catalog.TRANSACTION_TIME)).scalar_one()
-        lead = _rows(conn, leader.CURRENT, schema, {"classid": classid, "objid": objid})
-        services = _rows(conn, service_runs.ALL, schema)
-        for run in services:
-            run["result"] = bounded_result(run["result"], max_queues)
-        status = {
-            "schema": schema,
-            "time": _iso(now),
-            "leader": _leader(lead[0] if lead else None),
-            "database_writable": conn.execute(text(catalog.SERVER_WRITABLE)).scalar_one(),
-            **replicas(_rows(conn, daemons.REGISTERED, schema)),
-            "services": [{**r, **annotate(r["service"], r["result"])} for r in services],
-            "layout": {k: _iso(v) for k, v in layout_summary(conn, schema, configured_layout).items()},
-        }
+        status: dict[str, Any] = {"schema": schema, "time": _iso(now)}
+        if behind is not None:
+            status["schema_behind"] = behind
+        lead = part("leader", lambda: _rows(conn, leader.CURRENT, schema, {"classid": classid, "objid": objid}), [])
+        status["leader"] = _leader(lead[0] if lead else None)
+        status["database_writable"] = conn.execute(text(catalog.SERVER_WRITABLE)).scalar_one()
+        status.update(replicas(part("daemons", lambda: _rows(conn, daemons.REGISTERED, schema), [])))
+        status["services"] = part("services", lambda: _services(conn, schema, max_queues), [])
+        status["layout"] = part("layout", lambda: {k: _iso(v) for k, v in layout_summary(
+            conn, schema, configured_layout).items()}, None)
         # The leader's figures are bounded already (JobGauges keeps them as shown).
-        status.update(bounded_jobs(_count(conn, schema), max_queues) if jobs is None else jobs)
+        status.update(part("jobs", lambda: bounded_jobs(_count(conn, schema), max_queues),
+                           {"jobs": [], "oldest_available_age_seconds": {}}) if jobs is None else jobs)
+        if part.errors:
+            status["not_read"] = part.errors
         if health:  # last: a failed read ends the transaction
             status["health"] = _health(conn, schema, show_query)
     return status
+
+
+class _Parts:
+    """Reads one part of the status each; ``tolerant`` (a schema behind this maintd): a part whose
+    statement fails is rolled back to its savepoint and left at its default, with why in ``errors``."""
+
+    def __init__(self, conn: Connection, tolerant: bool):
+        self.conn, self.tolerant, self.errors = conn, tolerant, {}
+
+    def __call__(self, name: str, read: Callable[[], Any], default: Any) -> Any:
+        if not self.tolerant:
+            return read()
+        try:
+            with self.conn.begin_nested():
+                return read()
+        except (psycopg.Error, OperationalError, ProgrammingError) as exc:
+            self.errors[name] = describe_db_error(exc)
+            return default
+
+
+def _services(conn: Connection, schema: str, max_queues: int) -> list[dict[str, Any]]:
+    services = _rows(conn, service_runs.ALL, schema)
+    for run in services:
+        run["result"] = bounded_result(run["result"], max_queues)
+    return [{**r, **annotate(r["service"], r["result"])} for r in services]
 
 
 def _behind(conn: Connection, schema: str) -> str | None:
@@ -148,15 +177,22 @@ def leader_figures(counts: JobCounts | None, *, leading: bool) -> dict[str, Any]
 def format_status(st: dict[str, Any]) -> str:
     st = escaped(st)  # queue names, errors, application names: written by anyone who can enqueue
     lines = [f"schema: {st['schema']}"]
+    if st.get("schema_behind"):
+        lines.append(f"schema behind: {st['schema_behind']} (shown: what this maintd can read of it)")
+    not_read = st.get("not_read") or {}
     lead = st["leader"]
-    if lead:
+    if "leader" in not_read:
+        lines.append(f"leader: not read ({not_read['leader']})")
+    elif lead:
         lines.append(f"leader: {lead['instance_id']} (host {lead['host']}, pid {lead['pid']}, "
                      f"epoch {lead['epoch']}, since {_time(lead['since'])})")
     else:
         lines.append("leader: none")
     if st.get("database_writable") is False:
         lines.append("database: read-only (maintenance paused)")
-    if st["daemons"]:
+    if "daemons" in not_read:
+        lines.append(f"daemons: not read ({not_read['daemons']})")
+    elif st["daemons"]:
         lines.append("daemons:")
         for d in st["daemons"]:
             lines.append(f"  {d['instance_id']:<24} host {d['host']}  pid {d['pid']}  "
@@ -166,12 +202,17 @@ def format_status(st: dict[str, Any]) -> str:
     for d in st.get("gone", []):
         lines.append(f"  {d['instance_id']:<24} host {d['host']}  pid {d['pid']}  "
                      f"v{d['version']}  gone (no lock session; last seen {_time(d['last_seen_at'])})")
-    if st.get("layout"):
+    if "layout" in not_read:
+        lines.append(f"layout: not read ({not_read['layout']})")
+    elif st.get("layout"):
         lines.append(format_layout(st["layout"]))
     # idle passes that repeat the record are not written (no WAL): the daemon's /status has every one
-    lines += ["services (last recorded pass; idle passes that repeat it are not recorded):"] + _format_runs(st["services"])
+    lines += ["services (last recorded pass; idle passes that repeat it are not recorded):"] + (
+        [f"  (not read: {not_read['services']})"] if "services" in not_read else _format_runs(st["services"]))
     lines.append("jobs:")
-    if not st["jobs"]:
+    if "jobs" in not_read:
+        lines.append(f"  (not read: {not_read['jobs']})")
+    elif not st["jobs"]:
         lines.append("  (none)")
     for j in st["jobs"]:
         n = j["count"]

@@ -400,9 +400,22 @@ def test_status_on_a_schema_behind_this_maintd_says_run_migrate(pg_dsn, tmp_path
     try:
         with engine.connect() as conn:
             migrate.upgrade(conn, name, revision="0009")
+        with engine.begin() as conn:
+            conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue) VALUES ('k', 'mail')", name))
         for argv in (("status",), ("status", "--json")):
             rc, out, err = _cli("--config", _config(tmp_path, pg_dsn, name), *argv)
             assert rc == 1 and "at revision 0009" in err and "run `maintd migrate`" in err, (argv, err)
+        # An operator mid-upgrade still sees what can be read (it said the schema was behind, nothing
+        # else), with the note; what 0009 cannot answer (daemons.lock_pid, 0010's) says why.
+        rc, out, err = _cli("--config", _config(tmp_path, pg_dsn, name), "status")
+        assert "schema behind: schema " in out and "at revision 0009" in out, out
+        assert "leader: none" in out and "mail" in out and "available" in out, out
+        assert "daemons: not read (" in out and "lock_pid" in out, out
+        rc, out, err = _cli("--config", _config(tmp_path, pg_dsn, name), "status", "--json")
+        st = json.loads(out)
+        assert "at revision 0009" in st["schema_behind"] and st["leader"] is None, st
+        assert {"queue": "mail", "state": "available", "count": 1} in st["jobs"], st
+        assert "lock_pid" in st["not_read"]["daemons"], st
     finally:
         with engine.connect() as conn:
             conn.execute(sql("DROP SCHEMA {schema} CASCADE", name))
