@@ -147,7 +147,7 @@ def _leader(row: dict[str, Any] | None) -> dict[str, Any] | None:
     if not row or not row["instance_id"] or row["released_at"] is not None or not row["holds_lock"]:
         return None
     return {"instance_id": row["instance_id"], "host": row["host"], "pid": row["pid"],
-            "since": row["elected_at"], "epoch": row["epoch"], "renewed_at": row["renewed_at"]}
+            "since": row["elected_at"], "epoch": row["epoch"]}
 
 
 def _count(conn: Connection, schema: str) -> dict[str, Any]:

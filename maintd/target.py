@@ -5,6 +5,7 @@ one or many, all alike."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from sqlalchemy import Engine
@@ -127,7 +128,13 @@ class Target(Seat):
 
     def status(self) -> dict[str, Any]:
         term = self.term  # a term past its trust leads no more: its fence refuses every write
-        return {"target": self.name, "schema": self.settings.schema, "is_leader": term is not None and term.trusted(),
+        now = time.monotonic()
+        trusted = term is not None and term.trusted(now)
+        # The lease as this process knows it: how long its last proof of the lock is trusted
+        # (the leader table is written when a term starts, not at each renewal).
+        left = round(term.trusted_until - now, 1) if trusted else None
+        return {"target": self.name, "schema": self.settings.schema, "is_leader": trusted,
+                "lease_trusted_for_seconds": left,
                 "database_ok": self.db_ok, "database_writable": self.writable, "problem": self.problem,
                 "last_runs": self.runner.last_runs}
 

@@ -57,6 +57,11 @@ def test_http_endpoints_and_metrics(settings, schema):
         data = json.loads(body)
         assert status == 200 and data["leader"]["instance_id"] == settings.instance_id
         assert data["this_instance"]["is_leader"] is True
+        # leader.renewed_at is written when a term starts (renewals prove the lock, write nothing):
+        # shown, it read as a renewal that never came. The lease this process knows is shown instead.
+        assert "renewed_at" not in data["leader"], data["leader"]
+        lease = settings.leader.lease.total_seconds()
+        assert 0 < data["this_instance"]["lease_trusted_for_seconds"] <= lease, data["this_instance"]
         assert _get(port, "/nope")[0] == 404
         # Bound to loopback only.
         assert daemon.http.address[0] == "127.0.0.1"
@@ -98,7 +103,7 @@ def test_status_names_the_lock_holder_only(settings, engine, schema, queue):
         st = collect_status(engine, settings.schema)
         lead = st["leader"]
         assert lead["instance_id"] == settings.instance_id and lead["epoch"] == fence.epoch
-        assert lead["since"] and lead["renewed_at"]
+        assert lead["since"] and "renewed_at" not in lead  # the term's start again: no renewal time
         assert {"queue": "mail", "state": "available", "count": 1} in st["jobs"]
         text = format_status(st)
         assert f"leader: {settings.instance_id} (host " in text and f"epoch {fence.epoch}" in text

@@ -801,8 +801,10 @@ def test_status_says_not_leading_once_the_terms_trust_has_run_out(pg_dsn, make_s
     now = time.monotonic()
     target.state = Leading(Term(7, 1, "multi-1", trusted_until=now + 60), renew_at=now + 1)
     assert target.status()["is_leader"] is True
+    assert 59 < target.status()["lease_trusted_for_seconds"] <= 60
     target.state = Leading(Term(7, 1, "multi-1", trusted_until=now - 0.1), renew_at=now + 1)
     assert target.status()["is_leader"] is False, "a term past its trust shown as leading"
+    assert target.status()["lease_trusted_for_seconds"] is None
 
 
 def test_a_target_named_like_the_probes_keeps_every_probe_running(pg_dsn, make_schemas):
