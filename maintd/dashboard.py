@@ -35,7 +35,7 @@ from .http import HttpError, Recent, Request, Response
 from .readers import Readers
 from .layout_status import layout_summary
 from .queries import FINAL_STATES, JOB_STATES
-from .pass_summary import describe
+from .pass_summary import describe, work_seconds
 from .queries import daemons as q_daemons
 from .queries import leader as q_leader
 from .queries import service_runs as q_runs
@@ -217,8 +217,9 @@ def service_runs(conn: Connection, schema: str) -> list[dict[str, Any]]:
     runs = []
     for r in conn.execute(sql(q_runs.ALL, schema)).mappings():
         run = dict(r)
-        # None when a time is one no datetime holds (a reader loads it as text): shown as is
-        run["duration"] = (r["finished_at"] - r["started_at"]).total_seconds() \
+        # The work, not the pauses between batches. None when a time is one no datetime holds
+        # (a reader loads it as text): shown as is
+        run["duration"] = work_seconds(r["started_at"], r["finished_at"], r["result"]) \
             if isinstance(r["started_at"], datetime) and isinstance(r["finished_at"], datetime) else None
         run["summary"] = describe(r["service"], r["result"])
         runs.append(run)

@@ -187,3 +187,18 @@ def describe(service: str, result: Result | None) -> str:
 def annotate(service: str, result: Result | None) -> dict[str, Any]:
     """``{"counts": ..., "summary": ...}`` to add to a pass's record."""
     return {"counts": counts(service, result), "summary": describe(service, result)}
+
+
+def work_seconds(started: Any, finished: Any, result: Result | None) -> float | None:
+    """A recorded pass's work: from its start to its end, less the pauses it took on purpose
+    (the cleaner's ``batch_pause``, the partitioner's retry pauses: ``waited_seconds`` in its
+    result), as ``maintd_service_run_seconds`` measures it. ``started``, ``finished``: datetimes
+    or ISO times; None when either is not a time."""
+    try:
+        start, end = (t if isinstance(t, datetime) else datetime.fromisoformat(t) for t in (started, finished))
+        wall = (end - start).total_seconds()
+    except (TypeError, ValueError):
+        return None
+    waited = result.get("waited_seconds") if isinstance(result, Mapping) else None
+    paused = float(waited) if isinstance(waited, (int, float)) and not isinstance(waited, bool) else 0.0
+    return max(0.0, wall - paused)

@@ -22,7 +22,7 @@ from .identifiers import qualified
 from .layout_status import format_layout, layout_summary
 from .logs import escaped
 from .metrics import JobCounts, bounded_jobs, bounded_result, job_counts, oldest_available
-from .pass_summary import annotate, describe, seconds
+from .pass_summary import annotate, describe, seconds, work_seconds
 from .queries import catalog, daemons, leader, service_runs, sql
 
 STATUS_TIMEOUT_MS = 5000
@@ -110,7 +110,8 @@ def _services(conn: Connection, schema: str, max_queues: int) -> list[dict[str, 
     services = _rows(conn, service_runs.ALL, schema)
     for run in services:
         run["result"] = bounded_result(run["result"], max_queues)
-    return [{**r, **annotate(r["service"], r["result"])} for r in services]
+    return [{**r, **annotate(r["service"], r["result"]),
+             "work_seconds": work_seconds(r["started_at"], r["finished_at"], r["result"])} for r in services]
 
 
 def _behind(conn: Connection, schema: str) -> str | None:
@@ -300,7 +301,7 @@ def _format_runs(runs: list[dict[str, Any]]) -> list[str]:
     lines, width = [], max(10, *(len(r["service"]) for r in runs))  # 'partitioner' is 11
     for r in runs:
         extra = f"; error: {r['error']}" if r.get("error") else ""
-        took = _took(r.get("started_at"), r.get("finished_at"))
+        took = _took(r)
         summary = r.get("summary") or describe(r["service"], r.get("result"))
         lines.append(f"  {r['service']:<{width}} {r['outcome']:<8} at {_time(r['finished_at'])} by {r['instance_id']}"
                      f"{took}: {summary or 'nothing to report'}{extra}")
@@ -316,8 +317,9 @@ def _time(iso: Any) -> Any:
     return t.strftime("%Y-%m-%d %H:%M:%S ") + ("UTC" if t.utcoffset() == timedelta(0) else t.strftime("%z"))
 
 
-def _took(started: Any, finished: Any) -> str:
-    try:
-        return f" in {seconds((datetime.fromisoformat(finished) - datetime.fromisoformat(started)).total_seconds())}"
-    except (TypeError, ValueError):
-        return ""
+def _took(run: dict[str, Any]) -> str:
+    """``, worked 50 ms``: the pass's work, its pauses between batches left out."""
+    work = run.get("work_seconds")
+    if work is None:
+        work = work_seconds(run.get("started_at"), run.get("finished_at"), run.get("result"))
+    return "" if work is None else f", worked {seconds(work)}"

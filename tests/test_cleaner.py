@@ -285,6 +285,36 @@ def test_a_pass_s_duration_leaves_out_its_batch_pauses(settings, engine, schema,
     assert record.result.waited() >= 0.25 * len(ctx.pauses)
 
 
+def test_a_recorded_pass_is_shown_with_its_work_not_its_batch_pauses(settings, engine, schema):
+    """The dashboard's duration and `maintd status`'s "in ..." were the record's finished_at -
+    started_at: the work and the pauses between batches (a pass of 300 rows with 3 x 0.4 s of
+    pauses was shown as 1.2 s, where maintd_service_run_seconds and run-once said 0.05 s)."""
+    from datetime import datetime, timezone
+
+    from maintd.clock import ServerClock
+    from maintd.dashboard import service_runs
+    from maintd.pass_summary import seconds
+    from maintd.passes import execute_pass, record_pass
+    from maintd.status import collect_status, format_status
+
+    settings.cleaner.batch_size = 100
+    settings.cleaner.batch_pause = timedelta(milliseconds=400)
+    insert(engine, schema, state="completed", finalized_ago=2 * DAY, n=300, spread=True, now=datetime.now(timezone.utc))
+    ctx = SleepingContext.for_settings(settings, engine, ServerClock())
+    record = execute_pass("cleaner", Cleaner(settings.cleaner), ctx)
+    paused = 0.4 * len(ctx.pauses)
+    assert record.result.deleted["completed"] == 300 and len(ctx.pauses) >= 2
+    assert (record.finished_at - record.started_at).total_seconds() >= paused  # the record's times hold them
+    assert record_pass(ctx, record)
+    with engine.connect() as conn:
+        [run] = service_runs(conn, schema)
+    assert run["duration"] < paused and run["duration"] <= record.seconds + 0.05, (run["duration"], record.seconds)
+    st = collect_status(engine, schema, jobs={"jobs": []})
+    [shown] = st["services"]
+    assert shown["work_seconds"] == pytest.approx(run["duration"], abs=0.002), shown
+    assert f"worked {seconds(run['duration'])}" in format_status(st), format_status(st)
+
+
 def test_a_stop_during_a_batch_pause_ends_the_pass_at_once(settings, engine, schema, clock):
     settings.cleaner.batch_size = 100
     settings.cleaner.batch_pause = timedelta(seconds=10)
