@@ -104,6 +104,12 @@ def escape(s: str) -> str:
     return "".join(c if c in "\\\"" else _escape_char(c) for c in s)
 
 
+def escape_all(s: str) -> str:
+    """``s`` with every control or format character escaped, and backslashes and quotes too:
+    read back unambiguously (for a label value, :func:`maintd.metrics.label_value`)."""
+    return "".join(_escape_char(c) for c in s)
+
+
 def escaped(value: Any) -> Any:
     """``value`` with every string in it (in dicts, lists and tuples too) passed through
     :func:`escape`: for text output made of what the database holds (a queue name, a schedule,

@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported fo
 from sqlalchemy import Engine, text
 
 from .db import describe_db_error
-from .logs import escape, kv
+from .logs import escape_all, kv
 from .queries import FINAL_STATES, JOB_STATES, catalog, jobs, sql
 
 __all__ = ["CONTENT_TYPE_LATEST", "Family", "JobCounts", "JobGauges", "Metrics", "RUN_BUCKETS", "job_counts"]
@@ -31,20 +31,23 @@ RUN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 
 
 class Bound:
     """One metric with its ``target`` label bound: the usual ``labels``/``set``/``inc``/
-    ``observe``/``remove``/``clear`` calls, minus the target. Label values have their control
-    characters escaped, as in the logs: a queue named with a terminal escape by a worker must not
-    reach the terminal of an operator who reads ``/metrics`` with curl (the exposition format
-    escapes only backslash, quote and newline)."""
+    ``observe``/``remove``/``clear`` calls, minus the target. Label values are names (a queue, a
+    periodic id) made into labels by :func:`label_value`, and None is the overflow, ``_other``
+    (past ``max_queues``, ``max_periodic_ids``): no name shares a label with another or with it."""
 
     def __init__(self, metric: Any, target: str):
         self.metric, self.target = metric, target
 
-    def labels(self, *values: str) -> Any:
-        return self.metric.labels(self.target, *map(escape, values))
+    def labels(self, *values: str | None) -> Any:
+        return self.metric.labels(self.target, *map(label_value, values))
 
-    def remove(self, *values: str) -> None:
+    def remove(self, *values: str | None) -> None:
+        self.remove_series(*map(label_value, values))
+
+    def remove_series(self, *labels: str) -> None:
+        """Remove the series of these label values (as :meth:`children` gives them: made already)."""
         try:
-            self.metric.remove(self.target, *map(escape, values))
+            self.metric.remove(self.target, *labels)
         except KeyError:
             pass
 
@@ -54,7 +57,7 @@ class Bound:
 
     def clear(self) -> None:
         for values in self.children():
-            self.remove(*values)
+            self.remove_series(*values)
 
     def __getattr__(self, name: str) -> Any:  # set, inc, observe on an unlabelled metric
         return getattr(self.metric.labels(self.target), name)
@@ -167,7 +170,7 @@ class Metrics:
         for metric in (self.service_runs, self.service_run_seconds, self.service_last_success):
             for values in metric.children():
                 if values[0] not in services:
-                    metric.remove(*values)
+                    metric.remove_series(*values)
         for service in services:
             for outcome in ("success", "error", "fenced", "stopped"):
                 self.service_runs.labels(service, outcome)
@@ -185,14 +188,14 @@ class Metrics:
         return [self.xmin_horizon_age_seconds, self.xmin_horizon_age_xids, self.table_dead_tuples,
                 self.table_live_tuples, self.table_bytes, self.table_last_vacuum, self.health_read]
 
-    def queue_label(self, queue: str) -> str:
+    def queue_label(self, queue: str) -> str | None:
         """A queue's label on a per-queue counter: the first ``max_queues`` queues seen keep their
-        name, later ones count under ``_other`` (bounded cardinality)."""
+        name, later ones count under the overflow, None (``_other``: bounded cardinality)."""
         seen = self._queues_seen
         if queue in seen or len(seen) < self.max_queues:
             seen.add(queue)
             return queue
-        return OTHER
+        return None
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -212,6 +215,25 @@ def oldest_available(conn: Any, schema: str) -> dict[str, float]:
 
 
 OTHER = "_other"  # the queues past metrics.max_queues, summed
+
+
+def label_value(name: str | None) -> str:
+    """A name's label value; None (the overflow): ``_other``. A plain name (printable, without a
+    backslash, not ``_other``) is its own label. Any other has its backslashes and quotes escaped
+    (``\\\\``, ``\\"``) and its control and format characters escaped as in the logs (a terminal escape written by a
+    worker must not reach an operator's terminal: the exposition format escapes only backslash,
+    quote and newline), and the queue ``_other`` is ``\\_other``: such a label holds a backslash,
+    which no plain name does, and is read back unambiguously, so no two names (nor a name and
+    the overflow) share one."""
+    if name is None:
+        return OTHER
+    if name.isprintable() and "\\" not in name and name != OTHER:
+        return name
+    if name == OTHER:
+        return "\\" + OTHER
+    return escape_all(name)
+
+
 RESULT_KEYS = 100  # entries of a per-queue count kept in a recorded pass result (service_runs)
 
 
@@ -368,27 +390,27 @@ class JobGauges:
         # Every state of every queue shown, 0 where it has no job ("avoid missing metrics": a
         # drained queue's series read 0, not no data); the final ones once counted this term.
         states = [s for s in JOB_STATES if self._final_known or s not in FINAL_STATES]
-        summed: dict[tuple[str, ...], float] = {}
+        summed: dict[tuple[str | None, ...], float] = {}
         for row in rows:
-            queue = row["queue"] if row["queue"] in kept else OTHER
+            queue = row["queue"] if row["queue"] in kept else None  # None: the overflow, _other
             for state in states:
                 summed.setdefault((queue, state), 0)
             summed[(queue, row["state"])] = summed.get((queue, row["state"]), 0) + row["count"]
-        ages: dict[tuple[str, ...], float] = {}
+        ages: dict[tuple[str | None, ...], float] = {}
         for queue, age in oldest.items():
-            name = (queue if queue in kept else OTHER,)
+            name = (queue if queue in kept else None,)
             ages[name] = max(ages.get(name, 0.0), finite_age(age))
         _replace(self.metrics.jobs, summed)
         _replace(self.metrics.oldest_available_age, ages)
 
 
-def _replace(gauge: Bound, values: dict[tuple[str, ...], float]) -> None:
+def _replace(gauge: Bound, values: dict[tuple[str | None, ...], float]) -> None:
     """Set ``gauge``'s series to ``values``: the new values first, then the series that are gone
     removed. A scrape meanwhile (it shares no lock with this) sees every series that stays, at
     its old value or its new one; removed first and set again, they were missing or at 0."""
     for labels, value in values.items():
         gauge.labels(*labels).set(value)
-    shown = {tuple(map(escape, labels)) for labels in values}  # as the series carry them
+    shown = {tuple(map(label_value, labels)) for labels in values}  # as the series carry them
     for labels in gauge.children():
         if labels not in shown:
-            gauge.remove(*labels)
+            gauge.remove_series(*labels)

@@ -283,3 +283,56 @@ def test_a_queue_drained_reads_0_in_maintd_jobs_not_no_series():
                         for s in JOB_STATES}
     gauges.take([], {}, None, final=True)  # the queue is gone: its series go with it
     assert series() == {}
+
+
+def test_no_queue_name_gets_the_overflow_label_or_another_queues_label(settings, engine, schema):
+    """With more than metrics.max_queues queues, a real queue named ``_other`` was exported under
+    the overflow's label, ``queue="_other"``, and its jobs summed with the overflow's; a queue
+    named ``a\\nb`` (a backslash) and one named a, newline, b had the same label (the escape
+    ``\\n``). A name a label is made of is kept as is when it is plain (printable, no backslash,
+    not ``_other``); any other is escaped with its backslashes doubled (and ``_other`` as
+    ``\\_other``): no two names, nor a name and the overflow, share a label."""
+    from datetime import datetime, timezone
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from maintd.clock import FrozenClock
+    from maintd.config import Settings
+    from maintd.metrics import JobGauges
+    from maintd.services.base import PassContext
+    from maintd.services.scheduler import Scheduler
+
+    sizes = {"_other": 6, "a\\nb": 5, "a\nb": 4, "q2": 2, "q1": 1}
+    with engine.begin() as conn:
+        for name, n in sizes.items():
+            conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state, scheduled_at) SELECT 'k', :q,"
+                             " 'scheduled', now() - interval '1 minute' FROM generate_series(1, :n)", schema),
+                         {"q": name, "n": n})
+    metrics = Metrics(max_queues=Settings(metrics={"max_queues": 3}).metrics.max_queues)
+    settings.scheduler.precise_timing = False
+    scheduler = Scheduler(settings.scheduler)
+    ctx = PassContext.for_settings(settings, engine, FrozenClock(datetime.now(timezone.utc)))
+    scheduler.observe(metrics, scheduler.run_once(ctx))  # all 18 promoted to available
+    gauges = JobGauges(metrics)
+    gauges.refresh(engine, schema, final=True)
+
+    def scrape() -> dict[str, dict[str, float]]:
+        samples: dict[str, dict[str, float]] = {}
+        for family in text_string_to_metric_families(metrics.render().decode()):
+            for s in family.samples:
+                if "queue" in s.labels:
+                    by_queue = samples.setdefault(s.name, {})
+                    by_queue[s.labels["queue"]] = by_queue.get(s.labels["queue"], 0) + s.value
+        return samples
+
+    samples = scrape()
+    # (as parsed: \_other is the queue _other, a\\nb the queue a\nb, a\nb the one with a newline)
+    assert samples["maintd_jobs"] == {"\\_other": 6, "a\\\\nb": 5, "a\\nb": 4, "_other": 3}, samples["maintd_jobs"]
+    assert set(samples["maintd_oldest_available_job_age_seconds"]) == {"\\_other", "a\\\\nb", "a\\nb", "_other"}
+    promoted = samples["maintd_jobs_promoted_total"]
+    assert len(promoted) == 4 and sum(promoted.values()) == 18, promoted
+    by_label = {"\\_other": 6, "a\\\\nb": 5, "a\\nb": 4, "q2": 2, "q1": 1}  # each queue's, by its label
+    assert all(n == by_label[q] for q, n in promoted.items() if q != "_other"), promoted
+    # A refresh that drops a queue removes its series, the overflow's and the escaped ones' too.
+    gauges.take([{"queue": "_other", "state": "available", "count": 1}], {"_other": 1.0}, None, final=True)
+    assert scrape()["maintd_jobs"] == {"\\_other": 1}

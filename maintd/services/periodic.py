@@ -529,10 +529,11 @@ class PeriodicEnqueuer(Service):
             for reason, n in reasons.items():
                 metrics[SKIPPED].labels(label, reason).inc(n)
 
-    def _label(self, periodic_id: str, cap: int) -> str:
+    def _label(self, periodic_id: str, cap: int) -> str | None:
         """The id's label: its own while fewer than ``cap`` ids have one (a deleted id's place is
-        free again), else ``_other`` (bounded cardinality, as ``metrics.max_queues``)."""
+        free again), else the overflow, None (``_other``, which no id's label is: bounded
+        cardinality, as ``metrics.max_queues``)."""
         if periodic_id in self._labelled or len(self._labelled) < cap:
             self._labelled.add(periodic_id)
             return periodic_id
-        return OTHER
+        return None
