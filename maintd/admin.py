@@ -38,8 +38,8 @@ from sqlalchemy.exc import DBAPIError
 
 from .db import connected_to, describe_db_error, quote_ident
 from .queries import catalog, sql
-from .queries.admin import (ACTIONS, BY_IDS, LIST, REREAD, ROW, SHOW, WALK_START, Action,  # noqa: F401
-                            Filter, call_query, filter_query)
+from .queries.admin import (ACTIONS, BY_IDS, LIST_PLANNING, REREAD, ROW, SHOW, WALK_START, Action,  # noqa: F401
+                            Filter, call_query, filter_query, list_statement)
 from .durations import parse_duration
 from .queries import FINAL_STATES, JOB_STATES
 
@@ -308,13 +308,12 @@ def iter_jobs(conn: Connection, schema: str, flt: Filter, limit: int,
         raise UsageError(f"unknown state {flt.state!r}: one of {', '.join(JOB_STATES)}")
     before: int | None = None
     while limit > 0:
-        clauses = flt.clauses() + (["j.id < :before"] if before is not None else [])
-        where = ("WHERE " + " AND ".join(clauses)) if clauses else ""
+        statement, params = list_statement(flt, before)
         n = min(page, limit)
         with conn.begin():
-            rows = [dict(r._mapping) for r in conn.execute(sql(LIST.format(where=where), schema),
-                                                           {**flt.params(), "limit": n, "before": before,
-                                                            "error_chars": LIST_ERROR_CHARS})]
+            conn.execute(sql(LIST_PLANNING, schema))
+            rows = [dict(r._mapping) for r in conn.execute(sql(statement, schema),
+                                                           {**params, "limit": n, "error_chars": LIST_ERROR_CHARS})]
         yield from rows
         if len(rows) < n:
             return

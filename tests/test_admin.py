@@ -23,6 +23,7 @@ from maintd.db import make_engine, notify_channel, quote_ident
 from maintd.queries import sql
 from maintd.jobs import JobQueue
 from maintd.queries import FINAL_STATES, JOB_STATES
+from maintd.queries import admin as admin_queries
 
 from .plans import explain, index_names, seq_scans
 
@@ -502,6 +503,53 @@ def test_list_reads_keyset_pages_newest_first_without_repeats(engine, schema):
             assert got == mail[:limit], limit
         everything = [j["id"] for j in admin.iter_jobs(conn, schema, admin.Filter(), 1000, page=2)]
     assert everything == sorted(ids, reverse=True)
+
+
+def _listing(conn, schema, flt, limit, page):
+    return [(j["id"], j) for j in admin.iter_jobs(conn, schema, flt, limit, page=page)]
+
+
+def test_list_of_a_rare_queue_reads_its_jobs_not_the_whole_table(engine, schema, layout):
+    """`jobs list --queue Q` without --state was one scan of the primary key newest first,
+    filtered by queue: with Q rare in a big table it read every other queue's rows (to its
+    statement timeout in production). Each state is now read by its own index (the queue's
+    entries where the index leads by queue) and the scans merged by id: no primary-key scan. The
+    rows and their order are those of the one statement over the whole table, page by page."""
+    for i, state in enumerate(ALL):
+        add(engine, schema, state, queue="big", n=6000, due_in=timedelta(minutes=i))
+    rare = []
+    for i, state in enumerate(ALL):
+        rare += add(engine, schema, state, queue="rare", kind=f"k{i % 2}", n=3, due_in=timedelta(minutes=i))
+        add(engine, schema, state, queue="big", n=500, due_in=timedelta(minutes=i))
+    with engine.begin() as conn:
+        conn.execute(sql("ANALYZE {schema}.jobs", schema))
+    pkey = index_names(layout, "jobs_pkey")[0]
+    for before in (None, rare[-1], rare[8]):
+        for flt in (admin.Filter(queue="rare"), admin.Filter(queue="rare", kind="k1")):
+            query, params = admin.list_statement(flt, before)
+            with engine.begin() as conn:
+                plan = explain(conn, query, schema, {**params, "limit": 1000, "error_chars": 10})
+            # scheduled, retryable and running have no index leading by queue: those scans read the
+            # live rows of their states (partitioned: the live partition), never a final one
+            assert pkey not in plan and set(seq_scans(plan, layout)) <= {"jobs_live"}, (before, flt, plan)
+            assert layout == "partitioned" or "Seq Scan" not in plan, plan
+    reference = admin_queries.LIST.format(where="WHERE j.queue = :queue AND (CAST(:kind AS text) IS NULL OR j.kind = :kind)")
+    with engine.connect() as conn:
+        for kind in (None, "k1"):
+            with conn.begin():
+                want = [dict(r._mapping) for r in conn.execute(sql(reference, schema), {
+                    "queue": "rare", "kind": kind, "limit": 1000, "error_chars": admin.LIST_ERROR_CHARS})]
+            assert len(want) == (21 if kind is None else 9)
+            for limit, page in ((1000, 1000), (5, 2), (len(want), 4), (7, 3)):
+                got = list(admin.iter_jobs(conn, schema, admin.Filter(queue="rare", kind=kind), limit, page=page))
+                assert got == want[:limit], (kind, limit, page)
+        # a page at a time, 21 runs of one statement: psycopg prepared it, and the server planned
+        # it each time with the queue known (its generic plan is the primary-key scan again)
+        assert [j["id"] for j in admin.iter_jobs(conn, schema, admin.Filter(queue="rare"), 100, page=1)] == \
+            sorted(rare, reverse=True)
+        prepared = conn.execute(text("SELECT generic_plans, custom_plans FROM pg_prepared_statements"
+                                     " WHERE statement LIKE '%UNION ALL%'")).all()
+        assert prepared and all(g == 0 and c > 0 for g, c in prepared), prepared
 
 
 STREAM_ROWS = 200_000

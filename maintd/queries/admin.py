@@ -113,6 +113,49 @@ SELECT j.id, j.state::text AS state, j.queue, j.kind, j.attempt, j.max_attempts,
  ORDER BY j.id DESC LIMIT :limit
 """
 
+
+# A queue's page without a state filter: ORDER BY id over the whole table was a scan of the primary
+# key newest first, filtered by queue, which read every other queue's rows when the queue is rare
+# (to the statement timeout in a big table). Instead, each state (or pair of states) is read by its
+# own partial index, the state a literal so the index's predicate is proved: the queue's entries of
+# jobs_fetch_idx and jobs_finalized_queue_idx (which lead by queue), the live rows of
+# jobs_scheduled_idx and jobs_running_idx; each read's newest :limit merged by id. Same rows, same
+# order, same keyset (``id < :before``) as LIST.
+LIST_SCANS = ("j.state = 'available'", "j.state IN ('scheduled', 'retryable')", "j.state = 'running'",
+              *(f"j.state = '{s}' AND j.finalized_at IS NOT NULL" for s in FINAL_STATES))
+LIST_SCAN = """(SELECT j.id, j.state, j.queue, j.kind, j.attempt, j.max_attempts, j.priority,
+         j.scheduled_at, j.finalized_at, j.errors
+    FROM {schema}.jobs AS j WHERE {where}
+   ORDER BY j.id DESC LIMIT :limit)"""
+LIST_MERGED = """
+SELECT j.id, j.state::text AS state, j.queue, j.kind, j.attempt, j.max_attempts, j.priority,
+       j.scheduled_at, j.finalized_at, left(e.error, :error_chars) AS last_error,
+       length(e.error) AS last_error_chars
+  FROM ({scans}) AS j CROSS JOIN LATERAL (SELECT j.errors -> -1 ->> 'error' AS error) AS e
+ ORDER BY j.id DESC LIMIT :limit
+"""
+
+# Run first in each page's transaction. A page's statement is the same text page after page, so
+# psycopg prepares it (its 5th run) and the server may then plan it once for any queue: with
+# ``queue = $1`` it guesses the queue as common as the average one, and a primary-key scan newest
+# first, stopped after :limit matches, looks cheapest again (EXPLAIN of the generic plan showed it
+# in every branch). Transaction-local: planned with the queue known, every time.
+LIST_PLANNING = "SELECT set_config('plan_cache_mode', 'force_custom_plan', true)"
+
+
+def list_statement(flt: "Filter", before: int | None) -> tuple[str, dict[str, Any]]:
+    """`jobs list`'s page: the statement and its parameters (but :limit and :error_chars), newest
+    first, ids below ``before`` when given."""
+    clauses = flt.clauses() + (["j.id < :before"] if before is not None else [])
+    params = {**flt.params(), "before": before}
+    if flt.queue is not None and flt.state is None:
+        scans = "\n  UNION ALL\n  ".join(LIST_SCAN.replace("{where}", " AND ".join([scan, *clauses]))
+                                          for scan in LIST_SCANS)
+        return LIST_MERGED.replace("{scans}", scans), params
+    where = ("WHERE " + " AND ".join(clauses)) if clauses else ""
+    return LIST.format(where=where), params
+
+
 SHOW = "SELECT j.*, j.state::text AS state FROM {schema}.jobs AS j WHERE j.id = :id"
 
 
