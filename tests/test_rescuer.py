@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import event, text
 
 from maintd.queries import sql
 from maintd.jobs import BACKOFF_CAP, ClaimedJob, JobQueue, backoff
@@ -17,7 +18,7 @@ from maintd.services.base import PassContext, PassStopped
 from maintd.queries.jobs import (RESCUER_BATCH, RESCUER_PROBE, RESCUER_COUNT_STUCK, RESCUER_EXHAUSTED_BATCH,
                                  RESCUER_NO_SIGN_BATCH, RESCUER_COUNT_ODD, RESCUER_FUTURE_SIGN_BATCH,
                                  RESCUER_COUNT_FUTURE)
-from maintd.services.rescuer import Rescuer
+from maintd.services.rescuer import NO_SIGN_START, Rescuer
 
 from .conftest import T0, run_concurrently
 from .plans import at_page_costs, explain
@@ -211,6 +212,45 @@ def test_locked_rows_do_not_hide_later_stuck_jobs(settings, engine, schema, cloc
     assert all(r[i].state == "running" for i in locked)
 
 
+def test_locked_jobs_with_no_sign_of_life_are_passed_over_once(settings, engine, schema, clock):
+    """RESCUER_NO_SIGN_BATCH picked its ids with no keyset and before SKIP LOCKED: every batch
+    took the first ``batch_size`` entries of each part of jobs_running_idx (signs before year 1,
+    none at all), whatever earlier batches had passed over. With those held by workers, the batch
+    locked nothing, found fewer candidates than its size, and the pass ended: here it rescued 0 of
+    the 7 it could. Now each batch starts where the last one ended, so the pass reads past the held
+    rows once: 7 rescued in 4 batches (2, 2, 2 and 1), however many are held."""
+    settings.rescuer.batch_size = 2
+
+    def no_sign(attempted_at: str, n: int) -> list[int]:
+        with engine.begin() as conn:
+            return [r[0] for r in conn.execute(sql(
+                "INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at, attempted_by) "
+                f"SELECT 'k', 'running', 1, {attempted_at}, 'w1' FROM generate_series(1, :n) "
+                "ORDER BY 1 RETURNING id", schema), {"n": n})]
+
+    held = no_sign("'-infinity'", 6)
+    free = no_sign("'0044-03-15 00:00:00+00 BC'", 3)
+    held += no_sign("NULL", 6)
+    free += no_sign("NULL", 4)
+    statements: list[str] = []
+
+    def count(conn, cursor, statement, *args):
+        if "ARRAY(SELECT id FROM rescued) AS ids" in statement:  # RESCUER_NO_SIGN_BATCH
+            statements.append(statement)
+
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        with jobs_locked(engine, schema, held):
+            result = run_past_locks(settings, engine, clock)
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+    assert result.retried == 7, result
+    with engine.connect() as conn:  # not rows(): no Python datetime holds '-infinity'
+        state = dict(conn.execute(sql("SELECT id, state::text FROM {schema}.jobs", schema)).all())
+    assert all(state[i] == "retryable" for i in free) and all(state[i] == "running" for i in held)
+    assert len(statements) == 4, len(statements)  # batches of 2, 2, 2 and 1
+
+
 def test_batches_cover_everything(settings, engine, schema, clock):
     settings.rescuer.batch_size = 10
     running(engine, schema, seen_ago=timedelta(hours=2), n=35)
@@ -301,8 +341,14 @@ def test_statements_are_index_backed(settings, engine, schema, clock, layout):
             assert "Seq Scan" not in plan, plan
             plan = explain(conn, RESCUER_COUNT_STUCK, schema, params, generic=generic)
             assert "jobs_running_idx" in plan and "Seq Scan" not in plan, plan
-            plan = explain(conn, RESCUER_NO_SIGN_BATCH, schema, params, generic=generic)
+            plan = explain(conn, RESCUER_NO_SIGN_BATCH, schema, {**params, **NO_SIGN_START}, generic=generic)
             assert "jobs_running_idx" in plan.split("CTE rescued")[0] and "Seq Scan" not in plan, plan
+            # its two parts (before year 1, no sign at all) and the reads of where the next batch
+            # starts, each from its keyset (in the Index Cond, not a Filter): a pass reads each
+            # entry once, however many rows held by others it passes over
+            conds = [line for line in plan.splitlines()
+                     if "Index Cond" in line and "COALESCE(heartbeat_at, attempted_at)" in line]
+            assert len(conds) == 4 and all(re.search(r"\bid\)? >", c) for c in conds), plan
             plan = explain(conn, RESCUER_FUTURE_SIGN_BATCH, schema, {"ahead": 60, "limit": 100}, generic=generic)
             candidates, update = plan.split("CTE dated")
             assert "Index Scan Backward using jobs_running_idx" in candidates, plan

@@ -312,29 +312,62 @@ SELECT (SELECT count(*) FROM candidates) AS candidates,
 # RESCUER_FUTURE_SIGN_BATCH dates: taken for none, a job claimed a minute ago was rescued at once,
 # and two workers ran it. The year is a literal (maintd.services.rescuer.FAR_PAST), so that even a
 # generic plan knows the range is empty and reads the index.
+#
+# A walk of jobs_running_idx in its order, in keyset batches: the signs before year 1 from
+# (:from_seen, :from_id) on, then the rows with none from :from_none on, up to :limit locked
+# candidates in all; rows held by another session are passed over (SKIP LOCKED) and not read
+# again this pass. Where the next batch starts is the entry after the batch's last candidate of
+# each part (next_seen and next_id, next_none; NULL: that part is done). The sign is text, as it
+# lies before year 1, which no Python datetime holds. (The ids were picked before SKIP LOCKED,
+# with no keyset: a batch whose first entries were held locked none of them, and the pass ended.)
 RESCUER_NO_SIGN_BATCH = """
-WITH candidates AS MATERIALIZED (
+WITH early AS MATERIALIZED (
   SELECT id, ctid, attempt, coalesce(heartbeat_at, attempted_at) AS seen
     FROM {schema}.jobs
-   WHERE id = ANY(ARRAY(
-           (SELECT id FROM {schema}.jobs
-             WHERE state = 'running' AND coalesce(heartbeat_at, attempted_at) IS NULL LIMIT :limit)
-           UNION ALL
-           (SELECT id FROM {schema}.jobs
-             WHERE state = 'running'
-               AND coalesce(heartbeat_at, attempted_at) < '0001-01-02 00:00:00+00'
-             ORDER BY coalesce(heartbeat_at, attempted_at) LIMIT :limit)
-))
-     AND state = 'running'
+   WHERE state = 'running'
+     AND coalesce(heartbeat_at, attempted_at) < '0001-01-02 00:00:00+00'
+     AND (coalesce(heartbeat_at, attempted_at), id) >= (CAST(:from_seen AS timestamptz), CAST(:from_id AS bigint))
+   ORDER BY coalesce(heartbeat_at, attempted_at), id
    LIMIT :limit
      FOR NO KEY UPDATE SKIP LOCKED
+), never AS MATERIALIZED (
+  SELECT id, ctid, attempt, coalesce(heartbeat_at, attempted_at) AS seen
+    FROM {schema}.jobs
+   WHERE state = 'running'
+     AND coalesce(heartbeat_at, attempted_at) IS NULL AND id >= CAST(:from_none AS bigint)
+   ORDER BY coalesce(heartbeat_at, attempted_at), id
+   LIMIT :limit - (SELECT count(*) FROM early)
+     FOR NO KEY UPDATE SKIP LOCKED
+), candidates AS (
+  SELECT * FROM early UNION ALL SELECT * FROM never
 ), {rescue}, {clear_stale}
 SELECT (SELECT count(*) FROM candidates) AS candidates,
        (SELECT count(*) FROM rescued WHERE discarded) AS discarded,
        (SELECT count(*) FROM rescued WHERE NOT discarded) AS retried,
        ARRAY(SELECT id FROM rescued) AS ids,
        ARRAY(SELECT id FROM cleared ORDER BY id) AS cleared,
-       CASE WHEN :announce THEN {announce} ELSE 0 END AS announced
+       CASE WHEN :announce THEN {announce} ELSE 0 END AS announced,
+       after_early.seen AS next_seen, after_early.id AS next_id,
+       CASE WHEN (SELECT count(*) FROM early) < :limit THEN after_never.id
+            ELSE CAST(:from_none AS bigint) END AS next_none
+  FROM (SELECT 1) AS one
+  LEFT JOIN LATERAL (
+    SELECT CAST(coalesce(j.heartbeat_at, j.attempted_at) AS text) AS seen, j.id
+      FROM {schema}.jobs AS j
+     WHERE (SELECT count(*) FROM early) = :limit AND j.state = 'running'
+       AND coalesce(j.heartbeat_at, j.attempted_at) < '0001-01-02 00:00:00+00'
+       AND (coalesce(j.heartbeat_at, j.attempted_at), j.id)
+           > ((SELECT seen FROM early ORDER BY seen DESC, id DESC LIMIT 1),
+              (SELECT id FROM early ORDER BY seen DESC, id DESC LIMIT 1))
+     ORDER BY coalesce(j.heartbeat_at, j.attempted_at), j.id
+     LIMIT 1) AS after_early ON true
+  LEFT JOIN LATERAL (
+    SELECT j.id
+      FROM {schema}.jobs AS j
+     WHERE (SELECT count(*) FROM candidates) = :limit AND j.state = 'running'
+       AND coalesce(j.heartbeat_at, j.attempted_at) IS NULL AND j.id > (SELECT max(id) FROM never)
+     ORDER BY coalesce(j.heartbeat_at, j.attempted_at), j.id
+     LIMIT 1) AS after_never ON true
 """
 
 # Running jobs whose sign of life lies more than :ahead seconds in the server's future (a worker

@@ -150,6 +150,9 @@ FAR_PAST = datetime(1, 1, 2, tzinfo=timezone.utc)
 # Just before (FAR_PAST, any id): the keyset's (seen, id) > KEYSET_START holds exactly for seen >=
 # FAR_PAST, whatever the id (an identity BY DEFAULT: an import may write 0 or a negative one).
 KEYSET_START = (FAR_PAST - timedelta(microseconds=1), 2 ** 63 - 1)
+# Where RESCUER_NO_SIGN_BATCH's walk starts: the first entry before year 1 (from '-infinity' and
+# the lowest id on), and the first with no sign at all.
+NO_SIGN_START = {"from_seen": "-infinity", "from_id": -2 ** 63, "from_none": -2 ** 63}
 # A sign of life further ahead of the server's clock than this is dated now (RESCUER_FUTURE_SIGN_BATCH).
 FUTURE_AHEAD = timedelta(minutes=1)
 # A rescue's commit does not wait for its WAL flush (synchronous_commit = off for that transaction
@@ -354,15 +357,17 @@ class Rescuer(Service):
                 return deadline
             after_seen, after_id = batch.last_seen, batch.last_id
 
-    def _batches(self, ctx: PassContext, statement: str, params: dict, settings: dict | None = None) -> Iterator[Any]:
+    def _batches(self, ctx: PassContext, statement: str, params: dict, settings: dict | None = None,
+                 position: dict | None = None) -> Iterator[Any]:
         """One statement's batches, each committed, until one finds fewer than ``batch_size``
-        candidates; a batch a row of which moved meanwhile (40001) is redone, smaller."""
+        candidates; a batch a row of which moved meanwhile (40001) is redone, smaller. A keyset
+        statement's ``position`` (its parameters) is read anew for each batch: the caller moves it."""
         while True:
             ctx.check_stop()
             limit = ctx.redo_limit(self.config.batch_size)
             try:
                 with ctx.transaction(settings=settings) as conn:
-                    batch = conn.execute(ctx.sql(statement), {**params, "limit": limit}).one()
+                    batch = conn.execute(ctx.sql(statement), {**params, **(position or {}), "limit": limit}).one()
             except DBAPIError as exc:
                 if ctx.moved_meanwhile(exc):  # finished, claimed or cancelled meanwhile
                     continue
@@ -375,8 +380,11 @@ class Rescuer(Service):
 
     def _rescue_without_sign(self, ctx: PassContext, params: dict, result: RescuerResult) -> None:
         """Running jobs with no usable attempted_at/heartbeat_at: stuck, rescued, one line per batch
-        (or, with an earlier attempt's heartbeat and a claim within its grace, that heartbeat cleared)."""
-        for batch in self._batches(ctx, jobs.RESCUER_NO_SIGN_BATCH, params, RESCUE_TRANSACTION):
+        (or, with an earlier attempt's heartbeat and a claim within its grace, that heartbeat cleared).
+        Keyset batches (RESCUER_NO_SIGN_BATCH): each starts where the last one ended."""
+        position = dict(NO_SIGN_START)
+        for batch in self._batches(ctx, jobs.RESCUER_NO_SIGN_BATCH, params, RESCUE_TRANSACTION, position):
+            position.update(from_seen=batch.next_seen, from_id=batch.next_id, from_none=batch.next_none)
             result.discarded += batch.discarded
             result.retried += batch.retried
             _count_cleared(result, batch.cleared)
