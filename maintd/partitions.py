@@ -391,6 +391,18 @@ BEGIN
   -- made: waited for at most that long (at most 1 s). Does nothing (takes no lock) when nothing is
   -- due. Returns what it did; a row 'busy' when jobs_<state>'s lock was held (the emptying stands),
   -- or when an expired partition was held and nothing was to be made (nothing else said so).
+  -- Each guard is refused when true; a comparison with NULL is NULL, so NULLs are refused first
+  -- (migration 0020), and a step with a month part: months are not of one size, and the ranges
+  -- are fixed steps from the epoch (p_drop_before NULL: nothing expires; p_lock_wait_ms NULL: 0).
+  IF p_state IS NULL OR p_step IS NULL OR p_make_until IS NULL THEN
+    RAISE EXCEPTION 'maintain_partitions: % is NULL',
+      CASE WHEN p_state IS NULL THEN 'p_state' WHEN p_step IS NULL THEN 'p_step' ELSE 'p_make_until' END
+      USING ERRCODE = '22023';
+  END IF;
+  IF extract(year FROM p_step) * 12 + extract(month FROM p_step) <> 0 THEN
+    RAISE EXCEPTION 'maintain_partitions: p_step % has a month part (partitions are of one size: give it in days, hours, minutes or seconds)',
+      p_step USING ERRCODE = '22023';
+  END IF;
   IF p_state NOT IN ('completed', 'cancelled', 'discarded') THEN
     RAISE EXCEPTION 'maintain_partitions: % is not a final state', p_state USING ERRCODE = '22023';
   END IF;

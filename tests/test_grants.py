@@ -336,6 +336,44 @@ def test_the_daemon_role_can_reach_the_partition_ddl_only_through_its_guarded_fu
                                 (f'"{schema}"',)).fetchone()[0] == relations
 
 
+@pytest.mark.parametrize("layout", ["partitioned"], indirect=True)
+def test_maintain_partitions_refuses_a_null_argument_or_a_step_in_months_as_the_daemon_role(pg_dsn, schema):
+    """Its guards were comparisons, which a NULL passes (NULL is not true): a NULL state failed
+    deep in a helper ('null values cannot be formatted as an SQL identifier'), a NULL step went on
+    to detach the catch-alls, a NULL make-until skipped the '1000 steps ahead' guard; and a step
+    of '1 month' (not under a minute) made partitions of calendar months (31 days, then 31, 28...),
+    not the fixed steps from the epoch the layout is made of. Migration 0020: each is refused,
+    naming the argument, before anything is touched; a call as the daemon makes it (a step in
+    seconds) still makes partitions."""
+    calls = {
+        "p_state": "maintain_partitions(NULL, interval '1 hour', now())",
+        "p_step": "maintain_partitions('completed', NULL, now())",
+        "p_make_until": "maintain_partitions('completed', interval '1 hour', NULL, now() - interval '1 day')",
+        "p_step in months": "maintain_partitions('completed', interval '1 month', now())",
+        "p_step in years": "maintain_partitions('completed', interval '1 year 1 hour', now())",
+    }
+    with login_role(pg_dsn) as role:
+        apply(pg_dsn, grants.render([schema], role))
+        with psycopg.connect(pg_dsn) as conn:
+            before = conn.execute("SELECT count(*) FROM pg_class WHERE relnamespace = to_regnamespace(%s)",
+                                  (f'"{schema}"',)).fetchone()[0]
+        with psycopg.connect(role_dsn(pg_dsn, role)) as conn:
+            for said, call in calls.items():
+                with pytest.raises(psycopg.errors.InvalidParameterValue, match=said.split()[0]) as raised:
+                    conn.execute(f'SELECT * FROM "{schema}".{call}')
+                conn.rollback()
+                assert "maintain_partitions" in str(raised.value), (said, str(raised.value))
+                if said.startswith("p_step in"):
+                    assert "month" in str(raised.value), str(raised.value)
+            with psycopg.connect(pg_dsn) as owner:
+                assert owner.execute("SELECT count(*) FROM pg_class WHERE relnamespace = to_regnamespace(%s)",
+                                     (f'"{schema}"',)).fetchone()[0] == before
+            made = conn.execute(f'SELECT action FROM "{schema}".maintain_partitions(\'completed\', '
+                                'make_interval(secs => 3600), now() + interval \'3 hours\')').fetchall()
+            conn.commit()
+        assert ("made",) in made, made
+
+
 def test_apply_from_several_replicas_at_once(pg_dsn, schema):
     with login_role(pg_dsn) as role:
         engines = [make_engine(pg_dsn, application_name=f"grants-{i}", pooled=False) for i in range(4)]
