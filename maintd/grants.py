@@ -10,6 +10,9 @@ table grants it too. The privileges are declared here, per table, with the reaso
 
 Notes on what is *not* granted:
 
+* UPDATE on ``periodic_jobs`` (the applications' schedules) is granted on the ``error`` column
+  only, the daemon's note on a row it cannot use; the script first revokes an UPDATE on the whole
+  table (which an earlier maintd granted: a column grant adds to it, it takes nothing away).
 * ``jobs.id`` is an identity column: an INSERT draws from its sequence without any privilege on
   it (only ``nextval()``/``currval()`` called by hand would need USAGE).
 * The type ``job_state`` and functions are usable by PUBLIC unless revoked; the partition
@@ -44,6 +47,8 @@ class TableGrant:
     table: str
     privileges: tuple[str, ...]
     why: str
+    # UPDATE on these columns only (a column-level grant); empty: on the whole table.
+    update_columns: tuple[str, ...] = ()
 
 
 # What the daemon runs: the services, leader election and fencing, registration, pass records,
@@ -63,8 +68,9 @@ DAEMON: tuple[TableGrant, ...] = (
     TableGrant("periodic_slots", ("SELECT", "INSERT", "UPDATE", "DELETE"),
                "exactly-once slot per periodic entry; DELETE prunes old history"),
     TableGrant("periodic_jobs", ("SELECT", "UPDATE"),
-               "periodic schedules kept as rows; UPDATE writes the daemon's error note on a bad row "
-               "(applications that add schedules need SELECT/INSERT/UPDATE/DELETE of their own)"),
+               "periodic schedules kept as rows; UPDATE of error only: the daemon's note on a bad row "
+               "(applications that add, change, pause or remove schedules need "
+               "SELECT/INSERT/UPDATE/DELETE of their own)", update_columns=("error",)),
     TableGrant("health_history", ("SELECT", "INSERT", "DELETE"),
                "the dashboard's charts: the leader's samples (INSERT ... ON CONFLICT needs SELECT); "
                "DELETE: the leader prunes samples older than two days (hourly)"),
@@ -103,12 +109,22 @@ def grant_statements(schema: str, role: str, *, worker: bool = False) -> list[tu
     q_schema, q_role = quote_ident(schema), quote_ident(validate_role(role))
     out = [(f"GRANT USAGE ON SCHEMA {q_schema} TO {q_role};", "look up maintd's tables")]
     for grant in WORKER if worker else DAEMON:
-        privileges = ", ".join(p for p in PRIVILEGE_ORDER if p in grant.privileges)
         table = f"{q_schema}.{quote_ident(grant.table)}"
+        if grant.update_columns:  # a column grant adds to one on the whole table: take that back first
+            out.append((f"REVOKE UPDATE ON TABLE {table} FROM {q_role};",
+                        f"the daemon may update some columns of {grant.table} only: an UPDATE on the whole "
+                        "table (an earlier maintd's grant) and its column grants are taken back first"))
+        privileges = ", ".join(_privilege(p, grant) for p in PRIVILEGE_ORDER if p in grant.privileges)
         out.append((f"GRANT {privileges} ON TABLE {table} TO {q_role};", grant.why))
     for signature, why in () if worker else DAEMON_FUNCTIONS:
         out.append((f"GRANT EXECUTE ON FUNCTION {q_schema}.{signature} TO {q_role};", why))
     return out
+
+
+def _privilege(privilege: str, grant: TableGrant) -> str:
+    if privilege == "UPDATE" and grant.update_columns:
+        return f"{privilege} ({', '.join(quote_ident(c) for c in grant.update_columns)})"
+    return privilege
 
 
 def render(schemas: list[str], role: str, *, worker: bool = False) -> str:
@@ -151,6 +167,9 @@ class NotGranted(RuntimeError):
 # GRANT page, "Notes"): the daemon's own role applying a worker's grants granted nothing, and said
 # it had granted them.
 PRIVILEGE_NOT_GRANTED = "01007"
+# SQLSTATE 01006 privilege_not_revoked: the same warning for a REVOKE (the column-limited grants'
+# REVOKE of UPDATE on the whole table, run by a role without the grant option).
+PRIVILEGE_NOT_REVOKED = "01006"
 
 
 def _check_revision(conn: Connection, schema: str) -> None:
@@ -174,7 +193,7 @@ def apply(conn: Connection, schemas: list[str], role: str, *, worker: bool = Fal
     raw = conn.connection.driver_connection
 
     def on_notice(diag: Any) -> None:
-        if diag.sqlstate == PRIVILEGE_NOT_GRANTED:
+        if diag.sqlstate in (PRIVILEGE_NOT_GRANTED, PRIVILEGE_NOT_REVOKED):
             refused.append(diag.message_primary)
 
     raw.add_notice_handler(on_notice)

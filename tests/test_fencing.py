@@ -90,6 +90,8 @@ NOT_MAINTENANCE: dict[str, str] = {
     "leader.FENCE": "the fence (FOR KEY SHARE of the leader row)",
     "grants.py: GRANT USAGE ON SCHEMA {} TO {};": "`maintd grants` (the owner role)",
     "grants.py: GRANT {} ON TABLE {} TO {};": "`maintd grants` (the owner role)",
+    "grants.py: REVOKE UPDATE ON TABLE {} FROM {};": "`maintd grants` (the owner role): a table-wide UPDATE "
+                                                     "taken back before a column-limited one",
     "catalog.ADVISORY_XACT_LOCK": "`maintd grants`: the schema's migration lock",
     "catalog.TRY_ADVISORY_LOCK": "`maintd migrate`: the schema's migration lock",
     "catalog.ADVISORY_UNLOCK": "`maintd migrate` (and `--convert`): the schema's migration lock given back",

@@ -130,6 +130,51 @@ def declared(table_grants) -> dict[str, set[str]]:
     return {g.table: set(g.privileges) for g in table_grants}
 
 
+def on_tables(table_grants) -> dict[str, set[str]]:
+    """The declared privileges held on the whole table (an UPDATE limited to columns is not)."""
+    return {g.table: set(g.privileges) - ({"UPDATE"} if g.update_columns else set()) for g in table_grants}
+
+
+def on_columns(table_grants) -> dict[str, set[str]]:
+    """The columns each table's column-limited UPDATE is declared on."""
+    return {g.table: set(g.update_columns) for g in table_grants if g.update_columns}
+
+
+def column_updates(pg_dsn: str, schema: str, role: str) -> dict[str, set[str]]:
+    """The columns the role was granted UPDATE on by a column grant, per table."""
+    with psycopg.connect(pg_dsn) as conn:
+        rows = conn.execute("""
+            SELECT c.relname, a.attname
+              FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid, aclexplode(a.attacl) x
+             WHERE c.relnamespace = to_regnamespace(%s) AND x.grantee = to_regrole(%s)
+               AND x.privilege_type = 'UPDATE'""", (f'"{schema}"', role)).fetchall()
+    out: dict[str, set[str]] = {}
+    for table, column in rows:
+        out.setdefault(table, set()).add(column)
+    return out
+
+
+SET_CLAUSE = re.compile(r"\bUPDATE\s+\{schema\}\.(\w+)(?:\s+AS\s+\w+)?\s+SET\s+(.*?)(?:\bWHERE\b|\bFROM\b|\bRETURNING\b|$)",
+                        re.I | re.S)
+
+
+def updated_columns(statement: str) -> dict[str, set[str]]:
+    """The columns each ``UPDATE {schema}.t SET ...`` of a statement writes."""
+    out: dict[str, set[str]] = {}
+    for m in SET_CLAUSE.finditer(" ".join(statement.split())):
+        depth, parts, part = 0, [], ""
+        for ch in m.group(2):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if ch == "," and depth == 0:
+                parts.append(part)
+                part = ""
+            else:
+                part += ch
+        parts.append(part)
+        out.setdefault(m.group(1), set()).update(p.split("=")[0].strip().strip('"') for p in parts)
+    return out
+
+
 def test_privilege_rules_follow_postgresql():
     assert privileges_of("INSERT INTO {schema}.t (a) VALUES (1)") == {"t": {"INSERT"}}
     assert privileges_of("INSERT INTO {schema}.t (a) VALUES (1) ON CONFLICT (a) DO NOTHING") == \
@@ -147,6 +192,23 @@ def test_daemon_grants_are_what_its_sql_needs():
     need = derived(daemon_modules())
     need.setdefault("alembic_version", set()).add("SELECT")  # read by Alembic, not by a template
     assert declared(grants.DAEMON) == need
+
+
+def test_a_column_limited_update_is_on_exactly_the_columns_the_daemons_sql_writes():
+    """The daemon's role had UPDATE on the whole of periodic_jobs, an application's table (its
+    schedules), to write one column: the error note on a row it cannot use. It could rewrite
+    any row's schedule, kind or args (a job of any kind, enqueued by the leader). UPDATE is
+    granted on the columns the daemon's UPDATE statements write; the table-level check
+    (test_daemon_grants_are_what_its_sql_needs) still holds for the rest."""
+    assert updated_columns("UPDATE {schema}.t AS x SET a = coalesce(b, 1), \"c\" = 2 WHERE id = 1") == \
+        {"t": {"a", "c"}}
+    skip = operator_only()
+    written: dict[str, set[str]] = {}
+    for text in [t for m in daemon_modules() for t in sql_texts(m) if t not in skip]:
+        for table, columns in updated_columns(expanded(text)).items():
+            written.setdefault(table, set()).update(columns)
+    assert on_columns(grants.DAEMON) == {"periodic_jobs": {"error"}}
+    assert on_columns(grants.DAEMON) == {t: written[t] for t in on_columns(grants.DAEMON)}, written
 
 
 def test_daemon_function_grants_are_what_its_sql_calls():
@@ -180,6 +242,8 @@ def test_grants_prints_quoted_statements_for_the_configured_schema(tmp_path):
     statements = [line for line in res.stdout.splitlines() if line.startswith("GRANT")]
     assert statements[0] == 'GRANT USAGE ON SCHEMA "acme_jobs" TO "maintd_daemon";'
     assert 'GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE "acme_jobs"."jobs" TO "maintd_daemon";' in statements
+    assert 'GRANT SELECT, UPDATE ("error") ON TABLE "acme_jobs"."periodic_jobs" TO "maintd_daemon";' in statements
+    assert 'REVOKE UPDATE ON TABLE "acme_jobs"."periodic_jobs" FROM "maintd_daemon";' in res.stdout.splitlines()
     assert all('"acme_jobs".' in s and s.endswith('TO "maintd_daemon";') for s in statements[1:])
     assert "ownership" in res.stdout and "reindex" in res.stdout  # said, not granted
     assert not any(re.search(r"\b(CREATE|OWNER|ALL|TRUNCATE|MAINTAIN)\b", s) for s in statements)
@@ -285,7 +349,8 @@ def test_grants_cover_every_table_migrate_creates(pg_dsn, schema):
 def test_printed_sql_grants_exactly_the_declared_privileges(pg_dsn, schema, worker):
     with login_role(pg_dsn) as role:
         apply(pg_dsn, grants.render([schema], role, worker=worker))
-        assert table_privileges(pg_dsn, schema, role) == declared(grants.WORKER if worker else grants.DAEMON)
+        assert table_privileges(pg_dsn, schema, role) == on_tables(grants.WORKER if worker else grants.DAEMON)
+        assert column_updates(pg_dsn, schema, role) == on_columns(grants.WORKER if worker else grants.DAEMON)
         with psycopg.connect(role_dsn(pg_dsn, role)) as conn:
             usage, create, db_create = conn.execute(
                 "SELECT has_schema_privilege(%s, 'USAGE'), has_schema_privilege(%s, 'CREATE'), "
@@ -384,11 +449,12 @@ def test_apply_from_several_replicas_at_once(pg_dsn, schema):
                 return grants.apply(conn, [schema], role)
 
         try:  # unserialized, concurrent GRANTs on one table fail with "tuple concurrently updated"
-            assert run_concurrently(go, 4) == [len(grants.DAEMON) + len(grants.DAEMON_FUNCTIONS) + 1] * 4
+            assert run_concurrently(go, 4) == [len(grants.grant_statements(schema, role))] * 4
         finally:
             for engine in engines:
                 engine.dispose()
-        assert table_privileges(pg_dsn, schema, role) == declared(grants.DAEMON)
+        assert table_privileges(pg_dsn, schema, role) == on_tables(grants.DAEMON)
+        assert column_updates(pg_dsn, schema, role) == on_columns(grants.DAEMON)
 
 
 def test_a_quoted_reserved_word_is_a_usable_role_name(pg_dsn, schema):
@@ -444,6 +510,8 @@ def test_daemon_role_runs_every_service_status_and_migrate(pg_dsn, schema, layou
         engine.dispose()
         services += ["partitioner", "partitioner"]
     seed(pg_dsn, schema)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:  # a row the periodic enqueuer refuses, noting why
+        conn.execute(f"""INSERT INTO "{schema}".periodic_jobs (id, schedule, kind) VALUES ('bad', 'not a schedule', 'b')""")
     with login_role(pg_dsn) as role:
         apply(pg_dsn, grants.render([schema], role))
         env = {"MAINTD_DATABASE_URL": role_dsn(pg_dsn, role)}
@@ -458,6 +526,49 @@ def test_daemon_role_runs_every_service_status_and_migrate(pg_dsn, schema, layou
         assert json.loads(res.stdout)["schema"] == schema  # leader, daemons, runs, job counts read
         res = cli("--config", cfg, "migrate", env=env)
         assert res.returncode == 0 and "nothing to do" in res.stdout, res.stderr
+        assert_updates_only_the_error_note(pg_dsn, schema, role)
+
+
+def assert_updates_only_the_error_note(pg_dsn: str, schema: str, role: str) -> None:
+    """The daemon's role wrote the bad row's error note (the periodic pass), may write it, and may
+    not write any other column of periodic_jobs (an application's schedules)."""
+    with psycopg.connect(pg_dsn) as conn:
+        assert "schedule" in conn.execute(f'SELECT error FROM "{schema}".periodic_jobs WHERE id = %s',
+                                          ("bad",)).fetchone()[0]
+    with psycopg.connect(role_dsn(pg_dsn, role), autocommit=True) as conn:
+        assert conn.execute(f'UPDATE "{schema}".periodic_jobs SET error = NULL WHERE id = %s RETURNING id',
+                            ("bad",)).fetchall() == [("bad",)]
+        for column, value in (("schedule", "'@hourly'"), ("enabled", "false"), ("kind", "'other'"),
+                              ("args", "'{}'"), ("updated_at", "now()")):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege, match="periodic_jobs"):
+                conn.execute(f'UPDATE "{schema}".periodic_jobs SET {column} = {value} WHERE id = %s', ("bad",))
+    with psycopg.connect(pg_dsn) as conn:
+        assert conn.execute(f'SELECT schedule, enabled, kind FROM "{schema}".periodic_jobs WHERE id = %s',
+                            ("bad",)).fetchone() == ("not a schedule", True, "b")
+
+
+def test_apply_takes_back_an_earlier_update_on_the_whole_periodic_jobs_table(pg_dsn, schema, tmp_path):
+    """An upgrade: a role given an earlier maintd's grants (UPDATE on all of periodic_jobs, as
+    the deploy files' `grants --apply` did) and then this maintd's `grants --apply` is left with
+    UPDATE on the error column only; a GRANT of a column adds to the table's, it takes nothing
+    away. The printed script does the same."""
+    def earlier(who: str) -> str:  # this maintd's script as it was before the column grant
+        return "\n".join(line.replace('UPDATE ("error")', "UPDATE") for line in grants.render([schema], who).splitlines()
+                         if not line.startswith("REVOKE UPDATE"))
+
+    with login_role(pg_dsn) as role, login_role(pg_dsn) as printed:
+        for who in (role, printed):
+            apply(pg_dsn, earlier(who))
+            assert "UPDATE" in table_privileges(pg_dsn, schema, who)["periodic_jobs"]
+        apply_by_cli(pg_dsn, tmp_path, schema, role, worker=False)
+        apply(pg_dsn, grants.render([schema], printed))
+        for who in (role, printed):
+            assert effective_privileges(pg_dsn, schema, who) == on_tables(grants.DAEMON), who
+            assert column_updates(pg_dsn, schema, who) == {"periodic_jobs": {"error"}}, who
+            with psycopg.connect(role_dsn(pg_dsn, who), autocommit=True) as conn:
+                with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                    conn.execute(f'UPDATE "{schema}".periodic_jobs SET schedule = schedule')
+                conn.execute(f'UPDATE "{schema}".periodic_jobs SET error = error')
 
 
 def test_daemon_role_runs_a_daemon_with_two_targets(pg_dsn, schema, tmp_path):
@@ -630,11 +741,10 @@ def test_the_daemon_role_gets_the_owner_named_for_what_no_grant_of_its_own_gives
         owner_env = {"MAINTD_DATABASE_URL": role_dsn(pg_dsn, owner)}
         res = cli("--config", cfg, "periodic", "add", "r1", "--schedule", "@hourly", "--kind", "report", env=owner_env)
         assert res.returncode == 0, res.stderr
-        for action in ("pause", "resume"):  # what the daemon's role may do
+        for action in ("pause", "resume", "remove"):  # the daemon's role writes only a row's error note
             res = cli("--config", cfg, "periodic", action, "r1", env=env)
-            assert res.returncode == 0, res.stderr
-        res = cli("--config", cfg, "periodic", "remove", "r1", env=env)
-        assert res.returncode == 1 and "schema's owner" in res.stderr
+            [line] = res.stderr.strip().splitlines()
+            assert res.returncode == 1 and "schema's owner" in line and "maintd grants ROLE --apply" not in line, line
         with psycopg.connect(pg_dsn) as conn:  # nothing was converted
             assert conn.execute(f"SELECT relkind FROM pg_class WHERE oid = '\"{schema}\".jobs'::regclass").fetchone()[0] == "r"
             assert conn.execute(f'SELECT count(*) FROM "{schema}".periodic_jobs').fetchone()[0] == 1
@@ -755,7 +865,8 @@ def apply_by_cli(pg_dsn: str, tmp_path, schema: str, role: str, worker: bool) ->
 def test_grants_apply_gives_a_role_exactly_the_declared_privileges(pg_dsn, schema, tmp_path, worker):
     with login_role(pg_dsn) as role:
         apply_by_cli(pg_dsn, tmp_path, schema, role, worker)
-        assert effective_privileges(pg_dsn, schema, role) == declared(grants.WORKER if worker else grants.DAEMON)
+        assert effective_privileges(pg_dsn, schema, role) == on_tables(grants.WORKER if worker else grants.DAEMON)
+        assert column_updates(pg_dsn, schema, role) == on_columns(grants.WORKER if worker else grants.DAEMON)
 
 
 @pytest.mark.parametrize("grantor", ["daemon", "stranger"])
@@ -906,7 +1017,7 @@ def test_apply_does_not_wait_for_a_conversion(pg_dsn, schema):
         try:
             count, waited = while_a_conversion_holds_the_lock(engine, schema,
                                                               lambda conn: grants.apply(conn, [schema], role))
-            assert count == len(grants.DAEMON) + len(grants.DAEMON_FUNCTIONS) + 1 and waited < 10, (count, waited)
+            assert count == len(grants.grant_statements(schema, role)) and waited < 10, (count, waited)
         finally:
             engine.dispose()
 
