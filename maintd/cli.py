@@ -703,21 +703,22 @@ def cmd_periodic(args: argparse.Namespace) -> int:
             entries, _ = table.list_entries(engine, settings)
             print(json.dumps(entries, indent=2, default=str) if args.json else table.format_entries(entries))
             return EXIT_OK
-        try:
-            if args.periodic_action == "add":
-                done = table.add(engine, settings.schema, job, replace=args.replace)
-                what = "exists (use --replace)" if not done else "saved"
-            elif args.periodic_action == "remove":
-                done, what = table.remove(engine, settings.schema, args.id), "removed"
-            else:
-                enabled = args.periodic_action == "resume"
-                done = table.set_enabled(engine, settings.schema, args.id, enabled)
-                what = "resumed" if enabled else "paused"
-        except Exception as exc:
-            if getattr(getattr(exc, "orig", None), "sqlstate", None) != "42501":
-                raise
-            _stderr(f"maintd periodic: error: {_rows_role_hint(exc, settings.schema)}")
-            return EXIT_FAILURE
+        if args.periodic_action in ("add", "remove"):
+            try:
+                if args.periodic_action == "add":
+                    done = table.add(engine, settings.schema, job, replace=args.replace)
+                    what = "exists (use --replace)" if not done else "saved"
+                else:
+                    done, what = table.remove(engine, settings.schema, args.id), "removed"
+            except Exception as exc:
+                if getattr(getattr(exc, "orig", None), "sqlstate", None) != "42501":
+                    raise
+                _stderr(f"maintd periodic: error: {_rows_role_hint(exc, settings.schema)}")
+                return EXIT_FAILURE
+        else:
+            enabled = args.periodic_action == "resume"
+            done = table.set_enabled(engine, settings.schema, args.id, enabled)
+            what = "resumed" if enabled else "paused"
     finally:
         engine.dispose()
     if not done and args.periodic_action != "add":
@@ -730,13 +731,12 @@ def cmd_periodic(args: argparse.Namespace) -> int:
 def _rows_role_hint(exc: Exception, schema: str) -> str:
     """A role that may not write rows of periodic_jobs: not a grant `maintd grants` would give
     (the daemon's role only reads rows and writes their error note), so say who may, and all that
-    `add` (an upsert with RETURNING), `remove` (a DELETE with WHERE and RETURNING) and `pause`,
-    `resume` (an UPDATE of enabled with WHERE and RETURNING) need."""
+    `add` (an upsert with RETURNING) and `remove` (a DELETE with WHERE and RETURNING) need."""
     from .identifiers import quote_ident
     from .logs import redact_dsn
 
     line = redact_dsn(str(exc.orig).strip().splitlines()[0])  # type: ignore[attr-defined]
-    return (f"{line} (`maintd periodic add`, `remove`, `pause` and `resume` write rows of periodic_jobs, which "
+    return (f"{line} (`maintd periodic add` and `remove` write rows of periodic_jobs, which "
             "`maintd grants` leaves to the applications' roles: run them as the schema's owner, or "
             f"GRANT SELECT, INSERT, UPDATE, DELETE ON {quote_ident(schema)}.periodic_jobs TO the role)")
 

@@ -10,8 +10,9 @@ table grants it too. The privileges are declared here, per table, with the reaso
 
 Notes on what is *not* granted:
 
-* UPDATE on ``periodic_jobs`` (the applications' schedules) is granted on the ``error`` column
-  only, the daemon's note on a row it cannot use; the script first revokes an UPDATE on the whole
+* UPDATE on ``periodic_jobs`` (the applications' schedules) is granted on two columns only:
+  ``error``, the daemon's note on a row it cannot use, and ``enabled``, so that ``maintd periodic
+  pause|resume`` work with the daemon's own config; the script first revokes an UPDATE on the whole
   table (which an earlier maintd granted: a column grant adds to it, it takes nothing away).
 * ``jobs.id`` is an identity column: an INSERT draws from its sequence without any privilege on
   it (only ``nextval()``/``currval()`` called by hand would need USAGE).
@@ -68,9 +69,10 @@ DAEMON: tuple[TableGrant, ...] = (
     TableGrant("periodic_slots", ("SELECT", "INSERT", "UPDATE", "DELETE"),
                "exactly-once slot per periodic entry; DELETE prunes old history"),
     TableGrant("periodic_jobs", ("SELECT", "UPDATE"),
-               "periodic schedules kept as rows; UPDATE of error only: the daemon's note on a bad row "
-               "(applications that add, change, pause or remove schedules need "
-               "SELECT/INSERT/UPDATE/DELETE of their own)", update_columns=("error",)),
+               "periodic schedules kept as rows; UPDATE of error (the daemon's note on a bad row) and "
+               "enabled (`maintd periodic pause|resume` with the daemon's config) only; applications that "
+               "add, change or remove schedules need SELECT/INSERT/UPDATE/DELETE of their own",
+               update_columns=("error", "enabled")),
     TableGrant("health_history", ("SELECT", "INSERT", "DELETE"),
                "the dashboard's charts: the leader's samples (INSERT ... ON CONFLICT needs SELECT); "
                "DELETE: the leader prunes samples older than two days (hourly)"),

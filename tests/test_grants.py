@@ -198,7 +198,8 @@ def test_a_column_limited_update_is_on_exactly_the_columns_the_daemons_sql_write
     """The daemon's role had UPDATE on the whole of periodic_jobs, an application's table (its
     schedules), to write one column: the error note on a row it cannot use. It could rewrite
     any row's schedule, kind or args (a job of any kind, enqueued by the leader). UPDATE is
-    granted on the columns the daemon's UPDATE statements write; the table-level check
+    granted on the columns the daemon's UPDATE statements write, and on `enabled` for `maintd
+    periodic pause|resume` (which the README lets the daemon's role run); the table-level check
     (test_daemon_grants_are_what_its_sql_needs) still holds for the rest."""
     assert updated_columns("UPDATE {schema}.t AS x SET a = coalesce(b, 1), \"c\" = 2 WHERE id = 1") == \
         {"t": {"a", "c"}}
@@ -207,7 +208,11 @@ def test_a_column_limited_update_is_on_exactly_the_columns_the_daemons_sql_write
     for text in [t for m in daemon_modules() for t in sql_texts(m) if t not in skip]:
         for table, columns in updated_columns(expanded(text)).items():
             written.setdefault(table, set()).update(columns)
-    assert on_columns(grants.DAEMON) == {"periodic_jobs": {"error"}}
+    # and `maintd periodic pause|resume`, which the daemon's role may run with the daemon's config
+    from maintd.queries import periodic_jobs
+    for table, columns in updated_columns(expanded(periodic_jobs.SET_ENABLED)).items():
+        written.setdefault(table, set()).update(columns)
+    assert on_columns(grants.DAEMON) == {"periodic_jobs": {"error", "enabled"}}
     assert on_columns(grants.DAEMON) == {t: written[t] for t in on_columns(grants.DAEMON)}, written
 
 
@@ -242,7 +247,7 @@ def test_grants_prints_quoted_statements_for_the_configured_schema(tmp_path):
     statements = [line for line in res.stdout.splitlines() if line.startswith("GRANT")]
     assert statements[0] == 'GRANT USAGE ON SCHEMA "acme_jobs" TO "maintd_daemon";'
     assert 'GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE "acme_jobs"."jobs" TO "maintd_daemon";' in statements
-    assert 'GRANT SELECT, UPDATE ("error") ON TABLE "acme_jobs"."periodic_jobs" TO "maintd_daemon";' in statements
+    assert 'GRANT SELECT, UPDATE ("error", "enabled") ON TABLE "acme_jobs"."periodic_jobs" TO "maintd_daemon";' in statements
     assert 'REVOKE UPDATE ON TABLE "acme_jobs"."periodic_jobs" FROM "maintd_daemon";' in res.stdout.splitlines()
     assert all('"acme_jobs".' in s and s.endswith('TO "maintd_daemon";') for s in statements[1:])
     assert "ownership" in res.stdout and "reindex" in res.stdout  # said, not granted
@@ -530,15 +535,18 @@ def test_daemon_role_runs_every_service_status_and_migrate(pg_dsn, schema, layou
 
 
 def assert_updates_only_the_error_note(pg_dsn: str, schema: str, role: str) -> None:
-    """The daemon's role wrote the bad row's error note (the periodic pass), may write it, and may
-    not write any other column of periodic_jobs (an application's schedules)."""
+    """The daemon's role wrote the bad row's error note (the periodic pass), may write it and
+    enabled (`maintd periodic pause|resume`), and may not write any other column of periodic_jobs
+    (an application's schedules)."""
     with psycopg.connect(pg_dsn) as conn:
         assert "schedule" in conn.execute(f'SELECT error FROM "{schema}".periodic_jobs WHERE id = %s',
                                           ("bad",)).fetchone()[0]
     with psycopg.connect(role_dsn(pg_dsn, role), autocommit=True) as conn:
         assert conn.execute(f'UPDATE "{schema}".periodic_jobs SET error = NULL WHERE id = %s RETURNING id',
                             ("bad",)).fetchall() == [("bad",)]
-        for column, value in (("schedule", "'@hourly'"), ("enabled", "false"), ("kind", "'other'"),
+        assert conn.execute(f'UPDATE "{schema}".periodic_jobs SET enabled = true WHERE id = %s RETURNING id',
+                            ("bad",)).fetchall() == [("bad",)]
+        for column, value in (("schedule", "'@hourly'"), ("kind", "'other'"), ("queue", "'q'"),
                               ("args", "'{}'"), ("updated_at", "now()")):
             with pytest.raises(psycopg.errors.InsufficientPrivilege, match="periodic_jobs"):
                 conn.execute(f'UPDATE "{schema}".periodic_jobs SET {column} = {value} WHERE id = %s', ("bad",))
@@ -550,10 +558,10 @@ def assert_updates_only_the_error_note(pg_dsn: str, schema: str, role: str) -> N
 def test_apply_takes_back_an_earlier_update_on_the_whole_periodic_jobs_table(pg_dsn, schema, tmp_path):
     """An upgrade: a role given an earlier maintd's grants (UPDATE on all of periodic_jobs, as
     the deploy files' `grants --apply` did) and then this maintd's `grants --apply` is left with
-    UPDATE on the error column only; a GRANT of a column adds to the table's, it takes nothing
+    UPDATE on the error and enabled columns only; a GRANT of a column adds to the table's, it takes nothing
     away. The printed script does the same."""
     def earlier(who: str) -> str:  # this maintd's script as it was before the column grant
-        return "\n".join(line.replace('UPDATE ("error")', "UPDATE") for line in grants.render([schema], who).splitlines()
+        return "\n".join(line.replace('UPDATE ("error", "enabled")', "UPDATE") for line in grants.render([schema], who).splitlines()
                          if not line.startswith("REVOKE UPDATE"))
 
     with login_role(pg_dsn) as role, login_role(pg_dsn) as printed:
@@ -564,7 +572,7 @@ def test_apply_takes_back_an_earlier_update_on_the_whole_periodic_jobs_table(pg_
         apply(pg_dsn, grants.render([schema], printed))
         for who in (role, printed):
             assert effective_privileges(pg_dsn, schema, who) == on_tables(grants.DAEMON), who
-            assert column_updates(pg_dsn, schema, who) == {"periodic_jobs": {"error"}}, who
+            assert column_updates(pg_dsn, schema, who) == {"periodic_jobs": {"error", "enabled"}}, who
             with psycopg.connect(role_dsn(pg_dsn, who), autocommit=True) as conn:
                 with pytest.raises(psycopg.errors.InsufficientPrivilege):
                     conn.execute(f'UPDATE "{schema}".periodic_jobs SET schedule = schedule')
@@ -741,10 +749,12 @@ def test_the_daemon_role_gets_the_owner_named_for_what_no_grant_of_its_own_gives
         owner_env = {"MAINTD_DATABASE_URL": role_dsn(pg_dsn, owner)}
         res = cli("--config", cfg, "periodic", "add", "r1", "--schedule", "@hourly", "--kind", "report", env=owner_env)
         assert res.returncode == 0, res.stderr
-        for action in ("pause", "resume", "remove"):  # the daemon's role writes only a row's error note
+        for action in ("pause", "resume"):  # what the daemon's role may do (UPDATE of enabled)
             res = cli("--config", cfg, "periodic", action, "r1", env=env)
-            [line] = res.stderr.strip().splitlines()
-            assert res.returncode == 1 and "schema's owner" in line and "maintd grants ROLE --apply" not in line, line
+            assert res.returncode == 0, res.stderr
+        res = cli("--config", cfg, "periodic", "remove", "r1", env=env)
+        [line] = res.stderr.strip().splitlines()
+        assert res.returncode == 1 and "schema's owner" in line and "maintd grants ROLE --apply" not in line, line
         with psycopg.connect(pg_dsn) as conn:  # nothing was converted
             assert conn.execute(f"SELECT relkind FROM pg_class WHERE oid = '\"{schema}\".jobs'::regclass").fetchone()[0] == "r"
             assert conn.execute(f'SELECT count(*) FROM "{schema}".periodic_jobs').fetchone()[0] == 1
