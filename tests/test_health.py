@@ -14,7 +14,7 @@ import json
 import threading
 import time
 import urllib.request
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import datetime, timedelta, timezone
 from typing import Any, Iterator
 
@@ -311,6 +311,20 @@ def test_a_parallel_query_is_one_holder_not_one_per_worker(health_pg, health_eng
             conn.execute("DROP TABLE IF EXISTS par_query")
 
 
+def assert_holds_the_catalogs_only(engine: Engine, slot: str) -> None:
+    """Two reads 1.1 s apart (PostgreSQL 15 keeps no time for a slot: counted from the first) name
+    the logical slot ``slot`` as holding back the catalogs, 3 or more transaction ids behind, and
+    not the jobs table."""
+    reader = HealthReader()
+    read(engine, reader)
+    time.sleep(1.1)
+    report = read(engine, reader)
+    [h] = [h for h in report.horizon.catalog_holders if h.name == slot]
+    assert (h.kind, h.scope, h.detail) == ("replication_slot", "catalog", "logical")
+    assert h.age_xids >= 3
+    assert all(x.name != slot for x in report.horizon.holders)
+
+
 def test_a_logical_slot_holds_back_the_catalogs_not_the_jobs_table(health_pg, health_engine):
     """A logical slot's catalog_xmin: PostgreSQL's ComputeXidHorizons() applies it to catalog
     relations only. Named as such, and VACUUM indeed removes the jobs table's dead rows meanwhile."""
@@ -321,14 +335,7 @@ def test_a_logical_slot_holds_back_the_catalogs_not_the_jobs_table(health_pg, he
             conn.execute("DELETE FROM maintd.jobs WHERE kind = 'slot'")
             conn.execute("SELECT pg_stat_force_next_flush()")  # before VACUUM's own count
             consume_xids(health_pg)
-            reader = HealthReader()  # PostgreSQL 15 keeps no time for a slot: counted from this read
-            read(health_engine, reader)
-            time.sleep(1.1)
-            report = read(health_engine, reader)
-            [h] = [h for h in report.horizon.catalog_holders if h.name == "maintd_test_slot"]
-            assert (h.kind, h.scope, h.detail) == ("replication_slot", "catalog", "logical")
-            assert h.age_xids >= 3
-            assert all(h.name != "maintd_test_slot" for h in report.horizon.holders)
+            assert_holds_the_catalogs_only(health_engine, "maintd_test_slot")
             assert conn.execute("SELECT pg_stat_get_dead_tuples('maintd.jobs'::regclass)").fetchone()[0] >= 200
             conn.execute("VACUUM maintd.jobs")
             dead = conn.execute("SELECT pg_stat_get_dead_tuples('maintd.jobs'::regclass)").fetchone()[0]
@@ -366,14 +373,7 @@ def test_a_logical_slot_of_another_database_is_named_as_holding_back_the_catalog
                 return conn.execute("SELECT pg_stat_get_dead_tuples('pg_class'::regclass)").fetchone()[0]
 
             assert dead_catalog_rows_kept() > 0, "VACUUM removed them: the slot held nothing back here"
-            reader = HealthReader()
-            read(health_engine, reader)
-            time.sleep(1.1)
-            report = read(health_engine, reader)
-            [h] = [h for h in report.horizon.catalog_holders if h.name == "maintd_elsewhere_slot"]
-            assert (h.kind, h.scope, h.detail) == ("replication_slot", "catalog", "logical")
-            assert h.age_xids >= 3
-            assert all(x.name != "maintd_elsewhere_slot" for x in report.horizon.holders)
+            assert_holds_the_catalogs_only(health_engine, "maintd_elsewhere_slot")
             with psycopg.connect(other_dsn, autocommit=True) as other:
                 other.execute("SELECT pg_drop_replication_slot('maintd_elsewhere_slot')")
             assert dead_catalog_rows_kept() == 0, "something else held the catalogs back"
@@ -431,36 +431,65 @@ def test_an_invalidated_slot_is_not_named_since_it_holds_nothing_back(health_pg,
             conn.execute("SELECT pg_reload_conf()")
 
 
+@contextmanager
+def role_engine(dsn: str, role: str, *, read_all_stats: bool = False) -> Iterator[Engine]:
+    """An engine that logs in as ``role``, a new role made here (granted pg_read_all_stats if
+    ``read_all_stats``) and dropped afterwards."""
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(f"DROP ROLE IF EXISTS {role}")
+        admin.execute(f"CREATE ROLE {role} LOGIN")
+        if read_all_stats:
+            admin.execute(f"GRANT pg_read_all_stats TO {role}")
+    engine = make_engine(dsn.replace("postgres@", f"{role}@"), application_name="w", pooled=False)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(f"DROP ROLE {role}")
+
+
+@contextmanager
+def snapshot_held_past_warning(dsn: str, watcher: Engine, application_name: str):
+    """A REPEATABLE READ session that has read maintd.jobs and held its snapshot past a 1 s
+    warn-after, looked at by one HolderWarnings through ``watcher`` before and after the second;
+    yields the session and ``look`` (one more such look)."""
+    reader, warnings = HealthReader(), HolderWarnings()
+
+    def look() -> None:
+        warnings.check(read(watcher, reader, ()).horizon, timedelta(seconds=1), ["q"])
+
+    with psycopg.connect(dsn, application_name=application_name) as holder:
+        holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        holder.execute("SELECT count(*) FROM maintd.jobs")
+        consume_xids(dsn)
+        look()
+        time.sleep(1.2)
+        look()
+        yield holder, look
+
+
 def test_another_roles_session_without_pg_read_all_stats_is_named_with_what_it_may_see(health_pg):
     """Without pg_read_all_stats, PostgreSQL hides another role's state, client and start: the
     holder is still named (pid, user, application) and its age counts from the first read that
     saw a newer transaction id (a lower bound); with the grant (maintd grants prints it) all of it."""
-    with psycopg.connect(health_pg, autocommit=True) as admin:
-        admin.execute("DROP ROLE IF EXISTS maintd_health_watcher")
-        admin.execute("CREATE ROLE maintd_health_watcher LOGIN")
-    watcher = make_engine(health_pg.replace("postgres@", "maintd_health_watcher@"), application_name="w",
-                          pooled=False)
-    try:
-        with psycopg.connect(health_pg, application_name="other-team") as holder:
-            holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-            holder.execute("SELECT 1")
-            pid, reader = holder.info.backend_pid, HealthReader()
-            consume_xids(health_pg)
-            first = [h for h in read(watcher, reader, ()).horizon.holders if h.pid == pid]
-            assert first == []  # held for less than a second as far as it can tell
-            time.sleep(1.2)
-            h = held_by(read(watcher, reader, ()), pid)
-            assert (h.kind, h.user, h.application_name) == ("snapshot", "postgres", "other-team")
-            assert (h.state, h.client_addr, h.since, h.exact) == (None, None, None, False)
-            assert 1.0 <= h.age_seconds < 30
-            with psycopg.connect(health_pg, autocommit=True) as admin:
-                admin.execute("GRANT pg_read_all_stats TO maintd_health_watcher")
-            h = held_by(read(watcher, reader, ()), pid)
-            assert (h.state, h.client_addr, h.exact) == ("idle in transaction", "127.0.0.1", True)
-    finally:
-        watcher.dispose()
+    with role_engine(health_pg, "maintd_health_watcher") as watcher, \
+            psycopg.connect(health_pg, application_name="other-team") as holder:
+        holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        holder.execute("SELECT 1")
+        pid, reader = holder.info.backend_pid, HealthReader()
+        consume_xids(health_pg)
+        first = [h for h in read(watcher, reader, ()).horizon.holders if h.pid == pid]
+        assert first == []  # held for less than a second as far as it can tell
+        time.sleep(1.2)
+        h = held_by(read(watcher, reader, ()), pid)
+        assert (h.kind, h.user, h.application_name) == ("snapshot", "postgres", "other-team")
+        assert (h.state, h.client_addr, h.since, h.exact) == (None, None, None, False)
+        assert 1.0 <= h.age_seconds < 30
         with psycopg.connect(health_pg, autocommit=True) as admin:
-            admin.execute("DROP ROLE maintd_health_watcher")
+            admin.execute("GRANT pg_read_all_stats TO maintd_health_watcher")
+        h = held_by(read(watcher, reader, ()), pid)
+        assert (h.state, h.client_addr, h.exact) == ("idle in transaction", "127.0.0.1", True)
 
 
 @pytest.mark.parametrize("hidden", [False, True], ids=["visible", "hidden"])
@@ -470,39 +499,16 @@ def test_a_snapshot_that_then_writes_is_warned_about_once_and_gone_once(health_p
     snapshot, then a transaction id too, but it is one holder. It was warned about twice (as
     ``snapshot pid N``, then ``transaction pid N``) with a false "holder gone" in between; as it is
     for a role that cannot see the session's start (its xmin names it then)."""
-    watcher = health_engine
-    if hidden:
-        with psycopg.connect(health_pg, autocommit=True) as admin:
-            admin.execute("DROP ROLE IF EXISTS maintd_health_flip")
-            admin.execute("CREATE ROLE maintd_health_flip LOGIN")
-        watcher = make_engine(health_pg.replace("postgres@", "maintd_health_flip@"), application_name="w",
-                              pooled=False)
-    reader, warnings = HealthReader(), HolderWarnings()
-
-    def look() -> None:
-        warnings.check(read(watcher, reader, ()).horizon, timedelta(seconds=1), ["q"])
-
-    try:
-        with psycopg.connect(health_pg, application_name="flipper") as holder:
-            holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-            holder.execute("SELECT count(*) FROM maintd.jobs")
-            pid = holder.info.backend_pid
-            consume_xids(health_pg)
-            look()
-            time.sleep(1.2)
-            look()
-            holder.execute("SELECT pg_current_xact_id()")  # now a transaction id too
-            consume_xids(health_pg)
-            look()
-            time.sleep(1.2)  # past xmin_warn_after again
-            look()
-            holder.rollback()
-            look()
-    finally:
-        if hidden:
-            watcher.dispose()
-            with psycopg.connect(health_pg, autocommit=True) as admin:
-                admin.execute("DROP ROLE maintd_health_flip")
+    watching = role_engine(health_pg, "maintd_health_flip") if hidden else nullcontext(health_engine)
+    with watching as watcher, snapshot_held_past_warning(health_pg, watcher, "flipper") as (holder, look):
+        pid = holder.info.backend_pid
+        holder.execute("SELECT pg_current_xact_id()")  # now a transaction id too
+        consume_xids(health_pg)
+        look()
+        time.sleep(1.2)  # past xmin_warn_after again
+        look()
+        holder.rollback()
+        look()
     warned = [line for line in maintd_log if "vacuum is held back" in line and f"pid {pid} " in line]
     gone = [line for line in maintd_log if "holder gone" in line and f"pid={pid} " in line]
     assert len(warned) == 1 and "holder=snapshot pid" in warned[0], maintd_log
@@ -515,43 +521,21 @@ def test_a_holder_whose_start_becomes_visible_or_hidden_mid_run_is_still_one_hol
     becomes visible, and the holder was keyed by its xmin before and by its start after, so the
     same still-holding pid was warned about a second time and called "gone" a millisecond later
     (and the other way round after a REVOKE). One holder: one warning, one "gone" when it ends."""
-    with psycopg.connect(health_pg, autocommit=True) as admin:
-        admin.execute("DROP ROLE IF EXISTS maintd_health_grantee")
-        admin.execute("CREATE ROLE maintd_health_grantee LOGIN")
-        if change == "REVOKE":
-            admin.execute("GRANT pg_read_all_stats TO maintd_health_grantee")
-    watcher = make_engine(health_pg.replace("postgres@", "maintd_health_grantee@"), application_name="w",
-                          pooled=False)
-    reader, warnings = HealthReader(), HolderWarnings()
-
-    def look() -> None:
-        warnings.check(read(watcher, reader, ()).horizon, timedelta(seconds=1), ["q"])
-
-    try:
-        with psycopg.connect(health_pg, application_name="long-report") as holder:
-            holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-            holder.execute("SELECT count(*) FROM maintd.jobs")
-            pid = holder.info.backend_pid
-            consume_xids(health_pg)
-            look()
-            time.sleep(1.2)
-            look()
-            look()
-            with psycopg.connect(health_pg, autocommit=True) as admin:
-                admin.execute(f"{change} pg_read_all_stats {'TO' if change == 'GRANT' else 'FROM'} "
-                              "maintd_health_grantee")
-            look()
-            time.sleep(0.2)
-            look()
-            held = [line for line in maintd_log if "vacuum is held back" in line and f"pid {pid} " in line]
-            gone = [line for line in maintd_log if "holder gone" in line and f"pid={pid} " in line]
-            assert (len(held), gone) == (1, []), maintd_log
-            holder.rollback()
-            look()
-    finally:
-        watcher.dispose()
+    with role_engine(health_pg, "maintd_health_grantee", read_all_stats=change == "REVOKE") as watcher, \
+            snapshot_held_past_warning(health_pg, watcher, "long-report") as (holder, look):
+        pid = holder.info.backend_pid
+        look()
         with psycopg.connect(health_pg, autocommit=True) as admin:
-            admin.execute("DROP ROLE maintd_health_grantee")
+            admin.execute(f"{change} pg_read_all_stats {'TO' if change == 'GRANT' else 'FROM'} "
+                          "maintd_health_grantee")
+        look()
+        time.sleep(0.2)
+        look()
+        held = [line for line in maintd_log if "vacuum is held back" in line and f"pid {pid} " in line]
+        gone = [line for line in maintd_log if "holder gone" in line and f"pid={pid} " in line]
+        assert (len(held), gone) == (1, []), maintd_log
+        holder.rollback()
+        look()
     assert sum("holder gone" in line and f"pid={pid} " in line for line in maintd_log) == 1, maintd_log
 
 
