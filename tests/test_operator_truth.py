@@ -120,23 +120,30 @@ def test_a_daemon_stopped_cleanly_after_an_hour_is_shown_gone(pg_dsn, schema, en
     assert f"gone (no lock session; last seen {left:%Y-%m-%d %H:%M:%S} UTC)" in format_status(st)
 
 
-def test_readyz_says_a_target_whose_schema_is_missing_needs_maintd_migrate(pg_dsn, schema):
-    """A target whose schema was checked and found missing (or behind) was reported as one whose
-    schema "could not be checked", as for an unreachable database or a missing grant."""
+def _readyz(pg_dsn: str, schema: str, name: str, other: dict) -> tuple[int, str]:
+    """/readyz (status, body) of a daemon of this process with two targets: ``schema`` ready, and
+    ``other``, once the first has its lock session."""
     from maintd.daemon import Daemon
 
-    missing = f"t_{uuid.uuid4().hex[:12]}"
-    daemon = Daemon(Settings(database_url=pg_dsn, instance_id=unique("ready"), http={"enabled": False},
+    daemon = Daemon(Settings(database_url=pg_dsn, instance_id=unique(name), http={"enabled": False},
                              leader={"lease": "3s", "renew_interval": "0.5s"},
-                             targets=[{"name": "ok", "schema": schema}, {"name": "new", "schema": missing}]))
+                             targets=[{"name": "ok", "schema": schema}, other]))
     daemon.start()
     try:
         wait_for(lambda: daemon.targets[0].db_ok, START, what="the lock session")
         status, _, body = daemon._readyz()
-        assert status == 503 and body.decode() == \
-            "not ready: 1 of 2 targets: new (not started: its schema is missing or behind: run `maintd migrate`)\n", body
+        return status, body.decode()
     finally:
         daemon.stop()
+
+
+def test_readyz_says_a_target_whose_schema_is_missing_needs_maintd_migrate(pg_dsn, schema):
+    """A target whose schema was checked and found missing (or behind) was reported as one whose
+    schema "could not be checked", as for an unreachable database or a missing grant."""
+    missing = f"t_{uuid.uuid4().hex[:12]}"
+    status, body = _readyz(pg_dsn, schema, "ready", {"name": "new", "schema": missing})
+    assert status == 503 and body == \
+        "not ready: 1 of 2 targets: new (not started: its schema is missing or behind: run `maintd migrate`)\n", body
 
 
 def test_readyz_says_a_target_whose_database_is_down_at_start_is_unreachable(pg_dsn, schema):
@@ -144,22 +151,12 @@ def test_readyz_says_a_target_whose_database_is_down_at_start_is_unreachable(pg_
     (see /status or the log))``. A target whose database was already down when the daemon started
     read ``(not started: its schema could not be checked ...)``, sending the operator to look at
     a schema the daemon never reached."""
-    from maintd.daemon import Daemon
     from maintd.embedded import free_port
 
     down = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"  # nobody listens there
-    daemon = Daemon(Settings(database_url=pg_dsn, instance_id=unique("down"), http={"enabled": False},
-                             leader={"lease": "3s", "renew_interval": "0.5s"},
-                             targets=[{"name": "ok", "schema": schema},
-                                      {"name": "billing", "schema": "billing", "database_url": down}]))
-    daemon.start()
-    try:
-        wait_for(lambda: daemon.targets[0].db_ok, START, what="the lock session")
-        status, _, body = daemon._readyz()
-        assert status == 503 and body.decode() == \
-            "not ready: 1 of 2 targets: billing (database unreachable (see /status or the log))\n", body
-    finally:
-        daemon.stop()
+    status, body = _readyz(pg_dsn, schema, "down", {"name": "billing", "schema": "billing", "database_url": down})
+    assert status == 503 and body == \
+        "not ready: 1 of 2 targets: billing (database unreachable (see /status or the log))\n", body
 
 
 def test_a_followers_status_says_where_the_table_health_is(pg_dsn, schema, settings):
@@ -184,14 +181,12 @@ def test_a_followers_status_says_where_the_table_health_is(pg_dsn, schema, setti
         elector.stop()
 
 
-@pytest.mark.slow
-def test_status_through_a_multi_host_url_with_the_standby_first_reads_the_primary():
-    """pg_locks and pg_stat_activity are each server's own: read on a standby (the first host of
-    a multi-host URL after a failover, which libpq takes without target_session_attrs), the
-    leader read as none and every live daemon as gone. The readers ask for the primary (a
-    read-only primary will do: status only reads)."""
+@contextlib.contextmanager
+def _led_primary_with_a_standby():
+    """A primary (migrated, schema maintd) and its streaming standby, a daemon of this process
+    leading on the primary; yields the pair and the daemon's instance id once the standby has
+    replayed up to the lead."""
     from maintd import migrate
-    from maintd.cli import _status_one
     from maintd.daemon import Daemon
     from maintd.db import make_engine
 
@@ -209,14 +204,26 @@ def test_status_through_a_multi_host_url_with_the_standby_first_reads_the_primar
         try:
             wait_for(lambda: daemon.is_leader, START, what="leading on the primary")
             pair.wait_replayed()
-            url = (f"host=127.0.0.1,127.0.0.1 port={pair.standby.port},{pair.primary.port} user=postgres "
-                   f"dbname=postgres connect_timeout=3")
-            st, error = _status_one(Settings(database_url=url, schema="maintd", instance_id="reader"))
-            assert error is None, error
-            assert (st["leader"] or {}).get("instance_id") == me, st["leader"]
-            assert [d["instance_id"] for d in st["daemons"]] == [me] and st["gone"] == [], st
+            yield pair, me
         finally:
             daemon.stop()
+
+
+@pytest.mark.slow
+def test_status_through_a_multi_host_url_with_the_standby_first_reads_the_primary():
+    """pg_locks and pg_stat_activity are each server's own: read on a standby (the first host of
+    a multi-host URL after a failover, which libpq takes without target_session_attrs), the
+    leader read as none and every live daemon as gone. The readers ask for the primary (a
+    read-only primary will do: status only reads)."""
+    from maintd.cli import _status_one
+
+    with _led_primary_with_a_standby() as (pair, me):
+        url = (f"host=127.0.0.1,127.0.0.1 port={pair.standby.port},{pair.primary.port} user=postgres "
+               f"dbname=postgres connect_timeout=3")
+        st, error = _status_one(Settings(database_url=url, schema="maintd", instance_id="reader"))
+        assert error is None, error
+        assert (st["leader"] or {}).get("instance_id") == me, st["leader"]
+        assert [d["instance_id"] for d in st["daemons"]] == [me] and st["gone"] == [], st
 
 
 @pytest.mark.slow
@@ -225,30 +232,12 @@ def test_status_on_a_standby_says_so_instead_of_no_leader_and_every_daemon_gone(
     `maintd status` read pg_locks and pg_stat_activity there, which are the standby's own, and
     said "leader: none", "daemons: none alive", the live leader under gone and "database:
     read-only (maintenance paused)", exit 0, while the daemon led on the primary."""
-    from maintd import migrate
     from maintd.cli import _status_one
-    from maintd.daemon import Daemon
-    from maintd.db import make_engine
 
-    from .standby import StandbyPair
-
-    with StandbyPair() as pair:
-        engine = make_engine(pair.primary.dsn, application_name="maintd-test-migrate", pooled=False)
-        with engine.connect() as conn:
-            migrate.upgrade(conn, "maintd")
-        engine.dispose()
-        me = unique("sb")
-        daemon = Daemon(Settings(database_url=pair.primary.dsn, schema="maintd", instance_id=me,
-                                 http={"enabled": False}, leader={"lease": "3s", "renew_interval": "0.5s"}))
-        daemon.start()
-        try:
-            wait_for(lambda: daemon.is_leader, START, what="leading on the primary")
-            pair.wait_replayed()
-            st, error = _status_one(Settings(database_url=pair.standby.dsn, schema="maintd", instance_id="reader"))
-            assert st is None and error is not None, st
-            assert "standby" in error and "primary" in error, error
-        finally:
-            daemon.stop()
+    with _led_primary_with_a_standby() as (pair, _):
+        st, error = _status_one(Settings(database_url=pair.standby.dsn, schema="maintd", instance_id="reader"))
+        assert st is None and error is not None, st
+        assert "standby" in error and "primary" in error, error
 
 
 # -- row 11: periodic pause on an entry of the config or the crontab file ------------------------
