@@ -278,10 +278,10 @@ def test_missing_configured_index_is_a_warning(pg_dsn, schema, settings, engine,
     assert any("does not exist" in r.getMessage() for r in caplog.records)
 
 
-@pytest.fixture(params=[False, True], ids=["catalog-estimate", "pgstattuple"])
-def own_database(request, pg_dsn):
-    """A database of this test's own (pgstattuple is a per-database extension, and whether it is
-    installed changes how the reindexer measures bloat), with the schema migrated."""
+@contextmanager
+def migrated_database(pg_dsn):
+    """A database of its own with the schema maintd migrated: its DSN and an engine; the database
+    dropped afterwards."""
     db = f"t_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{db}"')
@@ -290,14 +290,23 @@ def own_database(request, pg_dsn):
     try:
         with engine.connect() as conn:
             migrate.upgrade(conn, "maintd")
-            if request.param:
-                conn.execute(text("CREATE EXTENSION pgstattuple"))
-                conn.commit()
-        yield dsn, engine, request.param
+        yield dsn, engine
     finally:
         engine.dispose()
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+
+
+@pytest.fixture(params=[False, True], ids=["catalog-estimate", "pgstattuple"])
+def own_database(request, pg_dsn):
+    """A database of this test's own (pgstattuple is a per-database extension, and whether it is
+    installed changes how the reindexer measures bloat), with the schema migrated."""
+    with migrated_database(pg_dsn) as (dsn, engine):
+        if request.param:
+            with engine.connect() as conn:
+                conn.execute(text("CREATE EXTENSION pgstattuple"))
+                conn.commit()
+        yield dsn, engine, request.param
 
 
 def test_bloat_threshold_skips_healthy_indexes(own_database):
@@ -698,14 +707,7 @@ def test_pgstatindex_is_called_in_the_extension_s_schema_not_whatever_the_search
     hosted services do) and a ``pgstatindex(regclass)`` planted in ``public`` by a role that may
     create there, every pass ran the planted function as the reindexer's role (the owner, or a
     superuser): PostgreSQL's CVE-2018-1058 pattern. It now calls the extension's own function."""
-    db = f"t_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{db}"')
-    dsn = urlsplit(pg_dsn)._replace(path=f"/{db}").geturl()
-    engine = make_engine(dsn, application_name="maintd-test", pool_size=2)
-    try:
-        with engine.connect() as conn:
-            migrate.upgrade(conn, "maintd")
+    with migrated_database(pg_dsn) as (dsn, engine):
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("CREATE SCHEMA extensions")
             conn.execute("CREATE EXTENSION pgstattuple SCHEMA extensions")
@@ -716,10 +718,6 @@ def test_pgstatindex_is_called_in_the_extension_s_schema_not_whatever_the_search
         settings = Settings(database_url=dsn, schema="maintd", reindexer={"indexes": ["jobs_pkey"]})
         [report] = run(settings, engine, dry_run=True).indexes
         assert report.bloat_percent == round(max(0.0, 90 - density), 1), (report, density)
-    finally:
-        engine.dispose()
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
 
 
 def test_a_conversions_copy_under_way_is_not_rebuilt(pg_dsn, schema, settings, engine):
