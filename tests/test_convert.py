@@ -98,6 +98,16 @@ class Workload:
                     self.completed.append(job.id)
 
 
+def _convert_as_owner(pg_dsn: str, schema: str, say=lambda _: None) -> None:
+    """A conversion run to the end on a session of the owner's own (a fresh engine)."""
+    owner = make_engine(pg_dsn, application_name="convert", pooled=False)
+    try:
+        with owner.connect() as conn:
+            assert convert.convert(conn, schema, LAYOUT, say=say) == "done"
+    finally:
+        owner.dispose()
+
+
 def test_a_live_table_converts_under_load_losing_and_doubling_nothing(engine, pg_dsn, schema):
     seed(engine, schema, final=15000, live=4000)
     with engine.connect() as conn:
@@ -105,10 +115,7 @@ def test_a_live_table_converts_under_load_losing_and_doubling_nothing(engine, pg
     lines: list[str] = []
     with Workload(engine, schema) as load:
         time.sleep(0.3)
-        owner = make_engine(pg_dsn, application_name="convert", pooled=False)
-        with owner.connect() as conn:
-            assert convert.convert(conn, schema, LAYOUT, say=lines.append) == "done"
-        owner.dispose()
+        _convert_as_owner(pg_dsn, schema, say=lines.append)
         time.sleep(0.5)  # workers go on, on the partitioned table
     assert load.errors == []
     with engine.connect() as conn:
@@ -680,12 +687,7 @@ def test_jobs_with_an_id_of_zero_or_below_are_carried_over(engine, pg_dsn, schem
                          "VALUES (-3, 'imported', 'completed', now()), "
                          "(9223372036854775807, 'imported', 'completed', now())", schema))
     expected = _states(engine, schema)
-    owner = make_engine(pg_dsn, application_name="convert", pooled=False)
-    try:
-        with owner.connect() as conn:
-            assert convert.convert(conn, schema, LAYOUT, say=lambda _: None) == "done"
-    finally:
-        owner.dispose()
+    _convert_as_owner(pg_dsn, schema)
     assert _states(engine, schema) == expected
 
 
@@ -733,12 +735,7 @@ def test_the_plain_tables_storage_parameters_and_comment_are_carried_over(engine
         conn.execute(sql("ALTER TABLE {schema}.jobs RESET (autovacuum_analyze_threshold)", schema))
         conn.execute(sql("COMMENT ON TABLE {schema}.jobs IS 'billing''s queue'", schema))
         options, toast, comment = _storage(conn, schema, "jobs")
-    owner = make_engine(pg_dsn, application_name="convert", pooled=False)
-    try:
-        with owner.connect() as conn:
-            assert convert.convert(conn, schema, LAYOUT, say=lambda _: None) == "done"
-    finally:
-        owner.dispose()
+    _convert_as_owner(pg_dsn, schema)
     with engine.connect() as conn:
         live_options, live_toast, _ = _storage(conn, schema, "jobs_live")
         assert sorted(live_options) == sorted(options)
