@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from types import SimpleNamespace
 
 import pytest
 from sqlalchemy import text
@@ -16,6 +18,7 @@ from maintd.clock import ServerClock
 from maintd.queries import sql
 from maintd.metrics import Metrics
 from maintd.passes import execute_pass, maintenance_engine
+from maintd.probes import CountProbe
 from maintd.runner import Runner
 from maintd.services.base import NoFence, NotLeader, PassContext, PassResult, PassStopped, Service
 
@@ -405,26 +408,30 @@ def test_a_fenced_pass_demotes_only_its_own_live_term(settings, engine, monkeypa
         runner.shutdown()
 
 
-def test_job_gauges_only_while_leading(settings, engine, queue, monkeypatch):
-    with engine.begin() as conn:
-        queue.enqueue(conn, "k", queue="mail")
-    metrics = Metrics()
-    from types import SimpleNamespace
-
-    from maintd.probes import CountProbe
-
+@contextmanager
+def leading_count_probe(settings, engine, metrics):
+    """A runner that leads (no services) and the CountProbe the daemon runs every second for a
+    database, over that one target; yields (runner, probe)."""
     runner = Runner(settings, engine, metrics, build=lambda s: {})
     runner.start()
     try:
         runner.activate(NoFence())
         target = SimpleNamespace(is_leader=True, runner=runner, settings=settings, name=settings.schema)
-        CountProbe(engine, [target]).run()  # what the daemon runs every second, for a database
+        yield runner, CountProbe(engine, [target])
+    finally:
+        runner.shutdown()
+
+
+def test_job_gauges_only_while_leading(settings, engine, queue, monkeypatch):
+    with engine.begin() as conn:
+        queue.enqueue(conn, "k", queue="mail")
+    metrics = Metrics()
+    with leading_count_probe(settings, engine, metrics) as (runner, probe):
+        probe.run()
         assert sample(metrics, "maintd_jobs", {"target": TARGET, "queue": "mail", "state": "available"}) == 1
         runner.deactivate()
         assert sample(metrics, "maintd_jobs", {"target": TARGET, "queue": "mail", "state": "available"}) == 0
         assert b"maintd_oldest_available_job_age_seconds{" not in metrics.render()
-    finally:
-        runner.shutdown()
 
 
 def test_a_count_of_finished_jobs_past_its_timeout_leaves_the_live_counts_taken(settings, engine, queue, monkeypatch,
@@ -436,9 +443,6 @@ def test_a_count_of_finished_jobs_past_its_timeout_leaves_the_live_counts_taken(
     /status said "not counted yet", and the doomed heap read ran again every 15 s (twice: the
     batch, then the target alone), logged at debug only. Here the final count sleeps past a
     200 ms timeout."""
-    from types import SimpleNamespace
-
-    from maintd.probes import CountProbe
     from maintd.queries import jobs as q_jobs
 
     with engine.begin() as conn:
@@ -446,12 +450,7 @@ def test_a_count_of_finished_jobs_past_its_timeout_leaves_the_live_counts_taken(
     monkeypatch.setattr(q_jobs, "COUNT_FINAL", q_jobs.COUNT_FINAL.replace("FROM {schema}.jobs", "FROM {schema}.jobs, pg_sleep(0.5) s"))
     monkeypatch.setattr(CountProbe, "TIMEOUT_MS", 200)
     metrics = Metrics()
-    runner = Runner(settings, engine, metrics, build=lambda s: {})
-    runner.start()
-    try:
-        runner.activate(NoFence())
-        target = SimpleNamespace(is_leader=True, runner=runner, settings=settings, name=settings.schema)
-        probe = CountProbe(engine, [target])
+    with leading_count_probe(settings, engine, metrics) as (runner, probe):
         probe.run()
         assert sample(metrics, "maintd_jobs", {"target": TARGET, "queue": "mail", "state": "available"}) == 1
         assert metrics.registry.get_sample_value("maintd_oldest_available_job_age_seconds",
@@ -459,8 +458,6 @@ def test_a_count_of_finished_jobs_past_its_timeout_leaves_the_live_counts_taken(
         assert runner.gauges.counts is not None and runner.gauges.counts.final_at is None
         assert not runner.gauges.final_due(), "the heap read that timed out is tried again at once"
         assert any("finished jobs not counted" in line for line in maintd_log), maintd_log
-    finally:
-        runner.shutdown()
 
 
 def test_maintenance_sessions_are_bounded(settings):
@@ -841,29 +838,38 @@ class Fresh(Service):
         return CountResult(0)
 
 
+@contextmanager
+def pass_hung_on_the_server_s_time(settings, engine, service):
+    """A runner whose cleaner (``service``, every 200 ms) hangs reading the server's time in the
+    first pass of its term (a HangingClock); yields (runner, clock) once it hangs, and lets go of
+    the clock and shuts the runner down afterwards."""
+    clock = HangingClock()
+    settings.cleaner.interval = timedelta(milliseconds=200)
+    runner = Runner(settings, engine, Metrics(), clock=clock, build=fakes(cleaner=service))
+    runner.start()
+    try:
+        clock.hang.set()
+        runner.activate(NoFence())
+        wait_for(clock.hanging.is_set, 5, what="the pass reading the server's time")
+        yield runner, clock
+    finally:
+        clock.hang.clear()
+        runner.shutdown()
+
+
 def test_a_pass_hanging_on_the_server_s_time_is_stopped_and_severed(settings, engine):
     """A pass's first statement is often the read of the server's time (the cleaner's, every
     pass). It was not tracked: a demotion did not cancel it and sever_stalled did not shut its
     socket, so on a frozen server the pass hung on until the answer timeout (statement timeout +
     lease), holding a thread, a pooled connection and the service (the next term's passes of it
     wait for it)."""
-    clock = HangingClock()
-    settings.cleaner.interval = timedelta(milliseconds=200)
-    runner = Runner(settings, engine, Metrics(), clock=clock, build=fakes(cleaner=Fresh))
-    runner.start()
-    try:
-        clock.hang.set()
-        runner.activate(NoFence())
-        wait_for(clock.hanging.is_set, 5, what="the pass reading the server's time")
+    with pass_hung_on_the_server_s_time(settings, engine, Fresh) as (runner, _):
         time.sleep(0.2)
         assert runner.stalled_for() > 0.1  # the hang is seen
         t0 = time.monotonic()
         runner.deactivate(timeout=5.0)
         took = time.monotonic() - t0
         assert not runner._active and took < 3.0, f"the pass still ran {took:.1f} s after the demotion"
-    finally:
-        clock.hang.clear()
-        runner.shutdown()
 
 
 def test_a_new_term_does_not_wait_for_a_pass_of_the_ended_term_hung_on_a_frozen_server(
@@ -876,7 +882,6 @@ def test_a_new_term_does_not_wait_for_a_pass_of_the_ended_term_hung_on_a_frozen_
     from maintd.services.base import RunningQuery
 
     monkeypatch.setattr(RunningQuery, "cancel", lambda self: None)  # a frozen server answers no cancel
-    clock = HangingClock()
     terms: list = []
 
     class Counted(Service):
@@ -885,13 +890,7 @@ def test_a_new_term_does_not_wait_for_a_pass_of_the_ended_term_hung_on_a_frozen_
             terms.append(ctx.fence)
             return CountResult(0)
 
-    settings.cleaner.interval = timedelta(milliseconds=200)
-    runner = Runner(settings, engine, Metrics(), clock=clock, build=fakes(cleaner=Counted))
-    runner.start()
-    try:
-        clock.hang.set()
-        runner.activate(NoFence())
-        wait_for(clock.hanging.is_set, 5, what="the pass reading the server's time")
+    with pass_hung_on_the_server_s_time(settings, engine, Counted) as (runner, clock):
         clock.hang.clear()
         runner.deactivate(timeout=0)
         new_term = NoFence()
@@ -900,8 +899,6 @@ def test_a_new_term_does_not_wait_for_a_pass_of_the_ended_term_hung_on_a_frozen_
         wait_for(lambda: new_term in terms, 10, what="a pass of the new term")
         assert time.monotonic() - t0 < 3.0
         assert terms[0] is new_term  # the hung pass did not go on (its socket shut)
-    finally:
-        runner.shutdown()
 
 
 def test_a_cancel_that_arrives_late_never_hits_the_connection_s_next_user(engine, monkeypatch):
