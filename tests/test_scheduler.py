@@ -47,14 +47,16 @@ def run(settings, engine, clock, **kw):
     return Scheduler(settings.scheduler).run_once(PassContext.for_settings(settings, engine, clock, **kw))
 
 
-def listen(pg_dsn, schema):
-    conn = psycopg.connect(pg_dsn, autocommit=True)
-    conn.execute(f'LISTEN "{notify_channel(schema)}"')
-    return conn
-
-
-def drain(conn, timeout=0.5):
-    return [n.payload for n in conn.notifies(timeout=timeout)]
+def run_listening(pg_dsn, settings, engine, schema, clock, timeout=0.5):
+    """A pass (:func:`run`) while a session listens on the schema's channel: its result and the
+    payloads of the notifications received within ``timeout`` seconds after it."""
+    listener = psycopg.connect(pg_dsn, autocommit=True)
+    try:
+        listener.execute(f'LISTEN "{notify_channel(schema)}"')
+        result = run(settings, engine, clock)
+        return result, [n.payload for n in listener.notifies(timeout=timeout)]
+    finally:
+        listener.close()
 
 
 def test_promotes_exactly_the_due_jobs_and_notifies_each_queue_once(pg_dsn, settings, engine, schema, clock):
@@ -63,12 +65,7 @@ def test_promotes_exactly_the_due_jobs_and_notifies_each_queue_once(pg_dsn, sett
     future = add(engine, schema, state="scheduled", due_in=timedelta(seconds=1), queue="c")
     final = add(engine, schema, state="completed", due_in=timedelta(hours=-1), queue="d")
     running = add(engine, schema, state="running", due_in=timedelta(hours=-1), queue="e")
-    listener = listen(pg_dsn, schema)
-    try:
-        result = run(settings, engine, clock)
-        payloads = drain(listener)
-    finally:
-        listener.close()
+    result, payloads = run_listening(pg_dsn, settings, engine, schema, clock)
     assert result.promoted == {"a": 3, "b": 1}
     s = states(engine, schema)
     assert all(s[i] == "available" for i in due_a + due_b)
@@ -84,24 +81,15 @@ def test_channel_name_follows_schema():
 def test_batches_and_one_notify_per_queue_per_transaction(pg_dsn, settings, engine, schema, clock):
     settings.scheduler.batch_size = 10
     add(engine, schema, state="scheduled", due_in=timedelta(seconds=-5), queue="q", n=21)
-    listener = listen(pg_dsn, schema)
-    try:
-        result = run(settings, engine, clock)
-        payloads = drain(listener)
-    finally:
-        listener.close()
+    result, payloads = run_listening(pg_dsn, settings, engine, schema, clock)
     assert result.promoted == {"q": 21} and result.batches == 3
     assert payloads == ["q", "q", "q"]  # one per committed batch
 
 
 def test_idle_tick_sends_nothing(pg_dsn, settings, engine, schema, clock):
     add(engine, schema, state="scheduled", due_in=timedelta(hours=1), n=5)
-    listener = listen(pg_dsn, schema)
-    try:
-        result = run(settings, engine, clock)
-        assert drain(listener, 0.2) == []
-    finally:
-        listener.close()
+    result, payloads = run_listening(pg_dsn, settings, engine, schema, clock, timeout=0.2)
+    assert payloads == []
     assert result.total == 0 and not result.did_something()
 
 
