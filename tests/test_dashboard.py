@@ -33,9 +33,9 @@ from maintd.jobs import JobQueue
 
 from .plans import at_page_costs, explain, seq_scans
 from .procs import wait_for
-from .tools import path, require
+from .tools import path as tool_path, require
 
-CHROMIUM, CHROMEDRIVER = path("chromium"), path("chromedriver")
+CHROMIUM, CHROMEDRIVER = tool_path("chromium"), tool_path("chromedriver")
 XSS = "<script>window.__xss=1;alert(1)</script>"
 XSS_IMG = '<img src=x onerror="window.__xss=2">'
 TOKEN = "s3cret-token-0123456789abcdef"
