@@ -38,7 +38,7 @@ from sqlalchemy.exc import DBAPIError
 
 from .db import connected_to, describe_db_error, quote_ident
 from .queries import catalog, sql
-from .queries.admin import (ACTIONS, BY_IDS, LIST_PLANNING, REREAD, ROW, SHOW, WALK_START, Action,  # noqa: F401
+from .queries.admin import (ACTIONS, BY_IDS, CUSTOM_PLANS, REREAD, ROW, SHOW, WALK_START, Action,  # noqa: F401
                             Filter, call_query, filter_query, list_statement)
 from .durations import parse_duration
 from .queries import FINAL_STATES, JOB_STATES
@@ -243,6 +243,7 @@ def run_filter(conn: Connection, schema: str, action: Action, flt: Filter,
 
         def batch() -> tuple[list[Any], Report]:
             part = Report(report.action, report.verb, report.dry_run)
+            conn.execute(sql(CUSTOM_PLANS, schema))  # planned with the queue known (see CUSTOM_PLANS)
             found = conn.execute(sql(query, schema), {**params, **flt.params(), **(keyset or {}),
                                                       **start, "limit": batch_size}).all()
             if found:
@@ -311,7 +312,7 @@ def iter_jobs(conn: Connection, schema: str, flt: Filter, limit: int,
         statement, params = list_statement(flt, before)
         n = min(page, limit)
         with conn.begin():
-            conn.execute(sql(LIST_PLANNING, schema))
+            conn.execute(sql(CUSTOM_PLANS, schema))
             rows = [dict(r._mapping) for r in conn.execute(sql(statement, schema),
                                                            {**params, "limit": n, "error_chars": LIST_ERROR_CHARS})]
         yield from rows

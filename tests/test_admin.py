@@ -9,6 +9,7 @@ workerUtils.rescheduleJobs.test.ts: "leaves locked jobs unaffected") and River's
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -847,14 +848,20 @@ def _plan_params(state):
             "k1": 0 if state == "available" else 10, "k2": datetime.now(timezone.utc), "k3": 10}
 
 
-EXPECTED_INDEX = {None: "jobs_pkey", "available": "jobs_fetch_idx", "scheduled": "jobs_scheduled_idx",
+# A queue without a state (None) expected jobs_pkey: the one walk of the whole table by id that was
+# the defect (with the queue rare, a batch read every other queue's rows). Each state is now read by
+# its own index or, the queue being common (q1 is a third of the table here), by the primary key
+# stopped at :limit matches, as the planner costs it: no one index is expected.
+# test_a_filter_on_a_rare_queue_reads_its_jobs_not_the_whole_table pins the rare queue's reads.
+EXPECTED_INDEX = {None: None, "available": "jobs_fetch_idx", "scheduled": "jobs_scheduled_idx",
                   "retryable": "jobs_scheduled_idx", "discarded": "jobs_finalized_queue_idx",
                   "completed": "jobs_finalized_queue_idx", "cancelled": "jobs_finalized_queue_idx"}
 
 
 def test_filter_batches_are_index_backed(engine, schema, layout):
     """EXPLAIN of each filter batch query (first and next batch, custom and generic plans) on
-    60,000 jobs: the state's partial index (or the primary key), never a sequential scan."""
+    60,000 jobs: the state's partial index (a queue without a state: see EXPECTED_INDEX), never a
+    sequential scan."""
     for i, state in enumerate(ALL):
         add(engine, schema, state, queue=f"q{i % 3}", n=8000, due_in=timedelta(minutes=i))
     add(engine, schema, "discarded", queue="q1", n=4000)
@@ -868,7 +875,99 @@ def test_filter_batches_are_index_backed(engine, schema, layout):
                 with engine.begin() as conn:
                     plan = explain(conn, query, schema, _plan_params(state), generic=generic)
                 assert not seq_scans(plan, layout), plan
-                assert index_names(layout, index)[0] in plan, (state, first, generic, plan)
+                assert index is None or index_names(layout, index)[0] in plan, (state, first, generic, plan)
+
+
+FILTER_ACTIONS = ("cancel", "discard", "delete", "retry")
+
+
+def test_a_filter_on_a_rare_queue_reads_its_jobs_not_the_whole_table(engine, schema, layout):
+    """`maintd jobs cancel|discard|delete|retry --queue Q` without --state walked the primary key
+    by id, filtered by queue: with Q rare in a big table one batch read every other queue's rows
+    until it had --batch-size matches (to its statement timeout in production). Each state the
+    action can touch (and running, reported) is now read by its own index and the reads merged by
+    id: no primary-key scan. Every batch is planned with the queue known (no generic plan)."""
+    rare = []
+    for i, state in enumerate(ALL):
+        rare += add(engine, schema, state, queue="rare", kind=f"k{i % 2}", n=3, due_in=timedelta(minutes=i))
+        add(engine, schema, state, queue="big", n=500, due_in=timedelta(minutes=i))
+    for i, state in enumerate(ALL):  # after the rare jobs: every batch's id range holds them
+        add(engine, schema, state, queue="big", n=6000, due_in=timedelta(minutes=i))
+    with engine.begin() as conn:
+        conn.execute(sql("ANALYZE {schema}.jobs", schema))
+    pkey = index_names(layout, "jobs_pkey")[0]
+    params = {**_plan_params(None), "queue": "rare", "k0": rare[4]}
+    for name in FILTER_ACTIONS:
+        for flt in (admin.Filter(queue="rare"), admin.Filter(queue="rare", kind="k1")):
+            for first in (True, False):
+                query = admin.filter_query(admin.ACTIONS[name], flt, first=first)
+                with engine.begin() as conn:
+                    plan = explain(conn, query, schema, {**params, "kind": flt.kind})
+                # scheduled, retryable and running have no index leading by queue: those reads take
+                # the live rows of their states (partitioned: the live partition), never a final one
+                assert pkey not in plan and set(seq_scans(plan, layout)) <= {"jobs_live"}, (name, flt, first, plan)
+                assert layout == "partitioned" or "Seq Scan" not in plan, (name, flt, first, plan)
+                if name in ("cancel", "discard"):  # live jobs only: no final state is read
+                    assert not re.search(r"finalized|jobs_(completed|cancelled|discarded)", plan), (name, plan)
+    with engine.connect() as conn:  # one batch per job, on one connection: psycopg prepares the batch
+        report = admin.run_action(conn, schema, "delete", flt=admin.Filter(queue="rare"), batch_size=1)
+        prepared = conn.execute(text("SELECT generic_plans, custom_plans FROM pg_prepared_statements"
+                                     " WHERE statement LIKE '%UNION ALL%'")).all()
+    assert report.batches == len(rare) and report.changed_count == len(rare) - 3
+    assert prepared and all(g == 0 and c > 0 for g, c in prepared), prepared
+
+
+def _rare_queue_jobs(engine, schema):
+    """Jobs of queue 'rare' in every state (kinds k0, k1), interleaved by id with another queue's;
+    available ones due (retry leaves those with attempts left) and not due; a final one whose
+    unique_key a live job of the other queue holds (retry leaves it)."""
+    for round_ in range(3):
+        for i, state in enumerate(ALL):
+            add(engine, schema, state, queue="rare", kind=f"k{(i + round_) % 2}", due_in=timedelta(hours=round_))
+            add(engine, schema, state, queue="big", n=2, due_in=timedelta(hours=round_))
+    add(engine, schema, "scheduled", queue="big", unique_key="held", due_in=timedelta(hours=1))
+    add(engine, schema, "cancelled", queue="rare", kind="k1", unique_key="held")
+    return rows(engine, schema)
+
+
+def _acts_on(name, job, now):
+    """Whether the action changes this job (the functions' rules, written out)."""
+    if job["state"] == "running":
+        return False
+    if name in ("cancel", "discard"):
+        return job["state"] in IDLE
+    if name == "delete":
+        return True
+    if job["state"] == "available" and job["scheduled_at"] <= now:
+        return False  # retry: due, attempts left
+    return not (job["state"] in FINAL_STATES and job["unique_key"] == "held")
+
+
+@pytest.mark.parametrize("batch", [1, 4, 1000])
+@pytest.mark.parametrize("name", FILTER_ACTIONS)
+def test_a_filter_on_a_queue_acts_on_exactly_its_jobs_in_id_order(engine, schema, cli, name, batch):
+    """`jobs <action> --queue rare` (and with --kind) without --state: every job of the queue the
+    action applies to is changed, in id order, batch after batch; its running jobs are reported as
+    skipped; no other job is touched or reported (one read per state, merged by id)."""
+    before = _rare_queue_jobs(engine, schema)
+    with engine.connect() as conn:
+        now = conn.execute(text("SELECT now()")).scalar()
+    kind = "k1" if batch == 4 else None
+    picked = {i: j for i, j in before.items() if j["queue"] == "rare" and kind in (None, j["kind"])}
+    changed = sorted(i for i, j in picked.items() if _acts_on(name, j, now))
+    running = sorted(i for i, j in picked.items() if j["state"] == "running")
+    extra = ("--kind", kind) if kind else ()
+    data = cli_json(cli, name, "--queue", "rare", *extra, "--batch-size", str(batch))
+    assert [j["id"] for j in data["jobs"]] == changed, data["jobs"]
+    assert [s["id"] for s in data["skipped_jobs"]] == running, data["skipped_jobs"]
+    assert data["batches"] == -(-(len(changed) + len(running)) // batch)
+    after = rows(engine, schema)
+    to = {"cancel": "cancelled", "discard": "discarded", "retry": "available"}
+    for i, job in before.items():
+        if i in changed:
+            assert (after[i]["state"] if i in after else "deleted") == to.get(name, "deleted"), (i, job)
+        else:
+            assert after[i] == job, (i, job)
 
 
 def test_jobs_with_times_no_python_value_holds_are_listed_shown_and_acted_on(cli, engine, schema):

@@ -7,10 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import FINAL_STATES, FINAL_STATES_SQL
+from . import FINAL_STATES, FINAL_STATES_SQL, JOB_STATES
 
 _FINAL = FINAL_STATES_SQL
 IDLE = "j.state IN ('available', 'scheduled', 'retryable')"  # non-final and not running
+IDLE_STATES = ("available", "scheduled", "retryable")
+NOT_RUNNING = tuple(s for s in JOB_STATES if s != "running")
 RUN_AT = "coalesce(CAST(:at AS timestamptz), now() + make_interval(secs => CAST(:offset AS float8)))"
 
 
@@ -20,6 +22,7 @@ class Action:
     call: str  # the SQL function call on the jobs {ids}, returning the changed rows' id and state
     applies: str  # predicate on alias j: exactly the jobs the function changes
     to_state: str  # SQL expression: the job's state after the change (for --dry-run)
+    states: tuple[str, ...]  # every state ``applies`` holds in: a queue's batch reads these (and running)
 
 
 ACTIONS: dict[str, Action] = {
@@ -30,18 +33,18 @@ ACTIONS: dict[str, Action] = {
         f" AND NOT (j.state IN {_FINAL} AND j.unique_key IS NOT NULL AND EXISTS ("
         "SELECT 1 FROM {schema}.jobs AS o"
         f" WHERE o.unique_key = j.unique_key AND o.state NOT IN {_FINAL}))",
-        "'available'"),
+        "'available'", NOT_RUNNING),
     "cancel": Action(
         "cancelled", "SELECT id, state::text AS state FROM {schema}.cancel_jobs({ids})",
-        IDLE, "'cancelled'"),
+        IDLE, "'cancelled'", IDLE_STATES),
     "discard": Action(
         "discarded",
         "SELECT id, state::text AS state"
         " FROM {schema}.permanently_fail_jobs({ids}, CAST(:reason AS text))",
-        IDLE, "'discarded'"),
+        IDLE, "'discarded'", IDLE_STATES),
     "delete": Action(
         "deleted", "SELECT id, 'deleted' AS state FROM {schema}.delete_jobs({ids})",
-        "j.state <> 'running'", "'deleted'"),
+        "j.state <> 'running'", "'deleted'", NOT_RUNNING),
     "reschedule": Action(
         "rescheduled",
         "SELECT id, state::text AS state FROM {schema}.reschedule_jobs({ids},"
@@ -49,7 +52,7 @@ ACTIONS: dict[str, Action] = {
         " max_attempts => CAST(:max_attempts AS int))",
         IDLE,
         f"CASE WHEN coalesce({RUN_AT}, j.scheduled_at) <= now() THEN 'available' WHEN j.state = 'retryable' THEN 'retryable'"
-        " ELSE 'scheduled' END"),
+        " ELSE 'scheduled' END", IDLE_STATES),
 }
 
 # Keyset per state filter: the columns of the partial index serving that state, in its order.
@@ -75,6 +78,21 @@ SELECT {row}, ({applies}) AS applies, ({to_state}) AS to_state, {keys}
   FROM {{schema}}.jobs AS j
  WHERE {where}
  ORDER BY {order} LIMIT :limit
+"""
+
+# A queue's batch without a state filter: BY_FILTER by id over the whole table was a scan of the
+# primary key filtered by queue, which read every other queue's rows when the queue is rare, until
+# it had :limit matches (to the statement timeout in a big table). Instead, each state the batch can
+# return (the action's states, and running, reported) is read by its own index (STATE_SCANS), each
+# read's first :limit by id merged by id: same rows, same order, same keyset as BY_FILTER.
+BY_FILTER_SCAN = """(SELECT {row}, ({applies}) AS applies, ({to_state}) AS to_state, {keys}
+     FROM {{schema}}.jobs AS j
+    WHERE {where}
+    ORDER BY {order} LIMIT :limit)"""
+BY_FILTER_MERGED = """
+SELECT j.id, j.kind, j.queue, j.state, j.unique_key, j.applies, j.to_state, j.k0
+  FROM ({scans}) AS j
+ ORDER BY j.k0 LIMIT :limit
 """
 
 # A state filter's walk follows keys a worker moves ahead (a retried job failed again is discarded
@@ -114,15 +132,21 @@ SELECT j.id, j.state::text AS state, j.queue, j.kind, j.attempt, j.max_attempts,
 """
 
 
+# Each state (or pair of states) read by its own partial index, the state a literal so the index's
+# predicate is proved: the queue's entries of jobs_fetch_idx and jobs_finalized_queue_idx (which lead
+# by queue), the live rows of jobs_scheduled_idx and jobs_running_idx. With the states each covers.
+STATE_SCANS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("available",), "j.state = 'available'"),
+    (("scheduled", "retryable"), "j.state IN ('scheduled', 'retryable')"),
+    (("running",), "j.state = 'running'"),
+    *(((s,), f"j.state = '{s}' AND j.finalized_at IS NOT NULL") for s in FINAL_STATES))
+
 # A queue's page without a state filter: ORDER BY id over the whole table was a scan of the primary
 # key newest first, filtered by queue, which read every other queue's rows when the queue is rare
-# (to the statement timeout in a big table). Instead, each state (or pair of states) is read by its
-# own partial index, the state a literal so the index's predicate is proved: the queue's entries of
-# jobs_fetch_idx and jobs_finalized_queue_idx (which lead by queue), the live rows of
-# jobs_scheduled_idx and jobs_running_idx; each read's newest :limit merged by id. Same rows, same
-# order, same keyset (``id < :before``) as LIST.
-LIST_SCANS = ("j.state = 'available'", "j.state IN ('scheduled', 'retryable')", "j.state = 'running'",
-              *(f"j.state = '{s}' AND j.finalized_at IS NOT NULL" for s in FINAL_STATES))
+# (to the statement timeout in a big table). Instead, every state is read by its own index
+# (STATE_SCANS); each read's newest :limit merged by id. Same rows, same order, same keyset
+# (``id < :before``) as LIST.
+LIST_SCANS = tuple(scan for _, scan in STATE_SCANS)
 LIST_SCAN = """(SELECT j.id, j.state, j.queue, j.kind, j.attempt, j.max_attempts, j.priority,
          j.scheduled_at, j.finalized_at, j.errors
     FROM {schema}.jobs AS j WHERE {where}
@@ -135,12 +159,12 @@ SELECT j.id, j.state::text AS state, j.queue, j.kind, j.attempt, j.max_attempts,
  ORDER BY j.id DESC LIMIT :limit
 """
 
-# Run first in each page's transaction. A page's statement is the same text page after page, so
-# psycopg prepares it (its 5th run) and the server may then plan it once for any queue: with
-# ``queue = $1`` it guesses the queue as common as the average one, and a primary-key scan newest
-# first, stopped after :limit matches, looks cheapest again (EXPLAIN of the generic plan showed it
-# in every branch). Transaction-local: planned with the queue known, every time.
-LIST_PLANNING = "SELECT set_config('plan_cache_mode', 'force_custom_plan', true)"
+# Run first in each page's (and each filter batch's) transaction. A page's statement is the same
+# text page after page, so psycopg prepares it (its 5th run) and the server may then plan it once
+# for any queue: with ``queue = $1`` it guesses the queue as common as the average one, and a
+# primary-key scan newest first, stopped after :limit matches, looks cheapest again (EXPLAIN of the
+# generic plan showed it in every branch). Transaction-local: planned with the queue known, every time.
+CUSTOM_PLANS = "SELECT set_config('plan_cache_mode', 'force_custom_plan', true)"
 
 
 def list_statement(flt: "Filter", before: int | None) -> tuple[str, dict[str, Any]]:
@@ -195,7 +219,8 @@ def call_query(action: Action, flt: "Filter") -> str:
 
 def filter_query(action: Action, flt: Filter, *, first: bool) -> str:
     """The batch query of a filter: matching jobs the action applies to, plus running ones (to
-    report them), in the keyset order of the index serving the state filter."""
+    report them), in the keyset order of the index serving the state filter. A queue without a
+    state: each state the batch can return read by its own index, merged by id (BY_FILTER_MERGED)."""
     keys = KEYSETS.get(flt.state, _ID)
     where = [f"(({action.applies}) OR j.state = 'running')", *flt.clauses(), EXISTED]
     if keys != _ID:
@@ -204,7 +229,12 @@ def filter_query(action: Action, flt: Filter, *, first: bool) -> str:
         cols = ", ".join(col for col, _ in keys)
         marks = ", ".join(f"CAST(:k{i} AS {typ})" for i, (_, typ) in enumerate(keys))
         where.append(f"({cols}) > ({marks})")
-    return BY_FILTER.format(
-        row=ROW, applies=action.applies, to_state=action.to_state,
-        keys=", ".join(f"{col} AS k{i}" for i, (col, _) in enumerate(keys)),
-        where="\n   AND ".join(where), order=", ".join(col for col, _ in keys))
+    parts = dict(row=ROW, applies=action.applies, to_state=action.to_state,
+                 keys=", ".join(f"{col} AS k{i}" for i, (col, _) in enumerate(keys)),
+                 order=", ".join(col for col, _ in keys))
+    if flt.queue is None or flt.state is not None:
+        return BY_FILTER.format(where="\n   AND ".join(where), **parts)
+    read = {*action.states, "running"}  # the states a batch returns (running ones are reported)
+    scans = [BY_FILTER_SCAN.format(where="\n      AND ".join([scan, *where]), **parts)
+             for states, scan in STATE_SCANS if read.intersection(states)]
+    return BY_FILTER_MERGED.format(scans="\n  UNION ALL\n  ".join(scans))
