@@ -90,7 +90,9 @@ def collect_status(engine: Engine, schema: str, *, jobs: dict[str, Any] | None =
 
 class _Parts:
     """Reads one part of the status each; ``tolerant`` (a schema behind this maintd): a part whose
-    statement fails is rolled back to its savepoint and left at its default, with why in ``errors``."""
+    statement fails is rolled back to its savepoint and left at its default, with why in ``errors``.
+    A lost connection is no such part: nothing more can be read, and it is raised as it came (the
+    next read said only "Can't reconnect until invalid transaction is rolled back")."""
 
     def __init__(self, conn: Connection, tolerant: bool):
         self.conn, self.tolerant, self.errors = conn, tolerant, {}
@@ -102,6 +104,8 @@ class _Parts:
             with self.conn.begin_nested():
                 return read()
         except (psycopg.Error, OperationalError, ProgrammingError) as exc:
+            if getattr(exc, "connection_invalidated", False) or self.conn.invalidated:
+                raise
             self.errors[name] = describe_db_error(exc)
             return default
 

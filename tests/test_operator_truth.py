@@ -412,6 +412,56 @@ def test_status_on_a_schema_behind_this_maintd_says_run_migrate(pg_dsn, tmp_path
         engine.dispose()
 
 
+def test_a_lost_connection_while_reading_a_schema_behind_is_said_as_such(pg_dsn):
+    """On a schema behind this maintd each part is read in a savepoint, and a part that fails is
+    left empty with why. A connection lost inside such a savepoint was taken for such a part: the
+    next read failed with SQLAlchemy's "Can't reconnect until invalid transaction is rolled back",
+    which is all `maintd status` and /status said; the server's own reason was lost. Here the
+    status session is terminated while its read of the leader waits for a lock."""
+    import threading
+
+    import psycopg
+
+    from maintd import migrate
+    from maintd.db import make_engine
+    from maintd.readers import reader_engine
+
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    owner = make_engine(pg_dsn, application_name="maintd-test-migrate", pooled=False)
+    reader = reader_engine(pg_dsn, f"lost-{name}", kept=1, most=1)
+    out: dict = {}
+
+    def read() -> None:
+        try:
+            out["status"] = collect_status(reader, name)
+        except Exception as exc:
+            out["error"] = exc
+
+    try:
+        with owner.connect() as conn:
+            migrate.upgrade(conn, name, revision="0009")
+        with psycopg.connect(pg_dsn) as holder, psycopg.connect(pg_dsn, autocommit=True) as killer:
+            holder.execute(f"LOCK TABLE {name}.leader IN ACCESS EXCLUSIVE MODE")
+            reading = threading.Thread(target=read, daemon=True)
+            reading.start()
+            pid, = wait_for(lambda: killer.execute(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = %s AND wait_event_type = 'Lock'",
+                (f"maintd:lost-{name}:read",)).fetchone(), 30, what="the status read waiting for the leader's lock")
+            killer.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            reading.join(30)
+            assert not reading.is_alive(), "the status read did not end"
+            holder.rollback()
+        assert "error" in out, out  # nothing more can be read: the status fails, as on a current schema
+        said = describe_db_error(out["error"])
+        assert "terminating connection" in said and "rolled back" not in said, said
+    finally:
+        reader.dispose()
+        with owner.connect() as conn:
+            conn.execute(sql("DROP SCHEMA IF EXISTS {schema} CASCADE", name))
+            conn.commit()
+        owner.dispose()
+
+
 def test_an_error_a_grant_fixes_names_maintd_grants(pg_dsn, schema, tmp_path):
     with login_role(pg_dsn, "no_grants") as role:
         cfg = _config(tmp_path, role_dsn(pg_dsn, role), schema)
