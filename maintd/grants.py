@@ -13,7 +13,8 @@ Notes on what is *not* granted:
 * UPDATE on ``periodic_jobs`` (the applications' schedules) is granted on two columns only:
   ``error``, the daemon's note on a row it cannot use, and ``enabled``, so that ``maintd periodic
   pause|resume`` work with the daemon's own config; the script first revokes an UPDATE on the whole
-  table (which an earlier maintd granted: a column grant adds to it, it takes nothing away).
+  table (which an earlier maintd granted: a column grant adds to it, it takes nothing away), but
+  not from the table's owner (an owner may revoke its own privileges).
 * ``jobs.id`` is an identity column: an INSERT draws from its sequence without any privilege on
   it (only ``nextval()``/``currval()`` called by hand would need USAGE).
 * The type ``job_state`` and functions are usable by PUBLIC unless revoked; the partition
@@ -113,14 +114,24 @@ def grant_statements(schema: str, role: str, *, worker: bool = False) -> list[tu
     for grant in WORKER if worker else DAEMON:
         table = f"{q_schema}.{quote_ident(grant.table)}"
         if grant.update_columns:  # a column grant adds to one on the whole table: take that back first
-            out.append((f"REVOKE UPDATE ON TABLE {table} FROM {q_role};",
+            out.append((_revoke_update(table, q_role),
                         f"the daemon may update some columns of {grant.table} only: an UPDATE on the whole "
-                        "table (an earlier maintd's grant) and its column grants are taken back first"))
+                        "table (an earlier maintd's grant) and its column grants are taken back first "
+                        "(not from the table's owner, which would lose its own)"))
         privileges = ", ".join(_privilege(p, grant) for p in PRIVILEGE_ORDER if p in grant.privileges)
         out.append((f"GRANT {privileges} ON TABLE {table} TO {q_role};", grant.why))
     for signature, why in () if worker else DAEMON_FUNCTIONS:
         out.append((f"GRANT EXECUTE ON FUNCTION {q_schema}.{signature} TO {q_role};", why))
     return out
+
+
+def _revoke_update(table: str, q_role: str) -> str:
+    """REVOKE UPDATE on ``table`` from the role, unless it owns the table: an owner may revoke its
+    own privileges, and `maintd grants OWNER` left the owner unable to change a schedule. (The
+    identifiers are validated: no quote or dollar sign in them.)"""
+    return (f"DO $$BEGIN IF (SELECT relowner FROM pg_catalog.pg_class WHERE oid = CAST('{table}' AS "
+            f"pg_catalog.regclass)) <> CAST('{q_role}' AS pg_catalog.regrole) THEN REVOKE UPDATE ON TABLE "
+            f"{table} FROM {q_role}; END IF; END$$;")
 
 
 def _privilege(privilege: str, grant: TableGrant) -> str:

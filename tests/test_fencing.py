@@ -90,8 +90,10 @@ NOT_MAINTENANCE: dict[str, str] = {
     "leader.FENCE": "the fence (FOR KEY SHARE of the leader row)",
     "grants.py: GRANT USAGE ON SCHEMA {} TO {};": "`maintd grants` (the owner role)",
     "grants.py: GRANT {} ON TABLE {} TO {};": "`maintd grants` (the owner role)",
-    "grants.py: REVOKE UPDATE ON TABLE {} FROM {};": "`maintd grants` (the owner role): a table-wide UPDATE "
-                                                     "taken back before a column-limited one",
+    "grants.py: DO $$BEGIN IF (SELECT relowner FROM pg_catalog.pg_class WHERE oid = CAST('{}' AS "
+    "pg_catalog.regclass)) <> CAST('{}' AS pg_catalog.regrole) THEN REVOKE UPDATE ON TABLE {} FROM {}; "
+    "END IF; END$$;": "`maintd grants` (the owner role): a table-wide UPDATE taken back before a "
+                      "column-limited one (not from the table's owner)",
     "catalog.ADVISORY_XACT_LOCK": "`maintd grants`: the schema's migration lock",
     "catalog.TRY_ADVISORY_LOCK": "`maintd migrate`: the schema's migration lock",
     "catalog.ADVISORY_UNLOCK": "`maintd migrate` (and `--convert`): the schema's migration lock given back",
