@@ -216,6 +216,16 @@ def new_schema_name() -> str:
     return f"t_{uuid.uuid4().hex[:12]}"
 
 
+def schema_at(dsn: str, revision: str) -> tuple[str, Engine]:
+    """A new schema migrated to ``revision`` (to upgrade from in the test), and an unpooled engine
+    on ``dsn``; the test drops both."""
+    schema = new_schema_name()
+    engine = make_engine(dsn, application_name="t", pooled=False)
+    with engine.connect() as conn:
+        migrate.upgrade(conn, schema, revision)
+    return schema, engine
+
+
 LAYOUTS = ("plain", "partitioned")
 # The partitioned layout of the tests: SPEC 8.1's default step, two steps made ahead (a test's
 # frozen clock is in the past, so its final jobs land in the low catch-all unless it says otherwise).

@@ -1071,13 +1071,10 @@ def test_apply_waiting_for_a_migration_does_not_deadlock_its_index_builds(pg_dsn
 
     from sqlalchemy import text
 
-    from .conftest import new_schema_name
+    from .conftest import schema_at
 
-    schema = new_schema_name()
-    engine = make_engine(pg_dsn, application_name="t", pooled=False)
+    schema, engine = schema_at(pg_dsn, "0003")
     result: dict = {}
-    with engine.connect() as conn:
-        migrate.upgrade(conn, schema, "0003")
     worker = psycopg.connect(pg_dsn)
     try:
         with login_role(pg_dsn) as role:

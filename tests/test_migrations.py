@@ -15,7 +15,7 @@ from maintd import migrate
 from maintd.db import make_engine, quote_ident
 from maintd.models import metadata
 
-from .conftest import new_schema_name
+from .conftest import new_schema_name, schema_at
 from .procs import wait_for
 from .test_layout import restart, server_now
 
@@ -331,11 +331,8 @@ def test_a_migration_never_queues_behind_a_long_transaction_while_blocking_other
 
     import psycopg
 
-    schema = new_schema_name()
-    engine = make_engine(pg_dsn, application_name="t", pooled=False)
+    schema, engine = schema_at(pg_dsn, "0009")
     result: dict = {}
-    with engine.connect() as conn:
-        migrate.upgrade(conn, schema, "0009")
     holder = psycopg.connect(pg_dsn)
     try:
         holder.execute(f"SELECT count(*) FROM {quote_ident(schema)}.daemons")  # a long report: held
@@ -363,11 +360,8 @@ def test_an_index_built_by_a_migration_waits_for_a_long_worker_transaction(pg_ds
 
     import psycopg
 
-    schema = new_schema_name()
-    engine = make_engine(pg_dsn, application_name="t", pooled=False)
+    schema, engine = schema_at(pg_dsn, "0003")
     result: dict = {}
-    with engine.connect() as conn:
-        migrate.upgrade(conn, schema, "0003")
     worker = psycopg.connect(pg_dsn)
     try:
         worker.execute(f"INSERT INTO {quote_ident(schema)}.jobs (kind) VALUES ('k')")  # open
