@@ -226,6 +226,18 @@ def schema_at(dsn: str, revision: str) -> tuple[str, Engine]:
     return schema, engine
 
 
+def screenshot_schema(dsn: str) -> tuple[str, Engine]:
+    """The README pictures' schema ("shop"), dropped and made anew at head on ``dsn``, and a pooled
+    engine on ``dsn`` for the picture's daemon and seeding; the caller drops both."""
+    schema = "shop"
+    engine = make_engine(dsn, application_name="maintd-screenshot", pool_size=4)
+    with engine.connect() as conn:
+        conn.execute(text(f"DROP SCHEMA IF EXISTS {quote_ident(schema)} CASCADE"))
+        conn.commit()
+        migrate.upgrade(conn, schema)
+    return schema, engine
+
+
 LAYOUTS = ("plain", "partitioned")
 # The partitioned layout of the tests: SPEC 8.1's default step, two steps made ahead (a test's
 # frozen clock is in the past, so its final jobs land in the low catch-all unless it says otherwise).

@@ -20,7 +20,6 @@ from sqlalchemy import Engine, text
 from maintd.charts import BOTTOM, HEIGHT, LEFT, RIGHT, TOP, WIDTH, Chart, Mark, Series, count, line_chart
 from maintd.config import Settings
 from maintd.daemon import Daemon
-from maintd.db import make_engine
 from maintd.queries import sql
 
 from .procs import wait_for
@@ -161,15 +160,11 @@ def write_charts_screenshot(path: str, dsn: str) -> None:
 
     import psycopg
 
-    from maintd import migrate
     from maintd.db import quote_ident
 
-    schema = "shop"
-    engine = make_engine(dsn, application_name="maintd-screenshot", pool_size=4)
-    with engine.connect() as conn:
-        conn.execute(text(f"DROP SCHEMA IF EXISTS {quote_ident(schema)} CASCADE"))
-        conn.commit()
-        migrate.upgrade(conn, schema)
+    from .conftest import screenshot_schema
+
+    schema, engine = screenshot_schema(dsn)
     seed_history(engine, schema)
     daemon = Daemon(Settings(database_url=dsn, schema=schema, instance_id="maintd-a",
                              http={"listen": "127.0.0.1:0"}, health={"interval": "1s"}))

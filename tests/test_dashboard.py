@@ -951,15 +951,11 @@ def test_pages_stay_fast_on_a_large_table(settings, schema, pg_dsn):
 
 def write_readme_screenshot(path: str, dsn: str) -> None:
     """Two replicas, a seeded workload, the overview in Chromium, saved as ``path``."""
-    from maintd import migrate
     from maintd.db import quote_ident
 
-    schema = "shop"
-    engine = make_engine(dsn, application_name="maintd-screenshot", pool_size=4)
-    with engine.connect() as conn:
-        conn.execute(text(f"DROP SCHEMA IF EXISTS {quote_ident(schema)} CASCADE"))
-        conn.commit()
-        migrate.upgrade(conn, schema)
+    from .conftest import screenshot_schema
+
+    schema, engine = screenshot_schema(dsn)
     base = Settings(database_url=dsn, schema=schema, instance_id="maintd-a", http={"listen": "127.0.0.1:0"},
                     periodic=PERIODIC)
     daemon = start_daemon(base)
