@@ -367,8 +367,23 @@ def test_an_index_built_by_a_migration_waits_for_a_long_worker_transaction(pg_ds
         worker.execute(f"INSERT INTO {quote_ident(schema)}.jobs (kind) VALUES ('k')")  # open
 
         thread = upgrade_in_background(engine, schema, result)
-        time.sleep(4)
+        # One build, waiting all along (for 3 s once seen): with the migration's 1 s lock_timeout
+        # kept for it, the build gave up after a second and left an invalid index, and each retry's
+        # DROP of that index (ACCESS EXCLUSIVE on jobs) queued behind the worker, every other
+        # worker's write behind it; the retry loop hid this, and the upgrade still ended well.
+        building = ("SELECT pid, query_start FROM pg_stat_activity WHERE query LIKE %s AND state = 'active'",
+                    (f"%CREATE INDEX CONCURRENTLY%{quote_ident(schema)}.jobs%",))
+        builds, now_building, deadline = set(), [], time.monotonic() + 30
+        with psycopg.connect(pg_dsn, autocommit=True) as watcher:
+            while time.monotonic() < deadline:
+                now_building = watcher.execute(*building).fetchall()
+                if now_building and not builds:
+                    deadline = time.monotonic() + 3
+                builds.update(now_building)
+                time.sleep(0.05)
         assert thread.is_alive() and not result, result
+        assert len(builds) == 1 and now_building == list(builds), \
+            f"the index build was not one build waiting all along: begun {builds}, at the end {now_building}"
         worker.commit()
         thread.join(60)
         assert result == {"revisions": ("0003", migrate.head_revision())}, result
