@@ -176,18 +176,13 @@ def test_job_gauges_refresh_live_often_and_final_counts_when_asked(settings, eng
     assert get("maintd_jobs", {"queue": "mail", "state": "completed"}) == 2
 
 
-def test_metrics_max_queues_keeps_that_many_queue_labels_and_sums_the_rest_as_other(settings, engine, schema):
-    """metrics.max_queues = 3 with 5 queues: /metrics shows exactly 3 queues by name and the
-    rest summed under queue="_other", for the job gauges (the largest queues keep their name)
-    and for the per-queue promotion counter (the first queues seen keep theirs). One label too
-    many per family is the unbounded cardinality the setting exists to prevent."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+def promoted_under_three_queue_labels(settings, engine, schema: str, sizes: dict[str, int]) -> Metrics:
+    """``sizes[q]`` scheduled jobs due a minute ago in each queue ``q``, all promoted by one
+    scheduler pass observed into a registry of ``metrics.max_queues = 3``, which is returned."""
     from maintd.clock import FrozenClock
     from maintd.services.base import PassContext
     from maintd.services.scheduler import Scheduler
 
-    sizes = {"q5": 5, "q4": 4, "q3": 3, "q2": 2, "q1": 1}
     with engine.begin() as conn:
         for name, n in sizes.items():
             conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state, scheduled_at) SELECT 'k', :q,"
@@ -197,7 +192,19 @@ def test_metrics_max_queues_keeps_that_many_queue_labels_and_sums_the_rest_as_ot
     settings.scheduler.precise_timing = False
     scheduler = Scheduler(settings.scheduler)
     ctx = PassContext.for_settings(settings, engine, FrozenClock(datetime.now(timezone.utc)))
-    scheduler.observe(metrics, scheduler.run_once(ctx))  # all 15 promoted to available
+    scheduler.observe(metrics, scheduler.run_once(ctx))
+    return metrics
+
+
+def test_metrics_max_queues_keeps_that_many_queue_labels_and_sums_the_rest_as_other(settings, engine, schema):
+    """metrics.max_queues = 3 with 5 queues: /metrics shows exactly 3 queues by name and the
+    rest summed under queue="_other", for the job gauges (the largest queues keep their name)
+    and for the per-queue promotion counter (the first queues seen keep theirs). One label too
+    many per family is the unbounded cardinality the setting exists to prevent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sizes = {"q5": 5, "q4": 4, "q3": 3, "q2": 2, "q1": 1}
+    metrics = promoted_under_three_queue_labels(settings, engine, schema, sizes)  # all 15 promoted
     JobGauges(metrics).refresh(engine, schema, final=True)
 
     samples: dict[str, dict[str, float]] = {}

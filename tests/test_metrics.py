@@ -292,27 +292,14 @@ def test_no_queue_name_gets_the_overflow_label_or_another_queues_label(settings,
     ``\\n``). A name a label is made of is kept as is when it is plain (printable, no backslash,
     not ``_other``); any other is escaped with its backslashes doubled (and ``_other`` as
     ``\\_other``): no two names, nor a name and the overflow, share a label."""
-    from datetime import datetime, timezone
-
     from prometheus_client.parser import text_string_to_metric_families
 
-    from maintd.clock import FrozenClock
-    from maintd.config import Settings
     from maintd.metrics import JobGauges
-    from maintd.services.base import PassContext
-    from maintd.services.scheduler import Scheduler
+
+    from .test_http_status import promoted_under_three_queue_labels
 
     sizes = {"_other": 6, "a\\nb": 5, "a\nb": 4, "q2": 2, "q1": 1}
-    with engine.begin() as conn:
-        for name, n in sizes.items():
-            conn.execute(sql("INSERT INTO {schema}.jobs (kind, queue, state, scheduled_at) SELECT 'k', :q,"
-                             " 'scheduled', now() - interval '1 minute' FROM generate_series(1, :n)", schema),
-                         {"q": name, "n": n})
-    metrics = Metrics(max_queues=Settings(metrics={"max_queues": 3}).metrics.max_queues)
-    settings.scheduler.precise_timing = False
-    scheduler = Scheduler(settings.scheduler)
-    ctx = PassContext.for_settings(settings, engine, FrozenClock(datetime.now(timezone.utc)))
-    scheduler.observe(metrics, scheduler.run_once(ctx))  # all 18 promoted to available
+    metrics = promoted_under_three_queue_labels(settings, engine, schema, sizes)  # all 18 promoted
     gauges = JobGauges(metrics)
     gauges.refresh(engine, schema, final=True)
 
