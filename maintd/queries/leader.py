@@ -89,7 +89,7 @@ SELECT 1 FROM {schema}.leader
 
 # The recorded term counts only while its session still holds the advisory lock.
 CURRENT = """
-SELECT l.epoch, l.instance_id, l.host, l.pid, l.elected_at, l.renewed_at, l.released_at,
+SELECT l.epoch, l.instance_id, l.host, l.pid, l.elected_at, l.released_at,
        EXISTS ({advisory_lock} AND pid = l.backend_pid) AS holds_lock
   FROM {schema}.leader l WHERE l.name = 'leader'
 """
