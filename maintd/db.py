@@ -93,8 +93,12 @@ class NoAnswer(psycopg.OperationalError):
 
 # Every session of maintd reads times and durations in the styles psycopg 3 parses, whatever the
 # database's or role's defaults (``ALTER DATABASE ... SET DateStyle = 'SQL, DMY'``): it loads
-# timestamps only in the ISO DateStyle and intervals only in the postgres IntervalStyle.
-PINNED = {"DateStyle": "ISO, MDY", "IntervalStyle": "postgres"}
+# timestamps only in the ISO DateStyle and intervals only in the postgres IntervalStyle. And it
+# resolves names in the system catalog only: every object of maintd is schema-qualified, and a
+# function planted in a schema on the role's search_path (``public``, writable by every role before
+# PostgreSQL 15) would otherwise win over a built-in it matches more exactly (``format(text, text,
+# smallint, smallint)`` over the variadic ``format``) and run as maintd's role (CVE-2018-1058).
+PINNED = {"DateStyle": "ISO, MDY", "IntervalStyle": "postgres", "search_path": "pg_catalog, pg_temp"}
 
 
 def connect(dsn: str, *, application_name: str, autocommit: bool = True,

@@ -198,3 +198,42 @@ def test_identifiers_are_quoted_in_sql():
     for bad in ('a"b', "x; drop", "UPPER", "", "1abc"):
         with pytest.raises(ValueError):
             quote_ident(bad)
+
+
+def test_a_function_planted_on_the_roles_search_path_never_runs_as_maintd(pg_dsn, schema, tmp_path):
+    """CVE-2018-1058: a role that may create in a schema on maintd's search_path (``public`` before
+    PostgreSQL 15) plants ``format(text, text, smallint, smallint)``. PostgreSQL prefers it over the
+    built-in variadic ``format`` even with pg_catalog searched first, so the rescuer's discard of a
+    job with no attempt left (which formats attempt and max_attempts, both smallint) would run it
+    as maintd's role. maintd's sessions resolve names in pg_catalog only (maintd.db.PINNED), whatever
+    the URL's, role's or database's search_path: here the URL's ``options``."""
+    planted = f"planted_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {planted}")
+        conn.execute(f"CREATE TABLE {planted}.calls (args text)")
+        conn.execute(f"CREATE FUNCTION {planted}.format(text, text, smallint, smallint) RETURNS text"
+                     f" LANGUAGE sql AS $$ INSERT INTO {planted}.calls VALUES ($2) RETURNING 'planted' $$")
+        # and one the session settings' own statement would meet (maintd.queries.catalog.SET_SESSIONS)
+        conn.execute(f"CREATE FUNCTION {planted}.unnest(text[]) RETURNS SETOF text LANGUAGE sql AS"
+                     f" $$ INSERT INTO {planted}.calls VALUES ('unnest'); SELECT pg_catalog.unnest($1) $$")
+        # the probe: on this server, with this search_path, the planted function does win
+        conn.execute(f"SET search_path = {planted}")
+        assert conn.execute("SELECT format('%s %s %s', 'x'::text, 1::smallint, 2::smallint)").fetchone()[0] == "planted"
+        conn.execute("RESET search_path")
+        conn.execute(f"TRUNCATE {planted}.calls")
+        job = conn.execute(f'INSERT INTO "{schema}".jobs (kind, state, attempt, max_attempts)'
+                           " VALUES ('k', 'available', 3, 3) RETURNING id").fetchone()[0]
+    try:
+        url = f"{pg_dsn}{'&' if '?' in pg_dsn else '?'}options=-csearch_path%3D{planted}"
+        cfg = tmp_path / "m.toml"
+        cfg.write_text(f'database_url = "{url}"\nschema = "{schema}"\ninstance_id = "{planted}"\n')
+        res = cli("--config", str(cfg), "run-once", "rescuer")
+        assert res.returncode == 0, res.stdout + res.stderr
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            calls = conn.execute(f"SELECT args FROM {planted}.calls").fetchall()
+            state, errors = conn.execute(f'SELECT state::text, errors FROM "{schema}".jobs WHERE id = %s', (job,)).fetchone()
+        assert calls == [], f"the planted format() ran as maintd's role: {calls}"
+        assert state == "discarded" and "no attempt left to claim, attempt 3 >= max_attempts 3" in errors[-1]["error"]
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA {planted} CASCADE")

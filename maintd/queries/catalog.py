@@ -15,10 +15,12 @@ IN_RECOVERY = "SELECT pg_is_in_recovery()"
 
 # A session setting of a new connection (maintd.db.connect).
 SET_SESSION = "SELECT set_config(:name, :value, false)"
-# Several session settings in one round trip (names and values in step).
+# Several session settings in one round trip (names and values in step), every name qualified:
+# it runs before search_path is pinned (maintd.db.PINNED).
 SET_SESSIONS = """
-SELECT count(set_config(s.name, s.value, false))
-  FROM unnest(CAST(:names AS text[]), CAST(:values AS text[])) AS s(name, value)"""
+SELECT pg_catalog.count(pg_catalog.set_config(s.name, s.value, false))
+  FROM ROWS FROM (pg_catalog.unnest(CAST(:names AS pg_catalog.text[])),
+                  pg_catalog.unnest(CAST(:values AS pg_catalog.text[]))) AS s(name, value)"""
 # A setting for the current transaction only (e.g. statement_timeout of a read).
 SET_LOCAL = "SELECT set_config(:name, :value, true)"
 
