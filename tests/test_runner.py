@@ -604,6 +604,42 @@ class CountingLock:
         self.lock.release()
 
 
+def returns_while_another_thread_holds(lock, fn, within: float = 10.0) -> bool:
+    """Whether ``fn()``, on a thread of its own, returns within ``within`` seconds while another
+    thread holds ``lock`` (as the timetable's thread does while it submits due jobs), which it lets
+    go only after that. The timetable's lock is reentrant: held by the thread that calls ``fn``, a
+    ``fn`` that took it itself went straight through. Not a time bound on ``fn``: a ``fn`` that
+    waits for the lock waits for as long as it is held."""
+    taken, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def hold() -> None:
+        with lock:
+            taken.set()
+            release.wait(within + 30)
+
+    def call() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # raised below, on the test's thread
+            errors.append(exc)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    try:
+        assert taken.wait(10), "the lock was not taken"
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        caller.join(within)
+        returned = not caller.is_alive()
+    finally:
+        release.set()
+        holder.join(10)
+    if errors:
+        raise errors[0]
+    return returned
+
+
 def test_a_term_begins_and_ends_without_waiting_for_the_timetable(settings, engine):
     """Several targets share one timetable, whose thread holds its job store lock while it submits
     due jobs (at a start of 200 targets, 46 leases once ran out while the election loop waited for
@@ -621,17 +657,10 @@ def test_a_term_begins_and_ends_without_waiting_for_the_timetable(settings, engi
                   rescuer=type("R", (Service,), {"run_once": lambda self, ctx: ran.append("r") or CountResult(0)}))
     runner = Runner(settings, engine, Metrics(), build=build, timetable=timetable, prefix="t1:", changes=changes)
     try:
-        with timetable._jobstores_lock:  # the timetable's thread busy submitting jobs
-            t0 = time.monotonic()
-            runner.activate(NoFence())
-            assert time.monotonic() - t0 < 0.1
+        assert returns_while_another_thread_holds(timetable._jobstores_lock, lambda: runner.activate(NoFence()))
         wait_for(lambda: "c" in ran and "r" in ran, 10, what="both services' first passes")
-        with timetable._jobstores_lock:
-            t0 = time.monotonic()
-            runner.deactivate(timeout=0)
-            runner.activate(NoFence())
-            runner.deactivate(timeout=0)
-            assert time.monotonic() - t0 < 0.1
+        assert returns_while_another_thread_holds(timetable._jobstores_lock, lambda: (
+            runner.deactivate(timeout=0), runner.activate(NoFence()), runner.deactivate(timeout=0)))
         wait_for(lambda: runner._jobs() == [], 5, what="the ended terms' jobs removed")
         time.sleep(0.5)
         assert runner._jobs() == [] and not runner._active
