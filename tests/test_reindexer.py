@@ -25,6 +25,28 @@ from .procs import wait_for
 UTC = timezone.utc
 
 
+@pytest.fixture(scope="module")
+def pg_dsn(pg_dsn):
+    """This module's tests run in a database of their own on the test server. REINDEX
+    CONCURRENTLY waits for every older snapshot of its database, under the reindexer's 5 s
+    lock_timeout: in the shared database, another xdist worker's long statement (test_hostile's
+    300,000-row insert, a lock left waiting on purpose) would turn a "reindexed" into "timeout"."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        db = f"reindex_{uuid.uuid4().hex[:12]}"
+        conn.execute(f'CREATE DATABASE "{db}"')
+    try:
+        yield urlsplit(pg_dsn)._replace(path=f"/{db}").geturl()
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="module")
+def pg_version(pg_dsn):  # (the session's reads the module's pg_dsn above: one scope for both)
+    with psycopg.connect(pg_dsn) as conn:
+        return int(conn.execute("SHOW server_version_num").fetchone()[0]) // 10000
+
+
 def indexes(pg_dsn, schema):
     with psycopg.connect(pg_dsn) as conn:
         return {r[0]: r[1] for r in conn.execute(
