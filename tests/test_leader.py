@@ -561,7 +561,8 @@ def test_a_woken_follower_asks_its_gate_again_at_once(settings, schema):
     """The spread wakes a waiting follower when it becomes the target's owner (a replica died):
     the follower asks its gate again at once, not at its next half-second look. Each wake comes
     0.05 s after the follower went back to waiting, so a half-second poll would answer it 0.45 s
-    late; a bound of 0.25 s leaves 0.25 s for a noisy machine."""
+    late, every time; a bound of 0.25 s on the median of five wakes leaves 0.25 s for a noisy
+    machine, and a stall of the test's own thread (a 2-core CI machine) on two of them."""
     s = with_leader(settings)
     gate = NotingGate(lambda asked: 60.0)  # never lets it try
     asked = gate.asked
@@ -569,12 +570,14 @@ def test_a_woken_follower_asks_its_gate_again_at_once(settings, schema):
     elector.start()
     try:
         wait_for(lambda: asked, 10, what="the first look at the gate")
+        delays = []
         for _ in range(5):
             time.sleep(0.05)
             n, t0 = len(asked), time.monotonic()
             elector.wake()
             wait_for(lambda: len(asked) > n, 2, 0.005, what="the gate asked again")
-            assert asked[n] - t0 < 0.25, f"asked again {asked[n] - t0:.3f}s after the wake"
+            delays.append(round(asked[n] - t0, 3))
+        assert sorted(delays)[2] < 0.25, f"asked again {delays} s after the wakes"
         assert not elector.is_leader
     finally:
         elector.stop()
