@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import psycopg
@@ -426,6 +426,35 @@ def test_a_pass_with_nothing_newly_expired_changes_nothing(engine, schema):
     again = run(partitioner(completed_retention="3h"), engine, schema, now=now)  # (a later step would make one)
     assert not again.did_something(), again
     assert low_oid() == before and partitions(engine, schema) == parts
+
+
+def hour_of(at: datetime) -> datetime:
+    """The start of ``at``'s hour (UTC): a partition boundary of an hour step."""
+    return at.astimezone(timezone.utc).replace(minute=0, second=0, microsecond=0)
+
+
+def test_a_partition_whose_range_ends_exactly_at_the_retention_horizon_is_dropped_and_counted(engine, schema):
+    """SPEC 8.1: a partition goes once its whole range is past the retention. A range [start, end)
+    whose end is the horizon itself (now - retention, at a step boundary) is wholly past it: its
+    rows are dropped by that pass and counted, the dry run says so, and a row finalized at the
+    horizon (the next range's first instant) is kept. The pass has nothing to make (partitions
+    are premade a step further than it asks), so only its expiry check calls the function."""
+    b = hour_of(server_now(engine))
+    restart(engine, schema, "completed", b - 4 * HOUR)
+    premake = TEST_PARTITIONS["premake"]
+    run(partitioner(completed_retention=-1, premake=premake + 1), engine, schema, now=b)
+    edge = insert_final(engine, schema, "completed", b - 3 * HOUR - timedelta(seconds=1), n=4)
+    kept = insert_final(engine, schema, "completed", b - 3 * HOUR, n=2)
+    service = partitioner(completed_retention="3h", cancelled_retention=-1, discarded_retention=-1, premake=premake)
+    dry = run(service, engine, schema, now=b, dry_run=True)
+    real = run(service, engine, schema, now=b)
+    # emptied: the edge partition; detached: it and the low catch-all below it (moved up)
+    assert (real.deleted["completed"], real.emptied, real.detached, real.dropped, real.made) == (4, 1, 2, 2, 0)
+    assert (dry.deleted, dry.emptied, dry.detached) == (real.deleted, real.emptied, real.detached)
+    left = set(where(engine, schema))
+    assert left.isdisjoint(edge) and set(kept) <= left
+    parts = partitions(engine, schema)
+    assert (parts[0][0], parts[0][2], parts[1][1]) == ("jobs_completed_min", b - 3 * HOUR, b - 3 * HOUR)
 
 
 def test_the_longest_per_queue_retention_keeps_partitions_and_the_cleaner_deletes_shorter_ones(engine, schema):
