@@ -457,6 +457,30 @@ def test_a_partition_whose_range_ends_exactly_at_the_retention_horizon_is_droppe
     assert (parts[0][0], parts[0][2], parts[1][1]) == ("jobs_completed_min", b - 3 * HOUR, b - 3 * HOUR)
 
 
+def test_a_row_finalized_exactly_where_a_closed_catch_all_s_new_range_ends_moves_on(engine, schema):
+    """No leader made partitions for ten hours: the high catch-all holds a burst, up to the last
+    step of the range a pass premakes (a clock a little ahead), and rows exactly at that range's
+    end (an import with round timestamps). The pass closes the catch-all into the partition of
+    its range, up to the step after its latest row before that end: the end itself. The rows at
+    the end are beyond it and move on into the new high catch-all, and the pass succeeds (left
+    in the closed partition, they broke its re-attach: the pass failed, and every one after it)."""
+    b = hour_of(server_now(engine))
+    end = b + TEST_PARTITIONS["premake"] * HOUR  # where the pass's premade range ends
+    restart(engine, schema, "completed", b - 10 * HOUR)
+    burst = insert_final(engine, schema, "completed", b - 5 * HOUR - 30 * MINUTE, n=5) + \
+        insert_final(engine, schema, "completed", end - 30 * MINUTE)
+    at_end = insert_final(engine, schema, "completed", end, n=2)
+    before = count(engine, schema)
+    result = run(partitioner(completed_retention=-1), engine, schema, now=b)
+    assert (result.closed, result.moved, result.made, result.busy) == (1, 2, 0, [])
+    parts = partitions(engine, schema)
+    assert [p[1:] for p in parts] == [(None, b - 10 * HOUR), (b - 10 * HOUR, end), (end, None)]
+    homes = where(engine, schema)
+    assert {homes[i] for i in burst} == {f"{schema}.{parts[1][0]}"}
+    assert {homes[i] for i in at_end} == {f"{schema}.jobs_completed_max"}
+    assert count(engine, schema) == before
+
+
 def test_the_longest_per_queue_retention_keeps_partitions_and_the_cleaner_deletes_shorter_ones(engine, schema):
     now = server_now(engine)
     restart(engine, schema, "completed", now - 10 * HOUR)
