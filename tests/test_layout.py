@@ -481,6 +481,23 @@ def test_a_row_finalized_exactly_where_a_closed_catch_all_s_new_range_ends_moves
     assert count(engine, schema) == before
 
 
+def test_a_table_of_the_operator_s_named_like_a_partition_is_not_dropped_with_the_detached_ones(engine, schema):
+    """The drop of detached partitions takes only the tables maintain_partitions marked: an
+    operator's own table in the schema whose name starts as a partition's (an archive of old
+    jobs, with a comment of its own) keeps its rows through a pass that detaches and drops expired partitions."""
+    now = server_now(engine)
+    restart(engine, schema, "completed", now - 10 * HOUR)
+    run(partitioner(completed_retention=-1), engine, schema, now=now)
+    with engine.begin() as conn:
+        conn.execute(sql("CREATE TABLE {schema}.jobs_completed_archive (id bigint, finalized_at timestamptz)", schema))
+        conn.execute(sql("INSERT INTO {schema}.jobs_completed_archive VALUES (1, now() - interval '2 days')", schema))
+        conn.execute(sql("COMMENT ON TABLE {schema}.jobs_completed_archive IS 'jobs of 2025, kept'", schema))
+    result = run(partitioner(completed_retention="3h"), engine, schema, now=now)
+    assert result.detached >= 7 and result.dropped == result.detached
+    with engine.connect() as conn:
+        assert conn.execute(sql("SELECT count(*) FROM {schema}.jobs_completed_archive", schema)).scalar() == 1
+
+
 def test_the_longest_per_queue_retention_keeps_partitions_and_the_cleaner_deletes_shorter_ones(engine, schema):
     now = server_now(engine)
     restart(engine, schema, "completed", now - 10 * HOUR)
