@@ -116,6 +116,22 @@ def test_a_read_late_in_a_transaction_ages_holders_from_the_read_not_from_its_st
             assert h.application_name == "late-report" and 1.4 <= h.age_seconds < 60, h
 
 
+def test_a_read_in_an_older_snapshot_does_not_count_its_own_snapshot_as_holding_the_horizon(health_pg, health_engine):
+    """HealthReader.read may run in a caller's transaction: one under REPEATABLE READ holds its
+    snapshot from its first statement, older than the ids assigned since. That snapshot is the
+    reader's own, not a holder to report: with nothing else holding, the horizon is 0 ids and
+    0 s old and names no one (counted, it said 3 ids behind)."""
+    from maintd.health import read_once
+
+    with health_engine.connect() as conn:
+        conn = conn.execution_options(isolation_level="REPEATABLE READ")
+        conn.exec_driver_sql("SELECT 1")  # the snapshot, taken here
+        consume_xids(health_pg)
+        time.sleep(1.1)
+        horizon = read_once(conn, "maintd").horizon
+        assert (horizon.age_xids, horizon.age_seconds, horizon.holders) == (0, 0.0, ()), horizon
+
+
 def test_an_idle_in_transaction_session_holding_a_transaction_id_is_named(health_pg, health_engine):
     with psycopg.connect(health_pg, application_name="forgetful-worker") as holder:
         holder.execute("INSERT INTO maintd.jobs (kind) VALUES ('held')")  # an xid, then idle
