@@ -498,6 +498,17 @@ def test_a_table_of_the_operator_s_named_like_a_partition_is_not_dropped_with_th
         assert conn.execute(sql("SELECT count(*) FROM {schema}.jobs_completed_archive", schema)).scalar() == 1
 
 
+def test_partitions_of_the_smallest_step_a_config_takes_are_made(engine, schema):
+    """``partitions.interval`` takes 1m (SPEC 8.1: from 1m up): maintain_partitions, which refuses
+    a step under a minute, takes one of exactly a minute and makes its partitions."""
+    now = server_now(engine).replace(second=0, microsecond=0)  # a step boundary: five steps ahead, five made
+    restart(engine, schema, "completed", now, step=MINUTE)
+    result = run(partitioner(completed_retention=-1, step=MINUTE, premake=5), engine, schema, now=now)
+    assert result.made == 5 and not result.busy
+    proper = partitions(engine, schema)[1:-1]
+    assert len(proper) == 5 and all(end - start == MINUTE for _, start, end in proper)
+
+
 def test_the_longest_per_queue_retention_keeps_partitions_and_the_cleaner_deletes_shorter_ones(engine, schema):
     now = server_now(engine)
     restart(engine, schema, "completed", now - 10 * HOUR)
