@@ -613,6 +613,24 @@ def test_a_held_lock_leaves_the_work_to_the_next_pass_and_nobody_waits(engine, p
     reader.close()
 
 
+def test_maintain_partitions_waits_in_the_lock_queue_at_most_a_second_whatever_it_is_asked(engine, pg_dsn, schema):
+    """SPEC 8.1: a short lock_timeout. While it waits for jobs_<state>'s lock, every completion
+    arriving queues behind it: maintain_partitions waits at most a second, however long its caller
+    (the daemon's role may call it) asks, and says 'busy'."""
+    now = server_now(engine)
+    restart(engine, schema, "completed", now - 10 * HOUR)  # partitions to make: it waits for the lock
+    with psycopg.connect(pg_dsn) as reader:
+        reader.execute(f"SELECT count(*) FROM {schema}.jobs_completed")  # AccessShare until rollback
+        started = time.monotonic()
+        with engine.begin() as conn:
+            actions = [r[0] for r in conn.execute(sql(
+                "SELECT * FROM {schema}.maintain_partitions('completed', interval '1 hour', "
+                "now() + interval '2 hours', NULL, 10000)", schema))]
+        elapsed = time.monotonic() - started
+        reader.rollback()
+    assert actions == ["busy"] and 0.9 <= elapsed < 6, (actions, elapsed)  # (10.1 s without the cap)
+
+
 def test_expired_rows_go_while_a_completion_holds_the_state_table_and_nobody_queues(engine, pg_dsn, schema):
     """Issue 30: the prune never queues workers behind an ACCESS EXCLUSIVE lock. A completion in
     flight (uncommitted: it holds jobs_completed until its commit) does not stop the expired rows
