@@ -499,21 +499,32 @@ def test_a_conversion_interrupted_from_the_terminal_says_so_and_fails(engine, pg
     """Ctrl-C in the middle of `maintd migrate --convert partitioned` exited 0, printing nothing:
     a script (or an operator glancing at `$?`) took the table for converted while it was plain,
     the sync trigger doubling every write. Now it says where it stopped and exits 130, as any
-    command cut off by Ctrl-C."""
-    seed(engine, schema, final=300_000, live=10)
+    command cut off by Ctrl-C.
+
+    The copy cannot finish before the signal: a final job in the middle is held FOR UPDATE (a
+    worker on it) until the command has exited, so the conversion waits at it. (The signal was sent
+    once the copy of 300,000 final jobs had said its first batch, and a machine loaded enough to
+    starve the test for the rest of the copy saw it swapped.)"""
+    seed(engine, schema, final=30_000, live=10)
+    with engine.connect() as conn:
+        middle = conn.execute(sql("SELECT id FROM {schema}.jobs WHERE kind = 'old' ORDER BY id OFFSET 15000 LIMIT 1",
+                                  schema)).scalar()
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'schema = "{schema}"\n[partitions]\npremake = 2\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("MAINTD_")}
-    proc = subprocess.Popen([sys.executable, "-m", "maintd", "--config", str(cfg), "migrate", "--convert",
-                             "partitioned"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**env, "MAINTD_DATABASE_URL": pg_dsn})
-    try:
-        while "final jobs:" not in (line := proc.stdout.readline()):
-            assert line, proc.stderr.read()
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
+    with psycopg.connect(pg_dsn) as worker:
+        worker.execute(f'SELECT 1 FROM "{schema}".jobs WHERE id = %s FOR UPDATE', (middle,))
+        proc = subprocess.Popen([sys.executable, "-m", "maintd", "--config", str(cfg), "migrate", "--convert",
+                                 "partitioned"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**env, "MAINTD_DATABASE_URL": pg_dsn})
+        try:
+            while f"final jobs: waiting for job {middle}," not in (line := proc.stdout.readline()):
+                assert line, proc.stderr.read()
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+        worker.rollback()
     with engine.connect() as conn:
         assert not conn.execute(text("SELECT count(*) FROM pg_partitioned_table WHERE partrelid = to_regclass(:t)"),
                                 {"t": f"{schema}.jobs"}).scalar()  # still plain: the swap never came
