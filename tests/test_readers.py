@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 import urllib.error
 import urllib.request
+from datetime import datetime
 
 import psycopg
 import pytest
-from sqlalchemy import text
+from sqlalchemy import event, text
 from sqlalchemy.exc import InternalError
 
 from maintd.cli import main
@@ -22,7 +25,7 @@ from maintd.dashboard import Dashboard
 from maintd.http import Request
 from maintd.metrics import OTHER, bounded_jobs
 from maintd.queries import sql
-from maintd.readers import Readers, reader_engine
+from maintd.readers import MOST, Readers, reader_engine
 from maintd.status import collect_status
 
 from .procs import wait_for
@@ -77,6 +80,60 @@ def test_status_serves_the_leaders_counts_from_memory_through_the_readers(config
         get(port, "/")
         names = app_names(settings.database_url.get_secret_value(), settings.instance_id)
         assert 1 <= names.get(f"maintd:{settings.instance_id}:read", 0) <= 4, names
+    finally:
+        daemon.stop()
+
+
+def reader_sessions(dsn: str, instance: str) -> dict[int, datetime]:
+    """The server's sessions named as ``instance``'s readers: pid -> backend_start."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return dict(conn.execute("SELECT pid, backend_start FROM pg_stat_activity WHERE application_name = %s",
+                                 (f"maintd:{instance}:read",)).fetchall())
+
+
+def test_status_requests_reuse_the_readers_few_sessions_and_never_the_maintenance_pool(configured, schema):
+    """/status reads through the daemon's one bounded reader pool: however many requests, the
+    server sees at most MOST sessions named ``maintd:<id>:read`` (the same ones, reused), and none
+    of the leader's maintenance connections is checked out to answer one; nor for the dashboard's
+    pages, which share that pool. Each /status comes after the 0.5 s it keeps an answer
+    (http.Recent), so each one reads the database; no page is asked for before the last, so until
+    then the reader sessions are /status's alone."""
+    settings = configured(instance_id=f"reuse-{schema}", http={"listen": "127.0.0.1:0"})
+    dsn = settings.database_url.get_secret_value()
+    daemon = Daemon(settings)
+    # The threads that checked out a connection of each pool: the answers are rendered on the
+    # listener's ("maintd-http-..."), the passes on their own (not counted here).
+    work: list[str] = []
+    read: list[str] = []
+    [target] = daemon.targets
+    try:
+        event.listen(target.engine, "checkout", lambda *_: work.append(threading.current_thread().name))
+        event.listen(daemon.readers.engine(dsn), "checkout", lambda *_: read.append(threading.current_thread().name))
+        daemon.start()
+        wait_for(lambda: daemon.is_leader and target.runner.gauges.counts is not None, 15, what="counts")
+
+        def http(names: list[str]) -> int:
+            return sum(name.startswith("maintd-http") for name in names)
+
+        seen: dict[int, datetime] = {}
+        for i in range(3 * MOST):
+            time.sleep(0.7)  # past the 0.5 s http.Recent keeps a /status answer
+            status, data = get(daemon.http_port, "/status")
+            assert status == 200 and data["this_instance"]["is_leader"], (i, data)
+            now = reader_sessions(dsn, settings.instance_id)
+            assert 1 <= len(now) <= MOST, (i, now)  # read through the readers, within their bound
+            seen.update(now)
+        assert http(work) == 0, f"{http(work)} maintenance connections checked out for {3 * MOST} /status"
+        assert http(read) >= 3 * MOST, f"{http(read)} reader checkouts for {3 * MOST} /status: {read}"
+        assert len(seen) <= MOST, f"{len(seen)} reader sessions for {3 * MOST} /status: {seen}"
+        for i in range(3 * MOST):  # the dashboard's pages share that pool (/jobs is read each time)
+            status, body = get(daemon.http_port, "/jobs" if i % 2 else "/")
+            assert status == 200, (i, body[-300:])
+            now = reader_sessions(dsn, settings.instance_id)
+            assert 1 <= len(now) <= MOST, (i, now)
+            seen.update(now)
+        assert http(work) == 0, f"{http(work)} maintenance connections checked out for the pages"
+        assert len(seen) <= MOST, f"{len(seen)} reader sessions for {6 * MOST} requests: {seen}"
     finally:
         daemon.stop()
 
