@@ -232,6 +232,23 @@ def test_gate_tries_own_targets_at_once_and_the_others_lazily():
     assert {u.name for u in units if u.woken} == {u.name for u in units} - {theirs[0], mine[1]}
 
 
+def test_a_replica_not_listed_live_yet_counts_itself_and_owns_its_share():
+    """The live replicas are read from the lock sessions, and this replica's own may not be listed
+    yet (its session not connected or not read yet): it counts itself anyway, so it owns the share
+    the others give it once they see it, and tries that share at once. Left out of its own live set,
+    it owned nothing and tried every target only lazily (and its cap was the others')."""
+    units = [FakeUnit(f"t{i:02d}") for i in range(12)]
+    spread, found = make_spread(units, ["r1", "r2"])
+    assert spread.live == ("r0", "r1", "r2") and spread.replicas == 3 and spread.cap == 5
+    everyone = assign([u.name for u in units], ["r0", "r1", "r2"])
+    mine = [u.name for u in units if everyone[u.name] == "r0"]
+    assert len(mine) == 4 and [u.name for u in units if spread.owns(u.name)] == mine
+    assert all(spread.gate(n) == 0 for n in mine)  # its own: at once
+    found[0] = []  # no session listed at all: it is alone
+    spread.refresh(at_once=True)
+    assert spread.live == ("r0",) and spread.replicas == 1 and all(spread.owns(u.name) for u in units)
+
+
 def test_the_spread_reads_the_replicas_once_a_second_unless_a_loop_saw_a_change():
     """``balance()`` asks every second and takes the replicas in at most that often; an election
     loop that read a change hands it over at once (``at_once``)."""
