@@ -368,6 +368,20 @@ def test_a_joining_replica_waits_before_its_first_try():
     assert spread.gate("a") == 0
 
 
+def test_a_single_target_does_not_wait_for_the_join():
+    """One target (every daemon without ``[[targets]]``): there is nothing to spread, so nothing
+    to wait for; its first try goes at once, as with no spread at all, also right after the start
+    (the join wait would only hold a freshly started single-target daemon's first term back)."""
+    units = [FakeUnit("a")]
+    spread, _ = make_spread(units, ["r0"], join=0.5)
+    assert spread.gate("a") == 0
+    spread.forget(["a"])  # (that try's session was lost: no back-off)
+    spread.hold()  # the daemon's start: held until started, and not after
+    assert spread.gate("a") > 1000
+    spread.started()
+    assert spread.gate("a") == 0
+
+
 def test_the_join_wait_counts_from_the_end_of_the_start():
     """A start-up slower than the wait (200 targets' schema checks on busy cores) must not end
     it: the replicas started with this one may not be visible yet."""
