@@ -5,7 +5,7 @@ live replicas, a replica's *cap* is ceil(T/R) + 1 leaderships once stable.
   target names and the live replicas' ids (rendezvous hashing with bounded loads: at most
   ceil(T/R) each; a replica that comes or goes moves few targets besides its own).
 * **Gate** (:meth:`Spread.gate`, asked by the election loop before a follower tries): own targets
-  at once while below the cap (after a lost try, back off 1, 2, 4 retry intervals, at most a third
+  at once (a replica owns at most ceil(T/R), below the cap by themselves; after a lost try, back off 1, 2, 4 retry intervals, at most a third
   of the lease, until a hand-over NOTIFY or a change of R); other replicas' lazily, every 2-4
   retry intervals (at the cap, every lease or so), so a target its owner cannot lead is led.
 * **Hand-over** (:meth:`Spread.balance`): above the cap for ``settle`` s, the extra leaderships
@@ -77,7 +77,7 @@ class Spread:
         self.live_replicas = live_replicas
         self.live: tuple[str, ...] = (me,)
         self.owner: dict[str, str] = assign([u.name for u in self.units], self.live)
-        self._read_at = self._handed_at = float("-inf")
+        self._read_at = float("-inf")
         self._pending: dict[str, float] = {}
         self._lazy_due: dict[str, tuple[float, bool]] = {}  # name: (when, set below the cap)
         self._lost: dict[str, tuple[int, float]] = {}  # own targets: (tries lost in a row, next try)
@@ -124,19 +124,18 @@ class Spread:
                 return self._join_until - now
             if notified:
                 self._lost.pop(name, None)
-            pending = [n for n, at in self._pending.items() if now - at < PENDING]
-            led = [u.name for u in self.units if u.is_leader]
-            room = len(led) + len(pending) < self.cap
-            # Own targets count against the cap by themselves: leaderships of other replicas'
-            # targets taken lazily are what is handed over above it (see balance), so an owner
-            # never waits for its own target behind them.
-            if self.owns(name) and sum(1 for n in led + pending if self.owns(n)) < self.cap:
+            # Own targets are at most ceil(T/R), below the cap by themselves: leaderships of other
+            # replicas' targets taken lazily are what is handed over above it (see balance), so
+            # an owner never waits for its own target behind them.
+            if self.owns(name):
                 backoff = self._lost.get(name, (0, now))[1] - now
                 if backoff > 0:
                     return backoff
                 self._pending[name] = now
                 self._lazy_due.pop(name, None)
                 return 0.0
+            pending = sum(1 for at in self._pending.values() if now - at < PENDING)
+            room = sum(1 for u in self.units if u.is_leader) + pending < self.cap
             due, below = self._lazy_due.get(name) or (None, room)
             if due is None or (below and not room and now >= due):
                 # (Re)set; one due below the cap waits the at-cap interval if the cap was reached
@@ -144,7 +143,7 @@ class Spread:
                 due = now + self._lazy_interval(room)
                 self._lazy_due[name] = (due, room)
             if now < due:
-                return min(due - now, self.retry) if self.owns(name) else due - now
+                return due - now
             del self._lazy_due[name]
             if room:
                 self._pending[name] = now
@@ -218,9 +217,9 @@ class Spread:
             return 0
         if self._over_since is None:
             self._over_since = now
-        if now - self._over_since < self.settle or now - self._handed_at < self.settle:
+        if now - self._over_since < self.settle:  # (reset by a hand-over: one per settle at most)
             return 0
-        self._handed_at, self._over_since = now, None
+        self._over_since = None
         reason = f"spreading the targets: leading {len(leaders)}, cap {self.cap} with {self.replicas} replicas"
         log.info("handing leaderships over", extra=kv(count=excess, leading=len(leaders), cap=self.cap,
                                                       replicas=self.replicas))
