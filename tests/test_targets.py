@@ -347,7 +347,10 @@ def test_an_own_target_held_elsewhere_is_tried_with_back_off_until_a_hand_over_o
     assert all(step - 0.03 < w <= step + 1e-9 for w, step in zip(waits, [0.05, 0.1, 0.2, 0.2])), waits
     assert spread.gate(mine[1]) == 0  # another own target is not held back
     spread.tried(mine[1], won=False)
-    assert spread.gate(held, notified=True) == 0  # the holder handed it over
+    assert spread.gate(held) == 0  # (its last back-off is over)
+    spread.tried(held, won=False)
+    assert spread.gate(held) > 0  # a fifth back-off is running,
+    assert spread.gate(held, notified=True) == 0  # and the holder handed it over: tried at once
     spread.tried(held, won=False)
     assert 0 < spread.gate(held) <= 0.05 + 1e-9  # lost again: back to the first step
     for u in units:
