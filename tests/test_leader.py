@@ -902,3 +902,36 @@ def test_a_lock_on_a_bookkeeping_table_costs_no_leadership(settings, engine, sch
         time.sleep(1.0)
         assert elector.is_leader
         assert [e for e in rec.events if e[0] == "demoted"] == []
+
+
+def test_the_renewals_of_targets_won_at_different_times_go_in_one_statement(settings, pg_dsn):
+    """SPEC 8.3: the leases of many targets cost one statement a renew interval, not one each.
+    Targets whose terms began at different times are due at different times; when one is due,
+    those due within half an interval are proven with it (an early proof is sound), so their
+    proofs fall into step at once and stay there. Here two targets' terms begin about 0.4 s
+    apart (renew 1 s): after the first renewals, every statement that proves a lock proves
+    both. Renewing each only when it is due sent a statement per target, 0.4 s apart."""
+    quick = with_leader(settings, lease="3s")  # renew 1 s
+    rec = Recorder()
+    with migrated_schemas(pg_dsn, 2) as schemas, one_loop(quick, schemas, rec, started=False) as seats:
+        session, proofs = seats[0].loop.session, []
+        original = session.round_trip
+
+        def noting(tries, renewals, unlocks):
+            if renewals:
+                proofs.append(len(renewals))
+            return original(tries, renewals, unlocks)
+
+        session.round_trip = noting
+        seats[0].started = True
+        seats[0].wake()
+        wait_for(lambda: seats[0].is_leader, 20, what="the first target led")
+        time.sleep(0.4)
+        seats[1].started = True
+        seats[1].wake()
+        wait_for(lambda: seats[1].is_leader, 20, what="the second target led")
+        time.sleep(1.5)  # the first renewals after the second term began bring them into step
+        proofs.clear()
+        time.sleep(3.0)
+        assert all(seat.is_leader for seat in seats) and [e for e in rec.events if e[0] == "demoted"] == []
+        assert len(proofs) >= 2 and set(proofs) == {2}, f"locks proven per statement: {proofs}"
