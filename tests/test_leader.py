@@ -935,3 +935,29 @@ def test_the_renewals_of_targets_won_at_different_times_go_in_one_statement(sett
         time.sleep(3.0)
         assert all(seat.is_leader for seat in seats) and [e for e in rec.events if e[0] == "demoted"] == []
         assert len(proofs) >= 2 and set(proofs) == {2}, f"locks proven per statement: {proofs}"
+
+
+def test_a_follower_held_back_by_its_gate_tries_at_once_on_a_hand_over_notify(settings, pg_dsn, schema):
+    """A leader handing its target over (SPEC 7.9) sends a NOTIFY on the hand-over channel so that
+    the followers try now, not at their gate's next look: the spread may hold a follower back
+    for a long while (another replica's target, tried lazily), and it lets a notified one try
+    at once. The NOTIFY makes the loop ask the gate again, saying it was notified; here the gate
+    holds the follower back a minute unless notified, so only that can let it lead in time."""
+    class NotifiedGate(NotingGate):
+        def gate(self, name, notified):
+            self.asked.append(time.monotonic())
+            return 0.0 if notified else 60.0
+
+    gate = NotifiedGate(None)
+    a_rec, b_rec = Recorder(), Recorder()
+    with a_rec.leading(with_leader(settings, "test-a")) as a:
+        b = b_rec.elector(with_leader(settings, "test-b"), spread=gate)
+        b.start()
+        try:
+            wait_for(lambda: b.session.open and gate.asked, 10, what="the follower's gate asked")
+            time.sleep(0.5)
+            assert not b.is_leader and len(gate.asked) == 1
+            a.request_demotion("spreading the targets", a.term.epoch, hold_off=60.0, graceful=True)
+            wait_for(lambda: b.is_leader, 10, what="the follower leading after the hand-over NOTIFY")
+        finally:
+            b.stop()
