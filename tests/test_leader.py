@@ -961,3 +961,27 @@ def test_a_follower_held_back_by_its_gate_tries_at_once_on_a_hand_over_notify(se
             wait_for(lambda: b.is_leader, 10, what="the follower leading after the hand-over NOTIFY")
         finally:
             b.stop()
+
+
+def test_a_bump_blocked_round_after_round_is_said_once(settings, engine, schema, maintd_log):
+    """A won lock whose epoch bump meets the previous leader's fenced transaction is sent again
+    every round (a 100 ms row-lock wait each) until that transaction ends: the log says
+    "waiting for the previous leader's transactions" once for the wait, not once a round (about
+    ten lines a second per target for as long as the transaction lasts), and the term begins
+    once the row is free."""
+    holder = engine.connect()
+    holder.execute(sql("SELECT epoch FROM {schema}.leader FOR KEY SHARE", schema))
+    elector = Recorder().elector(with_leader(settings))  # the bump's deadline: 9 s
+    elector.start()
+    waits = lambda: sum("waiting for the previous leader's transactions" in line for line in maintd_log)
+    try:
+        wait_for(lambda: waits() >= 1, 10, what="the wait said")
+        time.sleep(2.5)  # many rounds, each bump blocked again
+        assert waits() == 1 and not elector.is_leader
+        holder.rollback()
+        wait_for(lambda: elector.is_leader, 10, what="the term once the row is free")
+        assert waits() == 1
+    finally:
+        holder.rollback()
+        holder.close()
+        elector.stop()
