@@ -985,3 +985,32 @@ def test_a_bump_blocked_round_after_round_is_said_once(settings, engine, schema,
         holder.rollback()
         holder.close()
         elector.stop()
+
+
+def test_a_replica_that_ran_for_hours_and_died_is_shown_gone_from_when_it_left(settings, pg_dsn, schema):
+    """/status lists every daemon seen within the last hour, a dead one as gone (SPEC 7.9). A
+    replica SIGKILLed after running for hours wrote no row as it died, and its row says when it
+    connected: the live daemon whose loop sees it leave the live replicas writes when that was,
+    so it is shown gone for an hour from its end, not dropped at once."""
+    from maintd.queries import daemons as q_daemons
+    from maintd.queries import psycopg_sql
+
+    def registered() -> list[tuple[str, bool]]:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            return [(r[0], r[5]) for r in conn.execute(psycopg_sql(q_daemons.REGISTERED, schema))]
+
+    a = Recorder().elector(with_leader(settings, "test-a"))
+    twin = psycopg.connect(pg_dsn, autocommit=True, application_name="maintd:old-replica")  # its lock session
+    try:
+        twin.execute(psycopg_sql(q_daemons.REGISTER, schema), {"instance": "old-replica", "host": "h", "pid": 1, "version": "t"})
+        twin.execute(f'UPDATE "{schema}".daemons SET last_seen_at = now() - interval \'3 hours\', '
+                     "started_at = now() - interval '3 hours' WHERE instance_id = 'old-replica'")
+        a.start()
+        wait_for(lambda: a.loop.replicas == ("old-replica", "test-a"), 10, what="a's loop seeing the old replica live")
+        twin.close()  # killed: its session ends, its row untouched
+        wait_for(lambda: a.loop.replicas == ("test-a",), 10, what="a's loop seeing it leave")
+        time.sleep(0.5)
+        assert ("old-replica", False) in registered(), registered()
+    finally:
+        twin.close()
+        a.stop()
