@@ -271,3 +271,29 @@ def test_a_lock_held_on_a_standby_proves_no_term(tmp_path):
                     "a lock held on a standby was taken for a term" if not primary else "no term on the primary")
             finally:
                 session.close()
+
+
+def test_a_lock_session_frozen_inside_its_epoch_bump_ends_within_the_lease(pg_dsn, schema):
+    """SPEC 3: the epoch bump is the lock session's one transaction, and it locks the leader row
+    FOR UPDATE. A process frozen half-way through it (SIGSTOP, a VM paused) must not hold that
+    row, and the lock, for ever: idle_session_timeout does not apply inside a transaction, so the
+    session carries idle_in_transaction_session_timeout = lease, and the server ends it; the
+    successor's bump then gets the row."""
+    settings = Settings(database_url=pg_dsn, schema=schema, instance_id=f"frozen-bump-{os.getpid()}",
+                        leader={"lease": "1s", "renew_interval": "0.3s", "retry_interval": "0.2s"})
+    session = LockSession(settings, HostOrder(pg_dsn), lambda channel: None)
+    conn = session.connect([])
+    try:
+        assert session.round_trip([advisory_key(schema)], [], [])[0] == [True]
+        pid = conn.info.backend_pid
+        conn.execute("BEGIN")  # the bump's transaction, frozen right after its row lock
+        conn.execute(Statements(schema).psql(q.LOCK_ROW))
+        with psycopg.connect(pg_dsn, autocommit=True) as watcher:
+            wait_for(lambda: not watcher.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchall(),
+                     8, what="the session frozen in its transaction ended by the server")
+            watcher.execute("SET lock_timeout = '2s'")
+            watcher.execute(Statements(schema).psql(q.LOCK_ROW))  # the row is free
+            assert watcher.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = %s",
+                                   (pid,)).fetchone()[0] == 0
+    finally:
+        session.close()
