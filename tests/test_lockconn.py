@@ -297,3 +297,27 @@ def test_a_lock_session_frozen_inside_its_epoch_bump_ends_within_the_lease(pg_ds
                                    (pid,)).fetchone()[0] == 0
     finally:
         session.close()
+
+
+def test_the_lock_sessions_unacknowledged_sends_fail_within_the_lease(pg_dsn):
+    """SPEC 3: a lock session whose sends nobody acknowledges (the network to the server cut:
+    no RST, the packets dropped) fails within the lease, not after the kernel's ~15 minutes of
+    retransmissions, so the daemon stops trusting, reconnects and tries the other hosts. That is
+    the socket's TCP_USER_TIMEOUT (tcp(7)); a user-space proxy cannot drop the kernel's
+    acknowledgements, so the option itself is read back from the socket."""
+    import socket as socket_module
+
+    settings = Settings(database_url=pg_dsn, instance_id=f"tcp-{os.getpid()}",
+                        leader={"lease": "7s", "renew_interval": "2s", "retry_interval": "0.5s"})
+    session = LockSession(settings, HostOrder(pg_dsn), lambda channel: None)
+    conn = session.connect([])
+    try:
+        sock = socket_module.socket(fileno=os.dup(conn.fileno()))
+        try:
+            if sock.family == socket_module.AF_UNIX:
+                unavailable("the test server is reached over a Unix socket")
+            assert sock.getsockopt(socket_module.IPPROTO_TCP, socket_module.TCP_USER_TIMEOUT) == 7000
+        finally:
+            sock.close()
+    finally:
+        session.close()
