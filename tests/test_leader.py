@@ -1014,3 +1014,33 @@ def test_a_replica_that_ran_for_hours_and_died_is_shown_gone_from_when_it_left(s
     finally:
         twin.close()
         a.stop()
+
+
+def test_a_registration_that_met_a_locked_table_is_written_later(settings, engine, schema, monkeypatch):
+    """A daemon writes its ``daemons`` row when its lock session connects; one that cannot be
+    written then on a server that takes writes (the table locked by a migration, an admin's LOCK
+    TABLE) is tried again every REGISTER_RETRY seconds: until it is written, `maintd status` and
+    the other replicas' spread do not see this daemon alive. Here the retry is a second."""
+    import maintd.leader as leader_module
+
+    monkeypatch.setattr(leader_module, "REGISTER_RETRY", 1.0)
+
+    def rows() -> list[str]:
+        with engine.connect() as conn:
+            return [r[0] for r in conn.execute(sql("SELECT instance_id FROM {schema}.daemons", schema))]
+
+    elector = Recorder().elector(with_leader(settings))
+    locker = engine.connect()
+    try:
+        locker.execute(sql("LOCK TABLE {schema}.daemons IN ACCESS EXCLUSIVE MODE", schema))
+        elector.start()
+        wait_for(lambda: elector.is_leader, 10, what="leadership")
+        time.sleep(1.5)  # the connect's registration met the lock, and so did a retry
+        assert elector.loop._unregistered == {elector.seat}
+        locker.rollback()
+        wait_for(lambda: rows() == [settings.instance_id], 10, what="the row written once the table is free")
+        assert elector.loop.writable and elector.is_leader
+    finally:
+        locker.rollback()
+        locker.close()
+        elector.stop()
