@@ -1044,3 +1044,30 @@ def test_a_registration_that_met_a_locked_table_is_written_later(settings, engin
         locker.rollback()
         locker.close()
         elector.stop()
+
+
+def test_a_lock_session_lost_during_an_epoch_bump_is_a_reconnect_not_the_targets_failure(settings, pg_dsn, maintd_log):
+    """An epoch bump whose session ends under it (the server restarted, the backend killed)
+    lost every lock of the session, not one target's bump: the loop says the database is
+    unreachable, drops every term and reconnects. It does not log that this target "could not
+    start a term" or keep that as the target's failure (which run-once reports as the reason),
+    as it does for a bump refused on its own (a missing privilege, a read-only server). Here the
+    leader row's trigger ends the bumping backend the first time only."""
+    from sqlalchemy import text
+
+    rec = Recorder()
+    with migrated_schemas(pg_dsn, 1) as [name]:
+        with make_engine(pg_dsn, application_name="maintd-test-trigger", pooled=False).connect() as conn:
+            conn.execute(text(f'CREATE SEQUENCE "{name}".bumps'))  # (not rolled back with the bump)
+            conn.execute(text(f'CREATE FUNCTION "{name}".kill() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN '
+                              f'IF nextval(\'"{name}".bumps\') = 1 THEN '
+                              f'PERFORM pg_terminate_backend(pg_backend_pid()); PERFORM pg_sleep(5); END IF; '
+                              f'RETURN NEW; END $$'))
+            conn.execute(text(f'CREATE TRIGGER kill BEFORE INSERT OR UPDATE ON "{name}".leader '
+                              f'FOR EACH ROW EXECUTE FUNCTION "{name}".kill()'))
+            conn.commit()
+        with one_loop(with_leader(settings), [name], rec) as [seat]:
+            wait_for(lambda: any("database unreachable, retrying" in line for line in maintd_log), 10,
+                     what="the lost session said")
+            wait_for(lambda: seat.is_leader, 15, what="a term after the reconnect")
+            assert not any("could not start a term" in line for line in maintd_log), maintd_log
