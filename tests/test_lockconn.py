@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import resource
 import threading
+import time
 
 import psycopg
 import pytest
@@ -321,3 +322,47 @@ def test_the_lock_sessions_unacknowledged_sends_fail_within_the_lease(pg_dsn):
             sock.close()
     finally:
         session.close()
+
+
+def test_a_lock_session_severed_from_a_silent_host_reconnects_to_the_other_host_first(pg_dsn):
+    """A multi-host URL (SPEC 3): when the lock session's server goes silent mid-statement (frozen,
+    or the network to it cut), the daemon severs the call; the next connect must try the other
+    hosts first, or it spends a whole connect timeout (the lease) on the silent one each time
+    before it reaches the live one. Here the first host is a proxy to the server that is
+    blackholed (every connection silent, new ones too) and the second the server itself."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    from .netproxy import NetProxy
+
+    info = conninfo_to_dict(pg_dsn)
+    host, port = info.get("host") or "127.0.0.1", int(info.get("port") or 5432)
+    with NetProxy.for_dsn(pg_dsn) as proxy:
+        url = make_conninfo(pg_dsn, host=f"127.0.0.1,{host}", port=f"{proxy.port},{port}",
+                            sslmode="disable", gssencmode="disable")
+        settings = Settings(database_url=url, instance_id=f"sever-{os.getpid()}",
+                            leader={"lease": "20s", "renew_interval": "5s", "retry_interval": "1s"})
+        session = LockSession(settings, HostOrder(url), lambda channel: None)
+        try:
+            session.connect([])
+            assert session.server[1] == proxy.port
+            proxy.blackhole()
+            failed: list[BaseException] = []
+
+            def stuck() -> None:
+                try:
+                    session.run("SELECT 1")
+                except BaseException as exc:  # noqa: B036
+                    failed.append(exc)
+
+            caller = threading.Thread(target=stuck)
+            caller.start()
+            wait_for(lambda: session.stuck_for() > 0.5, 5, what="the statement stuck on the silent host")
+            session.sever()  # what the daemon does once it has waited a lease
+            caller.join(5)
+            assert failed and not caller.is_alive()
+            started = time.monotonic()
+            session.connect([])
+            assert session.server[1] == port, "the silent host was tried first again"
+            assert time.monotonic() - started < 10  # not its 20 s connect timeout first
+        finally:
+            session.close()
