@@ -1071,3 +1071,33 @@ def test_a_lock_session_lost_during_an_epoch_bump_is_a_reconnect_not_the_targets
                      what="the lost session said")
             wait_for(lambda: seat.is_leader, 15, what="a term after the reconnect")
             assert not any("could not start a term" in line for line in maintd_log), maintd_log
+
+
+def test_a_term_on_a_multi_host_url_starts_with_fresh_pooled_connections(settings, pg_dsn):
+    """SPEC 3: with a multi-host URL, the idle connections of the maintenance pool may lead to a
+    server that has since gone silent (a frozen old primary) while the lock session reached
+    another: a pass on one would hang for a lease and cost the new term. So a term begins by
+    disposing of the pool: no connection made before it is used by it. Here both hosts are the
+    same server; a connection pooled during one term is closed when the next term begins."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+    from sqlalchemy import text
+
+    info = conninfo_to_dict(pg_dsn)
+    host, port = info.get("host") or "127.0.0.1", info.get("port") or "5432"
+    url = make_conninfo(pg_dsn, host=f"{host},{host}", port=f"{port},{port}")
+    daemon = Daemon(with_leader(settings.model_copy(update={"database_url": SecretStr(url)})))
+    daemon.start()
+    try:
+        target = daemon.targets[0]
+        assert target.loop.session.hosts.multi_host
+        wait_for(lambda: daemon.is_leader, 10, what="leadership")
+        epoch = target.term.epoch
+        with target.engine.connect() as conn:  # pooled for this term
+            pid = conn.execute(text("SELECT pg_backend_pid()")).scalar()
+        target.request(Request("fenced", "a new term", epoch))
+        wait_for(lambda: target.term is not None and target.term.epoch == epoch + 1, 10, what="the next term")
+        with psycopg.connect(pg_dsn, autocommit=True) as watcher:
+            wait_for(lambda: not watcher.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchall(),
+                     10, what="the previous term's pooled connection closed")
+    finally:
+        daemon.stop()
