@@ -1101,3 +1101,32 @@ def test_a_term_on_a_multi_host_url_starts_with_fresh_pooled_connections(setting
                      10, what="the previous term's pooled connection closed")
     finally:
         daemon.stop()
+
+
+def test_a_sleeping_follower_reads_a_hand_over_notify_as_it_arrives(settings, monkeypatch):
+    """Between rounds the loop sleeps until something is due, and what the server sends wakes it:
+    a hand-over NOTIFY is read as it arrives, not with the loop's next statement. With a long
+    lease the loop's next statement can be many seconds away (its read of the replicas comes
+    every lease / 2 at most, here 15 s with the once-a-second read held off), and a follower
+    held back by its gate would leave the handed-over target unled that long."""
+    import maintd.leader as leader_module
+
+    monkeypatch.setattr(leader_module, "REFRESH", 60.0)
+
+    class NotifiedGate(NotingGate):
+        def gate(self, name, notified):
+            self.asked.append(time.monotonic())
+            return 0.0 if notified else 60.0
+
+    slow = {"lease": "30s", "renew_interval": "10s", "retry_interval": "0.2s"}
+    gate = NotifiedGate(None)
+    with Recorder().leading(with_leader(settings, "test-a", **slow)) as a:
+        b = Recorder().elector(with_leader(settings, "test-b", **slow), spread=gate)
+        b.start()
+        try:
+            wait_for(lambda: b.session.open and gate.asked, 10, what="the follower's gate asked")
+            time.sleep(0.5)
+            a.request_demotion("spreading the targets", a.term.epoch, hold_off=60.0, graceful=True)
+            wait_for(lambda: b.is_leader, 8, what="the follower leading after the hand-over NOTIFY")
+        finally:
+            b.stop()
