@@ -5,9 +5,10 @@ live replicas, a replica's *cap* is ceil(T/R) + 1 leaderships once stable.
   target names and the live replicas' ids (rendezvous hashing with bounded loads: at most
   ceil(T/R) each; a replica that comes or goes moves few targets besides its own).
 * **Gate** (:meth:`Spread.gate`, asked by the election loop before a follower tries): own targets
-  at once (a replica owns at most ceil(T/R), below the cap by themselves; after a lost try, back off 1, 2, 4 retry intervals, at most a third
-  of the lease, until a hand-over NOTIFY or a change of R); other replicas' lazily, every 2-4
-  retry intervals (at the cap, every lease or so), so a target its owner cannot lead is led.
+  at once (a replica owns at most ceil(T/R), below the cap by themselves; after a lost try, back
+  off 1, 2, 4 retry intervals, at most a third of the lease, until a hand-over NOTIFY or a change
+  of R); other replicas' lazily, every 2-4 retry intervals (at the cap, every lease or so), so a
+  target its owner cannot lead is led.
 * **Hand-over** (:meth:`Spread.balance`): above the cap for ``settle`` s, the extra leaderships
   are released gracefully, other replicas' targets only (its own stay below the cap by themselves). A target handed over that this replica
   wins back (its owner did not take it: its schema not ready there, its database unreachable from

@@ -31,14 +31,8 @@ def pg_dsn(pg_dsn):
     CONCURRENTLY waits for every older snapshot of its database, under the reindexer's 5 s
     lock_timeout: in the shared database, another xdist worker's long statement (test_hostile's
     300,000-row insert, a lock left waiting on purpose) would turn a "reindexed" into "timeout"."""
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        db = f"reindex_{uuid.uuid4().hex[:12]}"
-        conn.execute(f'CREATE DATABASE "{db}"')
-    try:
-        yield urlsplit(pg_dsn)._replace(path=f"/{db}").geturl()
-    finally:
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+    with database_of_its_own(pg_dsn) as dsn:
+        yield dsn
 
 
 @pytest.fixture(scope="module")
@@ -304,17 +298,25 @@ def test_missing_configured_index_is_a_warning(pg_dsn, schema, settings, engine,
 def migrated_database(pg_dsn):
     """A database of its own with the schema maintd migrated: its DSN and an engine; the database
     dropped afterwards."""
+    with database_of_its_own(pg_dsn) as dsn:
+        engine = make_engine(dsn, application_name="maintd-test", pool_size=2)
+        try:
+            with engine.connect() as conn:
+                migrate.upgrade(conn, "maintd")
+            yield dsn, engine
+        finally:
+            engine.dispose()
+
+
+@contextmanager
+def database_of_its_own(pg_dsn):
+    """A new, empty database on the test server: its DSN; dropped afterwards."""
     db = f"t_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{db}"')
-    dsn = urlsplit(pg_dsn)._replace(path=f"/{db}").geturl()
-    engine = make_engine(dsn, application_name="maintd-test", pool_size=2)
     try:
-        with engine.connect() as conn:
-            migrate.upgrade(conn, "maintd")
-        yield dsn, engine
+        yield urlsplit(pg_dsn)._replace(path=f"/{db}").geturl()
     finally:
-        engine.dispose()
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
 
