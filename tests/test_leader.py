@@ -557,6 +557,14 @@ class NotingGate:
         pass
 
 
+class NotifiedGate(NotingGate):
+    """A gate that holds a follower back a minute unless a hand-over NOTIFY arrived."""
+
+    def gate(self, name, notified):
+        self.asked.append(time.monotonic())
+        return 0.0 if notified else 60.0
+
+
 def test_a_woken_follower_asks_its_gate_again_at_once(settings, schema):
     """The spread wakes a waiting follower when it becomes the target's owner (a replica died):
     the follower asks its gate again at once, not at its next half-second look. Each wake comes
@@ -943,11 +951,6 @@ def test_a_follower_held_back_by_its_gate_tries_at_once_on_a_hand_over_notify(se
     for a long while (another replica's target, tried lazily), and it lets a notified one try
     at once. The NOTIFY makes the loop ask the gate again, saying it was notified; here the gate
     holds the follower back a minute unless notified, so only that can let it lead in time."""
-    class NotifiedGate(NotingGate):
-        def gate(self, name, notified):
-            self.asked.append(time.monotonic())
-            return 0.0 if notified else 60.0
-
     gate = NotifiedGate(None)
     a_rec, b_rec = Recorder(), Recorder()
     with a_rec.leading(with_leader(settings, "test-a")) as a:
@@ -1112,11 +1115,6 @@ def test_a_sleeping_follower_reads_a_hand_over_notify_as_it_arrives(settings, mo
     import maintd.leader as leader_module
 
     monkeypatch.setattr(leader_module, "REFRESH", 60.0)
-
-    class NotifiedGate(NotingGate):
-        def gate(self, name, notified):
-            self.asked.append(time.monotonic())
-            return 0.0 if notified else 60.0
 
     slow = {"lease": "30s", "renew_interval": "10s", "retry_interval": "0.2s"}
     gate = NotifiedGate(None)
