@@ -310,6 +310,16 @@ def test_two_rescuers_rescue_each_job_once(settings, engine, schema, clock):
     assert all(len(rows(engine, schema)[i].errors) == 1 for i in ids)
 
 
+def reads_only_the_locked_rows(plan: str) -> bool:
+    """Whether every scan of the jobs table in ``plan`` (a batch's UPDATE) reads its candidates
+    alone, by their ctids or ids (``= ANY``), not a range or the whole of an index: its guards are
+    checks of the rows, and the index they match holds the earlier batches' entries until a vacuum."""
+    scans = re.findall(r"(?:Tid Scan|Index Scan using \w+|Bitmap Index Scan on \w+)[^\n]*\n\s*(?:Index|TID) Cond: ([^\n]*)",
+                       plan)
+    every = len(re.findall(r"Tid Scan on|Index Scan using|Bitmap Index Scan on|Seq Scan on", plan))
+    return bool(scans) and len(scans) == every and all("= ANY" in cond and "COALESCE" not in cond for cond in scans)
+
+
 def test_statements_are_index_backed(settings, engine, schema, clock, layout):
     """With 20,000 stuck jobs and batches of 100, a batch reads its candidates from
     jobs_running_idx and updates the row versions it locked through their ctids (never by walking every stuck
@@ -349,10 +359,15 @@ def test_statements_are_index_backed(settings, engine, schema, clock, layout):
             conds = [line for line in plan.splitlines()
                      if "Index Cond" in line and "COALESCE(heartbeat_at, attempted_at)" in line]
             assert len(conds) == 4 and all(re.search(r"\bid\)? >", c) for c in conds), plan
-            plan = explain(conn, RESCUER_FUTURE_SIGN_BATCH, schema, {"ahead": 60, "limit": 100}, generic=generic)
+            plan = explain(conn, RESCUER_FUTURE_SIGN_BATCH, schema,
+                           {"ahead": 60, "limit": 100, "from_seen": "infinity", "from_id": 2 ** 63 - 1}, generic=generic)
             candidates, update = plan.split("CTE dated")
             assert "Index Scan Backward using jobs_running_idx" in candidates, plan
-            assert "Tid Scan" in update and "Seq Scan" not in plan, plan
+            # from its keyset (in the Index Cond), and the read of where the next batch starts too
+            conds = [line for line in plan.splitlines()
+                     if "Index Cond" in line and "COALESCE(heartbeat_at, attempted_at)" in line]
+            assert len(conds) == 2 and all(re.search(r"\bid\)? <", c) for c in conds), plan
+            assert reads_only_the_locked_rows(update) and "Seq Scan" not in plan, plan
             plan = explain(conn, RESCUER_COUNT_FUTURE, schema, {"ahead": 60}, generic=generic)
             assert "jobs_running_idx" in plan and "Seq Scan" not in plan, plan
             plan = explain(conn, RESCUER_COUNT_ODD, schema, params, generic=generic)
@@ -365,10 +380,15 @@ def test_statements_are_index_backed(settings, engine, schema, clock, layout):
                 plan = explain(conn, "SELECT " + ", ".join(RESCUER_PROBE), schema, params, generic=generic)
                 assert "Seq Scan" not in plan and "Filter" not in plan, (page_cost, plan)
                 assert "jobs_exhausted_idx" in plan, (page_cost, plan)
-            plan = explain(conn, RESCUER_EXHAUSTED_BATCH, schema, params, generic=generic)
+            plan = explain(conn, RESCUER_EXHAUSTED_BATCH, schema, {**params, "from_id": 0}, generic=generic)
             candidates, update = plan.split("CTE discarded")
             assert "jobs_exhausted_idx" in candidates, plan
-            assert "jobs_pkey" in update or "jobs_exhausted_idx" in update, plan
+            # each batch starts after the last one's candidates (a keyset in the Index Cond)
+            [cond] = [line for line in candidates.splitlines() if "Index Cond" in line]
+            assert re.search(r"\bid >=", cond), plan
+            # and updates the rows it locked by their ctids or ids, never by a join that reads the
+            # whole index (a Hash Join read 400 of 400 entries for a batch of 20: quadratic)
+            assert reads_only_the_locked_rows(update), plan
             assert "Seq Scan" not in plan, plan
         conn.rollback()
 
@@ -747,3 +767,92 @@ def test_an_infinite_heartbeat_or_claim_is_dated_not_rescued(settings, engine, s
     assert got[live].dated and got[last_day].dated and got[claim_only].dated
     assert got[claim_only].no_heartbeat, "the claim is dated, not a heartbeat written for a job that never sent one"
     assert (result.retried, result.skipped_rows()) == (0, {"future_sign": 3, "stale_heartbeat": 0}), result
+
+
+def index_entries_read(engine, schema: str, name: str) -> int:
+    """Entries the schema's indexes named like ``name`` (a partition's too) have returned, once the
+    sessions that read them have ended (a backend reports its counts as it exits)."""
+    last, stable = -1, 0
+    while stable < 3:  # the same count three times, 0.2 s apart
+        with engine.connect() as conn:
+            now = conn.execute(text("SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes "
+                                    "WHERE schemaname = :s AND indexrelname LIKE :n"),
+                               {"s": schema, "n": f"%{name}%"}).scalar()
+        stable, last = (stable + 1, last) if now == last else (0, now)
+        time.sleep(0.2)
+    return int(last)
+
+
+def test_a_pass_reads_each_exhausted_jobs_index_entry_once_while_a_snapshot_keeps_them(settings, engine, schema,
+                                                                                     clock, pg_dsn):
+    """RESCUER_EXHAUSTED_BATCH's batches each started at the beginning of jobs_exhausted_idx. A
+    discarded job's entry stays there until a vacuum, and while any transaction older than the
+    discard is open (a report, a pg_dump) the scan cannot mark it dead, so every batch read again
+    the entries of every earlier one; and its UPDATE found its candidates by a hash join over the
+    whole index. 400 exhausted jobs in batches of 20 read 99,600 entries, quadratic in the jobs.
+    Now each batch starts after the last one's candidates and updates them by ctid or id: two
+    reads per job."""
+    from sqlalchemy import create_engine
+    settings.rescuer.batch_size = 20
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt, max_attempts) "
+                         "SELECT 'k', 'available', 3, 3 FROM generate_series(1, 400)", schema))
+        conn.execute(sql("ANALYZE {schema}.jobs", schema))
+    reader = create_engine(pg_dsn)
+    pass_engine = create_engine(pg_dsn)
+    try:
+        with reader.connect() as snapshot:
+            snapshot.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
+            snapshot.execute(text("SELECT count(*) FROM pg_class")).scalar()  # the snapshot is taken
+            before = index_entries_read(engine, schema, "exhausted")
+            result = run(settings, pass_engine, clock)
+            pass_engine.dispose()  # its sessions end and report what they read
+            read = index_entries_read(engine, schema, "exhausted") - before
+            snapshot.rollback()
+    finally:
+        reader.dispose()
+        pass_engine.dispose()
+    assert result.exhausted == 400, result
+    assert {r.state for r in rows(engine, schema).values()} == {"discarded"}
+    # one read to lock each job and one to discard it (800 here); a batch that read the index
+    # from its start, or an update that joined the whole index, read 4,600 to 99,600
+    assert read <= 1000, f"{read} index entries read for 400 exhausted jobs"
+
+
+def test_a_pass_reads_each_future_sign_of_lifes_index_entry_once_while_a_snapshot_keeps_them(settings, engine,
+                                                                                           schema, clock, pg_dsn):
+    """RESCUER_FUTURE_SIGN_BATCH read jobs_running_idx backwards from its end in every batch. A
+    dated job's old entry stays there until a vacuum, and while a transaction older than the
+    dating is open the scan cannot mark it dead, so each batch read again the entries of every
+    earlier one (400 jobs from the future in batches of 20: quadratic), and its UPDATE could
+    read the whole range of future signs again to find its candidates (PostgreSQL 15 did). Now
+    each batch starts at the entry after the last one's candidates, and the UPDATE finds them by
+    ctid or id."""
+    from sqlalchemy import create_engine
+    settings.rescuer.batch_size = 20
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at, attempted_by) "
+                         "SELECT 'k', 'running', 1, CASE WHEN g % 2 = 0 THEN 'infinity' "
+                         "ELSE now() + g * interval '1 day' END, 'w' FROM generate_series(1, 400) g", schema))
+        conn.execute(sql("ANALYZE {schema}.jobs", schema))
+    reader, pass_engine = create_engine(pg_dsn), create_engine(pg_dsn)
+    try:
+        with reader.connect() as snapshot:
+            snapshot.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
+            snapshot.execute(text("SELECT count(*) FROM pg_class")).scalar()  # the snapshot is taken
+            before = index_entries_read(engine, schema, "running")
+            result = Rescuer(settings.rescuer).run_once(PassContext.for_settings(settings, pass_engine, clock))
+            pass_engine.dispose()  # its sessions end and report what they read
+            read = index_entries_read(engine, schema, "running") - before
+            snapshot.rollback()
+    finally:
+        reader.dispose()
+        pass_engine.dispose()
+    assert result.dated == 400, result
+    with engine.connect() as conn:
+        assert conn.execute(sql("SELECT count(*) FROM {schema}.jobs WHERE attempted_at > now() + interval '1 minute'",
+                                schema)).scalar() == 0
+    # one read to lock each job and the next batch's start (419 here; the pass's other batches read
+    # an entry or so each); batches that read from the index's end, or an update that read the
+    # whole range of future signs, read 5,800 and more
+    assert read <= 1000, f"{read} index entries read for 400 jobs from the future"

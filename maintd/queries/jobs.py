@@ -378,13 +378,17 @@ SELECT (SELECT count(*) FROM candidates) AS candidates,
 # if the job heartbeated, else attempted_at (a heartbeat_at written for a job that never
 # heartbeated would put it under heartbeat_timeout, which holds only for jobs that heartbeat). A
 # sign from 9999-12-31 on ('infinity', a heartbeat or a claim) is one too. Newest first, through
-# jobs_running_idx backwards.
+# jobs_running_idx backwards, in keyset batches from (:from_seen, :from_id) down: each starts at the
+# entry after the last one's candidates (next_seen and next_id, the sign as text as it may be
+# 'infinity'; NULL: done), so that a pass reads each entry once, though the entries of the rows
+# dated stay at the index's end until a vacuum.
 RESCUER_FUTURE_SIGN_BATCH = """
 WITH candidates AS MATERIALIZED (
-  SELECT id, ctid FROM {schema}.jobs
+  SELECT id, ctid, coalesce(heartbeat_at, attempted_at) AS seen FROM {schema}.jobs
    WHERE state = 'running'
      AND coalesce(heartbeat_at, attempted_at) > statement_timestamp() + make_interval(secs => :ahead)
-   ORDER BY coalesce(heartbeat_at, attempted_at) DESC
+     AND (coalesce(heartbeat_at, attempted_at), id) <= (CAST(:from_seen AS timestamptz), CAST(:from_id AS bigint))
+   ORDER BY coalesce(heartbeat_at, attempted_at) DESC, id DESC
    LIMIT :limit
      FOR NO KEY UPDATE SKIP LOCKED
 ), dated AS (
@@ -392,12 +396,24 @@ WITH candidates AS MATERIALIZED (
      SET heartbeat_at = CASE WHEN j.heartbeat_at IS NOT NULL THEN statement_timestamp() END,
          attempted_at = CASE WHEN j.heartbeat_at IS NULL THEN statement_timestamp() ELSE j.attempted_at END
    WHERE j.ctid = ANY(ARRAY(SELECT ctid FROM candidates))
-     AND j.id IN (SELECT id FROM candidates)
-     AND j.state = 'running'
-     AND coalesce(j.heartbeat_at, j.attempted_at) > statement_timestamp() + make_interval(secs => :ahead)
+     AND j.id = ANY(ARRAY(SELECT id FROM candidates))
+     AND j.state = 'running'  -- (IS TRUE: a check of the locked rows, not a range of the index to read)
+     AND (coalesce(j.heartbeat_at, j.attempted_at) > statement_timestamp() + make_interval(secs => :ahead)) IS TRUE
   RETURNING j.id
 )
-SELECT (SELECT count(*) FROM candidates) AS candidates, ARRAY(SELECT id FROM dated ORDER BY id) AS ids
+SELECT (SELECT count(*) FROM candidates) AS candidates, ARRAY(SELECT id FROM dated ORDER BY id) AS ids,
+       after.seen AS next_seen, after.id AS next_id
+  FROM (SELECT 1) AS one
+  LEFT JOIN LATERAL (
+    SELECT CAST(coalesce(j.heartbeat_at, j.attempted_at) AS text) AS seen, j.id
+      FROM {schema}.jobs AS j
+     WHERE (SELECT count(*) FROM candidates) = :limit AND j.state = 'running'
+       AND coalesce(j.heartbeat_at, j.attempted_at) > statement_timestamp() + make_interval(secs => :ahead)
+       AND (coalesce(j.heartbeat_at, j.attempted_at), j.id)
+           < ((SELECT seen FROM candidates ORDER BY seen, id LIMIT 1),
+              (SELECT id FROM candidates ORDER BY seen, id LIMIT 1))
+     ORDER BY coalesce(j.heartbeat_at, j.attempted_at) DESC, j.id DESC
+     LIMIT 1) AS after ON true
 """
 
 # A dry run's count of the running jobs RESCUER_FUTURE_SIGN_BATCH would date (same conditions).
@@ -410,11 +426,15 @@ SELECT count(*) FROM {schema}.jobs
 # Waiting jobs with no attempt left (attempt >= max_attempts: an import, an operator's UPDATE, or
 # reschedule_jobs lowering max_attempts), which the claim passes over: discarded with the reason
 # in errors. jobs_exhausted_idx (migration 0005) holds exactly these rows, so this is one probe
-# of an empty index in the normal case.
+# of an empty index in the normal case. Keyset batches from :from_id on (in the Index Cond): each
+# starts after the last one's candidates (next_id; NULL past the largest id), so a pass reads each
+# entry once, not again in every batch: the entries of the rows discarded stay in the index until
+# a vacuum, and a transaction open anywhere keeps them from being skipped.
 RESCUER_EXHAUSTED_BATCH = """
 WITH candidates AS MATERIALIZED (
-  SELECT id FROM {schema}.jobs
+  SELECT id, ctid FROM {schema}.jobs
    WHERE state IN ('available', 'scheduled', 'retryable') AND attempt >= max_attempts
+     AND id >= CAST(:from_id AS bigint)
    ORDER BY id
    LIMIT :limit
      FOR NO KEY UPDATE SKIP LOCKED
@@ -425,12 +445,14 @@ WITH candidates AS MATERIALIZED (
                     'at', CAST(:now AS timestamptz), 'attempt', j.attempt,
                     'error', format('discarded by maintd (%s): no attempt left to claim, attempt %s >= max_attempts %s',
                                     CAST(:instance AS text), j.attempt, j.max_attempts)))
-    FROM candidates AS c
-   WHERE j.id = c.id AND j.state IN ('available', 'scheduled', 'retryable') AND j.attempt >= j.max_attempts
+   WHERE j.ctid = ANY(ARRAY(SELECT ctid FROM candidates))
+     AND j.id = ANY(ARRAY(SELECT id FROM candidates))
+     AND j.state IN ('available', 'scheduled', 'retryable') AND j.attempt >= j.max_attempts
   RETURNING j.id, j.queue
 )
 SELECT (SELECT count(*) FROM candidates) AS candidates,
-       ARRAY(SELECT id FROM discarded ORDER BY id) AS ids
+       ARRAY(SELECT id FROM discarded ORDER BY id) AS ids,
+       (SELECT CASE WHEN max(id) < 9223372036854775807 THEN max(id) + 1 END FROM candidates) AS next_id
 """
 
 # A dry run's count of what RESCUER_BATCH would rescue (from year 1 on, as its keyset starts there;

@@ -398,8 +398,9 @@ class Rescuer(Service):
 
     def _date_future_signs(self, ctx: PassContext, result: RescuerResult) -> None:
         """Running jobs whose sign of life lies in the future: dated now, one line per batch."""
-        params = {"ahead": FUTURE_AHEAD.total_seconds()}
-        for batch in self._batches(ctx, jobs.RESCUER_FUTURE_SIGN_BATCH, params):
+        params, position = {"ahead": FUTURE_AHEAD.total_seconds()}, {"from_seen": "infinity", "from_id": 2 ** 63 - 1}
+        for batch in self._batches(ctx, jobs.RESCUER_FUTURE_SIGN_BATCH, params, position=position):
+            position.update(from_seen=batch.next_seen, from_id=batch.next_id)
             result.dated += len(batch.ids)
             if batch.ids:
                 log.warning("dated now the sign of life of running jobs whose heartbeat_at or attempted_at lay "
@@ -408,8 +409,9 @@ class Rescuer(Service):
 
     def _discard_exhausted(self, ctx: PassContext, params: dict, result: RescuerResult) -> None:
         """Waiting jobs with no attempt left (the claim passes them over): discarded, one line per batch."""
-        params = {"now": params["now"], "instance": ctx.instance_id}
-        for batch in self._batches(ctx, jobs.RESCUER_EXHAUSTED_BATCH, params):
+        params, position = {"now": params["now"], "instance": ctx.instance_id}, {"from_id": -2 ** 63}
+        for batch in self._batches(ctx, jobs.RESCUER_EXHAUSTED_BATCH, params, position=position):
+            position["from_id"] = batch.next_id
             result.exhausted += len(batch.ids)
             if batch.ids:
                 log.warning("discarded waiting jobs with no attempt left (attempt >= max_attempts)",
