@@ -22,7 +22,7 @@ from sqlalchemy import Connection
 
 from .health import HealthReport
 from .logs import kv
-from .metrics import OTHER
+from .metrics import top_with_other
 from .queries import health as q
 from .queries import jobs as q_jobs
 from .queries import sql
@@ -86,12 +86,7 @@ def depth_of(rows: Iterable[tuple[str, str, int]], top: int = TOP_QUEUES) -> tup
     for queue, state, n in rows:
         states[state] = states.get(state, 0) + n
         queues[queue] = queues.get(queue, 0) + n
-    kept = sorted(queues, key=lambda k: (-queues[k], k))[:top]
-    out = {k: queues[k] for k in kept}
-    rest = sum(n for k, n in queues.items() if k not in out)
-    if rest:
-        out[OTHER] = out.get(OTHER, 0) + rest
-    return states, out
+    return states, top_with_other(queues, top)
 
 
 def holder_mark(report: HealthReport) -> dict[str, Any] | None:

@@ -239,18 +239,21 @@ RESULT_KEYS = 100  # entries of a per-queue count kept in a recorded pass result
 
 def top_with_other(counts: dict[str, Any], keep: int) -> dict[str, Any]:
     """The ``keep`` largest entries of ``counts`` and, when there were more, the rest summed
-    under ``_other``: bounded size for 100,000 queues, the total unchanged."""
+    under ``_other``: bounded size for 100,000 queues, the total unchanged. Beside the overflow
+    each name is keyed as its label (:func:`label_value`), so a queue named ``_other`` is not
+    summed into it."""
     if len(counts) <= keep:
         return dict(counts)
     ranked = sorted(counts, key=lambda k: (-counts[k], k))
-    out = {k: counts[k] for k in ranked[:keep]}
-    out[OTHER] = out.get(OTHER, 0) + sum(counts[k] for k in ranked[keep:])
+    out = {label_value(k): counts[k] for k in ranked[:keep]}
+    out[OTHER] = sum(counts[k] for k in ranked[keep:])
     return out
 
 
 def bounded_jobs(figures: dict[str, Any], keep: int) -> dict[str, Any]:
     """The rows of the ``keep`` queues with the most jobs, the others summed under ``_other``
-    (per state; their oldest age is the oldest of theirs)."""
+    (per state; their oldest age is the oldest of theirs); beside it each kept queue is named by
+    its label (:func:`label_value`: a queue named ``_other`` is ``\\_other``)."""
     rows, oldest = figures["jobs"], figures.get("oldest_available_age_seconds", {})
     totals: dict[str, int] = {q: 0 for q in oldest}
     for r in rows:
@@ -260,11 +263,11 @@ def bounded_jobs(figures: dict[str, Any], keep: int) -> dict[str, Any]:
     kept = set(sorted(totals, key=lambda q: (-totals[q], q))[:keep])
     summed: dict[tuple[str, str], int] = {}
     for r in rows:
-        key = (r["queue"] if r["queue"] in kept else OTHER, r["state"])
+        key = (label_value(r["queue"]) if r["queue"] in kept else OTHER, r["state"])
         summed[key] = summed.get(key, 0) + r["count"]
     ages: dict[str, float] = {}
     for q, age in oldest.items():
-        name = q if q in kept else OTHER
+        name = label_value(q) if q in kept else OTHER
         ages[name] = age if ages.get(name) is None else max(ages[name], age if age is not None else 0.0)
     note = f"{len(totals)} queues: the {keep} with the most jobs shown, the other {len(totals) - keep} as {OTHER}"
     ordered = sorted(summed.items(), key=lambda kv: (kv[0][0], JOB_STATES.index(kv[0][1])))

@@ -208,3 +208,14 @@ def test_the_charts_series_has_one_point_per_bucket_with_the_finished_jobs_summe
         (T0 + timedelta(minutes=9), T0, 54, 8, 80),
         (T0 + timedelta(minutes=12), T0 + timedelta(minutes=9), 18, 11, 110)]
     assert isinstance(points[0], Sample)
+
+
+def test_the_depth_by_queue_keeps_a_queue_named_other_apart_from_the_overflow():
+    """The largest queues by name and the rest summed as ``_other``: a queue named ``_other``
+    among the largest was summed with the rest. Beside the overflow it is ``\\_other``."""
+    from maintd.history import depth_of
+    from maintd.metrics import OTHER
+    rows = [("_other", "available", 30), ("big", "running", 20)] + [(f"q{i}", "available", 1) for i in range(4)]
+    states, queues = depth_of(rows, top=2)
+    assert queues == {"\\_other": 30, "big": 20, OTHER: 4}, queues
+    assert states["available"] == 34 and states["running"] == 20

@@ -203,3 +203,19 @@ def test_an_idle_pass_a_probe_stands_for_has_the_counts_of_any_pass(settings, en
         assert got == {"cleaner": {"deleted": 0}, "rescuer": {"rescued": 0}, "scheduler": {"promoted": 0}}, got
     finally:
         runner.deactivate()
+
+
+def test_a_periodic_id_named_other_beside_the_overflow_keeps_its_own_skips():
+    """Past RESULT_KEYS ids the recorded result sums the other ids' skips under ``_other``; an
+    entry whose id is ``_other`` (a valid periodic id) among those kept had its skips replaced by
+    the overflow's. Beside the overflow it is keyed as its label, ``\\_other``."""
+    from maintd.metrics import OTHER, RESULT_KEYS
+    from maintd.services.periodic import PeriodicResult
+
+    r = PeriodicResult()
+    r.skip("_other", "disabled", 7)
+    for i in range(RESULT_KEYS + 5):
+        r.skip(f"x{i:04}", "duplicate", 1)
+    d = r.as_dict()
+    assert d["skipped"]["\\_other"] == {"disabled": 7}, d["skipped"].get("\\_other")
+    assert d["skipped"][OTHER] == {"duplicate": 6}, d["skipped"][OTHER]

@@ -312,3 +312,17 @@ def test_status_lists_a_bounded_number_of_periodic_rows_and_says_there_are_more(
         assert len(listed) == STATUS_ROWS + 5 and not more
     finally:
         engine.dispose()
+
+
+def test_a_queue_named_other_beside_the_overflow_is_not_summed_into_it():
+    """A real queue named ``_other`` among the queues shown was summed into the overflow's
+    ``_other`` row (its jobs counted as the other queues', and theirs as its). Beside the overflow
+    each queue shown is named as in /metrics: ``_other`` is ``\\_other``, a name with a backslash
+    has it doubled."""
+    rows = [{"queue": f"q{i}", "state": "available", "count": i} for i in range(1, 6)]
+    rows += [{"queue": "_other", "state": "available", "count": 50}, {"queue": "a\\b", "state": "available", "count": 40}]
+    out = bounded_jobs({"jobs": rows, "oldest_available_age_seconds": {"_other": 9.0, "q1": 1.0, "q5": 5.0}}, keep=3)
+    shown = {(r["queue"], r["state"]): r["count"] for r in out["jobs"]}
+    assert shown == {("\\_other", "available"): 50, ("a\\\\b", "available"): 40, ("q5", "available"): 5,
+                     (OTHER, "available"): 1 + 2 + 3 + 4}, shown
+    assert out["oldest_available_age_seconds"] == {"\\_other": 9.0, "q5": 5.0, OTHER: 1.0}

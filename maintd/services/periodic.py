@@ -48,7 +48,7 @@ from sqlalchemy.exc import DBAPIError
 from ..crontab import cron_args
 from ..db import describe_db_error
 from ..logs import clip, kv
-from ..metrics import OTHER, RESULT_KEYS, Family
+from ..metrics import OTHER, RESULT_KEYS, Family, label_value
 from ..queries import jobs, periodic_slots
 from ..schedules import Schedule, common_slots, count_common, latest_common, parse_schedule
 from .base import NotLeader, PassContext, PassResult, PassStopped, Service
@@ -128,7 +128,7 @@ class PeriodicResult(PassResult):
         """As recorded (``service_runs``, ``/status``), bounded however many rows there are (a
         schedule per customer): the per-id lists and maps keep ``RESULT_KEYS`` ids, the jobs
         enqueued are counted in ``enqueued_count``, and the skips of the other ids are summed by
-        reason under ``_other``."""
+        reason under ``_other`` (beside which an id is keyed as its label: ``_other`` is ``\\_other``)."""
         d = super().as_dict()
         d["enqueued_count"], d["enqueued"] = len(d["enqueued"]), d["enqueued"][:RESULT_KEYS]
         ids = sorted(d["skipped"])
@@ -137,11 +137,11 @@ class PeriodicResult(PassResult):
             for reasons in (d["skipped"][i] for i in ids[RESULT_KEYS:]):
                 for reason, n in reasons.items():
                     other[reason] = other.get(reason, 0) + n
-            d["skipped"] = {**{i: d["skipped"][i] for i in ids[:RESULT_KEYS]}, OTHER: other}
+            d["skipped"] = {**{label_value(i): d["skipped"][i] for i in ids[:RESULT_KEYS]}, OTHER: other}
         for key in ("errors", "invalid_rows"):
             if len(d[key]) > RESULT_KEYS:
                 kept = sorted(d[key])[:RESULT_KEYS]
-                d[key] = {**{i: d[key][i] for i in kept}, OTHER: f"{len(d[key]) - RESULT_KEYS} more"}
+                d[key] = {**{label_value(i): d[key][i] for i in kept}, OTHER: f"{len(d[key]) - RESULT_KEYS} more"}
         d["baselined"], d["behind"] = d["baselined"][:RESULT_KEYS], d["behind"][:RESULT_KEYS]
         return d
 
