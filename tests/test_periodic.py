@@ -147,6 +147,24 @@ def test_backfill_window_edges_oldest_first(pg_dsn, schema, engine):
     assert metrics[ENQUEUED].labels("tick")._value.get() == 7
 
 
+def test_a_latest_slot_just_outside_the_backfill_window_runs_in_that_pass(pg_dsn, schema, engine):
+    """The window is ``[now - backfill, now]``: a pass one microsecond after it has closed on the
+    latest slot runs that slot all the same (as any later pass would), never an empty pass. An
+    empty one went quiet until the next slot, whose pass counted this one outside_backfill."""
+    settings = make_settings(pg_dsn, schema, backfill="1s")
+    clock = FrozenClock(datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC))
+    service = PeriodicEnqueuer(settings.periodic)
+    run(settings, engine, clock, service)  # baseline at 12:00:00
+    clock.set(datetime(2026, 3, 1, 12, 0, 11, 1, tzinfo=UTC))  # 12:00:10 + backfill + 1 µs
+    result = run(settings, engine, clock, service)
+    assert [(e["slot"], e["backfilled"]) for e in result.enqueued] == [("2026-03-01T12:00:10+00:00", False)]
+    assert result.skipped == {}
+    clock.set(datetime(2026, 3, 1, 12, 0, 20, tzinfo=UTC))
+    assert [e["slot"] for e in run(settings, engine, clock, service).enqueued] == ["2026-03-01T12:00:20+00:00"]
+    assert [j.scheduled_at for j in jobs(engine, schema)] == [
+        datetime(2026, 3, 1, 12, 0, 10, tzinfo=UTC), datetime(2026, 3, 1, 12, 0, 20, tzinfo=UTC)]
+
+
 def test_without_backfill_only_the_latest_missed_slot_runs(pg_dsn, schema, engine):
     settings = make_settings(pg_dsn, schema)
     clock = FrozenClock(datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC))
