@@ -508,6 +508,28 @@ def test_a_changed_schedule_still_runs_the_slots_both_schedules_have(pg_dsn, sch
     assert [j.scheduled_at.second for j in jobs(engine, schema)] == [20, 40, 0]
 
 
+def test_a_changed_schedule_whose_latest_slot_ran_runs_the_new_one_s_next_slot(pg_dsn, schema, engine):
+    """'@every 10s' changed to '@every 5s' and first seen just after 12:00:10, a slot of both: it
+    runs, and its slot then says the new schedule. The pass at 12:00:15 (the next slot, at which a
+    quiet enqueuer wakes) runs that slot, which only the new schedule has: a slot left under the
+    old schedule saw the change again, ran none of the new one's slots and took it without a job."""
+    base = datetime(2026, 3, 1, 12, 0, 0, 500000, tzinfo=UTC)
+    clock = FrozenClock(base)
+    run(make_settings(pg_dsn, schema), engine, clock)  # baseline 12:00:00 under '@every 10s'
+    new = make_settings(pg_dsn, schema, schedule="@every 5s")
+    service = PeriodicEnqueuer(new.periodic)
+    clock.set(base + timedelta(seconds=10))
+    assert [e["slot"] for e in run(new, engine, clock, service).enqueued] == ["2026-03-01T12:00:10+00:00"]
+    with engine.connect() as conn:
+        stamps = conn.execute(sql("SELECT slot, schedule FROM {schema}.periodic_slots ORDER BY slot", schema)).all()
+    assert [(r.slot.second, r.schedule) for r in stamps] == [(0, "@every 10s (UTC)"), (10, "@every 5s (UTC)")]
+    clock.set(base + timedelta(seconds=15))
+    result = run(new, engine, clock, service)
+    assert [e["slot"] for e in result.enqueued] == ["2026-03-01T12:00:15+00:00"]
+    assert result.baselined == [] and result.skipped == {}
+    assert [j.scheduled_at.second for j in jobs(engine, schema)] == [10, 15]
+
+
 def test_a_long_outage_computes_the_slots_it_enqueues_not_every_slot_missed(pg_dsn, schema, engine, monkeypatch):
     """A leader back after 3 days (or an entry added again after months): the pass made a list
     of every slot since the entry's newest one, to enqueue the latest or the few in its backfill
