@@ -260,6 +260,28 @@ def test_pausing_an_entry_keeps_the_slot_of_the_job_it_enqueued(pg_dsn, schema, 
     assert [(r.slot.isoformat(), r.job_id) for r in linked] == [(enqueued["slot"], job.id)]
 
 
+def test_an_entry_paused_in_the_slot_it_enqueued_and_enabled_while_no_leader_ran_does_not_backfill(
+        pg_dsn, schema, engine):
+    """Paused within the slot it had just enqueued (12:00:10: no new slot to take, the one taken
+    has its job), then no leader ran until the entry, enabled again at a time unknown (a config
+    file), is seen at 12:00:40: that slot must say paused, or the slots of the pause (12:00:20,
+    12:00:30, 12:00:40) were backfilled as missed. It runs from its next slot, 12:00:50."""
+    on, off = (make_settings(pg_dsn, schema, backfill="1h", enabled=e) for e in (True, False))
+    clock = FrozenClock(START)
+    run(on, engine, clock)  # baselined
+    clock.advance(10)
+    [enqueued] = run(on, engine, clock).enqueued
+    assert run(off, engine, clock).skipped == {}  # paused within the same slot: taken already
+    clock.advance(30)
+    result = run(on, engine, clock)  # the next leader, the entry enabled again
+    assert result.enqueued == [] and result.skipped == {}
+    clock.advance(10)
+    assert [e["slot"] for e in run(on, engine, clock).enqueued] == ["2026-03-01T12:00:50+00:00"]
+    assert [j.scheduled_at for j in jobs(engine, schema)] == [
+        datetime(2026, 3, 1, 12, 0, 10, tzinfo=UTC), datetime(2026, 3, 1, 12, 0, 50, tzinfo=UTC)]
+    assert enqueued["slot"] == "2026-03-01T12:00:10+00:00"
+
+
 def test_unique_key_skips_while_the_previous_job_lives(pg_dsn, schema, engine):
     settings = make_settings(pg_dsn, schema, unique_key=True, backfill="1h")
     clock = FrozenClock(START)
