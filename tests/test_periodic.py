@@ -504,7 +504,7 @@ def test_a_changed_schedule_runs_no_slot_that_only_the_new_one_has(pg_dsn, schem
     run(make_settings(pg_dsn, schema, id="h", schedule="0 * * * *", backfill="1d"), engine, clock)
     clock.set(day + timedelta(hours=10, minutes=32))
     result = run(make_settings(pg_dsn, schema, id="h", schedule="*/5 * * * *", backfill="1d"), engine, clock)
-    assert result.enqueued == []
+    assert result.enqueued == [] and result.skipped == {}  # 10:00, the newest slot taken, is not tried again
     clock.set(day + timedelta(hours=10, minutes=35, seconds=1))
     result = run(make_settings(pg_dsn, schema, id="h", schedule="*/5 * * * *", backfill="1d"), engine, clock)
     assert [e["slot"] for e in result.enqueued] == [(day + timedelta(hours=10, minutes=35)).isoformat()]
@@ -550,6 +550,25 @@ def test_a_changed_schedule_whose_latest_slot_ran_runs_the_new_one_s_next_slot(p
     assert [e["slot"] for e in result.enqueued] == ["2026-03-01T12:00:15+00:00"]
     assert result.baselined == [] and result.skipped == {}
     assert [j.scheduled_at.second for j in jobs(engine, schema)] == [10, 15]
+
+
+def test_the_listing_shows_each_entry_s_newest_slot_and_its_job(pg_dsn, schema, engine):
+    """`maintd periodic list`, /status and the dashboard: the last slot is the newest taken (of a
+    history of several), with the job it enqueued."""
+    from maintd.periodic_table import listing
+
+    settings = make_settings(pg_dsn, schema)
+    clock = FrozenClock(START)
+    for _ in range(3):  # baseline 12:00:00, then 12:00:10 and 12:00:20 enqueued
+        run(settings, engine, clock)
+        clock.advance(10)
+    newest = jobs(engine, schema)[-1]
+    with engine.connect() as conn:
+        [entry], more = listing(conn, schema, settings.periodic_entries, clock.now())
+    assert (entry["id"], entry["last_slot"], entry["last_job_id"], more) == (
+        "tick", datetime(2026, 3, 1, 12, 0, 20, tzinfo=UTC), newest.id, False)
+    assert newest.scheduled_at == entry["last_slot"]
+    assert entry["next_slot"] == datetime(2026, 3, 1, 12, 0, 40, tzinfo=UTC)
 
 
 def test_a_long_outage_computes_the_slots_it_enqueues_not_every_slot_missed(pg_dsn, schema, engine, monkeypatch):
