@@ -701,7 +701,7 @@ def cmd_periodic(args: argparse.Namespace) -> int:
     try:
         if args.periodic_action == "list":
             entries, _ = table.list_entries(engine, settings)
-            print(json.dumps(entries, indent=2, default=str) if args.json else table.format_entries(entries))
+            print(json.dumps(table.as_json(entries), indent=2, default=str) if args.json else table.format_entries(entries))
             return EXIT_OK
         if args.periodic_action in ("add", "remove"):
             try:

@@ -447,7 +447,7 @@ class Daemon:
     def _target_status(self, target: Target) -> tuple[dict[str, Any], int]:
         """Read through the readers (never the maintenance pool); the jobs are what the leader
         counted last, from memory (SPEC 8.5)."""
-        from .periodic_table import STATUS_ROWS, list_entries
+        from .periodic_table import STATUS_ROWS, as_json, list_entries
         from .status import collect_status, leader_figures
 
         try:
@@ -458,7 +458,8 @@ class Daemon:
                 jobs=leader_figures(target.runner.gauges.counts, leading=target.is_leader))
             if data.get("schema_behind"):  # what could be read of it, and the error as before
                 return {**data, "error": data["schema_behind"]}, 503
-            data["periodic"], data["periodic_more"] = list_entries(engine, target.settings, STATUS_ROWS)
+            entries, data["periodic_more"] = list_entries(engine, target.settings, STATUS_ROWS)
+            data["periodic"] = as_json(entries)
             return data, 200
         except Exception as exc:
             return {"error": describe_db_error(exc)}, 503

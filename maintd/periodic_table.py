@@ -56,6 +56,13 @@ def listing(conn: Connection, schema: str, configured: Sequence[PeriodicJob], no
     return out, more
 
 
+def as_json(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The entries for a JSON answer (`periodic list --json`, /status): slots in ISO 8601 as every
+    other time there, not str()'s "2026-03-01 12:00:00+00:00"; one no datetime holds ('infinity',
+    BC) stays as PostgreSQL writes it."""
+    return [{k: v.isoformat() if isinstance(v, datetime) else v for k, v in e.items()} for e in entries]
+
+
 def _next_slot(schedule: str, timezone: str | None, now: datetime) -> datetime | None:
     try:
         return parse_schedule(schedule, timezone).next_after(now)

@@ -326,3 +326,30 @@ def test_a_queue_named_other_beside_the_overflow_is_not_summed_into_it():
     assert shown == {("\\_other", "available"): 50, ("a\\\\b", "available"): 40, ("q5", "available"): 5,
                      (OTHER, "available"): 1 + 2 + 3 + 4}, shown
     assert out["oldest_available_age_seconds"] == {"\\_other": 9.0, "q5": 5.0, OTHER: 1.0}
+
+
+def test_periodic_slots_in_json_are_iso_8601_as_every_other_time_there(settings, engine, schema, tmp_path, capsys):
+    """`maintd periodic list --json` and /status's "periodic" wrote last_slot and next_slot as
+    Python's str() ("2026-03-01 12:00:00+00:00", with a space), while every other time in the same
+    answers ("time", "since", "finalized_at" ...) is ISO 8601 with a "T": a client parsing them as
+    ISO 8601 (jq's fromdateiso8601, a strict RFC 3339 parser) refused the slots only."""
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.periodic_jobs (id, schedule, kind) VALUES ('hourly', '@every 1h', 'k')",
+                         schema))
+        conn.execute(sql("INSERT INTO {schema}.periodic_slots (periodic_id, slot) "
+                         "VALUES ('hourly', '2026-03-01 12:00:00+00')", schema))
+    cfg = tmp_path / "m.toml"
+    cfg.write_text(f'database_url = "{settings.database_url.get_secret_value()}"\nschema = "{schema}"\n')
+    rc, printed = main(["--config", str(cfg), "periodic", "list", "--json"]), capsys.readouterr()
+    assert rc == 0, printed.err
+    [listed] = json.loads(printed.out)
+    daemon = Daemon(settings)  # its /status, without electing
+    try:
+        status, _, body = daemon._status()
+        assert status == 200, body[-300:]
+        [shown] = json.loads(body)["periodic"]
+    finally:
+        daemon.readers.dispose()
+    for entry in (listed, shown):
+        assert entry["last_slot"] == "2026-03-01T12:00:00+00:00", entry
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:00:00\+00:00", entry["next_slot"]), entry
