@@ -7,11 +7,12 @@ import re
 IDENT_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}\Z")  # \Z: "$" would also match before a final newline
 
 
-def validate_identifier(value: str, what: str = "identifier") -> str:
-    """Lower-case SQL identifiers only; they are still always quoted where used."""
+def validate_identifier(value: str, what: str = "identifier", longest: int = 63) -> str:
+    """Lower-case SQL identifiers only; they are still always quoted where used. ``longest``: the
+    length the error message gives (a schema's is shorter, see :func:`validate_schema`)."""
     if not isinstance(value, str) or not IDENT_RE.match(value):
         raise ValueError(
-            f"invalid {what} {value!r}: use 1-63 lower-case letters, digits and underscores, "
+            f"invalid {what} {value!r}: use 1-{longest} lower-case letters, digits and underscores, "
             "not starting with a digit"
         )
     if value.startswith("pg_"):
@@ -26,7 +27,7 @@ SCHEMA_MAX = 63 - len("_maintd_periodic")
 
 def validate_schema(value: str) -> str:
     """A schema name: an identifier of at most SCHEMA_MAX (47) characters."""
-    validate_identifier(value, "schema name")
+    validate_identifier(value, "schema name", SCHEMA_MAX)
     if len(value) > SCHEMA_MAX:
         raise ValueError(f"invalid schema name {value!r}: at most {SCHEMA_MAX} characters (its NOTIFY "
                          f"channel {value + '_maintd_periodic'!r} must fit PostgreSQL's 63)")

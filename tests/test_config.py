@@ -243,6 +243,8 @@ def test_config_path_from_env(tmp_path, monkeypatch):
      "rescuer.rescue_stuck_jobs_after: must be greater than rescuer.job_timeout"),
     ("[rescuer]\nrescue_stuck_jobs_after = '0s'", "rescuer.rescue_stuck_jobs_after"),
     ("schema = 'Bad-Name'", "schema: invalid schema name"),
+    # said "use 1-63 lower-case letters ...": a name of 48 to 63 was then refused again
+    ("schema = 'Bad'", "schema: invalid schema name 'Bad': use 1-47 lower-case letters"),
     ("schema = 'x\"; DROP TABLE jobs; --'", "schema: invalid schema name"),
     ("schema = 'pg_catalog'", "schema: invalid schema name"),
     # 48 characters: its channel '<schema>_maintd_periodic' is 64 (PostgreSQL's NOTIFY takes 63):
