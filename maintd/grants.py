@@ -159,8 +159,12 @@ def render(schemas: list[str], role: str, *, worker: bool = False) -> str:
     if not worker:
         lines += [
             "-- Not granted: the reindexer (off by default) needs ownership of the jobs table's indexes",
-            "-- (REINDEX INDEX CONCURRENTLY, dropping a failed build's leftover index). Keep",
-            "-- reindexer.enabled = false for this role; let the owner role reindex on a schedule instead.",
+            "-- (REINDEX INDEX CONCURRENTLY, dropping a failed build's leftover index) or, on PostgreSQL",
+            "-- 17+, MAINTAIN on the table (the partitioned layout: on jobs_live), which the owner may grant",
+            "-- (the daemon then names a failed build's leftovers for the owner to drop):",
+            *(f"--   GRANT MAINTAIN ON TABLE {quote_ident(schema)}.\"jobs\" TO {quote_ident(role)};" for schema in schemas),
+            "-- Otherwise keep reindexer.enabled = false for this role: `maintd run-once reindexer` as the",
+            "-- owner needs the leader lock the daemons hold; run REINDEX INDEX CONCURRENTLY as the owner.",
             "-- Optional, as a superuser (not applied by --apply): the table-health read names other",
             "-- roles' sessions holding back vacuum by pid, user and application_name; with",
             f"--   GRANT pg_read_all_stats TO {quote_ident(role)};",

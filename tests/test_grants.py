@@ -1130,3 +1130,14 @@ def test_grants_apply_on_a_schema_behind_this_maintd_says_to_migrate_first(pg_ds
         [line] = res.stderr.strip().splitlines()
         assert f"schema '{schema}' is at revision 0006" in line and "run `maintd migrate`" in line, line
         assert effective_privileges(pg_dsn, schema, role) == {}
+
+
+def test_the_daemon_script_says_how_the_reindexer_can_run_without_ownership():
+    """The script said "let the owner role reindex on a schedule instead", which maintd cannot do
+    while the daemons run (`run-once reindexer` as the owner needs the leader lock they hold). It
+    now names the way that works: MAINTAIN on the jobs table (PostgreSQL 17+), granted by the
+    owner, or the reindexer left off."""
+    text = grants.render(["maintd"], "maintd_daemon")
+    assert "on a schedule instead" not in text
+    assert '--   GRANT MAINTAIN ON TABLE "maintd"."jobs" TO "maintd_daemon";' in text
+    assert "reindexer.enabled = false" in text
