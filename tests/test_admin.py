@@ -22,7 +22,7 @@ from maintd import admin, migrate
 from maintd.cli import main
 from maintd.db import make_engine, notify_channel, quote_ident
 from maintd.queries import sql
-from maintd.jobs import JobQueue
+from maintd.jobs import ClaimedJob, JobQueue
 from maintd.queries import FINAL_STATES, JOB_STATES
 from maintd.queries import admin as admin_queries
 
@@ -356,6 +356,7 @@ FUNCTION_CALLS = {
     "delete_jobs": ("delete_jobs(:ids)", "available"),
     "retry_jobs": ("retry_jobs(:ids)", "retryable"),
     "reschedule_jobs": ("reschedule_jobs(:ids, now() + interval '1 hour')", "available"),
+    "remove_job": ("remove_job(:key)", "available"),  # the job holds the key 'locked:1'
 }
 
 
@@ -364,7 +365,7 @@ def test_functions_skip_a_row_a_worker_holds_locked_without_waiting(pg_dsn, engi
     """A worker claims the job (row locked, not yet committed): the admin call returns at once
     without it, and after the worker commits the job is the worker's."""
     expr, state = FUNCTION_CALLS[fn]
-    job_id = add(engine, schema, state, queue="q", due_in=timedelta(seconds=-1))[0]
+    job_id = add(engine, schema, state, queue="q", due_in=timedelta(seconds=-1), unique_key="locked:1")[0]
     worker = psycopg.connect(pg_dsn)
     try:
         worker.execute(f"UPDATE {quote_ident(schema)}.jobs SET state = 'running', attempt = attempt + 1,"
@@ -373,7 +374,8 @@ def test_functions_skip_a_row_a_worker_holds_locked_without_waiting(pg_dsn, engi
                                    session={"statement_timeout": 10000})
         started = time.monotonic()
         with admin_engine.begin() as conn:
-            out = conn.execute(text(f"SELECT id FROM {quote_ident(schema)}.{expr}"), {"ids": [job_id]}).all()
+            out = conn.execute(text(f"SELECT id FROM {quote_ident(schema)}.{expr}"),
+                               {"ids": [job_id], "key": "locked:1"}).all()
         elapsed = time.monotonic() - started
         admin_engine.dispose()
         assert out == [] and elapsed < 5
@@ -382,6 +384,141 @@ def test_functions_skip_a_row_a_worker_holds_locked_without_waiting(pg_dsn, engi
         worker.close()
     job = rows(engine, schema, [job_id])[job_id]
     assert (job["state"], job["attempted_by"], job["attempt"]) == ("running", "w1", 1)
+
+
+def test_permanently_fail_jobs_keeps_the_earlier_errors(engine, schema):
+    """The reason is appended: the errors the worker recorded before stay, in order."""
+    [job_id] = add(engine, schema, "retryable", attempt=2)
+    earlier = [{"at": "2026-01-01T00:00:00+00:00", "attempt": 1, "error": "timeout"},
+               {"at": "2026-01-01T00:01:00+00:00", "attempt": 2, "error": "refused"}]
+    with engine.begin() as conn:
+        conn.execute(sql("UPDATE {schema}.jobs SET errors = CAST(:e AS jsonb) WHERE id = :id", schema),
+                     {"e": json.dumps(earlier), "id": job_id})
+    errors = call(engine, schema, "permanently_fail_jobs", [job_id], "bad payload")[job_id]["errors"]
+    assert errors[:2] == earlier
+    assert [(e["attempt"], e["error"]) for e in errors[2:]] == [(2, "bad payload")]
+
+
+@pytest.mark.parametrize("fn", sorted(FUNCTION_CALLS))
+def test_functions_never_lock_a_running_job(pg_dsn, engine, schema, fn):
+    """A running job is skipped and not locked either: its worker's heartbeat (completion,
+    failure) must not wait for the operator's transaction. Dropping the inner ``state <>
+    'running'`` of a function's FOR UPDATE left the result alike but held the running row."""
+    [job_id] = add(engine, schema, "running", unique_key="run:1")
+    expr = FUNCTION_CALLS[fn][0]
+    worker = make_engine(pg_dsn, application_name="t", pooled=False, session={"lock_timeout": 3000})
+    try:
+        with engine.connect() as conn, conn.begin():
+            out = conn.execute(text(f"SELECT id FROM {quote_ident(schema)}.{expr}"),
+                               {"ids": [job_id], "key": "run:1"}).all()
+            assert out == []
+            with worker.begin() as w:  # the admin transaction still open: a lock would time out here
+                job = JobQueue(schema).heartbeat(w, ClaimedJob(job_id, "k", "default", {}, 0, 25, "w1"))
+            assert job is True
+    finally:
+        worker.dispose()
+
+
+def test_reschedule_at_now_makes_the_job_available(engine, schema, cli):
+    """`reschedule --at now` is run_at = now() exactly: due, so available (and NOTIFYd) at once,
+    not scheduled for the scheduler's next pass."""
+    [job_id] = add(engine, schema, "scheduled", due_in=timedelta(hours=1))
+    rc, out, err = cli("reschedule", str(job_id), "--at", "now")
+    assert rc == 0 and "scheduled -> available" in out, out + err
+    assert rows(engine, schema, [job_id])[job_id]["state"] == "available"
+    [other] = add(engine, schema, "retryable", due_in=timedelta(hours=1))
+    with engine.begin() as conn:
+        [(state,)] = conn.execute(sql("SELECT state::text FROM {schema}.reschedule_jobs(ARRAY[CAST(:id AS bigint)], now())",
+                                      schema), {"id": other}).all()
+    assert state == "available"
+
+
+def test_reschedule_jobs_null_priority_keeps_a_nonzero_priority(engine, schema):
+    [job_id] = add(engine, schema, "scheduled", due_in=timedelta(hours=1))
+    with engine.begin() as conn:
+        conn.execute(sql("UPDATE {schema}.jobs SET priority = 9 WHERE id = :id", schema), {"id": job_id})
+    later = datetime.now(timezone.utc) + timedelta(hours=2)
+    job = call(engine, schema, "reschedule_jobs", [job_id], later, None, None, None)[job_id]
+    assert (job["priority"], job["scheduled_at"], job["state"]) == (9, later, "scheduled")
+
+
+def test_reschedule_jobs_to_later_notifies_nobody(pg_dsn, engine, schema):
+    """Only a job made available wakes the scheduler's listeners: a job moved later does not."""
+    [job_id] = add(engine, schema, "available", queue="later-q")
+    listener = listen(pg_dsn, schema)
+    try:
+        later = datetime.now(timezone.utc) + timedelta(hours=2)
+        assert set(call(engine, schema, "reschedule_jobs", [job_id], later, None, None, None)) == {job_id}
+        assert drain(listener) == []
+    finally:
+        listener.close()
+
+
+def test_retry_jobs_gives_an_available_job_at_exactly_its_attempt_limit_one_more(engine, schema):
+    """attempt = max_attempts is out of attempts (the claim needs attempt < max_attempts): one more."""
+    [at_limit] = add(engine, schema, "available", attempt=5, max_attempts=5)
+    [below] = add(engine, schema, "available", attempt=4, max_attempts=5)
+    changed = call(engine, schema, "retry_jobs", [at_limit, below])
+    assert set(changed) == {at_limit}
+    assert (changed[at_limit]["attempt"], changed[at_limit]["max_attempts"]) == (5, 6)
+
+
+def test_retry_jobs_revives_a_final_job_at_attempt_32767_without_overflow(engine, schema):
+    """max_attempts is a smallint: attempt + 1 is capped at 32767, not an out-of-range error."""
+    [top] = add(engine, schema, "discarded", attempt=32767, max_attempts=32767)
+    [fine] = add(engine, schema, "cancelled", attempt=3, max_attempts=3)
+    changed = call(engine, schema, "retry_jobs", [top, fine])
+    assert {i: (j["state"], j["attempt"], j["max_attempts"]) for i, j in changed.items()} == {
+        top: ("available", 32767, 32767), fine: ("available", 3, 4)}
+
+
+def test_retry_jobs_notifies_the_queue_of_a_revived_keyed_final_job(pg_dsn, engine, schema):
+    [keyed] = add(engine, schema, "completed", queue="keyed-q", unique_key="N")
+    [plain] = add(engine, schema, "completed", queue="plain-q")
+    listener = listen(pg_dsn, schema)
+    try:
+        assert set(call(engine, schema, "retry_jobs", [keyed, plain])) == {keyed, plain}
+        assert drain(listener) == ["keyed-q", "plain-q"]
+    finally:
+        listener.close()
+
+
+def test_retry_jobs_with_one_key_taken_still_revives_the_others_in_one_subtransaction(engine, schema):
+    """A final job whose key a live job holds is left out before the UPDATE: the others go in one
+    statement, not one subtransaction each (the per-job fallback is for a key taken meanwhile)."""
+    with engine.begin() as conn:
+        ids = [r[0] for r in conn.execute(sql(
+            "INSERT INTO {schema}.jobs (kind, state, finalized_at, unique_key)"
+            " SELECT 'k', 'discarded', now(), 'one:' || g FROM generate_series(1, 100) AS g RETURNING id",
+            schema))]
+    add(engine, schema, "scheduled", unique_key="one:1", due_in=timedelta(hours=1))
+    with engine.begin() as conn:
+        changed = conn.execute(sql("SELECT count(*) FROM {schema}.retry_jobs(:ids)", schema), {"ids": ids}).scalar()
+        writers = conn.execute(sql("SELECT count(DISTINCT xmin::text) FROM {schema}.jobs"
+                                   " WHERE id = ANY(:ids) AND state = 'available'", schema), {"ids": ids}).scalar()
+    assert changed == 99
+    assert writers == 1, f"retry_jobs revived 99 keyed jobs in {writers} (sub)transactions"
+
+
+def test_retry_jobs_under_a_lock_timeout_skips_a_final_job_whose_key_is_being_taken(pg_dsn, engine, schema):
+    """With a lock_timeout (an operator's session, a pooler's default), the wait for an
+    uncommitted enqueue of the same key ends in 55P03: that job stays final, the others change."""
+    [keyed] = add(engine, schema, "cancelled", unique_key="LT")
+    [other] = add(engine, schema, "cancelled")
+    [other_keyed] = add(engine, schema, "cancelled", unique_key="LT2")
+    admin_engine = make_engine(pg_dsn, application_name="t", pooled=False, session={"lock_timeout": 300})
+    try:
+        with psycopg.connect(pg_dsn) as worker:
+            worker.execute(f'INSERT INTO "{schema}".jobs (kind, unique_key) VALUES (%s, %s)', ["k", "LT"])
+            with admin_engine.begin() as conn:
+                changed = {r[0] for r in conn.execute(sql("SELECT id FROM {schema}.retry_jobs(:ids)", schema),
+                                                      {"ids": [keyed, other, other_keyed]})}
+            worker.commit()
+    finally:
+        admin_engine.dispose()
+    assert changed == {other, other_keyed}
+    assert rows(engine, schema, [keyed])[keyed]["state"] == "cancelled"
+    assert_invariant(engine, schema)
 
 
 # What each function does to one job in each state, as the README says (None: deleted; a state
