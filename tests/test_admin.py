@@ -463,6 +463,15 @@ def test_retry_jobs_gives_an_available_job_at_exactly_its_attempt_limit_one_more
     assert (changed[at_limit]["attempt"], changed[at_limit]["max_attempts"]) == (5, 6)
 
 
+def test_retry_dry_run_predicts_nothing_for_an_available_job_at_attempt_32767(engine, schema, cli):
+    """--dry-run evaluates retry_jobs' own guard: a job at attempt 32767 cannot get one more."""
+    [stuck] = add(engine, schema, "available", attempt=32767, max_attempts=32767)
+    [exhausted] = add(engine, schema, "available", attempt=32766, max_attempts=32766)
+    data = cli_json(cli, "retry", str(stuck), str(exhausted), "--dry-run")
+    assert [j["id"] for j in data["jobs"]] == [exhausted]
+    assert [(j["id"], j["reason"]) for j in data["skipped_jobs"]] == [(stuck, "nothing to do: the job is available")]
+
+
 def test_retry_jobs_revives_a_final_job_at_attempt_32767_without_overflow(engine, schema):
     """max_attempts is a smallint: attempt + 1 is capped at 32767, not an out-of-range error."""
     [top] = add(engine, schema, "discarded", attempt=32767, max_attempts=32767)
