@@ -46,7 +46,9 @@ an unreachable database (refused, no route, unknown host, no answer within conne
 3 s for the reads of status, jobs list|show and periodic list):
   maintd run      waits for it: retries with backoff (0.2 s doubling to 5 s) while /readyz answers
                   503, and exits 1 only on what waiting cannot fix (a wrong password, a missing
-                  database or schema); once running it keeps retrying (a leader steps down)
+                  database or schema) when no target starts (with [[targets]], a target that
+                  fails so while another starts is retried in the background, named by /readyz);
+                  once running it keeps retrying (a leader steps down)
   other commands  try once and exit 1 with the error (status, jobs, periodic, run-once, migrate,
                   grants --apply)
 """
