@@ -395,8 +395,9 @@ WITH candidates AS MATERIALIZED (
   UPDATE {schema}.jobs AS j
      SET heartbeat_at = CASE WHEN j.heartbeat_at IS NOT NULL THEN statement_timestamp() END,
          attempted_at = CASE WHEN j.heartbeat_at IS NULL THEN statement_timestamp() ELSE j.attempted_at END
-   WHERE j.ctid = ANY(ARRAY(SELECT ctid FROM candidates))
-     AND j.id = ANY(ARRAY(SELECT id FROM candidates))
+    FROM candidates AS c
+   WHERE j.ctid = ANY(ARRAY(SELECT ctid FROM candidates))  -- a TID path to the locked row versions
+     AND j.id = c.id                                        -- alone, whatever the planner thinks of c
      AND j.state = 'running'  -- (IS TRUE: a check of the locked rows, not a range of the index to read)
      AND (coalesce(j.heartbeat_at, j.attempted_at) > statement_timestamp() + make_interval(secs => :ahead)) IS TRUE
   RETURNING j.id
@@ -445,9 +446,11 @@ WITH candidates AS MATERIALIZED (
                     'at', CAST(:now AS timestamptz), 'attempt', j.attempt,
                     'error', format('discarded by maintd (%s): no attempt left to claim, attempt %s >= max_attempts %s',
                                     CAST(:instance AS text), j.attempt, j.max_attempts)))
-   WHERE j.ctid = ANY(ARRAY(SELECT ctid FROM candidates))
-     AND j.id = ANY(ARRAY(SELECT id FROM candidates))
-     AND j.state IN ('available', 'scheduled', 'retryable') AND j.attempt >= j.max_attempts
+    FROM candidates AS c
+   WHERE j.ctid = ANY(ARRAY(SELECT ctid FROM candidates))  -- a TID path to the locked row versions
+     AND j.id = c.id                                        -- alone, whatever the planner thinks of c
+     AND j.state IN ('available', 'scheduled', 'retryable')
+     AND (j.attempt >= j.max_attempts) IS TRUE  -- (a check of the locked rows: no read of the whole index)
   RETURNING j.id, j.queue
 )
 SELECT (SELECT count(*) FROM candidates) AS candidates,
