@@ -3,6 +3,7 @@
     python bench/rescue.py                   # both parts, embedded PostgreSQL 18 (a few minutes)
     python bench/rescue.py --only batch --rows 300000 --repeat 3
     python bench/rescue.py --only load --running 10000 --seconds 60
+    python bench/rescue.py --only odd --rows 200000 --exhausted 50000
     MAINTD_BENCH_DATABASE_URL=postgresql://... python bench/rescue.py
 
 * batch: the data of ``bench/core.py`` (``--rows`` running/available jobs, a tenth of them stuck).
@@ -10,6 +11,11 @@
   statement of maintd before issue 17 (commit 727ec83, reproduced below) in the same keyset loop,
   at its default batch size (1,000) and at today's (5,000); "after" is a pass of today's Rescuer. Each is measured ``--repeat`` times on fresh data,
   interleaved, and the median run is reported.
+* odd: ``--exhausted`` waiting jobs with no attempt left among ``--rows`` others, discarded by a
+  pass, with and without a REPEATABLE READ snapshot held open by another session meanwhile (a
+  report, a pg_dump: the discarded rows' index entries cannot be marked dead). The physical limit
+  is one unbatched UPDATE of exactly those rows; "before" is the batch statement before 83a4ceb
+  (no keyset, its UPDATE joined on id) in the same loop; "after" is a pass of today's Rescuer.
 * load: what ``precise_timing`` adds to the database. The rescuer runs with ServerClock for
   ``--seconds`` with and without it, first with no running job (idle), then with ``--running``
   running jobs heartbeating every 10 s (``heartbeat_timeout = 30s``, a tenth of them beating each
@@ -184,6 +190,99 @@ def bench_batch(engine: Engine, url: str, table: Table, rows: int, repeat: int, 
                        f"{cpu:6.2f} | {cpu_limit / cpu:4.2f}x | {wal / 1e6:7.1f}")
 
 
+# RESCUER_EXHAUSTED_BATCH before 83a4ceb: every batch from the index's start, the UPDATE joined on id.
+BEFORE_EXHAUSTED = """
+WITH candidates AS MATERIALIZED (
+  SELECT id FROM {schema}.jobs
+   WHERE state IN ('available', 'scheduled', 'retryable') AND attempt >= max_attempts
+   ORDER BY id LIMIT :limit FOR NO KEY UPDATE SKIP LOCKED
+), discarded AS (
+  UPDATE {schema}.jobs AS j
+     SET state = 'discarded', finalized_at = CAST(:now AS timestamptz),
+         errors = j.errors || jsonb_build_array(jsonb_build_object(
+                    'at', CAST(:now AS timestamptz), 'attempt', j.attempt,
+                    'error', format('discarded by maintd (%s): no attempt left to claim, attempt %s >= max_attempts %s',
+                                    CAST(:instance AS text), j.attempt, j.max_attempts)))
+    FROM candidates AS c
+   WHERE j.id = c.id AND j.state IN ('available', 'scheduled', 'retryable') AND j.attempt >= j.max_attempts
+  RETURNING j.id
+)
+SELECT (SELECT count(*) FROM candidates) AS candidates, ARRAY(SELECT id FROM discarded) AS ids
+"""
+SEED_EXHAUSTED = """
+INSERT INTO {schema}.jobs (kind, queue, state, attempt, max_attempts, scheduled_at)
+SELECT 'bench', 'q' || (g % 8), 'available',
+       CASE WHEN CAST(g AS bigint) * :exhausted / :total > (g - 1) * CAST(:exhausted AS bigint) / :total
+            THEN 3 ELSE 0 END, 3, now()
+  FROM generate_series(1, :total) g
+"""
+UNBATCHED_EXHAUSTED = """
+UPDATE {schema}.jobs AS j
+   SET state = 'discarded', finalized_at = CAST(:now AS timestamptz),
+       errors = j.errors || jsonb_build_array(jsonb_build_object('at', CAST(:now AS timestamptz),
+                'attempt', j.attempt, 'error', 'discarded'))
+ WHERE state IN ('available', 'scheduled', 'retryable') AND attempt >= max_attempts
+"""
+
+
+@contextmanager
+def snapshot_held(url: str, held: bool):
+    """A REPEATABLE READ snapshot open in another session meanwhile (``held``), as a report's."""
+    if not held:
+        yield
+        return
+    other = make_engine(url, application_name="maintd-bench-report", pool_size=1)
+    try:
+        with other.connect() as conn:
+            conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
+            conn.execute(text("SELECT count(*) FROM pg_class")).scalar()
+            yield
+            conn.rollback()
+    finally:
+        other.dispose()
+
+
+def bench_odd(engine: Engine, url: str, table: Table, rows: int, exhausted: int, repeat: int) -> None:
+    settings = Settings(database_url=url, schema=SCHEMA, rescuer={"precise_timing": False})
+    limit = settings.rescuer.batch_size
+    sizes = {"total": rows + exhausted, "exhausted": exhausted}  # exactly that many, spread evenly
+
+    def unbatched(now, held: bool) -> Run:
+        with snapshot_held(url, held):
+            t, n = timed(engine, UNBATCHED_EXHAUSTED, {"now": now})
+        return n, t, []
+
+    def before(now, held: bool) -> Run:
+        done, batches, t0 = 0, [], time.perf_counter()
+        with snapshot_held(url, held), engine.connect() as conn:
+            while True:
+                b0 = time.perf_counter()
+                batch = conn.execute(sql(BEFORE_EXHAUSTED, SCHEMA), {"now": now, "instance": "bench", "limit": limit}).one()
+                conn.commit()
+                batches.append(time.perf_counter() - b0)
+                done += len(batch.ids)
+                if batch.candidates < limit:
+                    return done, time.perf_counter() - t0, batches
+
+    def after(now, held: bool) -> Run:
+        with snapshot_held(url, held):
+            result, t, batches = run_pass(engine, settings, Rescuer(settings.rescuer), now)
+        return result.exhausted, t, batches
+
+    methods = {f"{label}{', snapshot held' if held else ''}": (lambda now, m=m, held=held: m(now, held))
+               for held in (False, True)
+               for label, m in (("one unbatched UPDATE (physical limit)", unbatched),
+                                (f"before (83a4ceb^), batch_size {limit:,}", before),
+                                (f"after, batch_size {limit:,}", after))}
+    runs: dict[str, list[Run]] = {name: [] for name in methods}
+    for _ in range(repeat):
+        for name, measure in methods.items():
+            now = seed(engine, SEED_EXHAUSTED, sizes)
+            runs[name].append(measure(now))
+    for name, rs in runs.items():
+        table.row("exhausted", name, *sorted(rs, key=lambda r: r[1])[len(rs) // 2], limit=name.startswith("one"))
+
+
 class SyncContext(TimedContext):
     """Today's rescuer with every commit waiting for its WAL flush (to show what that costs)."""
 
@@ -313,16 +412,19 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--running", type=int, default=10_000)
     ap.add_argument("--seconds", type=float, default=90.0)
-    ap.add_argument("--only", choices=["batch", "load"], action="append")
+    ap.add_argument("--exhausted", type=int, default=50_000, help="odd: waiting jobs with no attempt left")
+    ap.add_argument("--only", choices=["batch", "odd", "load"], action="append")
     ap.add_argument("--batch", type=int, action="append", help="also measure the rescuer with this batch_size")
     args = ap.parse_args()
     with bench_database(pool_size=4) as (url, engine):
         with engine.connect() as conn:
             version = conn.execute(text("SHOW server_version")).scalar()
         print(f"PostgreSQL {version}, {os.cpu_count()} CPUs\n")
-        only = args.only or ["batch", "load"]
+        only = args.only or ["batch", "odd", "load"]
         if "batch" in only:
             bench_batch(engine, url, Table(), args.rows, args.repeat, args.batch or [])
+        if "odd" in only:
+            bench_odd(engine, url, Table(), args.rows, args.exhausted, args.repeat)
         if "load" in only:
             bench_load(engine, url, args.running, args.seconds)
     return 0
