@@ -63,3 +63,40 @@ def at_page_costs(conn: Connection, costs: tuple[str, ...] = ("1.1", "4", "10"))
         conn.exec_driver_sql(f"SET LOCAL random_page_cost = {cost}")
         yield cost
     conn.exec_driver_sql("RESET random_page_cost")
+
+
+def entries_read_while_a_snapshot_is_held(engine, pg_dsn: str, schema: str, name: str, work) -> tuple[object, int]:
+    """``work(engine)`` (a pass, on an engine of its own) run while another session holds a
+    REPEATABLE READ snapshot taken before it (a report, a pg_dump: the entries of the rows the pass
+    deletes or moves cannot be marked dead meanwhile), and the entries the schema's indexes named
+    like ``name`` (a partition's too) returned to it, once its sessions have ended (a backend
+    reports its counts as it exits). Returns (what ``work`` returned, entries read)."""
+    import time
+
+    from sqlalchemy import create_engine
+
+    def read() -> int:
+        last, stable = -1, 0
+        while stable < 3:  # the same count three times, 0.2 s apart
+            with engine.connect() as conn:
+                now = conn.execute(text("SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes "
+                                        "WHERE schemaname = :s AND indexrelname LIKE :n"),
+                                   {"s": schema, "n": f"%{name}%"}).scalar()
+            stable, last = (stable + 1, last) if now == last else (0, now)
+            time.sleep(0.2)
+        return int(last)
+
+    reader, pass_engine = create_engine(pg_dsn), create_engine(pg_dsn)
+    try:
+        with reader.connect() as snapshot:
+            snapshot.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
+            snapshot.execute(text("SELECT count(*) FROM pg_class")).scalar()  # the snapshot is taken
+            before = read()
+            out = work(pass_engine)
+            pass_engine.dispose()  # its sessions end and report what they read
+            entries = read() - before
+            snapshot.rollback()
+    finally:
+        reader.dispose()
+        pass_engine.dispose()
+    return out, entries

@@ -524,21 +524,33 @@ SELECT set_config('enable_bitmapscan', 'off', true), set_config('enable_sort', '
 # statement_timestamp() is when the server got this statement, so a job is never promoted before
 # clock_timestamp() reaches its scheduled_at, whatever the carried reading's drift. (Unlike
 # clock_timestamp(), it is stable, so the bound stays an index condition on jobs_scheduled_idx.)
+# In keyset batches after (:after_at, :after_id) (in the Index Cond): each starts after the last
+# one's candidates (last_at and last_id, the due time as text as it may lie before year 1), so that
+# a pass reads each entry once: the entries of the rows promoted stay in the index until a vacuum,
+# and while a transaction older than the promotion is open anywhere (a report, a pg_dump) a scan
+# cannot mark them dead, so a batch that started at the index's start read them all again. The
+# UPDATE finds the locked rows by ctid and id, its guards checks of the rows, not a range to read.
 SCHEDULER_PROMOTE = """
-WITH promoted AS (
-  UPDATE {schema}.jobs SET state = 'available'
-   WHERE id = ANY(ARRAY(
-           SELECT id FROM {schema}.jobs
-            WHERE state IN ('scheduled', 'retryable')
-              AND scheduled_at <= least(CAST(:now AS timestamptz), statement_timestamp())
-            ORDER BY scheduled_at, id
-            LIMIT :limit
-              FOR UPDATE SKIP LOCKED))
-     AND state IN ('scheduled', 'retryable')
+WITH candidates AS MATERIALIZED (
+  SELECT id, ctid, scheduled_at FROM {schema}.jobs
+   WHERE state IN ('scheduled', 'retryable')
      AND scheduled_at <= least(CAST(:now AS timestamptz), statement_timestamp())
+     AND (scheduled_at, id) > (CAST(:after_at AS timestamptz), CAST(:after_id AS bigint))
+   ORDER BY scheduled_at, id
+   LIMIT :limit
+     FOR UPDATE SKIP LOCKED
+), promoted AS (
+  UPDATE {schema}.jobs SET state = 'available'
+   WHERE ctid = ANY(ARRAY(SELECT ctid FROM candidates))
+     AND id = ANY(ARRAY(SELECT id FROM candidates))
+     AND state IN ('scheduled', 'retryable')  -- (IS TRUE: a check of the locked rows, not a range of the index to read)
+     AND (scheduled_at <= least(CAST(:now AS timestamptz), statement_timestamp())) IS TRUE
   RETURNING queue
 )
-SELECT queue, count(*) AS n FROM promoted GROUP BY queue
+SELECT queue, count(*) AS n, last.at AS last_at, last.id AS last_id
+  FROM promoted,
+       (SELECT CAST(scheduled_at AS text) AS at, id FROM candidates ORDER BY scheduled_at DESC, id DESC LIMIT 1) AS last
+ GROUP BY queue, last.at, last.id
 """
 
 # Wake the workers of each queue (delivered only if the transaction commits).

@@ -166,6 +166,7 @@ class Scheduler(Service):
         if not probe.due:
             return probe.next_due
         channel, notify = notify_channel(ctx.schema), True
+        position = {"after_at": "-infinity", "after_id": -2 ** 63}  # before every entry ('-infinity', id)
         while True:
             ctx.check_stop()
             limit = ctx.redo_limit(min(self._batch, self.config.batch_size))  # smaller when redone (40001)
@@ -173,7 +174,7 @@ class Scheduler(Service):
             try:
                 with ctx.transaction() as conn:
                     now = ctx.now()
-                    rows = conn.execute(ctx.sql(jobs.SCHEDULER_PROMOTE), {"now": now, "limit": limit}).all()
+                    rows = conn.execute(ctx.sql(jobs.SCHEDULER_PROMOTE), {"now": now, "limit": limit, **position}).all()
                     if rows and notify:
                         conn.execute(ctx.sql(jobs.NOTIFY_QUEUES), {"channel": channel, "queues": [r.queue for r in rows]})
                     promoted = sum(r.n for r in rows)
@@ -194,6 +195,7 @@ class Scheduler(Service):
                 self._batch = max(self._batch, min(self.config.batch_size, limit * 2))
             if rows:
                 result.batches += 1
+                position = {"after_at": rows[0].last_at, "after_id": rows[0].last_id}
             for r in rows:
                 result.promoted[r.queue] = result.promoted.get(r.queue, 0) + r.n
             if promoted < limit:
