@@ -223,10 +223,13 @@ def prune(ctx: PassContext, now: datetime, *, batch: int = 10_000) -> int:
     with ctx.read() as conn:
         if not conn.execute(ctx.sql(q.PRUNE_PROBE), {"before": before}).scalar():
             return 0
-    deleted = 0
+    deleted, from_at = 0, "-infinity"
     while True:
         with ctx.transaction() as conn:
-            n = conn.execute(ctx.sql(q.PRUNE), {"before": before, "limit": batch}).rowcount
+            gone = conn.execute(ctx.sql(q.PRUNE), {"before": before, "from_at": from_at, "limit": batch})
+            n = gone.rowcount
+            last = max(gone, key=lambda r: r.k, default=None)  # where the next batch starts
+            from_at = from_at if last is None else last.at
         deleted += n
         if n < batch:
             return deleted

@@ -208,8 +208,16 @@ SELECT max(at) AS at, min(since) AS since, sum(completed)::bigint AS completed,
 
 PRUNE_PROBE = "SELECT EXISTS (SELECT 1 FROM {schema}.health_history WHERE at < :before)"
 
-# Batched through the primary key; rows are one a minute at most, so a batch is hours of them.
+# Batched through the primary key; rows are one a minute at most, so a batch is hours of them. In
+# keyset batches from :from_at on (in the Index Cond; text, as a row may lie at '-infinity'): each
+# starts at the last one's last row (the at with the largest epoch, k: exact numeric, -Infinity for
+# '-infinity'), so that a prune reads each entry
+# once: the deleted rows' entries stay in the index until a vacuum, and while a transaction older
+# than the delete is open anywhere (a report, a pg_dump) a scan cannot mark them dead, so a batch
+# that started at the index's start read them all again.
 PRUNE = """
 DELETE FROM {schema}.health_history
- WHERE at IN (SELECT at FROM {schema}.health_history WHERE at < :before ORDER BY at LIMIT :limit)
+ WHERE at IN (SELECT at FROM {schema}.health_history
+               WHERE at < :before AND at >= CAST(:from_at AS timestamptz) ORDER BY at LIMIT :limit)
+RETURNING CAST(at AS text) AS at, extract(epoch FROM at) AS k
 """
