@@ -81,19 +81,26 @@ UPDATE {schema}.periodic_slots SET job_id = :job_id WHERE periodic_id = :periodi
 # Old slot rows are only history; the newest per id (the high-water mark) always stays. At most
 # :limit rows a statement (an `@every 1s` entry leaves 86,400 rows a day: the first prune after a
 # leader outage of weeks had that many weeks to delete in one statement), found through the primary
-# key: the ids by a loose scan, then each id's oldest slots in order, deleted by their ctids.
+# key: the ids by a loose scan, then each id's oldest slots in order, deleted by their ctids. In
+# keyset batches from (:from_id, :from_slot) on (in the Index Cond; the slot as text, as it may be
+# '-infinity'): each starts at the last one's last candidate (next_id and next_slot, the same on
+# every row returned), so that a prune reads each entry once: the deleted slots' entries stay in
+# the index until a vacuum, and while a transaction older than the delete is open anywhere (a
+# report, a pg_dump) a scan cannot mark them dead, so a batch that started at each id's oldest slot
+# read them all again. The loose scan starts at :from_id itself ('' at first, then an id).
 PRUNE = """
 WITH RECURSIVE ids AS (
-  (SELECT periodic_id FROM {schema}.periodic_slots ORDER BY periodic_id LIMIT 1)
+  SELECT CAST(:from_id AS text) AS periodic_id  -- (not the first id from it on: that read its deleted slots' entries)
   UNION ALL
   SELECT (SELECT n.periodic_id FROM {schema}.periodic_slots n
            WHERE n.periodic_id > ids.periodic_id ORDER BY n.periodic_id LIMIT 1)
     FROM ids WHERE ids.periodic_id IS NOT NULL
-), old AS (
-  SELECT o.ctid
+), old AS MATERIALIZED (
+  SELECT o.ctid, o.periodic_id, o.slot
     FROM ids CROSS JOIN LATERAL (
-         SELECT s.ctid FROM {schema}.periodic_slots s
+         SELECT s.ctid, s.periodic_id, s.slot FROM {schema}.periodic_slots s
           WHERE s.periodic_id = ids.periodic_id AND s.slot < CAST(:before AS timestamptz)
+            AND (s.periodic_id, s.slot) >= (CAST(:from_id AS text), CAST(:from_slot AS timestamptz))
             AND s.slot < (SELECT max(m.slot) FROM {schema}.periodic_slots m
                            WHERE m.periodic_id = ids.periodic_id AND m.slot BETWEEN """ + PYTHON_TIMES + """)
           ORDER BY s.slot LIMIT :limit) o
@@ -101,4 +108,6 @@ WITH RECURSIVE ids AS (
 )
 DELETE FROM {schema}.periodic_slots d
  WHERE d.ctid = ANY(ARRAY(SELECT ctid FROM old)) AND d.slot < CAST(:before AS timestamptz)
+RETURNING (SELECT periodic_id FROM old ORDER BY periodic_id DESC, slot DESC LIMIT 1) AS next_id,
+          (SELECT CAST(slot AS text) FROM old ORDER BY periodic_id DESC, slot DESC LIMIT 1) AS next_slot
 """

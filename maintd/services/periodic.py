@@ -493,12 +493,16 @@ class PeriodicEnqueuer(Service):
             return
         longest = max((e.backfill for e in self.config if e.backfill), default=timedelta(0))
         longest = max(longest, timedelta(days=31))  # rows' backfill windows are not known here
-        params = {"before": now - max(KEEP_HISTORY, longest * 2), "limit": PRUNE_BATCH}
+        params = {"before": now - max(KEEP_HISTORY, longest * 2), "limit": PRUNE_BATCH,
+                  "from_id": "", "from_slot": "-infinity"}  # before every slot
         try:
             while True:  # each batch its own short transaction
                 with ctx.transaction() as conn:
-                    if conn.execute(ctx.sql(periodic_slots.PRUNE), params).rowcount < PRUNE_BATCH:
+                    gone = conn.execute(ctx.sql(periodic_slots.PRUNE), params)
+                    if gone.rowcount < PRUNE_BATCH:
                         break
+                    first = gone.first()  # where the next batch starts (on every row)
+                    params.update(from_id=first.next_id, from_slot=first.next_slot)
                 ctx.check_stop()
         except DBAPIError as exc:
             if ctx.should_stop():  # its statement cancelled by a stop (a reload, a demotion)
