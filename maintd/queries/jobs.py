@@ -177,16 +177,22 @@ SELECT id FROM {schema}.jobs
  LIMIT :limit
 """
 
-# More than :limit rows finalized at the very same instant: delete them in id batches.
+# More than :limit rows finalized at the very same instant (a mass cancel: one statement's now()):
+# delete them in id batches, from :from_id on (in the Index Cond: the next batch starts after the
+# largest id returned), so that the tie's entries are read once, not again in every batch: the
+# deleted rows' entries stay in the index until a vacuum, and while a transaction older than the
+# delete is open anywhere (a report, a pg_dump) a scan cannot mark them dead.
 CLEANER_DELETE_TIED = """
 DELETE FROM {schema}.jobs
  WHERE id = ANY(ARRAY(
          SELECT id FROM {schema}.jobs
           WHERE state = CAST(:state AS {schema}.job_state) AND finalized_at = :lo
+            AND id >= CAST(:from_id AS bigint)
             AND {target_queues}
           ORDER BY id LIMIT :limit
             FOR UPDATE SKIP LOCKED))
    AND state = CAST(:state AS {schema}.job_state) AND finalized_at = :lo
+RETURNING id
 """
 
 # Rows finalized before year 1 ('-infinity', BC dates: no Python datetime holds them), deleted

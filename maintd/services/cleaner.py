@@ -208,6 +208,7 @@ class RangePlan:
     skip_locked: bool = False  # redo the range skipping a row someone else holds
     stepping: bool = False  # a probe timed out: every batch is predicted, widths adapt (no probe)
     target: float = 0.2  # seconds a predicted batch aims at (BATCH_TARGET, or less under a short timeout)
+    tie_from: int | None = None  # in a tie at lo: the next id batch starts at this id (no probe)
 
     @property
     def predicted(self) -> bool:
@@ -231,13 +232,18 @@ class RangePlan:
         self.width = max(TINY, self.width / 2)
         return True
 
-    def advance(self, hi: datetime, n: int, limit: int, seconds: float, predicted: bool) -> None:
-        """After a committed batch ``[lo, hi)`` that deleted ``n`` rows in ``seconds``."""
+    def advance(self, hi: datetime, n: int, limit: int, seconds: float, predicted: bool,
+                next_id: int | None = None) -> None:
+        """After a committed batch ``[lo, hi)`` that deleted ``n`` rows in ``seconds`` (a tie's:
+        up to id ``next_id``, exclusive)."""
         self.skip_locked = False
         if hi == self.lo:  # a tie: more than a batch finalized at this very instant
-            if n < limit:  # the tie is done (rows skipped as locked are looked at next pass)
+            if n < limit or next_id is None:  # the tie is done (rows skipped as locked are looked at next pass)
                 self.lo = hi + TINY
                 self.at_boundary = False
+                self.tie_from = None
+            else:  # the next batch of the tie starts after this one's ids
+                self.tie_from = next_id
             self.width = None
             return
         if predicted:  # an empty range says nothing of what follows (a gap): probe it, unless stepping
@@ -394,7 +400,7 @@ class Cleaner(Service):
             ctx.check_stop()
             limit, predicted, started = self.batch_size, plan.predicted, time.monotonic()
             try:
-                hi, last, n = self._delete_batch(ctx, target, plan, limit, result)
+                hi, last, n, next_id = self._delete_batch(ctx, target, plan, limit, result)
             except _Overflow:  # only a prediction can overshoot: it was rolled back; probe instead
                 result.overflows += 1
                 if not (plan.stepping and plan.narrow()):
@@ -421,7 +427,7 @@ class Cleaner(Service):
                 return
             if n:
                 self._pause(ctx, pause, result)
-            plan.advance(hi, n, limit, seconds, predicted)
+            plan.advance(hi, n, limit, seconds, predicted, next_id)
 
     @staticmethod
     def _pause(ctx: PassContext, seconds: float, result: CleanerResult) -> None:
@@ -467,12 +473,16 @@ class Cleaner(Service):
                 return
 
     def _delete_batch(self, ctx: PassContext, target: Target, plan: RangePlan,
-                      limit: int, result: CleanerResult) -> tuple[datetime, bool, int]:
+                      limit: int, result: CleanerResult) -> tuple[datetime, bool, int, int | None]:
         """One fenced transaction: where the range ends (predicted or probed), then its DELETE.
-        Returns (hi, whether the range reached the horizon, rows deleted)."""
+        Returns (hi, whether the range reached the horizon, rows deleted, in a tie the id the next
+        batch of the tie starts at: None past the largest)."""
+        next_id = None
         with ctx.transaction(statement_timeout_ms=self._timeout_ms(ctx),
                              settings=self._batch_settings(ctx)) as conn:
-            if plan.predicted:
+            if plan.tie_from is not None and not plan.predicted:  # more of the tie at lo: no probe
+                hi, last = plan.lo, False
+            elif plan.predicted:
                 hi = min(plan.lo + plan.width, plan.horizon)  # type: ignore[operator]
                 last = hi >= plan.horizon
             else:
@@ -487,7 +497,8 @@ class Cleaner(Service):
                     raise
                 last = probed is None
                 hi = plan.horizon if probed is None else probed
-            args = {**target.params(plan.horizon), "lo": plan.lo, "hi": hi, "limit": limit}
+            args = {**target.params(plan.horizon), "lo": plan.lo, "hi": hi, "limit": limit,
+                    "from_id": FIRST_ID if plan.tie_from is None else plan.tie_from}
             # A tie: the probe found more than a batch at ``lo`` itself. Not an empty last range
             # (``lo`` moved onto the horizon past a tie): the rows at the horizon are kept.
             tied = hi == plan.lo and not last
@@ -495,7 +506,11 @@ class Cleaner(Service):
                 stmt = jobs.CLEANER_DELETE_TIED
             else:
                 stmt = jobs.CLEANER_DELETE_RANGE_SKIP_LOCKED if plan.skip_locked else jobs.CLEANER_DELETE_RANGE
-            n = conn.execute(ctx.sql(target.statement(stmt)), args).rowcount
+            gone = conn.execute(ctx.sql(target.statement(stmt)), args)
+            n = gone.rowcount
+            if tied:
+                largest = max((r.id for r in gone), default=None)
+                next_id = largest + 1 if largest is not None and largest < 2 ** 63 - 1 else None
             if n > limit:
                 raise _Overflow()
             # What SKIP LOCKED left is locked, once the batch is through its range: a tie batch
@@ -503,7 +518,7 @@ class Cleaner(Service):
             if (tied and n < limit) or (plan.skip_locked and not tied):
                 self._report_locked(ctx, conn, target.statement(jobs.CLEANER_LEFT_IN_RANGE),
                                     {**args, "hi": plan.lo + TINY if tied else hi}, result)
-        return hi, last, n
+        return hi, last, n, next_id
 
     @staticmethod
     def _report_locked(ctx: PassContext, conn, stmt: str, args: dict, result: CleanerResult) -> None:
