@@ -196,17 +196,30 @@ RETURNING id
 """
 
 # Rows finalized before year 1 ('-infinity', BC dates: no Python datetime holds them), deleted
-# first, in id batches, so the ranges that follow start at :far_past.
+# first, in batches, so the ranges that follow start at :far_past. Keyset batches from
+# (:from_at, :from_id) on (in the Index Cond; text, as it lies before year 1): each starts at the
+# last one's last candidate (next_at and next_id, the same on every row returned), so that the
+# entries are read once, not again in every batch: the deleted rows' entries stay in the index
+# until a vacuum, and while a transaction older than the delete is open anywhere (a report, a
+# pg_dump) a scan cannot mark them dead. The DELETE finds the locked rows by ctid and id, its
+# guards checks of the rows.
 CLEANER_DELETE_ANCIENT = """
+WITH candidates AS MATERIALIZED (
+  SELECT id, ctid, finalized_at FROM {schema}.jobs
+   WHERE state = CAST(:state AS {schema}.job_state)
+     AND finalized_at IS NOT NULL AND finalized_at < :far_past
+     AND (finalized_at, id) >= (CAST(:from_at AS timestamptz), CAST(:from_id AS bigint))
+     AND {target_queues}
+   ORDER BY finalized_at, id LIMIT :limit
+     FOR UPDATE SKIP LOCKED
+)
 DELETE FROM {schema}.jobs
- WHERE id = ANY(ARRAY(
-         SELECT id FROM {schema}.jobs
-          WHERE state = CAST(:state AS {schema}.job_state)
-            AND finalized_at IS NOT NULL AND finalized_at < :far_past
-            AND {target_queues}
-          ORDER BY finalized_at LIMIT :limit
-            FOR UPDATE SKIP LOCKED))
-   AND state = CAST(:state AS {schema}.job_state) AND finalized_at < :far_past
+ WHERE ctid = ANY(ARRAY(SELECT ctid FROM candidates))
+   AND id = ANY(ARRAY(SELECT id FROM candidates))
+   AND state = CAST(:state AS {schema}.job_state)  -- (IS TRUE: a check of the locked rows, not a range of the index)
+   AND (finalized_at < :far_past) IS TRUE
+RETURNING (SELECT CAST(finalized_at AS text) FROM candidates ORDER BY finalized_at DESC, id DESC LIMIT 1) AS next_at,
+          (SELECT id FROM candidates ORDER BY finalized_at DESC, id DESC LIMIT 1) AS next_id
 """
 
 # After the last deletion of those, in its transaction: the rows it passed over (held by another

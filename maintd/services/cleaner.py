@@ -444,14 +444,16 @@ class Cleaner(Service):
         with ctx.transaction(fenced=False) as conn:
             if not conn.execute(ctx.sql(jobs.CLEANER_ANY_ANCIENT), {"state": target.state}).scalar():
                 return
+        position = {"from_at": "-infinity", "from_id": FIRST_ID}  # before every entry
         while True:
             ctx.check_stop()
             limit = self.batch_size
             try:
                 with ctx.transaction(statement_timeout_ms=self._timeout_ms(ctx),
                                      settings=self._batch_settings(ctx)) as conn:
-                    args = {**target.params(FAR_PAST), "far_past": FAR_PAST, "limit": limit}
-                    n = conn.execute(ctx.sql(target.statement(jobs.CLEANER_DELETE_ANCIENT)), args).rowcount
+                    args = {**target.params(FAR_PAST), "far_past": FAR_PAST, "limit": limit, **position}
+                    gone = conn.execute(ctx.sql(target.statement(jobs.CLEANER_DELETE_ANCIENT)), args)
+                    n, first = gone.rowcount, gone.first()
                     if n < limit:  # the last: what it passed over is held by another session
                         self._report_locked(ctx, conn, target.statement(jobs.CLEANER_LEFT_ANCIENT), args, result)
             except OperationalError as exc:
@@ -465,6 +467,8 @@ class Cleaner(Service):
                 log.warning("delete batch hit the statement timeout, shrinking the batch",
                             extra=kv(state=target.state, batch_size=self.batch_size))
                 continue
+            if first is not None:  # committed: the next batch starts at this one's last candidate
+                position = {"from_at": first.next_at, "from_id": first.next_id}
             if n:
                 result.batches += 1
                 result.deleted[target.state] += n
