@@ -201,7 +201,7 @@ RETURNING id
 # last one's last candidate (next_at and next_id, the same on every row returned), so that the
 # entries are read once, not again in every batch: the deleted rows' entries stay in the index
 # until a vacuum, and while a transaction older than the delete is open anywhere (a report, a
-# pg_dump) a scan cannot mark them dead. The DELETE finds the locked rows by ctid and id, its
+# pg_dump) a scan cannot mark them dead. The DELETE finds the locked rows by id (jobs_pkey), its
 # guards checks of the rows.
 CLEANER_DELETE_ANCIENT = """
 WITH candidates AS MATERIALIZED (
@@ -214,8 +214,7 @@ WITH candidates AS MATERIALIZED (
      FOR UPDATE SKIP LOCKED
 )
 DELETE FROM {schema}.jobs
- WHERE ctid = ANY(ARRAY(SELECT ctid FROM candidates))
-   AND id = ANY(ARRAY(SELECT id FROM candidates))
+ WHERE id = ANY(ARRAY(SELECT id FROM candidates))  -- (an Index Cond: a ctid = ANY with this as a Filter compared each row with every id)
    AND state = CAST(:state AS {schema}.job_state)  -- (IS TRUE: a check of the locked rows, not a range of the index)
    AND (finalized_at < :far_past) IS TRUE
 RETURNING (SELECT CAST(finalized_at AS text) FROM candidates ORDER BY finalized_at DESC, id DESC LIMIT 1) AS next_at,
@@ -548,7 +547,7 @@ SELECT set_config('enable_bitmapscan', 'off', true), set_config('enable_sort', '
 # a pass reads each entry once: the entries of the rows promoted stay in the index until a vacuum,
 # and while a transaction older than the promotion is open anywhere (a report, a pg_dump) a scan
 # cannot mark them dead, so a batch that started at the index's start read them all again. The
-# UPDATE finds the locked rows by ctid and id, its guards checks of the rows, not a range to read.
+# UPDATE finds the locked rows by id (jobs_pkey), its guards checks of the rows, not a range to read.
 SCHEDULER_PROMOTE = """
 WITH candidates AS MATERIALIZED (
   SELECT id, ctid, scheduled_at FROM {schema}.jobs
@@ -559,12 +558,11 @@ WITH candidates AS MATERIALIZED (
    LIMIT :limit
      FOR UPDATE SKIP LOCKED
 ), promoted AS (
-  UPDATE {schema}.jobs SET state = 'available'
-   WHERE ctid = ANY(ARRAY(SELECT ctid FROM candidates))
-     AND id = ANY(ARRAY(SELECT id FROM candidates))
-     AND state IN ('scheduled', 'retryable')  -- (IS TRUE: a check of the locked rows, not a range of the index to read)
-     AND (scheduled_at <= least(CAST(:now AS timestamptz), statement_timestamp())) IS TRUE
-  RETURNING queue
+  UPDATE {schema}.jobs AS j SET state = 'available'
+   WHERE j.id = ANY(ARRAY(SELECT id FROM candidates))
+     AND j.state IN ('scheduled', 'retryable')  -- (IS TRUE: a check of the locked rows, not a range of the index to read)
+     AND (j.scheduled_at <= least(CAST(:now AS timestamptz), statement_timestamp())) IS TRUE
+  RETURNING j.queue
 )
 SELECT queue, count(*) AS n, last.at AS last_at, last.id AS last_id
   FROM promoted,
