@@ -60,10 +60,10 @@ class LeaderConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> "LeaderConfig":
+        if self.lease < timedelta(seconds=1):  # first: the others are judged against the lease
+            raise ValueError("lease: must be at least 1s")
         if self.renew_interval * 3 > self.lease:  # a late renewal must not end the lease
             raise ValueError("renew_interval: must be at most a third of leader.lease")
-        if self.lease < timedelta(seconds=1):
-            raise ValueError("lease: must be at least 1s")
         if self.retry_interval * 2 > self.lease:  # a follower's idle lock session outlives its waits
             raise ValueError("retry_interval: must be at most half of leader.lease")
         for key in ("renew_interval", "retry_interval"):  # '1ms' for '1m': a statement per millisecond

@@ -272,6 +272,9 @@ def test_config_path_from_env(tmp_path, monkeypatch):
     ("[cleaner.queues.\"\"]\ncompleted_retention = '1h'", "cleaner.queues: invalid queue name ''"),
     ("[cleaner.queues.\"a\\u0001b\"]\ncompleted_retention = '1h'", "cleaner.queues: invalid queue name 'a\\x01b'"),
     ("[leader]\nlease = '2s'\nrenew_interval = '2s'", "leader.renew_interval"),
+    # A lease under the floor alone blamed renew_interval (its default, 2s, over a third of it),
+    # a key the file did not set: the key at fault is the lease.
+    ("[leader]\nlease = '500ms'", "leader.lease: must be at least 1s"),
     ("[leader]\nrenew_interval = '1ms'", "leader.renew_interval: must be at least 100ms"),
     ("[leader]\nretry_interval = '0.05'", "leader.retry_interval: must be at least 100ms"),
     # '1ms' for '1m' ran a pass a millisecond; the floor is the leader keys'.
