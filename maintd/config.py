@@ -382,10 +382,13 @@ def _target_settings(top: "Settings") -> list["Settings"]:
                 except ValidationError as exc:
                     raise ValueError(f"targets[{i}].{_first_error(section, exc)} (target {t.target_name})") from None
         if t.periodic is not None:
-            try:
-                update["periodic"] = [PeriodicJob.model_validate(p) for p in t.periodic]
-            except ValidationError as exc:
-                raise ValueError(f"targets[{i}].{_first_error('periodic', exc)} (target {t.target_name})") from None
+            update["periodic"] = []
+            for j, entry in enumerate(t.periodic):  # the entry at fault numbered and named, as at the top
+                try:
+                    update["periodic"].append(PeriodicJob.model_validate(entry))
+                except ValidationError as exc:
+                    label = f"periodic[{j}]" + (f" (id={entry['id']!r})" if isinstance(entry.get("id"), str) else "")
+                    raise ValueError(f"targets[{i}].{_first_error(label, exc)} (target {t.target_name})") from None
             if (clash := _id_clash(update["periodic"], top._crontab_jobs)) is not None:
                 raise ValueError(f"targets[{i}].periodic: {clash} (target {t.target_name})")
         settings = top.model_copy(update=update)
@@ -437,6 +440,8 @@ def _first_error(section: str, exc: ValidationError) -> str:
     err = exc.errors()[0]
     loc = ".".join(str(x) for x in (section, *err.get("loc", ())))
     msg = err.get("msg", "invalid").removeprefix("Value error, ")
+    if sub := re.match(r"^([a-z_][a-z0-9_.\[\]]*): ", msg):  # a model check naming the precise key
+        loc, msg = f"{loc}.{sub.group(1)}", msg[sub.end():]
     return f"{loc}: {'unknown key' if err.get('type') == 'extra_forbidden' else msg}"
 
 

@@ -308,6 +308,13 @@ def test_config_path_from_env(tmp_path, monkeypatch):
     ("[[targets]]\nschema = 'a'\n[[targets.periodic]]\nid = 'x'\nschedule = '@hourly'\nkind = 'k1'\n"
      "[[targets.periodic]]\nid = 'x'\nschedule = '@hourly'\nkind = 'k2'",
      "targets[0].periodic: id 'x' is defined twice (target a)"),
+    # A bad entry of a target's own periodic list: which one, as the top-level list's errors say
+    # (it said 'targets[0].periodic: schedule: ...', the entry neither numbered nor named).
+    ("[[targets]]\nschema = 'a'\n[[targets.periodic]]\nid = 'x'\nschedule = '@hourly'\nkind = 'k1'\n"
+     "[[targets.periodic]]\nid = 'y'\nschedule = 'bad'\nkind = 'k2'",
+     "targets[0].periodic[1] (id='y').schedule: a cron expression has 5 fields"),
+    ("[[targets]]\nschema = 'a'\n[[targets.periodic]]\nid = 'x'\nschedule = '@hourly'\n",
+     "targets[0].periodic[0] (id='x').kind: Field required"),
     # The same schema of one database, the URL spelled two ways (libpq's default port filled in).
     ("[[targets]]\nschema = 'a'\ndatabase_url = 'postgresql://u@db.internal:5432/app'\n"
      "[[targets]]\nname = 'b'\nschema = 'a'\ndatabase_url = 'postgresql://u@db.internal/app'",
