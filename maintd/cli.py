@@ -180,24 +180,39 @@ def _add_periodic_parser(sub) -> None:
                                    "the [[periodic]] entries of the config (origin config or table), "
                                    "the last and next slot, and any error the daemon noted on a row.")
     actions = p.add_subparsers(dest="periodic_action", metavar="ACTION", required=True)
-    ls = actions.add_parser("list", help="every schedule with its origin, last and next slot, error")
+    ls = actions.add_parser("list", help="every schedule with its origin, last and next slot, error",
+                            description="List every schedule: the config's [[periodic]] entries and "
+                                        "crontab lines, then the rows of periodic_jobs, each with its "
+                                        "origin (config, crontab or table), last and next slot, and any "
+                                        "error the daemon noted on a row. Read-only.")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    add = actions.add_parser("add", help="add a schedule (a row of periodic_jobs)")
+    add = actions.add_parser("add", help="add a schedule (a row of periodic_jobs)",
+                             description="Add a schedule as a row of periodic_jobs; the leader applies it "
+                                         "within seconds, without a reload. An id of the config's "
+                                         "[[periodic]] entries or crontab lines is refused; an existing "
+                                         "row is kept unless --replace.")
     add.add_argument("id", help="the periodic id (letters, digits, _ . : / -; at most 128)")
     add.add_argument("--schedule", required=True, help="cron expression, @hourly, or '@every 30s'")
     add.add_argument("--kind", required=True, help="the job kind to enqueue")
-    add.add_argument("--queue", default="default")
+    add.add_argument("--queue", default="default", help="the queue of the jobs it enqueues (default: default)")
     add.add_argument("--args", default="{}", metavar="JSON", help="the job's args (a JSON object)")
     add.add_argument("--timezone", default="UTC", help="time zone of a cron schedule (default UTC)")
-    add.add_argument("--priority", type=int, default=0)
-    add.add_argument("--max-attempts", type=int, default=25)
+    add.add_argument("--priority", type=int, default=0, metavar="N",
+                     help="the jobs' priority, -32768 to 32767, lower runs first (default 0)")
+    add.add_argument("--max-attempts", type=int, default=25, metavar="N",
+                     help="the jobs' max attempts, 1 to 32767 (default 25)")
     add.add_argument("--backfill", metavar="DURATION", help="enqueue slots missed within this window")
     add.add_argument("--run-on-start", action="store_true", help="enqueue the current slot at once")
     add.add_argument("--unique", action="store_true", help="at most one live job of this schedule")
     add.add_argument("--replace", action="store_true", help="update the row if the id exists")
-    for name, text in (("remove", "delete a schedule (jobs it enqueued stay)"),
-                       ("pause", "stop enqueueing (enabled = false)"), ("resume", "enqueue again")):
-        actions.add_parser(name, help=text).add_argument("id")
+    for name, text, what in (
+            ("remove", "delete a schedule (jobs it enqueued stay)",
+             "Delete a row of periodic_jobs; the jobs it enqueued stay."),
+            ("pause", "stop enqueueing (enabled = false)", "Stop a row of periodic_jobs enqueueing (enabled = false)."),
+            ("resume", "enqueue again", "Let a paused row of periodic_jobs enqueue again (enabled = true).")):
+        actions.add_parser(name, help=text, description=f"{what} The leader applies it within seconds. An "
+                           "entry of the config or crontab is changed there instead. Exit 1 when there is "
+                           "no such row.").add_argument("id", help="the periodic id (`maintd periodic list` shows them)")
 
 
 def _add_jobs_parser(sub) -> None:
@@ -211,15 +226,19 @@ def _add_jobs_parser(sub) -> None:
     def filters(p: argparse.ArgumentParser) -> None:
         p.add_argument("--state", help="available, scheduled, running, retryable, completed, "
                                        "cancelled or discarded")
-        p.add_argument("--queue")
-        p.add_argument("--kind")
+        p.add_argument("--queue", help="jobs of this queue (its exact name)")
+        p.add_argument("--kind", help="jobs of this kind (its exact name)")
         p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    lst = acts.add_parser("list", help="newest jobs first, optionally filtered")
+    lst = acts.add_parser("list", help="newest jobs first, optionally filtered",
+                          description="List jobs, newest first, filtered by --state, --queue and --kind "
+                                      "(combined with AND). Read-only.")
     filters(lst)
-    lst.add_argument("--limit", type=int, default=50, help="at most N jobs (default 50)")
-    show = acts.add_parser("show", help="one job with args, metadata and errors")
-    show.add_argument("id", type=job_id, metavar="ID")
+    lst.add_argument("--limit", type=int, default=50, metavar="N", help="at most N jobs (default 50)")
+    show = acts.add_parser("show", help="one job with args, metadata and errors",
+                           description="Show one job: its columns, args, metadata and errors. Read-only; "
+                                       "exit 1 when there is no such job.")
+    show.add_argument("id", type=job_id, metavar="ID", help="the job's id")
     show.add_argument("--json", action="store_true", help="print JSON")
     for name, text in (("retry", "make jobs available now (final ones too)"),
                        ("cancel", "cancel available/scheduled/retryable jobs"),
@@ -232,12 +251,15 @@ def _add_jobs_parser(sub) -> None:
         a = acts.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}: {how}. Running "
                             "jobs and rows a worker holds locked are skipped and reported. Exit 1 when a "
                             "job id given does not exist.")
-        a.add_argument("ids", type=job_id, nargs="+" if name == "reschedule" else "*", metavar="ID")
+        a.add_argument("ids", type=job_id, nargs="+" if name == "reschedule" else "*", metavar="ID",
+                       help="the jobs' ids" + ("" if name == "reschedule" else " (or filters instead)"))
         if name == "reschedule":
             a.add_argument("--at", required=True, metavar="TIME",
                            help="ISO 8601 time (UTC if no offset), 'now', or '+30m' from now")
-            a.add_argument("--priority", type=int, metavar="N")
-            a.add_argument("--max-attempts", type=int, metavar="N")
+            a.add_argument("--priority", type=int, metavar="N",
+                           help="new priority, -32768 to 32767 (lower runs first; default: unchanged)")
+            a.add_argument("--max-attempts", type=int, metavar="N",
+                           help="new max attempts, 1 to 32767 (default: unchanged)")
             a.add_argument("--json", action="store_true", help="print JSON instead of a table")
         else:
             filters(a)

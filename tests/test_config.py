@@ -935,3 +935,36 @@ def test_a_config_byte_that_is_not_utf8_is_named_with_its_line_and_column(tmp_pa
     with pytest.raises(ConfigError) as err:
         load_settings(p)
     assert err.value.problems == [f"config: {p}: invalid TOML: not UTF-8 (byte 0xe9 at line 4, column 13)"]
+
+
+def _parsers(parser, path=()):
+    """Every parser of the command line with its words (``("jobs", "list")``)."""
+    import argparse
+
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                if sub is not parser and (not path or name != path[-1]):
+                    yield from _parsers(sub, (*path, name))
+
+
+def test_every_commands_help_says_what_it_does_and_what_each_option_is():
+    """`maintd jobs list --help`, `periodic add --help` (and the other actions of `jobs` and
+    `periodic`) said nothing of what the action does, and showed options without a word
+    (--queue, --priority, --max-attempts, the ids): every command's --help now says both."""
+    import argparse
+
+    from maintd.cli import build_parser
+
+    missing = []
+    for path, parser in _parsers(build_parser()):
+        name = " ".join(("maintd", *path))
+        if not parser.description:
+            missing.append(f"{name}: no description")
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)):
+                continue
+            if not action.help:
+                missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}: no help")
+    assert missing == []
