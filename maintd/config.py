@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import getpass
 import ipaddress
+import json
 import os
 import re
 import socket
@@ -580,7 +581,7 @@ def periodic_counts(settings: "Settings") -> dict[str, int]:
     return {"periodic": total, "periodic_config": total - crontab, "crontab": crontab}
 
 
-def _format_errors(exc: ValidationError, data: dict[str, Any]) -> list[str]:
+def _format_errors(exc: ValidationError, data: dict[str, Any], environ: Any) -> list[str]:
     problems = []
     for err in exc.errors():
         loc = list(err.get("loc", ()))
@@ -606,8 +607,43 @@ def _format_errors(exc: ValidationError, data: dict[str, Any]) -> list[str]:
         if sub:  # a model check naming the precise key
             key = sub.group(1) if key == "config" else f"{key}.{sub.group(1)}"
             msg = msg[sub.end():]
-        problems += [f"{key}: {line}" for line in msg.splitlines() if line.strip()]  # one per line
+            loc += [int(n) if n.isdigit() else w for w, n in re.findall(r"([^.\[\]]+)|\[(\d+)\]", sub.group(1))]
+        source = _env_source(loc[:-1] if err.get("type") == "missing" else loc, environ)  # missing: its table's
+        shown = f" (from {source})" if source else ""
+        problems += [f"{key}: {line}{shown}" for line in msg.splitlines() if line.strip()]  # one per line
     return problems
+
+
+def _env_source(path: list[Any], environ: Any) -> str | None:
+    """The variable that set the value at ``path`` (``["cleaner", "foo"]``), if one did: the file
+    does not have it, and the error names it. ``MAINTD_CLEANER__FOO`` itself, or a variable of a
+    table or list (``MAINTD_LEADER``, ``MAINTD_PERIODIC``) whose JSON holds it."""
+    names = {k.upper(): k for k in environ if k.upper().startswith("MAINTD_")}
+    for n in range(len(path), 0, -1):
+        head = path[:n]
+        if any(not isinstance(part, str) for part in head):  # a variable indexes no list
+            continue
+        var = names.get("MAINTD_" + "__".join(head).upper())
+        if var is None:
+            continue
+        if n == len(path):
+            return var
+        try:
+            value = json.loads(environ[var])
+        except (ValueError, RecursionError):
+            return None
+        for part in path[n:]:
+            if isinstance(value, dict) and isinstance(part, str):
+                found = next((k for k in value if k.lower() == part.lower()), None)
+                if found is None:
+                    return None
+                value = value[found]
+            elif isinstance(value, list) and isinstance(part, int) and part < len(value):
+                value = value[part]
+            else:
+                return None
+        return var
+    return None
 
 
 def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) -> Settings:
@@ -663,7 +699,7 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
     try:
         settings = Settings(**data)
     except ValidationError as exc:
-        problems += _format_errors(exc, data)
+        problems += _format_errors(exc, data, environ)
     except SettingsError as exc:  # a MAINTD_<SECTION>[__KEY] variable that is not JSON
         problems.append(_env_json_problem(str(exc), environ))
     finally:

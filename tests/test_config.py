@@ -384,6 +384,36 @@ def test_bad_env_value_names_the_key(monkeypatch):
         load_settings()
 
 
+@pytest.mark.parametrize("env,problem", [
+    ({"MAINTD_CLEANER__FOO": "1"}, "cleaner.foo: unknown key (from MAINTD_CLEANER__FOO)"),
+    ({"maintd_leader__lease": "10x"}, "leader.lease: invalid duration '10x': use forms like '30s', '5m', '1h', "
+     "'7d', '4w3d2h1m' or a number of seconds (from maintd_leader__lease)"),
+    ({"MAINTD_LEADER": '{"renew_interval": "5s"}'},
+     "leader.renew_interval: must be at most a third of leader.lease (from MAINTD_LEADER)"),
+    ({"MAINTD_SCHEMA": "Bad"}, "schema: invalid schema name 'Bad': use 1-63 lower-case letters, digits and "
+     "underscores, not starting with a digit (from MAINTD_SCHEMA)"),
+    ({"MAINTD_PERIODIC": '[{"id": "a", "kind": "k", "schedule": "@hourly"}, {"id": "b", "kind": "k"}]'},
+     "periodic[1].schedule: Field required (from MAINTD_PERIODIC)"),
+    ({"MAINTD_TARGETS": '[{"schema": "a", "cleaner": {"batch_size": 0}}]'},
+     "targets[0].cleaner.batch_size: Input should be greater than or equal to 1 (target a) (from MAINTD_TARGETS)"),
+    # The file's value at fault: a variable of the same section set to a good value is not blamed.
+    ({"MAINTD_CLEANER__ENABLED": "false", "MAINTD_LEADER": '{"lease": "10s"}'},
+     "cleaner.batch_size: Input should be greater than or equal to 1"),
+    ({"MAINTD_LEADER": '{"lease": "10s"}'}, "leader.retry_interval: must be at least 100ms (each is a statement on "
+     "the lock session; a typo such as '1ms' for '1m' would send one a millisecond)"),
+])
+def test_a_bad_value_from_the_environment_names_its_variable(tmp_path, monkeypatch, env, problem):
+    """A value the environment set, at fault: the error named the key alone ('cleaner.foo: unknown
+    key'), and an operator looked for it in the file, which did not have it."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    p = write(tmp_path, "[cleaner]\nbatch_size = 0\n" if "MAINTD_CLEANER__ENABLED" in env else
+              "[leader]\nretry_interval = '1ms'\n" if env == {"MAINTD_LEADER": '{"lease": "10s"}'} else "")
+    with pytest.raises(ConfigError) as err:
+        load_settings(p)
+    assert err.value.problems == [problem]
+
+
 @pytest.mark.parametrize("name", ["MAINTD_TARGETS__0__SCHEMA", "maintd_periodic__1__kind"])
 def test_a_list_item_set_by_index_names_the_variable_and_the_json_form(monkeypatch, name):
     """pydantic-settings reads ``MAINTD_TARGETS__0__SCHEMA`` as a table keyed '0': the error was
