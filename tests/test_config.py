@@ -518,6 +518,24 @@ def test_missing_file(tmp_path):
     assert err.value.problems == [f"config: {str(tmp_path)!r} is a directory"]
 
 
+def test_an_unreadable_file_is_a_config_error_naming_it(tmp_path, monkeypatch):
+    """A file the daemon's user may not read: exit 2 naming the file, not exit 1 with Python's
+    '[Errno 13] Permission denied' (a mode 0600 file owned by root, the daemon run as maintd)."""
+    p = write(tmp_path, "schema = 'a'\n")
+    p.chmod(0)
+    if os.access(p, os.R_OK):  # root reads it anyway: the read fails as it would for another user
+        real = Path.read_bytes
+
+        def denied(self):
+            if self == p:
+                raise PermissionError(13, "Permission denied", str(self))
+            return real(self)
+        monkeypatch.setattr(Path, "read_bytes", denied)
+    with pytest.raises(ConfigError) as err:
+        load_settings(p)
+    assert err.value.problems == [f"config: no permission to read {str(p)!r}"]
+
+
 def test_every_problem_is_reported_one_per_line(tmp_path, monkeypatch):
     """An unknown environment setting and bad values in the file: all of them, one line each."""
     monkeypatch.setenv("MAINTD_CLEANR__ENABLED", "false")
