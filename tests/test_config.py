@@ -399,7 +399,7 @@ def test_bad_env_value_names_the_key(monkeypatch):
      "'7d', '4w3d2h1m' or a number of seconds (from maintd_leader__lease)"),
     ({"MAINTD_LEADER": '{"renew_interval": "5s"}'},
      "leader.renew_interval: must be at most a third of leader.lease (from MAINTD_LEADER)"),
-    ({"MAINTD_SCHEMA": "Bad"}, "schema: invalid schema name 'Bad': use 1-63 lower-case letters, digits and "
+    ({"MAINTD_SCHEMA": "Bad"}, "schema: invalid schema name 'Bad': use 1-47 lower-case letters, digits and "
      "underscores, not starting with a digit (from MAINTD_SCHEMA)"),
     ({"MAINTD_PERIODIC": '[{"id": "a", "kind": "k", "schedule": "@hourly"}, {"id": "b", "kind": "k"}]'},
      "periodic[1].schedule: Field required (from MAINTD_PERIODIC)"),
