@@ -21,7 +21,7 @@ from maintd.queries.jobs import (RESCUER_BATCH, RESCUER_PROBE, RESCUER_COUNT_STU
 from maintd.services.rescuer import NO_SIGN_START, Rescuer
 
 from .conftest import T0, run_concurrently
-from .plans import at_page_costs, explain
+from .plans import at_page_costs, entries_read_while_a_snapshot_is_held, explain
 from .procs import jobs_locked
 
 # Every test here runs on both jobs layouts (SPEC 8.1): tests/conftest.py.
@@ -771,20 +771,6 @@ def test_an_infinite_heartbeat_or_claim_is_dated_not_rescued(settings, engine, s
     assert (result.retried, result.skipped_rows()) == (0, {"future_sign": 3, "stale_heartbeat": 0}), result
 
 
-def index_entries_read(engine, schema: str, name: str) -> int:
-    """Entries the schema's indexes named like ``name`` (a partition's too) have returned, once the
-    sessions that read them have ended (a backend reports its counts as it exits)."""
-    last, stable = -1, 0
-    while stable < 3:  # the same count three times, 0.2 s apart
-        with engine.connect() as conn:
-            now = conn.execute(text("SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes "
-                                    "WHERE schemaname = :s AND indexrelname LIKE :n"),
-                               {"s": schema, "n": f"%{name}%"}).scalar()
-        stable, last = (stable + 1, last) if now == last else (0, now)
-        time.sleep(0.2)
-    return int(last)
-
-
 def test_a_pass_reads_each_exhausted_jobs_index_entry_once_while_a_snapshot_keeps_them(settings, engine, schema,
                                                                                      clock, pg_dsn):
     """RESCUER_EXHAUSTED_BATCH's batches each started at the beginning of jobs_exhausted_idx. A
@@ -794,26 +780,13 @@ def test_a_pass_reads_each_exhausted_jobs_index_entry_once_while_a_snapshot_keep
     whole index. 400 exhausted jobs in batches of 20 read 99,600 entries, quadratic in the jobs.
     Now each batch starts after the last one's candidates and updates them by ctid or id: two
     reads per job."""
-    from sqlalchemy import create_engine
     settings.rescuer.batch_size = 20
     with engine.begin() as conn:
         conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt, max_attempts) "
                          "SELECT 'k', 'available', 3, 3 FROM generate_series(1, 400)", schema))
         conn.execute(sql("ANALYZE {schema}.jobs", schema))
-    reader = create_engine(pg_dsn)
-    pass_engine = create_engine(pg_dsn)
-    try:
-        with reader.connect() as snapshot:
-            snapshot.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
-            snapshot.execute(text("SELECT count(*) FROM pg_class")).scalar()  # the snapshot is taken
-            before = index_entries_read(engine, schema, "exhausted")
-            result = run(settings, pass_engine, clock)
-            pass_engine.dispose()  # its sessions end and report what they read
-            read = index_entries_read(engine, schema, "exhausted") - before
-            snapshot.rollback()
-    finally:
-        reader.dispose()
-        pass_engine.dispose()
+    result, read = entries_read_while_a_snapshot_is_held(engine, pg_dsn, schema, "exhausted",
+                                                         lambda e: run(settings, e, clock))
     assert result.exhausted == 400, result
     assert {r.state for r in rows(engine, schema).values()} == {"discarded"}
     # one read to lock each job and one to discard it (800 here); a batch that read the index
@@ -830,26 +803,14 @@ def test_a_pass_reads_each_future_sign_of_lifes_index_entry_once_while_a_snapsho
     read the whole range of future signs again to find its candidates (PostgreSQL 15 did). Now
     each batch starts at the entry after the last one's candidates, and the UPDATE finds them by
     ctid or id."""
-    from sqlalchemy import create_engine
     settings.rescuer.batch_size = 20
     with engine.begin() as conn:
         conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at, attempted_by) "
                          "SELECT 'k', 'running', 1, CASE WHEN g % 2 = 0 THEN 'infinity' "
                          "ELSE now() + g * interval '1 day' END, 'w' FROM generate_series(1, 400) g", schema))
         conn.execute(sql("ANALYZE {schema}.jobs", schema))
-    reader, pass_engine = create_engine(pg_dsn), create_engine(pg_dsn)
-    try:
-        with reader.connect() as snapshot:
-            snapshot.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
-            snapshot.execute(text("SELECT count(*) FROM pg_class")).scalar()  # the snapshot is taken
-            before = index_entries_read(engine, schema, "running")
-            result = Rescuer(settings.rescuer).run_once(PassContext.for_settings(settings, pass_engine, clock))
-            pass_engine.dispose()  # its sessions end and report what they read
-            read = index_entries_read(engine, schema, "running") - before
-            snapshot.rollback()
-    finally:
-        reader.dispose()
-        pass_engine.dispose()
+    result, read = entries_read_while_a_snapshot_is_held(engine, pg_dsn, schema, "running",
+                                                         lambda e: run(settings, e, clock))
     assert result.dated == 400, result
     with engine.connect() as conn:
         assert conn.execute(sql("SELECT count(*) FROM {schema}.jobs WHERE attempted_at > now() + interval '1 minute'",
