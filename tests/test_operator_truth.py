@@ -867,3 +867,24 @@ def test_the_production_install_puts_maintd_on_the_operators_path():
     day = re.compile(r"```sh\n(.*?)```", re.S).search(readme, readme.index("Day to day")).group(1)
     assert re.search(r"^maintd ", day, re.M), day  # typed bare, as an operator does
     assert re.search(r"^ln -s(f)? /opt/maintd/bin/maintd /usr/local/bin/maintd\b", install, re.M), install
+
+
+def test_the_stated_failover_of_a_frozen_leader_is_lease_plus_a_retry():
+    """The README said a frozen leader is replaced "within the lease (10 s)". Its session ends a
+    lease after its last statement (idle_session_timeout), and a follower takes the lock at its
+    next try: up to lease + retry_interval (measured 10.0 s on PostgreSQL 15 with the defaults).
+    The README and config.example.toml say that bound, with its value for the defaults."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    readme = " ".join((root / "README.md").read_text().split())
+    example = " ".join((root / "config.example.toml").read_text().replace("#", " ").split())
+    from maintd.config import LeaderConfig
+
+    defaults = LeaderConfig()
+    bound = round((defaults.lease + defaults.retry_interval).total_seconds())
+    assert "within the lease (10 s) if it freezes" not in readme
+    assert "takes over within the lease without a human" not in readme
+    assert f"within the lease plus a retry (about {bound} s) if it freezes" in readme
+    assert f"within `lease + retry_interval` of the freeze (about {bound} s with the defaults" in readme
+    assert f"replaced within lease + retry_interval (about {bound} s with these values)" in example
