@@ -869,6 +869,33 @@ def test_the_production_install_puts_maintd_on_the_operators_path():
     assert re.search(r"^ln -s(f)? /opt/maintd/bin/maintd /usr/local/bin/maintd\b", install, re.M), install
 
 
+def test_the_readme_says_how_much_of_an_error_jobs_list_shows(pg_dsn, schema, tmp_path, engine):
+    """The README said `jobs list` "shows the first 4,096 characters" of a job's last error; its
+    table cut each cell at 48. It now says both limits, and both are what the command does."""
+    from pathlib import Path
+
+    from maintd.admin import CELL_WIDTH, LIST_ERROR_CHARS
+
+    readme = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
+    assert f"first {LIST_ERROR_CHARS:,} characters of each job's last error" in readme
+    assert f"cuts every cell at {CELL_WIDTH} characters" in readme
+    error = "E" * 5000
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, finalized_at, errors) VALUES "
+                         "('cut', 'discarded', now(), jsonb_build_array(jsonb_build_object('error', CAST(:e AS text))))",
+                         schema), {"e": error})
+    cfg = _config(tmp_path, pg_dsn, schema)
+    rc, out, err = _cli("--config", cfg, "jobs", "list", "--state", "discarded")
+    assert rc == 0, err
+    cells = [c.strip() for line in out.splitlines() for c in line.split("  ") if "EEE" in c]
+    assert cells == ["E" * (CELL_WIDTH - 3) + "..."], out
+    rc, out, err = _cli("--config", cfg, "jobs", "list", "--state", "discarded", "--json")
+    assert rc == 0, err
+    listed = json.loads(out)
+    job = (listed["jobs"] if isinstance(listed, dict) else listed)[0]
+    assert job["last_error"] == "E" * LIST_ERROR_CHARS and job["last_error_chars"] == 5000, job
+
+
 def test_the_stated_failover_of_a_frozen_leader_is_lease_plus_a_retry():
     """The README said a frozen leader is replaced "within the lease (10 s)". Its session ends a
     lease after its last statement (idle_session_timeout), and a follower takes the lock at its
