@@ -389,6 +389,9 @@ def test_role_without_ownership_gets_a_clear_error(pg_dsn, schema, settings):
         [report] = result.indexes
         assert (report.index, report.outcome) == ("jobs_pkey", "not_permitted") and result.failed()
         assert "needs ownership of the jobs table" in report.error
+        # A runtime role that is not the owner should not run the reindexer at all: the error
+        # says so, and what the owner runs instead (a newcomer's walk found only "run as owner").
+        assert "keep it off (the default) and have the owner run REINDEX INDEX CONCURRENTLY" in report.error
         # Issue 28: `run-once reindexer --dry-run` as the runtime role planned indexes it could
         # not reindex. It now says so for each (and the dry run itself does not fail).
         settings.reindexer.indexes = []

@@ -71,7 +71,8 @@ OLDER_TRANSACTION = ("a transaction older than the rebuild kept the jobs table f
                      "({}); its waits block no worker: raise lock_timeout (up to timeout) to wait for such transactions")
 # {table}: the index's own table, which PostgreSQL checks (jobs, or the partitioned layout's jobs_live).
 NOT_PERMITTED = ("this role may not reindex it: REINDEX INDEX CONCURRENTLY needs ownership of the {table} "
-                 "table (or MAINTAIN on it, PostgreSQL 17+{partition}): run the reindexer as the owner role")  # insufficient_privilege ("must be owner of index")
+                 "table (or MAINTAIN on it, PostgreSQL 17+{partition}): run the reindexer as the owner role, or keep it "
+                 "off (the default) and have the owner run REINDEX INDEX CONCURRENTLY")  # insufficient_privilege ("must be owner of index")
 # MAINTAIN on a partitioned table allows REINDEX TABLE of it, not REINDEX INDEX of a partition's index.
 PARTITION_PRIVILEGE = "; MAINTAIN on the partitioned jobs table does not reach its partition {table}"
 PARTITIONED_INDEX = ("a partitioned index of jobs (the partitioned layout): the reindexer rebuilds the indexes of "
