@@ -48,6 +48,10 @@ class ConfigError(Exception):
 
 
 LEADER_FLOOR = timedelta(milliseconds=100)
+# A key a model check's message begins with (``cleaner.batch_size: ...``), a periodic entry's id
+# label included (``targets[0].periodic[1] (id='y').schedule: ...``).
+_ID_LABEL = r""" \(id=(?:'[^']*'|"[^"]*")\)"""
+KEY_RE = re.compile(rf"^([a-z_][a-z0-9_.\[\]]*(?:{_ID_LABEL}[a-z0-9_.\[\]]*)*): ")
 
 # The directory of the config file being loaded (see load_settings): a relative ``crontab`` path,
 # from the file or the environment, is read from there.
@@ -351,52 +355,68 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def _target_settings(top: "Settings") -> list["Settings"]:
-    """One Settings per [[targets]] entry; a duplicate name or schema (or two schemas of one
-    database whose leader locks collide), or a bad override, is a ValueError naming
-    ``targets[i]`` and the key."""
-    from .db import advisory_key
-
+    """One Settings per [[targets]] entry. Every problem of every entry (a duplicate name or
+    schema, two schemas of one database whose leader locks collide, a bad override or periodic
+    entry) is found: a ValueError of one line each, naming ``targets[i]`` and the key."""
     out: list[Settings] = []
-    names: dict[str, int] = {}
-    schemas: dict[tuple[tuple, str], int] = {}
-    locks: dict[tuple[tuple, tuple[int, int]], int] = {}
+    problems: list[str] = []
+    seen: dict[str, dict] = {"schema": {}, "name": {}, "lock": {}}
     for i, t in enumerate(top.targets):
         dsn = t.database_url or top.database_url
-        database = database_of(dsn.get_secret_value())
-        for what, key, seen in (("schema", (database, t.schema), schemas), ("name", t.target_name, names)):
-            if key in seen:
-                shown = t.target_name if what == "name" else t.schema
-                raise ValueError(f"targets[{i}].{what}: {shown!r} is also targets[{seen[key]}]'s {what}")
-            seen[key] = i
-        if (other := locks.setdefault((database, advisory_key(t.schema)), i)) != i:
-            raise ValueError(f"targets[{i}].schema: {t.schema!r} has the leader lock key of targets[{other}]'s "
-                             f"schema {top.targets[other].schema!r} (a hash of the name): rename one of them")
+        problems += _target_clashes(top, i, database_of(dsn.get_secret_value()), seen)
         update: dict[str, Any] = {"schema": t.schema, "database_url": dsn, "targets": [],
                                   "layout": t.layout or top.layout}
-        for section in TARGET_SECTIONS:
-            override = getattr(t, section)
-            if override is not None:
-                base = getattr(top, section)
-                try:
-                    update[section] = type(base).model_validate(
-                        _merge(base.model_dump(exclude_unset=True), override))
-                except ValidationError as exc:
-                    raise ValueError(f"targets[{i}].{_first_error(section, exc)} (target {t.target_name})") from None
-        if t.periodic is not None:
-            update["periodic"] = []
-            for j, entry in enumerate(t.periodic):  # the entry at fault numbered and named, as at the top
-                try:
-                    update["periodic"].append(PeriodicJob.model_validate(entry))
-                except ValidationError as exc:
-                    label = f"periodic[{j}]" + (f" (id={entry['id']!r})" if isinstance(entry.get("id"), str) else "")
-                    raise ValueError(f"targets[{i}].{_first_error(label, exc)} (target {t.target_name})") from None
-            if (clash := _id_clash(update["periodic"], top._crontab_jobs)) is not None:
-                raise ValueError(f"targets[{i}].periodic: {clash} (target {t.target_name})")
-        settings = top.model_copy(update=update)
-        settings._target_name = t.target_name
-        settings._targets = []
-        out.append(settings)
+        found = [f"targets[{i}].{p} (target {t.target_name})" for p in _target_overrides(top, t, update)]
+        if t.periodic is not None and not found and (clash := _id_clash(update["periodic"], top._crontab_jobs)):
+            found.append(f"targets[{i}].periodic: {clash} (target {t.target_name})")
+        problems += found
+        if not problems:
+            settings = top.model_copy(update=update)
+            settings._target_name = t.target_name
+            settings._targets = []
+            out.append(settings)
+    if problems:
+        raise ValueError("\n".join(problems))
     return out
+
+
+def _target_clashes(top: "Settings", i: int, database: tuple, seen: dict[str, dict]) -> list[str]:
+    """``targets[i]``'s name or schema taken by an earlier entry, or its leader lock key."""
+    from .db import advisory_key
+
+    t, problems = top.targets[i], []
+    for what, key in (("schema", (database, t.schema)), ("name", t.target_name)):
+        if (other := seen[what].setdefault(key, i)) != i and not (what == "name" and problems):  # (the schema's)
+            shown = t.target_name if what == "name" else t.schema
+            problems.append(f"targets[{i}].{what}: {shown!r} is also targets[{other}]'s {what}")
+    lock = (database, advisory_key(t.schema))
+    if (other := seen["lock"].setdefault(lock, i)) != i and top.targets[other].schema != t.schema:
+        problems.append(f"targets[{i}].schema: {t.schema!r} has the leader lock key of targets[{other}]'s "
+                        f"schema {top.targets[other].schema!r} (a hash of the name): rename one of them")
+    return problems
+
+
+def _target_overrides(top: "Settings", t: Any, update: dict[str, Any]) -> list[str]:
+    """Validate an entry's sections and periodic list into ``update``; their problems, each
+    ``key: message`` below the entry."""
+    problems: list[str] = []
+    for section in TARGET_SECTIONS:
+        override = getattr(t, section)
+        if override is not None:
+            base = getattr(top, section)
+            try:
+                update[section] = type(base).model_validate(_merge(base.model_dump(exclude_unset=True), override))
+            except ValidationError as exc:
+                problems += _errors(section, exc)
+    if t.periodic is not None:
+        update["periodic"] = []
+        for j, entry in enumerate(t.periodic):  # the entry at fault numbered and named, as at the top
+            try:
+                update["periodic"].append(PeriodicJob.model_validate(entry))
+            except ValidationError as exc:
+                problems += _errors(f"periodic[{j}]" + (f" (id={entry['id']!r})" if isinstance(entry.get("id"), str)
+                                                        else ""), exc)
+    return problems
 
 
 def _id_clash(periodic: list[PeriodicJob], crontab: list[CrontabJob]) -> str | None:
@@ -437,13 +457,16 @@ def database_of(dsn: str) -> tuple:
     return tuple(zip(hosts, ports)), params.get("dbname") or env.get("PGDATABASE") or user, unknown
 
 
-def _first_error(section: str, exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    loc = ".".join(str(x) for x in (section, *err.get("loc", ())))
-    msg = err.get("msg", "invalid").removeprefix("Value error, ")
-    if sub := re.match(r"^([a-z_][a-z0-9_.\[\]]*): ", msg):  # a model check naming the precise key
-        loc, msg = f"{loc}.{sub.group(1)}", msg[sub.end():]
-    return f"{loc}: {'unknown key' if err.get('type') == 'extra_forbidden' else msg}"
+def _errors(section: str, exc: ValidationError) -> list[str]:
+    """Every error of a section validated on its own, as ``section.key: message``."""
+    out = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in (section, *err.get("loc", ())))
+        msg = err.get("msg", "invalid").removeprefix("Value error, ")
+        if sub := KEY_RE.match(msg):  # a model check naming the precise key
+            loc, msg = f"{loc}.{sub.group(1)}", msg[sub.end():]
+        out.append(f"{loc}: {'unknown key' if err.get('type') == 'extra_forbidden' else msg}")
+    return out
 
 
 def _load_crontab(path: str, taken: set[str]) -> list[CrontabJob]:
@@ -597,21 +620,25 @@ def _format_errors(exc: ValidationError, data: dict[str, Any], environ: Any) -> 
                 parts.append(label)
             else:
                 parts.append(("." if parts else "") + str(item))
-        key = "".join(parts) or "config"
-        msg = err.get("msg", "invalid")
-        if msg.startswith("Value error, "):
-            msg = msg[len("Value error, "):]
+        msg = err.get("msg", "invalid").removeprefix("Value error, ")
         if err.get("type") == "extra_forbidden":
             msg = "unknown key"
-        sub = re.match(r"^([a-z_][a-z0-9_.\[\]]*): ", msg)
-        if sub:  # a model check naming the precise key
-            key = sub.group(1) if key == "config" else f"{key}.{sub.group(1)}"
-            msg = msg[sub.end():]
-            loc += [int(n) if n.isdigit() else w for w, n in re.findall(r"([^.\[\]]+)|\[(\d+)\]", sub.group(1))]
-        source = _env_source(loc[:-1] if err.get("type") == "missing" else loc, environ)  # missing: its table's
-        shown = f" (from {source})" if source else ""
-        problems += [f"{key}: {line}{shown}" for line in msg.splitlines() if line.strip()]  # one per line
+        base = where = ("".join(parts) or "config", loc)
+        for line in msg.splitlines():  # one problem per line, under its own key or the line's before
+            if line.strip():
+                where, line = _keyed(*base, line) if KEY_RE.match(line) else (where, line)
+                source = _env_source(where[1][:-1] if err.get("type") == "missing" else where[1], environ)
+                problems.append(f"{where[0]}: {line}" + (f" (from {source})" if source else ""))
     return problems
+
+
+def _keyed(key: str, loc: list[Any], msg: str) -> tuple[tuple[str, list[Any]], str]:
+    """A message that begins with a key (a model check's): that key, below ``key`` (and its path
+    below ``loc``), and the rest of the message."""
+    sub = KEY_RE.match(msg)
+    named = re.sub(_ID_LABEL, "", sub.group(1))
+    path = loc + [int(n) if n.isdigit() else w for w, n in re.findall(r"([^.\[\]]+)|\[(\d+)\]", named)]
+    return (sub.group(1) if key == "config" else f"{key}.{sub.group(1)}", path), msg[sub.end():]
 
 
 def _env_source(path: list[Any], environ: Any) -> str | None:

@@ -423,6 +423,42 @@ def test_a_bad_value_from_the_environment_names_its_variable(tmp_path, monkeypat
     assert err.value.problems == [problem]
 
 
+def test_every_problem_of_every_target_entry_is_reported_under_its_own_key(tmp_path):
+    """A [[targets]] list stopped at its first problem: an operator fixed one key, restarted and
+    met the next. Every problem of every entry is now reported, one line each, each under its own
+    key (a periodic entry's line began 'config: targets[0].periodic[...]': its key, with the id
+    label, was not recognised as one). A duplicate schema is not also reported as a duplicate
+    name when the name is the schema's."""
+    p = write(tmp_path, "[[targets]]\nschema = 'a'\n"
+                        "cleaner = { batch_size = 0, completed_retention = '-5s' }\n"
+                        "rescuer = { interval = '5ms' }\n"
+                        "periodic = [{ id = 'x', schedule = '* *', kind = 'k' }, { id = \"it's\", kind = 'k' }]\n"
+                        "[[targets]]\nschema = 'a'\n"
+                        "[[targets]]\nschema = 'b'\nname = 'a'\nscheduler = { x = 1 }\n")
+    with pytest.raises(ConfigError) as err:
+        load_settings(p)
+    keys = [problem.split(": ", 1)[0] for problem in err.value.problems]
+    assert keys == ["targets[0].cleaner.batch_size", "targets[0].cleaner.completed_retention",
+                    "targets[0].rescuer.interval", "targets[0].periodic[0] (id='x').schedule",
+                    "targets[0].periodic[1] (id=\"it's\").schedule", "targets[0].periodic[1] (id=\"it's\").id",
+                    "targets[1].schema", "targets[2].name",
+                    "targets[2].scheduler.x"], err.value.problems
+    assert all(problem.endswith(("(target a)", "targets[0]'s schema", "targets[0]'s name", "unknown key (target a)"))
+               for problem in err.value.problems), err.value.problems
+
+
+def test_every_problem_of_a_target_list_from_the_environment_names_the_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv("MAINTD_TARGETS", '[{"schema": "a", "cleaner": {"batch_size": 0}, '
+                                         '"periodic": [{"id": "x", "kind": "k", "schedule": "bad"}]}]')
+    with pytest.raises(ConfigError) as err:
+        load_settings(write(tmp_path, ""))
+    assert err.value.problems == [
+        "targets[0].cleaner.batch_size: Input should be greater than or equal to 1 (target a) (from MAINTD_TARGETS)",
+        "targets[0].periodic[0] (id='x').schedule: a cron expression has 5 fields (minute hour day-of-month month "
+        "day-of-week), got 1 in 'bad' (target a) (from MAINTD_TARGETS)"]
+
+
+
 @pytest.mark.parametrize("name", ["MAINTD_TARGETS__0__SCHEMA", "maintd_periodic__1__kind"])
 def test_a_list_item_set_by_index_names_the_variable_and_the_json_form(monkeypatch, name):
     """pydantic-settings reads ``MAINTD_TARGETS__0__SCHEMA`` as a table keyed '0': the error was
