@@ -273,6 +273,9 @@ def run_action(conn: Connection, schema: str, name: str, *, ids: Sequence[int] =
     if flt.state is not None and flt.state not in JOB_STATES:
         raise UsageError(f"unknown state {flt.state!r}: one of {', '.join(JOB_STATES)}")
     action = ACTIONS[name]
+    if flt.state is not None and flt.state not in (*action.states, "running"):  # (running: listed as skipped)
+        raise UsageError(f"--state {flt.state}: {name} changes only {', '.join(action.states[:-1])} or "
+                         f"{action.states[-1]} jobs")
     report = Report(name, action.verb, dry_run)
     base = {"reason": None, "at": None, "offset": None, "priority": None, "max_attempts": None,
             **(params or {})}

@@ -832,6 +832,27 @@ def test_cli_usage_errors_exit_2(cli, argv):
     assert rc == 2 and out == "" and "error" in err
 
 
+@pytest.mark.parametrize("action", ["retry", "cancel", "discard", "delete"])
+def test_a_state_the_action_never_changes_is_a_usage_error(cli, engine, schema, action):
+    """`jobs cancel --state completed` printed '0 jobs cancelled' and exit 0: an operator read it
+    as nothing to do, not as a command that can never do anything. A state the action never
+    changes is now refused (exit 2) naming the states it changes; running is still read, its
+    jobs listed as skipped with the reason, and every other state is taken."""
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, finalized_at) VALUES "
+                         "('k', 'completed', now()), ('k', 'cancelled', now()), ('k', 'discarded', now())", schema))
+    never = {"cancel": FINAL_STATES, "discard": FINAL_STATES}.get(action, ())
+    for state in JOB_STATES:
+        rc, out, err = cli(action, "--state", state, "--dry-run")
+        if state in never:
+            assert rc == 2 and out == "", (state, out, err)
+            assert f"--state {state}: {action} changes only available, scheduled or retryable jobs" in err, err
+        else:
+            assert rc == 0 and not err, (state, err)
+    with engine.connect() as conn:
+        assert conn.execute(sql("SELECT count(*) FROM {schema}.jobs", schema)).scalar() == 3
+
+
 def test_cli_argparse_errors_exit_2(cli, capsys):
     with pytest.raises(SystemExit) as exc:
         cli("reschedule", "1")  # --at is required
