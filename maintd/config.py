@@ -606,6 +606,7 @@ def periodic_counts(settings: "Settings") -> dict[str, int]:
 
 def _format_errors(exc: ValidationError, data: dict[str, Any], environ: Any) -> list[str]:
     problems = []
+    given = _given_periodic(data, environ)
     for err in exc.errors():
         loc = list(err.get("loc", ()))
         parts: list[str] = []
@@ -614,7 +615,7 @@ def _format_errors(exc: ValidationError, data: dict[str, Any], environ: Any) -> 
                 label = f"[{item}]"
                 if loc[:i] == ["periodic"]:
                     try:
-                        label += f" (id={data['periodic'][item]['id']!r})"
+                        label += f" (id={given[item]['id']!r})"
                     except (KeyError, IndexError, TypeError):
                         pass
                 parts.append(label)
@@ -630,6 +631,18 @@ def _format_errors(exc: ValidationError, data: dict[str, Any], environ: Any) -> 
                 source = _env_source(where[1][:-1] if err.get("type") == "missing" else where[1], environ)
                 problems.append(f"{where[0]}: {line}" + (f" (from {source})" if source else ""))
     return problems
+
+
+def _given_periodic(data: dict[str, Any], environ: Any) -> Any:
+    """The ``periodic`` list as given (to label its entries' errors by id): the file's, else the
+    JSON of MAINTD_PERIODIC, else None."""
+    if "periodic" in data:
+        return data["periodic"]
+    var = next((k for k in environ if k.upper() == "MAINTD_PERIODIC"), None)
+    try:
+        return None if var is None else json.loads(environ[var])
+    except (ValueError, RecursionError):
+        return None
 
 
 def _keyed(key: str, loc: list[Any], msg: str) -> tuple[tuple[str, list[Any]], str]:

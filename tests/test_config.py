@@ -402,7 +402,8 @@ def test_bad_env_value_names_the_key(monkeypatch):
     ({"MAINTD_SCHEMA": "Bad"}, "schema: invalid schema name 'Bad': use 1-47 lower-case letters, digits and "
      "underscores, not starting with a digit (from MAINTD_SCHEMA)"),
     ({"MAINTD_PERIODIC": '[{"id": "a", "kind": "k", "schedule": "@hourly"}, {"id": "b", "kind": "k"}]'},
-     "periodic[1].schedule: Field required (from MAINTD_PERIODIC)"),
+     # labelled by id, as an entry of the file is (it was 'periodic[1].schedule')
+     "periodic[1] (id='b').schedule: Field required (from MAINTD_PERIODIC)"),
     ({"MAINTD_TARGETS": '[{"schema": "a", "cleaner": {"batch_size": 0}}]'},
      "targets[0].cleaner.batch_size: Input should be greater than or equal to 1 (target a) (from MAINTD_TARGETS)"),
     # The file's value at fault: a variable of the same section set to a good value is not blamed.
