@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import select
+import shlex
 import threading
 import time
 import zlib
@@ -268,8 +269,9 @@ def make_engine(dsn: str, *, application_name: str, session: dict[str, Any] | No
         if exc is not None and exc.args and isinstance(exc.args[0], str):
             exc.args = (redact_dsn(exc.args[0]),) + tuple(exc.args[1:])
         if ctx.sqlalchemy_exception is not None and ctx.connection is not None:
-            try:  # for describe_db_error: "not migrated" names where it looked
+            try:  # for describe_db_error: "not migrated" names where it looked, a grant the role
                 ctx.sqlalchemy_exception.maintd_where = connected_to(ctx.connection)
+                ctx.sqlalchemy_exception.maintd_role = ctx.connection.connection.dbapi_connection.info.user
             except Exception:  # a connection gone with the error: nothing to name
                 pass
 
@@ -375,15 +377,17 @@ def _hint(sqlstate: str | None, line: str) -> str | None:
     return None
 
 
-def describe_db_error(exc: BaseException) -> str:
+def describe_db_error(exc: BaseException, role: str | None = None) -> str:
     """One line for an operator, without the password; an error that a grant or ``maintd
-    migrate`` fixes says so."""
+    migrate`` fixes says so (a grant for ``role``, or the role an engine's session had)."""
     orig = getattr(exc, "orig", None) or exc
     msg = str(orig).strip().splitlines()
     line = redact_dsn(msg[0] if msg else exc.__class__.__name__)
     hint = _hint(getattr(orig, "sqlstate", None), line)
     if hint == MIGRATE_HINT and getattr(exc, "maintd_where", None):
         hint = f"the schema is not migrated in {exc.maintd_where}: run `maintd migrate` first"
+    if hint == GRANT_HINT and (role := role or getattr(exc, "maintd_role", None)):  # shell-quoted
+        hint = GRANT_HINT.replace("ROLE", shlex.quote(role))
     return f"{line} ({hint})" if hint and hint not in line else line
 
 

@@ -432,7 +432,7 @@ class ElectionLoop:
         except psycopg.Error as exc:
             if session_lost(exc):
                 raise
-            seat.failure = describe_db_error(exc)
+            seat.failure = describe_db_error(exc, role=self.session.user)
             if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):  # a reported state, not an error
                 self._set(writable=False)  # (SPEC 8.5): said once, /readyz 503, writable 0
             else:

@@ -62,6 +62,11 @@ class LockSession:
     def open(self) -> bool:
         return self.conn is not None and not self.conn.closed
 
+    @property
+    def user(self) -> str | None:
+        """The role the session logged in as: an error a grant fixes names it."""
+        return self.conn.info.user if self.open else None
+
     def connect_bound(self) -> float:
         """How long :meth:`connect` may take by its timeouts alone: each host's connect timeout."""
         return self.hosts.count * self._connect_timeout()

@@ -835,7 +835,7 @@ def test_run_once_by_a_role_that_cannot_start_a_term_says_why(pg_dsn, schema, tm
         assert res.returncode == 1
         last = res.stderr.strip().splitlines()[-1]
         assert last.startswith("maintd: error: could not start a term: permission denied for table leader"), last
-        assert "maintd grants ROLE --apply" in last and "another instance" not in res.stderr
+        assert f"maintd grants {role} --apply" in last and "another instance" not in res.stderr
 
 
 def test_run_once_wait_says_what_its_last_try_met_not_an_earlier_one(pg_dsn, schema, tmp_path):

@@ -469,7 +469,7 @@ def test_an_error_a_grant_fixes_names_maintd_grants(pg_dsn, schema, tmp_path):
                      ("run-once", "cleaner", "--dry-run")):
             rc, out, err = _cli("--config", cfg, *argv)
             text = out + err
-            assert rc == 1 and "permission denied" in text and "maintd grants ROLE --apply" in text, (argv, text)
+            assert rc == 1 and "permission denied" in text and f"maintd grants {role} --apply" in text, (argv, text)
 
 
 # -- run-once prints duration_seconds --------------------------------------------------------------
