@@ -172,7 +172,11 @@ def known_revision(name: str) -> bool:
 
 
 def _resolve(revision: str):
-    """The single revision id ``revision`` names (``None`` for base), or ``_UNKNOWN``."""
+    """The single revision id ``revision`` names (``None`` for base), or ``_UNKNOWN``: also for
+    a relative one ("-1"), which Alembic resolves against the schema's revision when run (its
+    ``get_revisions`` reads "-1" from head: a schema a revision behind was "there already")."""
+    if RELATIVE.fullmatch(revision):
+        return _UNKNOWN
     try:
         revs = _scripts().get_revisions(revision)
     except Exception:  # relative ("+1") or unknown revisions: Alembic reports them when run

@@ -200,6 +200,30 @@ def test_a_relative_revision_that_leads_nowhere_exits_2_naming_the_option(pg_dsn
     engine.dispose()
 
 
+def test_a_relative_downgrade_counts_from_the_schemas_revision_not_from_head(pg_dsn, tmp_path, capsys):
+    """`maintd migrate --downgrade -1` on a schema one revision behind head said "is at revision
+    ...; nothing to do" and exit 0: Alembic's get_revisions reads "-1" from head, so the schema
+    seemed there already. Alembic's downgrade counts from the schema's revision, as the README's
+    "-1" means: it now goes one down, and "-2" two."""
+    from maintd.cli import main
+
+    ids = migrate.revisions()
+    schema, engine = schema_at(pg_dsn, ids[-2])
+    try:
+        cfg = tmp_path / "maintd.toml"
+        cfg.write_text(f'database_url = "{pg_dsn}"\nschema = "{schema}"\n')
+        for argv, then in ((["--downgrade", "-1"], ids[-3]), (["--downgrade", "-2"], ids[-5]),
+                           (["--revision", "+1"], ids[-4])):
+            assert main(["--config", str(cfg), "migrate", *argv]) == 0, argv
+            assert "nothing to do" not in capsys.readouterr().out, argv
+            with engine.connect() as conn:
+                assert migrate.current_revision(conn, schema) == then, argv
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA {quote_ident(schema)} CASCADE"))
+        engine.dispose()
+
+
 def test_migrate_sql_with_downgrade_prints_the_downgrade(tmp_path, capsys):
     """`migrate --sql --downgrade REV` printed the upgrade SQL (or 'nothing to do' on a current
     schema) with exit 0: a DBA reviewing a downgrade saw none of the DROPs it would run.
