@@ -198,7 +198,7 @@ def upgrade(conn: Connection, schema: str, revision: str = "head", layout: Layou
 def downgrade(conn: Connection, schema: str, revision: str, *,
               waiting: Callable[[str], None] | None = None) -> tuple[str | None, str | None]:
     return _run(conn, schema, _resolve(revision), _relative("downgrade", revision, command.downgrade),
-                waiting=waiting)
+                waiting=waiting, creates=False)
 
 
 def _relative(option: str, revision: str, step):
@@ -215,14 +215,14 @@ def _relative(option: str, revision: str, step):
 
 
 def _run(conn: Connection, schema: str, target, action, layout: Layout = PLAIN, *,
-         waiting: Callable[[str], None] | None = None) -> tuple[str | None, str | None]:
+         waiting: Callable[[str], None] | None = None, creates: bool = True) -> tuple[str | None, str | None]:
     if _at(conn, schema, target):  # no lock to wait for (a conversion holds it for hours)
         return target, target
     key, grants_key = lock_key(schema), grants_lock_key(schema)
     take_lock(conn, key, waiting=waiting and (lambda holder: waiting(f"schema {schema}: waiting for {holder}")))
     take_lock(conn, grants_key)
     try:
-        result = _migrate(conn, schema, target, action, layout)
+        result = _migrate(conn, schema, target, action, layout, creates=creates)
     except BaseException as exc:
         let_go(conn, [key, grants_key], quiet=True)
         if isinstance(exc, DBAPIError) and isinstance(exc.orig, pg_errors.InsufficientPrivilege):
@@ -395,7 +395,8 @@ def _at(conn: Connection, schema: str, target) -> bool:
     return current == target and state.schema_usage and (state.versioned or target is None)
 
 
-def _migrate(conn: Connection, schema: str, target, action, layout: Layout = PLAIN) -> tuple[str | None, str | None]:
+def _migrate(conn: Connection, schema: str, target, action, layout: Layout = PLAIN,
+             creates: bool = True) -> tuple[str | None, str | None]:
     state = conn.execute(text(catalog.SCHEMA_PRIVILEGES), {"schema": schema}).one()
     before = current_revision(conn, schema) if state.schema_usage else None
     conn.commit()
@@ -404,7 +405,7 @@ def _migrate(conn: Connection, schema: str, target, action, layout: Layout = PLA
     readable = state.schema_usage or not state.schema_exists
     if before == target and (state.versioned or target is None) and readable:
         return before, before
-    check_privileges(state, schema)
+    check_privileges(state, schema, creates=creates)
     if not state.schema_exists:
         conn.execute(text(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}"))
         conn.commit()
@@ -466,8 +467,9 @@ def _without_lock_timeout(op, statement: str) -> None:
         bind.execute(text(catalog.SET_SESSION), {"name": "lock_timeout", "value": was})
 
 
-def check_privileges(state, schema: str) -> None:
-    """Before any DDL: raise :class:`MigratePermissionError` naming what the role lacks."""
+def check_privileges(state, schema: str, creates: bool = True) -> None:
+    """Before any DDL: raise :class:`MigratePermissionError` naming what the role lacks (for a
+    downgrade, not ``creates``, the tables' ownership first: it drops them)."""
     owner = state.tables_owner or state.schema_owner
     fix = f"run `maintd migrate` as the owner role ({owner!r})" if owner else \
         "run `maintd migrate` as the owner role"
@@ -479,14 +481,14 @@ def check_privileges(state, schema: str) -> None:
     if state.schema_exists and not state.schema_usage:
         raise MigratePermissionError(
             f"role {state.role!r} lacks USAGE on schema {schema!r} (needed to read its revision): {fix}")
-    if state.schema_exists and not state.schema_create:
+    if state.schema_exists and not state.schema_create and (creates or state.owns_tables):
         raise MigratePermissionError(
             f"role {state.role!r} lacks CREATE on schema {schema!r} (needed to create maintd's "
             f"tables): {fix}")
     if state.versioned and not state.owns_tables:
         raise MigratePermissionError(
-            f"role {state.role!r} does not own the tables of schema {schema!r} (needed to alter "
-            f"them): {fix}")
+            f"role {state.role!r} does not own the tables of schema {schema!r} (needed to "
+            f"{'alter' if creates else 'drop or alter'} them): {fix}")
 
 
 def offline_sql(schema: str, revision: str = "head", start: str | None = None, layout: Layout = PLAIN,

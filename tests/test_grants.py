@@ -704,6 +704,30 @@ def test_migrate_into_an_empty_schema_without_create_names_it(pg_dsn, tmp_path):
         assert res.returncode == 0 and "migrated from base" in res.stdout, res.stderr
 
 
+def test_a_downgrade_by_the_runtime_role_says_it_does_not_own_the_tables(pg_dsn, tmp_path):
+    """`maintd migrate --downgrade -1` as the runtime role (exactly `maintd grants`) said it
+    'lacks CREATE on schema ... (needed to create maintd's tables)': a newcomer walking the
+    README read that as a grant to add before a downgrade, which creates no table. What it
+    lacks is ownership of the tables it drops; an upgrade still names CREATE first."""
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    with login_role(pg_dsn, "maintd_owner") as owner, login_role(pg_dsn) as role:
+        apply(pg_dsn, f'CREATE SCHEMA "{schema}" AUTHORIZATION "{owner}"')
+        cfg = write_config(tmp_path, schema)
+        assert cli("--config", cfg, "migrate", "--revision", "head-1",
+                   env={"MAINTD_DATABASE_URL": role_dsn(pg_dsn, owner)}).returncode == 0
+        apply(pg_dsn, grants.render([schema], role))
+        env = {"MAINTD_DATABASE_URL": role_dsn(pg_dsn, role)}
+        for argv, said in ((("--downgrade", "-1"), f"does not own the tables of schema '{schema}' (needed to drop or alter"),
+                           (("--downgrade", "base"), f"does not own the tables of schema '{schema}' (needed to drop or alter"),
+                           ((), f"lacks CREATE on schema '{schema}' (needed to create maintd's tables)")):
+            res = cli("--config", cfg, "migrate", *argv, env=env)
+            assert res.returncode == 1, (argv, res.stdout, res.stderr)
+            [line] = res.stderr.strip().splitlines()
+            assert said in line and f"owner role ('{owner}')" in line, (argv, line)
+        with psycopg.connect(pg_dsn) as conn:  # nothing was touched
+            assert conn.execute(f'SELECT count(*) FROM "{schema}".alembic_version').fetchone()[0] == 1
+
+
 def test_migrate_work_on_tables_of_another_owner_names_the_owner(pg_dsn, tmp_path):
     schema = f"t_{uuid.uuid4().hex[:12]}"
     with login_role(pg_dsn, "maintd_owner") as owner, login_role(pg_dsn) as role:
