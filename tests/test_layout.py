@@ -1310,6 +1310,26 @@ def test_a_partitioned_table_under_a_plain_config_is_said_by_status_and_the_daem
         assert len(warned) == (configured == "plain"), maintd_log
 
 
+@pytest.mark.both_layouts
+def test_status_warns_whenever_the_config_s_layout_is_not_the_table_s(engine, schema, layout):
+    """Walking the README on a schema `maintd migrate` had made plain, `layout = "partitioned"`
+    set and `maintd migrate` run again ("nothing to do": it builds the partitioned layout for a
+    new schema only): `maintd status` and /status said `layout: plain` and nothing more, while
+    the leader kept no partitions. Either mismatch is now a warning under the layout, naming what
+    to do; a config that agrees with the table gets none."""
+    from maintd.status import collect_status, format_status
+
+    for configured in ("plain", "partitioned"):
+        st = collect_status(engine, schema, configured_layout=configured)
+        text_ = format_status(st)
+        note = st["layout"].get("note")
+        assert st["layout"]["layout"] == layout
+        assert (note is not None) == (configured != layout), st["layout"]
+        assert ("warning: " in text_) == (configured != layout), text_
+        if configured == "partitioned" and layout == "plain":
+            assert "maintd migrate --convert partitioned" in note, note
+
+
 def test_the_layout_line_writes_stray_rows_with_thousands_separators_as_every_other_count():
     """`maintd status` and the dashboard wrote "7200 stray rows" beside the partitioner's
     "stray rows 7,200" and the jobs' "4,000" (seen walking the README's conversion)."""
