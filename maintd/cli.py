@@ -429,6 +429,7 @@ def _migrate_one(settings: Settings, args: argparse.Namespace) -> None:
 
     engine = make_engine(settings.database_url.get_secret_value(),
                          application_name=f"maintd:{settings.instance_id}:migrate", pooled=False)
+    stays_plain = False  # layout = "partitioned" on a table migrate had made plain: said after
     try:
         with engine.connect() as conn:
             if args.downgrade:
@@ -438,12 +439,18 @@ def _migrate_one(settings: Settings, args: argparse.Namespace) -> None:
             else:
                 before, after = migrate.upgrade(conn, settings.schema, args.revision,
                                                 migrate.Layout.of(settings), waiting=_waiting)
+                stays_plain = settings.layout == "partitioned" and after is not None and \
+                    migrate.layout_for_sql(conn, settings.schema, migrate.Layout.of(settings)).name == "plain"
     finally:
         engine.dispose()
     if before == after:
         print(f"schema {settings.schema} is at revision {after or 'base'}; nothing to do")
     else:
         print(f"schema {settings.schema} migrated from {before or 'base'} to {after or 'base'}")
+    if stays_plain:
+        print(f"schema {settings.schema}: the jobs table is plain, though the config says layout = \"partitioned\" "
+              "(migrate builds that layout for a new schema only): convert it with "
+              "`maintd migrate --convert partitioned`")
 
 
 def _waiting(line: str) -> None:

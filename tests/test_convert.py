@@ -366,6 +366,23 @@ def test_the_cli_converts_and_the_admin_functions_follow(engine, pg_dsn, schema,
     assert again.returncode == 0 and "partitioned already" in again.stdout
 
 
+def test_migrate_under_a_partitioned_config_on_a_plain_table_says_to_convert_it(engine, pg_dsn, schema, tmp_path):
+    """A newcomer sets `layout = "partitioned"` on a schema `maintd migrate` had made plain and runs
+    `maintd migrate` again: it said only "nothing to do", and the table stayed plain with nothing
+    to tell why (it builds that layout for a new schema only). It now names the conversion, and
+    still exits 0 (the systemd unit runs it at every start); a plain config gets no such line."""
+    env = {"MAINTD_DATABASE_URL": pg_dsn}
+    for layout in ("plain", "partitioned"):
+        res = cli("--config", write_config(tmp_path, schema, top=f'layout = "{layout}"\n'), "migrate", env=env)
+        assert res.returncode == 0, res.stderr
+        assert "nothing to do" in res.stdout, res.stdout
+        said = "`maintd migrate --convert partitioned`" in res.stdout
+        assert said == (layout == "partitioned"), res.stdout
+    with engine.connect() as conn:
+        assert not conn.execute(text("SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass(:t)"),
+                                {"t": f'"{schema}".jobs'}).scalar()
+
+
 def test_column_grants_and_row_level_security_are_refused_not_dropped(engine, pg_dsn, schema):
     """The swap copies the table's grants and nothing finer: a column-level grant (a reporting
     role's SELECT on some columns) was gone on the partitioned table, and row-level security
