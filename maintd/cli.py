@@ -828,7 +828,8 @@ def cmd_grants(args: argparse.Namespace) -> int:
         for dsn, on_it in by_database.items():
             if len(by_database) > 1:  # each database's script is run there (psql's ON_ERROR_STOP)
                 sys.stdout.write(f"-- database {redact_dsn(dsn)}: run the script below against it\n")
-            sys.stdout.write(render(on_it, args.role, worker=args.worker))
+            sys.stdout.write(render(on_it, args.role, worker=args.worker,
+                                    partitioned={t.schema for t in targets if t.layout == "partitioned"}))
         return EXIT_OK
     from .db import make_engine, session_settings
 

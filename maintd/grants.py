@@ -26,6 +26,7 @@ Notes on what is *not* granted:
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,8 +141,10 @@ def _privilege(privilege: str, grant: TableGrant) -> str:
     return privilege
 
 
-def render(schemas: list[str], role: str, *, worker: bool = False) -> str:
-    """The full script for psql: one transaction, a block per schema, reasons as comments."""
+def render(schemas: list[str], role: str, *, worker: bool = False, partitioned: Collection[str] = ()) -> str:
+    """The full script for psql: one transaction, a block per schema, reasons as comments.
+    ``partitioned``: the schemas configured with the partitioned layout, whose MAINTAIN example
+    names ``jobs_live`` (MAINTAIN on the partitioned ``jobs`` does not reach it)."""
     validate_role(role)
     who = "a worker" if worker else "the maintd daemon"
     lines = [
@@ -162,7 +165,9 @@ def render(schemas: list[str], role: str, *, worker: bool = False) -> str:
             "-- (REINDEX INDEX CONCURRENTLY, dropping a failed build's leftover index) or, on PostgreSQL",
             "-- 17+, MAINTAIN on the table (the partitioned layout: on jobs_live), which the owner may grant",
             "-- (the daemon then names a failed build's leftovers for the owner to drop):",
-            *(f"--   GRANT MAINTAIN ON TABLE {quote_ident(schema)}.\"jobs\" TO {quote_ident(role)};" for schema in schemas),
+            *(f"--   GRANT MAINTAIN ON TABLE {quote_ident(schema)}."
+              f"{quote_ident('jobs_live' if schema in partitioned else 'jobs')} TO {quote_ident(role)};"
+              for schema in schemas),
             "-- Otherwise keep reindexer.enabled = false for this role: `maintd run-once reindexer` as the",
             "-- owner needs the leader lock the daemons hold; run REINDEX INDEX CONCURRENTLY as the owner.",
             "-- Optional, as a superuser (not applied by --apply): the table-health read names other",

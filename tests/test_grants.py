@@ -239,6 +239,20 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> s
                           timeout=timeout, env={**base, **(env or {})})
 
 
+def test_the_maintain_example_names_the_table_maintain_must_be_on_for_the_configured_layout(tmp_path):
+    """`maintd grants` prints, for the reindexer on PostgreSQL 17+, a GRANT MAINTAIN to copy. On the
+    partitioned layout it named `jobs`, whose MAINTAIN does not reach the partition `jobs_live`
+    that holds the indexes (the README and the reindexer's own error say so): the copied grant
+    left the reindexer `not_permitted`. It names `jobs_live` there, `jobs` on the plain layout."""
+    for layout, table in (("plain", "jobs"), ("partitioned", "jobs_live")):
+        cfg = tmp_path / f"{layout}.toml"
+        cfg.write_text(f'schema = "acme_jobs"\nlayout = "{layout}"\n')
+        res = cli("--config", str(cfg), "grants", "maintd_daemon")
+        assert res.returncode == 0, res.stderr
+        [example] = [line for line in res.stdout.splitlines() if "GRANT MAINTAIN" in line]
+        assert example == f'--   GRANT MAINTAIN ON TABLE "acme_jobs"."{table}" TO "maintd_daemon";', example
+
+
 def test_grants_prints_quoted_statements_for_the_configured_schema(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text('schema = "acme_jobs"\n')
