@@ -34,6 +34,7 @@ def layout_summary(conn: Connection, schema: str, configured: str | None = None)
     row = conn.execute(sql(partitions.SUMMARY, schema)).one()
     return {"layout": "partitioned", "partitions": int(row.partitions), "oldest": row.oldest,
             "newest": row.newest, "stray_rows": int(row.stray_rows),
+            **({"stray_rows_estimated": True} if row.stray_estimated else {}),
             **({"note": NOT_KEPT} if configured == "plain" else {})}
 
 
@@ -45,7 +46,9 @@ def format_layout(summary: dict[str, Any]) -> str:
             f"\n  warning: {summary['note']}" if summary.get("note") else "")
     return (f"layout: partitioned, {summary['partitions']:,} partitions of final jobs from "
             f"{_iso(summary['oldest'])} to {_iso(summary['newest'])}, "
-            f"{summary['stray_rows']:,} stray rows in the catch-all partitions"
+            f"{'~' if summary.get('stray_rows_estimated') else ''}{summary['stray_rows']:,} stray rows in the "
+            "catch-all partitions" + (" (an estimate: over 100,000 in a catch-all)"
+                                      if summary.get("stray_rows_estimated") else "")
             + (f"\n  warning: {summary['note']}" if summary.get("note") else ""))
 
 

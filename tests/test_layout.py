@@ -326,6 +326,33 @@ def test_stray_rows_are_counted_exactly_up_to_100000_then_estimated(engine, sche
     assert 140_000 <= low <= 160_000 and high == 3
 
 
+def test_status_marks_a_stray_row_count_past_the_cap_as_an_estimate(engine, schema, settings):
+    """Walking the README's conversion (380,000 finished jobs left in the low catch-all, no ANALYZE
+    yet: autovacuum off, or not round yet), `maintd status` said "101,001 stray rows" as if
+    counted: past 100,000 a catch-all's figure is the planner's estimate, here the floor
+    100,001. Status, /status and the dashboard now mark it (`~`, `stray_rows_estimated`); a
+    count within the cap stays unmarked."""
+    from maintd.dashboard import Dashboard
+    from maintd.http import Request
+    from maintd.status import collect_status, format_status
+
+    def shown() -> tuple[dict, str, str]:
+        st = collect_status(engine, schema)
+        _, _, body, _ = Dashboard(lambda: settings).pages()["/"](Request("/", {}))
+        line = next(ln for ln in format_status(st).splitlines() if ln.startswith("layout:"))
+        stray = re.search(r'id="stray-rows"[^>]*>([^<]*)<', body.decode()).group(1)
+        return st["layout"], line, stray
+
+    insert_final(engine, schema, "completed", "2001-01-01", n=5)
+    layout, line, stray = shown()
+    assert "stray_rows_estimated" not in layout and " 5 stray rows" in line and stray == "5 stray rows", (line, stray)
+    insert_final(engine, schema, "completed", "2001-01-01", n=150_000)
+    layout, line, stray = shown()
+    assert layout["stray_rows"] == 100_001 and layout["stray_rows_estimated"] is True, layout
+    assert "~100,001 stray rows" in line and "estimate" in line, line
+    assert stray == "~100,001 stray rows", stray
+
+
 def test_a_wider_step_does_not_keep_the_narrower_partitions_made_before_it(engine, schema):
     """The step raised from an hour to a day (a reload): whether the first partition is past the
     retention was judged as if it were a new step wide, so hour partitions past it were kept up to
