@@ -126,7 +126,7 @@ def abandon(conn: Connection, schema: str, say: Callable[[str], None] = print) -
         conn.commit()
         say(f"schema {schema}: no conversion under way; nothing to do")
         return "nothing"
-    _check_owner(conn, schema)
+    _check_owner(conn, schema, "plain")
     _with_lock_timeout(conn, schema, "dropping the sync triggers", sql(q.ABANDON_TRIGGER, schema),
                        sql(q.ABANDON_TRUNCATE_TRIGGER, schema))
     for template in q.ABANDON:
@@ -135,10 +135,12 @@ def abandon(conn: Connection, schema: str, say: Callable[[str], None] = print) -
     return "done"
 
 
-def _check_owner(conn: Connection, schema: str) -> None:
+def _check_owner(conn: Connection, schema: str, to: str = "partitioned") -> None:
     """Before any DDL: the role must be able to make and swap tables (the schema's owner), as
-    for ``maintd migrate``; otherwise a MigratePermissionError names the role to use."""
-    migrate.check_privileges(conn.execute(text(catalog.SCHEMA_PRIVILEGES), {"schema": schema}).one(), schema)
+    for ``maintd migrate``; otherwise a MigratePermissionError names the role to use, and the
+    command run (`--convert`), not a bare `maintd migrate`, which would convert nothing."""
+    migrate.check_privileges(conn.execute(text(catalog.SCHEMA_PRIVILEGES), {"schema": schema}).one(), schema,
+                             command=f"maintd migrate --convert {to}", making="the conversion's tables")
     conn.commit()
 
 

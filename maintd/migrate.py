@@ -467,12 +467,15 @@ def _without_lock_timeout(op, statement: str) -> None:
         bind.execute(text(catalog.SET_SESSION), {"name": "lock_timeout", "value": was})
 
 
-def check_privileges(state, schema: str, creates: bool = True) -> None:
+def check_privileges(state, schema: str, creates: bool = True, command: str = "maintd migrate",
+                     making: str = "maintd's tables") -> None:
     """Before any DDL: raise :class:`MigratePermissionError` naming what the role lacks (for a
-    downgrade, not ``creates``, the tables' ownership first: it drops them)."""
+    downgrade, not ``creates``, the tables' ownership first: it drops them), and the command
+    (``command``: the one run, e.g. ``maintd migrate --convert partitioned``) to run as the
+    owner role instead."""
     owner = state.tables_owner or state.schema_owner
-    fix = f"run `maintd migrate` as the owner role ({owner!r})" if owner else \
-        "run `maintd migrate` as the owner role"
+    fix = f"run `{command}` as the owner role ({owner!r})" if owner else \
+        f"run `{command}` as the owner role"
     if not state.schema_exists and not state.database_create:
         raise MigratePermissionError(
             f"role {state.role!r} lacks CREATE on database {state.database!r} (needed to create "
@@ -483,8 +486,7 @@ def check_privileges(state, schema: str, creates: bool = True) -> None:
             f"role {state.role!r} lacks USAGE on schema {schema!r} (needed to read its revision): {fix}")
     if state.schema_exists and not state.schema_create and (creates or state.owns_tables):
         raise MigratePermissionError(
-            f"role {state.role!r} lacks CREATE on schema {schema!r} (needed to create maintd's "
-            f"tables): {fix}")
+            f"role {state.role!r} lacks CREATE on schema {schema!r} (needed to create {making}): {fix}")
     if state.versioned and not state.owns_tables:
         raise MigratePermissionError(
             f"role {state.role!r} does not own the tables of schema {schema!r} (needed to "

@@ -345,6 +345,37 @@ def test_the_clean_up_of_a_cut_off_conversion_is_refused_to_a_non_owner_before_i
         assert ("jobs_convert_sync",) not in functions and jobs == before[2] == 61
 
 
+def test_a_conversion_run_by_the_runtime_role_names_the_command_to_run_as_the_owner(pg_dsn, tmp_path):
+    """Walking the README, `maintd migrate --convert partitioned` run with the daemon's URL (the
+    runtime role, given exactly what `maintd grants` prints) said "lacks CREATE on schema ...
+    (needed to create maintd's tables): run `maintd migrate` as the owner role": run as told, a
+    bare `maintd migrate` converts nothing ("nothing to do"). The error names the command that
+    was run, with the privilege and the owner role, and nothing is made."""
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    with login_role(pg_dsn, "maintd_owner") as owner, login_role(pg_dsn) as runtime:
+        apply(pg_dsn, f'CREATE SCHEMA "{schema}" AUTHORIZATION "{owner}"')
+        owner_engine = make_engine(role_dsn(pg_dsn, owner), application_name="convert", pooled=False)
+        try:
+            with owner_engine.connect() as conn:
+                migrate.upgrade(conn, schema)
+            seed(owner_engine, schema, final=20, live=5)
+        finally:
+            owner_engine.dispose()
+        apply(pg_dsn, grants.render([schema], runtime))
+        before = schema_objects(pg_dsn, schema)
+        cfg = write_config(tmp_path, schema)
+        for to in ("partitioned", "plain"):
+            res = cli("--config", cfg, "migrate", "--convert", to, env={"MAINTD_DATABASE_URL": role_dsn(pg_dsn, runtime)})
+            if to == "plain":  # nothing under way: nothing to give up, whoever asks
+                assert res.returncode == 0 and "no conversion under way" in res.stdout, res.stdout + res.stderr
+                continue
+            assert res.returncode == 1, res.stdout + res.stderr
+            [line] = res.stderr.strip().splitlines()
+            assert f"role '{runtime}' lacks CREATE on schema '{schema}'" in line, line
+            assert f"run `maintd migrate --convert partitioned` as the owner role ('{owner}')" in line, line
+        assert schema_objects(pg_dsn, schema) == before
+
+
 def test_the_cli_converts_and_the_admin_functions_follow(engine, pg_dsn, schema, tmp_path):
     seed(engine, schema, final=100, live=50)
     cfg = tmp_path / "c.toml"
