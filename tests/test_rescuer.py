@@ -819,3 +819,22 @@ def test_a_pass_reads_each_future_sign_of_lifes_index_entry_once_while_a_snapsho
     # an entry or so each); batches that read from the index's end, or an update that read the
     # whole range of future signs, read 5,800 and more
     assert read <= 1000, f"{read} index entries read for 400 jobs from the future"
+
+
+def test_a_pass_reads_each_index_entry_of_jobs_stuck_at_one_instant_once_while_a_snapshot_keeps_them(
+        settings, engine, schema, clock, pg_dsn):
+    """Stuck jobs last seen at the very same instant are common (one worker's claim of a batch,
+    one statement's now(): a crashed worker leaves them all). RESCUER_BATCH's keyset position is
+    its last candidate, (seen, id) with the largest id of the tie: taken with the smallest id
+    (``id`` for ``id DESC`` there), each batch read again the entries of the last batch's rescued
+    jobs (they stay in jobs_running_idx until a vacuum, and a transaction older than the rescue
+    keeps them from being marked dead): 400 jobs in batches of 20 read 780 entries, not 400."""
+    settings.rescuer.batch_size = 20
+    stuck = running(engine, schema, seen_ago=timedelta(hours=2), n=400)
+    with engine.begin() as conn:
+        conn.execute(sql("ANALYZE {schema}.jobs", schema))
+    result, read = entries_read_while_a_snapshot_is_held(engine, pg_dsn, schema, "running",
+                                                         lambda e: run(settings, e, clock))
+    assert (result.retried, result.batches) == (400, 20), result
+    assert {i: r.state for i, r in rows(engine, schema).items()} == {i: "retryable" for i in stuck}
+    assert read <= 600, f"{read} entries of jobs_running_idx read for 400 jobs stuck at one instant"

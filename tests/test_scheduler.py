@@ -749,3 +749,27 @@ def test_a_pass_reads_each_due_jobs_index_entry_once_while_a_snapshot_keeps_them
     assert set(states(engine, schema).values()) == {"available"}
     # one read to lock each job, and the entry after each batch's last (about 420 here)
     assert read <= 1000, f"{read} entries of jobs_scheduled_idx read for 400 due jobs"
+
+
+def test_a_pass_reads_each_index_entry_of_jobs_due_at_one_instant_once_while_a_snapshot_keeps_them(
+        settings, engine, schema, clock, pg_dsn):
+    """Jobs due at the very same instant are common (one statement's retries: the rescuer's and the
+    workers' backoff from one now(), an application's bulk schedule). A batch's keyset position is
+    its last candidate, (scheduled_at, id) with the largest id of the tie: ordered by ``id`` instead
+    of ``id DESC`` there, it was the batch's smallest id, and each batch read again the entries of
+    the last batch's promoted jobs at that instant (they stay in jobs_scheduled_idx until a vacuum,
+    and a transaction older than the promotion keeps them from being marked dead): 400 jobs due at
+    one instant in batches of 20 read 782 entries instead of 402, every pass that has such a tie."""
+    settings.scheduler.batch_size = 20
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) "
+                         "SELECT 'k', 'scheduled', CAST(:t AS timestamptz) FROM generate_series(1, 400)", schema),
+                     {"t": T0 - timedelta(minutes=1)})
+        conn.execute(sql("ANALYZE {schema}.jobs", schema))
+    result, read = entries_read_while_a_snapshot_is_held(engine, pg_dsn, schema, "scheduled",
+                                                         lambda e: run(settings, e, clock))
+    assert result.promoted == {"default": 400} and result.batches == 20, result
+    assert set(states(engine, schema).values()) == {"available"}
+    # one read to lock each job, and the entry after the last batch's (402 here); the last batch's
+    # candidates read again by each batch: 782
+    assert read <= 600, f"{read} entries of jobs_scheduled_idx read for 400 jobs due at one instant"
