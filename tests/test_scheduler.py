@@ -773,3 +773,23 @@ def test_a_pass_reads_each_index_entry_of_jobs_due_at_one_instant_once_while_a_s
     # one read to lock each job, and the entry after the last batch's (402 here); the last batch's
     # candidates read again by each batch: 782
     assert read <= 600, f"{read} entries of jobs_scheduled_idx read for 400 jobs due at one instant"
+
+
+def test_a_held_job_due_exactly_at_the_pass_s_reading_does_not_make_a_precise_scheduler_spin(settings, engine,
+                                                                                             schema):
+    """The edge of the test above: a job due at the very microsecond of the pass's reading of the
+    clock (due: ``scheduled_at <= now``) whose row another session holds. The next due time asked
+    for after the batch is strictly after that reading; from it on (``>=``), the held job's own due
+    time was asked for, a time already past, and a precise scheduler passed again at once, every
+    MIN_WAKE, for as long as the row was held."""
+    from maintd.clock import FrozenClock
+
+    settings.scheduler.interval = timedelta(seconds=3)
+    with engine.begin() as conn:
+        at = conn.execute(sql("SELECT date_trunc('second', now()) - interval '1 minute'", schema)).scalar()
+        held = conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, scheduled_at) VALUES "
+                                "('k', 'scheduled', CAST(:t AS timestamptz)) RETURNING id", schema), {"t": at}).scalar()
+    with jobs_locked(engine, schema, held):
+        result = Scheduler(settings.scheduler).run_once(PassContext.for_settings(settings, engine, FrozenClock(at)))
+    assert (result.total, result.wake_at()) == (0, None), f"asked for a pass at {result.wake_at()} for a held row"
+    assert states(engine, schema) == {held: "scheduled"}
