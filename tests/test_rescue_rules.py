@@ -102,6 +102,32 @@ def test_kind_over_queue_over_default_at_the_edges(settings, engine, schema, clo
     assert {case: now[i] == "retryable" for case, i in ids.items()} == cases
 
 
+
+def test_a_job_exactly_at_its_own_rule_s_limit_is_alive_under_a_rule_with_a_later_horizon(settings, engine,
+                                                                                          schema, clock):
+    """Exactly at a limit is not older than it: alive. The edge of one rule is checked by {stuck}
+    itself only when the scan reaches it: the scan stops at the latest horizon of any rule, which
+    is the edge of a single rule but lies after the edges of the others. Here the queue 'api'
+    (1 min) sets it, so a job of the kind 'slow' seen or heartbeated exactly 2 min ago, and one of
+    the default rule seen exactly 1 h ago, are inside the scan and kept only by {stuck}'s ``<``
+    (``<=`` in the heartbeat rule rescued the live 'slow' job, and the dry run counted it)."""
+    settings = rules(settings, precise_timing=False, rescue_stuck_jobs_after="1h",
+                     queues={"api": {"rescue_stuck_jobs_after": "1m"}},
+                     kinds={"slow": {"heartbeat_timeout": "2m"}})
+    h, m = timedelta(hours=1), timedelta(minutes=1)
+    cases = {  # (kind, seen ago, heartbeat ago): rescued?
+        ("slow", 30 * m, 2 * m): False, ("slow", 30 * m, 2 * m + timedelta(microseconds=1)): True,
+        ("k", h, None): False, ("k", h + timedelta(microseconds=1), None): True,
+    }
+    ids = {case: add(engine, schema, kind=case[0], seen_ago=case[1], heartbeat_ago=case[2])[0] for case in cases}
+    add(engine, schema, queue="api", seen_ago=m)  # the latest horizon: exactly at it, alive too
+    dry = Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, clock, dry_run=True))
+    result = Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, clock))
+    assert (dry.retried, result.retried) == (2, 2), (dry.retried, result.retried)
+    now = states(engine, schema)
+    assert {case: now[i] == "retryable" for case, i in ids.items()} == cases
+
+
 def test_rules_keep_the_statement_batched_and_index_backed(settings, engine, schema):
     """Overrides are bound arrays in the same statement: the candidates still come from
     jobs_running_idx and the rows through their ctids, with custom and generic plans."""
