@@ -412,6 +412,25 @@ def test_without_precise_timing_the_pass_asks_for_no_pass(settings, engine, sche
     assert result.wake_at() is None and states(engine, schema)[job] == "running"
 
 
+
+def test_a_job_whose_deadline_is_exactly_the_pass_s_reading_gets_a_pass_at_once(settings, engine, schema):
+    """A job whose stuck deadline is the very microsecond of the pass's reading of the clock is not
+    stuck yet (not older than its limit) and is the next deadline to wait for: the pass asks for
+    another MIN_WAKE later. With the deadline window open at its start (``>`` for ``>=``) that job
+    was nobody's (not the batch's, not the probe's), and with nothing else due the pass looked
+    again only a whole grace later: rescued 10 s late here (up to the interval without a short
+    grace)."""
+    from maintd.clock import FrozenClock
+
+    settings = rules(settings, rescue_stuck_jobs_after="10s", interval="60s")
+    with engine.begin() as conn:
+        at = conn.execute(sql("SELECT date_trunc('second', now()) - interval '1 minute'", schema)).scalar()
+    [job] = add(engine, schema, seen_ago=T0 - at + timedelta(seconds=10))  # attempted_at = at - 10 s
+    result = Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, FrozenClock(at)))
+    assert states(engine, schema) == {job: "running"} and result.retried == 0
+    assert result.wake_at() is not None and result.wake_at() - at <= timedelta(seconds=1), result.wake_at() - at
+
+
 def test_a_pass_asks_for_one_just_after_the_next_deadline(settings, engine, schema):
     """A job stuck in about 5 s (within the 30 s interval): the pass asks for a pass just after
     its deadline; after the term ends, none is left waiting."""
