@@ -685,6 +685,24 @@ def test_a_heartbeat_left_from_an_earlier_attempt_does_not_rescue_the_new_one(se
     assert run(settings, engine, clock).did_something() is False  # cleared once; nothing left to do
 
 
+
+def test_a_job_claimed_exactly_its_grace_ago_over_an_earlier_attempt_s_heartbeat_stays_running(settings, engine,
+                                                                                              schema, clock):
+    """The edge of the test above: a claim exactly as old as the rule's limit is not older than it,
+    so the job is alive by its claim and its earlier attempt's heartbeat is cleared, not taken for
+    this attempt's (``{stale_heartbeat}``'s ``attempted_at >=``). With ``>`` the job was rescued
+    by the old heartbeat, and the dry run counted it; a microsecond older, it is rescued."""
+    hour = timedelta(hours=1)
+    exact = running(engine, schema, seen_ago=hour, heartbeat_ago=2 * hour, attempt=2)
+    older = running(engine, schema, seen_ago=hour + timedelta(microseconds=1), heartbeat_ago=2 * hour, attempt=2)
+    planned = run(settings, engine, clock, dry_run=True)
+    result = run(settings, engine, clock)
+    r = rows(engine, schema)
+    assert (r[exact[0]].state, r[older[0]].state) == ("running", "retryable")
+    assert r[exact[0]].heartbeat_at is None and r[exact[0]].attempted_at == T0 - hour
+    assert (planned.retried, result.retried, result.skipped_rows()["stale_heartbeat"]) == (1, 1, 1)
+
+
 def test_a_rescued_job_claimed_again_by_the_spec_claim_stays_running(settings, engine, schema, clock):
     """The same through the rescue itself: a job rescued after its heartbeats stopped, claimed
     again by SPEC 2's claim (which does not clear heartbeat_at), is not rescued by the next pass."""
