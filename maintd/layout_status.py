@@ -9,6 +9,7 @@ from typing import Any
 from sqlalchemy import Connection, text
 
 from .identifiers import qualified
+from .partitions import EXACT_UP_TO
 from .queries import catalog, partitions, sql
 
 
@@ -31,7 +32,7 @@ def layout_summary(conn: Connection, schema: str, configured: str | None = None)
         copying = conn.execute(text(catalog.TABLE_EXISTS), {"qualified": qualified(schema, "jobs_conv")}).scalar()
         return {"layout": "plain", **({"converting": True} if copying else
                                       {"note": NOT_CONVERTED} if configured == "partitioned" else {})}
-    row = conn.execute(sql(partitions.SUMMARY, schema)).one()
+    row = conn.execute(sql(partitions.SUMMARY, schema), {"cap": EXACT_UP_TO}).one()
     return {"layout": "partitioned", "partitions": int(row.partitions), "oldest": row.oldest,
             "newest": row.newest, "stray_rows": int(row.stray_rows),
             **({"stray_rows_estimated": True} if row.stray_estimated else {}),
@@ -47,7 +48,7 @@ def format_layout(summary: dict[str, Any]) -> str:
     return (f"layout: partitioned, {summary['partitions']:,} partitions of final jobs from "
             f"{_iso(summary['oldest'])} to {_iso(summary['newest'])}, "
             f"{'~' if summary.get('stray_rows_estimated') else ''}{summary['stray_rows']:,} stray rows in the "
-            "catch-all partitions" + (" (an estimate: over 100,000 in a catch-all)"
+            "catch-all partitions" + (f" (an estimate: over {EXACT_UP_TO:,} in a catch-all)"
                                       if summary.get("stray_rows_estimated") else "")
             + (f"\n  warning: {summary['note']}" if summary.get("note") else ""))
 

@@ -54,7 +54,8 @@ LIVE_PARTITION = "jobs_live"
 DETACHED_COMMENT = "maintd: detached partition, to be dropped"
 
 # An emptied partition's rows are counted exactly up to this many, beyond it estimated (a literal
-# in maintain_partitions, as of migration 0015; partitions.EXPIRED's :cap).
+# in maintain_partitions, as of migration 0015; partitions.EXPIRED's :cap), and so are a
+# catch-all's (a literal in catch_all_rows; partitions.SUMMARY's :cap).
 EXACT_UP_TO = 100_000
 # The most partitions one call of maintain_partitions makes a state (a literal there: make_partitions'
 # and prepare_partitions' p_cap); a dry run counts as many.

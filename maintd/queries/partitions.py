@@ -78,11 +78,11 @@ DROP_DETACHED = "SELECT name FROM {schema}.drop_detached_partitions() AS name"
 
 # What status and the dashboard show of the partitioned layout: every final state's proper
 # partitions, the first start and the last end among them, and the rows in the catch-alls, with
-# whether that is an estimate (catch_all_rows counts up to 100,000 a catch-all, then gives the
+# whether that is an estimate (catch_all_rows counts up to :cap a catch-all, then gives the
 # planner's estimate: right after a conversion, before an ANALYZE, 100,001 whatever is there).
 SUMMARY = """
 SELECT sum(partitions) AS partitions, min(low_end) AS oldest, max(high_start) AS newest,
        sum(low_rows + high_rows) AS stray_rows,
-       coalesce(bool_or(low_rows > 100000 OR high_rows > 100000), false) AS stray_estimated
+       coalesce(bool_or(low_rows > :cap OR high_rows > :cap), false) AS stray_estimated
   FROM (""" + LAYOUT + """) AS per_state
 """
