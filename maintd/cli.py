@@ -430,6 +430,7 @@ def _migrate_one(settings: Settings, args: argparse.Namespace) -> None:
     engine = make_engine(settings.database_url.get_secret_value(),
                          application_name=f"maintd:{settings.instance_id}:migrate", pooled=False)
     stays_plain = False  # layout = "partitioned" on a table migrate had made plain: said after
+    layout = migrate.Layout.of(settings)
     try:
         with engine.connect() as conn:
             if args.downgrade:
@@ -437,10 +438,9 @@ def _migrate_one(settings: Settings, args: argparse.Namespace) -> None:
             elif args.convert:
                 return _convert_one(conn, settings, args.convert)
             else:
-                before, after = migrate.upgrade(conn, settings.schema, args.revision,
-                                                migrate.Layout.of(settings), waiting=_waiting)
+                before, after = migrate.upgrade(conn, settings.schema, args.revision, layout, waiting=_waiting)
                 stays_plain = settings.layout == "partitioned" and after is not None and \
-                    migrate.layout_for_sql(conn, settings.schema, migrate.Layout.of(settings)).name == "plain"
+                    migrate.layout_for_sql(conn, settings.schema, layout).name == "plain"
     finally:
         engine.dispose()
     if before == after:

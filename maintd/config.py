@@ -463,8 +463,8 @@ def _errors(section: str, exc: ValidationError) -> list[str]:
     for err in exc.errors():
         loc = ".".join(str(x) for x in (section, *err.get("loc", ())))
         msg = err.get("msg", "invalid").removeprefix("Value error, ")
-        if sub := KEY_RE.match(msg):  # a model check naming the precise key
-            loc, msg = f"{loc}.{sub.group(1)}", msg[sub.end():]
+        if KEY_RE.match(msg):  # a model check naming the precise key
+            (loc, _), msg = _keyed(loc, [], msg)
         out.append(f"{loc}: {'unknown key' if err.get('type') == 'extra_forbidden' else msg}")
     return out
 
