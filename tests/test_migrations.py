@@ -204,7 +204,9 @@ def test_a_relative_downgrade_counts_from_the_schemas_revision_not_from_head(pg_
     """`maintd migrate --downgrade -1` on a schema one revision behind head said "is at revision
     ...; nothing to do" and exit 0: Alembic's get_revisions reads "-1" from head, so the schema
     seemed there already. Alembic's downgrade counts from the schema's revision, as the README's
-    "-1" means: it now goes one down, and "-2" two."""
+    "-1" means: it now goes one down, and "-2" two. Source: Alembic's tutorial, "Relative Migration
+    Identifiers" (docs/build/tutorial.rst): "To move two versions from the current, a decimal value
+    '+N' can be supplied ... Negative values are accepted for downgrades: alembic downgrade -1"."""
     from maintd.cli import main
 
     ids = migrate.revisions()
