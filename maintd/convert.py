@@ -27,6 +27,9 @@ layout (SPEC 8.1) while workers and the daemon keep running. Run by the schema's
 4. *Clean up*: the trigger went with the swap; the plain table's storage parameters (migrate's
    autovacuum settings and the operator's) go to the live partition and its comment to the new
    table; ``jobs_plain``, the seen ids and the progress row are dropped.
+5. *Analyze* the new table and its partitions (sampled, as autovacuum would; it never analyzes a
+   partitioned table itself): until then the planner knows nothing of the copied rows, and status
+   shows a catch-all holding a retention's finished jobs at the floor of its estimate.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ def convert(conn: Connection, schema: str, layout: Layout, say: Callable[[str], 
             _check_owner(conn, schema)
             _clean_up(conn, schema)  # a run cut off after its swap: its copies go now
             say(f"schema {schema}: jobs is partitioned already; dropped what an interrupted conversion left")
+            _analyze(conn, schema, say)
             return "already"
         conn.commit()
         say(f"schema {schema}: jobs is partitioned already; nothing to do")
@@ -87,6 +91,7 @@ def convert(conn: Connection, schema: str, layout: Layout, say: Callable[[str], 
             return "stopped"
     _swap(conn, schema, say)
     _clean_up(conn, schema)
+    _analyze(conn, schema, say)
     say(f"schema {schema}: jobs is partitioned; set layout = \"partitioned\" so the leader keeps its partitions")
     return "done"
 
@@ -365,3 +370,13 @@ def _clean_up(conn: Connection, schema: str) -> None:
     for template in q.CLEAN_UP:
         conn.execute(sql(template, schema))
     conn.commit()
+
+
+def _analyze(conn: Connection, schema: str, say: Callable[[str], None]) -> None:
+    """Step 5: ANALYZE of the partitioned jobs gathers its statistics as a whole and each
+    partition's (PostgreSQL's ANALYZE documentation). It takes a SHARE UPDATE EXCLUSIVE lock:
+    the workers' reads and writes go on."""
+    started = time.monotonic()
+    conn.execute(sql(q.ANALYZE, schema))
+    conn.commit()
+    say(f"schema {schema}: analyzed jobs and its partitions in {time.monotonic() - started:.1f} s")

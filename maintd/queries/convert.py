@@ -148,6 +148,9 @@ SELECT format('COMMENT ON TABLE {schema}.jobs IS %L', d.description)
  WHERE d.objoid = to_regclass(:plain) AND d.classoid = CAST('pg_class' AS regclass) AND d.objsubid = 0
 """
 
+# Step 5: the statistics of the partitioned table as a whole and of every partition (sampled).
+ANALYZE = "ANALYZE {schema}.jobs"
+
 CLEAN_UP = (
     "DROP TABLE IF EXISTS {schema}.jobs_plain",
     "DROP TABLE IF EXISTS {schema}.jobs_convert_seen",
