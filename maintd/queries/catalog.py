@@ -38,12 +38,13 @@ SELECT coalesce((SELECT c.relkind = 'p' FROM pg_class c
 # can_reindex: whether this role may REINDEX the index: a superuser, a member of the table's
 # owner role, or (PostgreSQL 17+) a holder of MAINTAIN on the index's own table (jobs_live on the
 # partitioned layout: MAINTAIN on jobs does not reach a partition's index). can_drop: whether it may DROP
-# it (a failed build's leftover): the owner only, MAINTAIN does not allow it.
+# it (a failed build's leftover): the owner only, MAINTAIN does not allow it. has_maintain: whether
+# the server has the MAINTAIN privilege at all (17+), for the refusal's advice.
 JOBS_INDEXES = """
 SELECT c.relname AS name, t.relname AS table, i.indisvalid AS valid, pg_relation_size(c.oid) AS bytes,
        o.owns OR CASE WHEN current_setting('server_version_num')::int >= 170000
                       THEN has_table_privilege(t.oid, 'MAINTAIN') ELSE false END AS can_reindex,
-       o.owns AS can_drop
+       o.owns AS can_drop, current_setting('server_version_num')::int >= 170000 AS has_maintain
   FROM pg_index i
   JOIN pg_class c ON c.oid = i.indexrelid
   JOIN pg_class t ON t.oid = i.indrelid

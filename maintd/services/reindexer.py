@@ -22,7 +22,7 @@ from datetime import timedelta
 
 from prometheus_client import Counter, Gauge
 from pydantic import Field, field_validator
-from sqlalchemy import text
+from sqlalchemy import Row, text
 from sqlalchemy.exc import DBAPIError
 
 from ..db import describe_db_error, ms
@@ -70,9 +70,11 @@ NEEDS_OWNER = ("42501",)
 OLDER_TRANSACTION = ("a transaction older than the rebuild kept the jobs table for over reindexer.lock_timeout "
                      "({}); its waits block no worker: raise lock_timeout (up to timeout) to wait for such transactions")
 # {table}: the index's own table, which PostgreSQL checks (jobs, or the partitioned layout's jobs_live).
+# {maintain}: on PostgreSQL 17+ (which has the MAINTAIN privilege) MAINTAIN_TOO, else nothing.
 NOT_PERMITTED = ("this role may not reindex it: REINDEX INDEX CONCURRENTLY needs ownership of the {table} "
-                 "table (or MAINTAIN on it, PostgreSQL 17+{partition}): run the reindexer as the owner role, or keep it "
+                 "table{maintain}: run the reindexer as the owner role, or keep it "
                  "off (the default) and have the owner run REINDEX INDEX CONCURRENTLY")  # insufficient_privilege ("must be owner of index")
+MAINTAIN_TOO = " (or MAINTAIN on it{partition})"
 # MAINTAIN on a partitioned table allows REINDEX TABLE of it, not REINDEX INDEX of a partition's index.
 PARTITION_PRIVILEGE = "; MAINTAIN on the partitioned jobs table does not reach its partition {table}"
 PARTITIONED_INDEX = ("a partitioned index of jobs (the partitioned layout): the reindexer rebuilds the indexes of "
@@ -165,7 +167,7 @@ class Reindexer(Service):
                 continue
             report.bytes_before = catalog_rows[index].bytes
             if not catalog_rows[index].can_reindex:
-                self._not_permitted(report, catalog_rows[index].table)
+                self._not_permitted(report, catalog_rows[index])
                 continue
             report.bloat_percent = self._bloat(ctx, index, pgstattuple)
             artifacts = self._leftovers(catalog_rows, report)
@@ -214,11 +216,13 @@ class Reindexer(Service):
         return [r.name for r in found if r.can_drop]
 
     @staticmethod
-    def _not_permitted(report: IndexReport, table: str) -> None:
-        """Not planned, not tried: this role may not rebuild the index (of ``table``)."""
+    def _not_permitted(report: IndexReport, row: Row) -> None:
+        """Not planned, not tried: this role may not rebuild the index (its ``JOBS_INDEXES`` row).
+        MAINTAIN is named only on a server that has it (17+)."""
         report.outcome = "not_permitted"
+        partition = "" if row.table == "jobs" else PARTITION_PRIVILEGE.format(table=row.table)
         report.error = NOT_PERMITTED.format(
-            table=table, partition="" if table == "jobs" else PARTITION_PRIVILEGE.format(table=table))
+            table=row.table, maintain=MAINTAIN_TOO.format(partition=partition) if row.has_maintain else "")
 
     def _healthy(self, report: IndexReport) -> bool:
         """Below the bloat threshold: not worth a rebuild."""
