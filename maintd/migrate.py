@@ -192,13 +192,13 @@ def upgrade(conn: Connection, schema: str, revision: str = "head", layout: Layou
     ``layout`` is what a new schema's jobs table is built as (an existing one is left as it is);
     ``waiting`` is told once when another run holds the migrate lock (:func:`take_lock`)."""
     return _run(conn, schema, _resolve(revision), _relative("revision", revision, command.upgrade), layout,
-                waiting=waiting)
+                waiting=waiting, command="maintd migrate" + ("" if revision == "head" else f" --revision {revision}"))
 
 
 def downgrade(conn: Connection, schema: str, revision: str, *,
               waiting: Callable[[str], None] | None = None) -> tuple[str | None, str | None]:
     return _run(conn, schema, _resolve(revision), _relative("downgrade", revision, command.downgrade),
-                waiting=waiting, creates=False)
+                waiting=waiting, creates=False, command=f"maintd migrate --downgrade {revision}")
 
 
 def _relative(option: str, revision: str, step):
@@ -215,19 +215,22 @@ def _relative(option: str, revision: str, step):
 
 
 def _run(conn: Connection, schema: str, target, action, layout: Layout = PLAIN, *,
-         waiting: Callable[[str], None] | None = None, creates: bool = True) -> tuple[str | None, str | None]:
+         waiting: Callable[[str], None] | None = None, creates: bool = True,
+         command: str = "maintd migrate") -> tuple[str | None, str | None]:
+    """``action`` (an upgrade or a downgrade to ``target``) under the migrate locks; a privilege
+    error names ``command``, the one run, to run as the owner role instead."""
     if _at(conn, schema, target):  # no lock to wait for (a conversion holds it for hours)
         return target, target
     key, grants_key = lock_key(schema), grants_lock_key(schema)
     take_lock(conn, key, waiting=waiting and (lambda holder: waiting(f"schema {schema}: waiting for {holder}")))
     take_lock(conn, grants_key)
     try:
-        result = _migrate(conn, schema, target, action, layout, creates=creates)
+        result = _migrate(conn, schema, target, action, layout, creates=creates, command=command)
     except BaseException as exc:
         let_go(conn, [key, grants_key], quiet=True)
         if isinstance(exc, DBAPIError) and isinstance(exc.orig, pg_errors.InsufficientPrivilege):
             raise MigratePermissionError(
-                f"{str(exc.orig).strip().splitlines()[0]}: run `maintd migrate` as the owner role "
+                f"{str(exc.orig).strip().splitlines()[0]}: run `{command}` as the owner role "
                 f"of schema {schema!r}") from None
         raise
     let_go(conn, [key, grants_key])
@@ -396,7 +399,7 @@ def _at(conn: Connection, schema: str, target) -> bool:
 
 
 def _migrate(conn: Connection, schema: str, target, action, layout: Layout = PLAIN,
-             creates: bool = True) -> tuple[str | None, str | None]:
+             creates: bool = True, command: str = "maintd migrate") -> tuple[str | None, str | None]:
     state = conn.execute(text(catalog.SCHEMA_PRIVILEGES), {"schema": schema}).one()
     before = current_revision(conn, schema) if state.schema_usage else None
     conn.commit()
@@ -405,7 +408,7 @@ def _migrate(conn: Connection, schema: str, target, action, layout: Layout = PLA
     readable = state.schema_usage or not state.schema_exists
     if before == target and (state.versioned or target is None) and readable:
         return before, before
-    check_privileges(state, schema, creates=creates)
+    check_privileges(state, schema, creates=creates, command=command)
     if not state.schema_exists:
         conn.execute(text(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}"))
         conn.commit()

@@ -731,13 +731,16 @@ def test_a_downgrade_by_the_runtime_role_says_it_does_not_own_the_tables(pg_dsn,
                    env={"MAINTD_DATABASE_URL": role_dsn(pg_dsn, owner)}).returncode == 0
         apply(pg_dsn, grants.render([schema], role))
         env = {"MAINTD_DATABASE_URL": role_dsn(pg_dsn, role)}
+        # The command to run as the owner is the one run: a bare `maintd migrate` would upgrade.
         for argv, said in ((("--downgrade", "-1"), f"does not own the tables of schema '{schema}' (needed to drop or alter"),
                            (("--downgrade", "base"), f"does not own the tables of schema '{schema}' (needed to drop or alter"),
-                           ((), f"lacks CREATE on schema '{schema}' (needed to create maintd's tables)")):
+                           ((), f"lacks CREATE on schema '{schema}' (needed to create maintd's tables)"),
+                           (("--revision", "head"), f"lacks CREATE on schema '{schema}' (needed to create maintd's tables)")):
             res = cli("--config", cfg, "migrate", *argv, env=env)
             assert res.returncode == 1, (argv, res.stdout, res.stderr)
             [line] = res.stderr.strip().splitlines()
-            assert said in line and f"owner role ('{owner}')" in line, (argv, line)
+            command = " ".join(("maintd migrate", *argv)).replace(" --revision head", "")
+            assert said in line and f"run `{command}` as the owner role ('{owner}')" in line, (argv, line)
         with psycopg.connect(pg_dsn) as conn:  # nothing was touched
             assert conn.execute(f'SELECT count(*) FROM "{schema}".alembic_version').fetchone()[0] == 1
 
