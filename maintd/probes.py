@@ -3,8 +3,9 @@ one per target, so that what a replica costs at idle does not grow with its targ
 probe fails (its schema dropped) is probed alone for a while, so that it does not fail the others'.
 
 :class:`CountProbe`: the job counts of every leading target (``maintd_jobs``, the oldest available
-job's age, ``/status``'s figures), live states every 15 s, final states (which read the heap)
-every 5 minutes, and a target whose term just began within a second.
+job's age, ``/status``'s figures) and whether its table is partitioned now, live states every
+15 s, final states (which read the heap) every 5 minutes, and a target whose term just began
+within a second.
 
 :class:`ServiceProbe`: for a service that describes a probe (:meth:`maintd.services.base.Service.
 probe`: the scheduler with precise timing, the cleaner, the rescuer), whether a pass of each leading
@@ -126,20 +127,25 @@ class CountProbe(_Batched):
         with self.engine.connect() as conn:
             conn.execute(text(catalog.SET_LOCAL), {"name": "statement_timeout", "value": str(self.TIMEOUT_MS)})
             at = conn.execute(text(catalog.TRANSACTION_TIME)).scalar_one()
-            rows = conn.execute(text(_union(targets, [(jobs.COUNT_LIVE, "c"), (jobs.OLDEST_AVAILABLE, "o")]))).all()
+            rows = conn.execute(text(_union(targets, [(jobs.COUNT_LIVE, "c"), (jobs.OLDEST_AVAILABLE, "o"),
+                                                      (jobs.LAYOUT_NOW, "l")]))).all()
             if final:
                 finished = self._finished(conn, targets)
             conn.rollback()
         missed, rows = final and finished is None, rows + (finished or [])
         counts: dict[int, list[dict]] = {i: [] for i in range(len(targets))}
         oldest: dict[int, dict[str, float]] = {i: {} for i in range(len(targets))}
+        partitioned: dict[int, bool] = {}
         for t, kind, queue, state, value in rows:
             if kind == "c":
                 counts[t].append({"queue": queue, "state": state, "count": int(value)})
-            else:
+            elif kind == "o":
                 oldest[t][queue] = value
+            else:
+                partitioned[t] = bool(value)
         for i, target in enumerate(targets):
             target.runner.take_counts(counts[i], oldest[i], at, final=final and not missed, missed_final=missed)
+            target.runner.take_layout(partitioned[i])
 
     def _finished(self, conn: Any, targets: list["Target"]) -> list | None:
         """The final states' counts, or None when they passed the statement timeout (logged)."""

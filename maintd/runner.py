@@ -24,6 +24,7 @@ from sqlalchemy import Engine
 
 from .clock import Clock, ServerClock
 from .config import Settings
+from .layout_status import NOT_KEPT
 from .logs import about_target, kv
 from .metrics import JobGauges, Metrics
 from .pass_summary import counts
@@ -78,6 +79,7 @@ class Runner:
         # daemon's Changes thread, so that the election loop never waits; else right away.
         self.changes: Callable[[Callable[[], None]], None] = changes or (lambda change: change())
         self._paused = False  # the database takes no writes: no pass runs
+        self._said_not_kept = False  # the table partitioned under layout = "plain" was warned of
         self._wakes: dict[str, tuple[str, datetime]] = {}  # service: its asked-for pass (job id, when)
         self._wake_seq = 0
         self._deferred: set[str] = set()  # services asked for while their pass ran: again after it
@@ -178,6 +180,7 @@ class Runner:
         ones start at once, changed triggers are replaced, unchanged ones keep their next run."""
         with self._lock:
             self.settings = settings
+            self._said_not_kept = False  # still partitioned under plain: said again at the next count
             old, self.services = self.services, self.build(settings)
             for name, service in self.services.items():
                 if type(old.get(name)) is type(service):
@@ -485,6 +488,17 @@ class Runner:
                 self.on_fenced(str(exc), ctx.fence)
         except PassStopped:
             pass
+
+    def take_layout(self, partitioned: bool) -> None:
+        """Whether the jobs table is partitioned, as read at the start's schema check and with
+        every count (SPEC 8.1). A table partitioned under layout = "plain" (converted before the
+        start, or swapped by a conversion while this daemon runs) keeps no partitions: said once,
+        and again after a reload that left it so."""
+        kept_none = partitioned and self.settings.layout == "plain"
+        if kept_none and not self._said_not_kept:
+            with about_target(self.log_target):
+                log.warning(NOT_KEPT)
+        self._said_not_kept = kept_none
 
     def take_counts(self, counts: list[dict], oldest: dict[str, float], at: datetime, *, final: bool,
                     missed_final: bool = False) -> None:

@@ -13,7 +13,6 @@ from sqlalchemy import Engine
 from .clock import Clock
 from .config import Settings
 from .election import Request, Term
-from .layout_status import NOT_KEPT
 from .leader import Seat
 from .logs import kv
 from .metrics import Metrics
@@ -40,8 +39,7 @@ class Target(Seat):
         self.maintenance_stall: str | None = None  # why the last term was given up, if stalled
 
     def check_schema(self) -> None:
-        if check_ready(self.engine, self.settings.schema) and self.settings.layout == "plain":
-            log.warning(NOT_KEPT, extra=kv(target=self.name))
+        self.runner.take_layout(check_ready(self.engine, self.settings.schema))
 
     def start(self) -> None:
         self.started, self.problem = True, None

@@ -864,3 +864,41 @@ def test_a_conversion_analyzes_the_new_table_so_status_counts_the_catch_alls(eng
                                  "AND inherited"), {"s": schema}).scalar() > 0  # the table as a whole
     layout = collect_status(engine, schema)["layout"]
     assert layout["stray_rows_estimated"] is True and 110_000 <= layout["stray_rows"] <= 130_000, layout
+
+
+def test_a_daemon_running_under_a_plain_config_says_once_that_a_swap_partitioned_its_table(
+        engine, pg_dsn, schema, monkeypatch, maintd_log):
+    """The README's last step of a conversion is `layout = "partitioned"` and a reload. The daemon
+    checked the layout when it started only: a leader running through the swap said nothing,
+    and, the step forgotten, kept no partitions (after `premake` steps every finished job in the
+    catch-all) while its log stayed quiet. The leader reads the layout with its job counts
+    (every 15 s, in the same statement) and warns once; a reload that leaves `plain` is warned
+    of again, and one to `partitioned` ends it."""
+    from maintd.config import Settings
+    from maintd.metrics import Metrics
+    from maintd.probes import CountProbe
+
+    from .test_runner import leading_count_probe
+
+    monkeypatch.setattr(CountProbe, "INTERVAL", 0.0)  # a count at each run, not every 15 s
+    seed(engine, schema, final=30, live=10)
+    settings = Settings(database_url=pg_dsn, schema=schema, instance_id="t", layout="plain")
+
+    def warned() -> int:
+        return sum("keeps no partitions" in line for line in maintd_log)
+
+    with leading_count_probe(settings, engine, Metrics()) as (runner, probe):
+        probe.run()
+        assert warned() == 0 and runner.gauges.counts is not None  # plain: nothing to say
+        _convert_as_owner(pg_dsn, schema)
+        probe.run()
+        assert warned() == 1, maintd_log
+        probe.run()
+        assert warned() == 1, "said at every count"
+        runner.reload(settings)  # reloaded, still plain
+        probe.run()
+        assert warned() == 2, maintd_log
+        runner.reload(settings.model_copy(update={"layout": "partitioned"}))
+        probe.run()
+        probe.run()
+        assert warned() == 2, maintd_log

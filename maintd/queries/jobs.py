@@ -709,4 +709,11 @@ SELECT 'demo.old', 'default', CAST(:state AS {schema}.job_state), 1, now() - CAS
 # of COUNT_LIVE, COUNT_FINAL ("c") and OLDEST_AVAILABLE ("o") of target ``t``, tagged, as
 # (t, k, queue, state, v) rows, joined with UNION ALL.
 TAGGED = {"c": "SELECT {t} AS t, 'c' AS k, x.queue, x.state, x.n::float8 AS v FROM ({rows}) x",
-          "o": "SELECT {t} AS t, 'o' AS k, x.queue, NULL AS state, x.age::float8 AS v FROM ({rows}) x"}
+          "o": "SELECT {t} AS t, 'o' AS k, x.queue, NULL AS state, x.age::float8 AS v FROM ({rows}) x",
+          "l": "SELECT {t} AS t, 'l' AS k, NULL AS queue, NULL AS state, x.p::int::float8 AS v FROM ({rows}) x"}
+
+# Whether the jobs table is partitioned now (SPEC 8.1), read with the counts: a conversion swaps the
+# table under a running daemon. A catalog lookup by oid (the schema is a validated identifier).
+LAYOUT_NOW = """
+SELECT coalesce((SELECT c.relkind = 'p' FROM pg_class AS c WHERE c.oid = to_regclass('{schema}.jobs')), false) AS p
+"""
