@@ -13,7 +13,6 @@ import json
 import re
 import threading
 import time
-import uuid
 import zlib
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
@@ -1155,19 +1154,14 @@ def test_the_rescuer_against_completions_loses_nothing(pg_dsn, engine, schema):
 def operator_role(pg_dsn: str, schema: str) -> Iterator[str]:
     """A login role that may run ``maintd jobs`` on the schema (not a superuser, so row security
     applies to it), dropped afterwards."""
-    role = f"maintd_op_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(f'CREATE ROLE "{role}" LOGIN')
-        conn.execute(f'GRANT USAGE ON SCHEMA "{schema}" TO "{role}"; '
-                     f'GRANT SELECT, UPDATE ON "{schema}".jobs TO "{role}"; '
-                     f'GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA "{schema}" TO "{role}"')
-    try:
-        yield role
-    finally:
+    from .test_grants import login_role
+
+    with login_role(pg_dsn, "maintd_op") as role:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,))
-            conn.execute(f'DROP OWNED BY "{role}" CASCADE')
-            conn.execute(f'DROP ROLE "{role}"')
+            conn.execute(f'GRANT USAGE ON SCHEMA "{schema}" TO "{role}"; '
+                         f'GRANT SELECT, UPDATE ON "{schema}".jobs TO "{role}"; '
+                         f'GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA "{schema}" TO "{role}"')
+        yield role
 
 
 def jobs_cli(dsn: str, schema: str, tmp_path: Path, capsys, *argv: str) -> tuple[int, str, str]:
