@@ -483,6 +483,26 @@ def test_waiting_jobs_with_no_attempt_left_are_discarded_with_one_line_per_batch
     assert {r.state for r in rows(engine, schema).values()} == {"discarded"}
 
 
+def test_waiting_jobs_with_no_attempt_left_are_discarded_in_batches_of_batch_size(settings, engine, schema, clock,
+                                                                                 caplog):
+    """More exhausted waiting jobs than a batch: each batch (one transaction, its rows locked until
+    it commits) discards at most ``batch_size`` of them, in id order, and names them in a line of
+    its own. A batch of ``batch_size + 1`` (``LIMIT :limit + 1``) passed every other test: 7 jobs
+    in batches of 3 went as 4 and 3."""
+    settings.rescuer.batch_size = 3
+    with engine.begin() as conn:
+        ids = conn.execute(sql("INSERT INTO {schema}.jobs (kind, state, attempt, max_attempts) "
+                               "SELECT 'k', 'available', 3, 3 FROM generate_series(1, 7) RETURNING id",
+                               schema)).scalars().all()
+    with caplog.at_level(logging.WARNING, logger="maintd.rescuer"):
+        result = run(settings, engine, clock)
+    lines = [r.fields for r in caplog.records
+             if r.getMessage() == "discarded waiting jobs with no attempt left (attempt >= max_attempts)"]
+    assert [(f["count"], f["job_ids"]) for f in lines] == [
+        (3, ",".join(map(str, ids[0:3]))), (3, ",".join(map(str, ids[3:6]))), (1, str(ids[6]))], lines
+    assert result.exhausted == 7 and {r.state for r in rows(engine, schema).values()} == {"discarded"}
+
+
 def test_waiting_jobs_with_attempts_left_are_no_candidates_of_the_exhausted_batch(settings, engine, schema, clock):
     """RESCUER_EXHAUSTED_BATCH's candidates are the exhausted waiting jobs alone (its UPDATE checks
     again). Were every waiting job a candidate, a batch of live ones (each locked FOR NO KEY UPDATE,
