@@ -431,6 +431,23 @@ def test_a_job_whose_deadline_is_exactly_the_pass_s_reading_gets_a_pass_at_once(
     assert result.wake_at() is not None and result.wake_at() - at <= timedelta(seconds=1), result.wake_at() - at
 
 
+def test_a_job_whose_deadline_is_exactly_the_next_tick_is_left_to_the_tick(settings, engine, schema):
+    """The window's other edge: a job whose stuck deadline is the very microsecond of the next tick
+    (the pass's reading plus the interval, the grace no shorter) is the tick's (its batch rescues
+    it, or its probe asks for a pass just after the deadline): this pass asks for none. With the
+    window closed at its end (``<=`` for ``<``) it asked for a pass a millisecond after the tick,
+    a second pass for the tick's job."""
+    from maintd.clock import FrozenClock
+
+    settings = rules(settings, rescue_stuck_jobs_after="10s", interval="5s")
+    with engine.begin() as conn:
+        at = conn.execute(sql("SELECT date_trunc('second', now()) - interval '1 minute'", schema)).scalar()
+    [job] = add(engine, schema, seen_ago=T0 - at + timedelta(seconds=5))  # attempted_at = at - 5 s: due at at + 5 s
+    result = Rescuer(settings.rescuer).run_once(ctx_for(settings, engine, FrozenClock(at)))
+    assert states(engine, schema) == {job: "running"} and result.retried == 0
+    assert result.wake_at() is None, f"asked for a pass {result.wake_at() - at} after the pass's reading"
+
+
 def test_a_pass_asks_for_one_just_after_the_next_deadline(settings, engine, schema):
     """A job stuck in about 5 s (within the 30 s interval): the pass asks for a pass just after
     its deadline; after the term ends, none is left waiting."""
