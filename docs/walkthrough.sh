@@ -58,7 +58,7 @@ exactly what \`maintd grants\` prints, \`$WORKER\` runs a worker with what \`mai
 ## Try it
 
 EOF
-MAX=12 show "maintd demo --duration 16 --listen 127.0.0.1:0" maintd demo --duration 16 --listen 127.0.0.1:0
+MAX=32 show "maintd demo --duration 30 --listen 127.0.0.1:0" maintd demo --duration 30 --listen 127.0.0.1:0
 
 cat <<EOF
 ## Production install, step 1: roles and schema (as a superuser)

@@ -706,8 +706,8 @@ SELECT 'demo.old', 'default', CAST(:state AS {schema}.job_state), 1, now() - CAS
 
 
 # The counts of several targets of one database in one statement (maintd.probes.CountProbe): each
-# of COUNT_LIVE, COUNT_FINAL ("c") and OLDEST_AVAILABLE ("o") of target ``t``, tagged, as
-# (t, k, queue, state, v) rows, joined with UNION ALL.
+# of COUNT_LIVE, COUNT_FINAL ("c"), OLDEST_AVAILABLE ("o") and LAYOUT_NOW ("l", 1: partitioned) of
+# target ``t``, tagged, as (t, k, queue, state, v) rows, joined with UNION ALL.
 TAGGED = {"c": "SELECT {t} AS t, 'c' AS k, x.queue, x.state, x.n::float8 AS v FROM ({rows}) x",
           "o": "SELECT {t} AS t, 'o' AS k, x.queue, NULL AS state, x.age::float8 AS v FROM ({rows}) x",
           "l": "SELECT {t} AS t, 'l' AS k, NULL AS queue, NULL AS state, x.p::int::float8 AS v FROM ({rows}) x"}
