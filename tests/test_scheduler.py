@@ -130,6 +130,33 @@ def test_two_schedulers_promote_each_job_once(pg_dsn, settings, engine, schema, 
 
 
 
+def test_a_due_job_sharing_its_id_with_a_finished_one_is_promoted_and_the_finished_one_left(
+        settings, engine, schema, clock, layout):
+    """Partitioned (SPEC 8.1), an id is unique per partition only: a finished job brought back by an
+    import or a restore with its own id may share it with a waiting one. Promotion updates the
+    rows it locked by id; without the UPDATE's own state guard it took the finished job of that
+    id too, moved into the live partition as an available job still finalized: every pass failed
+    on jobs_finalized_at_iff_final_check at that batch, and no due job from it on was promoted
+    (without that check, the finished job would have run again). Only the scheduled row of the
+    id is promoted; the finished one stays in its partition."""
+    if layout == "plain":
+        pytest.skip("the plain table's primary key refuses a second row of an id")
+    [shared, other] = add(engine, schema, state="scheduled", due_in=timedelta(seconds=-1), n=2)
+    with engine.begin() as conn:
+        conn.execute(sql("INSERT INTO {schema}.jobs (id, kind, state, scheduled_at, finalized_at) "
+                         "OVERRIDING SYSTEM VALUE VALUES (:id, 'k', 'completed', CAST(:t AS timestamptz), now())",
+                         schema), {"id": shared, "t": T0 - timedelta(hours=1)})
+    result = run(settings, engine, clock)
+    assert result.promoted == {"default": 2}, result
+    with engine.connect() as conn:
+        got = sorted(tuple(r) for r in conn.execute(sql(
+            "SELECT id, state::text, tableoid::regclass::text FROM {schema}.jobs", schema)))
+    assert [(i, st) for i, st, _ in got] == sorted([(shared, "available"), (shared, "completed"),
+                                                    (other, "available")]), got
+    [finished_in] = [part.rsplit(".", 1)[-1] for _, st, part in got if st == "completed"]
+    assert finished_in.startswith("jobs_completed"), got
+
+
 def test_a_due_job_locked_by_another_session_does_not_hold_up_the_others(settings, engine, schema, clock):
     """A session holding one due job's row (an application's SELECT ... FOR UPDATE, an operator's
     admin call) must not stall the promotion of every other due job: that row is passed over."""
