@@ -1061,6 +1061,29 @@ def test_a_dry_run_in_small_chunks_counts_what_the_pass_deletes_at_every_edge(co
     assert dry.deleted == real.deleted and real.total == len(before) - len(remaining(engine, schema)), (dry, real)
 
 
+def test_a_dry_run_chunk_ending_inside_a_tie_counts_each_row_of_it_once(configured, schema, engine, clock,
+                                                                       monkeypatch):
+    """Jobs finished at the same instant (one statement's now()) are common. A dry run's chunk that
+    ends inside such a tie must start the next one at the tie's next row, (finalized_at, id), not
+    at its instant: started at the instant, the next chunk counted again the tie's rows the last
+    one had counted, and ``--dry-run`` announced 6 deletions where the pass then deleted 5 (one
+    more per such edge; a tie larger than a chunk was never left). Chunks of 3 index entries: the
+    first ends between the two rows of a tie."""
+    import maintd.services.cleaner as cleaner_module
+    monkeypatch.setattr(cleaner_module, "COUNT_CHUNK", 3)
+    settings = configured(cleaner={"completed_retention": "1h", "cancelled_retention": -1,
+                                   "discarded_retention": -1})
+    expired = (insert(engine, schema, state="completed", finalized_ago=2 * HOUR + 2 * MS)
+               + insert(engine, schema, state="completed", finalized_ago=2 * HOUR + MS)
+               + insert(engine, schema, state="completed", finalized_ago=2 * HOUR, n=2)  # entries 3 and 4
+               + insert(engine, schema, state="completed", finalized_ago=2 * HOUR - MS))
+    kept = insert(engine, schema, state="completed", finalized_ago=HOUR - MS)
+    dry = run(settings, engine, clock, dry_run=True)
+    assert dry.deleted["completed"] == 5, dry
+    real = run(settings, engine, clock)
+    assert real.deleted == dry.deleted and remaining(engine, schema) == set(kept), (dry, real, expired)
+
+
 def test_a_dry_run_reports_locked_expired_rows_as_the_pass_does_without_waiting(settings, engine, schema, clock):
     """Expired rows another session holds (FOR UPDATE, FOR KEY SHARE, in a savepoint FOR NO KEY
     UPDATE) are passed over by the pass (maintd_rows_skipped_total{reason="locked"}); the dry run
