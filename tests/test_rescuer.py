@@ -809,6 +809,38 @@ def test_an_infinite_heartbeat_or_claim_is_dated_not_rescued(settings, engine, s
     assert (result.retried, result.skipped_rows()) == (0, {"future_sign": 3, "stale_heartbeat": 0}), result
 
 
+def test_more_signs_of_life_from_the_future_than_a_batch_are_all_dated_in_one_pass_newest_first(
+        settings, engine, schema, caplog):
+    """Five running jobs from the future (a worker writing its own clock, an import), batches of
+    two. A pass dates them all, newest first, a batch at a time, each batch starting below the
+    last one's candidates. Taken nearest first, a batch dated the two signs a day or two ahead,
+    found nothing below them to go on with, and the pass ended: the signs of 'infinity' and ten
+    years ahead stayed, and their dead workers' jobs were not rescued, until a later look (once
+    an interval) came to them, a batch per look. Exact jobs per logged batch."""
+    from maintd.clock import FrozenClock
+
+    settings.rescuer.batch_size = 2
+    with engine.begin() as conn:
+        day_1, day_2, day_3, years_10, never_ends = [r[0] for r in conn.execute(sql(
+            "INSERT INTO {schema}.jobs (kind, state, attempt, attempted_at, attempted_by, heartbeat_at) "
+            "VALUES ('k', 'running', 1, now() + interval '1 day', 'w1', NULL), "
+            "       ('k', 'running', 1, now() + interval '2 days', 'w1', NULL), "
+            "       ('k', 'running', 1, now(), 'w1', now() + interval '3 days'), "
+            "       ('k', 'running', 1, now(), 'w1', now() + interval '10 years'), "
+            "       ('k', 'running', 1, now() - interval '1 minute', 'w1', 'infinity') RETURNING id", schema))]
+        now = conn.execute(text("SELECT now()")).scalar()
+    with caplog.at_level(logging.WARNING, logger="maintd.rescuer"):
+        result = run(settings, engine, FrozenClock(now))
+    assert [rec.fields["job_ids"] for rec in caplog.records if rec.getMessage().startswith("dated now the sign")] == [
+        f"{years_10},{never_ends}", f"{day_2},{day_3}", f"{day_1}"]
+    assert (result.dated, result.retried, result.discarded) == (5, 0, 0), result
+    with engine.connect() as conn:
+        ahead = conn.execute(sql("SELECT id FROM {schema}.jobs "
+                                 "WHERE coalesce(heartbeat_at, attempted_at) > now() + interval '1 minute'",
+                                 schema)).scalars().all()
+    assert ahead == [], f"signs of life still in the future after the pass: {ahead}"
+
+
 def test_a_pass_reads_each_exhausted_jobs_index_entry_once_while_a_snapshot_keeps_them(settings, engine, schema,
                                                                                      clock, pg_dsn):
     """RESCUER_EXHAUSTED_BATCH's batches each started at the beginning of jobs_exhausted_idx. A
