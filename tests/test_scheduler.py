@@ -157,6 +157,41 @@ def test_a_due_job_sharing_its_id_with_a_finished_one_is_promoted_and_the_finish
     assert finished_in.startswith("jobs_completed"), got
 
 
+def test_promotion_does_not_wait_for_a_lock_on_a_partition_of_finished_jobs(pg_dsn, settings, engine, schema,
+                                                                              clock, layout):
+    """Partitioned (SPEC 8.1), a partition of finished jobs is held ACCESS EXCLUSIVE while it is
+    detached or dropped: the partitioner's own split of a high catch-all (DETACH of
+    jobs_<state>_max), an operator's DROP (or one queued behind a long report), a VACUUM FULL.
+    Promotion moves waiting jobs of the live partition only; an UPDATE that named no state opened
+    every partition and waited for that lock, and the due jobs stayed scheduled for as long as it
+    was held. The pass is never seen waiting for a lock (pg_locks)."""
+    if layout == "plain":
+        pytest.skip("one table: no partition of finished jobs to hold")
+    due = add(engine, schema, state="scheduled", due_in=timedelta(seconds=-1), n=3)
+    leaf = f'"{schema}".jobs_completed_max'
+    holder = psycopg.connect(pg_dsn)
+    holder.execute(f"LOCK TABLE {leaf} IN ACCESS EXCLUSIVE MODE")
+    results: list = []
+    passer = threading.Thread(target=lambda: results.append(run(settings, engine, clock)), daemon=True)
+    watcher = psycopg.connect(pg_dsn, autocommit=True)
+
+    def waiting() -> list:
+        return watcher.execute("SELECT l.mode FROM pg_locks AS l WHERE l.relation = to_regclass(%s) "
+                               "AND NOT l.granted", (leaf,)).fetchall()
+
+    try:
+        passer.start()
+        wait_for(lambda: not passer.is_alive() or waiting(), 10, what="the pass to end or wait")
+        assert waiting() == [] and not passer.is_alive(), f"the pass waited for a lock on {leaf}: {waiting()}"
+    finally:
+        holder.rollback()
+        holder.close()
+        watcher.close()
+        passer.join(30)
+    assert results[0].promoted == {"default": 3}, results
+    assert [states(engine, schema)[i] for i in due] == ["available"] * 3
+
+
 def test_a_due_job_locked_by_another_session_does_not_hold_up_the_others(settings, engine, schema, clock):
     """A session holding one due job's row (an application's SELECT ... FOR UPDATE, an operator's
     admin call) must not stall the promotion of every other due job: that row is passed over."""
