@@ -130,6 +130,7 @@ def test_two_schedulers_promote_each_job_once(pg_dsn, settings, engine, schema, 
 
 
 
+@pytest.mark.parametrize("layout", ["partitioned"], indirect=True)  # the plain table: one row an id
 def test_a_due_job_sharing_its_id_with_a_finished_one_is_promoted_and_the_finished_one_left(
         settings, engine, schema, clock, layout):
     """Partitioned (SPEC 8.1), an id is unique per partition only: a finished job brought back by an
@@ -139,8 +140,6 @@ def test_a_due_job_sharing_its_id_with_a_finished_one_is_promoted_and_the_finish
     on jobs_finalized_at_iff_final_check at that batch, and no due job from it on was promoted
     (without that check, the finished job would have run again). Only the scheduled row of the
     id is promoted; the finished one stays in its partition."""
-    if layout == "plain":
-        pytest.skip("the plain table's primary key refuses a second row of an id")
     [shared, other] = add(engine, schema, state="scheduled", due_in=timedelta(seconds=-1), n=2)
     with engine.begin() as conn:
         conn.execute(sql("INSERT INTO {schema}.jobs (id, kind, state, scheduled_at, finalized_at) "
@@ -157,6 +156,7 @@ def test_a_due_job_sharing_its_id_with_a_finished_one_is_promoted_and_the_finish
     assert finished_in.startswith("jobs_completed"), got
 
 
+@pytest.mark.parametrize("layout", ["partitioned"], indirect=True)  # the plain table: one row an id
 def test_promotion_does_not_wait_for_a_lock_on_a_partition_of_finished_jobs(pg_dsn, settings, engine, schema,
                                                                               clock, layout):
     """Partitioned (SPEC 8.1), a partition of finished jobs is held ACCESS EXCLUSIVE while it is
@@ -165,8 +165,6 @@ def test_promotion_does_not_wait_for_a_lock_on_a_partition_of_finished_jobs(pg_d
     Promotion moves waiting jobs of the live partition only; an UPDATE that named no state opened
     every partition and waited for that lock, and the due jobs stayed scheduled for as long as it
     was held. The pass is never seen waiting for a lock (pg_locks)."""
-    if layout == "plain":
-        pytest.skip("one table: no partition of finished jobs to hold")
     due = add(engine, schema, state="scheduled", due_in=timedelta(seconds=-1), n=3)
     leaf = f'"{schema}".jobs_completed_max'
     holder = psycopg.connect(pg_dsn)
