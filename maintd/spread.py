@@ -141,7 +141,7 @@ class Spread:
             if due is None or (below and not room and now >= due):
                 # (Re)set; one due below the cap waits the at-cap interval if the cap was reached
                 # meanwhile (a dead replica's targets fall due together: not all past the cap).
-                due = now + self._lazy_interval(room)
+                due = self._on_grid(now, self._lazy_interval(room), room)
                 self._lazy_due[name] = (due, room)
             if now < due:
                 return due - now
@@ -155,6 +155,19 @@ class Spread:
         or so (a safety net, handed over a ``settle`` later)."""
         seconds = random.uniform(*LAZY) * self.retry
         return min(self.lazy_max, seconds) if room else max(3 * self.lazy_max, seconds)
+
+    def _on_grid(self, now: float, wait: float, room: bool) -> float:
+        """``now + wait`` moved onto a grid of half retry intervals, so the lazy tries of many
+        targets fall due on few instants (one round of the election loop each, not one per
+        target): down while that stays within the 2-4 retry intervals, else up (at the cap
+        always: it waits longer, never less)."""
+        step, at = self.retry / 2, now + wait
+        down, up = math.floor(at / step) * step, math.ceil(at / step) * step
+        if not room:
+            return up
+        if down >= now + min(wait, LAZY[0] * self.retry):
+            return down
+        return up if up <= now + self.lazy_max else at
 
     def tried(self, name: str, won: bool = False) -> None:
         """Target ``name``'s try is over (lost: an own target's next try backs off)."""
