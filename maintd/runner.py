@@ -495,9 +495,8 @@ class Runner:
         start, or swapped by a conversion while this daemon runs) keeps no partitions: said once,
         and again after a reload that left it so."""
         kept_none = partitioned and self.settings.layout == "plain"
-        if kept_none and not self._said_not_kept:
-            with about_target(self.log_target):
-                log.warning(NOT_KEPT)
+        if kept_none and not self._said_not_kept:  # (named even when it is the only target)
+            log.warning(NOT_KEPT, extra=kv(target=self.settings.target_name))
         self._said_not_kept = kept_none
 
     def take_counts(self, counts: list[dict], oldest: dict[str, float], at: datetime, *, final: bool,

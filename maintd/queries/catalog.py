@@ -42,15 +42,15 @@ SELECT coalesce((SELECT c.relkind = 'p' FROM pg_class c
 # the server has the MAINTAIN privilege at all (17+), for the refusal's advice.
 JOBS_INDEXES = """
 SELECT c.relname AS name, t.relname AS table, i.indisvalid AS valid, pg_relation_size(c.oid) AS bytes,
-       o.owns OR CASE WHEN current_setting('server_version_num')::int >= 170000
-                      THEN has_table_privilege(t.oid, 'MAINTAIN') ELSE false END AS can_reindex,
-       o.owns AS can_drop, current_setting('server_version_num')::int >= 170000 AS has_maintain
+       o.owns OR CASE WHEN v.has_maintain THEN has_table_privilege(t.oid, 'MAINTAIN') ELSE false END AS can_reindex,
+       o.owns AS can_drop, v.has_maintain
   FROM pg_index i
   JOIN pg_class c ON c.oid = i.indexrelid
   JOIN pg_class t ON t.oid = i.indrelid
   JOIN pg_namespace n ON n.oid = t.relnamespace
  CROSS JOIN LATERAL (SELECT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
                             OR pg_has_role(current_user, c.relowner, 'USAGE') AS owns) o
+ CROSS JOIN (SELECT current_setting('server_version_num')::int >= 170000 AS has_maintain) v
  WHERE n.nspname = :schema AND c.relkind = 'i'
    AND (t.relname = 'jobs'
         -- the partitioned layout's live partition (SPEC 8.1); not a conversion's copy under way
