@@ -377,6 +377,9 @@ def _analyze(conn: Connection, schema: str, say: Callable[[str], None]) -> None:
     partition's (PostgreSQL's ANALYZE documentation). It takes a SHARE UPDATE EXCLUSIVE lock:
     the workers' reads and writes go on."""
     started = time.monotonic()
+    if conn.dialect.server_version_info >= (15,):
+        conn.execute(text(q.FLUSH_STATS))
+        conn.commit()  # (the flush: as the backend goes idle, before it answers the commit)
     conn.execute(sql(q.ANALYZE, schema))
     conn.commit()
     say(f"schema {schema}: analyzed jobs and its partitions in {time.monotonic() - started:.1f} s")
