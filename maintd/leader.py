@@ -416,7 +416,7 @@ class ElectionLoop:
         s = seat.state
         if self._stopping or not (seat.started and isinstance(s, Following) and s.won_at is None and now >= max(due(s), seat.gate_at)):
             return False
-        wait = 0.0 if self.spread is None else self.spread.gate(seat.name, seat.notified)
+        wait = 0.0 if self.spread is None else self.spread.gate(seat.name, seat.notified, now)
         seat.notified, seat.gate_at = False, now + wait
         return wait <= 0
 

@@ -116,11 +116,12 @@ class Spread:
     def owns(self, name: str) -> bool:
         return self.owner.get(name, self.me) == self.me
 
-    def gate(self, name: str, notified: bool = False) -> float:
+    def gate(self, name: str, notified: bool = False, now: float | None = None) -> float:
         """0: target ``name``'s follower tries the lock now; else the seconds to wait before asking
-        again (``notified``: a hand-over NOTIFY arrived). No database I/O (the loop's thread)."""
+        again (``notified``: a hand-over NOTIFY arrived; ``now``: the asking round's monotonic
+        time, which the wait counts from). No database I/O (the loop's thread)."""
         with self._lock:
-            now = time.monotonic()
+            now = time.monotonic() if now is None else now
             if now < self._join_until:
                 return self._join_until - now
             if notified:
@@ -159,15 +160,15 @@ class Spread:
     def _on_grid(self, now: float, wait: float, room: bool) -> float:
         """``now + wait`` moved onto a grid of half retry intervals, so the lazy tries of many
         targets fall due on few instants (one round of the election loop each, not one per
-        target): down while that stays within the 2-4 retry intervals, else up (at the cap
-        always: it waits longer, never less)."""
+        target). Below the cap: down while that stays at least 2 retry intervals away (or half
+        a step below the longest wait, when a short lease makes that shorter), else up, never
+        past the longest; at the cap always up (it waits longer, never less)."""
         step, at = self.retry / 2, now + wait
         down, up = math.floor(at / step) * step, math.ceil(at / step) * step
         if not room:
             return up
-        if down >= now + min(wait, LAZY[0] * self.retry):
-            return down
-        return up if up <= now + self.lazy_max else at
+        longest = min(LAZY[1] * self.retry, self.lazy_max)
+        return down if down >= now + min(LAZY[0] * self.retry, longest - step) else up
 
     def tried(self, name: str, won: bool = False) -> None:
         """Target ``name``'s try is over (lost: an own target's next try backs off)."""
