@@ -416,8 +416,10 @@ class ElectionLoop:
         s = seat.state
         if self._stopping or not (seat.started and isinstance(s, Following) and s.won_at is None and now >= max(due(s), seat.gate_at)):
             return False
-        wait = 0.0 if self.spread is None else self.spread.gate(seat.name, seat.notified, now)
-        seat.notified, seat.gate_at = False, now + wait
+        wait = 0.0 if self.spread is None else self.spread.gate(seat.name, seat.notified)
+        # (from a clock read after the gate's own: at or just after the due it keeps, never
+        # before, so the loop does not wake for a round in which it is not due yet)
+        seat.notified, seat.gate_at = False, time.monotonic() + wait
         return wait <= 0
 
     def _bump(self, seat: Seat) -> None:

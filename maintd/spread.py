@@ -116,12 +116,11 @@ class Spread:
     def owns(self, name: str) -> bool:
         return self.owner.get(name, self.me) == self.me
 
-    def gate(self, name: str, notified: bool = False, now: float | None = None) -> float:
+    def gate(self, name: str, notified: bool = False) -> float:
         """0: target ``name``'s follower tries the lock now; else the seconds to wait before asking
-        again (``notified``: a hand-over NOTIFY arrived; ``now``: the asking round's monotonic
-        time, which the wait counts from). No database I/O (the loop's thread)."""
+        again (``notified``: a hand-over NOTIFY arrived). No database I/O (the loop's thread)."""
         with self._lock:
-            now = time.monotonic() if now is None else now
+            now = time.monotonic()
             if now < self._join_until:
                 return self._join_until - now
             if notified:
