@@ -20,6 +20,7 @@ from sqlalchemy import text
 from maintd import convert, grants, migrate
 from maintd.db import make_engine
 from maintd.jobs import JobQueue
+from maintd.queries import convert as q_convert
 from maintd.queries import sql
 
 from .test_grants import apply, cli, login_role, role_dsn, write_config
@@ -869,12 +870,14 @@ def test_a_conversion_analyzes_the_new_table_so_status_counts_the_catch_alls(eng
 def test_a_conversion_leaves_the_live_row_counts_the_health_read_shows_true(engine, pg_dsn, schema):
     """Walking the README's conversion on PostgreSQL 15 (2,000 jobs, 500 live), `maintd status`
     then showed `jobs live 4,000`: every copied row counted twice in pg_stat_user_tables'
-    n_live_tup, which the health read sums. The conversion's session copies and then analyzes;
-    a backend reports its pending table counts to the cumulative statistics only when idle and at
-    most once a second (PostgreSQL's "The Cumulative Statistics System": "a backend ... flushes
-    ... at most once per PGSTAT_MIN_INTERVAL"), and ANALYZE subtracts only its own transaction's
-    inserts: the copy's counts, flushed after ANALYZE had set the true count, were added to it.
-    The conversion now asks for the flush first (pg_stat_force_next_flush(), PostgreSQL 15+)."""
+    n_live_tup, which the health read sums. The conversion's session copies and then analyzes.
+    PostgreSQL's "The Cumulative Statistics System" (Viewing Statistics): "Each individual server
+    process flushes out accumulated statistics to shared memory just before going idle, but not
+    more frequently than once per PGSTAT_MIN_INTERVAL milliseconds"; and ANALYZE subtracts only
+    its own transaction's inserts from the count it reports (pgstat_report_analyze in
+    src/backend/utils/activity/pgstat_relation.c). So the copy's counts, flushed after ANALYZE
+    had set the true count, were added to it. The conversion now asks for the flush first
+    (pg_stat_force_next_flush(), PostgreSQL 15+)."""
     seed(engine, schema, final=1500, live=500)
     owner = make_engine(pg_dsn, application_name="convert", pooled=False)
     try:
@@ -882,7 +885,7 @@ def test_a_conversion_leaves_the_live_row_counts_the_health_read_shows_true(engi
             assert convert.convert(conn, schema, LAYOUT) == "done"
             # What the session still holds goes now, before the read (else it went at the
             # session's exit, maybe after the read: 2,001 seen even where ANALYZE was undone).
-            conn.execute(text("SELECT pg_stat_force_next_flush()"))
+            conn.execute(text(q_convert.FLUSH_STATS))
             conn.commit()
     finally:
         owner.dispose()

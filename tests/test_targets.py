@@ -344,6 +344,10 @@ def test_once_stable_each_other_replica_s_target_is_tried_within_a_lease_or_so(s
     assert len(instants) <= 2.2 * 300, len(instants)
 
 
+def on_grid(at: float, step: float) -> bool:
+    return abs(at / step - round(at / step)) < 1e-6
+
+
 @pytest.mark.parametrize("lease, retry", [(30.0, 1.0), (7.0, 1.0), (2.0, 1.0), (3.0, 0.05)])
 def test_lazy_waits_on_the_grid_keep_their_bounds_for_any_lease(spread_clock, lease, retry):
     """Below the cap a lazy wait is 2-4 retry intervals, at most ``lazy_max`` (a third of the
@@ -360,14 +364,14 @@ def test_lazy_waits_on_the_grid_keep_their_bounds_for_any_lease(spread_clock, le
         spread._lazy_due.pop(name, None)
         wait = spread.gate(name)
         assert min(2 * retry, longest - step) - 1e-9 <= wait <= longest + 1e-9, (wait, spread_clock[0])
-        assert abs((spread_clock[0] + wait) / step - round((spread_clock[0] + wait) / step)) < 1e-6
+        assert on_grid(spread_clock[0] + wait, step), (spread_clock[0] + wait, step)
     for u in units:  # at the cap (4 own + 1 of theirs led, cap 5)
         u.leading = spread.owns(u.name) or u.name == theirs[0]
     for name in theirs[1:]:
         spread._lazy_due.pop(name, None)
         wait = spread.gate(name)
         assert wait >= 3 * spread.lazy_max - 1e-9, wait
-        assert abs((spread_clock[0] + wait) / step - round((spread_clock[0] + wait) / step)) < 1e-6
+        assert on_grid(spread_clock[0] + wait, step), (spread_clock[0] + wait, step)
 
 
 def test_a_try_granted_but_never_sent_stops_counting_when_the_session_is_lost():
